@@ -1,0 +1,30 @@
+# The README's two commands: `make demo` (the main job) and `make test` (the test suite).
+# Both create .venv on first use (torch from the local CPU wheel: `pip install torch==2.13.0`) and reuse it.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+ARGS ?=
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/memtrim: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(BIN)/memtrim
+
+demo: $(BIN)/memtrim
+	$(BIN)/memtrim demo $(ARGS)
+
+test: $(BIN)/memtrim
+	$(BIN)/python -m pytest -q $(ARGS)
+
+lint: $(BIN)/memtrim
+	$(BIN)/ruff check src tests benchmarks
+
+bench: $(BIN)/memtrim
+	$(BIN)/python benchmarks/tracker_overhead.py
+
+clean:
+	rm -rf $(VENV) report build src/*.egg-info .pytest_cache

@@ -1,0 +1,53 @@
+"""memtrim: train neural networks in less memory, with every saving measured and every change proven.
+
+The whole public API is re-exported here.
+"""
+
+from . import data, models
+from .errors import (
+    DataError,
+    DeviceMismatchError,
+    InvalidInputError,
+    MemtrimError,
+    MissingDependencyError,
+    VerifyError,
+)
+from .measure import (
+    CATEGORIES,
+    PHASES,
+    MemoryReport,
+    OpMemory,
+    TimelineEvent,
+    Tracker,
+    format_bytes,
+    measure_step,
+    op_memory,
+    track,
+)
+from .verify import Divergence, VerifyReport, verify
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CATEGORIES",
+    "PHASES",
+    "DataError",
+    "Divergence",
+    "DeviceMismatchError",
+    "InvalidInputError",
+    "MemoryReport",
+    "MemtrimError",
+    "MissingDependencyError",
+    "OpMemory",
+    "TimelineEvent",
+    "Tracker",
+    "VerifyError",
+    "VerifyReport",
+    "format_bytes",
+    "measure_step",
+    "data",
+    "models",
+    "op_memory",
+    "track",
+    "verify",
+]

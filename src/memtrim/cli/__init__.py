@@ -1,0 +1,30 @@
+"""The ``memtrim`` command line: one file per subcommand, each calling only the public API."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import MemtrimError
+from . import demo
+
+__all__ = ["main"]
+
+_SUBCOMMANDS = {"demo": demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="memtrim", description="Train neural networks in less memory, measured.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for module in _SUBCOMMANDS.values():
+        module.add_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return int(_SUBCOMMANDS[args.command].run(args) or 0)
+    except MemtrimError as e:
+        print(f"memtrim {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

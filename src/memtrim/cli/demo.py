@@ -1,0 +1,248 @@
+"""``memtrim demo``: the seed story (ReLU vs in-place ReLU) told with measured numbers, written to report/."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import memtrim
+from memtrim.data import Dataset, load_fashion_mnist, synthetic_fashion_mnist
+from memtrim.models import SeedMLP
+
+_RUNS = (("nn.ReLU()", False), ("nn.ReLU(inplace=True)", True))
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("demo", help="run the built-in workload and write a report",
+                       description="Measure the seed experiment (784-256-128-64-10 MLP, Fashion-MNIST, Adam) "
+                       "with ReLU and in-place ReLU and write report.md, results.json and timeline plots.")
+    p.add_argument("--out", default="report", help="output directory (default: report)")
+    p.add_argument("--data", default=None, help="Fashion-MNIST directory (IDX .gz or Kaggle CSV) or .csv file; "
+                   "default: the built-in synthetic dataset")
+    p.add_argument("--epochs", type=int, default=3, help="training epochs per run (default: 3)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a few seconds: small data, one epoch, small tensors")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.epochs < 1 or args.batch_size < 1:
+        raise memtrim.InvalidInputError("memtrim demo: --epochs and --batch-size must be >= 1.")
+    try:
+        device = torch.device(args.device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise memtrim.InvalidInputError(
+            f"memtrim demo: cannot use device {args.device!r} ({e}). Try --device cpu."
+        ) from e
+    os.makedirs(args.out, exist_ok=True)
+    train, test = _data(args)
+    epochs = 1 if args.quick else args.epochs
+    side = 2000 if args.quick else 10000
+    print(f"memtrim demo: {train.source}, {len(train)} training images, {epochs} epoch(s), device {device}")
+
+    results: dict[str, Any] = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "torch": torch.__version__, "memtrim": memtrim.__version__, "device": str(device)},
+        "settings": {"epochs": epochs, "batch_size": args.batch_size, "seed": args.seed, "data": train.source,
+                     "quick": args.quick},
+    }
+    results["relu_op"] = _relu_op(side, device)
+    runs = {}
+    for label, inplace in _RUNS:
+        runs[label] = _train(label, inplace, train, test, epochs, args, device)
+    results["runs"] = runs
+    results["equivalence"] = _equivalence(runs, train, args, device)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(args.out, "report.md"), "w") as f:
+        f.write(_markdown(results))
+    print(f"memtrim demo: wrote {args.out}/report.md, results.json and timeline plots")
+    return 0
+
+
+def _data(args: argparse.Namespace) -> tuple[Dataset, Dataset | None]:
+    if args.data is None:
+        n_train, n_test = (2048, 512) if args.quick else (60_000, 10_000)
+        return synthetic_fashion_mnist(n_train, seed=0), synthetic_fashion_mnist(n_test, seed=1)
+    train = load_fashion_mnist(args.data, "train")
+    test = None
+    if os.path.isdir(args.data):
+        try:
+            test = load_fashion_mnist(args.data, "test")
+        except memtrim.DataError:
+            test = None
+    if args.quick:
+        train = train.subset(2048)
+        test = test.subset(512) if test is not None else None
+    return train, test
+
+
+def _relu_op(side: int, device: torch.device) -> dict[str, Any]:
+    x = torch.randn(side, side, device=device)
+    out = {"shape": [side, side], "input_bytes": x.numel() * x.element_size()}
+    for name, fn in (("torch.relu", torch.relu), ("torch.relu_", torch.relu_)):
+        m = memtrim.op_memory(fn, x)
+        out[name] = {"allocated_bytes": m.allocated_bytes, "peak_bytes": m.peak_bytes,
+                     "allocator_allocated_bytes": m.allocator_allocated_bytes,
+                     "allocator_peak_bytes": m.allocator_peak_bytes}
+        del m
+    return out
+
+
+def _train(label: str, inplace: bool, train: Dataset, test: Dataset | None, epochs: int,
+           args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    torch.manual_seed(args.seed)
+    model = SeedMLP(inplace=inplace).to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    losses, accuracies, seconds = [], [], []
+    tracker = memtrim.track(model, optimizer)  # the first two steps (the first creates Adam's state)
+    with contextlib.ExitStack() as tracking:
+        tracking.enter_context(tracker)
+        for epoch in range(epochs):
+            total, count = 0.0, 0
+            start = time.perf_counter()
+            # batches are made before the tracker sees them, so the dataset is not counted as training memory
+            batches = list(train.batches(args.batch_size, seed=args.seed + epoch, device=device))
+            for step, (x, y) in enumerate(tqdm(batches, desc=f"{label} epoch {epoch + 1}", leave=False)):
+                loss = F.nll_loss(model(x), y)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                total += loss.item() * len(y)
+                count += len(y)
+                del loss
+                if epoch == 0 and step == 1:
+                    tracking.close()
+            seconds.append(time.perf_counter() - start)
+            losses.append(total / count)
+            accuracies.append(_accuracy(model, test, device) if test is not None else None)
+            print(f"  {label:<24} epoch {epoch + 1}: loss {losses[-1]:.4f}"
+                  + (f", test accuracy {accuracies[-1]:.3f}" if accuracies[-1] is not None else ""))
+    report = tracker.report()
+    slug = "relu_inplace" if inplace else "relu"
+    report.plot(os.path.join(args.out, f"timeline_{slug}.png"), title=f"seed MLP, {label}: two Adam steps")
+    held = _activations_at_backward_start(report)
+    return {
+        "inplace": inplace,
+        "loss_per_epoch": losses,
+        "test_accuracy_per_epoch": accuracies,
+        "seconds_per_epoch": seconds,
+        "memory": report.to_dict(timeline=False),
+        "activations_at_backward_start": held,
+        "forward_new_bytes": _forward_new_bytes(report),
+        "timeline_png": f"timeline_{slug}.png",
+        "final_parameters": {n: p.detach().cpu() for n, p in model.named_parameters()},
+    }
+
+
+def _activations_at_backward_start(report: memtrim.MemoryReport) -> int:
+    for i, event in enumerate(report.timeline):
+        if event.phase == "backward":
+            return report.timeline[i - 1].by_category["activations"]
+    return 0
+
+
+def _forward_new_bytes(report: memtrim.MemoryReport) -> int:
+    """Peak of storages born in the first forward (activations + temporaries), the forward's transient."""
+    best = 0
+    for event in report.timeline:
+        if event.phase == "backward":
+            break
+        best = max(best, event.by_category["activations"] + event.by_category["temporaries"])
+    return best
+
+
+@torch.no_grad()
+def _accuracy(model: torch.nn.Module, data: Dataset, device: torch.device) -> float:
+    model.eval()
+    correct = sum(int((model(x).argmax(1) == y).sum()) for x, y in data.batches(1024, shuffle=False, device=device))
+    model.train()
+    return correct / len(data)
+
+
+def _equivalence(runs: dict[str, Any], train: Dataset, args: argparse.Namespace, device: torch.device) -> dict:
+    a, b = (runs[label] for label, _ in _RUNS)
+    params_equal = all(torch.equal(a["final_parameters"][n], b["final_parameters"][n]) for n in a["final_parameters"])
+    for run in runs.values():
+        del run["final_parameters"]
+    batches = list(train.subset(20 * args.batch_size).batches(args.batch_size, seed=args.seed, device=device))
+
+    def to_inplace(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
+        for module in model.modules():
+            if isinstance(module, torch.nn.ReLU):
+                module.inplace = True
+        return model, optimizer
+
+    report = memtrim.verify(lambda: SeedMLP().to(device), lambda m: torch.optim.Adam(m.parameters(), lr=1e-3),
+                            batches, F.nll_loss, to_inplace, seed=args.seed)
+    return {"losses_equal": a["loss_per_epoch"] == b["loss_per_epoch"],
+            "final_parameters_bitwise_equal": params_equal,
+            "verify": str(report), "verify_ok": report.ok, "verify_bitwise": report.bitwise,
+            "verify_steps": report.steps}
+
+
+def _markdown(results: dict[str, Any]) -> str:
+    fb = memtrim.format_bytes
+    m, s, relu = results["machine"], results["settings"], results["relu_op"]
+    lines = [
+        "# memtrim demo report", "",
+        f"Machine: {m['platform']} ({m['processor']}), torch {m['torch']}, memtrim {m['memtrim']}, "
+        f"device {m['device']}. Data: {s['data']}; {s['epochs']} epoch(s), batch {s['batch_size']}, seed {s['seed']}.",
+        "Every byte below was measured by memtrim's tracker (`memtrim.track`, `memtrim.op_memory`).", "",
+        f"## 1. ReLU vs in-place ReLU on one {relu['shape'][0]}x{relu['shape'][1]} float32 tensor "
+        f"({fb(relu['input_bytes'])})", "",
+        "| op | allocated | peak during the call |", "|---|---:|---:|",
+    ]
+    for name in ("torch.relu", "torch.relu_"):
+        r = relu[name]
+        lines.append(f"| `{name}` | {r['allocated_bytes']:,} B | {r['peak_bytes']:,} B |")
+    lines += ["", "The out-of-place op allocates a second tensor of the same size; the in-place op allocates "
+              "nothing. That is all in-place saves *on a lone op*. Inside a model, see below.", "",
+              "## 2. The seed MLP (784-256-128-64-10, Adam) with `nn.ReLU()` and `nn.ReLU(inplace=True)`", "",
+              "Memory of the first two training steps (the first creates Adam's state), by category at the peak:", "",
+              "| run | peak | phase of peak | module | op | parameters | gradients | optimizer state | activations "
+              "| temporaries | inputs | activations kept at backward start | forward's transient peak |",
+              "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, run in results["runs"].items():
+        mem = run["memory"]
+        c = mem["peak_by_category"]
+        lines.append(
+            f"| `{label}` | {mem['peak_bytes']:,} B | {mem['peak_phase']} | {mem['peak_module'] or '-'} "
+            f"| {mem['peak_op'] or '-'} | {c['parameters']:,} | {c['gradients']:,} | {c['optimizer_state']:,} "
+            f"| {c['activations']:,} | {c['temporaries']:,} | {c['inputs']:,} "
+            f"| {run['activations_at_backward_start']:,} B | {run['forward_new_bytes']:,} B |"
+        )
+    a, b = (results["runs"][label] for label, _ in _RUNS)
+    diff_act = a["activations_at_backward_start"] - b["activations_at_backward_start"]
+    diff_fwd = a["forward_new_bytes"] - b["forward_new_bytes"]
+    diff_peak = a["memory"]["peak_bytes"] - b["memory"]["peak_bytes"]
+    lines += ["", f"In-place ReLU changes the activations autograd keeps by **{diff_act:,} bytes**, the forward's "
+              f"transient peak by {diff_fwd:,} bytes and the step's peak by {diff_peak:,} bytes. ReLU keeps its "
+              "output for backward, and the next Linear keeps that same tensor, so doing the ReLU in place "
+              "removes only a short-lived buffer during the forward.", "",
+              "Timelines: " + ", ".join(f"![{label}]({run['timeline_png']})" for label, run in results["runs"].items()),
+              "", "Training (same seed, same batches):", "",
+              "| run | loss per epoch | test accuracy per epoch | seconds per epoch |", "|---|---|---|---|"]
+    for label, run in results["runs"].items():
+        acc = ", ".join("-" if v is None else f"{v:.3f}" for v in run["test_accuracy_per_epoch"])
+        lines.append(f"| `{label}` | {', '.join(f'{v:.4f}' for v in run['loss_per_epoch'])} | {acc} | "
+                     f"{', '.join(f'{v:.2f}' for v in run['seconds_per_epoch'])} |")
+    eq = results["equivalence"]
+    lines += ["", "## 3. Do the two runs stay equal?", "",
+              f"- Loss per epoch identical: **{eq['losses_equal']}**; final parameters bitwise equal: "
+              f"**{eq['final_parameters_bitwise_equal']}**.",
+              f"- `memtrim.verify` (loss, every gradient and parameter after each of {eq['verify_steps']} steps): "
+              f"**{eq['verify']}**.", ""]
+    return "\n".join(lines)

@@ -1,0 +1,216 @@
+"""What a tracker measured: :class:`MemoryReport` (data), and its JSON, PNG and text forms (formatting)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import MissingDependencyError
+
+__all__ = ["CATEGORIES", "PHASES", "MemoryReport", "TimelineEvent", "format_bytes"]
+
+CATEGORIES = (
+    "parameters",
+    "buffers",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "temporaries",
+    "inputs",
+    "other",
+)
+PHASES = ("forward", "backward", "optimizer", "other")
+
+_COLORS = {
+    "parameters": "#4c72b0",
+    "buffers": "#64b5cd",
+    "gradients": "#dd8452",
+    "optimizer_state": "#8172b3",
+    "activations": "#c44e52",
+    "temporaries": "#ccb974",
+    "inputs": "#55a868",
+    "other": "#8c8c8c",
+}
+_PHASE_COLORS = {"forward": "#e8f1fa", "backward": "#fbeee6", "optimizer": "#efeaf7", "other": "#ffffff"}
+
+
+def format_bytes(n: int | float) -> str:
+    """``1536`` -> ``'1.50 KiB'`` (binary units)."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass(frozen=True)
+class TimelineEvent:
+    """One change in live memory: a storage born, freed, resized, or taken/released by autograd."""
+
+    index: int
+    kind: str  # "start", "alloc", "free", "resize", "hold"
+    op: str | None
+    phase: str
+    module: str | None
+    delta_bytes: int
+    category: str | None  # the category of the storage this event changed, after the change
+    totals: tuple[int, ...]  # running live bytes, in CATEGORIES order
+
+    @property
+    def by_category(self) -> dict[str, int]:
+        return dict(zip(CATEGORIES, self.totals))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.totals)
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Where memory went while a tracker was active, for one device.
+
+    ``peak_by_category`` is the breakdown at the peak instant; ``timeline`` holds every change with running
+    totals. On CUDA, ``allocator_peak_*`` carry the caching allocator's own peaks over the same span.
+    """
+
+    peak_bytes: int
+    peak_by_category: dict[str, int]
+    peak_phase: str
+    peak_module: str | None
+    peak_op: str | None
+    final_by_category: dict[str, int]
+    timeline: list[TimelineEvent] = field(repr=False)
+    device: str
+    allocator_peak_allocated_bytes: int | None = None
+    allocator_peak_reserved_bytes: int | None = None
+
+    @property
+    def final_bytes(self) -> int:
+        return sum(self.final_by_category.values())
+
+    def to_dict(self, timeline: bool = True) -> dict[str, Any]:
+        """A JSON-ready dict (the timeline as lists of running totals by category)."""
+        data: dict[str, Any] = {
+            "device": self.device,
+            "peak_bytes": self.peak_bytes,
+            "peak_by_category": self.peak_by_category,
+            "peak_phase": self.peak_phase,
+            "peak_module": self.peak_module,
+            "peak_op": self.peak_op,
+            "final_by_category": self.final_by_category,
+            "allocator_peak_allocated_bytes": self.allocator_peak_allocated_bytes,
+            "allocator_peak_reserved_bytes": self.allocator_peak_reserved_bytes,
+            "categories": list(CATEGORIES),
+        }
+        if timeline:
+            data["timeline"] = [
+                {
+                    "index": e.index,
+                    "kind": e.kind,
+                    "op": e.op,
+                    "phase": e.phase,
+                    "module": e.module,
+                    "delta_bytes": e.delta_bytes,
+                    "category": e.category,
+                    "totals": list(e.totals),
+                }
+                for e in self.timeline
+            ]
+        return data
+
+    def to_json(self, path: str) -> None:
+        """Write :meth:`to_dict` to ``path``."""
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    def plot(self, path: str, title: str | None = None) -> None:
+        """Write a PNG: live bytes by category over the timeline (stacked), peak marked, phases shaded.
+
+        Raises:
+            MissingDependencyError: matplotlib is not installed.
+        """
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            raise MissingDependencyError(
+                "MemoryReport.plot needs matplotlib, which is not installed. Install it with "
+                "`pip install matplotlib` (or `pip install memtrim[plot]`), or use to_json() instead."
+            ) from e
+        x = list(range(len(self.timeline)))
+        mib = 1024 * 1024
+        series = [[e.totals[i] / mib for e in self.timeline] for i in range(len(CATEGORIES))]
+        fig, ax = plt.subplots(figsize=(10, 4.5))
+        start = 0
+        for i in range(1, len(self.timeline) + 1):
+            if i == len(self.timeline) or self.timeline[i].phase != self.timeline[start].phase:
+                phase = self.timeline[start].phase
+                if phase != "other":
+                    ax.axvspan(start - 0.5, i - 0.5, color=_PHASE_COLORS[phase], zorder=0, lw=0)
+                start = i
+        shown = [i for i, s in enumerate(series) if any(s)]
+        ax.stackplot(
+            x,
+            *[series[i] for i in shown],
+            labels=[CATEGORIES[i] for i in shown],
+            colors=[_COLORS[CATEGORIES[i]] for i in shown],
+            step="post",
+            zorder=2,
+        )
+        peak_index = next((i for i, e in enumerate(self.timeline) if e.total_bytes == self.peak_bytes), 0)
+        ax.axvline(peak_index, color="black", ls="--", lw=1, zorder=3)
+        ax.annotate(
+            f"peak {format_bytes(self.peak_bytes)}\n{self.peak_phase}"
+            + (f", {self.peak_module}" if self.peak_module else "")
+            + (f"\n{self.peak_op}" if self.peak_op else ""),
+            xy=(peak_index, self.peak_bytes / mib),
+            xytext=(5, -5),
+            textcoords="offset points",
+            va="top",
+            fontsize=8,
+            zorder=4,
+        )
+        from matplotlib.patches import Patch
+
+        handles, labels = ax.get_legend_handles_labels()
+        for phase in ("forward", "backward", "optimizer"):
+            if any(e.phase == phase for e in self.timeline):
+                handles.append(Patch(color=_PHASE_COLORS[phase], label=f"{phase} (phase)"))
+                labels.append(f"{phase} (phase)")
+        ax.legend(handles, labels, loc="upper left", fontsize=7, ncol=2)
+        ax.set_xlabel("event (storage born, freed, resized, or taken/released by autograd)")
+        ax.set_ylabel(f"live bytes on {self.device} (MiB)")
+        ax.set_title(title or "memtrim timeline")
+        ax.set_xlim(0, max(len(x) - 1, 1))
+        ax.set_ylim(0, self.peak_bytes / mib * 1.25 or 1)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+
+    def __str__(self) -> str:
+        where = [self.peak_phase]
+        if self.peak_module:
+            where.append(f"module {self.peak_module}")
+        if self.peak_op:
+            where.append(f"op {self.peak_op}")
+        lines = [
+            f"memtrim memory report ({self.device})",
+            f"peak {format_bytes(self.peak_bytes)} ({self.peak_bytes:,} B) in " + ", ".join(where),
+            f"{'category':<16}{'at peak':>16}{'final':>16}",
+        ]
+        for name in CATEGORIES:
+            lines.append(
+                f"{name:<16}{format_bytes(self.peak_by_category[name]):>16}"
+                f"{format_bytes(self.final_by_category[name]):>16}"
+            )
+        lines.append(f"{'total':<16}{format_bytes(self.peak_bytes):>16}{format_bytes(self.final_bytes):>16}")
+        if self.allocator_peak_allocated_bytes is not None:
+            lines.append(
+                f"CUDA allocator peaks: allocated {format_bytes(self.allocator_peak_allocated_bytes)}, "
+                f"reserved {format_bytes(self.allocator_peak_reserved_bytes or 0)}"
+            )
+        return "\n".join(lines)

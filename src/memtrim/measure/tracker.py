@@ -1,0 +1,652 @@
+"""The exact memory tracker: every tensor storage, by category, phase, module and op, on any device.
+
+NOTE [ memtrim's accounting ]
+* Unit: a storage (``Tensor.untyped_storage()``), counted once however many views share it, at its
+  ``nbytes()``. Resizes are events of their own. This is the memory tensors occupy; allocator rounding,
+  caching and kernel-internal workspaces are not storages (on CUDA the report adds the allocator's own peaks).
+* Time: an event list. A storage is born when it first appears as an op's output, dies when its last
+  reference goes (a weak reference tells us), and storages that existed before the tracker started are
+  counted from event 0 (found at entry for the model, its gradients and the optimizer state, or when an op
+  first reads them).
+* Categories: ``parameters``, ``buffers``, ``gradients``, ``optimizer_state`` and ``inputs`` are what a
+  storage *is*; they are assigned from birth (a gradient is born in backward as an op output and becomes
+  ``.grad`` moments later; Adam's ``exp_avg`` is born inside ``step``). Any other storage is ``activations``
+  while autograd keeps it for backward (see NOTE [ how the tracker sees what autograd keeps ] in _hooks.py),
+  else ``temporaries`` if it was born inside the tracker and ``other`` if it existed before.
+* Phases: ``backward`` while the autograd engine runs, ``optimizer`` inside ``Optimizer.step``, ``forward``
+  inside a module's forward or while an op records a graph, ``other`` otherwise.
+* Modules: the innermost module whose forward is running; in backward, the module whose forward created the
+  autograd node that is running (nodes are matched to modules by their sequence numbers).
+
+The tracker holds weak references to tensors and storages only. Totals by category are computed when a
+report is asked for, by replaying the event list, so a storage's category can be settled after its birth.
+"""
+
+from __future__ import annotations
+
+import bisect
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..errors import InvalidInputError
+from . import _hooks
+from .report import CATEGORIES, MemoryReport, TimelineEvent
+
+__all__ = ["Tracker", "track"]
+
+_IDENTITY = frozenset({"parameters", "buffers", "gradients", "optimizer_state", "inputs"})
+_CATEGORY_INDEX = {name: i for i, name in enumerate(CATEGORIES)}
+
+# torch.tensor(...) builds its tensor below the dispatcher and then passes it through one of these
+_FRESH_OPS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
+
+# event kinds
+_START, _ALLOC, _FREE, _RESIZE, _HOLD = "start", "alloc", "free", "resize", "hold"
+
+
+class _Record:
+    """One storage's life (no reference to the storage itself)."""
+
+    __slots__ = ("device", "nbytes", "birth_category", "category", "holds", "alive", "wref", "born")
+
+    def __init__(self, device: str, nbytes: int, category: str, born: int) -> None:
+        self.device = device
+        self.nbytes = nbytes
+        self.birth_category = category
+        self.category = category
+        self.holds = 0
+        self.alive = True
+        self.wref: weakref.ref | None = None
+        self.born = born
+
+    def effective(self, category: str, holds: int) -> str:
+        if category in _IDENTITY:
+            return category
+        return "activations" if holds > 0 else category
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors in (nested lists, tuples and dicts of) ``obj``, wrapper subclasses flattened."""
+    if isinstance(obj, torch.Tensor):
+        flatten = getattr(type(obj), "__tensor_flatten__", None)
+        if flatten is not None:
+            names, _ = obj.__tensor_flatten__()
+            for name in names:
+                yield from _tensors(getattr(obj, name))
+        else:
+            yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    if tensor.layout is not torch.strided:
+        return None  # sparse / nested tensors: not accounted (see README)
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, tracker: Tracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        tracker = self.tracker
+        inputs = list(_tensors((args, kwargs)))
+        tracker._op_start(func, inputs)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            tracker._op = None
+        tracker._op_end(func, inputs, out)
+        return out
+
+
+class Tracker:
+    """Accounts the live bytes of every tensor storage touched while it is active. Use :func:`track`."""
+
+    def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None):
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise InvalidInputError(
+                f"memtrim.track: model must be a torch.nn.Module or None, got {type(model).__name__}. "
+                "Pass the module you train (or nothing)."
+            )
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidInputError(
+                f"memtrim.track: optimizer must be a torch.optim.Optimizer or None, got "
+                f"{type(optimizer).__name__}. Pass the optimizer itself (not a function that builds one)."
+            )
+        self._model_ref = weakref.ref(model) if model is not None else None
+        self._optimizer_refs: list[weakref.ref] = [weakref.ref(optimizer)] if optimizer is not None else []
+        self._records: dict[int, _Record] = {}  # id(live storage) -> record
+        self._events: list[tuple] = []  # (kind, record, value, op, phase, module)
+        self._start_records: list[_Record] = []
+        self._params: dict[int, weakref.ref] = {}
+        self._names: dict[int, str] = {}  # id(module) or id(parameter) -> qualified name
+        self._param_module: dict[int, str] = {}
+        self._hook_handles: list[Any] = []
+        self._ctx: dict[int, dict[str, list[_Record]]] = {}
+        self._module_stack: list[str] = []
+        self._intervals: list[tuple[int, int, str]] = []  # (first seq nr, last seq nr, module)
+        self._interval_starts: list[int] = []
+        self._open_intervals: list[tuple[int, str]] = []
+        self._seq_cache: dict[int, str | None] = {}
+        self._optimizer_depth = 0
+        self._op: str | None = None
+        self._phase = "other"
+        self._module: str | None = None
+        self._active = False
+        self._finished = False
+        self._mode: _Mode | None = None
+        self._probe: torch.Tensor | None = None
+        self._cuda_device: torch.device | None = None
+        self._cuda_peaks: tuple[int, int] | None = None
+        self._cuda_snapshot: Any = None
+
+    # ------------------------------------------------------------------ context manager
+    def __enter__(self) -> Tracker:
+        if self._active or self._finished:
+            raise InvalidInputError(
+                "memtrim.track: this tracker was already used; create a new one with memtrim.track(...)."
+            )
+        with torch._C._DisableTorchDispatch():
+            self._probe = torch.zeros((), device="cpu", requires_grad=True)
+        self._events.append((_START, None, 0, None, "other", None))
+        self._scan_model_and_optimizers(initial=True)
+        self._start_cuda()
+        self._active = True
+        _hooks.activate(self)
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._mode is not None
+        self._mode.__exit__(*exc)
+        self._reconcile()
+        _hooks.deactivate(self)
+        self._stop_cuda()
+        self._active = False
+        self._finished = True
+        for record in self._records.values():
+            record.wref = None  # no callbacks after the tracker has finished
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+
+    # ------------------------------------------------------------------ public queries
+    def live_by_category(self, device: str | torch.device | None = None) -> dict[str, int]:
+        """Bytes alive right now (or when the tracker stopped), by category."""
+        self._reconcile()
+        device = self._choose_device(device)
+        totals = dict.fromkeys(CATEGORIES, 0)
+        for record in self._records.values():
+            if record.alive and record.device == device:
+                totals[record.effective(record.category, record.holds)] += record.nbytes
+        return totals
+
+    def live_bytes(self, device: str | torch.device | None = None) -> int:
+        """Total bytes alive right now (or when the tracker stopped)."""
+        return sum(self.live_by_category(device).values())
+
+    def report(self, device: str | torch.device | None = None) -> MemoryReport:
+        """The :class:`MemoryReport` of everything seen so far, for one device (default: the model's)."""
+        self._reconcile()
+        device = self._choose_device(device)
+        return _replay(self._events, self._start_records, device, self._cuda_peaks)
+
+    def export_memory_snapshot(self, path: str) -> None:
+        """Write the CUDA allocator's snapshot (the pickle PyTorch's memory_viz page reads) to ``path``."""
+        import pickle
+
+        snapshot = self._cuda_snapshot
+        if snapshot is None and self._active and self._cuda_device is not None:
+            snapshot = torch.cuda.memory._snapshot()
+        if snapshot is None:
+            raise InvalidInputError(
+                "Tracker.export_memory_snapshot: no CUDA allocator history was recorded; it exists only when "
+                "CUDA is initialised when the tracker starts (a model or tensor already on a GPU). Use "
+                "report().to_json() on other devices."
+            )
+        with open(path, "wb") as f:
+            pickle.dump(snapshot, f)
+
+    # ------------------------------------------------------------------ devices and CUDA
+    def _choose_device(self, device: str | torch.device | None) -> str:
+        if device is not None:
+            return str(torch.device(device))
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is not None:
+            for tensor in list(model.parameters()) + list(model.buffers()):
+                return _device_name(tensor)
+        sizes: dict[str, int] = {}
+        for record in self._start_records:
+            sizes[record.device] = sizes.get(record.device, 0) + record.nbytes
+        for kind, record, value, *_ in self._events:
+            if kind == _ALLOC:
+                sizes[record.device] = sizes.get(record.device, 0) + value
+        return max(sizes, key=sizes.__getitem__) if sizes else "cpu"
+
+    def _start_cuda(self) -> None:
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return  # never initialise CUDA ourselves
+        model = self._model_ref() if self._model_ref is not None else None
+        device = None
+        if model is not None:
+            device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+        self._cuda_device = device or torch.device("cuda", torch.cuda.current_device())
+        _fold_cuda_peaks(self._cuda_device)
+        torch.cuda.reset_peak_memory_stats(self._cuda_device)
+        self._cuda_peaks = (0, 0)
+        try:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
+        except Exception:  # pragma: no cover - history is a bonus, never a failure
+            pass
+
+    def _stop_cuda(self) -> None:
+        if self._cuda_device is None:
+            return
+        torch.cuda.synchronize(self._cuda_device)
+        self._fold_cuda_peak()
+        try:
+            self._cuda_snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+        except Exception:  # pragma: no cover
+            self._cuda_snapshot = None
+
+    def _fold_cuda_peak(self) -> None:
+        if self._cuda_device is None or self._cuda_peaks is None:
+            return
+        allocated = torch.cuda.max_memory_allocated(self._cuda_device)
+        reserved = torch.cuda.max_memory_reserved(self._cuda_device)
+        self._cuda_peaks = (max(self._cuda_peaks[0], allocated), max(self._cuda_peaks[1], reserved))
+
+    # ------------------------------------------------------------------ discovery and labels
+    def _scan_model_and_optimizers(self, initial: bool = False) -> None:
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is not None and initial:
+            for name, module in model.named_modules():
+                self._names[id(module)] = name or type(module).__name__
+            for name, param in model.named_parameters(remove_duplicate=False):
+                self._watch_param(param, name.rpartition(".")[0] or type(model).__name__)
+            for buffer in model.buffers():
+                self._include(buffer, "buffers")
+        for ref in self._optimizer_refs:
+            optimizer = ref()
+            if optimizer is not None:
+                self._scan_optimizer(optimizer)
+        for ref in list(self._params.values()):
+            param = ref()
+            if param is not None:
+                self._include(param, "parameters")
+                if param.grad is not None:
+                    self._include(param.grad, "gradients")
+
+    def _watch_param(self, param: torch.Tensor, module_name: str | None = None) -> None:
+        if id(param) in self._params:
+            return
+        self._params[id(param)] = weakref.ref(param)
+        if module_name is not None:
+            self._param_module[id(param)] = module_name
+        self._include(param, "parameters")
+        if param.requires_grad and hasattr(param, "register_post_accumulate_grad_hook"):
+            self._hook_handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if self._active and param.grad is not None:
+            self._include(param.grad, "gradients")
+
+    def _scan_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                self._watch_param(param)
+        for state in optimizer.state.values():
+            for tensor in _tensors(state):
+                self._include(tensor, "optimizer_state")
+
+    def _include(self, tensor: torch.Tensor, category: str) -> None:
+        """Account ``tensor``'s storage under ``category`` from its birth (or from the start)."""
+        for t in _tensors(tensor):
+            storage = _storage(t)
+            if storage is None:
+                continue
+            record = self._records.get(id(storage))
+            if record is None:
+                self._new_record(storage, t, category, existed=True)
+            elif record.category != category and _priority(category) <= _priority(record.category):
+                record.birth_category = category
+                record.category = category
+
+    def _reconcile(self) -> None:
+        if self._finished:
+            return
+        self._scan_model_and_optimizers()
+
+    # ------------------------------------------------------------------ storages
+    def _new_record(self, storage: torch.UntypedStorage, tensor: torch.Tensor, category: str, existed: bool) -> None:
+        record = _Record(_device_name(tensor), storage.nbytes(), category, 0 if existed else len(self._events))
+        key = id(storage)
+        record.wref = weakref.ref(storage, lambda _, key=key, record=record: self._storage_died(key, record))
+        self._records[key] = record
+        if existed:
+            self._start_records.append(record)
+        else:
+            self._event(_ALLOC, record, record.nbytes)
+
+    def _storage_died(self, key: int, record: _Record) -> None:
+        if not self._active or not record.alive:
+            return
+        record.alive = False
+        if self._records.get(key) is record:
+            del self._records[key]
+        self._event(_FREE, record, record.nbytes)
+
+    def _storage_resized(self, storage: torch.UntypedStorage) -> None:
+        record = self._records.get(id(storage))
+        if record is not None and record.nbytes != storage.nbytes():
+            record.nbytes = storage.nbytes()
+            self._event(_RESIZE, record, record.nbytes)
+
+    def _event(self, kind: str, record: _Record, value: Any) -> None:
+        phase, module = self._phase, self._module
+        if self._op is None:
+            phase, module = self._context()
+        self._events.append((kind, record, value, self._op, phase, module))
+
+    # ------------------------------------------------------------------ ops
+    def _op_start(self, func: Any, inputs: list[torch.Tensor]) -> None:
+        self._op = _op_name(func)
+        if func in _FRESH_OPS:
+            inputs = []  # torch.tensor(...) hands its brand-new tensor to lift_fresh: born now, not before
+        for tensor in inputs:
+            storage = _storage(tensor)
+            if storage is None:
+                continue
+            record = self._records.get(id(storage))
+            if record is None:
+                self._new_record(storage, tensor, self._existing_category(tensor), existed=True)
+            elif record.nbytes != storage.nbytes():
+                self._storage_resized(storage)
+        phase, module = self._context(inputs)
+        if phase != self._phase and phase != "forward":
+            self._reconcile()
+        self._phase, self._module = phase, module
+
+    def _op_end(self, func: Any, inputs: list[torch.Tensor], out: Any) -> None:
+        self._op = _op_name(func)
+        try:
+            for tensor in _tensors(out):
+                storage = _storage(tensor)
+                if storage is None:
+                    continue
+                record = self._records.get(id(storage))
+                if record is None:
+                    self._new_record(storage, tensor, "temporaries", existed=False)
+                elif record.nbytes != storage.nbytes():
+                    self._storage_resized(storage)
+            for tensor in inputs:  # resize_ and friends change an input's storage
+                storage = _storage(tensor)
+                if storage is not None:
+                    self._storage_resized(storage)
+        finally:
+            self._op = None
+
+    def _existing_category(self, tensor: torch.Tensor) -> str:
+        if self._model_ref is None and not self._optimizer_refs and tensor.is_leaf and tensor.requires_grad:
+            self._watch_param(tensor)  # no model given: trainable leaves are the parameters
+            return "parameters"
+        return "other"
+
+    def _context(self, inputs: list[torch.Tensor] | None = None) -> tuple[str, str | None]:
+        if torch._C._current_graph_task_id() != -1:
+            return "backward", self._backward_module()
+        if self._optimizer_depth > 0:
+            return "optimizer", None
+        if self._module_stack:
+            return "forward", self._module_stack[-1]
+        if inputs and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+            return "forward", None
+        return "other", None
+
+    # ------------------------------------------------------------------ autograd holds
+    def _hold_saved(self, tensor: torch.Tensor) -> None:
+        self._hold(tensor, +1)
+
+    def _release_saved(self, tensor: torch.Tensor) -> None:
+        self._hold(tensor, -1)
+
+    def _hold(self, tensor: torch.Tensor, delta: int) -> list[_Record]:
+        held = []
+        for t in _tensors(tensor):
+            storage = _storage(t)
+            if storage is None:
+                continue
+            record = self._records.get(id(storage))
+            if record is None:
+                if delta < 0:
+                    continue
+                self._new_record(storage, t, self._existing_category(t), existed=True)
+                record = self._records[id(storage)]
+            self._change_holds(record, delta)
+            held.append(record)
+        return held
+
+    def _change_holds(self, record: _Record, delta: int) -> None:
+        if not self._active or not record.alive:
+            return
+        record.holds += delta
+        self._event(_HOLD, record, delta)
+
+    def _ctx_attribute(self, ctx: Any, name: str, old: Any, new: Any) -> None:
+        held = self._ctx.get(id(ctx))
+        if held is None:
+            if new is None or not any(True for _ in _tensors(new)):
+                return
+            held = self._ctx[id(ctx)] = {}
+            key = id(ctx)
+            _hooks.ctx_finalizer(ctx, lambda: self._ctx_died(key))
+        for record in held.pop(name, []):
+            self._change_holds(record, -1)
+        if new is not None:
+            held[name] = self._hold(new, +1)
+
+    def _ctx_died(self, key: int) -> None:
+        for records in self._ctx.pop(key, {}).values():
+            for record in records:
+                self._change_holds(record, -1)
+
+    # ------------------------------------------------------------------ modules and optimizers
+    def _module_enter(self, module: torch.nn.Module, args: tuple) -> None:
+        name = self._names.get(id(module)) or type(module).__name__
+        model = self._model_ref() if self._model_ref is not None else None
+        if module is model:
+            for tensor in _tensors(args):
+                self._include(tensor, "inputs")
+        self._module_stack.append(name)
+        seq = self._sequence_nr()
+        if seq is not None:
+            self._open_intervals.append((seq, name))
+
+    def _module_exit(self, module: torch.nn.Module) -> None:
+        if not self._module_stack:
+            return
+        name = self._module_stack.pop()
+        seq = self._sequence_nr()
+        if self._open_intervals and self._open_intervals[-1][1] == name:
+            start, _ = self._open_intervals.pop()
+            if seq is not None and seq > start + 1:
+                index = bisect.bisect(self._interval_starts, start)
+                self._interval_starts.insert(index, start)
+                self._intervals.insert(index, (start, seq, name))
+
+    def _sequence_nr(self) -> int | None:
+        """The autograd sequence number the next node will get (a throwaway view node tells it)."""
+        if self._probe is None or torch.is_inference_mode_enabled():
+            return None
+        with torch._C._DisableTorchDispatch(), torch.enable_grad():
+            return self._probe.view(()).grad_fn._sequence_nr()  # type: ignore[union-attr]
+
+    def _backward_module(self) -> str | None:
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return None
+        variable = getattr(node, "variable", None)  # AccumulateGrad
+        if variable is not None:
+            return self._param_module.get(id(variable))
+        seq = node._sequence_nr()
+        if seq in self._seq_cache:
+            return self._seq_cache[seq]
+        found = None
+        index = bisect.bisect(self._interval_starts, seq) - 1
+        best_start = -1
+        while index >= 0:
+            start, end, name = self._intervals[index]
+            if start < seq < end and start > best_start:
+                found, best_start = name, start
+            index -= 1
+            if found is not None:
+                break
+        self._seq_cache[seq] = found
+        return found
+
+    def _optimizer_enter(self, optimizer: torch.optim.Optimizer) -> None:
+        if not any(ref() is optimizer for ref in self._optimizer_refs):
+            self._optimizer_refs.append(weakref.ref(optimizer))
+        self._reconcile()
+        self._optimizer_depth += 1
+
+    def _optimizer_exit(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer_depth = max(0, self._optimizer_depth - 1)
+        self._scan_optimizer(optimizer)
+
+
+def track(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> Tracker:
+    """Account every tensor storage that the code inside the ``with`` block touches, exactly, on any device.
+
+    Why: memory tools that read allocator peaks (CUDA only, stale unless reset) or process RSS (blind to
+    tensors) cannot say *where* memory goes. This tracker sees every storage, so later techniques can claim
+    "this saves N bytes" and be checked.
+
+    Args:
+        model: the module being trained. Its parameters, buffers and gradients are counted from the start,
+            its tensor arguments are ``inputs``, and its submodules' qualified names label the timeline.
+        optimizer: the optimizer; its state is counted from the start (any optimizer that steps inside the
+            block is recognised anyway).
+
+    Returns:
+        A :class:`Tracker`; call ``report()`` on it after (or inside) the block.
+
+    Raises:
+        InvalidInputError: ``model`` is not an ``nn.Module`` or ``optimizer`` not an ``Optimizer``.
+
+    Example::
+
+        with memtrim.track(model, optimizer) as tracker:
+            loss_fn(model(x), y).backward()
+            optimizer.step()
+        print(tracker.report())
+
+    See NOTE [ memtrim's accounting ] in memtrim/measure/tracker.py for what is counted and how.
+    """
+    return Tracker(model, optimizer)
+
+
+# ---------------------------------------------------------------------- helpers
+_PRIORITY = {name: i for i, name in enumerate(
+    ("parameters", "buffers", "optimizer_state", "gradients", "inputs", "activations", "temporaries", "other")
+)}
+
+
+def _priority(category: str) -> int:
+    return _PRIORITY[category]
+
+
+def _device_name(tensor: torch.Tensor) -> str:
+    return str(tensor.device)
+
+
+def _op_name(func: Any) -> str:
+    name = getattr(func, "__name__", None) or str(func)
+    packet = getattr(func, "overloadpacket", None)
+    if packet is not None:
+        return f"aten.{packet.__name__}" if func.namespace == "aten" else f"{func.namespace}.{packet.__name__}"
+    return name
+
+
+def _fold_cuda_peaks(device: torch.device) -> None:
+    """Before resetting the allocator's peak, let every active tracker keep the peak it has seen."""
+    for tracker in _hooks.active_trackers():
+        if tracker._cuda_device == device:
+            tracker._fold_cuda_peak()
+
+
+def _replay(
+    events: list[tuple], start_records: Iterable[_Record], device: str, cuda_peaks: tuple[int, int] | None
+) -> MemoryReport:
+    index = _CATEGORY_INDEX
+    totals = [0] * len(CATEGORIES)
+    state: dict[int, list] = {}  # id(record) -> [category, holds, nbytes]
+    for record in start_records:
+        if record.device == device:
+            state[id(record)] = [record.birth_category, 0, record.nbytes]
+            totals[index[record.effective(record.birth_category, 0)]] += record.nbytes
+    timeline: list[TimelineEvent] = []
+    peak = sum(totals)
+    peak_at = 0
+    for i, (kind, record, value, op, phase, module) in enumerate(events):
+        if kind == _START:
+            timeline.append(TimelineEvent(i, kind, op, phase, module, 0, None, tuple(totals)))
+            continue
+        if record.device != device:
+            continue
+        current = state.get(id(record))
+        if current is not None:
+            totals[index[record.effective(current[0], current[1])]] -= current[2]
+        delta = 0
+        if kind == _ALLOC:
+            current = state[id(record)] = [record.birth_category, 0, value]
+            delta = value
+        elif current is None:
+            continue  # an event for a storage born on another device or before a report's window
+        elif kind == _FREE:
+            delta = -current[2]
+            del state[id(record)]
+            current = None
+        elif kind == _RESIZE:
+            delta = value - current[2]
+            current[2] = value
+        elif kind == _HOLD:
+            current[1] += value
+        category = None
+        if current is not None:
+            category = record.effective(current[0], current[1])
+            totals[index[category]] += current[2]
+        total = sum(totals)
+        timeline.append(TimelineEvent(i, kind, op, phase, module, delta, category, tuple(totals)))
+        if total > peak:
+            peak, peak_at = total, len(timeline) - 1
+    peak_event = timeline[peak_at] if timeline else None
+    return MemoryReport(
+        peak_bytes=peak,
+        peak_by_category=peak_event.by_category if peak_event else dict.fromkeys(CATEGORIES, 0),
+        peak_phase=peak_event.phase if peak_event else "other",
+        peak_module=peak_event.module if peak_event else None,
+        peak_op=peak_event.op if peak_event else None,
+        final_by_category=dict(zip(CATEGORIES, totals)),
+        timeline=timeline,
+        device=device,
+        allocator_peak_allocated_bytes=cuda_peaks[0] if cuda_peaks and device.startswith("cuda") else None,
+        allocator_peak_reserved_bytes=cuda_peaks[1] if cuda_peaks and device.startswith("cuda") else None,
+    )

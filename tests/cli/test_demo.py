@@ -1,0 +1,41 @@
+"""`memtrim demo --quick` end to end, and the console entry point."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from memtrim.cli import main
+
+
+def test_demo_quick_writes_report(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    assert main(["demo", "--quick", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    relu = results["relu_op"]
+    side = relu["shape"][0]
+    assert relu["torch.relu"]["allocated_bytes"] == side * side * 4
+    assert relu["torch.relu_"]["allocated_bytes"] == 0
+    runs = results["runs"]
+    plain, inplace = runs["nn.ReLU()"], runs["nn.ReLU(inplace=True)"]
+    # the truthful seed story: in-place ReLU keeps exactly the same activations for backward
+    assert plain["activations_at_backward_start"] == inplace["activations_at_backward_start"] > 0
+    assert plain["forward_new_bytes"] > inplace["forward_new_bytes"]
+    assert plain["loss_per_epoch"] == inplace["loss_per_epoch"]
+    assert results["equivalence"]["verify_bitwise"] is True
+    report = (tmp_path / "report.md").read_text()
+    assert "memtrim demo report" in report and "bitwise" in report
+    for name in ("timeline_relu.png", "timeline_relu_inplace.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_demo_bad_arguments(tmp_path, capsys):
+    assert main(["demo", "--quick", "--out", str(tmp_path), "--data", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["demo", "--quick", "--out", str(tmp_path), "--device", "nodevice"]) == 2
+
+
+def test_console_script_help():
+    out = subprocess.run([sys.executable, "-m", "memtrim", "demo", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "--quick" in out.stdout

@@ -1,0 +1,27 @@
+"""Small shared pieces for the tests."""
+
+import torch
+import torch.nn.functional as F
+
+from memtrim.models import SeedMLP
+
+
+def mlp_step_setup(batch: int = 64, inplace: bool = False):
+    torch.manual_seed(0)
+    model = SeedMLP(inplace=inplace)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, 784)
+    y = torch.randint(0, 10, (batch,))
+    return model, optimizer, x, y
+
+
+def train_step(model, optimizer, x, y, loss_fn=F.nll_loss):
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    del loss
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())

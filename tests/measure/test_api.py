@@ -1,0 +1,154 @@
+"""op_memory, measure_step, reports, CUDA parity, and bad input."""
+
+import json
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memtrim
+
+from ..helpers import mlp_step_setup, param_bytes, train_step
+
+
+def test_op_memory_relu_exact():
+    x = torch.randn(10000, 10000)
+    out_of_place = memtrim.op_memory(torch.relu, x)
+    assert out_of_place.allocated_bytes == 400_000_000
+    assert out_of_place.peak_bytes == 400_000_000
+    assert torch.equal(out_of_place.result, torch.relu(x))
+    del out_of_place
+    in_place = memtrim.op_memory(torch.relu_, x)
+    assert in_place.allocated_bytes == 0
+    assert in_place.peak_bytes == 0
+    assert in_place.result is x
+    assert in_place.allocator_allocated_bytes is None  # no CUDA here
+
+
+def test_op_memory_peak_counts_freed_temporaries():
+    x = torch.randn(1000)
+    m = memtrim.op_memory(lambda t: (t * 2 + 1).sum(), x)
+    assert m.allocated_bytes == 4
+    assert m.peak_bytes == 8000
+
+
+def test_op_memory_rejects_non_callable():
+    with pytest.raises(memtrim.InvalidInputError, match="callable"):
+        memtrim.op_memory(3, torch.zeros(1))
+
+
+def test_measure_step_mlp():
+    model, optimizer, x, y = mlp_step_setup()
+    report = memtrim.measure_step(model, x, y, F.nll_loss, optimizer)
+    pbytes = param_bytes(model)
+    assert report.final_by_category["parameters"] == pbytes
+    assert report.final_by_category["gradients"] == 0  # zero_grad(set_to_none=True) ends the step
+    assert report.final_by_category["optimizer_state"] == 2 * pbytes + 4 * 8
+    assert report.final_by_category["inputs"] == x.numel() * 4 + y.numel() * 8
+    assert report.peak_bytes > 4 * pbytes
+    assert report.peak_phase == "optimizer"
+    assert report.device == "cpu"
+
+
+def test_measure_step_gpt_and_cnn():
+    from memtrim.models import ResNetCNN, SmallGPT
+
+    gpt = SmallGPT(n_layer=2, d_model=64, n_head=4, seq_len=32, vocab_size=128)
+    idx = torch.randint(0, 128, (4, 32))
+    report = memtrim.measure_step(gpt, idx, idx, lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()),
+                                  torch.optim.AdamW(gpt.parameters()))
+    assert report.peak_by_category["parameters"] == param_bytes(gpt)
+    cnn = ResNetCNN()
+    report = memtrim.measure_step(cnn, torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,)), F.cross_entropy,
+                                  torch.optim.SGD(cnn.parameters(), lr=0.1, momentum=0.9))
+    assert report.final_by_category["buffers"] == sum(b.numel() * b.element_size() for b in cnn.buffers())
+    assert report.final_by_category["optimizer_state"] == param_bytes(cnn)  # one momentum buffer each
+
+
+def test_measure_step_bad_input():
+    model, optimizer, x, y = mlp_step_setup()
+    with pytest.raises(memtrim.InvalidInputError, match="inputs must be tensors"):
+        memtrim.measure_step(model, x.tolist(), y, F.nll_loss, optimizer)
+    with pytest.raises(memtrim.InvalidInputError, match="targets must be tensors"):
+        memtrim.measure_step(model, x, [1, 2], F.nll_loss, optimizer)
+    with pytest.raises(memtrim.InvalidInputError, match="torch.optim.Optimizer"):
+        memtrim.measure_step(model, x, y, F.nll_loss, lambda p: None)
+    with pytest.raises(memtrim.DeviceMismatchError, match="model is on cpu but a batch tensor is on meta"):
+        memtrim.measure_step(model, x.to("meta"), y, F.nll_loss, optimizer)
+    with pytest.raises(memtrim.InvalidInputError, match="callable"):
+        memtrim.measure_step(model, x, y, "nll", optimizer)
+    with pytest.raises(memtrim.InvalidInputError, match="optimizer must be a torch.optim.Optimizer"):
+        memtrim.track(model, optimizer="adam")
+    with pytest.raises(memtrim.InvalidInputError, match="model must be a torch.nn.Module"):
+        memtrim.track(model=lambda x: x)
+    assert issubclass(memtrim.InvalidInputError, memtrim.MemtrimError)
+
+
+def test_report_json_str_and_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    model, optimizer, x, y = mlp_step_setup()
+    report = memtrim.measure_step(model, x, y, F.nll_loss, optimizer)
+    report.to_json(str(tmp_path / "r.json"))
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["peak_bytes"] == report.peak_bytes
+    assert len(data["timeline"]) == len(report.timeline)
+    assert sum(data["timeline"][-1]["totals"]) == report.final_bytes
+    text = str(report)
+    assert f"{report.peak_bytes:,} B" in text and "optimizer_state" in text
+    report.plot(str(tmp_path / "r.png"))
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib(tmp_path, monkeypatch):
+    model, optimizer, x, y = mlp_step_setup()
+    report = memtrim.measure_step(model, x, y, F.nll_loss, optimizer)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(memtrim.MissingDependencyError, match="pip install matplotlib"):
+        report.plot(str(tmp_path / "r.png"))
+
+
+def test_export_snapshot_needs_cuda(tmp_path):
+    with memtrim.track() as tracker:
+        torch.empty(10)
+    with pytest.raises(memtrim.InvalidInputError, match="CUDA"):
+        tracker.export_memory_snapshot(str(tmp_path / "s.pickle"))
+
+
+@pytest.mark.cuda
+def test_cuda_op_memory_relu_exact():
+    x = torch.randn(10000, 10000, device="cuda")
+    m = memtrim.op_memory(torch.relu, x)
+    assert m.allocated_bytes == m.allocator_allocated_bytes == 400_000_000
+    del m
+    m = memtrim.op_memory(torch.relu_, x)
+    assert m.allocated_bytes == m.allocator_allocated_bytes == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("workload", ["mlp", "gpt"])
+def test_cuda_peak_matches_allocator(workload, tmp_path):
+    from memtrim.models import SeedMLP, SmallGPT
+
+    torch.manual_seed(0)
+    if workload == "mlp":
+        model = SeedMLP().cuda()
+        x, y, loss_fn = torch.randn(256, 784, device="cuda"), torch.randint(0, 10, (256,), device="cuda"), F.nll_loss
+    else:
+        model = SmallGPT(n_layer=4, d_model=256, n_head=4, seq_len=128).cuda()
+        x = torch.randint(0, 256, (8, 128), device="cuda")
+        y = x
+
+        def loss_fn(out, t):
+            return F.cross_entropy(out.flatten(0, 1), t.flatten())
+
+    optimizer = torch.optim.AdamW(model.parameters())
+    train_step(model, optimizer, x, y, loss_fn)
+    with memtrim.track(model, optimizer) as tracker:
+        train_step(model, optimizer, x, y, loss_fn)
+    report = tracker.report()
+    assert report.device.startswith("cuda")
+    allocator = report.allocator_peak_allocated_bytes
+    assert abs(report.peak_bytes - allocator) <= 0.01 * allocator
+    tracker.export_memory_snapshot(str(tmp_path / "snapshot.pickle"))
+    assert (tmp_path / "snapshot.pickle").stat().st_size > 0
