@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -69,22 +69,29 @@ class _Record:
         return "activations" if holds > 0 else category
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+def _tensors(obj: Any) -> list[torch.Tensor]:
     """Tensors in (nested lists, tuples and dicts of) ``obj``, wrapper subclasses flattened."""
+    found: list[torch.Tensor] = []
+    _collect(obj, found)
+    return found
+
+
+def _collect(obj: Any, found: list[torch.Tensor]) -> None:
     if isinstance(obj, torch.Tensor):
-        flatten = getattr(type(obj), "__tensor_flatten__", None)
-        if flatten is not None:
-            names, _ = obj.__tensor_flatten__()
-            for name in names:
-                yield from _tensors(getattr(obj, name))
+        if type(obj) is torch.Tensor or not hasattr(obj, "__tensor_flatten__"):
+            found.append(obj)
         else:
-            yield obj
+            for name in obj.__tensor_flatten__()[0]:
+                _collect(getattr(obj, name), found)
     elif isinstance(obj, (list, tuple)):
         for item in obj:
-            yield from _tensors(item)
+            if type(item) is torch.Tensor:
+                found.append(item)
+            elif isinstance(item, (torch.Tensor, list, tuple, dict)):
+                _collect(item, found)
     elif isinstance(obj, dict):
         for item in obj.values():
-            yield from _tensors(item)
+            _collect(item, found)
 
 
 def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
@@ -104,7 +111,9 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         tracker = self.tracker
-        inputs = list(_tensors((args, kwargs)))
+        inputs = _tensors(args)
+        if kwargs:
+            inputs += _tensors(kwargs)
         tracker._op_start(func, inputs)
         try:
             out = func(*args, **kwargs)
@@ -452,7 +461,7 @@ class Tracker:
     def _ctx_attribute(self, ctx: Any, name: str, old: Any, new: Any) -> None:
         held = self._ctx.get(id(ctx))
         if held is None:
-            if new is None or not any(True for _ in _tensors(new)):
+            if new is None or not _tensors(new):
                 return
             held = self._ctx[id(ctx)] = {}
             key = id(ctx)
@@ -577,11 +586,18 @@ def _device_name(tensor: torch.Tensor) -> str:
     return str(tensor.device)
 
 
+_OP_NAMES: dict[Any, str] = {}
+
+
 def _op_name(func: Any) -> str:
-    name = getattr(func, "__name__", None) or str(func)
-    packet = getattr(func, "overloadpacket", None)
-    if packet is not None:
-        return f"aten.{packet.__name__}" if func.namespace == "aten" else f"{func.namespace}.{packet.__name__}"
+    name = _OP_NAMES.get(func)
+    if name is None:
+        packet = getattr(func, "overloadpacket", None)
+        if packet is not None:
+            name = f"{getattr(func, 'namespace', 'aten')}.{packet.__name__}"
+        else:
+            name = getattr(func, "__name__", None) or str(func)
+        _OP_NAMES[func] = name
     return name
 
 

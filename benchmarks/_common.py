@@ -1,0 +1,61 @@
+"""Shared by the benchmark scripts (never imported by the library)."""
+
+import json
+import os
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+from memtrim.models import SeedMLP, SmallGPT
+
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
+
+
+def machine() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def write(name: str, data: dict) -> str:
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, name)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    return path
+
+
+def workloads(device: str = "cpu") -> dict:
+    """name -> (model, inputs, targets, loss_fn, optimizer), each built from seed 0."""
+    torch.manual_seed(0)
+    mlp = SeedMLP().to(device)
+    x = torch.randn(64, 784, device=device)
+    y = torch.randint(0, 10, (64,), device=device)
+    torch.manual_seed(0)
+    gpt = SmallGPT(n_layer=4, d_model=256, n_head=4, seq_len=128, vocab_size=256).to(device)
+    idx = torch.randint(0, 256, (8, 128), device=device)
+
+    def lm_loss(out, t):
+        return F.cross_entropy(out.flatten(0, 1), t.flatten())
+
+    return {
+        "seed MLP (784-256-128-64-10, batch 64, Adam)": (mlp, x, y, F.nll_loss, torch.optim.Adam(mlp.parameters())),
+        "small GPT (4 layers, d=256, seq 128, batch 8, AdamW)": (
+            gpt, idx, idx, lm_loss, torch.optim.AdamW(gpt.parameters())
+        ),
+    }
+
+
+def train_step(model, x, y, loss_fn, optimizer) -> None:
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    del loss
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
