@@ -72,7 +72,9 @@ class MemoryReport:
     """Where memory went while a tracker was active, for one device.
 
     ``peak_by_category`` is the breakdown at the peak instant; ``timeline`` holds every change with running
-    totals. On CUDA, ``allocator_peak_*`` carry the caching allocator's own peaks over the same span.
+    totals. On CUDA, ``allocator_peak_*`` carry the caching allocator's own peaks over the same span and
+    ``allocator_start_allocated_bytes`` its level when the tracker started (the allocator also holds what is
+    no tensor storage, e.g. cuBLAS workspaces, so compare peaks relative to the start).
     """
 
     peak_bytes: int
@@ -85,6 +87,7 @@ class MemoryReport:
     device: str
     allocator_peak_allocated_bytes: int | None = None
     allocator_peak_reserved_bytes: int | None = None
+    allocator_start_allocated_bytes: int | None = None
 
     @property
     def final_bytes(self) -> int:
@@ -102,6 +105,7 @@ class MemoryReport:
             "final_by_category": self.final_by_category,
             "allocator_peak_allocated_bytes": self.allocator_peak_allocated_bytes,
             "allocator_peak_reserved_bytes": self.allocator_peak_reserved_bytes,
+            "allocator_start_allocated_bytes": self.allocator_start_allocated_bytes,
             "categories": list(CATEGORIES),
         }
         if timeline:

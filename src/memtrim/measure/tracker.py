@@ -162,6 +162,7 @@ class Tracker:
         self._probe: torch.Tensor | None = None
         self._cuda_device: torch.device | None = None
         self._cuda_peaks: tuple[int, int] | None = None
+        self._cuda_start: int | None = None
         self._cuda_snapshot: Any = None
 
     # ------------------------------------------------------------------ context manager
@@ -214,7 +215,10 @@ class Tracker:
         """The :class:`MemoryReport` of everything seen so far, for one device (default: the model's)."""
         self._reconcile()
         device = self._choose_device(device)
-        return _replay(self._events, self._start_records, device, self._cuda_peaks)
+        cuda = None
+        if self._cuda_peaks is not None and self._cuda_device is not None and device == str(self._cuda_device):
+            cuda = (*self._cuda_peaks, self._cuda_start)
+        return _replay(self._events, self._start_records, device, cuda)
 
     def export_memory_snapshot(self, path: str) -> None:
         """Write the CUDA allocator's snapshot (the pickle PyTorch's memory_viz page reads) to ``path``."""
@@ -257,8 +261,10 @@ class Tracker:
             device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
         self._cuda_device = device or torch.device("cuda", torch.cuda.current_device())
         _fold_cuda_peaks(self._cuda_device)
+        torch.cuda.synchronize(self._cuda_device)
         torch.cuda.reset_peak_memory_stats(self._cuda_device)
         self._cuda_peaks = (0, 0)
+        self._cuda_start = torch.cuda.memory_allocated(self._cuda_device)
         try:
             torch.cuda.memory._record_memory_history(max_entries=100_000)
         except Exception:  # pragma: no cover - history is a bonus, never a failure
@@ -609,7 +615,7 @@ def _fold_cuda_peaks(device: torch.device) -> None:
 
 
 def _replay(
-    events: list[tuple], start_records: Iterable[_Record], device: str, cuda_peaks: tuple[int, int] | None
+    events: list[tuple], start_records: Iterable[_Record], device: str, cuda: tuple[int, int, int | None] | None
 ) -> MemoryReport:
     index = _CATEGORY_INDEX
     totals = [0] * len(CATEGORIES)
@@ -663,6 +669,7 @@ def _replay(
         final_by_category=dict(zip(CATEGORIES, totals)),
         timeline=timeline,
         device=device,
-        allocator_peak_allocated_bytes=cuda_peaks[0] if cuda_peaks and device.startswith("cuda") else None,
-        allocator_peak_reserved_bytes=cuda_peaks[1] if cuda_peaks and device.startswith("cuda") else None,
+        allocator_peak_allocated_bytes=cuda[0] if cuda else None,
+        allocator_peak_reserved_bytes=cuda[1] if cuda else None,
+        allocator_start_allocated_bytes=cuda[2] if cuda else None,
     )
