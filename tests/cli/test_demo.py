@@ -23,6 +23,11 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     assert plain["activations_at_backward_start"] == inplace["activations_at_backward_start"] > 0
     assert plain["forward_new_bytes"] > inplace["forward_new_bytes"]
     assert plain["loss_per_epoch"] == inplace["loss_per_epoch"]
+    # only the two tracked steps are measured: no dataset, no batch list, only the two target batches
+    peak = plain["memory"]["peak_by_category"]
+    assert peak["other"] <= 2 * 64 * 8
+    assert peak["inputs"] == 2 * 64 * 784 * 4
+    assert peak["parameters"] == peak["gradients"] == 971_048
     assert results["equivalence"]["verify_bitwise"] is True
     report = (tmp_path / "report.md").read_text()
     assert "memtrim demo report" in report and "bitwise" in report

@@ -109,13 +109,14 @@ def _train(label: str, inplace: bool, train: Dataset, test: Dataset | None, epoc
     losses, accuracies, seconds = [], [], []
     tracker = memtrim.track(model, optimizer)  # the first two steps (the first creates Adam's state)
     with contextlib.ExitStack() as tracking:
-        tracking.enter_context(tracker)
         for epoch in range(epochs):
             total, count = 0.0, 0
             start = time.perf_counter()
             # batches are made before the tracker sees them, so the dataset is not counted as training memory
             batches = list(train.batches(args.batch_size, seed=args.seed + epoch, device=device))
             for step, (x, y) in enumerate(tqdm(batches, desc=f"{label} epoch {epoch + 1}", leave=False)):
+                if epoch == 0 and step == 0:
+                    tracking.enter_context(tracker)
                 loss = F.nll_loss(model(x), y)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
