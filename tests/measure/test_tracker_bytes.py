@@ -140,3 +140,23 @@ def test_meta_tensors_counted_by_size():
     assert tracker.report(device="meta").final_bytes == 4 << 30
     assert tracker.report().device == "meta"
     del a
+
+
+def test_leaves_no_hooks_behind_even_on_error():
+    import torch.autograd.function as autograd_function
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    try:
+        with memtrim.track(model):
+            model(torch.randn(2, 5))  # wrong width: raises inside the model's forward
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("the shape error should propagate")
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert "__setattr__" not in autograd_function.FunctionCtx.__dict__
+    assert "resize_" not in torch.UntypedStorage.__dict__
+    # and a later tracker starts clean
+    with memtrim.track(model) as tracker:
+        model(torch.randn(2, 4))
+    assert {e.module for e in tracker.report().timeline if e.phase == "forward"} >= {"0"}

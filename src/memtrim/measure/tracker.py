@@ -334,13 +334,8 @@ class Tracker:
     def _include(self, tensor: torch.Tensor, category: str) -> None:
         """Account ``tensor``'s storage under ``category`` from its birth (or from the start)."""
         for t in _tensors(tensor):
-            storage = _storage(t)
-            if storage is None:
-                continue
-            record = self._records.get(id(storage))
-            if record is None:
-                self._new_record(storage, t, category, existed=True)
-            elif record.category != category and _priority(category) <= _priority(record.category):
+            record = self._see(t, category, existed=True)
+            if record is not None and record.category != category and _priority(category) <= _priority(record.category):
                 record.birth_category = category
                 record.category = category
 
@@ -350,7 +345,20 @@ class Tracker:
         self._scan_model_and_optimizers()
 
     # ------------------------------------------------------------------ storages
-    def _new_record(self, storage: torch.UntypedStorage, tensor: torch.Tensor, category: str, existed: bool) -> None:
+    def _see(self, tensor: torch.Tensor, category: str | None, existed: bool) -> _Record | None:
+        """The record of ``tensor``'s storage; a new storage gets one (``category`` None: decide from the
+        tensor), born now or, if ``existed``, counted from the start."""
+        storage = _storage(tensor)
+        if storage is None:
+            return None
+        record = self._records.get(id(storage))
+        if record is None:
+            return self._new_record(storage, tensor, category or self._existing_category(tensor), existed)
+        if record.nbytes != storage.nbytes():
+            self._storage_resized(storage)
+        return record
+
+    def _new_record(self, storage: torch.UntypedStorage, tensor: torch.Tensor, category: str, existed: bool) -> _Record:
         record = _Record(_device_name(tensor), storage.nbytes(), category, 0 if existed else len(self._events))
         key = id(storage)
         record.wref = weakref.ref(storage, lambda _, key=key, record=record: self._storage_died(key, record))
@@ -359,6 +367,7 @@ class Tracker:
             self._start_records.append(record)
         else:
             self._event(_ALLOC, record, record.nbytes)
+        return record
 
     def _storage_died(self, key: int, record: _Record) -> None:
         if not self._active or not record.alive:
@@ -386,14 +395,7 @@ class Tracker:
         if func in _FRESH_OPS:
             inputs = []  # torch.tensor(...) hands its brand-new tensor to lift_fresh: born now, not before
         for tensor in inputs:
-            storage = _storage(tensor)
-            if storage is None:
-                continue
-            record = self._records.get(id(storage))
-            if record is None:
-                self._new_record(storage, tensor, self._existing_category(tensor), existed=True)
-            elif record.nbytes != storage.nbytes():
-                self._storage_resized(storage)
+            self._see(tensor, None, existed=True)
         phase, module = self._context(inputs)
         if phase != self._phase and phase != "forward":
             self._reconcile()
@@ -403,14 +405,7 @@ class Tracker:
         self._op = _op_name(func)
         try:
             for tensor in _tensors(out):
-                storage = _storage(tensor)
-                if storage is None:
-                    continue
-                record = self._records.get(id(storage))
-                if record is None:
-                    self._new_record(storage, tensor, "temporaries", existed=False)
-                elif record.nbytes != storage.nbytes():
-                    self._storage_resized(storage)
+                self._see(tensor, "temporaries", existed=False)
             for tensor in inputs:  # resize_ and friends change an input's storage
                 storage = _storage(tensor)
                 if storage is not None:
@@ -445,17 +440,14 @@ class Tracker:
     def _hold(self, tensor: torch.Tensor, delta: int) -> list[_Record]:
         held = []
         for t in _tensors(tensor):
-            storage = _storage(t)
-            if storage is None:
-                continue
-            record = self._records.get(id(storage))
-            if record is None:
-                if delta < 0:
-                    continue
-                self._new_record(storage, t, self._existing_category(t), existed=True)
-                record = self._records[id(storage)]
-            self._change_holds(record, delta)
-            held.append(record)
+            if delta > 0:
+                record = self._see(t, None, existed=True)
+            else:
+                storage = _storage(t)
+                record = self._records.get(id(storage)) if storage is not None else None
+            if record is not None:
+                self._change_holds(record, delta)
+                held.append(record)
         return held
 
     def _change_holds(self, record: _Record, delta: int) -> None:
