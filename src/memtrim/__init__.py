@@ -24,6 +24,7 @@ from .measure import (
     op_memory,
     track,
 )
+from .techniques.optim import OptimizerInBackward, OptimizerInBackwardError
 from .verify import Divergence, VerifyReport, verify
 
 __version__ = "0.1.0"
@@ -39,6 +40,8 @@ __all__ = [
     "MemtrimError",
     "MissingDependencyError",
     "OpMemory",
+    "OptimizerInBackward",
+    "OptimizerInBackwardError",
     "TimelineEvent",
     "Tracker",
     "VerifyError",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,6 +160,11 @@ def verify(
             break
         if not all(tracker.compare(step, f"buffer:{name}", a, b) for name, a, b in buffers):
             break
+        if not all(
+            tracker.compare(step, f"state:{name}.{key}", a, b)
+            for name, key, a, b in _optimizer_states(base_opt, opt, params)
+        ):
+            break
     return VerifyReport(
         ok=tracker.divergence is None,
         bitwise=tracker.difference is None,
@@ -193,6 +198,18 @@ def _forward_backward(model: torch.nn.Module, optimizer: Any, args: tuple, targe
     loss = loss_fn(model(*args), targets)
     loss.backward()
     return loss.detach()
+
+
+def _optimizer_states(
+    base: torch.optim.Optimizer, other: torch.optim.Optimizer, params: list[tuple[str, torch.Tensor, torch.Tensor]]
+) -> Iterator[tuple[str, str, torch.Tensor | None, torch.Tensor | None]]:
+    """Per matched parameter, each tensor in the two optimizers' states (None where one side lacks it)."""
+    for name, a, b in params:
+        state_a, state_b = base.state.get(a, {}), other.state.get(b, {})
+        for key in sorted(set(state_a) | set(state_b)):
+            va, vb = state_a.get(key), state_b.get(key)
+            if isinstance(va, torch.Tensor) or isinstance(vb, torch.Tensor):
+                yield name, key, va, vb
 
 
 def _match(base: Iterable[tuple[str, torch.Tensor]], other: Iterable[tuple[str, torch.Tensor]],
