@@ -178,5 +178,12 @@ def deactivate(tracker: Tracker) -> None:
                 _undo.pop()()
 
 
+def note_gradients(tensors: list[Any]) -> None:
+    """Techniques that consume gradients inside backward call this first, so trackers label them."""
+    for tracker in tuple(_active):
+        for tensor in tensors:
+            tracker._include(tensor, "gradients")
+
+
 def ctx_finalizer(ctx: Any, callback: Callable[[], None]) -> None:
     weakref.finalize(ctx, callback)

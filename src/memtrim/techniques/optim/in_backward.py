@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ...errors import InvalidInputError, MemtrimError
+from ...measure._hooks import note_gradients
 
 __all__ = ["OptimizerInBackward", "OptimizerInBackwardError"]
 
@@ -337,6 +338,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if not params:
             return
         grads = [p.grad for p in params]
+        note_gradients(grads)
         with torch.no_grad():
             if self.scaler is not None:
                 self._unscale(grads)
