@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -133,7 +134,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._deferred = False  # accumulated gradients: step after backward instead of inside it
         self._build_buckets()
         if self._ddp is not None:
-            self._ddp.register_comm_hook(None, self._ddp_comm_hook)
+            # weak references both ways: DDP's C++ reducer must not keep the wrapper (and itself) alive
+            self._ddp.register_comm_hook(weakref.ref(self), _ddp_comm_hook)
+            self._ddp = weakref.ref(self._ddp)
         else:
             _check_not_distributed(optimizer)
             for bucket in self._buckets:
@@ -224,6 +227,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if self._accumulating or not self._needs_two_passes():
             loss.backward(**kwargs)
             return
+        if self._ddp is not None:
+            loss.backward(**kwargs)  # DDP: one pass; the step follows DDP's all-reduce (see _ddp_comm_hook)
+            return
         retain = kwargs.pop("retain_graph", False)
         if self._has_accumulated_grads():
             # earlier micro-batches left gradients: they all exist anyway, so step after a single pass
@@ -258,35 +264,33 @@ class OptimizerInBackward(torch.optim.Optimizer):
             return
         self._receive([param])
 
-    def _ddp_comm_hook(self, state: Any, bucket: Any) -> torch.futures.Future:
+    def _ddp_hook(self, bucket: Any) -> torch.futures.Future:
+        """DDP's all-reduce, unchanged; it also queues our step after DDP's own end-of-backward work.
+
+        DDP keeps every gradient in its buckets, so stepping early would save no memory, and stepping in the
+        future's callback would race DDP's reducer on another thread. DDP queues its finalisation (which waits
+        for the all-reduces and writes the averaged gradients) when its last bucket is ready, after this hook
+        ran; so the callback queued here queues the step once more, behind DDP's finalisation, still on the
+        autograd thread.
+        """
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        process_group = self._ddp.process_group  # type: ignore[union-attr]
-        future = allreduce_hook(process_group, bucket)
+        if not self._accumulating and not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_ddp_backward)
+        return allreduce_hook(self._ddp().process_group, bucket)  # type: ignore[union-attr,misc]
 
-        def then(fut: torch.futures.Future) -> torch.Tensor:
-            buffer = fut.value()[0]
-            if not self._accumulating:
-                params = [p for p in bucket.parameters() if id(p) in self._where]
-                for param, grad in zip(bucket.parameters(), bucket.gradients()):
-                    if id(param) in self._where:
-                        param.grad = grad
-                self._check_once(params)
-                self._step(params)  # DDP's bucket is complete and all-reduced: step it now
-            return buffer
+    def _end_of_ddp_backward(self) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._after_ddp_finalize)
 
-        return future.then(then)
+    def _after_ddp_finalize(self) -> None:
+        self._callback_queued = False
+        self._finish_deferred()
 
     def _receive(self, params: list[torch.Tensor], free: bool = True) -> None:
         """Gradients of ``params`` are complete (accumulated, and all-reduced where distributed)."""
         if self._pass is None and self._needs_two_passes() and not self._deferred:
-            if self._has_other_accumulated_grads(params):
-                self._deferred = True  # accumulated gradients exist: finish after this backward
-            else:
-                raise OptimizerInBackwardError(
-                    "OptimizerInBackward: clip_grad_norm and a GradScaler need every gradient before any "
-                    "update; call opt.backward(loss) instead of loss.backward()."
-                )
+            self._check_single_pass()
         self._queue_end_of_backward()
         if self._pass == "measure":
             for param in params:
@@ -304,6 +308,13 @@ class OptimizerInBackward(torch.optim.Optimizer):
             if not self._deferred and len(bucket.ready) == len(bucket.params):
                 self._step_bucket(bucket)
 
+    def _check_single_pass(self) -> None:
+        if self._needs_two_passes() and self._pass is None and not self._deferred:
+            raise OptimizerInBackwardError(
+                "OptimizerInBackward: clip_grad_norm and a GradScaler need every gradient before any "
+                "update; call opt.backward(loss) instead of loss.backward()."
+            )
+
     def _check_once(self, params: list[torch.Tensor]) -> None:
         if any(id(p) in self._stepped for p in params):
             raise OptimizerInBackwardError(
@@ -315,6 +326,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def _queue_end_of_backward(self) -> None:
         if self._callback_queued:
             return
+        _check_not_distributed(self.optimizer)  # a process group started after this wrapper was built
         self._callback_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
@@ -363,8 +375,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
                     group[key] = value
         for param in params:
             self._stepped.add(id(param))
-            if self._ddp is None:
-                param.grad = None
+            param.grad = None
 
     def _finish_deferred(self) -> None:
         for bucket in self._buckets:
@@ -398,10 +409,6 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     def _has_accumulated_grads(self) -> bool:
         return any(p.grad is not None for b in self._buckets for p in b.params)
-
-    def _has_other_accumulated_grads(self, params: list[torch.Tensor]) -> bool:
-        ids = {id(p) for p in params}
-        return any(p.grad is not None and id(p) not in ids for b in self._buckets for p in b.params)
 
     def _measure(self, param: torch.Tensor) -> None:
         grad = param.grad
@@ -479,6 +486,15 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def largest_bucket_bytes(self) -> int:
         """Bytes of gradients in the largest bucket: about the most gradient memory alive at once."""
         return max((sum(p.numel() * p.element_size() for p in b.params) for b in self._buckets), default=0)
+
+
+def _ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects annotations other than its own
+    wrapper = state()
+    if wrapper is None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        return allreduce_hook(None, bucket)
+    return wrapper._ddp_hook(bucket)
 
 
 def _raw_step(optimizer: torch.optim.Optimizer) -> None:
