@@ -120,6 +120,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self.clip_grad_value = clip_grad_value
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.bucket_bytes = bucket_bytes
+        self._two_passes = clip_grad_norm is not None or self.scaler is not None
         self._ddp = _check_model(model, optimizer)
         self._hooks: list[Any] = []
         self._buckets: list[_Bucket] = []
@@ -262,7 +263,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def _on_param_ready(self, param: torch.Tensor) -> None:
         if self._accumulating or param.grad is None:
             return
-        self._receive([param])
+        self._receive(param)
 
     def _ddp_hook(self, bucket: Any) -> torch.futures.Future:
         """DDP's all-reduce, unchanged; it also queues our step after DDP's own end-of-backward work.
@@ -287,26 +288,26 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._callback_queued = False
         self._finish_deferred()
 
-    def _receive(self, params: list[torch.Tensor], free: bool = True) -> None:
-        """Gradients of ``params`` are complete (accumulated, and all-reduced where distributed)."""
-        if self._pass is None and self._needs_two_passes() and not self._deferred:
+    def _receive(self, param: torch.Tensor) -> None:
+        """``param``'s gradient is complete (accumulated; reduce-scattered under FSDP2)."""
+        if self._pass is None and self._two_passes and not self._deferred:
             self._check_single_pass()
-        self._queue_end_of_backward()
+        if not self._callback_queued:
+            self._queue_end_of_backward()
         if self._pass == "measure":
-            for param in params:
-                self._measure(param)
-                if free:
-                    param.grad = None
+            self._measure(param)
+            param.grad = None
             return
-        self._check_once(params)
-        for param in params:
-            where = self._where.get(id(param))
-            if where is None:
-                continue  # not optimized by this optimizer
-            bucket, index = where
-            bucket.ready.add(index)
-            if not self._deferred and len(bucket.ready) == len(bucket.params):
-                self._step_bucket(bucket)
+        key = id(param)
+        if key in self._stepped:
+            self._check_once([param])
+        where = self._where.get(key)
+        if where is None:
+            return  # not optimized by this optimizer
+        bucket, index = where
+        bucket.ready.add(index)
+        if not self._deferred and len(bucket.ready) == len(bucket.params):
+            self._step_bucket(bucket)
 
     def _check_single_pass(self) -> None:
         if self._needs_two_passes() and self._pass is None and not self._deferred:
@@ -324,8 +325,6 @@ class OptimizerInBackward(torch.optim.Optimizer):
             )
 
     def _queue_end_of_backward(self) -> None:
-        if self._callback_queued:
-            return
         _check_not_distributed(self.optimizer)  # a process group started after this wrapper was built
         self._callback_queued = True
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -405,7 +404,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ global information
     def _needs_two_passes(self) -> bool:
-        return self.clip_grad_norm is not None or self.scaler is not None
+        return self._two_passes
 
     def _has_accumulated_grads(self) -> bool:
         return any(p.grad is not None for b in self._buckets for p in b.params)
