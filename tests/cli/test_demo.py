@@ -29,6 +29,11 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     assert peak["inputs"] == 2 * 64 * 784 * 4
     assert peak["parameters"] == peak["gradients"] == 971_048
     assert results["equivalence"]["verify_bitwise"] is True
+    oib = results["optimizer_in_backward"]
+    assert oib["verify_bitwise"] is True
+    mem = oib["memory"]
+    assert mem["in backward"]["peak_gradients"] <= mem["in backward"]["largest_bucket_bytes"] == 784 * 256 * 4
+    assert mem["standard"]["peak_bytes"] - mem["in backward"]["peak_bytes"] > 0
     report = (tmp_path / "report.md").read_text()
     assert "memtrim demo report" in report and "bitwise" in report
     for name in ("timeline_relu.png", "timeline_relu_inplace.png"):

@@ -62,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         runs[label] = _train(label, inplace, train, test, epochs, args, device)
     results["runs"] = runs
     results["equivalence"] = _equivalence(runs, train, args, device)
+    results["optimizer_in_backward"] = _optimizer_in_backward(args, device)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(args.out, "report.md"), "w") as f:
@@ -194,6 +195,93 @@ def _equivalence(runs: dict[str, Any], train: Dataset, args: argparse.Namespace,
             "verify_steps": report.steps}
 
 
+def _seed_net() -> torch.nn.Module:
+    """The seed notebook's timing network: Linear 50-50-50-1."""
+    return torch.nn.Sequential(torch.nn.Linear(50, 50), torch.nn.ReLU(), torch.nn.Linear(50, 50), torch.nn.ReLU(),
+                               torch.nn.Linear(50, 1))
+
+
+def _optimizer_in_backward(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The seed's "optimizer step inside backward" check: equality, timing, and the memory it really saves."""
+    steps = 200 if args.quick else 2000
+    gen = torch.Generator().manual_seed(args.seed)
+    batches = [(torch.randn(5, 50, generator=gen).to(device), torch.randn(5, 1, generator=gen).to(device))
+               for _ in range(50)]
+
+    def fused(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple:
+        return model, memtrim.OptimizerInBackward(optimizer, model=model)
+
+    def adam(model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    report = memtrim.verify(lambda: _seed_net().to(device), adam, batches, F.mse_loss, fused, seed=args.seed,
+                            compare_grads=False)
+
+    def per_parameter(model: torch.nn.Module) -> Any:
+        """The seed's recipe: one Adam per parameter, stepped from a post-accumulate-grad hook."""
+        optimizers = {p: torch.optim.Adam([p], lr=1e-3) for p in model.parameters()}
+        def step_one(param: torch.Tensor) -> None:
+            optimizers[param].step()
+            optimizers[param].zero_grad()
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step_one)
+        return None
+
+    runners = {}
+    for name in ("standard Adam", "memtrim.OptimizerInBackward", "one Adam per parameter (seed recipe)"):
+        torch.manual_seed(args.seed)
+        model = _seed_net().to(device)
+        if name == "standard Adam":
+            opt: Any = adam(model)
+        elif name == "memtrim.OptimizerInBackward":
+            opt = memtrim.OptimizerInBackward(adam(model), model=model)
+        else:
+            opt = per_parameter(model)
+        runners[name] = (model, opt)
+    seconds = {name: 0.0 for name in runners}
+    for _ in range(5):  # interleaved rounds: all three see the same machine noise
+        for name, (model, opt) in runners.items():
+            start = time.perf_counter()
+            for i in range(steps // 5):
+                x, y = batches[i % len(batches)]
+                if opt is not None:
+                    opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                if opt is not None:
+                    opt.step()
+            seconds[name] += time.perf_counter() - start
+    base = seconds["standard Adam"]
+    timing = {name: {"seconds": s, "ratio": s / base} for name, s in seconds.items()}
+
+    memory = {}
+    for wrap in (False, True):
+        torch.manual_seed(args.seed)
+        model = SeedMLP().to(device)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        if wrap:
+            opt = memtrim.OptimizerInBackward(opt, model=model, bucket_bytes=0)
+        x = torch.randn(64, 784, device=device)
+        y = torch.randint(0, 10, (64,), device=device)
+        for _ in range(2):
+            opt.zero_grad()
+            F.nll_loss(model(x), y).backward()
+            opt.step()
+        with memtrim.track(model, opt) as tracker:
+            opt.zero_grad()
+            F.nll_loss(model(x), y).backward()
+            opt.step()
+        r = tracker.report()
+        memory["in backward" if wrap else "standard"] = {
+            "peak_bytes": r.peak_bytes, "peak_phase": r.peak_phase, "peak_gradients": r.peak_by_category["gradients"],
+            "largest_bucket_bytes": opt.largest_bucket_bytes if wrap else None,
+        }
+    print(f"  optimizer in backward: {report}; time vs standard "
+          + ", ".join(f"{n} {t['ratio']:.2f}x" for n, t in timing.items()))
+    return {"verify": str(report), "verify_bitwise": report.bitwise, "verify_steps": report.steps, "steps_timed": steps,
+            "timing": timing, "memory": memory}
+
+
 def _markdown(results: dict[str, Any]) -> str:
     fb = memtrim.format_bytes
     m, s, relu = results["machine"], results["settings"], results["relu_op"]
@@ -246,4 +334,25 @@ def _markdown(results: dict[str, Any]) -> str:
               f"**{eq['final_parameters_bitwise_equal']}**.",
               f"- `memtrim.verify` (loss, every gradient and parameter after each of {eq['verify_steps']} steps): "
               f"**{eq['verify']}**.", ""]
+    oib = results["optimizer_in_backward"]
+    mem = oib["memory"]
+    lines += ["## 4. The optimizer step inside backward", "",
+              "The seed steps each parameter's own Adam from a post-accumulate-grad hook, checks the parameters "
+              "stay equal to standard Adam, and finds it 1.95x slower. `memtrim.OptimizerInBackward` wraps one "
+              "ordinary Adam and steps it bucket by bucket inside backward.", "",
+              f"- Equality with standard Adam on the seed's Linear 50-50-50-1 network, batch 5 (`memtrim.verify`, "
+              f"parameters and optimizer state after each of {oib['verify_steps']} steps): **{oib['verify']}**.", "",
+              f"| method ({oib['steps_timed']} training steps, interleaved rounds) | seconds | vs standard |",
+              "|---|---:|---:|"]
+    for name, t in oib["timing"].items():
+        lines.append(f"| {name} | {t['seconds']:.2f} | {t['ratio']:.2f}x |")
+    saved = mem["standard"]["peak_bytes"] - mem["in backward"]["peak_bytes"]
+    lines += ["", f"Memory on the seed MLP (batch 64, Adam, one parameter per bucket): the standard step peaks at "
+              f"{mem['standard']['peak_bytes']:,} B in the {mem['standard']['peak_phase']} phase with "
+              f"{mem['standard']['peak_gradients']:,} B of gradients alive; stepping in backward peaks at "
+              f"{mem['in backward']['peak_bytes']:,} B ({mem['in backward']['peak_phase']}) with "
+              f"{mem['in backward']['peak_gradients']:,} B of gradients alive: **{saved:,} B saved**. At most one "
+              "bucket's gradients are alive (here the largest, fc1.weight, "
+              f"{mem['in backward']['largest_bucket_bytes']:,} B), so the saving grows with the number of "
+              "parameters.", ""]
     return "\n".join(lines)
