@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ...errors import InvalidInputError, MemtrimError
-from ...measure._hooks import note_gradients
+from ...measure import _hooks
 
 __all__ = ["OptimizerInBackward", "OptimizerInBackwardError"]
 
@@ -133,6 +133,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._coefficient: torch.Tensor | None = None
         self._callback_queued = False
         self._deferred = False  # accumulated gradients: step after backward instead of inside it
+        raw = getattr(type(optimizer).step, "__wrapped__", None)  # the step without hooks and profiler records
+        self._raw_step = raw if raw is not None else type(optimizer).step
         self._build_buckets()
         if self._ddp is not None:
             # weak references both ways: DDP's C++ reducer must not keep the wrapper (and itself) alive
@@ -260,11 +262,6 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._hooks.clear()
 
     # ------------------------------------------------------------------ hooks
-    def _on_param_ready(self, param: torch.Tensor) -> None:
-        if self._accumulating or param.grad is None:
-            return
-        self._receive(param)
-
     def _ddp_hook(self, bucket: Any) -> torch.futures.Future:
         """DDP's all-reduce, unchanged; it also queues our step after DDP's own end-of-backward work.
 
@@ -288,8 +285,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._callback_queued = False
         self._finish_deferred()
 
-    def _receive(self, param: torch.Tensor) -> None:
+    def _on_param_ready(self, param: torch.Tensor) -> None:
         """``param``'s gradient is complete (accumulated; reduce-scattered under FSDP2)."""
+        if self._accumulating or param.grad is None:
+            return
         if self._pass is None and self._two_passes and not self._deferred:
             self._check_single_pass()
         if not self._callback_queued:
@@ -349,29 +348,32 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if not params:
             return
         grads = [p.grad for p in params]
-        note_gradients(grads)
-        with torch.no_grad():
-            if self.scaler is not None:
-                self._unscale(grads)
-            if self._coefficient is not None:
-                for grad in grads:
-                    grad.mul_(self._coefficient.to(grad.device))
-            if self.clip_grad_value is not None:
-                for grad in grads:
-                    grad.clamp_(min=-self.clip_grad_value, max=self.clip_grad_value)
+        if _hooks._active:
+            _hooks.note_gradients(grads)
+        if self.scaler is not None or self._coefficient is not None or self.clip_grad_value is not None:
+            with torch.no_grad():
+                if self.scaler is not None:
+                    self._unscale(grads)
+                if self._coefficient is not None:
+                    for grad in grads:
+                        grad.mul_(self._coefficient.to(grad.device))
+                if self.clip_grad_value is not None:
+                    for grad in grads:
+                        grad.clamp_(min=-self.clip_grad_value, max=self.clip_grad_value)
         saved = self.optimizer.param_groups
         narrowed = [{**g, "params": []} for g in saved]
         for param in params:
             narrowed[self._where[id(param)][0].group]["params"].append(param)
         self.optimizer.param_groups = narrowed
         try:
-            _raw_step(self.optimizer)
+            self._raw_step(self.optimizer)
         finally:
             self.optimizer.param_groups = saved
-        for group, used in zip(saved, narrowed):  # hyperparameters an optimizer updates itself
-            for key, value in used.items():
-                if key != "params" and used["params"] and group.get(key) is not value:
-                    group[key] = value
+        for group, used in zip(saved, narrowed):  # a hyperparameter the optimizer itself changed in its group
+            if used["params"] and (len(used) != len(group) or any(
+                group[k] is not v for k, v in used.items() if k != "params" and k in group
+            )):
+                group.update((k, v) for k, v in used.items() if k != "params")
         for param in params:
             self._stepped.add(id(param))
             param.grad = None
@@ -494,16 +496,6 @@ def _ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP reject
 
         return allreduce_hook(None, bucket)
     return wrapper._ddp_hook(bucket)
-
-
-def _raw_step(optimizer: torch.optim.Optimizer) -> None:
-    """The optimizer's own step, without the step hooks and profiler records of ``Optimizer.step``."""
-    step = type(optimizer).step
-    raw = getattr(step, "__wrapped__", None)
-    if raw is not None:
-        raw(optimizer)
-    else:
-        optimizer.step()
 
 
 def _norm(grad: torch.Tensor) -> torch.Tensor:
