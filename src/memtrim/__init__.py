@@ -3,7 +3,7 @@
 The whole public API is re-exported here.
 """
 
-from . import data, models
+from . import data, functional, models, nn
 from .errors import (
     DataError,
     DeviceMismatchError,
@@ -24,6 +24,7 @@ from .measure import (
     op_memory,
     track,
 )
+from .techniques.activations import InplaceCheck, InplaceCheckError, check_inplace
 from .techniques.optim import OptimizerInBackward, OptimizerInBackwardError
 from .verify import Divergence, VerifyReport, verify
 
@@ -35,6 +36,8 @@ __all__ = [
     "DataError",
     "Divergence",
     "DeviceMismatchError",
+    "InplaceCheck",
+    "InplaceCheckError",
     "InvalidInputError",
     "MemoryReport",
     "MemtrimError",
@@ -48,8 +51,11 @@ __all__ = [
     "VerifyReport",
     "format_bytes",
     "measure_step",
+    "check_inplace",
     "data",
+    "functional",
     "models",
+    "nn",
     "op_memory",
     "track",
     "verify",

@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from ..errors import MemtrimError
-from . import demo
+from . import check_inplace, demo
 
 __all__ = ["main"]
 
-_SUBCOMMANDS = {"demo": demo}
+_SUBCOMMANDS = {"demo": demo, "check-inplace": check_inplace}
 
 
 def main(argv: list[str] | None = None) -> int:

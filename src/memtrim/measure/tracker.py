@@ -207,6 +207,12 @@ class Tracker:
                 totals[record.effective(record.category, record.holds)] += record.nbytes
         return totals
 
+    def saved_for_backward_bytes(self, device: str | torch.device | None = None) -> int:
+        """Bytes of live storages autograd keeps for backward right now, whatever their category (an in-place
+        op's saved output may be the caller's input; a Linear keeps its weight)."""
+        device = self._choose_device(device)
+        return sum(r.nbytes for r in self._records.values() if r.alive and r.holds > 0 and r.device == device)
+
     def live_bytes(self, device: str | torch.device | None = None) -> int:
         """Total bytes alive right now (or when the tracker stopped)."""
         return sum(self.live_by_category(device).values())

@@ -1,0 +1,378 @@
+"""``check_inplace``: check twice, by machine, that hand-written in-place code computes what it should.
+
+NOTE [ what check_inplace checks ]
+The seed's ``input * torch.sigmoid_(input)`` returns sigmoid(x)^2 and still passes ``gradcheck`` (the gradient
+is right for the wrong function). Only a comparison with an out-of-place reference catches it, so each trial:
+
+1. draws fresh random inputs (the examples give shapes and dtypes; float64 is always added),
+2. runs ``fn`` and ``reference`` on separate non-leaf copies and compares the outputs,
+3. back-propagates the same random output gradient through both and compares the gradients of every input
+   and of every parameter (when both are modules with the same parameters),
+4. records, with a dispatch mode, every storage an op writes in place: ``fn`` may write into storages it
+   created and into an input it returns (that is what in place means); writing into an input it does not
+   return, or into anything else (a parameter, a global), corrupts the caller's tensors,
+5. feeds ``fn`` the output of ``torch.sigmoid`` and of ``torch.exp`` (both keep their output for backward):
+   ``fn`` must then give the right gradient or raise autograd's in-place error, never a silently wrong one.
+
+Memory comes from the tracker on the examples: bytes autograd keeps for backward after the call, and the
+peak of new storages during it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ...errors import InvalidInputError, MemtrimError
+from ...measure import format_bytes, track
+
+__all__ = ["InplaceCheck", "InplaceCheckError", "check_inplace"]
+
+_DEFAULT_TOLERANCE = {  # (rtol, atol): a rewrite may reorder floating-point operations
+    torch.float64: (1e-10, 1e-12),
+    torch.float32: (1e-5, 1e-6),
+    torch.bfloat16: (1.6e-2, 1e-3),
+    torch.float16: (1e-3, 1e-5),
+}
+
+
+class InplaceCheckError(MemtrimError, AssertionError):
+    """``InplaceCheck.assert_ok`` found problems."""
+
+
+@dataclass(frozen=True)
+class InplaceCheck:
+    """The outcome of :func:`check_inplace`.
+
+    ``ok`` is True when no trial found a problem; ``problems`` holds one sentence per mismatch, naming the
+    trial and the max error. Memory figures are from the tracker on the example inputs.
+    """
+
+    ok: bool
+    problems: list[str]
+    trials: int
+    mutates_input: bool
+    activation_bytes: int
+    reference_activation_bytes: int
+    peak_bytes: int
+    reference_peak_bytes: int
+    verdict: str
+    notes: list[str] = field(default_factory=list)
+
+    def assert_ok(self) -> None:
+        """Raise :class:`InplaceCheckError` listing the problems unless ``ok``."""
+        if not self.ok:
+            raise InplaceCheckError("memtrim.check_inplace found problems:\n- " + "\n- ".join(self.problems))
+
+    def __str__(self) -> str:
+        head = "ok" if self.ok else f"{len(self.problems)} problem(s)"
+        lines = [f"check_inplace: {head} over {self.trials} trials; {self.verdict}"]
+        lines += [f"  problem: {p}" for p in self.problems]
+        lines += [f"  note: {n}" for n in self.notes]
+        lines.append(
+            f"  kept for backward: {self.activation_bytes:,} B (reference {self.reference_activation_bytes:,} B); "
+            f"peak of new storages: {self.peak_bytes:,} B (reference {self.reference_peak_bytes:,} B)"
+        )
+        return "\n".join(lines)
+
+
+def check_inplace(
+    fn: Callable[..., torch.Tensor],
+    reference: Callable[..., torch.Tensor],
+    *example_inputs: torch.Tensor,
+    draws: int = 3,
+    dtypes: Sequence[torch.dtype] | None = None,
+    shapes: Sequence[Sequence[tuple[int, ...]]] | None = None,
+    inplace: bool | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+    seed: int = 0,
+) -> InplaceCheck:
+    """Check that ``fn`` (typically an in-place rewrite) computes exactly what ``reference`` computes.
+
+    Args:
+        fn: the function or module under test, called as ``fn(*inputs)``; returns one tensor.
+        reference: a trusted out-of-place implementation with the same signature.
+        example_inputs: floating-point tensors giving the shapes and dtypes of the inputs.
+        draws: random draws per (shape, dtype).
+        dtypes: dtypes to try (default: the examples' dtypes, plus float64 unless fn or reference is a module with
+            parameters, whose dtype is fixed).
+        shapes: extra input shapes to try, one tuple of shapes per set of inputs.
+        inplace: what ``fn`` claims: True, it returns its first input's storage; False, it never writes into
+            its inputs; None (default), either, as long as an input it writes into is the one it returns.
+        rtol, atol: tolerance (default per dtype: float64 1e-10, float32 1e-5; a rewrite may reorder ops).
+        seed: seeds the draws.
+
+    Returns:
+        An :class:`InplaceCheck`; call ``.assert_ok()`` to fail loudly.
+
+    Raises:
+        InvalidInputError: no example inputs, non-tensor or non-floating inputs, or a reference that fails on
+            the examples (nothing to compare against).
+
+    Example::
+
+        def silu_inplace_1(x):           # the seed's: returns sigmoid(x)**2
+            return x * torch.sigmoid_(x)
+        memtrim.check_inplace(silu_inplace_1, torch.nn.functional.silu, torch.randn(64, 128)).ok   # False
+
+    See NOTE [ what check_inplace checks ] in memtrim/techniques/activations/check.py.
+    """
+    if not example_inputs:
+        raise InvalidInputError("memtrim.check_inplace: give at least one example input, e.g. torch.randn(64, 128).")
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            raise InvalidInputError(f"memtrim.check_inplace: example input {i} is a {type(x).__name__}, not a tensor.")
+        if not x.is_floating_point():
+            raise InvalidInputError(
+                f"memtrim.check_inplace: example input {i} has dtype {x.dtype}; in-place activations and their "
+                "gradients need floating-point inputs."
+            )
+    if draws < 1:
+        raise InvalidInputError(f"memtrim.check_inplace: draws must be >= 1, got {draws}.")
+    device = example_inputs[0].device
+    base_shapes = [tuple(x.shape) for x in example_inputs]
+    shape_sets = [base_shapes] + [list(map(tuple, s)) for s in (shapes or [])]
+    if dtypes:
+        dtype_list = list(dict.fromkeys(dtypes))
+    elif _params(fn) or _params(reference):  # parameters fix the dtype
+        dtype_list = list(dict.fromkeys(x.dtype for x in example_inputs))
+    else:
+        dtype_list = list(dict.fromkeys([*(x.dtype for x in example_inputs), torch.float64]))
+    try:
+        with torch.no_grad():
+            reference(*[x.detach().clone() for x in example_inputs])
+    except Exception as e:
+        raise InvalidInputError(
+            f"memtrim.check_inplace: the reference raised on the example inputs ({type(e).__name__}: {e}); "
+            "there is nothing to compare against. Fix the reference or the examples."
+        ) from e
+
+    problems: list[str] = []
+    notes: list[str] = []
+    mutated = False
+    trials = 0
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for shape_set in shape_sets:
+        for dtype in dtype_list:
+            tol = (rtol, atol) if rtol is not None and atol is not None else _DEFAULT_TOLERANCE.get(dtype, (1e-5, 1e-6))
+            for draw in range(draws):
+                trials += 1
+                where = f"trial {trials} (shapes {shape_set}, {dtype}, draw {draw + 1})"
+                inputs = [torch.randn(s, generator=generator, dtype=torch.float64).to(device, dtype) for s in shape_set]
+                found, wrote = _compare(fn, reference, inputs, tol, where, inplace, generator)
+                problems += found
+                mutated = mutated or wrote
+                if found:
+                    break  # the next draws of this dtype would repeat the same complaint
+    earlier_tol = _DEFAULT_TOLERANCE[torch.float64] if not (_params(fn) or _params(reference)) else tol
+    problems += _check_saved_by_earlier_op(fn, reference, example_inputs, earlier_tol, generator)
+
+    kept, peak = _memory(fn, example_inputs)
+    ref_kept, ref_peak = _memory(reference, example_inputs)
+    verdict = _verdict(kept, ref_kept, peak, ref_peak)
+    return InplaceCheck(
+        ok=not problems, problems=problems, trials=trials, mutates_input=mutated, activation_bytes=kept,
+        reference_activation_bytes=ref_kept, peak_bytes=peak, reference_peak_bytes=ref_peak, verdict=verdict,
+        notes=notes,
+    )
+
+
+def _verdict(kept: int, ref_kept: int, peak: int, ref_peak: int) -> str:
+    if kept < ref_kept:
+        return f"saves {ref_kept - kept:,} bytes of activations ({format_bytes(ref_kept - kept)})"
+    if kept == ref_kept and peak < ref_peak:
+        return f"saves only {ref_peak - peak:,} bytes of transient peak; it keeps the same activations"
+    worse = []
+    if kept > ref_kept:
+        worse.append(f"keeps {kept - ref_kept:,} more bytes for backward")
+    if peak > ref_peak:
+        worse.append(f"peaks {peak - ref_peak:,} bytes higher")
+    return "saves nothing" + (": it " + " and ".join(worse) if worse else "")
+
+
+class _WriteRecorder(TorchDispatchMode):
+    """Records the storages every op writes in place, and the storages ops create."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[tuple[str, torch.UntypedStorage]] = []
+        self.created: list[torch.UntypedStorage] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        seen = {id(t.untyped_storage()) for t in _flat(list(args) + list(kwargs.values()))}
+        out = func(*args, **kwargs)
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(argument.name)
+                for t in _flat(value):
+                    self.written.append((func.overloadpacket.__name__, t.untyped_storage()))
+        for t in _flat(out):
+            if id(t.untyped_storage()) not in seen:  # an in-place op returns its argument: not created here
+                self.created.append(t.untyped_storage())
+        return out
+
+
+def _flat(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _flat(item)
+
+
+def _call(fn: Callable[..., Any], inputs: list[torch.Tensor], what: str) -> torch.Tensor:
+    out = fn(*inputs)
+    if not isinstance(out, torch.Tensor):
+        raise InvalidInputError(f"memtrim.check_inplace: {what} returned a {type(out).__name__}, not a tensor.")
+    return out
+
+
+def _params(fn: Any) -> dict[str, torch.Tensor]:
+    return dict(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else {}
+
+
+def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol: tuple[float, float], where: str,
+             inplace: bool | None, generator: torch.Generator) -> tuple[list[str], bool]:
+    problems: list[str] = []
+    leaves_ref = [x.clone().requires_grad_() for x in inputs]
+    leaves_fn = [x.clone().requires_grad_() for x in inputs]
+    args_ref = [x.clone() for x in leaves_ref]  # non-leaf: an in-place op on them is legal
+    args_fn = [x.clone() for x in leaves_fn]
+    before = [x.detach().clone() for x in args_fn]
+    params_fn, params_ref = _params(fn), _params(reference)
+    params_before = {n: p.detach().clone() for n, p in params_fn.items()}
+    out_ref = _call(reference, args_ref, "the reference")
+    recorder = _WriteRecorder()
+    try:
+        with recorder:
+            out_fn = _call(fn, args_fn, "fn")
+    except InvalidInputError:
+        raise
+    except Exception as e:
+        return [f"{where}: fn raised {type(e).__name__}: {e}"], False
+    if out_fn.shape != out_ref.shape:
+        return [f"{where}: fn returns shape {tuple(out_fn.shape)} but the reference returns "
+                f"{tuple(out_ref.shape)}; fn changes the shape."], False
+    error = _max_error(out_fn, out_ref, tol)
+    if error is not None:
+        problems.append(f"{where}: the values differ from the reference's: max abs error {error[0]:.3e}, "
+                        f"max rel error {error[1]:.3e}.")
+    # what fn wrote into
+    out_storage = out_fn.untyped_storage()
+    created = {id(s) for s in recorder.created if s is not None}
+    input_storages = {id(a.untyped_storage()): i for i, a in enumerate(args_fn)}
+    wrote_input = False
+    for op, storage in recorder.written:
+        key = id(storage)
+        if key in input_storages:
+            wrote_input = True
+            if storage is not out_storage and storage.data_ptr() != out_storage.data_ptr():
+                problems.append(f"{where}: fn writes into its input {input_storages[key]} in place ({op}) but "
+                                "returns a different tensor: the caller's tensor is silently overwritten.")
+        elif key not in created and storage.data_ptr() != out_storage.data_ptr():
+            problems.append(f"{where}: fn writes in place ({op}) into a tensor it neither created nor received "
+                            "as an input (a parameter, a buffer or a global): another caller's data is corrupted.")
+    returns_input = any(out_storage.data_ptr() == a.untyped_storage().data_ptr() for a in args_fn)
+    if inplace is True and not returns_input:
+        problems.append(f"{where}: fn claims to work in place but its result does not share its input's storage.")
+    if inplace is False and wrote_input:
+        problems.append(f"{where}: fn claims to be out of place but writes into its input.")
+    if not returns_input:
+        for i, (a, b) in enumerate(zip(args_fn, before)):
+            if not _bitwise(a.detach(), b) and not any("input" in p for p in problems):
+                problems.append(f"{where}: fn changed its input {i} without returning it.")
+    for name, p in params_fn.items():
+        if not _bitwise(p.detach(), params_before[name]):
+            problems.append(f"{where}: fn changed its parameter {name} during the forward.")
+    # gradients
+    grad_out = torch.randn(out_ref.shape, generator=generator, dtype=torch.float64).to(out_ref.device, out_ref.dtype)
+    shared = [n for n in params_fn if n in params_ref and params_fn[n].shape == params_ref[n].shape]
+    try:
+        grads_ref = torch.autograd.grad(out_ref, leaves_ref + [params_ref[n] for n in shared], grad_out,
+                                        allow_unused=True)
+    except RuntimeError as e:
+        return problems + [f"{where}: the reference's backward failed: {e}"], wrote_input
+    try:
+        grads_fn = torch.autograd.grad(out_fn, leaves_fn + [params_fn[n] for n in shared], grad_out,
+                                       allow_unused=True)
+    except RuntimeError as e:
+        return problems + [f"{where}: fn's backward raised {e}"], wrote_input
+    names = [f"input {i}" for i in range(len(leaves_fn))] + [f"parameter {n}" for n in shared]
+    for name, a, b in zip(names, grads_fn, grads_ref):
+        if (a is None) != (b is None):
+            problems.append(f"{where}: the gradient of {name} is {'missing' if a is None else 'present'} for fn "
+                            "but not for the reference.")
+        elif a is not None and b is not None:
+            error = _max_error(a, b, tol)
+            if error is not None:
+                problems.append(f"{where}: the gradient of {name} differs from the reference's: max abs error "
+                                f"{error[0]:.3e}, max rel error {error[1]:.3e}.")
+    return problems, wrote_input
+
+
+def _check_saved_by_earlier_op(fn: Callable, reference: Callable, examples: Sequence[torch.Tensor],
+                               tol: tuple[float, float], generator: torch.Generator) -> list[str]:
+    """fn applied to a tensor an earlier op keeps for backward: right gradient or autograd's error."""
+    problems = []
+    dtype = torch.float64 if not (_params(fn) or _params(reference)) else examples[0].dtype
+    for name, earlier in (("torch.sigmoid", torch.sigmoid), ("torch.exp", torch.exp)):
+        x = torch.randn(examples[0].shape, generator=generator, dtype=torch.float64).to(examples[0].device, dtype)
+        others = [e.detach().to(dtype) for e in examples[1:]]
+        leaf_ref, leaf_fn = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_ref = reference(earlier(leaf_ref), *others)
+        grad_out = torch.randn(out_ref.shape, generator=generator, dtype=torch.float64).to(out_ref.device, dtype)
+        (expected,) = torch.autograd.grad(out_ref, leaf_ref, grad_out)
+        try:
+            out_fn = fn(earlier(leaf_fn), *others)
+            (got,) = torch.autograd.grad(out_fn, leaf_fn, grad_out)
+        except RuntimeError as e:
+            if "inplace operation" in str(e):
+                continue  # autograd caught it: loud, not silent
+            problems.append(f"after {name} (which keeps its output for backward), fn raised {e}")
+            continue
+        error = _max_error(got, expected, tol)
+        if error is not None:
+            problems.append(f"after {name} (which keeps its output for backward), fn gives a silently wrong "
+                            f"gradient: max abs error {error[0]:.3e}, max rel error {error[1]:.3e}.")
+    return problems
+
+
+def _memory(fn: Callable, examples: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """(bytes autograd keeps after the call, peak of new storages during it), on the examples."""
+    leaves = [x.detach().clone().requires_grad_() for x in examples]
+    args = [x.clone() for x in leaves]
+    with track() as tracker:
+        out = fn(*args)
+        kept = tracker.saved_for_backward_bytes()
+    report = tracker.report()
+    del out
+    return kept, report.peak_bytes - report.timeline[0].total_bytes
+
+
+def _max_error(a: torch.Tensor, b: torch.Tensor, tol: tuple[float, float]) -> tuple[float, float] | None:
+    """(max abs, max rel) error if ``a`` and ``b`` differ beyond ``tol``, else None (NaNs must match)."""
+    a64, b64 = a.detach().double(), b.detach().double()
+    nan_a, nan_b = torch.isnan(a64), torch.isnan(b64)
+    if not torch.equal(nan_a, nan_b):
+        return math.inf, math.inf
+    a64, b64 = a64[~nan_a], b64[~nan_b]
+    both_inf = torch.isinf(a64) & torch.isinf(b64) & (a64 == b64)
+    diff = (a64 - b64).abs()
+    diff[both_inf] = 0
+    if bool((diff <= tol[1] + tol[0] * b64.abs()).all()):
+        return None
+    rel = diff / b64.abs().clamp_min(1e-300)
+    return float(diff.max()), float(rel.max())
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.equal(a.isnan(), b.isnan())) and bool(
+        torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
+    )

@@ -1,0 +1,406 @@
+"""Activations whose backward keeps the least: the output, a 1-bit mask, or (only where unavoidable) the input.
+
+NOTE [ what each activation keeps ]
+* Output (``save="output"``, the default where the derivative is a function of the output): relu, leaky_relu
+  (slope >= 0), hardtanh, relu6, elu / celu (alpha > 0), selu, sigmoid, tanh, hardsigmoid, softplus. These can
+  run truly in place (``inplace=True``): the caller's tensor becomes the output and is the only thing kept.
+  When the next layer keeps that output anyway (a Linear does), this costs nothing extra.
+* Mask (``save="mask"``): relu, leaky_relu, hardtanh, relu6, hardsigmoid need only where the input was in their
+  linear region: one bit per element, packed 8 to a byte (1/32 of a float32 output). Worth it when nothing else
+  keeps the output (e.g. the next op is an addition, a dropout or a pooling).
+* Input: silu, gelu, mish, hardswish need the input; they keep it and recompute the rest in backward, as torch's
+  out-of-place versions do. ``inplace=True`` keeps a copy of the input (as torch's ``silu_`` does): in place
+  saves only the output buffer, never activation memory, for these.
+
+Backward formulas call the same aten kernels torch uses (``threshold_backward``, ``elu_backward(is_result=
+True)``, ...), so gradients are bitwise those of torch's in-place variants; where torch's out-of-place variant
+differentiates from the input instead (elu, softplus, hardsigmoid), results agree to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ...errors import InvalidInputError
+
+__all__ = [
+    "celu", "elu", "gelu", "hardsigmoid", "hardswish", "hardtanh", "leaky_relu", "mish", "relu", "relu6", "selu",
+    "sigmoid", "silu", "softplus", "tanh", "pack_mask", "unpack_mask",
+]
+
+_SELU_ALPHA = 1.6732632423543772848170429916717
+_SELU_SCALE = 1.0507009873554804934193349852946
+
+
+# ---------------------------------------------------------------------- bit-packed masks
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a bool tensor into uint8, 8 elements per byte (little-endian bit order).
+
+    Transient memory: the bool mask itself (1 byte per element) plus two eighths of it.
+    """
+    flat = mask.reshape(-1)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    bits = flat.view(torch.uint8).view(-1, 8)
+    packed = bits[:, 0].clone()
+    for i in range(1, 8):
+        packed |= bits[:, i] << i
+    return packed
+
+
+def unpack_mask(packed: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Inverse of :func:`pack_mask`."""
+    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
+    bits = (packed.unsqueeze(1) >> shifts) & 1
+    return bits.reshape(-1)[: math.prod(shape)].view(shape).bool()
+
+
+# ---------------------------------------------------------------------- the rules, one per activation
+class _Rule:
+    """How one activation computes, and what its backward needs."""
+
+    keeps = "output"  # or "input"
+    mask_ok = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_(self, x: torch.Tensor) -> torch.Tensor:
+        return x.copy_(self.forward(x))
+
+    def grad(self, grad: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def mask(self, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def grad_from_mask(self, grad: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _ReLU(_Rule):
+    mask_ok = True
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return torch.relu(x)
+
+    def forward_(self, x):  # type: ignore[no-untyped-def]
+        return torch.relu_(x)
+
+    def grad(self, grad, y):  # type: ignore[no-untyped-def]
+        return torch.ops.aten.threshold_backward(grad, y, 0)
+
+    def mask(self, y):  # type: ignore[no-untyped-def]
+        return y > 0
+
+    def grad_from_mask(self, grad, mask):  # type: ignore[no-untyped-def]
+        return torch.where(mask, grad, grad.new_zeros(()))
+
+
+class _LeakyReLU(_Rule):
+    mask_ok = True
+
+    def __init__(self, slope: float) -> None:
+        self.slope = slope
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.leaky_relu(x, self.slope)
+
+    def forward_(self, x):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.leaky_relu_(x, self.slope)
+
+    def grad(self, grad, y):  # type: ignore[no-untyped-def]
+        return torch.ops.aten.leaky_relu_backward(grad, y, self.slope, True)
+
+    def mask(self, y):  # type: ignore[no-untyped-def]
+        return y > 0
+
+    def grad_from_mask(self, grad, mask):  # type: ignore[no-untyped-def]
+        return torch.where(mask, grad, grad * self.slope)
+
+
+class _Hardtanh(_Rule):
+    mask_ok = True
+
+    def __init__(self, low: float, high: float) -> None:
+        self.low, self.high = low, high
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.hardtanh(x, self.low, self.high)
+
+    def forward_(self, x):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.hardtanh_(x, self.low, self.high)
+
+    def grad(self, grad, y):  # type: ignore[no-untyped-def]
+        # low < y < high exactly where low < x < high: the same mask torch computes from the input
+        return torch.ops.aten.hardtanh_backward(grad, y, self.low, self.high)
+
+    def mask(self, y):  # type: ignore[no-untyped-def]
+        return (y > self.low) & (y < self.high)
+
+    def grad_from_mask(self, grad, mask):  # type: ignore[no-untyped-def]
+        return torch.where(mask, grad, grad.new_zeros(()))
+
+
+class _ELU(_Rule):
+    """elu, celu and selu: y = scale * (x if x > 0 else alpha * (exp(x * input_scale) - 1))."""
+
+    def __init__(self, alpha: float, scale: float = 1.0, input_scale: float = 1.0) -> None:
+        self.alpha, self.scale, self.input_scale = alpha, scale, input_scale
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return torch.ops.aten.elu(x, self.alpha, self.scale, self.input_scale)
+
+    def forward_(self, x):  # type: ignore[no-untyped-def]
+        return torch.ops.aten.elu_(x, self.alpha, self.scale, self.input_scale)
+
+    def grad(self, grad, y):  # type: ignore[no-untyped-def]
+        return torch.ops.aten.elu_backward(grad, self.alpha, self.scale, self.input_scale, True, y)
+
+
+class _Sigmoid(_Rule):
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return torch.sigmoid(x)
+
+    def forward_(self, x):  # type: ignore[no-untyped-def]
+        return torch.sigmoid_(x)
+
+    def grad(self, grad, y):  # type: ignore[no-untyped-def]
+        return torch.ops.aten.sigmoid_backward(grad, y)
+
+
+class _Tanh(_Rule):
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return torch.tanh(x)
+
+    def forward_(self, x):  # type: ignore[no-untyped-def]
+        return torch.tanh_(x)
+
+    def grad(self, grad, y):  # type: ignore[no-untyped-def]
+        return torch.ops.aten.tanh_backward(grad, y)
+
+
+class _Hardsigmoid(_Rule):
+    mask_ok = True
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.hardsigmoid(x)
+
+    def forward_(self, x):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.hardsigmoid(x, inplace=True)
+
+    def mask(self, y):  # type: ignore[no-untyped-def]
+        return (y > 0) & (y < 1)  # exactly -3 < x < 3
+
+    def grad(self, grad, y):  # type: ignore[no-untyped-def]
+        return self.grad_from_mask(grad, self.mask(y))
+
+    def grad_from_mask(self, grad, mask):  # type: ignore[no-untyped-def]
+        return torch.where(mask, grad / 6, grad.new_zeros(()))
+
+
+class _Softplus(_Rule):
+    def __init__(self, beta: float, threshold: float) -> None:
+        self.beta, self.threshold = beta, threshold
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.softplus(x, self.beta, self.threshold)
+
+    def grad(self, grad, y):  # type: ignore[no-untyped-def]
+        # d/dx log(1 + exp(beta x)) / beta = sigmoid(beta x) = 1 - exp(-beta y); 1 above the threshold (y == x)
+        linear = y * self.beta > self.threshold
+        return torch.where(linear, grad, grad * -torch.expm1(-self.beta * y))
+
+
+class _InputRule(_Rule):
+    keeps = "input"
+
+    def __init__(self, forward: Any, backward: Any) -> None:
+        self._forward, self._backward = forward, backward
+
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return self._forward(x)
+
+    def grad(self, grad, x):  # type: ignore[no-untyped-def]
+        return self._backward(grad, x)
+
+
+# ---------------------------------------------------------------------- the autograd Functions
+class _KeepOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool) -> torch.Tensor:  # type: ignore[override]
+        if inplace:
+            y = rule.forward_(x)
+            ctx.mark_dirty(x)
+        else:
+            y = rule.forward(x)
+        ctx.rule = rule
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        (y,) = ctx.saved_tensors
+        return ctx.rule.grad(grad, y), None, None
+
+
+class _KeepMask(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool) -> torch.Tensor:  # type: ignore[override]
+        if inplace:
+            y = rule.forward_(x)
+            ctx.mark_dirty(x)
+        else:
+            y = rule.forward(x)
+        ctx.rule = rule
+        ctx.shape = y.shape
+        ctx.save_for_backward(pack_mask(rule.mask(y)))
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        (packed,) = ctx.saved_tensors
+        return ctx.rule.grad_from_mask(grad, unpack_mask(packed, ctx.shape)), None, None
+
+
+class _KeepInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool) -> torch.Tensor:  # type: ignore[override]
+        ctx.rule = rule
+        if inplace:
+            ctx.save_for_backward(x.clone())  # the input is about to be overwritten and the backward needs it
+            ctx.mark_dirty(x)
+            return x.copy_(rule.forward(x))
+        ctx.save_for_backward(x)
+        return rule.forward(x)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return ctx.rule.grad(grad, x), None, None
+
+
+def _apply(name: str, x: torch.Tensor, rule: _Rule, inplace: bool, save: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise InvalidInputError(f"memtrim.functional.{name}: input must be a tensor, got {type(x).__name__}.")
+    if save not in ("output", "mask"):
+        raise InvalidInputError(f"memtrim.functional.{name}: save must be 'output' or 'mask', got {save!r}.")
+    if save == "mask" and not rule.mask_ok:
+        raise InvalidInputError(
+            f"memtrim.functional.{name}: save='mask' needs an activation whose gradient is a 0/1 (or 0/slope) "
+            "function of a sign: relu, leaky_relu, hardtanh, relu6 or hardsigmoid."
+        )
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return rule.forward_(x) if inplace else rule.forward(x)
+    if rule.keeps == "input":
+        return _KeepInput.apply(x, rule, inplace)
+    return (_KeepMask if save == "mask" else _KeepOutput).apply(x, rule, inplace)
+
+
+# ---------------------------------------------------------------------- public functions (torch's signatures)
+def relu(input: torch.Tensor, inplace: bool = False, *, save: str = "output") -> torch.Tensor:
+    """ReLU keeping only its output (or a 1-bit mask with ``save="mask"``) for backward."""
+    return _apply("relu", input, _ReLU(), inplace, save)
+
+
+def leaky_relu(input: torch.Tensor, negative_slope: float = 0.01, inplace: bool = False, *,
+               save: str = "output") -> torch.Tensor:
+    """LeakyReLU keeping its output (or a 1-bit mask); a negative slope keeps the input instead."""
+    if negative_slope < 0:
+        rule: _Rule = _InputRule(lambda x: torch.nn.functional.leaky_relu(x, negative_slope),
+                                 lambda g, x: torch.ops.aten.leaky_relu_backward(g, x, negative_slope, False))
+        if save == "mask":
+            raise InvalidInputError("memtrim.functional.leaky_relu: save='mask' needs negative_slope >= 0.")
+        return _apply("leaky_relu", input, rule, inplace, "output")
+    return _apply("leaky_relu", input, _LeakyReLU(negative_slope), inplace, save)
+
+
+def hardtanh(input: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False, *,
+             save: str = "output") -> torch.Tensor:
+    """Hardtanh keeping its output (or a 1-bit mask)."""
+    if min_val >= max_val:
+        raise InvalidInputError(f"memtrim.functional.hardtanh: min_val ({min_val}) must be < max_val ({max_val}).")
+    return _apply("hardtanh", input, _Hardtanh(min_val, max_val), inplace, save)
+
+
+def relu6(input: torch.Tensor, inplace: bool = False, *, save: str = "output") -> torch.Tensor:
+    """ReLU6 keeping its output (or a 1-bit mask)."""
+    return _apply("relu6", input, _Hardtanh(0.0, 6.0), inplace, save)
+
+
+def elu(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False) -> torch.Tensor:
+    """ELU keeping its output (alpha > 0; otherwise its input)."""
+    if alpha <= 0:
+        rule: _Rule = _InputRule(lambda x: torch.nn.functional.elu(x, alpha),
+                                 lambda g, x: torch.ops.aten.elu_backward(g, alpha, 1.0, 1.0, False, x))
+        return _apply("elu", input, rule, inplace, "output")
+    return _apply("elu", input, _ELU(alpha), inplace, "output")
+
+
+def celu(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False) -> torch.Tensor:
+    """CELU keeping its output."""
+    if alpha <= 0:
+        raise InvalidInputError(f"memtrim.functional.celu: alpha must be > 0, got {alpha}.")
+    return _apply("celu", input, _ELU(alpha, 1.0, 1.0 / alpha), inplace, "output")
+
+
+def selu(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """SELU keeping its output."""
+    return _apply("selu", input, _ELU(_SELU_ALPHA, _SELU_SCALE), inplace, "output")
+
+
+def sigmoid(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """Sigmoid keeping its output."""
+    return _apply("sigmoid", input, _Sigmoid(), inplace, "output")
+
+
+def tanh(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """Tanh keeping its output."""
+    return _apply("tanh", input, _Tanh(), inplace, "output")
+
+
+def hardsigmoid(input: torch.Tensor, inplace: bool = False, *, save: str = "output") -> torch.Tensor:
+    """Hardsigmoid keeping its output (or a 1-bit mask)."""
+    return _apply("hardsigmoid", input, _Hardsigmoid(), inplace, save)
+
+
+def softplus(input: torch.Tensor, beta: float = 1.0, threshold: float = 20.0) -> torch.Tensor:
+    """Softplus keeping its output (its derivative is 1 - exp(-beta * output))."""
+    if beta <= 0:
+        raise InvalidInputError(f"memtrim.functional.softplus: beta must be > 0, got {beta}.")
+    return _apply("softplus", input, _Softplus(beta, threshold), False, "output")
+
+
+def silu(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """SiLU keeping its input (the derivative needs it); nothing else."""
+    return _apply("silu", input, _InputRule(torch.nn.functional.silu, torch.ops.aten.silu_backward), inplace,
+                  "output")
+
+
+def gelu(input: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU (exact or ``approximate="tanh"``) keeping its input; nothing else."""
+    if approximate not in ("none", "tanh"):
+        raise InvalidInputError(f"memtrim.functional.gelu: approximate must be 'none' or 'tanh', got {approximate!r}.")
+    rule = _InputRule(lambda x: torch.nn.functional.gelu(x, approximate=approximate),
+                      lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate=approximate))
+    return _apply("gelu", input, rule, False, "output")
+
+
+def mish(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """Mish keeping its input; nothing else."""
+    return _apply("mish", input, _InputRule(torch.nn.functional.mish, torch.ops.aten.mish_backward), inplace,
+                  "output")
+
+
+def hardswish(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """Hardswish keeping its input; nothing else."""
+    return _apply("hardswish", input,
+                  _InputRule(torch.nn.functional.hardswish, torch.ops.aten.hardswish_backward), inplace, "output")

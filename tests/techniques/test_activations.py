@@ -1,0 +1,221 @@
+"""memtrim.functional / memtrim.nn activations: torch's values and gradients, and exactly what they keep."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memtrim
+import memtrim.functional as MF
+
+# name -> (memtrim function, torch out-of-place, torch in-place or None, what is kept, bitwise vs which torch)
+CASES = {
+    "relu": (MF.relu, torch.relu, torch.relu_, "output", "both"),
+    "leaky_relu": (lambda x, inplace=False: MF.leaky_relu(x, 0.1, inplace), lambda x: F.leaky_relu(x, 0.1),
+                   lambda x: F.leaky_relu_(x, 0.1), "output", "both"),
+    "hardtanh": (lambda x, inplace=False: MF.hardtanh(x, -0.5, 0.7, inplace), lambda x: F.hardtanh(x, -0.5, 0.7),
+                 lambda x: F.hardtanh_(x, -0.5, 0.7), "output", "both"),
+    "relu6": (MF.relu6, F.relu6, lambda x: F.relu6(x, inplace=True), "output", "both"),
+    "elu": (lambda x, inplace=False: MF.elu(x, 0.8, inplace), lambda x: F.elu(x, 0.8),
+            lambda x: F.elu_(x, 0.8), "output", "inplace"),
+    "selu": (MF.selu, F.selu, F.selu_, "output", "inplace"),
+    "celu": (lambda x, inplace=False: MF.celu(x, 1.3, inplace), lambda x: F.celu(x, 1.3),
+             lambda x: F.celu_(x, 1.3), "output", "inplace"),
+    "sigmoid": (MF.sigmoid, torch.sigmoid, torch.sigmoid_, "output", "both"),
+    "tanh": (MF.tanh, torch.tanh, torch.tanh_, "output", "both"),
+    "hardsigmoid": (MF.hardsigmoid, F.hardsigmoid, None, "output", "tolerance"),
+    "softplus": (lambda x, inplace=False: MF.softplus(x, 2.0, 5.0), lambda x: F.softplus(x, 2.0, 5.0), None,
+                 "output", "tolerance"),
+    "silu": (MF.silu, F.silu, None, "input", "both"),
+    "gelu": (lambda x, inplace=False: MF.gelu(x), F.gelu, None, "input", "both"),
+    "gelu_tanh": (lambda x, inplace=False: MF.gelu(x, "tanh"), lambda x: F.gelu(x, approximate="tanh"), None,
+                  "input", "both"),
+    "mish": (MF.mish, F.mish, None, "input", "both"),
+    "hardswish": (MF.hardswish, F.hardswish, None, "input", "both"),
+}
+MASKED = {
+    "relu": lambda x, inplace=False: MF.relu(x, inplace, save="mask"),
+    "leaky_relu": lambda x, inplace=False: MF.leaky_relu(x, 0.1, inplace, save="mask"),
+    "hardtanh": lambda x, inplace=False: MF.hardtanh(x, -0.5, 0.7, inplace, save="mask"),
+    "relu6": lambda x, inplace=False: MF.relu6(x, inplace, save="mask"),
+    "hardsigmoid": lambda x, inplace=False: MF.hardsigmoid(x, inplace, save="mask"),
+}
+REFERENCE = {name: case[1] for name, case in CASES.items()}
+
+
+def data(dtype=torch.float32, shape=(37, 29)):
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * 4  # spans every region, e.g. hardtanh's
+    return x.to(dtype), torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def grad_of(fn, x, grad_out, clone=True):
+    leaf = x.clone().requires_grad_()
+    y = fn(leaf.clone() if clone else leaf)
+    (g,) = torch.autograd.grad(y, leaf, grad_out)
+    return y.detach(), g
+
+
+@pytest.mark.parametrize("name", list(CASES) + [f"{n}[mask]" for n in MASKED])
+def test_gradcheck_float64(name):
+    fn = MASKED[name[:-6]] if name.endswith("[mask]") else CASES[name][0]
+    x, _ = data(torch.float64, (6, 5))
+    x = x + 0.01 * (x.abs() < 0.02)  # keep gradcheck's finite differences off the kinks
+    assert torch.autograd.gradcheck(lambda t: fn(t.clone()), (x.requires_grad_(),))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_values_and_gradients_match_torch_float32(name):
+    fn, reference, reference_, _, bitwise = CASES[name]
+    x, grad_out = data()
+    y, g = grad_of(fn, x, grad_out)
+    y_ref, g_ref = grad_of(reference, x, grad_out)
+    assert torch.equal(y, y_ref)  # the forward is torch's own kernel
+    if bitwise in ("both", "inplace") and reference_ is not None:
+        _, g_ref_ = grad_of(reference_, x, grad_out)
+        assert torch.equal(g, g_ref_)  # the same backward kernel as torch's in-place variant
+    if bitwise == "both":
+        assert torch.equal(g, g_ref)
+    else:
+        # elu/selu/celu: torch's out-of-place backward uses alpha*exp(x), ours y + alpha (torch's own in-place
+        # formula); softplus: 1 - exp(-beta*y) for exp(beta*x)/(1+exp(beta*x)); hardsigmoid: grad/6 vs grad*(1/6).
+        # Each is a few float32 roundings apart.
+        torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(MASKED))
+def test_masked_gradients_bitwise(name):
+    x, grad_out = data()
+    _, g = grad_of(MASKED[name], x, grad_out)
+    _, g_ref = grad_of(CASES[name][0], x, grad_out)
+    assert torch.equal(g, g_ref)
+
+
+@pytest.mark.parametrize("name", list(CASES) + [f"{n}[mask]" for n in MASKED])
+def test_bytes_kept_for_backward(name):
+    masked = name.endswith("[mask]")
+    fn = MASKED[name[:-6]] if masked else CASES[name][0]
+    x, _ = data(shape=(64, 100))
+    leaf = x.clone().requires_grad_()
+    inp = leaf.clone()
+    with memtrim.track() as tracker:
+        y = fn(inp)
+        kept = tracker.saved_for_backward_bytes()
+    n = x.numel()
+    expected = math.ceil(n / 8) if masked else n * 4
+    assert kept == expected
+    if not masked and CASES[name][3] == "input":
+        assert y.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[3] == "output" and n != "softplus"]
+                         + [f"{n}[mask]" for n in MASKED])
+def test_inplace_is_truly_in_place(name):
+    masked = name.endswith("[mask]")
+    fn = MASKED[name[:-6]] if masked else CASES[name][0]
+    reference = REFERENCE[name[:-6] if masked else name]
+    x, grad_out = data(shape=(64, 100))
+    leaf = x.clone().requires_grad_()
+    inp = leaf.clone()
+    with memtrim.track() as tracker:
+        y = fn(inp, inplace=True)
+        kept = tracker.saved_for_backward_bytes()
+    report = tracker.report()
+    assert y.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr()
+    # in place: no new storage, except (mask) the 1-byte-per-element bool masks while they are made and packed
+    # (two comparisons and their conjunction for a two-sided range like hardtanh's)
+    transient = report.peak_bytes - report.timeline[0].total_bytes
+    assert transient <= (3 * x.numel() + 2 * math.ceil(x.numel() / 8) if masked else 0)
+    assert kept == (math.ceil(x.numel() / 8) if masked else x.numel() * 4)
+    (g,) = torch.autograd.grad(y, leaf, grad_out)
+    _, g_ref = grad_of(reference, x, grad_out)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["relu", "sigmoid", "elu", "silu", "relu[mask]"])
+def test_check_inplace_passes_and_input_used_elsewhere_is_loud(name):
+    masked = name.endswith("[mask]")
+    fn = MASKED[name[:-6]] if masked else CASES[name][0]
+    reference = REFERENCE[name[:-6] if masked else name]
+    result = memtrim.check_inplace(lambda t: fn(t, inplace=True), reference, torch.randn(16, 8))
+    result.assert_ok()  # includes: on sigmoid's/exp's saved output, autograd's error rather than a wrong gradient
+    # and used elsewhere out of place: the input feeds two branches
+    x, grad_out = data()
+    leaf = x.clone().requires_grad_()
+    h = leaf * 1.5
+    y = fn(h) + h
+    (g,) = torch.autograd.grad(y, leaf, grad_out)
+    leaf2 = x.clone().requires_grad_()
+    h2 = leaf2 * 1.5
+    (g_ref,) = torch.autograd.grad(reference(h2) + h2, leaf2, grad_out)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["relu", "leaky_relu", "sigmoid", "tanh", "silu", "gelu", "relu[mask]"])
+def test_bf16_autocast(name):
+    masked = name.endswith("[mask]")
+    fn = MASKED[name[:-6]] if masked else CASES[name][0]
+    reference = REFERENCE[name[:-6] if masked else name]
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(29, 29)
+    x, _ = data()
+
+    def run(act):
+        linear.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = act(linear(x))
+        out.float().square().sum().backward()
+        return out, linear.weight.grad.clone()
+
+    out, g = run(fn)
+    out_ref, g_ref = run(reference)
+    assert out.dtype == out_ref.dtype == torch.bfloat16
+    assert torch.equal(out, out_ref)
+    assert torch.equal(g, g_ref)
+
+
+def test_modules_have_torchs_signatures_and_state():
+    pairs = [
+        (memtrim.nn.ReLU(inplace=True), torch.nn.ReLU(inplace=True)),
+        (memtrim.nn.LeakyReLU(0.2), torch.nn.LeakyReLU(0.2)),
+        (memtrim.nn.Hardtanh(-2, 2), torch.nn.Hardtanh(-2, 2)),
+        (memtrim.nn.ReLU6(), torch.nn.ReLU6()),
+        (memtrim.nn.ELU(0.5), torch.nn.ELU(0.5)),
+        (memtrim.nn.SELU(), torch.nn.SELU()),
+        (memtrim.nn.CELU(0.7), torch.nn.CELU(0.7)),
+        (memtrim.nn.Sigmoid(), torch.nn.Sigmoid()),
+        (memtrim.nn.Tanh(), torch.nn.Tanh()),
+        (memtrim.nn.Hardsigmoid(), torch.nn.Hardsigmoid()),
+        (memtrim.nn.Softplus(2.0, 10.0), torch.nn.Softplus(2.0, 10.0)),
+        (memtrim.nn.SiLU(), torch.nn.SiLU()),
+        (memtrim.nn.GELU("tanh"), torch.nn.GELU("tanh")),
+        (memtrim.nn.Mish(), torch.nn.Mish()),
+        (memtrim.nn.Hardswish(), torch.nn.Hardswish()),
+    ]
+    x, _ = data()
+    for ours, theirs in pairs:
+        assert isinstance(ours, type(theirs))
+        assert repr(ours) == repr(theirs)
+        assert torch.equal(ours(x.clone()), theirs(x.clone()))
+
+
+def test_bad_input():
+    with pytest.raises(memtrim.InvalidInputError, match="save must be 'output' or 'mask'"):
+        MF.relu(torch.randn(3, requires_grad=True), save="bits")
+    with pytest.raises(memtrim.InvalidInputError, match="negative_slope >= 0"):
+        MF.leaky_relu(torch.randn(3, requires_grad=True), -0.1, save="mask")
+    with pytest.raises(memtrim.InvalidInputError, match="min_val"):
+        MF.hardtanh(torch.randn(3), 1.0, -1.0)
+    with pytest.raises(memtrim.InvalidInputError, match="input must be a tensor"):
+        MF.relu([1.0, -1.0])
+    with pytest.raises(memtrim.InvalidInputError, match="approximate"):
+        MF.gelu(torch.randn(3), approximate="erf")
+
+
+def test_pack_mask_roundtrip():
+    for n in (1, 7, 8, 9, 1000):
+        mask = torch.rand(n) > 0.5
+        packed = MF.pack_mask(mask)
+        assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n / 8)
+        assert torch.equal(MF.unpack_mask(packed, mask.shape), mask)
