@@ -34,6 +34,10 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     mem = oib["memory"]
     assert mem["in backward"]["peak_gradients"] <= mem["in backward"]["largest_bucket_bytes"] == 784 * 256 * 4
     assert mem["standard"]["peak_bytes"] - mem["in backward"]["peak_bytes"] > 0
+    checks = results["check_inplace"]
+    assert checks["silu_inplace_1"]["ok"] is False and "values differ" in checks["silu_inplace_1"]["problems"][0]
+    assert checks["silu_inplace_2"]["ok"] is True
+    assert checks["memtrim.functional.relu(save='mask')"]["activation_bytes"] == 64 * 128 // 8
     report = (tmp_path / "report.md").read_text()
     assert "memtrim demo report" in report and "bitwise" in report
     for name in ("timeline_relu.png", "timeline_relu_inplace.png"):

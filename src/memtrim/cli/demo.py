@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     results["runs"] = runs
     results["equivalence"] = _equivalence(runs, train, args, device)
     results["optimizer_in_backward"] = _optimizer_in_backward(args, device)
+    results["check_inplace"] = _check_seed_silu(device)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(args.out, "report.md"), "w") as f:
@@ -282,6 +283,38 @@ def _optimizer_in_backward(args: argparse.Namespace, device: torch.device) -> di
             "timing": timing, "memory": memory}
 
 
+def silu_inplace_1(input: torch.Tensor) -> torch.Tensor:
+    """The seed article's first in-place SiLU."""
+    return input * torch.sigmoid_(input)
+
+
+def silu_inplace_2(input: torch.Tensor) -> torch.Tensor:
+    """The seed article's second in-place SiLU."""
+    result = input.clone()
+    torch.sigmoid_(result)
+    input *= result
+    return input
+
+
+def _check_seed_silu(device: torch.device) -> dict[str, Any]:
+    """Check twice, by machine: the seed's two in-place SiLUs, and ReLU kept as a 1-bit mask."""
+    example = torch.randn(64, 128, device=device)
+    out = {}
+    for name, fn, reference in (
+        ("silu_inplace_1", silu_inplace_1, F.silu),
+        ("silu_inplace_2", silu_inplace_2, F.silu),
+        ("torch.relu_", torch.relu_, torch.relu),
+        ("memtrim.functional.relu(save='mask')", lambda x: memtrim.functional.relu(x, save="mask"), torch.relu),
+    ):
+        result = memtrim.check_inplace(fn, reference, example)
+        out[name] = {"ok": result.ok, "problems": result.problems[:3], "verdict": result.verdict,
+                     "activation_bytes": result.activation_bytes,
+                     "reference_activation_bytes": result.reference_activation_bytes,
+                     "peak_bytes": result.peak_bytes, "reference_peak_bytes": result.reference_peak_bytes}
+        print(f"  check_inplace {name}: {'ok' if result.ok else 'FAILS'}; {result.verdict}")
+    return out
+
+
 def _markdown(results: dict[str, Any]) -> str:
     fb = memtrim.format_bytes
     m, s, relu = results["machine"], results["settings"], results["relu_op"]
@@ -355,4 +388,19 @@ def _markdown(results: dict[str, Any]) -> str:
               "bucket's gradients are alive (here the largest, fc1.weight, "
               f"{mem['in backward']['largest_bucket_bytes']:,} B), so the saving grows with the number of "
               "parameters.", ""]
+    lines += ["## 5. Check twice: in-place code against an out-of-place reference", "",
+              "`memtrim.check_inplace(fn, reference, example)` on a 64x128 float32 input (values, gradients, what is "
+              "written in place, the output of an earlier op that keeps it for backward, and memory):", "",
+              "| function | reference | result | kept for backward | peak of new storages | verdict |",
+              "|---|---|---|---:|---:|---|"]
+    for name, r in results["check_inplace"].items():
+        ref = "torch.relu" if "relu" in name else "F.silu"
+        status = "ok" if r["ok"] else "**fails**: " + r["problems"][0].split(": ", 1)[1]
+        lines.append(f"| `{name}` | `{ref}` | {status} | {r['activation_bytes']:,} B "
+                     f"(reference {r['reference_activation_bytes']:,}) | {r['peak_bytes']:,} B "
+                     f"(reference {r['reference_peak_bytes']:,}) | {r['verdict']} |")
+    lines += ["", "The seed's first SiLU returns sigmoid(x)^2 and overwrites its caller's tensor; gradcheck alone "
+              "passes it. The second is correct but keeps twice what `F.silu` keeps. In-place ReLU saves only a "
+              "transient buffer; keeping a 1-bit mask instead of the output is what saves activation memory when "
+              "nothing else keeps the output.", ""]
     return "\n".join(lines)
