@@ -219,3 +219,22 @@ def test_pack_mask_roundtrip():
         packed = MF.pack_mask(mask)
         assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n / 8)
         assert torch.equal(MF.unpack_mask(packed, mask.shape), mask)
+
+
+@pytest.mark.parametrize("name", ["leaky_relu", "relu6", "hardtanh", "elu", "selu", "celu", "hardsigmoid", "softplus"])
+def test_before_a_linear_keeps_one_tensor_where_torch_keeps_two(name):
+    fn, reference = CASES[name][0], CASES[name][1]
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(100, 100)
+
+    def kept(act):
+        x = torch.randn(64, 100, requires_grad=True).clone()
+        with memtrim.track() as tracker:
+            y = linear(act(x))
+            held = tracker.live_by_category()["activations"]
+        del y
+        return held
+
+    one = 64 * 100 * 4
+    assert kept(fn) == one  # the activation's output, shared with the Linear
+    assert kept(reference) == 2 * one  # torch: the activation keeps its input, the Linear its output
