@@ -1,4 +1,9 @@
-"""Module forms of :mod:`memtrim.functional`, drop-in for ``torch.nn``'s activations."""
+"""Module forms of :mod:`memtrim.functional`, drop-in for ``torch.nn``'s activations, and fused BatchNorm +
+activation modules."""
 
 from .techniques.activations.modules import *  # noqa: F403
-from .techniques.activations.modules import __all__  # noqa: F401
+from .techniques.activations.modules import __all__ as _activations
+from .techniques.activations.norm_act import *  # noqa: F403
+from .techniques.activations.norm_act import __all__ as _norm_act
+
+__all__ = [*_activations, *_norm_act]

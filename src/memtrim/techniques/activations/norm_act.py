@@ -1,0 +1,178 @@
+"""BatchNorm followed by identity, LeakyReLU or ELU, keeping only the activation's output (the InPlace-ABN idea,
+arXiv 1712.02616, in pure PyTorch, with standard BatchNorm parameters).
+
+NOTE [ inverting BatchNorm + activation ]
+Forward: ``y = gamma * xhat + beta`` with ``xhat = (x - mean) * invstd``, then ``z = act(y)``. Only ``z`` (and the
+per-channel ``mean``, ``invstd``) is kept. Backward recovers ``y = act^-1(z)`` (LeakyReLU with slope > 0: ``z``
+or ``z / slope``; ELU: ``z`` or ``log1p(z / alpha)``), then ``xhat = (y - beta) / gamma``, and applies BatchNorm's
+backward in terms of ``xhat``:
+``dbeta = sum(dy)``, ``dgamma = sum(dy * xhat)``, ``dx = gamma * invstd * (dy - mean(dy) - xhat * mean(dy * xhat))``
+(training; in eval ``dx = gamma * invstd * dy``).
+
+Where inversion is unsafe it is not used: channels with ``|gamma| < gamma_threshold`` keep their ``xhat``
+explicitly (a tensor of those channels only), and an ELU call whose output saturates (``z + alpha`` within 1e-4 *
+alpha of 0, where ``log1p`` loses the input) keeps ``y`` for that call. Parameters and buffers are exactly
+``nn.BatchNorm``'s, so state_dicts load both ways. Gradients differ from torch's by the rounding of the
+reconstruction (float32: relative 1e-5 or so; see tests), not bitwise.
+
+BatchNorm + ReLU cannot be inverted (ReLU's zeros lose ``y``); keep such pairs as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from ...errors import InvalidInputError
+
+__all__ = ["BatchNormAct1d", "BatchNormAct2d", "BatchNormAct3d"]
+
+_ACTIVATIONS = ("identity", "leaky_relu", "elu")
+_ELU_SATURATION = math.log(1e-4)  # y below this: elu(y) + alpha < 1e-4 * alpha
+
+
+class _BatchNormActFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool,
+                momentum: float, eps: float, activation: str, param: float,
+                gamma_threshold: float) -> torch.Tensor:  # type: ignore[override]
+        out, save_mean, save_invstd = torch.ops.aten.native_batch_norm(
+            x, weight, bias, running_mean, running_var, training, momentum, eps
+        )
+        if not training:  # eval: normalised with the running statistics
+            assert running_mean is not None and running_var is not None
+            save_mean, save_invstd = running_mean.clone(), torch.rsqrt(running_var + eps)
+        channels = x.shape[1]
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        bad = torch.zeros(channels, dtype=torch.bool, device=x.device)
+        if weight is not None:
+            bad = weight.detach().abs() < gamma_threshold
+        kept_y = None
+        if activation == "elu" and bool((out < _ELU_SATURATION).any()):
+            kept_y = out.clone()  # saturated (z + alpha < 1e-4 alpha): log1p cannot recover y, keep it this call
+        if activation == "leaky_relu":
+            torch.nn.functional.leaky_relu_(out, param)
+        elif activation == "elu":
+            torch.ops.aten.elu_(out, param)
+        xhat_bad = None
+        if bool(bad.any()):
+            xhat_bad = ((x[:, bad] - save_mean[bad].view([1, -1] + shape[2:])) *
+                        save_invstd[bad].view([1, -1] + shape[2:]))
+        ctx.activation, ctx.param, ctx.training, ctx.shape = activation, param, training, shape
+        ctx.save_for_backward(out, save_mean, save_invstd, weight, bias, bad, xhat_bad, kept_y)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dz: torch.Tensor) -> tuple:  # type: ignore[override]
+        z, mean, invstd, weight, bias, bad, xhat_bad, kept_y = ctx.saved_tensors
+        shape, activation, param = ctx.shape, ctx.activation, ctx.param
+        if activation == "leaky_relu":
+            positive = z > 0
+            y = torch.where(positive, z, z / param)
+            dy = torch.where(positive, dz, dz * param)
+        elif activation == "elu":
+            positive = z > 0
+            y = kept_y if kept_y is not None else torch.where(positive, z, torch.log1p(z / param))
+            dy = torch.where(positive, dz, dz * (z + param))
+        else:
+            y, dy = z, dz
+        gamma = weight.view(shape) if weight is not None else None
+        beta = bias.view(shape) if bias is not None else None
+        xhat = y - beta if beta is not None else y
+        if gamma is not None:
+            xhat = xhat / torch.where(bad.view(shape), torch.ones_like(gamma), gamma)
+        if xhat_bad is not None:
+            xhat[:, bad] = xhat_bad
+        dims = [0] + list(range(2, z.dim()))
+        dbeta = dy.sum(dims)
+        dgamma = (dy * xhat).sum(dims)
+        scale = invstd.view(shape) * (gamma if gamma is not None else 1.0)
+        if ctx.training:
+            count = z.numel() // z.shape[1]
+            dx = scale * (dy - (dbeta / count).view(shape) - xhat * (dgamma / count).view(shape))
+        else:
+            dx = scale * dy
+        return (dx, dgamma if weight is not None else None, dbeta if bias is not None else None,
+                None, None, None, None, None, None, None, None)
+
+
+class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
+    """Shared by BatchNormAct1d/2d/3d: ``nn.BatchNorm`` parameters and buffers, followed by an activation."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, device: Any = None, dtype: Any = None, *,
+                 activation: str = "leaky_relu", negative_slope: float = 0.01, alpha: float = 1.0,
+                 gamma_threshold: float = 1e-3) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        if activation not in _ACTIVATIONS:
+            raise InvalidInputError(
+                f"memtrim.nn.{type(self).__name__}: activation must be one of {_ACTIVATIONS}, got {activation!r}. "
+                "ReLU is not invertible: keep nn.BatchNorm + nn.ReLU for it."
+            )
+        if activation == "leaky_relu" and negative_slope <= 0:
+            raise InvalidInputError(
+                f"memtrim.nn.{type(self).__name__}: negative_slope must be > 0 to invert the activation, got "
+                f"{negative_slope}."
+            )
+        if activation == "elu" and alpha <= 0:
+            raise InvalidInputError(f"memtrim.nn.{type(self).__name__}: alpha must be > 0, got {alpha}.")
+        self.activation = activation
+        self.negative_slope = negative_slope
+        self.alpha = alpha
+        self.gamma_threshold = gamma_threshold
+
+    def extra_repr(self) -> str:
+        act = {"identity": "identity", "leaky_relu": f"leaky_relu({self.negative_slope})",
+               "elu": f"elu({self.alpha})"}[self.activation]
+        return f"{super().extra_repr()}, activation={act}"
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        # the momentum / num_batches_tracked bookkeeping of nn.BatchNorm.forward, unchanged
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        running_mean = self.running_mean if not self.training or self.track_running_stats else None
+        running_var = self.running_var if not self.training or self.track_running_stats else None
+        param = self.negative_slope if self.activation == "leaky_relu" else self.alpha
+        needs_grad = torch.is_grad_enabled() and (
+            input.requires_grad or (self.weight is not None and self.weight.requires_grad)
+        )
+        if not needs_grad:
+            out = nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias,
+                                           bn_training, factor, self.eps)
+            if self.activation == "leaky_relu":
+                return nn.functional.leaky_relu_(out, param)
+            if self.activation == "elu":
+                return nn.functional.elu_(out, param)
+            return out
+        if not bn_training and (running_mean is None or running_var is None):
+            raise InvalidInputError(f"memtrim.nn.{type(self).__name__}: eval mode needs running statistics.")
+        return _BatchNormActFunction.apply(input, self.weight, self.bias, running_mean, running_var, bn_training,
+                                           factor, self.eps, self.activation, param, self.gamma_threshold)
+
+
+class BatchNormAct1d(_BatchNormAct, nn.BatchNorm1d):
+    """``nn.BatchNorm1d`` + identity / LeakyReLU / ELU, keeping only the activation's output for backward."""
+
+
+class BatchNormAct2d(_BatchNormAct, nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` + identity / LeakyReLU / ELU, keeping only the activation's output for backward.
+
+    Example::
+
+        block = nn.Sequential(nn.Conv2d(3, 16, 3), memtrim.nn.BatchNormAct2d(16, activation="leaky_relu"),
+                              nn.Conv2d(16, 16, 3))
+    """
+
+
+class BatchNormAct3d(_BatchNormAct, nn.BatchNorm3d):
+    """``nn.BatchNorm3d`` + identity / LeakyReLU / ELU, keeping only the activation's output for backward."""

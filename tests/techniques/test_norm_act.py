@@ -1,0 +1,141 @@
+"""BatchNormAct: BatchNorm + identity/LeakyReLU/ELU keeping only the output, against plain torch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memtrim
+
+ACTS = {
+    "identity": lambda y: y,
+    "leaky_relu": lambda y: F.leaky_relu(y, 0.1),
+    "elu": lambda y: F.elu(y, 0.7),
+}
+
+
+def pair(act, dims=2, channels=6, dtype=torch.float32):
+    bn_cls = {1: torch.nn.BatchNorm1d, 2: torch.nn.BatchNorm2d, 3: torch.nn.BatchNorm3d}[dims]
+    ours_cls = {1: memtrim.nn.BatchNormAct1d, 2: memtrim.nn.BatchNormAct2d, 3: memtrim.nn.BatchNormAct3d}[dims]
+    torch.manual_seed(0)
+    plain = bn_cls(channels).to(dtype)
+    with torch.no_grad():
+        plain.weight.uniform_(0.5, 1.5)
+        plain.bias.uniform_(-0.5, 0.5)
+    fused = ours_cls(channels, activation=act, negative_slope=0.1, alpha=0.7).to(dtype)
+    fused.load_state_dict(plain.state_dict())
+    return plain, fused
+
+
+def shape_for(dims):
+    return {1: (16, 6), 2: (4, 6, 5, 5), 3: (2, 6, 3, 4, 4)}[dims]
+
+
+def run(module, act, x, grad_out):
+    leaf = x.clone().requires_grad_()
+    out = act(module(leaf)) if act is not None else module(leaf)
+    grads = torch.autograd.grad(out, [leaf, module.weight, module.bias], grad_out)
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("dims", [1, 2, 3])
+@pytest.mark.parametrize("train", [True, False])
+def test_matches_batchnorm_then_activation(act, dims, train):
+    plain, fused = pair(act, dims, dtype=torch.float64)
+    plain.train(train)
+    fused.train(train)
+    if not train:
+        with torch.no_grad():
+            plain.running_mean.uniform_(-0.2, 0.2)
+            plain.running_var.uniform_(0.5, 2.0)
+        fused.load_state_dict(plain.state_dict())
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(shape_for(dims), generator=g, dtype=torch.float64) * 2 + 0.3
+    grad_out = torch.randn(shape_for(dims), generator=g, dtype=torch.float64)
+    out_ref, grads_ref = run(plain, ACTS[act], x, grad_out)
+    out, grads = run(fused, None, x, grad_out)
+    assert torch.equal(out, out_ref)  # torch's own BatchNorm and activation kernels
+    for a, b in zip(grads, grads_ref):
+        # float64: the reconstruction of xhat from the output costs a few roundings
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(fused, name), getattr(plain, name))
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+def test_float32_tolerance(act):
+    plain, fused = pair(act)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(shape_for(2), generator=g) * 3
+    grad_out = torch.randn(shape_for(2), generator=g)
+    _, grads_ref = run(plain, ACTS[act], x, grad_out)
+    _, grads = run(fused, None, x, grad_out)
+    for a, b in zip(grads, grads_ref):
+        # float32: xhat = (y - beta) / gamma is exact to ~1 ulp of y; relative 1e-4 bounds it with margin
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+def test_zero_and_tiny_gamma_fall_back_per_channel(act):
+    plain, fused = pair(act, dtype=torch.float64)
+    with torch.no_grad():
+        for m in (plain, fused):
+            m.weight[0] = 0.0
+            m.weight[3] = 1e-9
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(shape_for(2), generator=g, dtype=torch.float64)
+    grad_out = torch.randn(shape_for(2), generator=g, dtype=torch.float64)
+    _, grads_ref = run(plain, ACTS[act], x, grad_out)
+    _, grads = run(fused, None, x, grad_out)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_elu_saturation_keeps_the_preactivation():
+    plain, fused = pair("elu", dtype=torch.float32)
+    with torch.no_grad():
+        for m in (plain, fused):
+            m.bias.fill_(-30.0)  # ELU(y) == -alpha in float32: log1p cannot invert it
+    x = torch.randn(shape_for(2))
+    grad_out = torch.randn(shape_for(2))
+    _, grads_ref = run(plain, ACTS["elu"], x, grad_out)
+    _, grads = run(fused, None, x, grad_out)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_state_dict_is_batchnorms():
+    plain, fused = pair("leaky_relu")
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+    back = torch.nn.BatchNorm2d(6)
+    back.load_state_dict(fused.state_dict())
+    assert isinstance(fused, torch.nn.BatchNorm2d)
+
+
+def test_keeps_only_the_output_between_convolutions():
+    def kept(middle):
+        torch.manual_seed(0)
+        conv1, conv2 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, padding=1)
+        x = torch.randn(4, 3, 16, 16)
+        model = torch.nn.Sequential(conv1, *middle, conv2)
+        with memtrim.track(model) as tracker:
+            out = model(x)
+            held = tracker.live_by_category()["activations"]
+        del out
+        return held
+
+    one = 4 * 8 * 16 * 16 * 4
+    plain = kept([torch.nn.BatchNorm2d(8), torch.nn.LeakyReLU(0.1)])
+    fused = kept([memtrim.nn.BatchNormAct2d(8, activation="leaky_relu", negative_slope=0.1)])
+    # torch: BatchNorm's input, LeakyReLU's input, conv2's input; memtrim: the activation output only
+    # (plus per-channel statistics and the channel mask: a few dozen bytes)
+    assert plain >= 3 * one
+    assert fused < one + 1024
+    assert fused < plain / 2.9
+
+
+def test_bad_input():
+    with pytest.raises(memtrim.InvalidInputError, match="ReLU is not invertible"):
+        memtrim.nn.BatchNormAct2d(4, activation="relu")
+    with pytest.raises(memtrim.InvalidInputError, match="negative_slope must be > 0"):
+        memtrim.nn.BatchNormAct2d(4, activation="leaky_relu", negative_slope=0.0)
