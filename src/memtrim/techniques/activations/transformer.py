@@ -1,0 +1,190 @@
+"""Transformer pieces that keep less: a norm that keeps its output, and an activation + Linear that keeps only the
+pre-activation.
+
+NOTE [ norms that keep their output ]
+``nn.LayerNorm`` keeps its input (plus mean and rstd); the Linear after it keeps the norm's output. Keeping the
+output instead (one tensor for both) drops the input: backward recovers ``xhat = (n - beta) / gamma`` and applies
+``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` with ``g = gamma * dn`` over the normalised dimensions
+(RMSNorm: ``xhat = n / gamma``, ``dx = rstd * (g - xhat * mean(g * xhat))``). Features whose ``|gamma|`` is below
+``gamma_threshold`` keep their ``xhat`` column explicitly. Parameters are the torch module's own.
+
+NOTE [ activation + Linear keeping the pre-activation ]
+In ``Linear -> GELU -> Linear`` torch keeps the GELU input ``h`` (for GELU's backward) and the GELU output ``a``
+(for the second Linear's weight gradient). :class:`ActLinear` computes ``Linear(act(h))`` keeping only ``h``; its
+backward recomputes ``a = act(h)`` (one cheap pointwise op) for the weight gradient. The recomputed ``a`` is
+bitwise the forward's, and the backward uses torch's own kernels, so gradients are bitwise those of the pair.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from ...errors import InvalidInputError
+
+__all__ = ["ActLinear", "LayerNorm", "RMSNorm"]
+
+
+class _NormKeepOutput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                normalized_shape: tuple[int, ...], eps: float, rms: bool,
+                gamma_threshold: float) -> torch.Tensor:  # type: ignore[override]
+        dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+        if rms:
+            rstd = torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+            out = x * rstd
+            if weight is not None:
+                out = out * weight
+            mean = None
+        else:
+            out, mean, rstd = torch.ops.aten.native_layer_norm(x, list(normalized_shape), weight, bias, eps)
+        bad = None
+        xhat_bad = None
+        if weight is not None and bool((weight.detach().abs() < gamma_threshold).any()):
+            bad = weight.detach().abs() < gamma_threshold  # kept only when some feature needs the fallback
+            xhat = x * rstd if rms else (x - mean) * rstd
+            xhat_bad = xhat[..., bad] if len(normalized_shape) == 1 else xhat * bad
+        ctx.dims, ctx.rms, ctx.flat_bad = dims, rms, len(normalized_shape) == 1
+        ctx.save_for_backward(out, mean, rstd, weight, bias, bad, xhat_bad)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dn: torch.Tensor) -> tuple:  # type: ignore[override]
+        out, mean, rstd, weight, bias, bad, xhat_bad = ctx.saved_tensors
+        dims = ctx.dims
+        xhat = out - bias if bias is not None else out
+        if weight is not None:
+            xhat = xhat / (torch.where(bad, torch.ones_like(weight), weight) if bad is not None else weight)
+            if xhat_bad is not None:
+                if ctx.flat_bad:
+                    xhat[..., bad] = xhat_bad
+                else:
+                    xhat = torch.where(bad, xhat_bad, xhat)
+        g = dn * weight if weight is not None else dn
+        if ctx.rms:
+            dx = rstd * (g - xhat * (g * xhat).mean(dims, keepdim=True))
+        else:
+            dx = rstd * (g - g.mean(dims, keepdim=True) - xhat * (g * xhat).mean(dims, keepdim=True))
+        batch_dims = tuple(range(dn.dim() - len(dims)))
+        dweight = (dn * xhat).sum(batch_dims) if weight is not None else None
+        dbias = dn.sum(batch_dims) if bias is not None else None
+        return dx, dweight, dbias, None, None, None, None
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` that keeps its output (which the next Linear keeps anyway) instead of its input.
+
+    Same parameters and state_dict as ``nn.LayerNorm``. See NOTE [ norms that keep their output ].
+    """
+
+    def __init__(self, *args: Any, gamma_threshold: float = 1e-3, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gamma_threshold = gamma_threshold
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled() or not (input.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return super().forward(input)
+        return _NormKeepOutput.apply(input, self.weight, self.bias, tuple(self.normalized_shape), self.eps, False,
+                                     self.gamma_threshold)
+
+
+if hasattr(nn, "RMSNorm"):
+    _RMSBase: Any = nn.RMSNorm
+else:  # pragma: no cover - torch < 2.4 has no nn.RMSNorm
+    _RMSBase = nn.Module
+
+
+class RMSNorm(_RMSBase):  # type: ignore[misc,valid-type]
+    """``nn.RMSNorm`` that keeps its output instead of its input. See NOTE [ norms that keep their output ]."""
+
+    def __init__(self, *args: Any, gamma_threshold: float = 1e-3, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gamma_threshold = gamma_threshold
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        eps = self.eps if self.eps is not None else torch.finfo(input.dtype).eps
+        if not torch.is_grad_enabled() or not (input.requires_grad or any(p.requires_grad for p in self.parameters())):
+            return super().forward(input)
+        return _NormKeepOutput.apply(input, self.weight, None, tuple(self.normalized_shape), eps, True,
+                                     self.gamma_threshold)
+
+
+_ACT = {
+    "gelu": (lambda h: F.gelu(h), lambda g, h: torch.ops.aten.gelu_backward(g, h)),
+    "gelu_tanh": (lambda h: F.gelu(h, approximate="tanh"),
+                  lambda g, h: torch.ops.aten.gelu_backward(g, h, approximate="tanh")),
+    "silu": (F.silu, torch.ops.aten.silu_backward),
+    "relu": (torch.relu, lambda g, h: torch.ops.aten.threshold_backward(g, h, 0)),
+    "mish": (F.mish, torch.ops.aten.mish_backward),
+    "hardswish": (F.hardswish, torch.ops.aten.hardswish_backward),
+}
+
+
+class _ActLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                activation: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.activation = activation
+        ctx.save_for_backward(h, weight, bias)
+        return F.linear(_ACT[activation][0](h), weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        h, weight, bias = ctx.saved_tensors
+        forward, backward = _ACT[ctx.activation]
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        dh = dweight = dbias = None
+        if ctx.needs_input_grad[0]:
+            dh = backward(grad.matmul(weight), h)
+        if ctx.needs_input_grad[1]:
+            a = forward(h)  # recomputed instead of kept
+            dweight = grad_2d.t().mm(a.reshape(-1, a.shape[-1]))
+        if bias is not None and ctx.needs_input_grad[2]:
+            dbias = grad_2d.sum(0)
+        return dh, dweight, dbias, None
+
+
+class ActLinear(nn.Linear):
+    """``Linear(act(h))`` keeping only ``h`` for backward (``act`` recomputed for the weight gradient).
+
+    A drop-in for the second Linear of an MLP whose activation module is replaced by ``nn.Identity``: the
+    parameters and state_dict keys are the Linear's. See NOTE [ activation + Linear keeping the pre-activation ].
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device: Any = None, dtype: Any = None,
+                 *, activation: str = "gelu") -> None:
+        if activation not in _ACT:
+            raise InvalidInputError(
+                f"memtrim.nn.ActLinear: activation must be one of {sorted(_ACT)}, got {activation!r}."
+            )
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.activation = activation
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, activation: str) -> ActLinear:
+        """An ActLinear sharing ``linear``'s parameters."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias
+        if activation not in _ACT:
+            raise InvalidInputError(
+                f"memtrim.nn.ActLinear: activation must be one of {sorted(_ACT)}, got {activation!r}."
+            )
+        new.activation = activation
+        return new
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, activation={self.activation} (applied to the input, recomputed in backward)"
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return F.linear(_ACT[self.activation][0](input), self.weight, self.bias)
+        return _ActLinearFunction.apply(input, self.weight, self.bias, self.activation)

@@ -1,0 +1,97 @@
+"""LayerNorm/RMSNorm keeping their output and ActLinear keeping the pre-activation, against plain torch."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memtrim
+
+
+def grads(fn, x, grad_out, params):
+    leaf = x.clone().requires_grad_()
+    out = fn(leaf)
+    return out.detach(), torch.autograd.grad(out, [leaf, *params], grad_out)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, (1e-10, 1e-12)), (torch.float32, (1e-4, 1e-5))])
+@pytest.mark.parametrize("tiny_gamma", [False, True])
+def test_layernorm_keeps_output_and_matches(dtype, tol, tiny_gamma):
+    torch.manual_seed(0)
+    plain = torch.nn.LayerNorm(32).to(dtype)
+    with torch.no_grad():
+        plain.weight.uniform_(0.5, 1.5)
+        plain.bias.uniform_(-0.5, 0.5)
+        if tiny_gamma:
+            plain.weight[3] = 0.0
+            plain.weight[7] = 1e-8
+    ours = memtrim.nn.LayerNorm(32).to(dtype)
+    ours.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 10, 32, dtype=dtype) * 2 + 1
+    grad_out = torch.randn(4, 10, 32, dtype=dtype)
+    out_ref, g_ref = grads(plain, x, grad_out, [plain.weight, plain.bias])
+    out, g = grads(ours, x, grad_out, [ours.weight, ours.bias])
+    assert torch.equal(out, out_ref)  # torch's own layer_norm kernel in forward
+    for a, b in zip(g, g_ref):
+        # recovering xhat = (out - beta) / gamma costs a few roundings of the output
+        torch.testing.assert_close(a, b, rtol=tol[0], atol=tol[1])
+
+
+@pytest.mark.skipif(not hasattr(torch.nn, "RMSNorm"), reason="torch.nn.RMSNorm needs torch >= 2.4")
+def test_rmsnorm_matches():
+    torch.manual_seed(0)
+    plain = torch.nn.RMSNorm(32, eps=1e-6).double()
+    with torch.no_grad():
+        plain.weight.uniform_(0.5, 1.5)
+    ours = memtrim.nn.RMSNorm(32, eps=1e-6).double()
+    ours.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 10, 32, dtype=torch.float64)
+    grad_out = torch.randn(4, 10, 32, dtype=torch.float64)
+    out_ref, g_ref = grads(plain, x, grad_out, [plain.weight])
+    out, g = grads(ours, x, grad_out, [ours.weight])
+    torch.testing.assert_close(out, out_ref, rtol=1e-12, atol=1e-14)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("activation, act", [("gelu", F.gelu), ("gelu_tanh", lambda h: F.gelu(h, approximate="tanh")),
+                                             ("silu", F.silu), ("relu", torch.relu)])
+def test_act_linear_bitwise(activation, act):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 16)
+    ours = memtrim.nn.ActLinear.from_linear(linear, activation)
+    h = torch.randn(4, 8, 64)
+    grad_out = torch.randn(4, 8, 16)
+    out_ref, g_ref = grads(lambda t: linear(act(t)), h, grad_out, [linear.weight, linear.bias])
+    out, g = grads(ours, h, grad_out, [ours.weight, ours.bias])
+    assert torch.equal(out, out_ref)
+    for a, b in zip(g, g_ref):
+        assert torch.equal(a, b)
+
+
+def _kept(module_fn, x):
+    with memtrim.track() as tracker:
+        out = module_fn(x)
+        held = tracker.live_by_category()["activations"]
+    del out
+    return held
+
+
+def test_memory_norm_then_linear_and_mlp():
+    torch.manual_seed(0)
+    d = 64
+    x = torch.randn(8, 16, d, requires_grad=True).clone()  # the residual stream: kept by nobody else
+    one = x.numel() * 4
+    ln, ours_ln, fc = torch.nn.LayerNorm(d), memtrim.nn.LayerNorm(d), torch.nn.Linear(d, d)
+    stats = 2 * 8 * 16 * 4  # LayerNorm's mean and rstd
+    assert _kept(lambda t: fc(ln(t)), x) == 2 * one + stats  # LayerNorm's input and the Linear's input
+    assert _kept(lambda t: fc(ours_ln(t)), x) == one + stats  # the norm's output, kept once for both
+    fc1, proj = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+    fused = memtrim.nn.ActLinear.from_linear(proj, "gelu")
+    wide = 4 * one
+    assert _kept(lambda t: proj(F.gelu(fc1(t))), x) == one + 2 * wide  # fc1's input, GELU's input and output
+    assert _kept(lambda t: fused(fc1(t)), x) == one + wide  # fc1's input and the pre-activation only
+
+
+def test_bad_input():
+    with pytest.raises(memtrim.InvalidInputError, match="activation must be one of"):
+        memtrim.nn.ActLinear(4, 4, activation="tanhh")
