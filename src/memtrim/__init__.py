@@ -24,7 +24,7 @@ from .measure import (
     op_memory,
     track,
 )
-from .techniques.activations import InplaceCheck, InplaceCheckError, check_inplace
+from .techniques.activations import ConversionReport, InplaceCheck, InplaceCheckError, check_inplace, convert
 from .techniques.optim import OptimizerInBackward, OptimizerInBackwardError
 from .verify import Divergence, VerifyReport, verify
 
@@ -32,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CATEGORIES",
+    "ConversionReport",
     "PHASES",
     "DataError",
     "Divergence",
@@ -52,6 +53,7 @@ __all__ = [
     "format_bytes",
     "measure_step",
     "check_inplace",
+    "convert",
     "data",
     "functional",
     "models",

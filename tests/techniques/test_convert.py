@@ -1,0 +1,190 @@
+"""memtrim.convert: only safe changes, measured savings, and training equal to the original (memtrim.verify)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memtrim
+from memtrim.models import ResNetCNN, SeedMLP, SmallGPT
+
+
+def gpt():
+    return SmallGPT(n_layer=2, d_model=64, n_head=4, seq_len=32, vocab_size=128)
+
+
+def lm_loss(out, targets):
+    return F.cross_entropy(out.flatten(0, 1), targets.flatten())
+
+
+def leaky_cnn():
+    layers = []
+    for i in range(3):
+        layers += [nn.Conv2d(3 if i == 0 else 8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.LeakyReLU(0.1)]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+
+def batches(kind, n=20, dtype=torch.float32):
+    g = torch.Generator().manual_seed(5)
+    if kind == "gpt":
+        return [(t, t) for t in (torch.randint(0, 128, (4, 32), generator=g) for _ in range(n))]
+    if kind == "mlp":
+        return [(torch.randn(16, 784, generator=g, dtype=dtype), torch.randint(0, 10, (16,), generator=g))
+                for _ in range(n)]
+    shape = (4, 3, 12, 12) if kind == "cnn" else (4, 1, 28, 28)
+    return [(torch.randn(shape, generator=g, dtype=dtype), torch.randint(0, 10, (4,), generator=g)) for _ in range(n)]
+
+
+def converting(example, **options):
+    def transform(model, optimizer):
+        model, report = memtrim.convert(model, example_inputs=example, **options)
+        transform.report = report
+        return model, optimizer
+
+    return transform
+
+
+def adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def test_gpt_activation_only_changes_are_bitwise():
+    # GELU + Linear -> ActLinear recomputes GELU bitwise: with the norms excluded, training is identical
+    transform = converting(batches("gpt", 1)[0][0], module_filter=lambda name, m: not isinstance(m, nn.LayerNorm))
+    report = memtrim.verify(gpt, adamw, batches("gpt"), lm_loss, transform, steps=20)
+    assert report.bitwise, str(report)
+    assert [c.after for c in transform.report.changes] == ["memtrim.nn.ActLinear"] * 2
+    assert all(c.bytes_saved == 4 * 32 * 256 * 4 for c in transform.report.changes)  # one GELU output each
+    assert any(s.reason == "excluded by module_filter" for s in transform.report.skipped)
+
+
+def test_gpt_full_conversion_float64_and_savings():
+    # LayerNorm keeping its output recovers xhat = (out - beta) / gamma: a few roundings per step; in float64
+    # twenty AdamW steps stay within 1e-9 of the original (float32 would be ~1e-5, and Adam's normalised steps
+    # can amplify that where a gradient is near zero).
+    def make():
+        return gpt().double()
+
+    example = batches("gpt", 1)[0][0]
+    transform = converting(example)
+    report = memtrim.verify(make, adamw, batches("gpt"), lm_loss, transform, steps=20, rtol=1e-9, atol=1e-9)
+    assert report.ok, str(report)
+    conversion = transform.report
+    assert {c.after for c in conversion.changes} == {"memtrim.nn.ActLinear", "memtrim.nn.LayerNorm"}
+    assert conversion.bytes_saved == sum(c.bytes_saved for c in conversion.changes)
+    assert conversion.bytes_saved >= 0.35 * conversion.activation_bytes_before  # the issue's target for the GPT
+
+
+def test_gpt_float32_state_dict_and_optimizer_survive():
+    torch.manual_seed(0)
+    model = gpt()
+    optimizer = adamw(model)
+    keys = list(model.state_dict())
+    params = list(model.parameters())
+    example = batches("gpt", 1)[0][0]
+    model, report = memtrim.convert(model, example_inputs=example)
+    assert list(model.state_dict()) == keys
+    assert list(model.parameters()) == params  # the same tensors: the optimizer still holds them
+    assert isinstance(model.blocks[0].mlp.act, nn.Identity)
+    assert isinstance(model.blocks[0].ln1, memtrim.nn.LayerNorm)
+    loss = lm_loss(model(example), example)
+    loss.backward()
+    optimizer.step()
+    assert report.activation_bytes_after < report.activation_bytes_before
+
+
+def test_bn_leaky_cnn_float64():
+    example = batches("cnn", 1, torch.float64)[0][0]
+    transform = converting(example)
+    report = memtrim.verify(lambda: leaky_cnn().double(), adamw, batches("cnn", dtype=torch.float64),
+                            F.cross_entropy, transform, steps=20, rtol=1e-9, atol=1e-9)
+    assert report.ok, str(report)
+    conversion = transform.report
+    assert [c.after for c in conversion.changes] == ["memtrim.nn.BatchNormAct2d"] * 3
+    assert conversion.bytes_saved >= 0.5 * conversion.activation_bytes_before
+
+
+@pytest.mark.parametrize("kind, make", [("mlp", SeedMLP), ("resnet", ResNetCNN)])
+def test_models_with_nothing_safe_to_change_are_unchanged_and_say_why(kind, make):
+    example = batches(kind, 1)[0][0]
+    transform = converting(example)
+    loss = F.nll_loss if kind == "mlp" else F.cross_entropy
+    report = memtrim.verify(make, adamw, batches(kind, 5), loss, transform)
+    assert report.bitwise
+    conversion = transform.report
+    assert conversion.changes == [] and conversion.bytes_saved == 0
+    reasons = " ".join(s.reason for s in conversion.skipped)
+    if kind == "mlp":
+        assert "ReLU keeps its output, which the Linear keeps anyway" in reasons
+    else:
+        assert "BatchNorm + ReLU cannot be inverted" in reasons
+        assert "used by its parent's own code" in reasons  # bn2's output meets the shortcut
+
+
+class UsesTwice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(8)
+        self.act = nn.LeakyReLU(0.1)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.bn(x)
+        return self.fc(self.act(y)) + y.sum()  # the BatchNorm's output is also used here
+
+
+class SharedAct(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        return self.fc3(self.act(self.fc2(self.act(self.fc1(x)))))  # one GELU module called twice
+
+
+def test_never_fuses_a_tensor_used_elsewhere_or_a_shared_module():
+    model, report = memtrim.convert(UsesTwice(), example_inputs=torch.randn(4, 8))
+    assert not any("BatchNormAct" in c.after for c in report.changes)
+    assert any("also read outside" in s.reason or "parent's own code" in s.reason for s in report.skipped)
+    assert type(model.bn) is nn.BatchNorm1d
+    model, report = memtrim.convert(SharedAct(), example_inputs=torch.randn(4, 8))
+    assert report.changes == []
+    assert any("runs 2 times" in s.reason for s in report.skipped)
+
+
+def test_without_example_inputs_only_single_modules():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ELU(), nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+    model, report = memtrim.convert(model)
+    assert [c.after for c in report.changes] == ["memtrim.nn.ELU"]
+    assert report.bytes_saved is None
+    assert any("need example_inputs" in s.reason for s in report.skipped)
+
+
+def test_running_statistics_untouched_by_convert():
+    torch.manual_seed(0)
+    model = leaky_cnn()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    memtrim.convert(model, example_inputs=torch.randn(2, 3, 12, 12))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_huggingface_model_if_installed():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=128,
+                                     activation_function="gelu")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    idx = torch.randint(0, 128, (2, 32))
+    before = model(idx).logits
+    model, report = memtrim.convert(model, example_inputs=(idx,))
+    assert report.changes
+    torch.testing.assert_close(model(idx).logits, before)
+
+
+def test_bad_input():
+    with pytest.raises(memtrim.InvalidInputError, match="nn.Module"):
+        memtrim.convert(lambda x: x)
+    with pytest.raises(memtrim.InvalidInputError, match="failed on example_inputs"):
+        memtrim.convert(nn.Linear(4, 4), example_inputs=torch.randn(2, 5))
