@@ -7,10 +7,10 @@ Writes benchmarks/results/activations_cpu.json. Input: a (256, 1024) float32 ten
 
 import torch
 import torch.nn.functional as F
-from _common import machine, write
 
 import memtrim
 import memtrim.functional as MF
+from _common import machine, write
 
 CASES = {
     "relu": (torch.relu, torch.relu_, MF.relu, True),

@@ -1,0 +1,97 @@
+"""memtrim.convert on the reference workloads: activation bytes kept at the start of backward, peak bytes of a
+training step, and step time, before and after, measured side by side in one run.
+
+Reproduce:  .venv/bin/python benchmarks/convert.py [--rounds 10]
+Writes benchmarks/results/convert_cpu.json.
+"""
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memtrim
+from _common import machine, write
+from memtrim.models import ResNetCNN, SeedMLP, SmallGPT
+
+
+def lm_loss(out, t):
+    return F.cross_entropy(out.flatten(0, 1), t.flatten())
+
+
+def leaky_cnn():
+    layers = []
+    for i in range(6):
+        layers += [nn.Conv2d(3 if i == 0 else 32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.LeakyReLU(0.1)]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+
+WORKLOADS = {
+    "seed MLP (batch 64)": (SeedMLP, lambda: (torch.randn(64, 784), torch.randint(0, 10, (64,))), F.nll_loss),
+    "ResNet-style CNN, BN+ReLU (batch 32)": (
+        ResNetCNN, lambda: (torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,))), F.cross_entropy),
+    "6-layer conv+BN+LeakyReLU CNN (batch 16, 32x32)": (
+        leaky_cnn, lambda: (torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))), F.cross_entropy),
+    "small GPT (4 layers, d=256, batch 8, seq 128)": (
+        lambda: SmallGPT(n_layer=4, d_model=256, n_head=4, seq_len=128, vocab_size=256),
+        lambda: (lambda t: (t, t))(torch.randint(0, 256, (8, 128))), lm_loss),
+}
+
+
+def step(model, opt, x, y, loss_fn):
+    opt.zero_grad()
+    loss_fn(model(x), y).backward()
+    opt.step()
+
+
+def memory(model, opt, x, y, loss_fn):
+    step(model, opt, x, y, loss_fn)
+    report = memtrim.measure_step(model, x, y, loss_fn, opt)
+    held = next(report.timeline[i - 1].by_category["activations"]
+                for i, e in enumerate(report.timeline) if e.phase == "backward")
+    return {"activations_at_backward_start": held, "peak_bytes": report.peak_bytes,
+            "peak_phase": report.peak_phase}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=10)
+    args = parser.parse_args()
+    results = {}
+    for name, (make, data, loss_fn) in WORKLOADS.items():
+        torch.manual_seed(0)
+        plain = make()
+        converted = copy.deepcopy(plain)
+        x, y = data()
+        converted, report = memtrim.convert(converted, example_inputs=(x,))
+        opts = {"plain": torch.optim.AdamW(plain.parameters()), "converted": torch.optim.AdamW(converted.parameters())}
+        models = {"plain": plain, "converted": converted}
+        row = {k: memory(models[k], opts[k], x, y, loss_fn) for k in models}
+        times = {k: [] for k in models}
+        for _ in range(args.rounds):  # interleaved
+            for k in models:
+                start = time.perf_counter()
+                for _ in range(3):
+                    step(models[k], opts[k], x, y, loss_fn)
+                times[k].append((time.perf_counter() - start) / 3)
+        ratios = sorted(c / p for c, p in zip(times["converted"], times["plain"]))
+        row["step_ms_plain"] = 1e3 * statistics.median(times["plain"])
+        row["step_time_ratio_median"] = statistics.median(ratios)
+        row["step_time_ratio_range"] = [ratios[0], ratios[-1]]
+        before, after = row["plain"]["activations_at_backward_start"], row["converted"]["activations_at_backward_start"]
+        row["activation_reduction"] = 1 - after / before if before else 0.0
+        row["changes"] = [f"{' + '.join(c.modules)}: {c.before} -> {c.after}" for c in report.changes]
+        row["skipped"] = [f"{' + '.join(s.modules)}: {s.reason}" for s in report.skipped]
+        results[name] = row
+        print(f"{name}: activations {before:,} -> {after:,} B ({row['activation_reduction']:.0%} fewer), peak "
+              f"{row['plain']['peak_bytes']:,} -> {row['converted']['peak_bytes']:,} B, time "
+              f"{row['step_time_ratio_median']:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})")
+    print("wrote", write("convert_cpu.json", {"machine": machine(), "rounds": args.rounds, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
