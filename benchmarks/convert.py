@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memtrim
-from _common import machine, write
+from _common import machine, pin_malloc, write
 from memtrim.models import ResNetCNN, SeedMLP, SmallGPT
 
 
@@ -58,6 +58,7 @@ def memory(model, opt, x, y, loss_fn):
 
 
 def main():
+    pin_malloc()
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=10)
     args = parser.parse_args()
@@ -70,14 +71,19 @@ def main():
         converted, report = memtrim.convert(converted, example_inputs=(x,))
         opts = {"plain": torch.optim.AdamW(plain.parameters()), "converted": torch.optim.AdamW(converted.parameters())}
         models = {"plain": plain, "converted": converted}
-        row = {k: memory(models[k], opts[k], x, y, loss_fn) for k in models}
-        times = {k: [] for k in models}
+        # timing first: after a measurement glibc's malloc trims its heap and the next steps page-fault
+        # (seen as a 1.5x slowdown of whichever model runs second; gone with MALLOC_TRIM_THRESHOLD_ pinned)
+        times: dict[str, list[float]] = {k: [] for k in models}
+        start = time.perf_counter()
+        step(plain, opts["plain"], x, y, loss_fn)
+        repeats = max(3, int(0.1 / (time.perf_counter() - start)))  # about 0.1 s per sample
         for _ in range(args.rounds):  # interleaved
             for k in models:
                 start = time.perf_counter()
-                for _ in range(3):
+                for _ in range(repeats):
                     step(models[k], opts[k], x, y, loss_fn)
-                times[k].append((time.perf_counter() - start) / 3)
+                times[k].append((time.perf_counter() - start) / repeats)
+        row = {k: memory(models[k], opts[k], x, y, loss_fn) for k in models}
         ratios = sorted(c / p for c, p in zip(times["converted"], times["plain"]))
         row["step_ms_plain"] = 1e3 * statistics.median(times["plain"])
         row["step_time_ratio_median"] = statistics.median(ratios)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import memtrim
-from _common import machine, write
+from _common import machine, pin_malloc, write
 from memtrim.models import SeedMLP, SmallGPT
 
 
@@ -170,6 +170,7 @@ def gpt_memory(bucket_bytes):
 
 
 def main():
+    pin_malloc()
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=20)

@@ -11,10 +11,11 @@ import time
 import torch
 
 import memtrim
-from _common import machine, train_step, workloads, write
+from _common import machine, pin_malloc, train_step, workloads, write
 
 
 def main() -> None:
+    pin_malloc()
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=10)

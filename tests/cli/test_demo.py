@@ -38,6 +38,9 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     assert checks["silu_inplace_1"]["ok"] is False and "values differ" in checks["silu_inplace_1"]["problems"][0]
     assert checks["silu_inplace_2"]["ok"] is True
     assert checks["memtrim.functional.relu(save='mask')"]["activation_bytes"] == 64 * 128 // 8
+    converted = results["convert"]
+    assert converted["seed MLP"]["after"] == converted["seed MLP"]["before"]  # nothing safe to change, and said why
+    assert converted["conv+BN+LeakyReLU CNN"]["after"] < 0.5 * converted["conv+BN+LeakyReLU CNN"]["before"]
     report = (tmp_path / "report.md").read_text()
     assert "memtrim demo report" in report and "bitwise" in report
     for name in ("timeline_relu.png", "timeline_relu_inplace.png"):

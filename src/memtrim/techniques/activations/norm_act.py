@@ -3,11 +3,10 @@ arXiv 1712.02616, in pure PyTorch, with standard BatchNorm parameters).
 
 NOTE [ inverting BatchNorm + activation ]
 Forward: ``y = gamma * xhat + beta`` with ``xhat = (x - mean) * invstd``, then ``z = act(y)``. Only ``z`` (and the
-per-channel ``mean``, ``invstd``) is kept. Backward recovers ``y = act^-1(z)`` (LeakyReLU with slope > 0: ``z``
-or ``z / slope``; ELU: ``z`` or ``log1p(z / alpha)``), then ``xhat = (y - beta) / gamma``, and applies BatchNorm's
-backward in terms of ``xhat``:
-``dbeta = sum(dy)``, ``dgamma = sum(dy * xhat)``, ``dx = gamma * invstd * (dy - mean(dy) - xhat * mean(dy * xhat))``
-(training; in eval ``dx = gamma * invstd * dy``).
+per-channel ``mean``, ``invstd``) is kept. Backward recovers ``y = act^-1(z)`` (LeakyReLU with slope s > 0 is
+inverted by a LeakyReLU with slope 1/s; ELU: ``z`` or ``log1p(z / alpha)``), then ``xhat = (y - beta) / gamma``,
+rebuilds ``x = mean + xhat / invstd`` and calls torch's own fused ``native_batch_norm_backward`` (in eval,
+``dx = gamma * invstd * dy``). The activation's gradient uses torch's own in-place backward kernels.
 
 Where inversion is unsafe it is not used: channels with ``|gamma| < gamma_threshold`` keep their ``xhat``
 explicitly (a tensor of those channels only), and an ELU call whose output saturates (``z + alpha`` within 1e-4 *
@@ -73,30 +72,34 @@ class _BatchNormActFunction(torch.autograd.Function):
         z, mean, invstd, weight, bias, bad, xhat_bad, kept_y = ctx.saved_tensors
         shape, activation, param = ctx.shape, ctx.activation, ctx.param
         if activation == "leaky_relu":
-            positive = z > 0
-            y = torch.where(positive, z, z / param)
-            dy = torch.where(positive, dz, dz * param)
+            y = torch.nn.functional.leaky_relu(z, 1.0 / param)  # the inverse of a leaky ReLU is a leaky ReLU
+            dy = torch.ops.aten.leaky_relu_backward(dz, z, param, True)
         elif activation == "elu":
-            positive = z > 0
-            y = kept_y if kept_y is not None else torch.where(positive, z, torch.log1p(z / param))
-            dy = torch.where(positive, dz, dz * (z + param))
+            y = kept_y if kept_y is not None else torch.where(z > 0, z, torch.log1p(z / param))
+            dy = torch.ops.aten.elu_backward(dz, param, 1.0, 1.0, True, z)
         else:
             y, dy = z, dz
-        gamma = weight.view(shape) if weight is not None else None
-        beta = bias.view(shape) if bias is not None else None
-        xhat = y - beta if beta is not None else y
-        if gamma is not None:
-            xhat = xhat / torch.where(bad.view(shape), torch.ones_like(gamma), gamma)
+        # xhat = (y - beta) / gamma in one pass; channels with a tiny gamma use their kept xhat
+        if weight is not None:
+            inv_gamma = torch.where(bad, torch.ones_like(weight), weight).reciprocal()
+            offset = -bias * inv_gamma if bias is not None else torch.zeros_like(inv_gamma)
+            xhat = torch.addcmul(offset.view(shape), y, inv_gamma.view(shape))
+        else:
+            xhat = y - bias.view(shape) if bias is not None else y
         if xhat_bad is not None:
             xhat[:, bad] = xhat_bad
-        dims = [0] + list(range(2, z.dim()))
-        dbeta = dy.sum(dims)
-        dgamma = (dy * xhat).sum(dims)
-        scale = invstd.view(shape) * (gamma if gamma is not None else 1.0)
         if ctx.training:
-            count = z.numel() // z.shape[1]
-            dx = scale * (dy - (dbeta / count).view(shape) - xhat * (dgamma / count).view(shape))
+            # torch's own fused BatchNorm backward, fed the input rebuilt from xhat (x = mean + xhat / invstd)
+            x = torch.addcmul(mean.view(shape), xhat, invstd.reciprocal().view(shape))
+            dx, dgamma, dbeta = torch.ops.aten.native_batch_norm_backward(
+                dy, x, weight, None, None, mean, invstd, True, 0.0,
+                [ctx.needs_input_grad[0], weight is not None, bias is not None],
+            )
         else:
+            dims = [0] + list(range(2, z.dim()))
+            dbeta = dy.sum(dims) if bias is not None else None
+            dgamma = (dy * xhat).sum(dims) if weight is not None else None
+            scale = invstd.view(shape) * (weight.view(shape) if weight is not None else 1.0)
             dx = scale * dy
         return (dx, dgamma if weight is not None else None, dbeta if bias is not None else None,
                 None, None, None, None, None, None, None, None)

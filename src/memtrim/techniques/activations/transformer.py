@@ -3,9 +3,9 @@ pre-activation.
 
 NOTE [ norms that keep their output ]
 ``nn.LayerNorm`` keeps its input (plus mean and rstd); the Linear after it keeps the norm's output. Keeping the
-output instead (one tensor for both) drops the input: backward recovers ``xhat = (n - beta) / gamma`` and applies
-``dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`` with ``g = gamma * dn`` over the normalised dimensions
-(RMSNorm: ``xhat = n / gamma``, ``dx = rstd * (g - xhat * mean(g * xhat))``). Features whose ``|gamma|`` is below
+output instead (one tensor for both) drops the input: backward recovers ``xhat = (n - beta) / gamma``, rebuilds
+``x = mean + xhat / rstd`` and calls torch's own fused ``native_layer_norm_backward`` (RMSNorm: ``xhat = n / gamma``,
+``dx = rstd * (g - xhat * mean(g * xhat))`` with ``g = gamma * dn``). Features whose ``|gamma|`` is below
 ``gamma_threshold`` keep their ``xhat`` column explicitly. Parameters are the torch module's own.
 
 NOTE [ activation + Linear keeping the pre-activation ]
@@ -58,19 +58,29 @@ class _NormKeepOutput(torch.autograd.Function):
     def backward(ctx: Any, dn: torch.Tensor) -> tuple:  # type: ignore[override]
         out, mean, rstd, weight, bias, bad, xhat_bad = ctx.saved_tensors
         dims = ctx.dims
-        xhat = out - bias if bias is not None else out
-        if weight is not None:
-            xhat = xhat / (torch.where(bad, torch.ones_like(weight), weight) if bad is not None else weight)
-            if xhat_bad is not None:
-                if ctx.flat_bad:
-                    xhat[..., bad] = xhat_bad
-                else:
-                    xhat = torch.where(bad, xhat_bad, xhat)
-        g = dn * weight if weight is not None else dn
-        if ctx.rms:
-            dx = rstd * (g - xhat * (g * xhat).mean(dims, keepdim=True))
+        if weight is not None:  # xhat = (out - beta) / gamma in one pass
+            safe = torch.where(bad, torch.ones_like(weight), weight) if bad is not None else weight
+            inv_gamma = safe.reciprocal()
+            offset = -bias * inv_gamma if bias is not None else torch.zeros_like(inv_gamma)
+            xhat = torch.addcmul(offset, out, inv_gamma)
         else:
-            dx = rstd * (g - g.mean(dims, keepdim=True) - xhat * (g * xhat).mean(dims, keepdim=True))
+            xhat = out - bias if bias is not None else out
+        if xhat_bad is not None:
+            if ctx.flat_bad:
+                xhat[..., bad] = xhat_bad
+            else:
+                xhat = torch.where(bad, xhat_bad, xhat)
+        if not ctx.rms:
+            # torch's own fused LayerNorm backward, fed the input rebuilt from xhat (x = mean + xhat / rstd)
+            x = torch.addcmul(mean, xhat, rstd.reciprocal())
+            normalized = list(dn.shape[dn.dim() - len(dims):])
+            dx, dweight, dbias = torch.ops.aten.native_layer_norm_backward(
+                dn, x, normalized, mean, rstd, weight, bias,
+                [ctx.needs_input_grad[0], weight is not None, bias is not None],
+            )
+            return dx, dweight, dbias, None, None, None, None
+        g = dn * weight if weight is not None else dn  # RMSNorm
+        dx = rstd * (g - xhat * (g * xhat).mean(dims, keepdim=True))
         batch_dims = tuple(range(dn.dim() - len(dims)))
         dweight = (dn * xhat).sum(batch_dims) if weight is not None else None
         dbias = dn.sum(batch_dims) if bias is not None else None
