@@ -104,21 +104,29 @@ def test_bn_leaky_cnn_float64():
     assert conversion.bytes_saved >= 0.5 * conversion.activation_bytes_before
 
 
-@pytest.mark.parametrize("kind, make", [("mlp", SeedMLP), ("resnet", ResNetCNN)])
-def test_models_with_nothing_safe_to_change_are_unchanged_and_say_why(kind, make):
-    example = batches(kind, 1)[0][0]
+def test_seed_mlp_has_nothing_safe_to_change_and_says_why():
+    example = batches("mlp", 1)[0][0]
     transform = converting(example)
-    loss = F.nll_loss if kind == "mlp" else F.cross_entropy
-    report = memtrim.verify(make, adamw, batches(kind, 5), loss, transform)
+    report = memtrim.verify(SeedMLP, adamw, batches("mlp", 5), F.nll_loss, transform)
     assert report.bitwise
     conversion = transform.report
     assert conversion.changes == [] and conversion.bytes_saved == 0
+    assert "ReLU keeps its output, which the Linear keeps anyway" in " ".join(s.reason for s in conversion.skipped)
+
+
+def test_resnet_bn_relu_recomputed_float64():
+    # BatchNorm + ReLU keeps only the BatchNorm input; the next convolutions keep a recipe. The recomputed
+    # ReLU output may differ from torch's BatchNorm kernel output by rounding: float64, 1e-9 over 20 steps.
+    example = batches("resnet", 1, torch.float64)[0][0]
+    transform = converting(example)
+    report = memtrim.verify(lambda: ResNetCNN().double(), adamw, batches("resnet", dtype=torch.float64),
+                            F.cross_entropy, transform, steps=20, rtol=1e-9, atol=1e-9)
+    assert report.ok, str(report)
+    conversion = transform.report
+    assert [c.after for c in conversion.changes] == ["memtrim.nn.BatchNormReLU2d"] * 4
+    assert conversion.bytes_saved >= 0.25 * conversion.activation_bytes_before  # the issue's target
     reasons = " ".join(s.reason for s in conversion.skipped)
-    if kind == "mlp":
-        assert "ReLU keeps its output, which the Linear keeps anyway" in reasons
-    else:
-        assert "BatchNorm + ReLU cannot be inverted" in reasons
-        assert "used by its parent's own code" in reasons  # bn2's output meets the shortcut
+    assert "used by its parent's own code" in reasons  # bn2's output meets the shortcut: left alone
 
 
 class UsesTwice(nn.Module):

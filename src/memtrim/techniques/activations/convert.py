@@ -6,7 +6,9 @@ NOTE [ how convert decides ]
   Hardtanh, ReLU6, Hardsigmoid, Softplus, Sigmoid, Tanh become their ``memtrim.nn`` forms, which keep their
   output instead of their input; LayerNorm and RMSNorm become forms that keep their output.
 * Pairs need evidence that the first module's output goes to the second module and nowhere else:
-  BatchNorm -> LeakyReLU / ELU becomes ``BatchNormAct`` (+ ``nn.Identity``); GELU / SiLU / Mish / Hardswish ->
+  BatchNorm -> LeakyReLU / ELU becomes ``BatchNormAct`` (+ ``nn.Identity``); BatchNorm -> ReLU becomes
+  ``BatchNormReLU`` (+ ``nn.Identity``), with saved-tensor hooks on the model so later layers keep a recipe
+  instead of the ReLU output (NOTE [ BatchNorm + ReLU, recomputed ]); GELU / SiLU / Mish / Hardswish ->
   Linear becomes ``nn.Identity`` + ``ActLinear``. The evidence is a traced forward on ``example_inputs``: every op
   is recorded with the storages it reads and the module whose forward runs it, so "the BatchNorm's output is read
   by the LeakyReLU and by nothing else" is checked, not assumed. Without example inputs pairs are skipped.
@@ -29,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ...errors import InvalidInputError
 from ...measure import format_bytes, track
 from . import modules as lean
+from .bn_relu import BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d, install_recompute_hooks
 from .norm_act import BatchNormAct1d, BatchNormAct2d, BatchNormAct3d
 from .transformer import ActLinear, LayerNorm, RMSNorm
 
@@ -93,6 +96,7 @@ _SINGLE: dict[type, type] = {
 if hasattr(nn, "RMSNorm"):
     _SINGLE[nn.RMSNorm] = RMSNorm
 _BN_ACT = {nn.BatchNorm1d: BatchNormAct1d, nn.BatchNorm2d: BatchNormAct2d, nn.BatchNorm3d: BatchNormAct3d}
+_BN_RELU = {nn.BatchNorm1d: BatchNormReLU1d, nn.BatchNorm2d: BatchNormReLU2d, nn.BatchNorm3d: BatchNormReLU3d}
 _ACT_LINEAR = {nn.GELU: None, nn.SiLU: "silu", nn.Mish: "mish", nn.Hardswish: "hardswish"}
 
 
@@ -160,12 +164,17 @@ def convert(
             skipped.append(Skipped((name, nxt_name) if nxt_name else (name,), why))
             continue
         if kind == "bn":
+            if type(nxt) is nn.ReLU:
+                if allowed(name, module) and allowed(nxt_name, nxt):
+                    changes.append(((name, nxt_name), f"{type(module).__name__} + ReLU",
+                                    f"memtrim.nn.{_BN_RELU[type(module)].__name__}",
+                                    _fuse_bn_relu(model, module, parents[nxt_name])))
+                    claimed.update((name, nxt_name))
+                continue
             spec = _bn_activation(nxt)
             if spec is None:
-                reason = ("BatchNorm + ReLU cannot be inverted (ReLU's zeros lose the normalised value); left as "
-                          "it is" if type(nxt) is nn.ReLU else
-                          f"BatchNorm is followed by {type(nxt).__name__}, not LeakyReLU (slope > 0) or ELU")
-                skipped.append(Skipped((name, nxt_name), reason))
+                skipped.append(Skipped((name, nxt_name), f"BatchNorm is followed by {type(nxt).__name__}, not "
+                                                         "ReLU, LeakyReLU (slope > 0) or ELU"))
                 continue
             if allowed(name, module) and allowed(nxt_name, nxt):
                 changes.append(((name, nxt_name), f"{type(module).__name__} + {type(nxt).__name__}",
@@ -367,6 +376,16 @@ def _fuse_bn(bn: nn.Module, where: tuple[nn.Module, str], spec: tuple[str, float
         bn.gamma_threshold = 1e-3  # type: ignore[assignment]
         parent, child = where
         setattr(parent, child, nn.Identity())
+
+    return apply
+
+
+def _fuse_bn_relu(model: nn.Module, bn: nn.Module, where: tuple[nn.Module, str]) -> Callable[[], None]:
+    def apply() -> None:
+        bn.__class__ = _BN_RELU[type(bn)]
+        parent, child = where
+        setattr(parent, child, nn.Identity())
+        install_recompute_hooks(model)
 
     return apply
 
