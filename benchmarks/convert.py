@@ -1,7 +1,12 @@
 """memtrim.convert on the reference workloads: activation bytes kept at the start of backward, peak bytes of a
-training step, and step time, before and after, measured side by side in one run.
+training step, and step time, before and after, measured side by side in one run; and torch.compile (default,
+and with torch._functorch.config.activation_memory_budget=0.5) on the same models for comparison.
 
-Reproduce:  .venv/bin/python benchmarks/convert.py [--rounds 10]
+Compiled graphs keep their tensors inside one compiled autograd node, which the tracker's hooks do not see
+into, so their activation bytes are read off the autograd graph (memtrim.autograd_graph_bytes; on eager
+models it equals the tracker's figure, see tests/measure/test_tracker_independent.py).
+
+Reproduce:  .venv/bin/python benchmarks/convert.py [--rounds 10] [--no-compile]
 Writes benchmarks/results/convert_cpu.json.
 """
 
@@ -57,10 +62,26 @@ def memory(model, opt, x, y, loss_fn):
             "peak_phase": report.peak_phase}
 
 
+def compiled(model, budget):
+    import torch._functorch.config as functorch_config
+
+    torch._dynamo.reset()
+    if hasattr(functorch_config, "activation_memory_budget"):
+        functorch_config.activation_memory_budget = 1.0 if budget is None else budget
+    copy_ = copy.deepcopy(model)
+    return torch.compile(copy_)
+
+
+def graph_bytes(model, x, y, loss_fn):
+    loss = loss_fn(model(x), y)
+    return memtrim.autograd_graph_bytes(loss, exclude=[*model.parameters(), *model.buffers(), x, y])
+
+
 def main():
     pin_malloc()
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
     args = parser.parse_args()
     results = {}
     for name, (make, data, loss_fn) in WORKLOADS.items():
@@ -71,6 +92,16 @@ def main():
         converted, report = memtrim.convert(converted, example_inputs=(x,))
         opts = {"plain": torch.optim.AdamW(plain.parameters()), "converted": torch.optim.AdamW(converted.parameters())}
         models = {"plain": plain, "converted": converted}
+        compiled_bytes = {}
+        if not args.no_compile:
+            for label, budget in (("compile", None), ("compile, budget 0.5", 0.5)):
+                models[label] = compiled(plain, budget)
+                opts[label] = torch.optim.AdamW(models[label].parameters())
+                step(models[label], opts[label], x, y, loss_fn)  # compiles (tens of seconds)
+                loss = loss_fn(models[label](x), y)
+                compiled_bytes[label] = memtrim.autograd_graph_bytes(
+                    loss, exclude=[*models[label].parameters(), *models[label].buffers(), x, y])
+                del loss
         # timing first: after a measurement glibc's malloc trims its heap and the next steps page-fault
         # (seen as a 1.5x slowdown of whichever model runs second; gone with MALLOC_TRIM_THRESHOLD_ pinned)
         times: dict[str, list[float]] = {k: [] for k in models}
@@ -84,6 +115,12 @@ def main():
                     step(models[k], opts[k], x, y, loss_fn)
                 times[k].append((time.perf_counter() - start) / repeats)
         row = {k: memory(models[k], opts[k], x, y, loss_fn) for k in models}
+        row["plain"]["activations_from_graph"] = graph_bytes(plain, x, y, loss_fn)
+        for label, held in compiled_bytes.items():
+            r = sorted(c / p for c, p in zip(times[label], times["plain"]))
+            row[label] = {"activations_from_graph": held, "step_time_ratio_median": statistics.median(r),
+                          "step_time_ratio_range": [r[0], r[-1]]}
+            print(f"  {label}: activations {held:,} B, time {statistics.median(r):.2f}x")
         ratios = sorted(c / p for c, p in zip(times["converted"], times["plain"]))
         row["step_ms_plain"] = 1e3 * statistics.median(times["plain"])
         row["step_time_ratio_median"] = statistics.median(ratios)

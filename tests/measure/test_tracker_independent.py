@@ -2,6 +2,7 @@
 
 import time
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch._C._profiler import _EventType
@@ -89,3 +90,21 @@ def test_meta_device_forward_backward():
     assert held == 1024 * 65536 * 4  # the ReLU output, kept once by the ReLU and the second Linear
     assert report.final_by_category["gradients"] == sum(p.numel() * 4 for p in model.parameters())
     assert report.final_by_category["parameters"] > 16 * 2**30  # 17 GiB of weights, never allocated
+
+
+@pytest.mark.parametrize("workload", ["mlp", "gpt", "cnn"])
+def test_activations_equal_the_autograd_graphs_own_saved_tensors(workload):
+    from memtrim.models import ResNetCNN, SeedMLP, SmallGPT
+
+    torch.manual_seed(0)
+    model, x = {
+        "mlp": lambda: (SeedMLP(), torch.randn(16, 784)),
+        "gpt": lambda: (SmallGPT(n_layer=2, d_model=32, n_head=4, seq_len=16, vocab_size=64),
+                        torch.randint(0, 64, (2, 16))),
+        "cnn": lambda: (ResNetCNN(), torch.randn(4, 1, 28, 28)),
+    }[workload]()
+    with memtrim.track(model) as tracker:
+        out = model(x)
+        held = tracker.live_by_category()["activations"]
+    # read off the graph itself: every node's saved tensors, deduplicated by storage, minus weights and batch
+    assert held == memtrim.autograd_graph_bytes(out, exclude=[*model.parameters(), *model.buffers(), x]) > 0

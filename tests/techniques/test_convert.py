@@ -161,11 +161,32 @@ def test_never_fuses_a_tensor_used_elsewhere_or_a_shared_module():
     assert any("runs 2 times" in s.reason for s in report.skipped)
 
 
-def test_without_example_inputs_only_single_modules():
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ELU(), nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4))
+def test_without_example_inputs_pairs_come_from_torch_fx():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ELU(), nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4),
+                          nn.Tanh())
     model, report = memtrim.convert(model)
+    assert [c.after for c in report.changes] == ["memtrim.nn.BatchNormAct1d", "memtrim.nn.ActLinear",
+                                                 "memtrim.nn.Tanh"]
+    assert report.bytes_saved is None and "torch.fx" in report.notes[0]
+    # and fx's evidence is as strict as the traced forward's: a BatchNorm output used twice is left alone
+    _, report = memtrim.convert(UsesTwice())
+    assert not any("BatchNormAct" in c.after for c in report.changes)
+    assert any("used by 2 operations" in s.reason for s in report.skipped)
+
+
+def test_without_example_inputs_and_untraceable_only_single_modules():
+    class Untraceable(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn, self.act, self.out = nn.BatchNorm1d(4), nn.ELU(), nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent control flow: torch.fx cannot trace it
+                x = x * 2
+            return self.out(self.act(self.bn(x)))
+
+    model, report = memtrim.convert(Untraceable())
     assert [c.after for c in report.changes] == ["memtrim.nn.ELU"]
-    assert report.bytes_saved is None
     assert any("need example_inputs" in s.reason for s in report.skipped)
 
 

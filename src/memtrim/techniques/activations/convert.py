@@ -11,7 +11,9 @@ NOTE [ how convert decides ]
   instead of the ReLU output (NOTE [ BatchNorm + ReLU, recomputed ]); GELU / SiLU / Mish / Hardswish ->
   Linear becomes ``nn.Identity`` + ``ActLinear``. The evidence is a traced forward on ``example_inputs``: every op
   is recorded with the storages it reads and the module whose forward runs it, so "the BatchNorm's output is read
-  by the LeakyReLU and by nothing else" is checked, not assumed. Without example inputs pairs are skipped.
+  by the LeakyReLU and by nothing else" is checked, not assumed. Without example inputs the ``torch.fx`` graph
+  gives the same evidence (a module call whose only user is the next module call) where the model traces;
+  otherwise pairs are skipped.
 * Modules are converted in place by changing their class to the memtrim subclass (same parameters, buffers,
   hooks and state_dict keys), so an optimizer built before ``convert`` keeps working.
 * Savings are measured, not estimated: the activation bytes autograd keeps after a forward on the example
@@ -115,8 +117,8 @@ def convert(
 
     Args:
         model: any ``nn.Module``; converted in place (parameters, buffers and state_dict keys unchanged).
-        example_inputs: a tensor or tuple of arguments for ``model(*example_inputs)``; needed for pairs and to
-            measure what each change saves.
+        example_inputs: a tensor or tuple of arguments for ``model(*example_inputs)``; the evidence for pairs
+            (else the torch.fx graph, where the model traces) and what each change's saving is measured on.
         module_filter: ``module_filter(name, module)`` returning False leaves that module alone.
 
     Returns:
@@ -135,7 +137,7 @@ def convert(
     parents = _parents(model)
     skipped: list[Skipped] = []
     changes: list[tuple[tuple[str, ...], str, str, Callable[[], None]]] = []
-    trace = _trace(model, args) if args is not None else None
+    trace: Any = _trace(model, args) if args is not None else _fx_graph(model)
     modules = dict(model.named_modules())
     claimed: set[str] = set()
 
@@ -152,10 +154,10 @@ def convert(
             continue
         if trace is None:
             what = "BatchNorm + activation" if kind == "bn" else "activation + Linear"
-            skipped.append(Skipped((name,), f"{what} pairs need example_inputs to prove the first module's output "
-                                            "goes to the second alone"))
+            skipped.append(Skipped((name,), f"{what} pairs need example_inputs (or a model torch.fx can trace) to "
+                                            "prove the first module's output goes to the second alone"))
             continue
-        found = _pair_after(name, trace, modules)
+        found = trace.pair_after(name) if isinstance(trace, _FxGraph) else _pair_after(name, trace, modules)
         if found is None:
             continue
         nxt_name, why = found
@@ -196,7 +198,7 @@ def convert(
                 claimed.update((name, nxt_name))
     for name, module in modules.items():
         if type(module) is nn.ReLU and trace is not None:
-            found = _pair_after(name, trace, modules)
+            found = trace.pair_after(name) if isinstance(trace, _FxGraph) else _pair_after(name, trace, modules)
             if found is not None and not found[1] and type(modules.get(found[0])) is nn.Linear:
                 skipped.append(Skipped((name, found[0]), "ReLU keeps its output, which the Linear keeps anyway: "
                                                          "nothing to save"))
@@ -225,7 +227,9 @@ def convert(
         current = after
     notes = []
     if args is None:
-        notes.append("no example_inputs: only single-module replacements, and no measured savings")
+        notes.append("no example_inputs: pairs " + ("proven from the torch.fx graph" if trace is not None else
+                                                     "skipped (the model does not trace with torch.fx)")
+                     + "; savings not measured")
     return model, ConversionReport(done, skipped, before, current, notes)
 
 
@@ -293,6 +297,37 @@ def _trace(model: nn.Module, args: tuple[Any, ...]) -> _Trace:
         model.load_state_dict(state)  # tracing must not move BatchNorm's running statistics
         model.train(was_training)
     return trace
+
+
+class _FxGraph:
+    """Evidence from ``torch.fx.symbolic_trace``: which module call uses another's output, and nothing else."""
+
+    def __init__(self, graph: Any) -> None:
+        self.nodes: dict[str, list[Any]] = {}
+        for node in graph.nodes:
+            if node.op == "call_module":
+                self.nodes.setdefault(node.target, []).append(node)
+
+    def pair_after(self, name: str) -> tuple[str, str] | None:
+        calls = self.nodes.get(name, [])
+        if not calls:
+            return None
+        if len(calls) != 1:
+            return name, f"{name} runs {len(calls)} times per forward; its calls cannot be fused one by one"
+        users = list(calls[0].users)
+        if len(users) != 1 or users[0].op != "call_module":
+            return "", f"{name}'s output is used by {len(users)} operations, not by one module alone"
+        consumer = users[0].target
+        if len(self.nodes.get(consumer, [])) != 1:
+            return consumer, f"{consumer} runs {len(self.nodes.get(consumer, []))} times per forward"
+        return consumer, ""
+
+
+def _fx_graph(model: nn.Module) -> _FxGraph | None:
+    try:
+        return _FxGraph(torch.fx.symbolic_trace(model).graph)
+    except Exception:  # control flow on values, unsupported ops: no fx evidence
+        return None
 
 
 def _is_self_or_ancestor(entry: str, name: str) -> bool:

@@ -80,17 +80,26 @@ class _BatchNormActFunction(torch.autograd.Function):
         else:
             y, dy = z, dz
         # xhat = (y - beta) / gamma in one pass; channels with a tiny gamma use their kept xhat
-        if weight is not None:
+        if ctx.training and xhat_bad is None and weight is not None:
+            xhat = None  # not needed: x is rebuilt from y directly below
+        elif weight is not None:
             inv_gamma = torch.where(bad, torch.ones_like(weight), weight).reciprocal()
             offset = -bias * inv_gamma if bias is not None else torch.zeros_like(inv_gamma)
             xhat = torch.addcmul(offset.view(shape), y, inv_gamma.view(shape))
         else:
             xhat = y - bias.view(shape) if bias is not None else y
         if xhat_bad is not None:
+            assert xhat is not None
             xhat[:, bad] = xhat_bad
         if ctx.training:
             # torch's own fused BatchNorm backward, fed the input rebuilt from xhat (x = mean + xhat / invstd)
-            x = torch.addcmul(mean.view(shape), xhat, invstd.reciprocal().view(shape))
+            if xhat_bad is None and weight is not None:
+                # one pass from y: x = y * a + b with a = 1 / (gamma * invstd), b = mean - beta * a
+                a = (weight * invstd).reciprocal()
+                b = mean - bias * a if bias is not None else mean
+                x = torch.addcmul(b.view(shape), y, a.view(shape))
+            else:
+                x = torch.addcmul(mean.view(shape), xhat, invstd.reciprocal().view(shape))
             dx, dgamma, dbeta = torch.ops.aten.native_batch_norm_backward(
                 dy, x, weight, None, None, mean, invstd, True, 0.0,
                 [ctx.needs_input_grad[0], weight is not None, bias is not None],
