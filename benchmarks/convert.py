@@ -114,7 +114,7 @@ def main():
                 for _ in range(repeats):
                     step(models[k], opts[k], x, y, loss_fn)
                 times[k].append((time.perf_counter() - start) / repeats)
-        row = {k: memory(models[k], opts[k], x, y, loss_fn) for k in models}
+        row = {k: memory(models[k], opts[k], x, y, loss_fn) for k in ("plain", "converted")}
         row["plain"]["activations_from_graph"] = graph_bytes(plain, x, y, loss_fn)
         for label, held in compiled_bytes.items():
             r = sorted(c / p for c, p in zip(times[label], times["plain"]))
