@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from .norm_act import batchnorm_arguments
+
 __all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d"]
 
 
@@ -99,13 +101,7 @@ class _BatchNormReLU(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        bn_training = self.training or (self.running_mean is None and self.running_var is None)
-        running_mean = self.running_mean if not self.training or self.track_running_stats else None
-        running_var = self.running_var if not self.training or self.track_running_stats else None
+        factor, bn_training, running_mean, running_var = batchnorm_arguments(self)
         if not torch.is_grad_enabled():
             return torch.relu_(nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                                         bn_training, factor, self.eps))

@@ -114,6 +114,19 @@ class _BatchNormActFunction(torch.autograd.Function):
                 None, None, None, None, None, None, None, None)
 
 
+def batchnorm_arguments(bn: Any) -> tuple[float, bool, torch.Tensor | None, torch.Tensor | None]:
+    """The (momentum factor, training, running_mean, running_var) ``nn.BatchNorm.forward`` passes to
+    ``batch_norm``, with its ``num_batches_tracked`` bookkeeping, unchanged."""
+    factor = 0.0 if bn.momentum is None else bn.momentum
+    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    bn_training = bn.training or (bn.running_mean is None and bn.running_var is None)
+    running_mean = bn.running_mean if not bn.training or bn.track_running_stats else None
+    running_var = bn.running_var if not bn.training or bn.track_running_stats else None
+    return factor, bn_training, running_mean, running_var
+
+
 class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
     """Shared by BatchNormAct1d/2d/3d: ``nn.BatchNorm`` parameters and buffers, followed by an activation."""
 
@@ -146,14 +159,7 @@ class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        # the momentum / num_batches_tracked bookkeeping of nn.BatchNorm.forward, unchanged
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        bn_training = self.training or (self.running_mean is None and self.running_var is None)
-        running_mean = self.running_mean if not self.training or self.track_running_stats else None
-        running_var = self.running_var if not self.training or self.track_running_stats else None
+        factor, bn_training, running_mean, running_var = batchnorm_arguments(self)
         param = self.negative_slope if self.activation == "leaky_relu" else self.alpha
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or (self.weight is not None and self.weight.requires_grad)
