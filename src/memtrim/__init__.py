@@ -27,11 +27,14 @@ from .measure import (
 )
 from .techniques.activations import ConversionReport, InplaceCheck, InplaceCheckError, check_inplace, convert
 from .techniques.optim import OptimizerInBackward, OptimizerInBackwardError
+from .techniques.reversible import AdditiveCoupling, AffineCoupling, ReversibleError, ReversibleSequential
 from .verify import Divergence, VerifyReport, verify
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdditiveCoupling",
+    "AffineCoupling",
     "CATEGORIES",
     "ConversionReport",
     "PHASES",
@@ -47,6 +50,8 @@ __all__ = [
     "OpMemory",
     "OptimizerInBackward",
     "OptimizerInBackwardError",
+    "ReversibleError",
+    "ReversibleSequential",
     "TimelineEvent",
     "Tracker",
     "VerifyError",

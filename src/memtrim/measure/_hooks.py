@@ -185,5 +185,19 @@ def note_gradients(tensors: list[Any]) -> None:
             tracker._include(tensor, "gradients")
 
 
+def hold_for_backward(tensor: Any, owner: Any) -> None:
+    """``tensor`` is kept for backward by ``owner`` (not through autograd's saved tensors) until ``owner`` dies:
+    active trackers count it as an activation meanwhile."""
+    trackers = tuple(_active)
+    records = [tracker._hold(tensor, +1) for tracker in trackers]
+
+    def release() -> None:
+        for tracker, held in zip(trackers, records):
+            for record in held:
+                tracker._change_holds(record, -1)
+
+    weakref.finalize(owner, release)
+
+
 def ctx_finalizer(ctx: Any, callback: Callable[[], None]) -> None:
     weakref.finalize(ctx, callback)

@@ -1,0 +1,172 @@
+"""ReversibleSequential against the same blocks composed without reversibility."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import memtrim
+
+
+def mlp(width, dropout=0.0, bn=False):
+    layers = [nn.Linear(width, width)]
+    if bn:
+        layers.append(nn.BatchNorm1d(width))
+    layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(width, width)]
+    return nn.Sequential(*layers)
+
+
+def twins(depth=4, width=16, dtype=torch.float64, affine=False, **kwargs):
+    torch.manual_seed(0)
+    if affine:
+        blocks = [memtrim.AffineCoupling(nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh()),
+                                         nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh()))
+                  for _ in range(depth)]
+    else:
+        blocks = [memtrim.AdditiveCoupling(mlp(width, **kwargs), mlp(width, **kwargs)) for _ in range(depth)]
+    plain = nn.Sequential(*copy.deepcopy(blocks)).to(dtype)
+    rev = memtrim.ReversibleSequential(*blocks).to(dtype)
+    return plain, rev
+
+
+def grads(model, x, grad_out, seed=1):
+    torch.manual_seed(seed)
+    leaf = x.clone().requires_grad_()
+    out = model(leaf)
+    return out.detach(), torch.autograd.grad(out, [leaf, *model.parameters()], grad_out)
+
+
+def assert_grads_close(a, b, rtol, atol=0.0):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_float64_gradients_equal_the_plain_stack(affine):
+    plain, rev = twins(affine=affine)
+    x = torch.randn(8, 32, dtype=torch.float64)
+    grad_out = torch.randn(8, 32, dtype=torch.float64)
+    out_plain, g_plain = grads(plain, x, grad_out)
+    out_rev, g_rev = grads(rev, x, grad_out)
+    assert torch.equal(out_plain, out_rev)  # the forward is the same computation
+    assert_grads_close(g_rev, g_plain, rtol=1e-10, atol=1e-12)
+
+
+def test_float32_gradients():
+    plain, rev = twins(depth=8, dtype=torch.float32)
+    x = torch.randn(16, 32)
+    grad_out = torch.randn(16, 32)
+    _, g_plain = grads(plain, x, grad_out)
+    _, g_rev = grads(rev, x, grad_out)
+    # the inputs are reconstructed by subtraction in float32: ~1e-7 relative per block, a few ulps after 8
+    assert_grads_close(g_rev, g_plain, rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_is_replayed_and_the_global_generator_untouched():
+    plain, rev = twins(dropout=0.3)
+    x = torch.randn(8, 32, dtype=torch.float64)
+    grad_out = torch.randn(8, 32, dtype=torch.float64)
+    out_plain, g_plain = grads(plain, x, grad_out, seed=7)
+    after_plain = torch.get_rng_state()
+    out_rev, g_rev = grads(rev, x, grad_out, seed=7)
+    after_rev = torch.get_rng_state()
+    assert torch.equal(out_plain, out_rev)
+    assert_grads_close(g_rev, g_plain, rtol=1e-10, atol=1e-12)
+    assert torch.equal(after_plain, after_rev)  # backward's recomputation drew nothing from the global generator
+
+
+def test_batchnorm_running_stats_updated_once():
+    plain, rev = twins(bn=True)
+    x = torch.randn(8, 32, dtype=torch.float64)
+    grad_out = torch.randn(8, 32, dtype=torch.float64)
+    _, g_plain = grads(plain, x, grad_out)
+    _, g_rev = grads(rev, x, grad_out)
+    assert_grads_close(g_rev, g_plain, rtol=1e-9, atol=1e-12)
+    for (name, a), b in zip(plain.state_dict().items(), rev.state_dict().values()):
+        assert torch.equal(a, b), name  # running_mean, running_var, num_batches_tracked
+
+
+def test_bf16_autocast_recompute_runs_under_the_forwards_autocast():
+    plain, rev = twins(dtype=torch.float32)
+    x = torch.randn(8, 32)
+    grad_out = torch.randn(8, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_plain, g_plain = grads(plain, x, grad_out)
+        out_rev, g_rev = grads(rev, x, grad_out)
+    assert torch.equal(out_plain, out_rev)
+    # reconstruction subtracts bf16 f/g outputs from a float32 stream: exact only to bf16 rounding of f and g
+    assert_grads_close(g_rev, g_plain, rtol=2e-2, atol=2e-2)
+
+
+def test_view_input_reread_and_used_elsewhere():
+    plain, rev = twins()
+    big = torch.randn(8, 64, dtype=torch.float64, requires_grad=True)
+    for model in (plain, rev):
+        big.grad = None
+        x = big[:, 16:48]  # a view
+        before = x.detach().clone()
+        out = model(x) + x * 2  # the input is also used elsewhere
+        out.sum().backward()
+        assert torch.equal(x.detach(), before)  # never freed or changed
+        if model is plain:
+            expected = big.grad.clone()
+    torch.testing.assert_close(big.grad, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_nested_in_checkpoint_and_between_ordinary_layers():
+    plain, rev = twins()
+    torch.manual_seed(3)
+    head, tail = nn.Linear(32, 32).double(), nn.Linear(32, 32).double()
+
+    class Around(nn.Module):
+        def __init__(self, stack):
+            super().__init__()
+            self.head, self.stack, self.tail = head, stack, tail
+
+        def forward(self, t):
+            return self.tail(checkpoint(self.stack, self.head(t), use_reentrant=False))
+
+    run = Around
+
+    x = torch.randn(8, 32, dtype=torch.float64)
+    grad_out = torch.randn(8, 32, dtype=torch.float64)
+    _, g_plain = grads(run(plain), x, grad_out)
+    _, g_rev = grads(run(rev), x, grad_out)
+    assert_grads_close(g_rev, g_plain, rtol=1e-10, atol=1e-12)
+
+
+def test_activation_memory_constant_in_depth():
+    def kept(depth):
+        _, rev = twins(depth=depth, width=64, dtype=torch.float32)
+        x = torch.randn(32, 128, requires_grad=True).clone()
+        with memtrim.track(rev) as tracker:
+            out = rev(x)
+            held = tracker.live_by_category()["activations"]
+        del out
+        return held
+
+    shallow, deep = kept(8), kept(64)
+    assert shallow == 32 * 128 * 4  # the stack's output, nothing else
+    assert abs(deep - shallow) <= 0.02 * shallow
+
+
+def test_output_modified_in_place_raises():
+    _, rev = twins()
+    x = torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
+    out = rev(x)
+    out.mul_(2)
+    with pytest.raises(memtrim.ReversibleError, match="modified in place"):
+        out.sum().backward()
+
+
+def test_bad_input():
+    with pytest.raises(memtrim.InvalidInputError, match=r"block 1 \(Linear\) has no inverse"):
+        memtrim.ReversibleSequential(memtrim.AdditiveCoupling(nn.Linear(4, 4)), nn.Linear(8, 8))
+    odd = memtrim.ReversibleSequential(memtrim.AdditiveCoupling(nn.Linear(4, 4)))
+    with pytest.raises(memtrim.InvalidInputError, match="must be even"):
+        odd(torch.randn(2, 7))
+    shape = memtrim.ReversibleSequential(memtrim.AdditiveCoupling(nn.Linear(4, 3)))
+    with pytest.raises(memtrim.InvalidInputError, match="f must return a tensor of shape"):
+        shape(torch.randn(2, 8))
