@@ -1,17 +1,15 @@
 """OptimizerInBackward under DDP and FSDP2: 2 gloo processes on CPU, equal to standard distributed training."""
 
-import gc
-import os
 import sys
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import memtrim
+
+from ..distributed import spawn
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 
@@ -36,26 +34,7 @@ def _train(model, optimizer, rank, backward=None):
         optimizer.step()
 
 
-def _run_worker(body, rank, world, init, out):
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    try:
-        body(rank, out)
-    finally:
-        # Models must die before their process group: a DDP model with a comm hook that outlives it can
-        # abort the process at exit ("terminate called without an active exception", seen 2 in 10 runs).
-        gc.collect()
-        dist.destroy_process_group()
-
-
-def _ddp_worker(rank, world, init, out):
-    _run_worker(_ddp_body, rank, world, init, out)
-
-
-def _fsdp_worker(rank, world, init, out):
-    _run_worker(_fsdp_body, rank, world, init, out)
-
-
-def _ddp_body(rank, out):
+def _ddp_body(rank):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     plain = DDP(_model(), bucket_cap_mb=0.01)
@@ -80,16 +59,16 @@ def _ddp_body(rank, out):
         memtrim.OptimizerInBackward(torch.optim.Adam(_model().parameters()))
     except memtrim.InvalidInputError as e:
         refused = str(e)
-    torch.save({
+    return {
         "plain": [p.detach() for p in plain.parameters()],
         "fused": [p.detach() for p in fused.parameters()],
         "clipped_plain": [p.detach() for p in clipped_plain.parameters()],
         "clipped": [p.detach() for p in clipped.parameters()],
         "refused": refused,
-    }, os.path.join(out, f"rank{rank}.pt"))
+    }
 
 
-def _fsdp_body(rank, out):
+def _fsdp_body(rank):
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # torch < 2.6
@@ -107,19 +86,12 @@ def _fsdp_body(rank, out):
             optimizer = memtrim.OptimizerInBackward(optimizer, model=model)
         _train(model, optimizer, rank)
         results[name] = [p.full_tensor().detach() for p in model.parameters()]
-    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-
-
-def _spawn(worker):
-    with tempfile.TemporaryDirectory() as out:
-        init = "file://" + os.path.join(out, "rendezvous")
-        mp.start_processes(worker, args=(2, init, out), nprocs=2, join=True, start_method="spawn")
-        return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+    return results
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo file rendezvous")
 def test_ddp_equals_standard_ddp():
-    results = _spawn(_ddp_worker)
+    results = spawn(_ddp_body)
     for rank_result in results:
         for a, b in zip(rank_result["plain"], rank_result["fused"]):
             assert torch.equal(a, b)
@@ -132,7 +104,7 @@ def test_ddp_equals_standard_ddp():
 
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo file rendezvous")
 def test_fsdp2_equals_standard_fsdp2():
-    results = _spawn(_fsdp_worker)
+    results = spawn(_fsdp_body)
     for rank_result in results:
         for a, b in zip(rank_result["plain"], rank_result["fused"]):
             assert torch.equal(a, b)
