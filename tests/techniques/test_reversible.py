@@ -170,3 +170,71 @@ def test_bad_input():
     shape = memtrim.ReversibleSequential(memtrim.AdditiveCoupling(nn.Linear(4, 3)))
     with pytest.raises(memtrim.InvalidInputError, match="f must return a tensor of shape"):
         shape(torch.randn(2, 8))
+
+
+def ln_blocks(depth, width=32, dtype=torch.float32):
+    torch.manual_seed(0)
+    return [memtrim.AdditiveCoupling(nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.GELU(),
+                                                   nn.Linear(width, width))).to(dtype) for _ in range(depth)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_mode_reconstructs_bitwise_at_depth_256(dtype, monkeypatch):
+    import memtrim.techniques.reversible.sequential as seq
+
+    def whole(x):  # compare every element, not a sample
+        flat = x.detach().reshape(-1)
+        return torch.arange(flat.numel()), flat.clone()
+
+    monkeypatch.setattr(seq, "_probe", whole)
+    rev = memtrim.ReversibleSequential(*ln_blocks(256, dtype=dtype), exact=True, check_drift=1.0)
+    x = torch.randn(4, 64, dtype=dtype, requires_grad=True)
+    rev(x).float().square().sum().backward()
+    drift = rev.drift_report()
+    assert len(drift) == 256 and set(drift.values()) == {0.0}  # every block input rebuilt bit for bit
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+    # the same stack without exact mode drifts (fp32 ~1e-6, bf16 ~1e-1 at this depth: the field notes' figures)
+    float_stack = memtrim.ReversibleSequential(*ln_blocks(256, dtype=dtype), check_drift=1.0)
+    float_stack(x.detach().clone().requires_grad_()).float().square().sum().backward()
+    assert max(float_stack.drift_report().values()) > 0
+
+
+def test_exact_mode_gradients_match_the_float_network():
+    plain, _ = twins(dtype=torch.float64)
+    rev = memtrim.ReversibleSequential(*copy.deepcopy(list(plain)), exact=True)
+    x = torch.randn(8, 32, dtype=torch.float64)
+    grad_out = torch.randn(8, 32, dtype=torch.float64)
+    out_plain, g_plain = grads(plain, x, grad_out)
+    out_rev, g_rev = grads(rev, x, grad_out)
+    # the stream is rounded to 2**-24 in exact mode; gradients pass straight through the rounding
+    torch.testing.assert_close(out_rev, out_plain, rtol=0, atol=1e-6)
+    assert_grads_close(g_rev, g_plain, rtol=1e-5, atol=1e-6)
+
+
+def test_exact_mode_overflow_and_non_finite_raise():
+    rev = memtrim.ReversibleSequential(*ln_blocks(2), exact=True)
+    with pytest.raises(memtrim.ReversibleError, match="overflows the fixed-point range"):
+        rev(torch.full((2, 64), 1e10))
+    with pytest.raises(memtrim.ReversibleError, match="non-finite"):
+        rev(torch.full((2, 64), float("nan")))
+
+    class Blowup(nn.Module):
+        def forward(self, h):
+            return h * float("inf")
+
+    bad = memtrim.ReversibleSequential(memtrim.AdditiveCoupling(Blowup()), exact=True)
+    with pytest.raises(memtrim.ReversibleError, match="block 0's f produced a non-finite value"):
+        bad(torch.randn(2, 8))
+    with pytest.raises(memtrim.InvalidInputError, match="exact=True needs AdditiveCoupling"):
+        memtrim.ReversibleSequential(memtrim.AffineCoupling(nn.Linear(4, 8), nn.Linear(4, 8)), exact=True)
+
+
+def test_drift_monitor_warns_and_keeps_the_input_next_time():
+    rev = memtrim.ReversibleSequential(*ln_blocks(32, dtype=torch.bfloat16), check_drift=1e-3)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="reconstructed with relative error"):
+        rev(x.clone().requires_grad_()).float().sum().backward()
+    drifting = {i for i, e in rev.drift_report().items() if e > 1e-3}
+    assert drifting and rev.keep_inputs == drifting
+    rev(x.clone().requires_grad_()).float().sum().backward()  # those blocks now keep their input: no new warning
+    assert all(rev.drift_report()[i] <= 1e-3 for i in rev.drift_report() if i not in drifting)

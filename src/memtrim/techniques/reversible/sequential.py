@@ -82,6 +82,7 @@ class _Frame:
     """One forward of the stack: the output, the handles per block, and what backward rebuilt."""
 
     def __init__(self, stack: ReversibleSequential) -> None:
+        self.stack = stack
         self.blocks = list(stack.blocks)
         self.handles: list[list[weakref.ref]] = [[] for _ in self.blocks]
         self.replays: list[dict[str, _Replay]] = [{} for _ in self.blocks]
@@ -89,6 +90,11 @@ class _Frame:
         self.output_version = 0
         self.recomputed: weakref.WeakKeyDictionary[_Handle, torch.Tensor] = weakref.WeakKeyDictionary()
         self.materialised: set[int] = set()
+        self.exact = stack.exact
+        self.scale = float(2 ** stack.fraction_bits)
+        self.dtype = torch.float32  # what f and g compute in (exact mode): the stack input's dtype
+        self.probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (indices, values) of its input
+        self.kept_inputs: dict[int, torch.Tensor] = {}  # blocks whose drift exceeded the tolerance before
 
     def set_output(self, output: torch.Tensor) -> None:
         self.outputs[len(self.blocks) - 1] = output.detach()  # detached: no cycle through the output's grad_fn
@@ -123,14 +129,16 @@ class _Frame:
         if index in self.materialised:
             return
         block = self.blocks[index]
-        y = self.output_of(index)
         recorded: list[torch.Tensor] = []
         saved_buffers = [(b, b.detach().clone()) for b in block.buffers()]
         try:
-            if type(block) is AdditiveCoupling:
-                x = self._rebuild_additive(index, block, y, recorded)
+            if index in self.kept_inputs:  # drift fallback: the input was kept, recompute forward from it
+                x = self.kept_inputs.pop(index)
+                self._recompute_forward(index, block, x, recorded)
+            elif type(block) is AdditiveCoupling:
+                x = self._rebuild_additive(index, block, self.output_of(index), recorded)
             else:
-                x = self._rebuild_generic(index, block, y, recorded)
+                x = self._rebuild_generic(index, block, self.output_of(index), recorded)
         finally:
             with torch.no_grad():
                 for buffer, value in saved_buffers:
@@ -147,9 +155,11 @@ class _Frame:
             if handle is not None:
                 self.recomputed[handle] = tensor
         self.materialised.add(index)
+        if index in self.probes:
+            self.stack._measure_drift(index, x, *self.probes.pop(index))
         if index > 0:
             self.outputs[index - 1] = x
-        del self.outputs[index]  # this block's output is no longer needed: one boundary alive at a time
+        self.outputs.pop(index, None)  # this block's output is no longer needed: one boundary alive at a time
 
     def _rebuild_additive(self, index: int, block: AdditiveCoupling, y: torch.Tensor,
                           recorded: list[torch.Tensor]) -> torch.Tensor:
@@ -159,13 +169,35 @@ class _Frame:
         g_saved: list[torch.Tensor] = []
         # inputs require grad as they did in forward, so the ops save the same tensors
         with _replayed(replays["g"]), _recording(g_saved), torch.enable_grad():
-            gy = block.g(y1.detach().requires_grad_(replays["g"].requires_grad))
-        x2 = (y2 - gy.detach()).detach()
+            gy = block.g(self._fn_input(y1).requires_grad_(replays["g"].requires_grad))
+        x2 = (y2 - self._to_stream(gy.detach())).detach()
         with _replayed(replays["f"]), _recording(f_saved), torch.enable_grad():
-            fx = block.f(x2.detach().requires_grad_(replays["f"].requires_grad))
-        x1 = (y1 - fx.detach()).detach()
+            fx = block.f(self._fn_input(x2).requires_grad_(replays["f"].requires_grad))
+        x1 = (y1 - self._to_stream(fx.detach())).detach()
         recorded += f_saved + g_saved  # the forward saved f's tensors, then g's (the additions save nothing)
         return torch.cat([x1, x2], dim=block.split_dim)
+
+    def _fn_input(self, half: torch.Tensor) -> torch.Tensor:
+        """What f or g receives: the half itself, or (exact mode) its value back in floating point."""
+        if not self.exact:
+            return half.detach()
+        return (half.detach() / self.scale).to(self.dtype)
+
+    def _to_stream(self, out: torch.Tensor) -> torch.Tensor:
+        """f's or g's output as added to the stream: itself, or (exact mode) rounded to the fixed-point grid."""
+        if not self.exact:
+            return out
+        return torch.round(out.double() * self.scale)
+
+    def _recompute_forward(self, index: int, block: nn.Module, x: torch.Tensor, recorded: list[torch.Tensor]) -> None:
+        replays = self.replays[index]
+        with torch.enable_grad():
+            if type(block) is AdditiveCoupling:
+                self.stack._additive(self, index, block, x.detach().requires_grad_(replays["f"].requires_grad),
+                                     recording=recorded)
+            else:
+                with _replayed(replays["block"]), _recording(recorded):
+                    block(x.detach().requires_grad_(replays["block"].requires_grad))
 
     def _rebuild_generic(self, index: int, block: nn.Module, y: torch.Tensor,
                          recorded: list[torch.Tensor]) -> torch.Tensor:
@@ -175,6 +207,13 @@ class _Frame:
         with _replayed(replay), _recording(recorded), torch.enable_grad():
             block(x.detach().requires_grad_(replay.requires_grad))
         return x.detach()
+
+
+def _probe(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """64 evenly spaced elements of a block input: a few hundred bytes to check its reconstruction against."""
+    flat = x.detach().reshape(-1)
+    where = torch.linspace(0, flat.numel() - 1, steps=min(64, flat.numel()), device=flat.device).long()
+    return where, flat[where].clone()
 
 
 @contextmanager
@@ -210,8 +249,23 @@ class ReversibleSequential(nn.Module):
     See NOTE [ reversible without backward inside backward ] in memtrim/techniques/reversible/sequential.py.
     """
 
-    def __init__(self, *blocks: nn.Module) -> None:
+    def __init__(self, *blocks: nn.Module, exact: bool = False, fraction_bits: int = 24,
+                 check_drift: float | None = None) -> None:
         super().__init__()
+        if exact and not all(type(b) is AdditiveCoupling for b in blocks):
+            raise InvalidInputError(
+                "memtrim.ReversibleSequential: exact=True needs AdditiveCoupling blocks (fixed-point addition is "
+                "exact; an affine scale is not)."
+            )
+        if not 1 <= fraction_bits <= 40:
+            raise InvalidInputError(
+                f"memtrim.ReversibleSequential: fraction_bits must be in 1..40, got {fraction_bits}."
+            )
+        if check_drift is not None and not check_drift > 0:
+            raise InvalidInputError(f"memtrim.ReversibleSequential: check_drift must be > 0, got {check_drift}.")
+        self.exact, self.fraction_bits, self.check_drift = exact, fraction_bits, check_drift
+        self.drift: dict[int, float] = {}  # block -> relative reconstruction error seen in the last backward
+        self.keep_inputs: set[int] = set()  # blocks whose input is kept (drift above check_drift)
         for i, block in enumerate(blocks):
             if not isinstance(block, nn.Module) or not callable(getattr(block, "inverse", None)):
                 raise InvalidInputError(
@@ -228,11 +282,61 @@ class ReversibleSequential(nn.Module):
                 x = block(x)
             return x
         frame = _Frame(self)
+        frame.dtype = x.dtype
+        if self.exact:
+            x = self._to_fixed(x)
         for index, block in enumerate(self.blocks):
+            if index in self.keep_inputs:
+                frame.kept_inputs[index] = x.detach()
+            elif self.check_drift is not None:
+                frame.probes[index] = _probe(x)
             x = self._run_block(frame, index, block, x)
         frame.set_output(x)
         _hooks.hold_for_backward(frame.outputs[len(self.blocks) - 1], frame)
+        for kept in frame.kept_inputs.values():
+            _hooks.hold_for_backward(kept, frame)
+        if self.exact:
+            return (x / frame.scale).to(frame.dtype)
         return x
+
+    def _to_fixed(self, x: torch.Tensor) -> torch.Tensor:
+        """The input on the fixed-point grid, as integer-valued float64 (exact below 2**53), with a straight-through
+        gradient."""
+        if not torch.isfinite(x.detach()).all():
+            raise ReversibleError("memtrim.ReversibleSequential (exact): the input holds a non-finite value.")
+        scaled = x.double() * float(2 ** self.fraction_bits)
+        self._check_range(scaled, "the input")
+        return scaled + (torch.round(scaled) - scaled).detach()
+
+    def _check_range(self, stream: torch.Tensor, where: str) -> None:
+        stream = stream.detach()  # checks must not record anything in the graph (isfinite saves via abs)
+        if not torch.isfinite(stream).all():
+            raise ReversibleError(f"memtrim.ReversibleSequential (exact): {where} produced a non-finite value.")
+        limit = float(2 ** 53)
+        if bool((stream.detach().abs() >= limit).any()):
+            raise ReversibleError(
+                f"memtrim.ReversibleSequential (exact): {where} overflows the fixed-point range "
+                f"(|x| < 2**{53 - self.fraction_bits} with fraction_bits={self.fraction_bits}). Lower fraction_bits "
+                "or keep activations smaller."
+            )
+
+    def _measure_drift(self, index: int, x: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
+        rebuilt = x.detach().reshape(-1)[where].to(values.dtype)
+        error = float((rebuilt - values).abs().max() / values.abs().max().clamp_min(1e-30))
+        self.drift[index] = error
+        if self.check_drift is not None and error > self.check_drift and index not in self.keep_inputs:
+            import warnings
+
+            warnings.warn(
+                f"memtrim.ReversibleSequential: block {index} was reconstructed with relative error {error:.3e} "
+                f"(> check_drift={self.check_drift}); from the next forward on its input is kept instead.",
+                stacklevel=2,
+            )
+            self.keep_inputs.add(index)
+
+    def drift_report(self) -> dict[int, float]:
+        """Per block, the relative reconstruction error measured in the last backward (needs ``check_drift``)."""
+        return dict(self.drift)
 
     def _run_block(self, frame: _Frame, index: int, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         def pack(tensor: torch.Tensor) -> _Handle:
@@ -250,15 +354,33 @@ class ReversibleSequential(nn.Module):
             frame.replays[index]["block"] = _capture(x)
             return block(x)
 
-    @staticmethod
-    def _additive(frame: _Frame, index: int, block: AdditiveCoupling, x: torch.Tensor) -> torch.Tensor:
+    def _additive(self, frame: _Frame, index: int, block: AdditiveCoupling, x: torch.Tensor,
+                  recording: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """One additive coupling; in exact mode f and g see floats, the stream stays on the fixed-point grid.
+
+        With ``recording`` (backward's recomputation of a block whose input was kept) the forward's random numbers
+        and autocast are replayed and the saved tensors recorded, instead of captured."""
         from .coupling import _checked, _split
 
+        def apply(name: str, fn: nn.Module, half: torch.Tensor) -> torch.Tensor:
+            inp = (half / frame.scale).to(frame.dtype) if self.exact else half
+            if recording is None:
+                frame.replays[index][name] = _capture(inp)
+                out = _checked(block, name, fn(inp), inp)
+            else:
+                with _replayed(frame.replays[index][name]), _recording(recording):
+                    out = fn(inp)
+            if not self.exact:
+                return out
+            scaled = out.double() * frame.scale
+            self._check_range(scaled, f"block {index}'s {name}")
+            return scaled + (torch.round(scaled) - scaled).detach()  # on the grid, straight-through gradient
+
         x1, x2 = _split(block, x, block.split_dim)
-        frame.replays[index]["f"] = _capture(x2)
-        y1 = x1 + _checked(block, "f", block.f(x2), x2)
-        frame.replays[index]["g"] = _capture(y1)
-        y2 = x2 + _checked(block, "g", block.g(y1), y1)
+        y1 = x1 + apply("f", block.f, x2)
+        y2 = x2 + apply("g", block.g, y1)
+        if self.exact:
+            self._check_range(torch.cat([y1, y2], dim=block.split_dim), f"block {index}")
         return torch.cat([y1, y2], dim=block.split_dim)
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
