@@ -1,0 +1,141 @@
+"""Reversible stacks: bytes held at the start of backward, step peak and step time vs the plain stack, side by
+side with memcnn and revlib (when installed), plus a memory-vs-depth plot.
+
+Setup from the field notes: 16 additive couplings, f and g = Linear(512, 512) + ReLU + Linear(512, 512) on width
+1024, batch 256, float32, CPU.
+
+Reproduce:  .venv/bin/python benchmarks/reversible.py [--rounds 5]
+  (the comparison libraries: pip install revlib==1.7.2 && pip install --no-deps memcnn==1.5.2 -- memcnn's own
+   dependencies would pull a CUDA build of torch)
+Writes benchmarks/results/reversible_cpu.json and benchmarks/results/reversible_memory_vs_depth.png.
+"""
+
+import argparse
+import copy
+import os
+import statistics
+import time
+import warnings
+
+import torch
+from torch import nn
+
+import memtrim
+from _common import RESULTS, machine, pin_malloc, write
+
+
+def fg(width=512):
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+
+
+def builders(depth, width=512):
+    torch.manual_seed(0)
+    blocks = [memtrim.AdditiveCoupling(fg(width), fg(width)) for _ in range(depth)]
+    out = {
+        "plain": lambda: nn.Sequential(*copy.deepcopy(blocks)),
+        "memtrim": lambda: memtrim.ReversibleSequential(*copy.deepcopy(blocks)),
+    }
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import memcnn
+
+        def make_memcnn():
+            copies = copy.deepcopy(blocks)
+            return nn.Sequential(*[memcnn.InvertibleModuleWrapper(memcnn.AdditiveCoupling(b.f, b.g),
+                                                                  keep_input=False, keep_input_inverse=False)
+                                   for b in copies])
+
+        out["memcnn 1.5.2"] = make_memcnn
+    except ImportError:
+        print("memcnn not installed: skipped")
+    try:
+        import revlib
+
+        def make_revlib():
+            copies = copy.deepcopy(blocks)
+            return revlib.ReversibleSequential(*[m for b in copies for m in (b.f, b.g)], split_dim=1)
+
+        out["revlib 1.7.2"] = make_revlib
+    except ImportError:
+        print("revlib not installed: skipped")
+    return out
+
+
+def held_and_peak(model, x):
+    leaf = x.clone().requires_grad_()
+    with memtrim.track(model) as tracker:
+        out = model(leaf.clone())
+        loss = out.float().sum()
+        held = tracker.live_by_category()["activations"]
+        del out
+        loss.backward()
+    report = tracker.report()
+    return held, report.peak_bytes - report.timeline[0].total_bytes
+
+
+def step(model, x):
+    out = model(x.clone().requires_grad_())
+    out.sum().backward()
+
+
+def main():
+    pin_malloc()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--depth", type=int, default=16)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    x = torch.randn(256, 1024)
+    models = {name: make() for name, make in builders(args.depth).items()}
+    results = {}
+    for name, model in models.items():
+        held, peak = held_and_peak(model, x)
+        results[name] = {"held_at_backward_start": held, "peak_above_start": peak}
+    times = {name: [] for name in models}
+    for model in models.values():
+        step(model, x)
+    for _ in range(args.rounds):  # interleaved
+        for name, model in models.items():
+            start = time.perf_counter()
+            step(model, x)
+            times[name].append(time.perf_counter() - start)
+    for name in models:
+        ratios = sorted(t / p for t, p in zip(times[name], times["plain"]))
+        results[name].update(step_ms=1e3 * statistics.median(times[name]), time_ratio_median=statistics.median(ratios),
+                             time_ratio_range=[ratios[0], ratios[-1]])
+        r = results[name]
+        print(f"{name}: held {r['held_at_backward_start'] / 2**20:.1f} MiB, peak {r['peak_above_start'] / 2**20:.1f} "
+              f"MiB, time {r['time_ratio_median']:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})")
+    depths = [1, 2, 4, 8, 16, 32]
+    curve = {}
+    for name in ("plain", "memtrim"):
+        curve[name] = []
+        for depth in depths:
+            model = builders(depth, width=128)[name]()
+            curve[name].append(held_and_peak(model, torch.randn(64, 256))[0])
+    write("reversible_cpu.json", {"machine": machine(), "depth": args.depth, "rounds": args.rounds,
+                                  "results": results, "memory_vs_depth": {"depths": depths, **curve}})
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, values in curve.items():
+            ax.plot(depths, [v / 2**20 for v in values], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("coupling blocks (f, g = Linear(128)+ReLU+Linear(128), width 256, batch 64)")
+        ax.set_ylabel("activation bytes held at backward start (MiB)")
+        ax.set_title("memtrim tracker: plain vs reversible stack")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(RESULTS, "reversible_memory_vs_depth.png"), dpi=110)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+    print("wrote", os.path.join(RESULTS, "reversible_cpu.json"))
+
+
+if __name__ == "__main__":
+    main()
