@@ -41,6 +41,11 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     converted = results["convert"]
     assert converted["seed MLP"]["after"] == converted["seed MLP"]["before"]  # nothing safe to change, and said why
     assert converted["conv+BN+LeakyReLU CNN"]["after"] < 0.5 * converted["conv+BN+LeakyReLU CNN"]["before"]
+    rev = results["reversible"]
+    assert rev["verify_ok"] is True
+    assert len(set(rev["curve"]["reversible"])) == 1  # constant in depth
+    assert rev["curve"]["plain"][-1] > 5 * rev["curve"]["reversible"][-1]
+    assert rev["drift"]["exact, depth 64"] == 0.0
     report = (tmp_path / "report.md").read_text()
     assert "memtrim demo report" in report and "bitwise" in report
     for name in ("timeline_relu.png", "timeline_relu_inplace.png"):
