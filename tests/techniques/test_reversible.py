@@ -21,8 +21,9 @@ def mlp(width, dropout=0.0, bn=False):
 def twins(depth=4, width=16, dtype=torch.float64, affine=False, **kwargs):
     torch.manual_seed(0)
     if affine:
-        blocks = [memtrim.AffineCoupling(nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh()),
-                                         nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh()))
+        dropout = kwargs.get("dropout", 0.0)
+        blocks = [memtrim.AffineCoupling(nn.Sequential(nn.Linear(width, 2 * width), nn.Dropout(dropout), nn.Tanh()),
+                                         nn.Sequential(nn.Linear(width, 2 * width), nn.Dropout(dropout), nn.Tanh()))
                   for _ in range(depth)]
     else:
         blocks = [memtrim.AdditiveCoupling(mlp(width, **kwargs), mlp(width, **kwargs)) for _ in range(depth)]
@@ -64,8 +65,9 @@ def test_float32_gradients():
     assert_grads_close(g_rev, g_plain, rtol=1e-4, atol=1e-5)
 
 
-def test_dropout_is_replayed_and_the_global_generator_untouched():
-    plain, rev = twins(dropout=0.3)
+@pytest.mark.parametrize("affine", [False, True])
+def test_dropout_is_replayed_and_the_global_generator_untouched(affine):
+    plain, rev = twins(dropout=0.3, affine=affine)
     x = torch.randn(8, 32, dtype=torch.float64)
     grad_out = torch.randn(8, 32, dtype=torch.float64)
     out_plain, g_plain = grads(plain, x, grad_out, seed=7)
@@ -165,10 +167,10 @@ def test_bad_input():
     with pytest.raises(memtrim.InvalidInputError, match=r"block 1 \(Linear\) has no inverse"):
         memtrim.ReversibleSequential(memtrim.AdditiveCoupling(nn.Linear(4, 4)), nn.Linear(8, 8))
     odd = memtrim.ReversibleSequential(memtrim.AdditiveCoupling(nn.Linear(4, 4)))
-    with pytest.raises(memtrim.InvalidInputError, match="must be even"):
+    with pytest.raises(memtrim.InvalidInputError, match="block 0: .*must be even"):
         odd(torch.randn(2, 7))
     shape = memtrim.ReversibleSequential(memtrim.AdditiveCoupling(nn.Linear(4, 3)))
-    with pytest.raises(memtrim.InvalidInputError, match="f must return a tensor of shape"):
+    with pytest.raises(memtrim.InvalidInputError, match="block 0: .*f must return a tensor of shape"):
         shape(torch.randn(2, 8))
 
 
@@ -238,3 +240,14 @@ def test_drift_monitor_warns_and_keeps_the_input_next_time():
     assert drifting and rev.keep_inputs == drifting
     rev(x.clone().requires_grad_()).float().sum().backward()  # those blocks now keep their input: no new warning
     assert all(rev.drift_report()[i] <= 1e-3 for i in rev.drift_report() if i not in drifting)
+
+
+@pytest.mark.parametrize("affine", [False, True])
+def test_kept_inputs_after_drift_give_the_plain_gradients(affine):
+    plain, rev = twins(dropout=0.3, affine=affine)
+    rev.keep_inputs.update({0, 2})  # as if check_drift had flagged these blocks
+    x = torch.randn(8, 32, dtype=torch.float64)
+    grad_out = torch.randn(8, 32, dtype=torch.float64)
+    _, g_plain = grads(plain, x, grad_out, seed=4)
+    _, g_rev = grads(rev, x, grad_out, seed=4)
+    assert_grads_close(g_rev, g_plain, rtol=1e-10, atol=1e-12)

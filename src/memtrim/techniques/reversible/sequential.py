@@ -33,7 +33,7 @@ from torch import nn
 
 from ...errors import InvalidInputError, MemtrimError
 from ...measure import _hooks
-from .coupling import AdditiveCoupling
+from .coupling import AdditiveCoupling, AffineCoupling
 
 __all__ = ["ReversibleSequential", "ReversibleError"]
 
@@ -137,6 +137,8 @@ class _Frame:
                 self._recompute_forward(index, block, x, recorded)
             elif type(block) is AdditiveCoupling:
                 x = self._rebuild_additive(index, block, self.output_of(index), recorded)
+            elif type(block) is AffineCoupling and not self.exact:
+                x = self._rebuild_affine(index, block, self.output_of(index), recorded)
             else:
                 x = self._rebuild_generic(index, block, self.output_of(index), recorded)
         finally:
@@ -177,6 +179,29 @@ class _Frame:
         recorded += f_saved + g_saved  # the forward saved f's tensors, then g's (the additions save nothing)
         return torch.cat([x1, x2], dim=block.split_dim)
 
+    def _rebuild_affine(self, index: int, block: AffineCoupling, y: torch.Tensor,
+                        recorded: list[torch.Tensor]) -> torch.Tensor:
+        """Invert with f and g evaluated once each, recording what the forward saved, in its order: f's tensors and
+        the f-side multiplication's, then g's and the g-side multiplication's."""
+        y1, y2 = y.chunk(2, dim=block.split_dim)
+        replays = self.replays[index]
+        f_saved: list[torch.Tensor] = []
+        g_saved: list[torch.Tensor] = []
+        with torch.enable_grad():
+            y1_in = y1.detach().requires_grad_(replays["g"].requires_grad)
+            with _replayed(replays["g"]), _recording(g_saved):
+                s_g, t_g = block._scale_shift("g", block.g, y1_in)
+            x2 = ((y2 - t_g.detach()) / s_g.detach()).detach().requires_grad_(replays["f"].requires_grad)
+            with _replayed(replays["f"]), _recording(f_saved):
+                s_f, t_f = block._scale_shift("f", block.f, x2)
+            x1 = ((y1 - t_f.detach()) / s_f.detach()).detach().requires_grad_(replays["f"].requires_grad)
+            with _recording(f_saved):
+                _ = x1 * s_f + t_f  # what the forward's y1 = x1 * s_f + t_f saved
+            with _recording(g_saved):
+                _ = x2 * s_g + t_g
+        recorded += f_saved + g_saved
+        return torch.cat([x1.detach(), x2.detach()], dim=block.split_dim)
+
     def _fn_input(self, half: torch.Tensor) -> torch.Tensor:
         """What f or g receives: the half itself, or (exact mode) its value back in floating point."""
         if not self.exact:
@@ -195,6 +220,9 @@ class _Frame:
             if type(block) is AdditiveCoupling:
                 self.stack._additive(self, index, block, x.detach().requires_grad_(replays["f"].requires_grad),
                                      recording=recorded)
+            elif type(block) is AffineCoupling:
+                self.stack._affine(self, index, block, x.detach().requires_grad_(replays["f"].requires_grad),
+                                   recording=recorded)
             else:
                 with _replayed(replays["block"]), _recording(recorded):
                     block(x.detach().requires_grad_(replays["block"].requires_grad))
@@ -348,11 +376,38 @@ class ReversibleSequential(nn.Module):
         def unpack(handle: _Handle) -> torch.Tensor:
             return handle.frame.unpack(handle)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            if type(block) is AdditiveCoupling:
-                return self._additive(frame, index, block, x)
-            frame.replays[index]["block"] = _capture(x)
-            return block(x)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                if type(block) is AdditiveCoupling:
+                    return self._additive(frame, index, block, x)
+                if type(block) is AffineCoupling:
+                    return self._affine(frame, index, block, x)
+                frame.replays[index]["block"] = _capture(x)
+                return block(x)
+        except InvalidInputError as e:
+            raise InvalidInputError(f"memtrim.ReversibleSequential: block {index}: {e}") from e
+
+    @staticmethod
+    def _affine(frame: _Frame, index: int, block: AffineCoupling, x: torch.Tensor,
+                recording: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """AffineCoupling.forward, step by step: the random-number state is captured before f and before g (or,
+        with ``recording``, replayed and the saved tensors recorded)."""
+        from .coupling import _split
+
+        def scale_shift(name: str, fn: nn.Module, half: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if recording is None:
+                frame.replays[index][name] = _capture(half)
+                return block._scale_shift(name, fn, half)
+            with _replayed(frame.replays[index][name]):
+                return block._scale_shift(name, fn, half)
+
+        with _recording(recording) if recording is not None else contextlib.nullcontext():
+            x1, x2 = _split(block, x, block.split_dim)
+            s, t = scale_shift("f", block.f, x2)
+            y1 = x1 * s + t
+            s, t = scale_shift("g", block.g, y1)
+            y2 = x2 * s + t
+        return torch.cat([y1, y2], dim=block.split_dim)
 
     def _additive(self, frame: _Frame, index: int, block: AdditiveCoupling, x: torch.Tensor,
                   recording: list[torch.Tensor] | None = None) -> torch.Tensor:
