@@ -26,5 +26,9 @@ def test_public_api_listed():
 
     for name in memtrim.__all__:
         assert hasattr(memtrim, name), name
-    for name in ("track", "op_memory", "measure_step", "verify", "MemoryReport", "models", "data"):
+    for name in ("track", "op_memory", "measure_step", "verify", "MemoryReport", "models", "data", "convert",
+                 "check_inplace", "OptimizerInBackward", "ReversibleSequential", "AdditiveCoupling"):
         assert name in memtrim.__all__
+    # submodules, kept out of __all__ so a star import cannot shadow torch.nn / torch.nn.functional
+    assert "nn" not in memtrim.__all__ and "functional" not in memtrim.__all__
+    assert hasattr(memtrim.nn, "BatchNormAct2d") and hasattr(memtrim.functional, "relu")

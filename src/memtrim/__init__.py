@@ -1,6 +1,8 @@
 """memtrim: train neural networks in less memory, with every saving measured and every change proven.
 
-The whole public API is re-exported here.
+The whole public API is re-exported here. ``memtrim.nn`` and ``memtrim.functional`` (lean activations and fused
+norms) are submodules, deliberately left out of ``__all__`` so that ``from memtrim import *`` never shadows
+``torch.nn``.
 """
 
 from . import data, functional, models, nn
@@ -62,9 +64,7 @@ __all__ = [
     "check_inplace",
     "convert",
     "data",
-    "functional",
     "models",
-    "nn",
     "op_memory",
     "track",
     "verify",
