@@ -93,17 +93,20 @@ class _BatchNormActFunction(torch.autograd.Function):
             xhat[:, bad] = xhat_bad
         if ctx.training:
             # torch's own fused BatchNorm backward, fed the input rebuilt from xhat (x = mean + xhat / invstd)
+            mask = [ctx.needs_input_grad[0], weight is not None, bias is not None]
             if xhat_bad is None and weight is not None:
-                # one pass from y: x = y * a + b with a = 1 / (gamma * invstd), b = mean - beta * a
-                a = (weight * invstd).reciprocal()
-                b = mean - bias * a if bias is not None else mean
-                x = torch.addcmul(b.view(shape), y, a.view(shape))
+                # No pass to rebuild x: hand the kernel y as its "input" with mean beta and invstd 1/gamma, so the
+                # xhat it computes is (y - beta) / gamma, and weight gamma^2 * invstd, so its dx scale
+                # (weight * its invstd) is gamma * invstd. dgamma = sum(dy * xhat) and dbeta = sum(dy) are unchanged.
+                beta = bias if bias is not None else torch.zeros_like(weight)
+                dx, dgamma, dbeta = torch.ops.aten.native_batch_norm_backward(
+                    dy, y, weight * weight * invstd, None, None, beta, weight.reciprocal(), True, 0.0, mask,
+                )
             else:
                 x = torch.addcmul(mean.view(shape), xhat, invstd.reciprocal().view(shape))
-            dx, dgamma, dbeta = torch.ops.aten.native_batch_norm_backward(
-                dy, x, weight, None, None, mean, invstd, True, 0.0,
-                [ctx.needs_input_grad[0], weight is not None, bias is not None],
-            )
+                dx, dgamma, dbeta = torch.ops.aten.native_batch_norm_backward(
+                    dy, x, weight, None, None, mean, invstd, True, 0.0, mask,
+                )
         else:
             dims = [0] + list(range(2, z.dim()))
             dbeta = dy.sum(dims) if bias is not None else None
