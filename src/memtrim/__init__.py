@@ -5,7 +5,9 @@ norms) are submodules, deliberately left out of ``__all__`` so that ``from memtr
 ``torch.nn``.
 """
 
-from . import data, functional, models, nn
+from . import data, models
+from . import functional as functional  # submodules outside __all__ (see the docstring)
+from . import nn as nn
 from .errors import (
     DataError,
     DeviceMismatchError,
