@@ -18,6 +18,7 @@ demo: $(BIN)/memtrim
 	$(BIN)/memtrim demo $(ARGS)
 
 test: $(BIN)/memtrim
+	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q $(ARGS)
 
 lint: $(BIN)/memtrim
