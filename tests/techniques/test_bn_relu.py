@@ -78,6 +78,6 @@ def test_nothing_leaks_and_inplace_edits_still_raise():
             return h
 
     edits = Edits()
-    memtrim.convert(edits, example_inputs=(x,))  # the hooks now run around the whole model
+    memtrim.convert(edits, example_inputs=(x,))  # the recompute hooks run around the second conv
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         edits(x).sum().backward()

@@ -7,9 +7,10 @@ BatchNorm's backward needs anyway) and recompute the cheap pointwise ``z = relu(
 ``scale = gamma * invstd``, ``shift = beta - mean * scale``) wherever ``z`` is needed: in this module's backward
 (ReLU's mask) and in the next layers, which would otherwise keep ``z`` for their weight gradients.
 
-For the next layers, :func:`memtrim.convert` installs saved-tensor hooks around the model's forward
-(:class:`_RecomputeHooks`): when any op saves a tensor that is a BatchNormReLU output (same storage, same
-version), autograd keeps a recipe instead; unpacking recomputes ``z``. Every other saved tensor passes through
+For the next layers, :func:`memtrim.convert` installs saved-tensor hooks around the forward of each module that
+reads the output (found by its traced forward, :class:`_RecomputeHooks`): when an op there saves a tensor that is
+a BatchNormReLU output (same storage, same version), autograd keeps a recipe instead; unpacking recomputes ``z``
+once per backward, and the BatchNormReLU's own backward takes ReLU's mask from that same rebuilt tensor. Every other saved tensor passes through
 unchanged (and through any saved-tensor hooks active outside the model, so memtrim's tracker still sees them),
 with autograd's in-place check repeated. The forward output is torch's own BatchNorm kernel followed by ReLU; the
 recomputed ``z`` may differ from it by rounding, so weight gradients of the next layer agree to ~1e-6 relative
@@ -33,11 +34,15 @@ __all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d"]
 class _Recipe:
     """How to rebuild one BatchNormReLU output: ``relu(x * scale + shift)``."""
 
-    __slots__ = ("x", "scale", "shift", "version", "__weakref__")
+    __slots__ = ("x", "scale", "shift", "version", "cache", "__weakref__")
 
     def rebuild(self) -> torch.Tensor:
-        with torch.no_grad():
-            return torch.relu_(torch.addcmul(self.shift, self.x, self.scale))
+        """The ReLU output, rebuilt once per backward: later layers' backward runs first and rebuilds it; the
+        BatchNormReLU's own backward then takes ReLU's mask from the same tensor and lets it go."""
+        if self.cache is None:
+            with torch.no_grad():
+                self.cache = torch.relu_(torch.addcmul(self.shift, self.x, self.scale))
+        return self.cache
 
 
 # storages of live BatchNormReLU outputs -> recipe (no strong reference to the outputs themselves)
@@ -68,7 +73,9 @@ class _BatchNormReLUFunction(torch.autograd.Function):
         recipe = _Recipe()
         recipe.x, recipe.scale, recipe.shift = x.detach(), scale.view(shape), shift.view(shape)
         recipe.version = z._version
+        recipe.cache = None
         _register(z, recipe)
+        ctx.recipe = recipe
         ctx.training, ctx.eps, ctx.shape = training, eps, shape
         ctx.save_for_backward(x, weight, mean, invstd, recipe.scale, recipe.shift)
         return z
@@ -77,8 +84,11 @@ class _BatchNormReLUFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, dz: torch.Tensor) -> tuple:  # type: ignore[override]
         x, weight, mean, invstd, scale, shift = ctx.saved_tensors
-        y = torch.addcmul(shift, x, scale)  # the pre-ReLU value, recomputed for ReLU's mask
-        dy = torch.ops.aten.threshold_backward(dz, y, 0)
+        recipe = ctx.recipe
+        # ReLU's mask (z > 0 exactly where y > 0): from the output the next layers' backward rebuilt, if it did
+        z = recipe.cache if recipe.cache is not None else torch.addcmul(shift, x, scale)
+        recipe.cache = None  # released: nothing after this needs it
+        dy = torch.ops.aten.threshold_backward(dz, z, 0)
         if ctx.training:
             dx, dweight, dbias = torch.ops.aten.native_batch_norm_backward(
                 dy, x, weight, None, None, mean, invstd, True, ctx.eps,

@@ -7,8 +7,8 @@ NOTE [ how convert decides ]
   output instead of their input; LayerNorm and RMSNorm become forms that keep their output.
 * Pairs need evidence that the first module's output goes to the second module and nowhere else:
   BatchNorm -> LeakyReLU / ELU becomes ``BatchNormAct`` (+ ``nn.Identity``); BatchNorm -> ReLU becomes
-  ``BatchNormReLU`` (+ ``nn.Identity``), with saved-tensor hooks on the model so later layers keep a recipe
-  instead of the ReLU output (NOTE [ BatchNorm + ReLU, recomputed ]); GELU / SiLU / Mish / Hardswish ->
+  ``BatchNormReLU`` (+ ``nn.Identity``), with saved-tensor hooks on the modules reading the ReLU output so they
+  keep a recipe instead (NOTE [ BatchNorm + ReLU, recomputed ]); GELU / SiLU / Mish / Hardswish ->
   Linear becomes ``nn.Identity`` + ``ActLinear``. The evidence is a traced forward on ``example_inputs``: every op
   is recorded with the storages it reads and the module whose forward runs it, so "the BatchNorm's output is read
   by the LeakyReLU and by nothing else" is checked, not assumed. Without example inputs the ``torch.fx`` graph
@@ -168,9 +168,10 @@ def convert(
         if kind == "bn":
             if type(nxt) is nn.ReLU:
                 if allowed(name, module) and allowed(nxt_name, nxt):
+                    readers = [modules[r] for r in trace.readers(nxt_name) if r in modules]
                     changes.append(((name, nxt_name), f"{type(module).__name__} + ReLU",
                                     f"memtrim.nn.{_BN_RELU[type(module)].__name__}",
-                                    _fuse_bn_relu(model, module, parents[nxt_name])))
+                                    _fuse_bn_relu(module, parents[nxt_name], readers)))
                     claimed.update((name, nxt_name))
                 continue
             spec = _bn_activation(nxt)
@@ -244,6 +245,17 @@ class _Trace:
         self.keep: list[Any] = []  # storages stay alive, so their ids stay unique
 
 
+    def readers(self, name: str) -> list[str]:
+        """The innermost modules whose ops read ``name``'s output after it was produced (its own ancestors'
+        code excluded: it is not a module whose saved tensors hooks could reach)."""
+        found: set[str] = set()
+        for _, end, outputs in self.calls.get(name, []):
+            for time, storage, stack in self.reads:
+                if storage in outputs and time > end and stack and not _is_self_or_ancestor(stack[-1], name):
+                    found.add(stack[-1])
+        return sorted(found)
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self, trace: _Trace, stack: list[str]) -> None:
         super().__init__()
@@ -307,6 +319,10 @@ class _FxGraph:
         for node in graph.nodes:
             if node.op == "call_module":
                 self.nodes.setdefault(node.target, []).append(node)
+
+    def readers(self, name: str) -> list[str]:
+        """The modules that take ``name``'s output as an input."""
+        return sorted({u.target for node in self.nodes.get(name, []) for u in node.users if u.op == "call_module"})
 
     def pair_after(self, name: str) -> tuple[str, str] | None:
         calls = self.nodes.get(name, [])
@@ -415,12 +431,13 @@ def _fuse_bn(bn: nn.Module, where: tuple[nn.Module, str], spec: tuple[str, float
     return apply
 
 
-def _fuse_bn_relu(model: nn.Module, bn: nn.Module, where: tuple[nn.Module, str]) -> Callable[[], None]:
+def _fuse_bn_relu(bn: nn.Module, where: tuple[nn.Module, str], readers: list[nn.Module]) -> Callable[[], None]:
     def apply() -> None:
         bn.__class__ = _BN_RELU[type(bn)]
         parent, child = where
         setattr(parent, child, nn.Identity())
-        install_recompute_hooks(model)
+        for reader in readers:  # the modules that would keep the ReLU output keep a recipe instead
+            install_recompute_hooks(reader)
 
     return apply
 
