@@ -10,8 +10,9 @@ BatchNorm's backward needs anyway) and recompute the cheap pointwise ``z = relu(
 For the next layers, :func:`memtrim.convert` installs saved-tensor hooks around the forward of each module that
 reads the output (found by its traced forward, :class:`_RecomputeHooks`): when an op there saves a tensor that is
 a BatchNormReLU output (same storage, same version), autograd keeps a recipe instead; unpacking recomputes ``z``
-once per backward, and the BatchNormReLU's own backward takes ReLU's mask from that same rebuilt tensor. Every other saved tensor passes through
-unchanged (and through any saved-tensor hooks active outside the model, so memtrim's tracker still sees them),
+once per backward, and the BatchNormReLU's own backward takes ReLU's mask from that same rebuilt tensor. Every
+other saved tensor passes through unchanged (and through any saved-tensor hooks active outside, so memtrim's
+tracker still sees them),
 with autograd's in-place check repeated. The forward output is torch's own BatchNorm kernel followed by ReLU; the
 recomputed ``z`` may differ from it by rounding, so weight gradients of the next layer agree to ~1e-6 relative
 (float32), not bitwise.
