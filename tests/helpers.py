@@ -25,3 +25,14 @@ def train_step(model, optimizer, x, y, loss_fn=F.nll_loss):
 
 def param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def activation_bytes(fn, *args, model=None) -> int:
+    """Activation bytes autograd keeps after ``fn(*args)``, from the tracker (``model`` labels its inputs)."""
+    import memtrim
+
+    with memtrim.track(model) as tracker:
+        out = fn(*args)
+        held = tracker.live_by_category()["activations"]
+    del out
+    return held

@@ -6,6 +6,8 @@ import torch.nn.functional as F
 
 import memtrim
 
+from ..helpers import activation_bytes
+
 ACTS = {
     "identity": lambda y: y,
     "leaky_relu": lambda y: F.leaky_relu(y, 0.1),
@@ -118,11 +120,7 @@ def test_keeps_only_the_output_between_convolutions():
         conv1, conv2 = torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, padding=1)
         x = torch.randn(4, 3, 16, 16)
         model = torch.nn.Sequential(conv1, *middle, conv2)
-        with memtrim.track(model) as tracker:
-            out = model(x)
-            held = tracker.live_by_category()["activations"]
-        del out
-        return held
+        return activation_bytes(model, x, model=model)
 
     one = 4 * 8 * 16 * 16 * 4
     plain = kept([torch.nn.BatchNorm2d(8), torch.nn.LeakyReLU(0.1)])

@@ -6,6 +6,8 @@ import torch.nn.functional as F
 
 import memtrim
 
+from ..helpers import activation_bytes
+
 
 def grads(fn, x, grad_out, params):
     leaf = x.clone().requires_grad_()
@@ -68,14 +70,6 @@ def test_act_linear_bitwise(activation, act):
         assert torch.equal(a, b)
 
 
-def _kept(module_fn, x):
-    with memtrim.track() as tracker:
-        out = module_fn(x)
-        held = tracker.live_by_category()["activations"]
-    del out
-    return held
-
-
 def test_memory_norm_then_linear_and_mlp():
     torch.manual_seed(0)
     d = 64
@@ -83,13 +77,13 @@ def test_memory_norm_then_linear_and_mlp():
     one = x.numel() * 4
     ln, ours_ln, fc = torch.nn.LayerNorm(d), memtrim.nn.LayerNorm(d), torch.nn.Linear(d, d)
     stats = 2 * 8 * 16 * 4  # LayerNorm's mean and rstd
-    assert _kept(lambda t: fc(ln(t)), x) == 2 * one + stats  # LayerNorm's input and the Linear's input
-    assert _kept(lambda t: fc(ours_ln(t)), x) == one + stats  # the norm's output, kept once for both
+    assert activation_bytes(lambda t: fc(ln(t)), x) == 2 * one + stats  # LayerNorm's input and the Linear's input
+    assert activation_bytes(lambda t: fc(ours_ln(t)), x) == one + stats  # the norm's output, kept once for both
     fc1, proj = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
     fused = memtrim.nn.ActLinear.from_linear(proj, "gelu")
     wide = 4 * one
-    assert _kept(lambda t: proj(F.gelu(fc1(t))), x) == one + 2 * wide  # fc1's input, GELU's input and output
-    assert _kept(lambda t: fused(fc1(t)), x) == one + wide  # fc1's input and the pre-activation only
+    assert activation_bytes(lambda t: proj(F.gelu(fc1(t))), x) == one + 2 * wide  # fc1's input, GELU's input and output
+    assert activation_bytes(lambda t: fused(fc1(t)), x) == one + wide  # fc1's input and the pre-activation only
 
 
 def test_bad_input():

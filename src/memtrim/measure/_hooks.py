@@ -58,6 +58,17 @@ class _Saved:
             pass
 
 
+def check_saved_version(tensor: torch.Tensor, version: int, who: str) -> None:
+    """Autograd's in-place check, which it skips for tensors that go through saved-tensor hooks."""
+    if tensor._version != version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; expected version {version} "
+            f"instead. ({who} repeats autograd's own check under its saved-tensor hooks; the same code fails "
+            "without memtrim.)"
+        )
+
+
 def _make_pack(outer: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None) -> tuple[Callable, Callable]:
     def pack(tensor: torch.Tensor) -> _Saved:
         holder = _Saved()
@@ -71,13 +82,7 @@ def _make_pack(outer: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None) 
         return holder
 
     def unpack(holder: _Saved) -> torch.Tensor:
-        if holder.tensor._version != holder.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace "
-                f"operation: [{holder.tensor.type()} {list(holder.tensor.shape)}] is at version "
-                f"{holder.tensor._version}; expected version {holder.version} instead. (memtrim.track "
-                "repeats autograd's own check while it measures; the same code fails without memtrim.)"
-            )
+        check_saved_version(holder.tensor, holder.version, "memtrim.track")
         if holder.outer is not None:
             return holder.outer[1](holder.packed)
         return holder.tensor

@@ -10,7 +10,7 @@ import torch
 
 from ..errors import DeviceMismatchError, InvalidInputError
 from .report import MemoryReport
-from .tracker import _tensors, track
+from .tracker import tensors_in, track
 
 __all__ = ["OpMemory", "op_memory", "measure_step"]
 
@@ -49,7 +49,7 @@ def op_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> OpMemory:
     """
     if not callable(fn):
         raise InvalidInputError(f"memtrim.op_memory: fn must be callable, got {type(fn).__name__}.")
-    tensors = list(_tensors((args, kwargs)))
+    tensors = list(tensors_in((args, kwargs)))
     cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
     base = 0
     if cuda is not None:

@@ -51,9 +51,9 @@ _START, _ALLOC, _FREE, _RESIZE, _HOLD = "start", "alloc", "free", "resize", "hol
 class _Record:
     """One storage's life (no reference to the storage itself)."""
 
-    __slots__ = ("device", "nbytes", "birth_category", "category", "holds", "alive", "wref", "born")
+    __slots__ = ("device", "nbytes", "birth_category", "category", "holds", "alive", "wref")
 
-    def __init__(self, device: str, nbytes: int, category: str, born: int) -> None:
+    def __init__(self, device: str, nbytes: int, category: str) -> None:
         self.device = device
         self.nbytes = nbytes
         self.birth_category = category
@@ -61,7 +61,6 @@ class _Record:
         self.holds = 0
         self.alive = True
         self.wref: weakref.ref | None = None
-        self.born = born
 
     def effective(self, category: str, holds: int) -> str:
         if category in _IDENTITY:
@@ -69,7 +68,7 @@ class _Record:
         return "activations" if holds > 0 else category
 
 
-def _tensors(obj: Any) -> list[torch.Tensor]:
+def tensors_in(obj: Any) -> list[torch.Tensor]:
     """Tensors in (nested lists, tuples and dicts of) ``obj``, wrapper subclasses flattened."""
     found: list[torch.Tensor] = []
     _collect(obj, found)
@@ -111,9 +110,9 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         tracker = self.tracker
-        inputs = _tensors(args)
+        inputs = tensors_in(args)
         if kwargs:
-            inputs += _tensors(kwargs)
+            inputs += tensors_in(kwargs)
         tracker._op_start(func, inputs)
         try:
             out = func(*args, **kwargs)
@@ -334,12 +333,12 @@ class Tracker:
             for param in group["params"]:
                 self._watch_param(param)
         for state in optimizer.state.values():
-            for tensor in _tensors(state):
+            for tensor in tensors_in(state):
                 self._include(tensor, "optimizer_state")
 
     def _include(self, tensor: torch.Tensor, category: str) -> None:
         """Account ``tensor``'s storage under ``category`` from its birth (or from the start)."""
-        for t in _tensors(tensor):
+        for t in tensors_in(tensor):
             record = self._see(t, category, existed=True)
             if record is not None and record.category != category and _priority(category) <= _priority(record.category):
                 record.birth_category = category
@@ -365,7 +364,7 @@ class Tracker:
         return record
 
     def _new_record(self, storage: torch.UntypedStorage, tensor: torch.Tensor, category: str, existed: bool) -> _Record:
-        record = _Record(_device_name(tensor), storage.nbytes(), category, 0 if existed else len(self._events))
+        record = _Record(_device_name(tensor), storage.nbytes(), category)
         key = id(storage)
         record.wref = weakref.ref(storage, lambda _, key=key, record=record: self._storage_died(key, record))
         self._records[key] = record
@@ -410,7 +409,7 @@ class Tracker:
     def _op_end(self, func: Any, inputs: list[torch.Tensor], out: Any) -> None:
         self._op = _op_name(func)
         try:
-            for tensor in _tensors(out):
+            for tensor in tensors_in(out):
                 self._see(tensor, "temporaries", existed=False)
             for tensor in inputs:  # resize_ and friends change an input's storage
                 storage = _storage(tensor)
@@ -445,7 +444,7 @@ class Tracker:
 
     def _hold(self, tensor: torch.Tensor, delta: int) -> list[_Record]:
         held = []
-        for t in _tensors(tensor):
+        for t in tensors_in(tensor):
             if delta > 0:
                 record = self._see(t, None, existed=True)
             else:
@@ -465,7 +464,7 @@ class Tracker:
     def _ctx_attribute(self, ctx: Any, name: str, old: Any, new: Any) -> None:
         held = self._ctx.get(id(ctx))
         if held is None:
-            if new is None or not _tensors(new):
+            if new is None or not tensors_in(new):
                 return
             held = self._ctx[id(ctx)] = {}
             key = id(ctx)
@@ -485,7 +484,7 @@ class Tracker:
         name = self._names.get(id(module)) or type(module).__name__
         model = self._model_ref() if self._model_ref is not None else None
         if module is model:
-            for tensor in _tensors(args):
+            for tensor in tensors_in(args):
                 self._include(tensor, "inputs")
         self._module_stack.append(name)
         seq = self._sequence_nr()
@@ -522,14 +521,11 @@ class Tracker:
         if seq in self._seq_cache:
             return self._seq_cache[seq]
         found = None
-        index = bisect.bisect(self._interval_starts, seq) - 1
-        best_start = -1
-        while index >= 0:
+        # intervals are sorted by start: the first one containing seq, going back, is the innermost module
+        for index in range(bisect.bisect(self._interval_starts, seq) - 1, -1, -1):
             start, end, name = self._intervals[index]
-            if start < seq < end and start > best_start:
-                found, best_start = name, start
-            index -= 1
-            if found is not None:
+            if start < seq < end:
+                found = name
                 break
         self._seq_cache[seq] = found
         return found

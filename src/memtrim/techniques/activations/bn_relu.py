@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ...measure._hooks import check_saved_version
 from .norm_act import batchnorm_arguments
 
 __all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d"]
@@ -177,12 +178,7 @@ def _make_hooks(outer: Any) -> tuple[Any, Any]:
             return packed.rebuild()
         if packed.outer is not None:
             return packed.outer[1](packed.packed)
-        if packed.tensor._version != packed.version:
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an inplace operation: "
-                f"[{packed.tensor.type()} {list(packed.tensor.shape)}] is at version {packed.tensor._version}; "
-                f"expected version {packed.version} instead. (memtrim's recompute hooks repeat autograd's check.)"
-            )
+        check_saved_version(packed.tensor, packed.version, "memtrim's BatchNorm+ReLU recompute hooks")
         return packed.tensor
 
     return pack, unpack

@@ -21,7 +21,7 @@ peak of new storages during it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...errors import InvalidInputError, MemtrimError
 from ...measure import format_bytes, track
+from ...measure.tracker import tensors_in
+from ...verify import _bitwise_equal
 
 __all__ = ["InplaceCheck", "InplaceCheckError", "check_inplace"]
 
@@ -206,25 +208,17 @@ class _WriteRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        seen = {id(t.untyped_storage()) for t in _flat(list(args) + list(kwargs.values()))}
+        seen = {id(t.untyped_storage()) for t in tensors_in((args, kwargs))}
         out = func(*args, **kwargs)
         for i, argument in enumerate(func._schema.arguments):
             if argument.alias_info is not None and argument.alias_info.is_write:
                 value = args[i] if i < len(args) else kwargs.get(argument.name)
-                for t in _flat(value):
+                for t in tensors_in(value):
                     self.written.append((func.overloadpacket.__name__, t.untyped_storage()))
-        for t in _flat(out):
+        for t in tensors_in(out):
             if id(t.untyped_storage()) not in seen:  # an in-place op returns its argument: not created here
                 self.created.append(t.untyped_storage())
         return out
-
-
-def _flat(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _flat(item)
 
 
 def _call(fn: Callable[..., Any], inputs: list[torch.Tensor], what: str) -> torch.Tensor:
@@ -286,10 +280,10 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
         problems.append(f"{where}: fn claims to be out of place but writes into its input.")
     if not returns_input:
         for i, (a, b) in enumerate(zip(args_fn, before)):
-            if not _bitwise(a.detach(), b) and not any("input" in p for p in problems):
+            if not _bitwise_equal(a.detach(), b) and not any("input" in p for p in problems):
                 problems.append(f"{where}: fn changed its input {i} without returning it.")
     for name, p in params_fn.items():
-        if not _bitwise(p.detach(), params_before[name]):
+        if not _bitwise_equal(p.detach(), params_before[name]):
             problems.append(f"{where}: fn changed its parameter {name} during the forward.")
     # gradients
     grad_out = torch.randn(out_ref.shape, generator=generator, dtype=torch.float64).to(out_ref.device, out_ref.dtype)
@@ -370,9 +364,3 @@ def _max_error(a: torch.Tensor, b: torch.Tensor, tol: tuple[float, float]) -> tu
         return None
     rel = diff / b64.abs().clamp_min(1e-300)
     return float(diff.max()), float(rel.max())
-
-
-def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and bool(torch.equal(a.isnan(), b.isnan())) and bool(
-        torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
-    )

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...errors import InvalidInputError
 from ...measure import format_bytes, track
+from ...measure.tracker import tensors_in
 from . import modules as lean
 from .bn_relu import BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d, install_recompute_hooks
 from .norm_act import BatchNormAct1d, BatchNormAct2d, BatchNormAct3d
@@ -265,7 +266,7 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         trace = self.trace
         trace.clock += 1
-        for t in _flat((args, kwargs)):
+        for t in tensors_in((args, kwargs)):
             storage = t.untyped_storage()
             trace.keep.append(storage)
             trace.reads.append((trace.clock, id(storage), tuple(self.stack)))
@@ -286,8 +287,8 @@ def _trace(model: nn.Module, args: tuple[Any, ...]) -> _Trace:
     def post(module: nn.Module, inputs: tuple, output: Any) -> None:
         trace.clock += 1
         name = stack.pop()
-        outputs = {id(t.untyped_storage()) for t in _flat(output)}
-        trace.keep.extend(t.untyped_storage() for t in _flat(output))
+        outputs = {id(t.untyped_storage()) for t in tensors_in(output)}
+        trace.keep.extend(t.untyped_storage() for t in tensors_in(output))
         trace.calls.setdefault(name, []).append((starts.pop(), trace.clock, outputs))
 
     handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
@@ -386,16 +387,6 @@ def _parents(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
             full = f"{parent_name}.{child_name}" if parent_name else child_name
             found[full] = (parent, child_name)
     return found
-
-
-def _flat(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _flat(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _flat(item)]
-    return []
 
 
 # ---------------------------------------------------------------------- the changes

@@ -163,26 +163,28 @@ class _ELU(_Rule):
         return torch.ops.aten.elu_backward(grad, self.alpha, self.scale, self.input_scale, True, y)
 
 
-class _Sigmoid(_Rule):
+class _OutputKernels(_Rule):
+    """An activation whose torch kernels already differentiate from the output (sigmoid, tanh)."""
+
+    def __init__(self, forward: Any, forward_: Any, backward: Any) -> None:
+        self._forward, self._forward_, self._backward = forward, forward_, backward
+
     def forward(self, x):  # type: ignore[no-untyped-def]
-        return torch.sigmoid(x)
+        return self._forward(x)
 
     def forward_(self, x):  # type: ignore[no-untyped-def]
-        return torch.sigmoid_(x)
+        return self._forward_(x)
 
     def grad(self, grad, y):  # type: ignore[no-untyped-def]
-        return torch.ops.aten.sigmoid_backward(grad, y)
+        return self._backward(grad, y)
 
 
-class _Tanh(_Rule):
-    def forward(self, x):  # type: ignore[no-untyped-def]
-        return torch.tanh(x)
+def _Sigmoid() -> _Rule:  # noqa: N802 - reads like the other rule classes at the call site
+    return _OutputKernels(torch.sigmoid, torch.sigmoid_, torch.ops.aten.sigmoid_backward)
 
-    def forward_(self, x):  # type: ignore[no-untyped-def]
-        return torch.tanh_(x)
 
-    def grad(self, grad, y):  # type: ignore[no-untyped-def]
-        return torch.ops.aten.tanh_backward(grad, y)
+def _Tanh() -> _Rule:  # noqa: N802
+    return _OutputKernels(torch.tanh, torch.tanh_, torch.ops.aten.tanh_backward)
 
 
 class _Hardsigmoid(_Rule):
