@@ -233,15 +233,19 @@ class _InputRule(_Rule):
 
 
 # ---------------------------------------------------------------------- the autograd Functions
+def _run(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool) -> torch.Tensor:
+    """The activation's forward, in place (the caller's tensor becomes the output) or not."""
+    ctx.rule = rule
+    if not inplace:
+        return rule.forward(x)
+    ctx.mark_dirty(x)
+    return rule.forward_(x)
+
+
 class _KeepOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool) -> torch.Tensor:  # type: ignore[override]
-        if inplace:
-            y = rule.forward_(x)
-            ctx.mark_dirty(x)
-        else:
-            y = rule.forward(x)
-        ctx.rule = rule
+        y = _run(ctx, x, rule, inplace)
         ctx.save_for_backward(y)
         return y
 
@@ -255,12 +259,7 @@ class _KeepOutput(torch.autograd.Function):
 class _KeepMask(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool) -> torch.Tensor:  # type: ignore[override]
-        if inplace:
-            y = rule.forward_(x)
-            ctx.mark_dirty(x)
-        else:
-            y = rule.forward(x)
-        ctx.rule = rule
+        y = _run(ctx, x, rule, inplace)
         ctx.shape = y.shape
         ctx.save_for_backward(pack_mask(rule.mask(y)))
         return y
