@@ -2,9 +2,10 @@
 side with memcnn and revlib (when installed), plus a memory-vs-depth plot.
 
 Setup from the field notes: 16 additive couplings, f and g = Linear(512, 512) + ReLU + Linear(512, 512) on width
-1024, batch 256, float32, CPU.
+1024, batch 256, float32, CPU. Also timed: the plain step plus one more forward, the floor of any stack that
+rebuilds every block in backward.
 
-Reproduce:  .venv/bin/python benchmarks/reversible.py [--rounds 5]
+Reproduce:  .venv/bin/python benchmarks/reversible.py [--rounds 15]
   (the comparison libraries: pip install revlib==1.7.2 && pip install --no-deps memcnn==1.5.2 -- memcnn's own
    dependencies would pull a CUDA build of torch)
 Writes benchmarks/results/reversible_cpu.json and benchmarks/results/reversible_memory_vs_depth.png.
@@ -79,10 +80,22 @@ def step(model, x):
     out.sum().backward()
 
 
+def step_and_forward(model, x):
+    """The recomputation floor: a plain step plus one more forward with grad (what rebuilding every block costs
+    at least, when nothing inside the stack is kept)."""
+    step(model, x)
+    model(x.clone().requires_grad_())
+
+
+def quartiles(values):
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
+
+
 def main():
     pin_malloc()
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--depth", type=int, default=16)
     args = parser.parse_args()
     warnings.simplefilter("ignore")
@@ -92,21 +105,27 @@ def main():
     for name, model in models.items():
         held, peak = held_and_peak(model, x)
         results[name] = {"held_at_backward_start": held, "peak_above_start": peak}
-    times = {name: [] for name in models}
-    for model in models.values():
-        step(model, x)
+    floor = "plain step + one more forward"
+    runs = {name: (step, model) for name, model in models.items()}
+    runs[floor] = (step_and_forward, models["plain"])
+    times = {name: [] for name in runs}
+    for run, model in runs.values():
+        run(model, x)
     for _ in range(args.rounds):  # interleaved
-        for name, model in models.items():
+        for name, (run, model) in runs.items():
             start = time.perf_counter()
-            step(model, x)
+            run(model, x)
             times[name].append(time.perf_counter() - start)
-    for name in models:
+    results[floor] = {}
+    for name in runs:
         ratios = sorted(t / p for t, p in zip(times[name], times["plain"]))
         results[name].update(step_ms=1e3 * statistics.median(times[name]), time_ratio_median=statistics.median(ratios),
-                             time_ratio_range=[ratios[0], ratios[-1]])
+                             time_ratio_quartiles=quartiles(ratios), time_ratio_range=[ratios[0], ratios[-1]])
         r = results[name]
-        print(f"{name}: held {r['held_at_backward_start'] / 2**20:.1f} MiB, peak {r['peak_above_start'] / 2**20:.1f} "
-              f"MiB, time {r['time_ratio_median']:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})")
+        memory = (f"held {r['held_at_backward_start'] / 2**20:.1f} MiB, peak {r['peak_above_start'] / 2**20:.1f} MiB, "
+                  if "held_at_backward_start" in r else "")
+        print(f"{name}: {memory}time {r['time_ratio_median']:.3f}x (quartiles {r['time_ratio_quartiles'][0]:.3f}-"
+              f"{r['time_ratio_quartiles'][1]:.3f}, range {ratios[0]:.2f}-{ratios[-1]:.2f})")
     depths = [1, 2, 4, 8, 16, 32]
     curve = {}
     for name in ("plain", "memtrim"):

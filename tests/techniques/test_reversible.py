@@ -251,3 +251,60 @@ def test_kept_inputs_after_drift_give_the_plain_gradients(affine):
     _, g_plain = grads(plain, x, grad_out, seed=4)
     _, g_rev = grads(rev, x, grad_out, seed=4)
     assert_grads_close(g_rev, g_plain, rtol=1e-10, atol=1e-12)
+
+
+class ScaleShift(nn.Module):
+    """An invertible block that is not a coupling: y = x * exp(s) + t per feature."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.log_scale = nn.Parameter(0.1 * torch.randn(width))
+        self.shift = nn.Parameter(0.1 * torch.randn(width))
+
+    def forward(self, x):
+        return x * self.log_scale.exp() + self.shift
+
+    def inverse(self, y):
+        return (y - self.shift) * (-self.log_scale).exp()
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_any_block_with_inverse_mixed_with_couplings_of_other_split_dims(dropout):
+    torch.manual_seed(0)
+    blocks = [memtrim.AdditiveCoupling(mlp(16, dropout), mlp(16, dropout)), ScaleShift(32),
+              memtrim.AdditiveCoupling(mlp(16, dropout), mlp(16, dropout)),
+              memtrim.AdditiveCoupling(mlp(32, dropout), mlp(32, dropout), split_dim=0),  # splits the batch
+              memtrim.AffineCoupling(nn.Sequential(nn.Linear(16, 32), nn.Tanh()), nn.Sequential(nn.Linear(16, 32)))]
+    plain = nn.Sequential(*copy.deepcopy(blocks)).double()
+    rev = memtrim.ReversibleSequential(*blocks).double()
+    x = torch.randn(8, 32, dtype=torch.float64)
+    grad_out = torch.randn(8, 32, dtype=torch.float64)
+    out_plain, g_plain = grads(plain, x, grad_out, seed=5)
+    out_rev, g_rev = grads(rev, x, grad_out, seed=5)
+    assert torch.equal(out_plain, out_rev)
+    assert_grads_close(g_rev, g_plain, rtol=1e-10, atol=1e-12)
+
+
+def test_couplings_pass_the_stream_split_between_them():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCat(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.cats = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.cats += func is torch.ops.aten.cat.default
+            return func(*args, **(kwargs or {}))
+
+    plain, rev = twins(depth=6)
+    counts = []
+    for model in (plain, rev):
+        x = torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
+        with CountCat() as forward:
+            out = model(x)
+        with CountCat() as backward:
+            out.sum().backward()
+        counts.append((forward.cats, backward.cats))
+    assert counts[0] == (6, 6)  # plain: every block concatenates its halves; backward joins the halves' gradients
+    assert counts[1] == (1, 1)  # reversible: only the stack's output, and the input's gradient

@@ -11,12 +11,15 @@ what they save, in the forward's order; each handle then returns its tensor and 
 * For an :class:`AdditiveCoupling` the inversion ``x2 = y2 - g(y1)``, ``x1 = y1 - f(x2)`` evaluates ``g`` and ``f``
   exactly where the forward did, so it is run with grad enabled and recorded: each of f and g runs once in backward.
   Any other block with an ``inverse`` is inverted without grad and re-run once (f and g twice).
+* Between two couplings the stream stays split (:class:`_Halves`): the forward does not concatenate a block's
+  halves for the next block to split again, and backward does not join their gradients; only the stack's output
+  is concatenated.
 * No backward inside backward: the graph is the ordinary one and is traversed once, so ``autograd.grad``, DDP
   (each parameter's gradient accumulated once) and an enclosing non-reentrant checkpoint work.
 * Replay: the RNG states (CPU and the CUDA device) before each of f and g, and the autocast state, are recorded in
-  forward and restored for the recomputation inside ``torch.random.fork_rng`` (the global generator is never
-  reseeded or advanced); module buffers (BatchNorm's running statistics) are restored after it, so they are
-  updated once per forward.
+  forward and restored for the recomputation, then the caller's states are put back (the global generator is never
+  reseeded or advanced; a generator f or g drew nothing from is not touched at all); module buffers (BatchNorm's
+  running statistics) are restored after it, so they are updated once per forward.
 * The caller's tensors are never freed or modified. If the stack output is modified in place before backward,
   reconstruction would be wrong: that raises.
 """
@@ -27,13 +30,14 @@ import contextlib
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from ...errors import InvalidInputError, MemtrimError
 from ...measure import _hooks
-from .coupling import AdditiveCoupling, AffineCoupling
+from .coupling import AdditiveCoupling, AffineCoupling, _checked, _split
 
 __all__ = ["ReversibleSequential", "ReversibleError"]
 
@@ -45,7 +49,11 @@ class ReversibleError(MemtrimError, RuntimeError):
 class _Handle:
     """What autograd keeps instead of a tensor saved inside the stack."""
 
-    __slots__ = ("frame", "block", "position", "__weakref__")
+    __slots__ = ("frame", "block", "tensor", "__weakref__")
+
+    def __init__(self, frame: _Frame, block: int) -> None:
+        self.frame, self.block = frame, block
+        self.tensor: torch.Tensor | None = None  # filled when backward materialises the block
 
 
 class _Replay:
@@ -54,28 +62,71 @@ class _Replay:
     __slots__ = ("cpu_rng", "cuda_rng", "cuda_device", "autocast", "requires_grad")
 
 
-def _capture(x: torch.Tensor, requires_grad: bool | None = None) -> _Replay:
-    replay = _Replay()
-    replay.requires_grad = x.requires_grad if requires_grad is None else requires_grad
+@contextmanager
+def _captured(replays: dict[str, _Replay], name: str, x: torch.Tensor) -> Iterator[None]:
+    """Around a function's forward (f, g, or a whole block, reading ``x``): record in ``replays[name]`` what its
+    recomputation must replay. A generator it drew nothing from is not replayed (the common case, no dropout):
+    drawing any random number advances a generator's state, so an unchanged state means nothing was drawn."""
+    replay = replays[name] = _Replay()
+    replay.requires_grad = x.requires_grad
     replay.cpu_rng = torch.get_rng_state()
     replay.cuda_device = x.device if x.device.type == "cuda" else None
     replay.cuda_rng = torch.cuda.get_rng_state(x.device) if replay.cuda_device is not None else None
     replay.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
                        if d == "cpu" or replay.cuda_device is not None] if hasattr(torch, "get_autocast_dtype") else []
-    return replay
+    yield
+    if torch.equal(torch.get_rng_state(), replay.cpu_rng):
+        replay.cpu_rng = None
+    if replay.cuda_device is not None and torch.equal(torch.cuda.get_rng_state(replay.cuda_device), replay.cuda_rng):
+        replay.cuda_rng = None
 
 
 @contextmanager
 def _replayed(replay: _Replay) -> Iterator[None]:
-    devices = [replay.cuda_device] if replay.cuda_device is not None else []
-    with torch.random.fork_rng(devices=devices):
+    """Run under the forward's random-number state and autocast state; restore the caller's generators after, as
+    ``torch.random.fork_rng`` does (inlined: this runs twice per block in backward)."""
+    cpu_state = cuda_state = None
+    if replay.cpu_rng is not None:
+        cpu_state = torch.get_rng_state()
         torch.set_rng_state(replay.cpu_rng)
-        if replay.cuda_device is not None:
-            torch.cuda.set_rng_state(replay.cuda_rng, replay.cuda_device)
+    if replay.cuda_rng is not None:
+        cuda_state = torch.cuda.get_rng_state(replay.cuda_device)
+        torch.cuda.set_rng_state(replay.cuda_rng, replay.cuda_device)
+    try:
         with contextlib.ExitStack() as stack:
             for device, enabled, dtype in replay.autocast:
-                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+                now = torch.is_autocast_enabled(device)
+                if now != enabled or (enabled and torch.get_autocast_dtype(device) != dtype):  # else already in it
+                    stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
             yield
+    finally:
+        if cpu_state is not None:
+            torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, replay.cuda_device)
+
+
+class _Halves(NamedTuple):
+    """A block boundary rebuilt by a coupling, kept as its two halves: the block before splits it the same way, so
+    it is never concatenated."""
+
+    first: torch.Tensor
+    second: torch.Tensor
+    dim: int
+
+    def whole(self) -> torch.Tensor:
+        return torch.cat([self.first, self.second], dim=self.dim)
+
+
+def _whole(x: torch.Tensor | _Halves) -> torch.Tensor:
+    return x.whole() if isinstance(x, _Halves) else x
+
+
+def _split_halves(block: AdditiveCoupling | AffineCoupling, x: torch.Tensor | _Halves
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(x, _Halves) and x.dim == block.split_dim:
+        return x.first, x.second
+    return _split(block, _whole(x), block.split_dim)
 
 
 class _Frame:
@@ -86,9 +137,8 @@ class _Frame:
         self.blocks = list(stack.blocks)
         self.handles: list[list[weakref.ref]] = [[] for _ in self.blocks]
         self.replays: list[dict[str, _Replay]] = [{} for _ in self.blocks]
-        self.outputs: dict[int, torch.Tensor] = {}  # block index -> its output (the next block's input)
+        self.outputs: dict[int, torch.Tensor | _Halves] = {}  # block index -> its output (the next block's input)
         self.output_version = 0
-        self.recomputed: weakref.WeakKeyDictionary[_Handle, torch.Tensor] = weakref.WeakKeyDictionary()
         self.materialised: set[int] = set()
         self.exact = stack.exact
         self.scale = float(2 ** stack.fraction_bits)
@@ -101,9 +151,9 @@ class _Frame:
         self.output_version = output._version
 
     def unpack(self, handle: _Handle) -> torch.Tensor:
-        if handle not in self.recomputed:
+        if handle.tensor is None:
             self.materialise(handle.block)
-        tensor = self.recomputed.get(handle)
+        tensor = handle.tensor
         if tensor is None:
             raise ReversibleError(
                 f"memtrim.ReversibleSequential: block {handle.block} saved a tensor in forward that its "
@@ -113,12 +163,22 @@ class _Frame:
         return tensor
 
     def output_of(self, index: int) -> torch.Tensor:
+        return _whole(self._stored_output(index))
+
+    def halves_of(self, index: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self._stored_output(index)
+        if isinstance(y, _Halves) and y.dim == dim:
+            return y.first, y.second
+        y1, y2 = _whole(y).chunk(2, dim=dim)
+        return y1, y2
+
+    def _stored_output(self, index: int) -> torch.Tensor | _Halves:
         if index not in self.outputs:
             self.materialise(index + 1)  # reconstructs block index + 1's input, which is this block's output
         y = self.outputs.get(index)
         if y is None:
             raise ReversibleError(f"memtrim.ReversibleSequential: block {index}'s output is gone (internal error).")
-        if index == len(self.blocks) - 1 and y._version != self.output_version:
+        if index == len(self.blocks) - 1 and _whole(y)._version != self.output_version:
             raise ReversibleError(
                 "memtrim.ReversibleSequential: the stack's output was modified in place after the forward, so the "
                 "blocks' inputs cannot be reconstructed from it. Clone the output before changing it."
@@ -130,15 +190,15 @@ class _Frame:
             return
         block = self.blocks[index]
         recorded: list[torch.Tensor] = []
-        saved_buffers = [(b, b.detach().clone()) for b in block.buffers()]
+        saved_buffers = [(b, b.detach().clone()) for b in _buffers(block)]
         try:
             if index in self.kept_inputs:  # drift fallback: the input was kept, recompute forward from it
                 x = self.kept_inputs.pop(index)
                 self._recompute_forward(index, block, x, recorded)
             elif type(block) is AdditiveCoupling:
-                x = self._rebuild_additive(index, block, self.output_of(index), recorded)
+                x = self._rebuild_additive(index, block, *self.halves_of(index, block.split_dim), recorded)
             elif type(block) is AffineCoupling and not self.exact:
-                x = self._rebuild_affine(index, block, self.output_of(index), recorded)
+                x = self._rebuild_affine(index, block, *self.halves_of(index, block.split_dim), recorded)
             else:
                 x = self._rebuild_generic(index, block, self.output_of(index), recorded)
         finally:
@@ -155,17 +215,16 @@ class _Frame:
         for ref, tensor in zip(handles, recorded):
             handle = ref()
             if handle is not None:
-                self.recomputed[handle] = tensor
+                handle.tensor = tensor
         self.materialised.add(index)
         if index in self.probes:
-            self.stack._measure_drift(index, x, *self.probes.pop(index))
+            self.stack._measure_drift(index, _whole(x), *self.probes.pop(index))
         if index > 0:
             self.outputs[index - 1] = x
         self.outputs.pop(index, None)  # this block's output is no longer needed: one boundary alive at a time
 
-    def _rebuild_additive(self, index: int, block: AdditiveCoupling, y: torch.Tensor,
-                          recorded: list[torch.Tensor]) -> torch.Tensor:
-        y1, y2 = y.chunk(2, dim=block.split_dim)
+    def _rebuild_additive(self, index: int, block: AdditiveCoupling, y1: torch.Tensor, y2: torch.Tensor,
+                          recorded: list[torch.Tensor]) -> _Halves:
         replays = self.replays[index]
         f_saved: list[torch.Tensor] = []
         g_saved: list[torch.Tensor] = []
@@ -177,13 +236,12 @@ class _Frame:
             fx = block.f(self._fn_input(x2).requires_grad_(replays["f"].requires_grad))
         x1 = (y1 - self._to_stream(fx.detach())).detach()
         recorded += f_saved + g_saved  # the forward saved f's tensors, then g's (the additions save nothing)
-        return torch.cat([x1, x2], dim=block.split_dim)
+        return _Halves(x1, x2, block.split_dim)
 
-    def _rebuild_affine(self, index: int, block: AffineCoupling, y: torch.Tensor,
-                        recorded: list[torch.Tensor]) -> torch.Tensor:
+    def _rebuild_affine(self, index: int, block: AffineCoupling, y1: torch.Tensor, y2: torch.Tensor,
+                        recorded: list[torch.Tensor]) -> _Halves:
         """Invert with f and g evaluated once each, recording what the forward saved, in its order: f's tensors and
         the f-side multiplication's, then g's and the g-side multiplication's."""
-        y1, y2 = y.chunk(2, dim=block.split_dim)
         replays = self.replays[index]
         f_saved: list[torch.Tensor] = []
         g_saved: list[torch.Tensor] = []
@@ -200,7 +258,7 @@ class _Frame:
             with _recording(g_saved):
                 _ = x2 * s_g + t_g
         recorded += f_saved + g_saved
-        return torch.cat([x1.detach(), x2.detach()], dim=block.split_dim)
+        return _Halves(x1.detach(), x2.detach(), block.split_dim)
 
     def _fn_input(self, half: torch.Tensor) -> torch.Tensor:
         """What f or g receives: the half itself, or (exact mode) its value back in floating point."""
@@ -235,6 +293,15 @@ class _Frame:
         with _replayed(replay), _recording(recorded), torch.enable_grad():
             block(x.detach().requires_grad_(replay.requires_grad))
         return x.detach()
+
+
+def _buffers(module: nn.Module) -> list[torch.Tensor]:
+    """``list(module.buffers())`` without its generator machinery (this runs once per block in backward)."""
+    found = [b for b in module._buffers.values() if b is not None]
+    for child in module._modules.values():
+        if child is not None:
+            found += _buffers(child)
+    return found
 
 
 def _probe(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -313,12 +380,14 @@ class ReversibleSequential(nn.Module):
         frame.dtype = x.dtype
         if self.exact:
             x = self._to_fixed(x)
+        h: torch.Tensor | _Halves = x  # between two couplings the stream stays split: no cat, no split
         for index, block in enumerate(self.blocks):
             if index in self.keep_inputs:
-                frame.kept_inputs[index] = x.detach()
+                frame.kept_inputs[index] = _whole(h).detach()
             elif self.check_drift is not None:
-                frame.probes[index] = _probe(x)
-            x = self._run_block(frame, index, block, x)
+                frame.probes[index] = _probe(_whole(h))
+            h = self._run_block(frame, index, block, h)
+        x = _whole(h)
         frame.set_output(x)
         _hooks.hold_for_backward(frame.outputs[len(self.blocks) - 1], frame)
         for kept in frame.kept_inputs.values():
@@ -366,10 +435,10 @@ class ReversibleSequential(nn.Module):
         """Per block, the relative reconstruction error measured in the last backward (needs ``check_drift``)."""
         return dict(self.drift)
 
-    def _run_block(self, frame: _Frame, index: int, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def _run_block(self, frame: _Frame, index: int, block: nn.Module, x: torch.Tensor | _Halves
+                   ) -> torch.Tensor | _Halves:
         def pack(tensor: torch.Tensor) -> _Handle:
-            handle = _Handle()
-            handle.frame, handle.block, handle.position = frame, index, len(frame.handles[index])
+            handle = _Handle(frame, index)
             frame.handles[index].append(weakref.ref(handle))
             return handle
 
@@ -382,46 +451,43 @@ class ReversibleSequential(nn.Module):
                     return self._additive(frame, index, block, x)
                 if type(block) is AffineCoupling:
                     return self._affine(frame, index, block, x)
-                frame.replays[index]["block"] = _capture(x)
-                return block(x)
+                x = _whole(x)
+                with _captured(frame.replays[index], "block", x):
+                    return block(x)
         except InvalidInputError as e:
             raise InvalidInputError(f"memtrim.ReversibleSequential: block {index}: {e}") from e
 
     @staticmethod
-    def _affine(frame: _Frame, index: int, block: AffineCoupling, x: torch.Tensor,
-                recording: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def _affine(frame: _Frame, index: int, block: AffineCoupling, x: torch.Tensor | _Halves,
+                recording: list[torch.Tensor] | None = None) -> _Halves:
         """AffineCoupling.forward, step by step: the random-number state is captured before f and before g (or,
         with ``recording``, replayed and the saved tensors recorded)."""
-        from .coupling import _split
-
         def scale_shift(name: str, fn: nn.Module, half: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if recording is None:
-                frame.replays[index][name] = _capture(half)
-                return block._scale_shift(name, fn, half)
+                with _captured(frame.replays[index], name, half):
+                    return block._scale_shift(name, fn, half)
             with _replayed(frame.replays[index][name]):
                 return block._scale_shift(name, fn, half)
 
         with _recording(recording) if recording is not None else contextlib.nullcontext():
-            x1, x2 = _split(block, x, block.split_dim)
+            x1, x2 = _split_halves(block, x)
             s, t = scale_shift("f", block.f, x2)
             y1 = x1 * s + t
             s, t = scale_shift("g", block.g, y1)
             y2 = x2 * s + t
-        return torch.cat([y1, y2], dim=block.split_dim)
+        return _Halves(y1, y2, block.split_dim)
 
-    def _additive(self, frame: _Frame, index: int, block: AdditiveCoupling, x: torch.Tensor,
-                  recording: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def _additive(self, frame: _Frame, index: int, block: AdditiveCoupling, x: torch.Tensor | _Halves,
+                  recording: list[torch.Tensor] | None = None) -> _Halves:
         """One additive coupling; in exact mode f and g see floats, the stream stays on the fixed-point grid.
 
         With ``recording`` (backward's recomputation of a block whose input was kept) the forward's random numbers
         and autocast are replayed and the saved tensors recorded, instead of captured."""
-        from .coupling import _checked, _split
-
         def apply(name: str, fn: nn.Module, half: torch.Tensor) -> torch.Tensor:
             inp = (half / frame.scale).to(frame.dtype) if self.exact else half
             if recording is None:
-                frame.replays[index][name] = _capture(inp)
-                out = _checked(block, name, fn(inp), inp)
+                with _captured(frame.replays[index], name, inp):
+                    out = _checked(block, name, fn(inp), inp)
             else:
                 with _replayed(frame.replays[index][name]), _recording(recording):
                     out = fn(inp)
@@ -431,12 +497,13 @@ class ReversibleSequential(nn.Module):
             self._check_range(scaled, f"block {index}'s {name}")
             return scaled + (torch.round(scaled) - scaled).detach()  # on the grid, straight-through gradient
 
-        x1, x2 = _split(block, x, block.split_dim)
+        x1, x2 = _split_halves(block, x)
         y1 = x1 + apply("f", block.f, x2)
         y2 = x2 + apply("g", block.g, y1)
         if self.exact:
-            self._check_range(torch.cat([y1, y2], dim=block.split_dim), f"block {index}")
-        return torch.cat([y1, y2], dim=block.split_dim)
+            self._check_range(y1, f"block {index}")
+            self._check_range(y2, f"block {index}")
+        return _Halves(y1, y2, block.split_dim)
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
         """Reconstruct the stack's input from its output."""
