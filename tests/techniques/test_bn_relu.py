@@ -1,6 +1,7 @@
 """BatchNormReLU + recompute hooks: the ReLU output is kept by nobody; gradients equal torch's."""
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -51,6 +52,17 @@ def test_relu_output_is_kept_by_nobody():
     stats = 2 * 8 * 4  # BatchNorm's per-channel mean and invstd
     assert kept(blocks(False)) == 2 * one + stats  # BatchNorm's input, ReLU's output (shared with the conv)
     assert kept(blocks(True)) == one + stats + 2 * 8 * 4  # BatchNorm's input, statistics, scale and shift
+
+
+def test_relu_output_freed_right_after_the_forward():
+    model = blocks(True)
+    storages = []
+    model[1].register_forward_hook(lambda m, args, out: storages.append(weakref.ref(out.untyped_storage())))
+    out = model(torch.randn(2, 3, 10, 10))
+    gc.collect()
+    # gone while the graph lives: nothing, not even a hook closure kept with ReLU's saved variable, holds it
+    assert storages[0]() is None
+    assert out.grad_fn is not None
 
 
 def test_nothing_leaks_and_inplace_edits_still_raise():

@@ -193,6 +193,8 @@ def note_gradients(tensors: list[Any]) -> None:
 def hold_for_backward(tensor: Any, owner: Any) -> None:
     """``tensor`` is kept for backward by ``owner`` (not through autograd's saved tensors) until ``owner`` dies:
     active trackers count it as an activation meanwhile."""
+    if not _active:
+        return  # nobody to tell (a tracker started later sees the tensor as alive from its start)
     trackers = tuple(_active)
     records = [tracker._hold(tensor, +1) for tracker in trackers]
 

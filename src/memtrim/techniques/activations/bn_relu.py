@@ -4,17 +4,18 @@ NOTE [ BatchNorm + ReLU, recomputed ]
 ReLU's zeros lose the normalised value, so BatchNorm + ReLU cannot be inverted from its output (see
 NOTE [ inverting BatchNorm + activation ]). The other way round works: keep the BatchNorm's input ``x`` (which
 BatchNorm's backward needs anyway) and recompute the cheap pointwise ``z = relu(x * scale + shift)`` (per-channel
-``scale = gamma * invstd``, ``shift = beta - mean * scale``) wherever ``z`` is needed: in this module's backward
-(ReLU's mask) and in the next layers, which would otherwise keep ``z`` for their weight gradients.
+``scale = gamma * invstd``, ``shift = beta - mean * scale``) wherever ``z`` is needed: in ReLU's backward (its
+mask) and in the next layers, which would otherwise keep ``z`` for their weight gradients.
 
-For the next layers, :func:`memtrim.convert` installs saved-tensor hooks around the forward of each module that
-reads the output (found by its traced forward, :class:`_RecomputeHooks`): when an op there saves a tensor that is
-a BatchNormReLU output (same storage, same version), autograd keeps a recipe instead; unpacking recomputes ``z``
-once per backward, and the BatchNormReLU's own backward takes ReLU's mask from that same rebuilt tensor. Every
-other saved tensor passes through unchanged (and through any saved-tensor hooks active outside, so memtrim's
-tracker still sees them),
-with autograd's in-place check repeated. The forward output is torch's own BatchNorm kernel followed by ReLU; the
-recomputed ``z`` may differ from it by rounding, so weight gradients of the next layer agree to ~1e-6 relative
+The forward is torch's own BatchNorm (its native backward node keeps ``x`` and the statistics) and an in-place
+ReLU, run under a saved-tensor hook that gives ReLU's backward node a recipe instead of its output. For the next
+layers, :func:`memtrim.convert` installs saved-tensor hooks around the forward of each module in which autograd
+saved the output during its traced forward (:class:`_RecomputeHooks`): when an op there saves a tensor that is a
+BatchNormReLU output (same storage, same version), autograd keeps the recipe instead. Unpacking rebuilds ``z``
+once per backward (BatchNorm's inference kernel, then ReLU); ReLU's backward, the last to need it, takes its mask
+from that tensor and lets it go. Every other saved tensor passes through unchanged (and through any saved-tensor
+hooks active outside, so memtrim's tracker still sees them), with autograd's in-place check repeated. The rebuilt
+``z`` may differ from the forward's by rounding, so the next layer's weight gradients agree to ~1e-6 relative
 (float32), not bitwise.
 """
 
@@ -25,26 +26,47 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from ...measure._hooks import check_saved_version
+from ...measure._hooks import check_saved_version, hold_for_backward
 from .norm_act import batchnorm_arguments
 
 __all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d"]
 
 
+def _per_channel(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """``x * scale + shift`` per channel (dimension 1), by BatchNorm's inference kernel with mean 0, variance 1 and
+    eps 0, whose per-channel terms are then exactly ``scale`` and ``shift``: on CPU twice as fast as a broadcast
+    ``addcmul``, and in the input's dtype."""
+    key = (scale.shape[0], scale.dtype, scale.device)
+    unit = _UNIT.get(key)
+    if unit is None:
+        unit = _UNIT[key] = (torch.zeros_like(scale), torch.ones_like(scale))
+    return _native_batch_norm(x, scale, shift, unit[0], unit[1], False, 0.0, 0.0)[0]
+
+
+_native_batch_norm = torch.ops.aten.native_batch_norm.default
+_UNIT: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # (channels, dtype, device) -> mean 0, var 1
+
+
 class _Recipe:
     """How to rebuild one BatchNormReLU output: ``relu(x * scale + shift)``."""
 
-    __slots__ = ("x", "scale", "shift", "version", "cache", "__weakref__")
+    __slots__ = ("x", "x_version", "scale", "shift", "version", "cache", "__weakref__")
 
     def rebuild(self) -> torch.Tensor:
-        """The ReLU output, rebuilt once per backward: later layers' backward runs first and rebuilds it; the
-        BatchNormReLU's own backward then takes ReLU's mask from the same tensor and lets it go."""
+        """The ReLU output, rebuilt once per backward: later layers' backward runs first and rebuilds it; ReLU's
+        own backward then takes its mask from the same tensor and lets it go (:class:`_MaskUse`)."""
         if self.cache is None:
+            check_saved_version(self.x, self.x_version, "memtrim.nn.BatchNormReLU (the input it recomputes from)")
             with torch.no_grad():
-                self.cache = torch.relu_(torch.addcmul(self.shift, self.x, self.scale))
+                self.cache = torch.relu_(_per_channel(self.x, self.scale, self.shift))
         return self.cache
+
+
+class _MaskUse:
+    """What ReLU's backward keeps instead of its output: the recipe (it needs only the output's sign)."""
+
+    __slots__ = ("recipe",)
 
 
 # storages of live BatchNormReLU outputs -> recipe (no strong reference to the outputs themselves)
@@ -57,52 +79,41 @@ def _register(z: torch.Tensor, recipe: _Recipe) -> None:
     _RECIPES[key] = (weakref.ref(storage, lambda _, key=key: _RECIPES.pop(key, None)), recipe)
 
 
-class _BatchNormReLUFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool,
-                momentum: float, eps: float) -> torch.Tensor:  # type: ignore[override]
-        out, mean, invstd = torch.ops.aten.native_batch_norm(
-            x, weight, bias, running_mean, running_var, training, momentum, eps
-        )
-        if not training:
-            assert running_mean is not None and running_var is not None
-            mean, invstd = running_mean.clone(), torch.rsqrt(running_var + eps)
-        z = torch.relu_(out)
-        shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
-        scale = invstd if weight is None else invstd * weight
-        shift = -mean * scale if bias is None else bias - mean * scale
-        recipe = _Recipe()
-        recipe.x, recipe.scale, recipe.shift = x.detach(), scale.view(shape), shift.view(shape)
-        recipe.version = z._version
-        recipe.cache = None
-        _register(z, recipe)
-        ctx.recipe = recipe
-        ctx.training, ctx.eps, ctx.shape = training, eps, shape
-        ctx.save_for_backward(x, weight, mean, invstd, recipe.scale, recipe.shift)
-        return z
+def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
+    """torch's own BatchNorm (its backward node keeps ``x`` and the statistics, as always), then an in-place ReLU
+    whose saved output is replaced by a recipe. Autograd's nodes are the native ones: no Python in backward but the
+    unpacking."""
+    factor, bn_training, running_mean, running_var = batchnorm_arguments(bn)
+    out, mean, invstd = _native_batch_norm(x, bn.weight, bn.bias, running_mean, running_var, bn_training, factor,
+                                           bn.eps)
+    if not bn_training:
+        assert running_mean is not None and running_var is not None
+        mean, invstd = running_mean, torch.rsqrt(running_var + bn.eps)
+    recipe = _Recipe()
+    recipe.x, recipe.x_version = x.detach(), x._version
+    # per-channel terms computed now: a later in-place change of bias or running statistics must not reach them
+    recipe.scale = invstd if bn.weight is None else invstd * bn.weight.detach()
+    recipe.shift = (-mean * recipe.scale if bn.bias is None
+                    else torch.addcmul(bn.bias.detach(), mean, recipe.scale, value=-1))
+    recipe.cache = None
+    hold_for_backward(recipe.scale, recipe)
+    hold_for_backward(recipe.shift, recipe)
+    # the hook must not hold the output itself: autograd keeps hooks with the saved variable, which the output's
+    # grad_fn holds, a cycle through C++ that the garbage collector cannot see
+    where, shape = out.untyped_storage().data_ptr(), out.shape
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, dz: torch.Tensor) -> tuple:  # type: ignore[override]
-        x, weight, mean, invstd, scale, shift = ctx.saved_tensors
-        recipe = ctx.recipe
-        # ReLU's mask (z > 0 exactly where y > 0): from the output the next layers' backward rebuilt, if it did
-        z = recipe.cache if recipe.cache is not None else torch.addcmul(shift, x, scale)
-        recipe.cache = None  # released: nothing after this needs it
-        dy = torch.ops.aten.threshold_backward(dz, z, 0)
-        if ctx.training:
-            dx, dweight, dbias = torch.ops.aten.native_batch_norm_backward(
-                dy, x, weight, None, None, mean, invstd, True, ctx.eps,
-                [ctx.needs_input_grad[0], weight is not None, ctx.needs_input_grad[2]],
-            )
-        else:
-            dims = [0] + list(range(2, x.dim()))
-            xhat = (x - mean.view(ctx.shape)) * invstd.view(ctx.shape)
-            dweight = (dy * xhat).sum(dims) if weight is not None else None
-            dbias = dy.sum(dims) if ctx.needs_input_grad[2] else None
-            dx = scale * dy
-        return dx, dweight, dbias, None, None, None, None, None
+    def pack(tensor: torch.Tensor) -> Any:
+        if tensor.untyped_storage().data_ptr() == where and tensor.shape == shape:
+            use = _MaskUse()
+            use.recipe = recipe
+            return use
+        return _pack_for(torch._C._autograd._top_saved_tensors_default_hooks(False))(tensor)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+        z = torch.relu_(out)
+    recipe.version = z._version
+    _register(z, recipe)
+    return z
 
 
 class _BatchNormReLU(nn.modules.batchnorm._BatchNorm):
@@ -113,12 +124,11 @@ class _BatchNormReLU(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        factor, bn_training, running_mean, running_var = batchnorm_arguments(self)
         if not torch.is_grad_enabled():
+            factor, bn_training, running_mean, running_var = batchnorm_arguments(self)
             return torch.relu_(nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                                         bn_training, factor, self.eps))
-        return _BatchNormReLUFunction.apply(input, self.weight, self.bias, running_mean, running_var, bn_training,
-                                            factor, self.eps)
+        return _batchnorm_relu(self, input)
 
 
 class BatchNormReLU1d(_BatchNormReLU, nn.BatchNorm1d):
@@ -148,7 +158,7 @@ class _RecomputeHooks:
     def enter(self, module: nn.Module, args: Any) -> None:
         if self.depth == 0:
             outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            torch._C._autograd._push_saved_tensors_default_hooks(*_make_hooks(outer))
+            torch._C._autograd._push_saved_tensors_default_hooks(_pack_for(outer), _unpack)
         self.depth += 1
 
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -157,7 +167,12 @@ class _RecomputeHooks:
             torch._C._autograd._pop_saved_tensors_default_hooks()
 
 
-def _make_hooks(outer: Any) -> tuple[Any, Any]:
+def _pack_for(outer: Any) -> Any:
+    """The pack hook of the recompute hooks (``outer``: the saved-tensor hooks active outside, or None)."""
+    global _PACK_ALONE
+    if outer is None and _PACK_ALONE is not None:
+        return _PACK_ALONE
+
     def pack(tensor: torch.Tensor) -> Any:
         found = _RECIPES.get(id(tensor.untyped_storage()))
         if (found is not None and found[0]() is not None and found[1].version == tensor._version
@@ -173,15 +188,26 @@ def _make_hooks(outer: Any) -> tuple[Any, Any]:
             kept.packed, kept.tensor = None, tensor.detach()  # detached: no cycle through the output's grad_fn
         return kept
 
-    def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, _Recipe):
-            return packed.rebuild()
-        if packed.outer is not None:
-            return packed.outer[1](packed.packed)
-        check_saved_version(packed.tensor, packed.version, "memtrim's BatchNorm+ReLU recompute hooks")
-        return packed.tensor
+    if outer is None:
+        _PACK_ALONE = pack
+    return pack
 
-    return pack, unpack
+
+_PACK_ALONE: Any = None  # _pack_for(None), made once
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    """The unpack hook for everything the pack hooks here return."""
+    if isinstance(packed, _MaskUse):
+        z = packed.recipe.rebuild()
+        packed.recipe.cache = None  # ReLU's own backward is the last use: release the rebuilt output
+        return z
+    if isinstance(packed, _Recipe):
+        return packed.rebuild()
+    if packed.outer is not None:
+        return packed.outer[1](packed.packed)
+    check_saved_version(packed.tensor, packed.version, "memtrim's BatchNorm+ReLU recompute hooks")
+    return packed.tensor
 
 
 def install_recompute_hooks(model: nn.Module) -> None:

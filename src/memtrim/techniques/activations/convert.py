@@ -169,7 +169,7 @@ def convert(
         if kind == "bn":
             if type(nxt) is nn.ReLU:
                 if allowed(name, module) and allowed(nxt_name, nxt):
-                    readers = [modules[r] for r in trace.readers(nxt_name) if r in modules]
+                    readers = [modules[r] for r in trace.keepers(nxt_name) if r in modules]
                     changes.append(((name, nxt_name), f"{type(module).__name__} + ReLU",
                                     f"memtrim.nn.{_BN_RELU[type(module)].__name__}",
                                     _fuse_bn_relu(module, parents[nxt_name], readers)))
@@ -237,21 +237,24 @@ def convert(
 
 # ---------------------------------------------------------------------- evidence: a traced forward
 class _Trace:
-    """A forward on the example inputs: every op's reads (storage, module stack) and every module call."""
+    """A forward on the example inputs: every op's reads (storage, module stack), every tensor autograd saved
+    (storage, module stack) and every module call."""
 
     def __init__(self) -> None:
         self.clock = 0
         self.reads: list[tuple[int, int, tuple[str, ...]]] = []  # (time, id(storage), module stack)
+        self.saves: list[tuple[int, int, tuple[str, ...]]] = []  # (time, id(storage), module stack)
         self.calls: dict[str, list[tuple[int, int, set[int]]]] = {}  # name -> (start, end, output storage ids)
         self.keep: list[Any] = []  # storages stay alive, so their ids stay unique
 
 
-    def readers(self, name: str) -> list[str]:
-        """The innermost modules whose ops read ``name``'s output after it was produced (its own ancestors'
-        code excluded: it is not a module whose saved tensors hooks could reach)."""
+    def keepers(self, name: str) -> list[str]:
+        """The innermost modules in whose forward autograd saved ``name``'s output (its own ancestors' code
+        excluded: it is not a module whose saved tensors hooks could reach). Modules that only read it (an
+        addition, a shortcut) are left out: hooks there would cost time and save nothing."""
         found: set[str] = set()
         for _, end, outputs in self.calls.get(name, []):
-            for time, storage, stack in self.reads:
+            for time, storage, stack in self.saves:
                 if storage in outputs and time > end and stack and not _is_self_or_ancestor(stack[-1], name):
                     found.add(stack[-1])
         return sorted(found)
@@ -291,13 +294,19 @@ def _trace(model: nn.Module, args: tuple[Any, ...]) -> _Trace:
         trace.keep.extend(t.untyped_storage() for t in tensors_in(output))
         trace.calls.setdefault(name, []).append((starts.pop(), trace.clock, outputs))
 
+    def saved(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        trace.keep.append(storage)
+        trace.saves.append((trace.clock, id(storage), tuple(stack)))
+        return tensor.detach()
+
     handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
     handles += [m.register_forward_hook(post) for m in model.modules()]
     was_training = model.training
     state = {k: v.clone() for k, v in model.state_dict().items()}
     try:
         model.train()
-        with _Recorder(trace, stack):
+        with torch.enable_grad(), _Recorder(trace, stack), torch.autograd.graph.saved_tensors_hooks(saved, lambda t: t):
             model(*[a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args])
     except Exception as e:
         raise InvalidInputError(
@@ -321,8 +330,8 @@ class _FxGraph:
             if node.op == "call_module":
                 self.nodes.setdefault(node.target, []).append(node)
 
-    def readers(self, name: str) -> list[str]:
-        """The modules that take ``name``'s output as an input."""
+    def keepers(self, name: str) -> list[str]:
+        """The modules that take ``name``'s output as an input (any of them may keep it)."""
         return sorted({u.target for node in self.nodes.get(name, []) for u in node.users if u.op == "call_module"})
 
     def pair_after(self, name: str) -> tuple[str, str] | None:
