@@ -3,6 +3,7 @@
 import json
 import os
 import platform
+import statistics
 import time
 
 import torch
@@ -37,6 +38,12 @@ def machine() -> dict:
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def quartiles(values: list[float]) -> list[float]:
+    """First and third quartiles: the spread quoted beside a median of step-time ratios."""
+    q = statistics.quantiles(values, n=4)
+    return [q[0], q[2]]
 
 
 def write(name: str, data: dict) -> str:

@@ -6,7 +6,7 @@ Compiled graphs keep their tensors inside one compiled autograd node, which the 
 into, so their activation bytes are read off the autograd graph (memtrim.autograd_graph_bytes; on eager
 models it equals the tracker's figure, see tests/measure/test_tracker_independent.py).
 
-Reproduce:  .venv/bin/python benchmarks/convert.py [--rounds 10] [--no-compile]
+Reproduce:  .venv/bin/python benchmarks/convert.py [--rounds 15] [--no-compile]
 Writes benchmarks/results/convert_cpu.json.
 """
 
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memtrim
-from _common import machine, pin_malloc, write
+from _common import machine, pin_malloc, quartiles, write
 from memtrim.models import ResNetCNN, SeedMLP, SmallGPT
 
 
@@ -45,6 +45,7 @@ WORKLOADS = {
         lambda: SmallGPT(n_layer=4, d_model=256, n_head=4, seq_len=128, vocab_size=256),
         lambda: (lambda t: (t, t))(torch.randint(0, 256, (8, 128))), lm_loss),
 }
+
 
 
 def step(model, opt, x, y, loss_fn):
@@ -80,7 +81,7 @@ def graph_bytes(model, x, y, loss_fn):
 def main():
     pin_malloc()
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile columns")
     args = parser.parse_args()
     results = {}
@@ -119,11 +120,12 @@ def main():
         for label, held in compiled_bytes.items():
             r = sorted(c / p for c, p in zip(times[label], times["plain"]))
             row[label] = {"activations_from_graph": held, "step_time_ratio_median": statistics.median(r),
-                          "step_time_ratio_range": [r[0], r[-1]]}
-            print(f"  {label}: activations {held:,} B, time {statistics.median(r):.2f}x")
+                          "step_time_ratio_quartiles": quartiles(r), "step_time_ratio_range": [r[0], r[-1]]}
+            print(f"  {label}: activations {held:,} B, time {statistics.median(r):.3f}x")
         ratios = sorted(c / p for c, p in zip(times["converted"], times["plain"]))
         row["step_ms_plain"] = 1e3 * statistics.median(times["plain"])
         row["step_time_ratio_median"] = statistics.median(ratios)
+        row["step_time_ratio_quartiles"] = quartiles(ratios)
         row["step_time_ratio_range"] = [ratios[0], ratios[-1]]
         before, after = row["plain"]["activations_at_backward_start"], row["converted"]["activations_at_backward_start"]
         row["activation_reduction"] = 1 - after / before if before else 0.0
@@ -132,7 +134,8 @@ def main():
         results[name] = row
         print(f"{name}: activations {before:,} -> {after:,} B ({row['activation_reduction']:.0%} fewer), peak "
               f"{row['plain']['peak_bytes']:,} -> {row['converted']['peak_bytes']:,} B, time "
-              f"{row['step_time_ratio_median']:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})")
+              f"{row['step_time_ratio_median']:.3f}x (quartiles {row['step_time_ratio_quartiles'][0]:.3f}-"
+              f"{row['step_time_ratio_quartiles'][1]:.3f}, range {ratios[0]:.2f}-{ratios[-1]:.2f})")
     print("wrote", write("convert_cpu.json", {"machine": machine(), "rounds": args.rounds, "results": results}))
 
 

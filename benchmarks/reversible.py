@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import memtrim
-from _common import RESULTS, machine, pin_malloc, write
+from _common import RESULTS, machine, pin_malloc, quartiles, write
 
 
 def fg(width=512):
@@ -86,10 +86,6 @@ def step_and_forward(model, x):
     step(model, x)
     model(x.clone().requires_grad_())
 
-
-def quartiles(values):
-    q = statistics.quantiles(values, n=4)
-    return q[0], q[2]
 
 
 def main():

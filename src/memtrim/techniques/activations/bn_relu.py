@@ -27,25 +27,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...measure import _hooks
 from ...measure._hooks import check_saved_version, hold_for_backward
+from ._kernels import native_batch_norm, per_channel
 from .norm_act import batchnorm_arguments
 
 __all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d"]
-
-
-def _per_channel(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``x * scale + shift`` per channel (dimension 1), by BatchNorm's inference kernel with mean 0, variance 1 and
-    eps 0, whose per-channel terms are then exactly ``scale`` and ``shift``: on CPU twice as fast as a broadcast
-    ``addcmul``, and in the input's dtype."""
-    key = (scale.shape[0], scale.dtype, scale.device)
-    unit = _UNIT.get(key)
-    if unit is None:
-        unit = _UNIT[key] = (torch.zeros_like(scale), torch.ones_like(scale))
-    return _native_batch_norm(x, scale, shift, unit[0], unit[1], False, 0.0, 0.0)[0]
-
-
-_native_batch_norm = torch.ops.aten.native_batch_norm.default
-_UNIT: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}  # (channels, dtype, device) -> mean 0, var 1
 
 
 class _Recipe:
@@ -57,9 +44,10 @@ class _Recipe:
         """The ReLU output, rebuilt once per backward: later layers' backward runs first and rebuilds it; ReLU's
         own backward then takes its mask from the same tensor and lets it go (:class:`_MaskUse`)."""
         if self.cache is None:
-            check_saved_version(self.x, self.x_version, "memtrim.nn.BatchNormReLU (the input it recomputes from)")
-            with torch.no_grad():
-                self.cache = torch.relu_(_per_channel(self.x, self.scale, self.shift))
+            if self.x._version != self.x_version:
+                check_saved_version(self.x, self.x_version, "memtrim.nn.BatchNormReLU (the input it recomputes from)")
+            # x, scale and shift are detached: nothing here is recorded, even under create_graph
+            self.cache = torch.relu_(per_channel(self.x, self.scale, self.shift))
         return self.cache
 
 
@@ -84,7 +72,7 @@ def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
     whose saved output is replaced by a recipe. Autograd's nodes are the native ones: no Python in backward but the
     unpacking."""
     factor, bn_training, running_mean, running_var = batchnorm_arguments(bn)
-    out, mean, invstd = _native_batch_norm(x, bn.weight, bn.bias, running_mean, running_var, bn_training, factor,
+    out, mean, invstd = native_batch_norm(x, bn.weight, bn.bias, running_mean, running_var, bn_training, factor,
                                            bn.eps)
     if not bn_training:
         assert running_mean is not None and running_var is not None
@@ -96,8 +84,9 @@ def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
     recipe.shift = (-mean * recipe.scale if bn.bias is None
                     else torch.addcmul(bn.bias.detach(), mean, recipe.scale, value=-1))
     recipe.cache = None
-    hold_for_backward(recipe.scale, recipe)
-    hold_for_backward(recipe.shift, recipe)
+    if _hooks._active:  # trackers count the per-channel terms as kept for backward
+        hold_for_backward(recipe.scale, recipe)
+        hold_for_backward(recipe.shift, recipe)
     # the hook must not hold the output itself: autograd keeps hooks with the saved variable, which the output's
     # grad_fn holds, a cycle through C++ that the garbage collector cannot see
     where, shape = out.untyped_storage().data_ptr(), out.shape
@@ -109,8 +98,11 @@ def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
             return use
         return _pack_for(torch._C._autograd._top_saved_tensors_default_hooks(False))(tensor)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+    torch._C._autograd._push_saved_tensors_default_hooks(pack, _unpack)  # saved_tensors_hooks, without its Python
+    try:
         z = torch.relu_(out)
+    finally:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
     recipe.version = z._version
     _register(z, recipe)
     return z
@@ -206,7 +198,8 @@ def _unpack(packed: Any) -> torch.Tensor:
         return packed.rebuild()
     if packed.outer is not None:
         return packed.outer[1](packed.packed)
-    check_saved_version(packed.tensor, packed.version, "memtrim's BatchNorm+ReLU recompute hooks")
+    if packed.tensor._version != packed.version:
+        check_saved_version(packed.tensor, packed.version, "memtrim's BatchNorm+ReLU recompute hooks")
     return packed.tensor
 
 

@@ -25,6 +25,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ...errors import InvalidInputError
+from ._kernels import zeros_and_ones
 
 __all__ = ["ActLinear", "LayerNorm", "RMSNorm"]
 
@@ -71,13 +72,16 @@ class _NormKeepOutput(torch.autograd.Function):
             else:
                 xhat = torch.where(bad, xhat_bad, xhat)
         if not ctx.rms:
-            # torch's own fused LayerNorm backward, fed the input rebuilt from xhat (x = mean + xhat / rstd)
-            x = torch.addcmul(mean, xhat, rstd.reciprocal())
+            # torch's own fused LayerNorm backward, fed xhat as the input with mean 0 and rstd 1: its weight and bias
+            # gradients are then exact, and its input gradient is the true one divided by rstd (per row)
             normalized = list(dn.shape[dn.dim() - len(dims):])
+            zeros, ones = zeros_and_ones(mean)
             dx, dweight, dbias = torch.ops.aten.native_layer_norm_backward(
-                dn, x, normalized, mean, rstd, weight, bias,
+                dn, xhat, normalized, zeros, ones, weight, bias,
                 [ctx.needs_input_grad[0], weight is not None, bias is not None],
             )
+            if dx is not None:
+                dx.mul_(rstd)
             return dx, dweight, dbias, None, None, None, None
         g = dn * weight if weight is not None else dn  # RMSNorm
         dx = rstd * (g - xhat * (g * xhat).mean(dims, keepdim=True))
