@@ -35,6 +35,12 @@ from .norm_act import batchnorm_arguments
 __all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d"]
 
 
+def _compiling() -> bool:
+    """Under torch.compile the modules here run as plain BatchNorm + ReLU: saved-tensor hooks do not trace, and the
+    compiler decides what to keep itself (``torch._functorch.config.activation_memory_budget``)."""
+    return bool(getattr(torch.compiler, "is_compiling", lambda: False)())
+
+
 class _Recipe:
     """How to rebuild one BatchNormReLU output: ``relu(x * scale + shift)``."""
 
@@ -116,7 +122,7 @@ class _BatchNormReLU(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or _compiling():  # nothing kept, or compile plans its own memory
             factor, bn_training, running_mean, running_var = batchnorm_arguments(self)
             return torch.relu_(nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                                         bn_training, factor, self.eps))
@@ -148,12 +154,16 @@ class _RecomputeHooks:
         self.depth = 0
 
     def enter(self, module: nn.Module, args: Any) -> None:
+        if _compiling():
+            return
         if self.depth == 0:
             outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
             torch._C._autograd._push_saved_tensors_default_hooks(_pack_for(outer), _unpack)
         self.depth += 1
 
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if _compiling():
+            return
         self.depth -= 1
         if self.depth == 0:
             torch._C._autograd._pop_saved_tensors_default_hooks()
