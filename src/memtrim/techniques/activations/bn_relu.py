@@ -27,7 +27,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...measure import _hooks
 from ...measure._hooks import check_saved_version, hold_for_backward
 from ._kernels import native_batch_norm, per_channel
 from .norm_act import batchnorm_arguments
@@ -50,8 +49,7 @@ class _Recipe:
         """The ReLU output, rebuilt once per backward: later layers' backward runs first and rebuilds it; ReLU's
         own backward then takes its mask from the same tensor and lets it go (:class:`_MaskUse`)."""
         if self.cache is None:
-            if self.x._version != self.x_version:
-                check_saved_version(self.x, self.x_version, "memtrim.nn.BatchNormReLU (the input it recomputes from)")
+            check_saved_version(self.x, self.x_version, "memtrim.nn.BatchNormReLU (the input it recomputes from)")
             # x, scale and shift are detached: nothing here is recorded, even under create_graph
             self.cache = torch.relu_(per_channel(self.x, self.scale, self.shift))
         return self.cache
@@ -90,19 +88,19 @@ def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
     recipe.shift = (-mean * recipe.scale if bn.bias is None
                     else torch.addcmul(bn.bias.detach(), mean, recipe.scale, value=-1))
     recipe.cache = None
-    if _hooks._active:  # trackers count the per-channel terms as kept for backward
-        hold_for_backward(recipe.scale, recipe)
-        hold_for_backward(recipe.shift, recipe)
+    hold_for_backward(recipe.scale, recipe)  # trackers count the per-channel terms as kept for backward
+    hold_for_backward(recipe.shift, recipe)
     # the hook must not hold the output itself: autograd keeps hooks with the saved variable, which the output's
     # grad_fn holds, a cycle through C++ that the garbage collector cannot see
     where, shape = out.untyped_storage().data_ptr(), out.shape
+    pack_other = _pack_for(torch._C._autograd._top_saved_tensors_default_hooks(False))  # the hooks outside
 
     def pack(tensor: torch.Tensor) -> Any:
         if tensor.untyped_storage().data_ptr() == where and tensor.shape == shape:
             use = _MaskUse()
             use.recipe = recipe
             return use
-        return _pack_for(torch._C._autograd._top_saved_tensors_default_hooks(False))(tensor)
+        return pack_other(tensor)
 
     torch._C._autograd._push_saved_tensors_default_hooks(pack, _unpack)  # saved_tensors_hooks, without its Python
     try:
@@ -208,8 +206,7 @@ def _unpack(packed: Any) -> torch.Tensor:
         return packed.rebuild()
     if packed.outer is not None:
         return packed.outer[1](packed.packed)
-    if packed.tensor._version != packed.version:
-        check_saved_version(packed.tensor, packed.version, "memtrim's BatchNorm+ReLU recompute hooks")
+    check_saved_version(packed.tensor, packed.version, "memtrim's BatchNorm+ReLU recompute hooks")
     return packed.tensor
 
 

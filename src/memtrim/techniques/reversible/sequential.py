@@ -165,13 +165,6 @@ class _Frame:
     def output_of(self, index: int) -> torch.Tensor:
         return _whole(self._stored_output(index))
 
-    def halves_of(self, index: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        y = self._stored_output(index)
-        if isinstance(y, _Halves) and y.dim == dim:
-            return y.first, y.second
-        y1, y2 = _whole(y).chunk(2, dim=dim)
-        return y1, y2
-
     def _stored_output(self, index: int) -> torch.Tensor | _Halves:
         if index not in self.outputs:
             self.materialise(index + 1)  # reconstructs block index + 1's input, which is this block's output
@@ -190,15 +183,15 @@ class _Frame:
             return
         block = self.blocks[index]
         recorded: list[torch.Tensor] = []
-        saved_buffers = [(b, b.detach().clone()) for b in _buffers(block)]
+        saved_buffers = [(b, b.detach().clone()) for b in block.buffers()]
         try:
             if index in self.kept_inputs:  # drift fallback: the input was kept, recompute forward from it
                 x = self.kept_inputs.pop(index)
                 self._recompute_forward(index, block, x, recorded)
             elif type(block) is AdditiveCoupling:
-                x = self._rebuild_additive(index, block, *self.halves_of(index, block.split_dim), recorded)
+                x = self._rebuild_additive(index, block, *_split_halves(block, self._stored_output(index)), recorded)
             elif type(block) is AffineCoupling and not self.exact:
-                x = self._rebuild_affine(index, block, *self.halves_of(index, block.split_dim), recorded)
+                x = self._rebuild_affine(index, block, *_split_halves(block, self._stored_output(index)), recorded)
             else:
                 x = self._rebuild_generic(index, block, self.output_of(index), recorded)
         finally:
@@ -293,15 +286,6 @@ class _Frame:
         with _replayed(replay), _recording(recorded), torch.enable_grad():
             block(x.detach().requires_grad_(replay.requires_grad))
         return x.detach()
-
-
-def _buffers(module: nn.Module) -> list[torch.Tensor]:
-    """``list(module.buffers())`` without its generator machinery (this runs once per block in backward)."""
-    found = [b for b in module._buffers.values() if b is not None]
-    for child in module._modules.values():
-        if child is not None:
-            found += _buffers(child)
-    return found
 
 
 def _probe(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
