@@ -17,11 +17,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import memtrim
 from _common import machine, pin_malloc, quartiles, write
-from memtrim.models import ResNetCNN, SeedMLP, SmallGPT
+from memtrim.models import ConvBNActCNN, ResNetCNN, SeedMLP, SmallGPT
 
 
 def lm_loss(out, t):
@@ -29,10 +28,7 @@ def lm_loss(out, t):
 
 
 def leaky_cnn():
-    layers = []
-    for i in range(6):
-        layers += [nn.Conv2d(3 if i == 0 else 32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.LeakyReLU(0.1)]
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+    return ConvBNActCNN(in_channels=3, width=32, depth=6)
 
 
 WORKLOADS = {

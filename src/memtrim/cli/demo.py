@@ -320,14 +320,10 @@ def _check_seed_silu(device: torch.device) -> dict[str, Any]:
 
 def _convert_workloads(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """memtrim.convert on the MLP, a ResNet-style CNN, a conv+BN+LeakyReLU CNN and the small GPT."""
-    from memtrim.models import ResNetCNN, SmallGPT
+    from memtrim.models import ConvBNActCNN, ResNetCNN, SmallGPT
 
     def leaky_cnn() -> torch.nn.Module:
-        layers: list[torch.nn.Module] = []
-        for i in range(4):
-            layers += [torch.nn.Conv2d(1 if i == 0 else 16, 16, 3, padding=1), torch.nn.BatchNorm2d(16),
-                       torch.nn.LeakyReLU(0.1)]
-        return torch.nn.Sequential(*layers)
+        return ConvBNActCNN(in_channels=1, width=16, depth=4, num_classes=None)
 
     d = 64 if args.quick else 256
     workloads = {

@@ -1,11 +1,12 @@
-"""A small ResNet-style CNN (conv -> BatchNorm -> ReLU basic blocks with identity/projection shortcuts)."""
+"""A small ResNet-style CNN (conv -> BatchNorm -> ReLU basic blocks with identity/projection shortcuts) and a plain
+conv -> BatchNorm -> LeakyReLU stack."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-__all__ = ["BasicBlock", "ResNetCNN"]
+__all__ = ["BasicBlock", "ConvBNActCNN", "ResNetCNN"]
 
 
 class BasicBlock(nn.Module):
@@ -61,3 +62,18 @@ class ResNetCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stages(self.stem(x))
         return self.head(torch.flatten(self.pool(x), 1))
+
+
+class ConvBNActCNN(nn.Sequential):
+    """``depth`` x (conv3x3 -> BatchNorm -> LeakyReLU) at constant ``width``, then (unless ``num_classes`` is None)
+    pool, flatten, linear: the plain conv + BN + activation stack that fused norm + activation targets."""
+
+    def __init__(self, in_channels: int = 1, width: int = 16, depth: int = 4, num_classes: int | None = 10,
+                 negative_slope: float = 0.1) -> None:
+        layers: list[nn.Module] = []
+        for i in range(depth):
+            layers += [nn.Conv2d(in_channels if i == 0 else width, width, 3, padding=1), nn.BatchNorm2d(width),
+                       nn.LeakyReLU(negative_slope)]
+        if num_classes is not None:
+            layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, num_classes)]
+        super().__init__(*layers)
