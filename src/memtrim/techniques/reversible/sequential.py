@@ -20,6 +20,13 @@ what they save, in the forward's order; each handle then returns its tensor and 
   forward and restored for the recomputation, then the caller's states are put back (the global generator is never
   reseeded or advanced; a generator f or g drew nothing from is not touched at all); module buffers (BatchNorm's
   running statistics) are restored after it, so they are updated once per forward.
+* A ``torch.Generator`` passed to an op explicitly (``torch.rand(..., generator=self.gen)``, a module's own
+  generator) is not reachable from outside f or g, so a dispatch mode (:class:`_GeneratorDraws`) sees every op in
+  their forward and records, per op that takes a generator, that generator's state before the op; the
+  recomputation sets each such op's generator to its recorded state, in order, and puts every generator back after,
+  so the same numbers are drawn and backward draws nothing. Generators are matched by position, not by identity
+  (each op receives a fresh Python wrapper of the same generator). A recomputation that draws from explicit
+  generators a different number of times than the forward raises :class:`ReversibleError`.
 * The caller's tensors are never freed or modified. If the stack output is modified in place before backward,
   reconstruction would be wrong: that raises.
 """
@@ -34,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...errors import InvalidInputError, MemtrimError
 from ...measure import _hooks
@@ -59,22 +67,77 @@ class _Handle:
 class _Replay:
     """What the forward of one function (f, g, or a whole block) ran under."""
 
-    __slots__ = ("cpu_rng", "cuda_rng", "cuda_device", "autocast", "requires_grad")
+    __slots__ = ("cpu_rng", "cuda_rng", "cuda_device", "autocast", "requires_grad", "generator_states", "where")
+
+
+class _GeneratorDraws(TorchDispatchMode):
+    """Records (forward) or replays (recomputation) the draws of every op given an explicit ``torch.Generator``.
+
+    Recording keeps, per such op in order, the generator's state before it. Replaying sets the generator of the
+    ``k``-th such op to the ``k``-th recorded state; on exit every generator it touched is put back, latest first,
+    so each ends where the caller left it. ``strict``: the replayed computation must draw exactly as often as the
+    recorded one (a forward's recomputation); a block's ``inverse`` is replayed leniently.
+    See NOTE [ reversible without backward inside backward ].
+    """
+
+    def __init__(self, where: str, replay: list[torch.Tensor] | None = None, strict: bool = True) -> None:
+        super().__init__()
+        self.where, self.replay, self.strict = where, replay, strict
+        self.states: list[torch.Tensor] = []  # recorded states (forward)
+        self.restore: list[tuple[torch.Generator, torch.Tensor]] = []  # the caller's states (replay)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        for value in (*args, *kwargs.values()):
+            if not isinstance(value, torch.Generator):
+                continue
+            if self.replay is None:
+                self.states.append(value.get_state())
+                continue
+            position = len(self.restore)
+            if position >= len(self.replay):
+                if self.strict:
+                    raise ReversibleError(
+                        f"memtrim.ReversibleSequential: {self.where} drew from an explicitly passed torch.Generator "
+                        f"{len(self.replay)} time(s) in forward but more when recomputed in backward ({func}); it "
+                        "must compute the same function again. Draw the same numbers in every call (no draws that "
+                        "depend on a call count), or keep this module out of the reversible stack."
+                    )
+                continue
+            self.restore.append((value, value.get_state()))
+            value.set_state(self.replay[position])
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc: object) -> None:
+        for generator, state in reversed(self.restore):
+            generator.set_state(state)
+        super().__exit__(*exc)
+        if exc[0] is None and self.replay is not None and self.strict and len(self.restore) != len(self.replay):
+            raise ReversibleError(
+                f"memtrim.ReversibleSequential: {self.where} drew from an explicitly passed torch.Generator "
+                f"{len(self.replay)} time(s) in forward but {len(self.restore)} when recomputed in backward; it must "
+                "compute the same function again. Draw the same numbers in every call (no draws that depend on a "
+                "call count), or keep this module out of the reversible stack."
+            )
 
 
 @contextmanager
-def _captured(replays: dict[str, _Replay], name: str, x: torch.Tensor) -> Iterator[None]:
+def _captured(replays: dict[str, _Replay], name: str, x: torch.Tensor, where: str) -> Iterator[None]:
     """Around a function's forward (f, g, or a whole block, reading ``x``): record in ``replays[name]`` what its
     recomputation must replay. A generator it drew nothing from is not replayed (the common case, no dropout):
-    drawing any random number advances a generator's state, so an unchanged state means nothing was drawn."""
+    drawing any random number advances a generator's state, so an unchanged state means nothing was drawn.
+    ``where`` names the function in errors ("block 3's f")."""
     replay = replays[name] = _Replay()
+    replay.where = where
     replay.requires_grad = x.requires_grad
     replay.cpu_rng = torch.get_rng_state()
     replay.cuda_device = x.device if x.device.type == "cuda" else None
     replay.cuda_rng = torch.cuda.get_rng_state(x.device) if replay.cuda_device is not None else None
     replay.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
                        if d == "cpu" or replay.cuda_device is not None] if hasattr(torch, "get_autocast_dtype") else []
-    yield
+    with _GeneratorDraws(where) as draws:
+        yield
+    replay.generator_states = draws.states or None
     if torch.equal(torch.get_rng_state(), replay.cpu_rng):
         replay.cpu_rng = None
     if replay.cuda_device is not None and torch.equal(torch.cuda.get_rng_state(replay.cuda_device), replay.cuda_rng):
@@ -82,9 +145,10 @@ def _captured(replays: dict[str, _Replay], name: str, x: torch.Tensor) -> Iterat
 
 
 @contextmanager
-def _replayed(replay: _Replay) -> Iterator[None]:
+def _replayed(replay: _Replay, strict: bool = True) -> Iterator[None]:
     """Run under the forward's random-number state and autocast state; restore the caller's generators after, as
-    ``torch.random.fork_rng`` does (inlined: this runs twice per block in backward)."""
+    ``torch.random.fork_rng`` does (inlined: this runs twice per block in backward). ``strict=False`` for a
+    block's ``inverse``, which need not draw what the forward drew."""
     cpu_state = cuda_state = None
     if replay.cpu_rng is not None:
         cpu_state = torch.get_rng_state()
@@ -98,6 +162,8 @@ def _replayed(replay: _Replay) -> Iterator[None]:
                 now = torch.is_autocast_enabled(device)
                 if now != enabled or (enabled and torch.get_autocast_dtype(device) != dtype):  # else already in it
                     stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            if replay.generator_states is not None:
+                stack.enter_context(_GeneratorDraws(replay.where, replay.generator_states, strict=strict))
             yield
     finally:
         if cpu_state is not None:
@@ -281,7 +347,7 @@ class _Frame:
     def _rebuild_generic(self, index: int, block: nn.Module, y: torch.Tensor,
                          recorded: list[torch.Tensor]) -> torch.Tensor:
         replay = self.replays[index]["block"]
-        with _replayed(replay), torch.no_grad():
+        with _replayed(replay, strict=False), torch.no_grad():
             x = block.inverse(y)
         with _replayed(replay), _recording(recorded), torch.enable_grad():
             block(x.detach().requires_grad_(replay.requires_grad))
@@ -403,7 +469,10 @@ class ReversibleSequential(nn.Module):
 
     def _measure_drift(self, index: int, x: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
         rebuilt = x.detach().reshape(-1)[where].to(values.dtype)
-        error = float((rebuilt - values).abs().max() / values.abs().max().clamp_min(1e-30))
+        if values.numel() == 0:  # an empty batch: nothing was rebuilt, nothing drifted
+            error = 0.0
+        else:
+            error = float((rebuilt - values).abs().max() / values.abs().max().clamp_min(1e-30))
         self.drift[index] = error
         if self.check_drift is not None and error > self.check_drift and index not in self.keep_inputs:
             import warnings
@@ -436,7 +505,7 @@ class ReversibleSequential(nn.Module):
                 if type(block) is AffineCoupling:
                     return self._affine(frame, index, block, x)
                 x = _whole(x)
-                with _captured(frame.replays[index], "block", x):
+                with _captured(frame.replays[index], "block", x, f"block {index} ({type(block).__name__})"):
                     return block(x)
         except InvalidInputError as e:
             raise InvalidInputError(f"memtrim.ReversibleSequential: block {index}: {e}") from e
@@ -448,7 +517,7 @@ class ReversibleSequential(nn.Module):
         with ``recording``, replayed and the saved tensors recorded)."""
         def scale_shift(name: str, fn: nn.Module, half: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if recording is None:
-                with _captured(frame.replays[index], name, half):
+                with _captured(frame.replays[index], name, half, f"block {index}'s {name}"):
                     return block._scale_shift(name, fn, half)
             with _replayed(frame.replays[index][name]):
                 return block._scale_shift(name, fn, half)
@@ -470,7 +539,7 @@ class ReversibleSequential(nn.Module):
         def apply(name: str, fn: nn.Module, half: torch.Tensor) -> torch.Tensor:
             inp = (half / frame.scale).to(frame.dtype) if self.exact else half
             if recording is None:
-                with _captured(frame.replays[index], name, inp):
+                with _captured(frame.replays[index], name, inp, f"block {index}'s {name}"):
                     out = _checked(block, name, fn(inp), inp)
             else:
                 with _replayed(frame.replays[index][name]), _recording(recording):

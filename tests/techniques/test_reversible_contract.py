@@ -1,0 +1,156 @@
+"""ReversibleSequential's contract at its edges: equal to the plain stack, or a ReversibleError; never silently off.
+
+Random numbers drawn from a module's own ``torch.Generator`` (issue 10, item 9) and a zero-size batch with
+``check_drift`` (item 10).
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import memtrim
+
+
+class OwnGeneratorNoise(nn.Module):
+    """Dropout-like noise from the module's own generator, as samplers and stochastic layers often do."""
+
+    def __init__(self, width, out=None, seed=3):
+        super().__init__()
+        self.lin = nn.Linear(width, out or width)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def forward(self, x):
+        h = self.lin(x)
+        mask = torch.bernoulli(torch.full_like(h, 0.7), generator=self.generator)
+        return h * mask + 0.1 * torch.rand(h.shape, generator=self.generator, dtype=h.dtype)
+
+
+class GeneratorScale(nn.Module):
+    """An invertible block (not a coupling) whose forward draws from its own generator."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.log_scale = nn.Parameter(0.1 * torch.randn(width))
+        self.generator = torch.Generator().manual_seed(11)
+        self.noise = None
+
+    def forward(self, x):
+        self.noise = 1 + 0.01 * torch.rand(x.shape[-1], generator=self.generator, dtype=x.dtype)
+        return x * self.log_scale.exp() * self.noise
+
+    def inverse(self, y):
+        return y / (self.log_scale.exp() * self.noise)
+
+
+def twins(kind, depth=3, width=8):
+    torch.manual_seed(0)
+    if kind == "additive":
+        blocks = [memtrim.AdditiveCoupling(OwnGeneratorNoise(width, seed=i), OwnGeneratorNoise(width, seed=50 + i))
+                  for i in range(depth)]
+    elif kind == "shared generator":  # f and g of every block draw from one generator, interleaved
+        shared = torch.Generator().manual_seed(7)
+        blocks = [memtrim.AdditiveCoupling(OwnGeneratorNoise(width), OwnGeneratorNoise(width)) for _ in range(depth)]
+        for block in blocks:
+            block.f.generator = block.g.generator = shared
+    elif kind == "affine":
+        blocks = [memtrim.AffineCoupling(OwnGeneratorNoise(width, 2 * width, seed=i),
+                                         OwnGeneratorNoise(width, 2 * width, seed=50 + i)) for i in range(depth)]
+    else:  # "generic": a block with inverse() between two couplings
+        blocks = [memtrim.AdditiveCoupling(OwnGeneratorNoise(width, seed=1)), GeneratorScale(2 * width),
+                  memtrim.AdditiveCoupling(OwnGeneratorNoise(width, seed=2))]
+    plain = nn.Sequential(*copy.deepcopy(blocks)).double()
+    rev = memtrim.ReversibleSequential(*blocks).double()
+    return plain, rev
+
+
+def generators(model):
+    seen = {}
+    for module in model.modules():
+        g = getattr(module, "generator", None)
+        if isinstance(g, torch.Generator):
+            seen.setdefault(id(g), g)
+    return list(seen.values())
+
+
+def train_twice(model, x, grad_out):
+    """Two forward/backward passes: the second sees the generators where the first left them."""
+    results = []
+    for _ in range(2):
+        leaf = x.clone().requires_grad_()
+        out = model(leaf)
+        grads = torch.autograd.grad(out, [leaf, *model.parameters()], grad_out)
+        results.append((out.detach(), grads))
+    return results, [g.get_state() for g in generators(model)]
+
+
+@pytest.mark.parametrize("kind", ["additive", "shared generator", "affine", "generic"])
+def test_own_generator_draws_are_replayed_not_redrawn(kind):
+    plain, rev = twins(kind)
+    x = torch.randn(4, 16, dtype=torch.float64)
+    grad_out = torch.randn(4, 16, dtype=torch.float64)
+    expected, states_plain = train_twice(plain, x, grad_out)
+    got, states_rev = train_twice(rev, x, grad_out)
+    for (out_p, g_p), (out_r, g_r) in zip(expected, got):
+        assert torch.equal(out_p, out_r)
+        for a, b in zip(g_r, g_p):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    # backward drew nothing from the modules' generators: they stand where the plain stack's stand
+    assert all(torch.equal(a, b) for a, b in zip(states_plain, states_rev))
+
+
+def test_own_generator_replayed_in_exact_mode_and_when_the_input_was_kept():
+    plain, _ = twins("additive")
+    for rev in (memtrim.ReversibleSequential(*copy.deepcopy(list(plain)), exact=True),
+                memtrim.ReversibleSequential(*copy.deepcopy(list(plain)))):
+        if not rev.exact:
+            rev.keep_inputs.update({0, 2})  # as if check_drift had flagged them: recomputed from the kept input
+        reference = copy.deepcopy(plain)
+        x = torch.randn(4, 16, dtype=torch.float64)
+        grad_out = torch.randn(4, 16, dtype=torch.float64)
+        expected, states_plain = train_twice(reference, x, grad_out)
+        got, states_rev = train_twice(rev, x, grad_out)
+        tol = dict(rtol=1e-5, atol=1e-6) if rev.exact else dict(rtol=1e-10, atol=1e-12)
+        for (_, g_p), (_, g_r) in zip(expected, got):
+            for a, b in zip(g_r, g_p):
+                torch.testing.assert_close(a, b, **tol)
+        assert all(torch.equal(a, b) for a, b in zip(states_plain, states_rev))
+
+
+def test_recomputation_drawing_differently_from_an_own_generator_raises():
+    class DrawsOnce(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.generator = torch.Generator().manual_seed(0)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == 1:  # draws in forward only: the recomputation cannot be the same function
+                return self.lin(x) * torch.rand(x.shape, generator=self.generator)
+            return self.lin(x)
+
+    rev = memtrim.ReversibleSequential(memtrim.AdditiveCoupling(DrawsOnce(), nn.Linear(4, 4)))
+    out = rev(torch.randn(2, 8, requires_grad=True))
+    with pytest.raises(memtrim.ReversibleError, match=r"block 0.s f drew from an explicitly passed torch.Generator"):
+        out.sum().backward()
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_zero_size_batch_with_check_drift(exact):
+    torch.manual_seed(0)
+    blocks = [memtrim.AdditiveCoupling(nn.Sequential(nn.Linear(4, 4), nn.ReLU())) for _ in range(3)]
+    plain = nn.Sequential(*copy.deepcopy(blocks))
+    rev = memtrim.ReversibleSequential(*blocks, exact=exact, check_drift=1e-3)
+    for model in (plain, rev):
+        x = torch.randn(0, 8, requires_grad=True)
+        out = model(x)
+        assert out.shape == (0, 8)
+        out.sum().backward()
+        assert x.grad.shape == (0, 8)
+    for a, b in zip(plain.parameters(), rev.parameters()):
+        assert torch.equal(a.grad, b.grad)  # all zero: nothing flowed
+    assert rev.drift_report() == {0: 0.0, 1: 0.0, 2: 0.0}  # nothing to rebuild, nothing drifted
+    assert not rev.keep_inputs
