@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -36,7 +38,9 @@ class VerifyReport:
 
     ``ok``: every compared tensor stayed within (rtol, atol) for every step. ``bitwise``: every compared
     tensor was bit-for-bit identical. ``first_divergence``: the first tensor outside tolerance (None if ok);
-    ``first_difference``: the first tensor not bitwise equal (None if bitwise).
+    ``first_difference``: the first tensor not bitwise equal (None if bitwise). ``grads_compared``: whether
+    ``.grad`` was compared after each backward (not with :class:`~memtrim.OptimizerInBackward`, which frees
+    gradients inside backward by design); ``notes`` says what was left out and why.
     """
 
     ok: bool
@@ -48,6 +52,8 @@ class VerifyReport:
     max_rel_error: float
     baseline_losses: list[float] = field(repr=False)
     transformed_losses: list[float] = field(repr=False)
+    grads_compared: bool = True
+    notes: tuple[str, ...] = ()
 
     def assert_ok(self) -> None:
         """Raise :class:`VerifyError` naming the first divergence unless ``ok``."""
@@ -58,13 +64,15 @@ class VerifyReport:
 
     def __str__(self) -> str:
         if self.bitwise:
-            return f"equal: bitwise over {self.steps} steps"
-        if self.ok:
-            return (
+            text = f"equal: bitwise over {self.steps} steps"
+        elif self.ok:
+            text = (
                 f"equal within tolerance over {self.steps} steps (max abs {self.max_abs_error:.3e}, "
                 f"max rel {self.max_rel_error:.3e}; first difference at {self.first_difference})"
             )
-        return f"DIVERGED at {self.first_divergence}"
+        else:
+            text = f"DIVERGED at {self.first_divergence}"
+        return text + "".join(f" ({note})" for note in self.notes)
 
 
 def verify(
@@ -78,15 +86,17 @@ def verify(
     rtol: float = 0.0,
     atol: float = 0.0,
     seed: int = 0,
-    compare_grads: bool = True,
+    compare_grads: bool | None = None,
 ) -> VerifyReport:
     """Train a baseline and a transformed copy from the same seed on the same batches; compare each step.
 
     Why: a memory technique is only useful if it does not change training. After every step this compares
-    the loss, every gradient (after backward) and every parameter and buffer (after the optimizer step).
+    the loss, every gradient (after backward) and every parameter, buffer and optimizer-state tensor (after
+    the optimizer step).
 
     Args:
-        make_model: builds the model; called after ``torch.manual_seed(seed)`` for each run.
+        make_model: builds a new model on each call (a class or a function); called after
+            ``torch.manual_seed(seed)`` for each run. The two models must share no parameter or buffer.
         make_optimizer: ``make_optimizer(model)`` builds the optimizer for that model.
         batches: ``(inputs, targets)`` pairs (inputs a tensor or a tuple of tensors); both runs see the same.
         loss_fn: ``loss_fn(output, targets)`` returns a scalar.
@@ -94,48 +104,64 @@ def verify(
         steps: how many batches to use (default: all).
         rtol, atol: tolerance per element, ``|a - b| <= atol + rtol * |b|``. The default is exact equality.
         seed: the seed for building each model and, plus the step number, for each step (dropout etc.).
-        compare_grads: compare ``.grad`` after backward (turn off for techniques that free gradients inside
-            backward, e.g. an optimizer step fused into backward).
+        compare_grads: compare ``.grad`` after backward. ``None`` (default): yes, unless the transformed
+            optimizer is a :class:`~memtrim.OptimizerInBackward` (it frees each gradient inside backward by
+            design, so its updates are compared through the parameters and optimizer state instead; the
+            report says so). Its backward is ``optimizer.backward(loss)``, which also covers clipping by norm.
 
     Returns:
         A :class:`VerifyReport`. Training stops at the first divergence outside tolerance.
 
     Raises:
-        InvalidInputError: an argument of the wrong kind, no batches, or models whose parameters cannot be
-            matched by name or by position and shape.
+        InvalidInputError: an argument of the wrong kind (a model instead of a factory, an optimizer class,
+            batches that are not pairs, ...), no batches, models or optimizers shared between the two runs, or
+            models whose parameters cannot be matched by name or by position and shape.
 
     Example::
 
         report = memtrim.verify(SeedMLP, lambda m: torch.optim.Adam(m.parameters()), batches, F.nll_loss,
-                                lambda m, o: (convert(m), o), steps=10)
+                                lambda m, o: (memtrim.convert(m)[0], o), steps=10)
         assert report.bitwise
     """
-    for name, fn in (("make_model", make_model), ("make_optimizer", make_optimizer), ("loss_fn", loss_fn),
-                     ("transform", transform)):
-        if not callable(fn):
-            raise InvalidInputError(f"memtrim.verify: {name} must be callable, got {type(fn).__name__}.")
-    if rtol < 0 or atol < 0:
-        raise InvalidInputError(f"memtrim.verify: rtol and atol must be >= 0, got rtol={rtol}, atol={atol}.")
-    batch_list = list(batches)
-    if steps is not None:
-        if steps < 1:
-            raise InvalidInputError(f"memtrim.verify: steps must be >= 1, got {steps}.")
-        if steps > len(batch_list):
-            raise InvalidInputError(f"memtrim.verify: steps={steps} but only {len(batch_list)} batches were given.")
-        batch_list = batch_list[:steps]
-    if not batch_list:
-        raise InvalidInputError("memtrim.verify: no batches given; pass a list of (inputs, targets) pairs.")
-
+    batch_list = _check_arguments(make_model, make_optimizer, batches, loss_fn, transform, steps, rtol, atol, seed,
+                                  compare_grads)
     base_model, base_opt = _build(make_model, make_optimizer, seed)
     model, opt = _build(make_model, make_optimizer, seed)
+    if model is base_model:
+        raise InvalidInputError(
+            f"memtrim.verify: make_model returned the same {type(model).__name__} object twice; the baseline and "
+            "the transformed run need a model each, or they train one model and always agree. Build a new model "
+            "on each call (pass the class, or a function that constructs it)."
+        )
+    if opt is base_opt:
+        raise InvalidInputError(
+            "memtrim.verify: make_optimizer returned the same optimizer object twice; build a new optimizer for "
+            "the model it is given, e.g. lambda m: torch.optim.Adam(m.parameters())."
+        )
     result = transform(model, opt)
-    if not (isinstance(result, tuple) and len(result) == 2):
-        raise InvalidInputError("memtrim.verify: transform(model, optimizer) must return (model, optimizer).")
-    model, opt = result
-    if not isinstance(model, torch.nn.Module):
-        raise InvalidInputError(f"memtrim.verify: transform returned a {type(model).__name__}, not an nn.Module.")
+    model, opt = _check_transformed(result)
+    if opt is base_opt:
+        raise InvalidInputError(
+            "memtrim.verify: transform returned the baseline's optimizer; it must return an optimizer of the "
+            "model it was given (or that model's own optimizer)."
+        )
+    _check_nothing_shared(base_model, model)
     params = _match(base_model.named_parameters(), model.named_parameters(), "parameters")
     buffers = _match(base_model.named_buffers(), model.named_buffers(), "buffers")
+    in_backward = _is_in_backward(opt)
+    notes: list[str] = []
+    if compare_grads is None:
+        compare_grads = not in_backward
+        if in_backward:
+            notes.append("gradients not compared: the transformed optimizer is an OptimizerInBackward, which frees "
+                         "each gradient inside backward by design; the loss, parameters, buffers and optimizer "
+                         "state are compared after every step")
+    elif compare_grads and in_backward:
+        raise InvalidInputError(
+            "memtrim.verify: compare_grads=True, but the transformed optimizer is an OptimizerInBackward, which "
+            "frees each gradient inside backward by design, so there are none to compare. Leave compare_grads "
+            "at None (its updates are then checked through the parameters and optimizer state)."
+        )
     base_model.train()
     model.train()
 
@@ -175,7 +201,142 @@ def verify(
         max_rel_error=tracker.max_rel,
         baseline_losses=base_losses,
         transformed_losses=losses,
+        grads_compared=bool(compare_grads),
+        notes=tuple(notes),
     )
+
+
+def _check_arguments(make_model: Any, make_optimizer: Any, batches: Any, loss_fn: Any, transform: Any, steps: Any,
+                     rtol: Any, atol: Any, seed: Any, compare_grads: Any) -> list[tuple[Any, Any]]:
+    """Every argument's kind, before anything runs; returns the batches to use."""
+    if isinstance(make_model, torch.nn.Module):
+        raise InvalidInputError(
+            f"memtrim.verify: make_model must build a new model on each call (a class or a function), got a "
+            f"{type(make_model).__name__} instance. Pass its class, or lambda: {type(make_model).__name__}(...)."
+        )
+    if isinstance(make_optimizer, type) and issubclass(make_optimizer, torch.optim.Optimizer):
+        raise InvalidInputError(
+            f"memtrim.verify: make_optimizer must be a function of the model, got the class "
+            f"{make_optimizer.__name__}. Pass e.g. lambda m: torch.optim.{make_optimizer.__name__}(m.parameters(), "
+            "lr=1e-3)."
+        )
+    if isinstance(make_optimizer, torch.optim.Optimizer):
+        raise InvalidInputError(
+            f"memtrim.verify: make_optimizer must be a function of the model, got a {type(make_optimizer).__name__} "
+            "instance (built for one model only). Pass e.g. lambda m: torch.optim.Adam(m.parameters())."
+        )
+    for name, fn, arity, what in (("make_model", make_model, 0, "with no arguments"),
+                                  ("make_optimizer", make_optimizer, 1, "one argument (the model)"),
+                                  ("loss_fn", loss_fn, 2, "two arguments (output, targets)"),
+                                  ("transform", transform, 2, "two arguments (model, optimizer)")):
+        if not callable(fn):
+            raise InvalidInputError(f"memtrim.verify: {name} must be callable, got {type(fn).__name__}.")
+        if not _accepts(fn, arity):
+            verb = "be callable" if arity == 0 else "accept"
+            raise InvalidInputError(
+                f"memtrim.verify: {name} must {verb} {what}; its signature is {inspect.signature(fn)}."
+            )
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if not _is_number(value) or not math.isfinite(value) or value < 0:
+            raise InvalidInputError(f"memtrim.verify: {name} must be a finite number >= 0, got {value!r}.")
+    if not _is_int(seed):
+        raise InvalidInputError(f"memtrim.verify: seed must be an int, got {seed!r}.")
+    if compare_grads is not None and not isinstance(compare_grads, bool):
+        raise InvalidInputError(
+            f"memtrim.verify: compare_grads must be True, False or None (automatic), got {compare_grads!r}."
+        )
+    if steps is not None and (not _is_int(steps) or steps < 1):
+        raise InvalidInputError(f"memtrim.verify: steps must be a positive int or None, got {steps!r}.")
+    if isinstance(batches, (torch.Tensor, str, bytes)) or not isinstance(batches, Iterable):
+        raise InvalidInputError(
+            f"memtrim.verify: batches must be an iterable of (inputs, targets) pairs, got {type(batches).__name__}."
+        )
+    batch_list = list(itertools.islice(batches, steps)) if steps is not None else list(batches)
+    if steps is not None and steps > len(batch_list):
+        raise InvalidInputError(f"memtrim.verify: steps={steps} but only {len(batch_list)} batches were given.")
+    if not batch_list:
+        raise InvalidInputError("memtrim.verify: no batches given; pass a list of (inputs, targets) pairs.")
+    for i, batch in enumerate(batch_list):
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            found = (f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list))
+                     else f"a {type(batch).__name__}")
+            raise InvalidInputError(
+                f"memtrim.verify: batch {i} must be an (inputs, targets) pair, got {found}. Give each batch as "
+                "(inputs, targets), with inputs a tensor or a tuple of the model's positional arguments."
+            )
+    return batch_list
+
+
+def _accepts(fn: Callable, arity: int) -> bool:
+    """Whether ``fn`` can be called with ``arity`` positional arguments (True where the signature is unknown)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(*([None] * arity))
+    except TypeError:
+        return False
+    return True
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_in_backward(optimizer: Any) -> bool:
+    from .techniques.optim import OptimizerInBackward  # here: techniques import this module
+
+    return isinstance(optimizer, OptimizerInBackward)
+
+
+def _check_transformed(result: Any) -> tuple[torch.nn.Module, Any]:
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise InvalidInputError(
+            f"memtrim.verify: transform(model, optimizer) must return (model, optimizer), got "
+            f"{type(result).__name__}."
+        )
+    model, opt = result
+    if isinstance(model, tuple) and model and isinstance(model[0], torch.nn.Module):
+        raise InvalidInputError(
+            f"memtrim.verify: transform returned a tuple ({', '.join(type(m).__name__ for m in model)}) where the "
+            "model belongs. memtrim.convert returns (model, report): use lambda m, o: (memtrim.convert(m)[0], o)."
+        )
+    if not isinstance(model, torch.nn.Module):
+        raise InvalidInputError(f"memtrim.verify: transform returned a {type(model).__name__}, not an nn.Module.")
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise InvalidInputError(
+            f"memtrim.verify: transform must return a torch.optim.Optimizer, got {type(opt).__name__}."
+        )
+    return model, opt
+
+
+def _check_nothing_shared(base: torch.nn.Module, other: torch.nn.Module) -> None:
+    """The two runs must own their tensors: a parameter or buffer both use would train once for both."""
+    owners: dict[tuple[str, int], str] = {}
+    for name, tensor in (*base.named_parameters(), *base.named_buffers()):
+        key = _storage_key(tensor)
+        if key is not None:
+            owners.setdefault(key, name)
+    for name, tensor in (*other.named_parameters(), *other.named_buffers()):
+        key = _storage_key(tensor)
+        if key is not None and key in owners:
+            raise InvalidInputError(
+                f"memtrim.verify: the baseline and the transformed model share {owners[key]!r} (transformed: "
+                f"{name!r}): one tensor trained by both runs makes any comparison meaningless. Build every "
+                "parameter and buffer inside make_model (copy.deepcopy a shared module there)."
+            )
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0 or storage.data_ptr() == 0:  # empty or meta: nothing to share
+        return None
+    return str(tensor.device), storage.data_ptr()
 
 
 def _build(make_model: Callable, make_optimizer: Callable, seed: int) -> tuple[torch.nn.Module, Any]:
@@ -196,7 +357,10 @@ def _forward_backward(model: torch.nn.Module, optimizer: Any, args: tuple, targe
     optimizer.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     loss = loss_fn(model(*args), targets)
-    loss.backward()
+    if _is_in_backward(optimizer):
+        optimizer.backward(loss)  # its usual form: one pass, or two where clipping by norm needs them
+    else:
+        loss.backward()
     return loss.detach()
 
 

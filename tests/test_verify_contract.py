@@ -1,0 +1,155 @@
+"""verify's contract at its edges (issue 10, items 11 and 12): a comparison that cannot mean anything raises a
+MemtrimError naming what was expected and what was found; OptimizerInBackward works without extra arguments."""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memtrim
+from memtrim.models import SeedMLP
+
+
+def batches(n=3, batch=8):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 784, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)]
+
+
+def adam(model):
+    return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def identity(model, optimizer):
+    return model, optimizer
+
+
+def zero_every_parameter(model, optimizer):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    return model, optimizer
+
+
+# ---------------------------------------------------------------- item 11: shared models, OptimizerInBackward
+
+
+def test_make_model_returning_the_same_instance_raises():
+    model = SeedMLP()
+    with pytest.raises(memtrim.InvalidInputError, match=r"make_model returned the same SeedMLP object twice"):
+        memtrim.verify(lambda: model, adam, batches(), F.nll_loss, zero_every_parameter)
+
+
+def test_models_sharing_a_parameter_raise():
+    shared = torch.nn.Linear(784, 256)  # built once, outside the factory
+
+    def make():
+        model = SeedMLP()
+        model.fc1 = shared
+        return model
+
+    with pytest.raises(memtrim.InvalidInputError, match=r"share .*fc1\.weight"):
+        memtrim.verify(make, adam, batches(), F.nll_loss, identity)
+
+
+def test_models_sharing_a_buffer_raise():
+    running_mean = torch.zeros(32)
+
+    def make():
+        model = torch.nn.Sequential(torch.nn.Linear(784, 32), torch.nn.BatchNorm1d(32), torch.nn.Linear(32, 10),
+                                    torch.nn.LogSoftmax(dim=1))
+        model[1].running_mean = running_mean
+        return model
+
+    with pytest.raises(memtrim.InvalidInputError, match=r"share .*1\.running_mean"):
+        memtrim.verify(make, adam, batches(), F.nll_loss, identity)
+
+
+def test_transform_returning_the_baseline_optimizer_raises():
+    made = []
+
+    def make_optimizer(model):
+        made.append(adam(model))
+        return made[-1]
+
+    with pytest.raises(memtrim.InvalidInputError, match=r"the baseline's optimizer"):
+        memtrim.verify(SeedMLP, make_optimizer, batches(), F.nll_loss, lambda m, o: (m, made[0]))
+
+
+def test_tied_parameters_inside_one_model_are_fine():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(784, 784)
+            self.b = torch.nn.Linear(784, 784)
+            self.b.weight = self.a.weight
+            self.out = torch.nn.Linear(784, 10)
+
+        def forward(self, x):
+            return F.log_softmax(self.out(self.b(torch.relu(self.a(x)))), dim=1)
+
+    assert memtrim.verify(Tied, adam, batches(), F.nll_loss, identity).bitwise
+
+
+def in_backward(model, optimizer):
+    return model, memtrim.OptimizerInBackward(optimizer, model=model)
+
+
+def test_optimizer_in_backward_works_without_compare_grads():
+    report = memtrim.verify(SeedMLP, adam, batches(), F.nll_loss, in_backward)
+    assert report.ok and report.bitwise and report.steps == 3
+    assert report.grads_compared is False
+    assert "gradients not compared" in str(report) and "OptimizerInBackward" in str(report)
+    report.assert_ok()
+
+
+def test_optimizer_in_backward_with_compare_grads_true_raises():
+    with pytest.raises(memtrim.InvalidInputError, match=r"compare_grads=True.*OptimizerInBackward"):
+        memtrim.verify(SeedMLP, adam, batches(), F.nll_loss, in_backward, compare_grads=True)
+
+
+def test_plain_run_compares_gradients():
+    report = memtrim.verify(SeedMLP, adam, batches(), F.nll_loss, identity)
+    assert report.grads_compared is True and "not compared" not in str(report)
+
+
+def test_the_docstring_example_runs():
+    example = re.search(r"Example::\n\n(.*?)(?:\n\s*\n|\Z)", memtrim.verify.__doc__, re.S).group(1)
+    namespace = {"memtrim": memtrim, "torch": torch, "F": F, "SeedMLP": SeedMLP, "batches": batches(10),
+                 "convert": memtrim.convert}
+    exec(compile("\n".join(line[8:] for line in example.splitlines()), "verify-docstring", "exec"), namespace)
+
+
+def test_transform_returning_convert_s_pair_says_so():
+    with pytest.raises(memtrim.InvalidInputError, match=r"convert returns \(model, report\)"):
+        memtrim.verify(SeedMLP, adam, batches(), F.nll_loss, lambda m, o: (memtrim.convert(m), o))
+
+
+# ---------------------------------------------------------------- item 12: arguments of the wrong kind
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(make_model=SeedMLP()), r"make_model must build a new model on each call.*got a SeedMLP instance"),
+    (dict(make_optimizer=torch.optim.Adam), r"make_optimizer must be a function of the model.*got the class Adam"),
+    (dict(make_optimizer=lambda: None), r"make_optimizer must accept one argument"),
+    (dict(make_model=lambda seed: SeedMLP()), r"make_model must be callable with no arguments"),
+    (dict(loss_fn=lambda out: out.sum()), r"loss_fn must accept two arguments"),
+    (dict(transform=lambda model: model), r"transform must accept two arguments"),
+    (dict(batches=[torch.randn(8, 784)]), r"batch 0 must be an \(inputs, targets\) pair, got a Tensor"),
+    (dict(batches=[(torch.randn(8, 784),) * 3]), r"batch 0 must be an \(inputs, targets\) pair, got a tuple of 3"),
+    (dict(batches=5), r"batches must be an iterable of \(inputs, targets\) pairs, got int"),
+    (dict(steps=1.5), r"steps must be a positive int or None, got 1.5"),
+    (dict(steps=True), r"steps must be a positive int or None, got True"),
+    (dict(rtol="0"), r"rtol must be a finite number >= 0, got '0'"),
+    (dict(atol=float("nan")), r"atol must be a finite number >= 0, got nan"),
+    (dict(seed=0.5), r"seed must be an int, got 0.5"),
+    (dict(compare_grads="yes"), r"compare_grads must be True, False or None"),
+])
+def test_wrong_arguments_raise_invalid_input(kwargs, message):
+    args = dict(make_model=SeedMLP, make_optimizer=adam, batches=batches(), loss_fn=F.nll_loss, transform=identity)
+    args.update({k: v for k, v in kwargs.items() if k in args})
+    options = {k: v for k, v in kwargs.items() if k not in args}
+    with pytest.raises(memtrim.InvalidInputError, match=message) as info:
+        memtrim.verify(args["make_model"], args["make_optimizer"], args["batches"], args["loss_fn"],
+                       args["transform"], **options)
+    assert str(info.value).startswith("memtrim.verify: ")
