@@ -13,11 +13,25 @@ def silu_inplace_1(input):  # the seed's first version: returns sigmoid(x)**2
     return input * torch.sigmoid_(input)
 
 
-def silu_inplace_2(input):  # the seed's second version: correct
+def silu_inplace_2(input):  # the seed's second version, quoted exactly: right values, backward raises
+    result = input.clone()
+    torch.sigmoid_(input)
+    input *= result
+    return input
+
+
+def silu_inplace_2_corrected(input):  # sigmoid_ on the copy: nothing sigmoid_ keeps is overwritten
     result = input.clone()
     torch.sigmoid_(result)
     input *= result
     return input
+
+
+def sin_then_overwrite(x):  # sin keeps its input for backward; mul_ overwrites that input
+    h = x.clone()
+    y = torch.sin(h)
+    h.mul_(2)
+    return y + h
 
 
 def relu_then_copy(input):  # right values, but the caller's tensor is overwritten and not returned
@@ -67,8 +81,24 @@ def test_seed_silu_inplace_1_fails_on_values():
         result.assert_ok()
 
 
-def test_seed_silu_inplace_2_passes_and_is_honest_about_memory():
+def test_seed_silu_inplace_2_right_values_but_backward_fails_naming_both_ops():
     result = memtrim.check_inplace(silu_inplace_2, F.silu, torch.randn(64, 128))
+    assert not result.ok
+    assert not any("values differ" in p for p in result.problems)  # the values are right
+    message = next(p for p in result.problems if "backward" in p)
+    assert "sigmoid_ keeps its output for backward, and mul_ then overwrote it in place" in message, message
+    assert "modified by an inplace operation" in message  # torch's own words, quoted after memtrim's
+
+
+def test_overwritten_saved_input_names_both_ops():
+    result = memtrim.check_inplace(sin_then_overwrite, lambda x: torch.sin(x) + 2 * x, torch.randn(16, 8))
+    assert not result.ok
+    assert any("sin keeps its input for backward, and mul_ then overwrote it in place" in p
+               for p in result.problems), result.problems
+
+
+def test_seed_silu_inplace_2_corrected_passes_and_is_honest_about_memory():
+    result = memtrim.check_inplace(silu_inplace_2_corrected, F.silu, torch.randn(64, 128))
     result.assert_ok()
     assert result.mutates_input
     # it keeps sigmoid's output and a copy of the input: twice what F.silu keeps (its input)
@@ -139,17 +169,66 @@ def test_bad_input():
         memtrim.check_inplace(torch.relu_, torch.relu, [1.0])
 
 
+def test_raising_fn_is_a_problem_not_a_crash():
+    def broken(x):
+        raise ZeroDivisionError("division by zero")
+
+    result = memtrim.check_inplace(broken, torch.relu, torch.randn(4, 4))
+    assert not result.ok
+    assert any("fn raised ZeroDivisionError: division by zero" in p for p in result.problems)
+    assert result.activation_bytes is None and result.peak_bytes is None  # not measured, not made up
+    assert "not measured" in result.verdict and "not measured" in str(result)
+
+    def not_a_tensor(x):
+        return 3
+
+    result = memtrim.check_inplace(not_a_tensor, torch.relu, torch.randn(4, 4))
+    assert not result.ok and any("returned a int, not a tensor" in p for p in result.problems)
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    ((3, torch.relu), {}, r"fn must be callable \(a function or a module\), got int"),
+    ((torch.relu_, "torch.relu"), {}, r"reference must be callable \(a function or a module\), got str"),
+    ((torch.relu_, torch.relu), dict(draws=1.5), r"draws must be an int >= 1, got 1.5"),
+    ((torch.relu_, torch.relu), dict(dtypes=[torch.int64]), r"dtypes must be floating-point torch.dtypes"),
+    ((torch.relu_, torch.relu), dict(dtypes="float32"), r"dtypes must be floating-point torch.dtypes"),
+    ((torch.relu_, torch.relu), dict(shapes=[[(2, 2), (3, 3)]]), r"shapes\[0\] gives 2 shapes for 1 input"),
+    ((torch.relu_, torch.relu), dict(shapes=[(2, 2)]), r"shapes\[0\] must be a sequence of shapes"),
+    ((torch.relu_, torch.relu), dict(inplace="yes"), r"inplace must be True, False or None, got 'yes'"),
+    ((torch.relu_, torch.relu), dict(rtol=-1.0), r"rtol must be a finite number >= 0.*got -1.0"),
+    ((torch.relu_, torch.relu), dict(seed="0"), r"seed must be an int, got '0'"),
+    ((torch.relu_, lambda x: 3), {}, r"the reference returned a int, not a tensor"),
+])
+def test_wrong_arguments_raise_invalid_input(args, kwargs, message):
+    with pytest.raises(memtrim.InvalidInputError, match=message) as info:
+        memtrim.check_inplace(*args, torch.randn(4, 4), **kwargs)
+    assert str(info.value).startswith("memtrim.check_inplace: ")
+
+
+def test_rtol_alone_is_used_not_ignored():
+    def ten_percent_off(x):
+        return torch.relu(x) * 1.1
+
+    assert not memtrim.check_inplace(ten_percent_off, torch.relu, torch.randn(8, 8)).ok
+    assert memtrim.check_inplace(ten_percent_off, torch.relu, torch.randn(8, 8), rtol=0.2).ok
+
+
 def test_cli(tmp_path, monkeypatch, capsys):
     (tmp_path / "seed_silu.py").write_text(
         "import torch\n"
         "def silu_inplace_1(input):\n    return input * torch.sigmoid_(input)\n"
-        "def silu_inplace_2(input):\n    r = input.clone()\n    torch.sigmoid_(r)\n    input *= r\n    return input\n"
+        "def silu_inplace_2(input):\n    r = input.clone()\n    torch.sigmoid_(input)\n    input *= r\n"
+        "    return input\n"
+        "def silu_inplace_2_corrected(input):\n    r = input.clone()\n    torch.sigmoid_(r)\n    input *= r\n"
+        "    return input\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     args = ["--reference", "torch.nn.functional:silu", "--shape", "16,8"]
     assert main(["check-inplace", "seed_silu:silu_inplace_1", *args]) == 1
     assert "values differ" in capsys.readouterr().out
-    assert main(["check-inplace", "seed_silu:silu_inplace_2", *args]) == 0
+    assert main(["check-inplace", "seed_silu:silu_inplace_2", *args]) == 1
+    assert "sigmoid_ keeps its output for backward, and mul_ then overwrote it" in capsys.readouterr().out
+    assert main(["check-inplace", "seed_silu:silu_inplace_2_corrected", *args]) == 0
     assert "ok over" in capsys.readouterr().out
     assert main(["check-inplace", "seed_silu:nothing", *args]) == 2
     assert "has no attribute" in capsys.readouterr().err

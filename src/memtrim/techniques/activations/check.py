@@ -16,6 +16,14 @@ is right for the wrong function). Only a comparison with an out-of-place referen
 
 Memory comes from the tracker on the examples: bytes autograd keeps for backward after the call, and the
 peak of new storages during it.
+
+When fn's backward fails because a tensor saved for backward was changed in place (autograd's version-counter
+error), fn is run once more under :class:`_SaveTracer` to say which op kept the tensor and which in-place op
+overwrote it: a ``TorchFunctionMode`` names each torch call fn makes (``torch.sigmoid_``, ``x *= y`` as
+``mul_``); autograd packs a saved tensor *during* the call that saves it (before the kernel for an input, after
+it for an output), so the call in progress when the pack hook runs is the one that keeps the tensor; a call that
+bumps an argument's version counter wrote into it. A saved tensor whose version moved after it was packed names
+both. Function level rather than dispatch level because the names are the ones the user wrote.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...errors import InvalidInputError, MemtrimError
@@ -52,16 +61,17 @@ class InplaceCheck:
     """The outcome of :func:`check_inplace`.
 
     ``ok`` is True when no trial found a problem; ``problems`` holds one sentence per mismatch, naming the
-    trial and the max error. Memory figures are from the tracker on the example inputs.
+    trial and the max error. Memory figures are from the tracker on the example inputs; ``activation_bytes``
+    and ``peak_bytes`` are None when fn raised on them (not measured).
     """
 
     ok: bool
     problems: list[str]
     trials: int
     mutates_input: bool
-    activation_bytes: int
+    activation_bytes: int | None
     reference_activation_bytes: int
-    peak_bytes: int
+    peak_bytes: int | None
     reference_peak_bytes: int
     verdict: str
     notes: list[str] = field(default_factory=list)
@@ -76,9 +86,12 @@ class InplaceCheck:
         lines = [f"check_inplace: {head} over {self.trials} trials; {self.verdict}"]
         lines += [f"  problem: {p}" for p in self.problems]
         lines += [f"  note: {n}" for n in self.notes]
+        def show(value: int | None) -> str:
+            return "not measured" if value is None else f"{value:,} B"
+
         lines.append(
-            f"  kept for backward: {self.activation_bytes:,} B (reference {self.reference_activation_bytes:,} B); "
-            f"peak of new storages: {self.peak_bytes:,} B (reference {self.reference_peak_bytes:,} B)"
+            f"  kept for backward: {show(self.activation_bytes)} (reference {self.reference_activation_bytes:,} B); "
+            f"peak of new storages: {show(self.peak_bytes)} (reference {self.reference_peak_bytes:,} B)"
         )
         return "\n".join(lines)
 
@@ -107,15 +120,18 @@ def check_inplace(
         shapes: extra input shapes to try, one tuple of shapes per set of inputs.
         inplace: what ``fn`` claims: True, it returns its first input's storage; False, it never writes into
             its inputs; None (default), either, as long as an input it writes into is the one it returns.
-        rtol, atol: tolerance (default per dtype: float64 1e-10, float32 1e-5; a rewrite may reorder ops).
+        rtol, atol: tolerance (default per dtype: float64 1e-10, float32 1e-5; a rewrite may reorder ops). One
+            given alone is used with the other's default.
         seed: seeds the draws.
 
     Returns:
-        An :class:`InplaceCheck`; call ``.assert_ok()`` to fail loudly.
+        An :class:`InplaceCheck`; call ``.assert_ok()`` to fail loudly. ``fn`` raising (in forward or backward)
+        is one of its problems, not an error of this call.
 
     Raises:
-        InvalidInputError: no example inputs, non-tensor or non-floating inputs, or a reference that fails on
-            the examples (nothing to compare against).
+        InvalidInputError: an argument of the wrong kind (a non-callable fn or reference, no example inputs,
+            non-tensor or non-floating inputs, draws not a positive int, ...), or a reference that fails or
+            returns no tensor on the examples (nothing to compare against).
 
     Example::
 
@@ -125,21 +141,10 @@ def check_inplace(
 
     See NOTE [ what check_inplace checks ] in memtrim/techniques/activations/check.py.
     """
-    if not example_inputs:
-        raise InvalidInputError("memtrim.check_inplace: give at least one example input, e.g. torch.randn(64, 128).")
-    for i, x in enumerate(example_inputs):
-        if not isinstance(x, torch.Tensor):
-            raise InvalidInputError(f"memtrim.check_inplace: example input {i} is a {type(x).__name__}, not a tensor.")
-        if not x.is_floating_point():
-            raise InvalidInputError(
-                f"memtrim.check_inplace: example input {i} has dtype {x.dtype}; in-place activations and their "
-                "gradients need floating-point inputs."
-            )
-    if draws < 1:
-        raise InvalidInputError(f"memtrim.check_inplace: draws must be >= 1, got {draws}.")
+    _check_arguments(fn, reference, example_inputs, draws, dtypes, shapes, inplace, rtol, atol, seed)
     device = example_inputs[0].device
     base_shapes = [tuple(x.shape) for x in example_inputs]
-    shape_sets = [base_shapes] + [list(map(tuple, s)) for s in (shapes or [])]
+    shape_sets = [base_shapes] + [[tuple(shape) for shape in s] for s in (shapes or [])]
     if dtypes:
         dtype_list = list(dict.fromkeys(dtypes))
     elif _params(fn) or _params(reference):  # parameters fix the dtype
@@ -148,12 +153,17 @@ def check_inplace(
         dtype_list = list(dict.fromkeys([*(x.dtype for x in example_inputs), torch.float64]))
     try:
         with torch.no_grad():
-            reference(*[x.detach().clone() for x in example_inputs])
+            ref_out = reference(*[x.detach().clone() for x in example_inputs])
     except Exception as e:
         raise InvalidInputError(
             f"memtrim.check_inplace: the reference raised on the example inputs ({type(e).__name__}: {e}); "
             "there is nothing to compare against. Fix the reference or the examples."
         ) from e
+    if not isinstance(ref_out, torch.Tensor):
+        raise InvalidInputError(
+            f"memtrim.check_inplace: the reference returned a {type(ref_out).__name__}, not a tensor, on the example "
+            "inputs; it must return one tensor, like fn."
+        )
 
     problems: list[str] = []
     notes: list[str] = []
@@ -162,7 +172,7 @@ def check_inplace(
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for shape_set in shape_sets:
         for dtype in dtype_list:
-            tol = (rtol, atol) if rtol is not None and atol is not None else _DEFAULT_TOLERANCE.get(dtype, (1e-5, 1e-6))
+            tol = _tolerance(dtype, rtol, atol)
             for draw in range(draws):
                 trials += 1
                 where = f"trial {trials} (shapes {shape_set}, {dtype}, draw {draw + 1})"
@@ -172,17 +182,79 @@ def check_inplace(
                 mutated = mutated or wrote
                 if found:
                     break  # the next draws of this dtype would repeat the same complaint
-    earlier_tol = _DEFAULT_TOLERANCE[torch.float64] if not (_params(fn) or _params(reference)) else tol
-    problems += _check_saved_by_earlier_op(fn, reference, example_inputs, earlier_tol, generator)
+    earlier_dtype = torch.float64 if not (_params(fn) or _params(reference)) else example_inputs[0].dtype
+    problems += _check_saved_by_earlier_op(fn, reference, example_inputs, _tolerance(earlier_dtype, rtol, atol),
+                                           generator)
 
-    kept, peak = _memory(fn, example_inputs)
+    try:
+        kept, peak = _memory(fn, example_inputs)
+    except Exception as e:
+        kept = peak = None
+        problems.append(f"on the example inputs fn raised {type(e).__name__}: {e}")
     ref_kept, ref_peak = _memory(reference, example_inputs)
-    verdict = _verdict(kept, ref_kept, peak, ref_peak)
+    if kept is None or peak is None:
+        verdict = "memory not measured: fn raised on the example inputs"
+    else:
+        verdict = _verdict(kept, ref_kept, peak, ref_peak)
     return InplaceCheck(
         ok=not problems, problems=problems, trials=trials, mutates_input=mutated, activation_bytes=kept,
         reference_activation_bytes=ref_kept, peak_bytes=peak, reference_peak_bytes=ref_peak, verdict=verdict,
         notes=notes,
     )
+
+
+def _check_arguments(fn: Any, reference: Any, example_inputs: Sequence[Any], draws: Any, dtypes: Any, shapes: Any,
+                     inplace: Any, rtol: Any, atol: Any, seed: Any) -> None:
+    """Every argument's kind, before anything runs (InvalidInputError naming what was expected and found)."""
+    def fail(message: str) -> InvalidInputError:
+        return InvalidInputError(f"memtrim.check_inplace: {message}")
+
+    for name, value in (("fn", fn), ("reference", reference)):
+        if not callable(value):
+            raise fail(f"{name} must be callable (a function or a module), got {type(value).__name__}. Pass the "
+                       "function itself, e.g. torch.nn.functional.silu, not its name or its result.")
+    if not example_inputs:
+        raise fail("give at least one example input, e.g. torch.randn(64, 128).")
+    for i, x in enumerate(example_inputs):
+        if not isinstance(x, torch.Tensor):
+            raise fail(f"example input {i} is a {type(x).__name__}, not a tensor.")
+        if not x.is_floating_point():
+            raise fail(f"example input {i} has dtype {x.dtype}; in-place activations and their gradients need "
+                       "floating-point inputs.")
+    if not isinstance(draws, int) or isinstance(draws, bool) or draws < 1:
+        raise fail(f"draws must be an int >= 1, got {draws!r}.")
+    if dtypes is not None and (
+        isinstance(dtypes, (str, torch.dtype)) or not isinstance(dtypes, Sequence)
+        or not all(isinstance(d, torch.dtype) and d.is_floating_point for d in dtypes)
+    ):
+        raise fail(f"dtypes must be floating-point torch.dtypes, e.g. [torch.float32, torch.float64], got {dtypes!r}.")
+    if shapes is not None:
+        if not isinstance(shapes, Sequence):
+            raise fail(f"shapes must be a list with one tuple of shapes per set of inputs, got {shapes!r}.")
+        for i, shape_set in enumerate(shapes):
+            if not isinstance(shape_set, Sequence) or not all(
+                isinstance(shape, Sequence) and all(isinstance(n, int) and n >= 0 for n in shape)
+                for shape in shape_set
+            ):
+                raise fail(f"shapes[{i}] must be a sequence of shapes (one tuple of ints per input), got "
+                           f"{shape_set!r}; e.g. shapes=[[(8, 16)]] for one input.")
+            if len(shape_set) != len(example_inputs):
+                raise fail(f"shapes[{i}] gives {len(shape_set)} shapes for {len(example_inputs)} input(s); give one "
+                           "shape per example input.")
+    if inplace is not None and not isinstance(inplace, bool):
+        raise fail(f"inplace must be True, False or None, got {inplace!r}.")
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                  or not math.isfinite(value) or value < 0):
+            raise fail(f"{name} must be a finite number >= 0 (or None for the dtype's default), got {value!r}.")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise fail(f"seed must be an int, got {seed!r}.")
+
+
+def _tolerance(dtype: torch.dtype, rtol: float | None, atol: float | None) -> tuple[float, float]:
+    """(rtol, atol): the caller's, each defaulting to the dtype's."""
+    default = _DEFAULT_TOLERANCE.get(dtype, (1e-5, 1e-6))
+    return (default[0] if rtol is None else rtol, default[1] if atol is None else atol)
 
 
 def _verdict(kept: int, ref_kept: int, peak: int, ref_peak: int) -> str:
@@ -221,11 +293,99 @@ class _WriteRecorder(TorchDispatchMode):
         return out
 
 
+class _NotATensor(Exception):
+    """fn returned something other than a tensor (a problem of fn, reported as such)."""
+
+
 def _call(fn: Callable[..., Any], inputs: list[torch.Tensor], what: str) -> torch.Tensor:
     out = fn(*inputs)
     if not isinstance(out, torch.Tensor):
+        if what == "fn":
+            raise _NotATensor(f"fn returned a {type(out).__name__}, not a tensor.")
         raise InvalidInputError(f"memtrim.check_inplace: {what} returned a {type(out).__name__}, not a tensor.")
     return out
+
+
+class _SaveTracer(TorchFunctionMode):
+    """Names the torch call that keeps each saved tensor and the calls that write into tensors in place.
+
+    See NOTE [ what check_inplace checks ]: a saved tensor is packed during the call that saves it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, set[int]]] = []  # (name, storages of its outputs), in call order
+        self.current: int | None = None  # index of the call in progress
+        self.writes: list[tuple[int, str, int]] = []  # (call index, name, storage) for each in-place write
+        self.saved: list[tuple[int | None, torch.Tensor, int]] = []  # (saving call, tensor, its version then)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        name = _INPLACE_DUNDER.get(name, name)
+        arguments = [t for t in tensors_in((args, kwargs))]
+        versions = [t._version for t in arguments]
+        index = len(self.calls)
+        self.calls.append((name, set()))
+        outer, self.current = self.current, index
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.current = outer
+        self.calls[index][1].update(_storage(t) for t in tensors_in(out))
+        for t, version in zip(arguments, versions):
+            if t._version != version:
+                self.writes.append((index, name, _storage(t)))
+        return out
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.saved.append((self.current, tensor, tensor._version))
+        return tensor
+
+    def explain(self) -> str | None:
+        """'S keeps its output/input for backward, and W then overwrote it in place', for the first saved tensor
+        whose version moved after it was saved; None if none did."""
+        for call, tensor, version in self.saved:
+            if tensor._version == version:
+                continue
+            storage = _storage(tensor)
+            after = call if call is not None else -1
+            writer = next((name for index, name, s in self.writes if s == storage and index > after), None)
+            if call is None or writer is None:
+                continue
+            name, outputs = self.calls[call]
+            role = "output" if storage in outputs else "input"
+            return f"{name} keeps its {role} for backward, and {writer} then overwrote it in place"
+        return None
+
+
+_INPLACE_DUNDER = {"__iadd__": "add_", "__isub__": "sub_", "__imul__": "mul_", "__itruediv__": "div_",
+                   "__ifloordiv__": "floor_divide_", "__ipow__": "pow_", "__imod__": "remainder_",
+                   "__iand__": "bitwise_and_", "__ior__": "bitwise_or_", "__ixor__": "bitwise_xor_"}
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _explain_backward_error(fn: Callable, inputs: list[torch.Tensor], error: Exception) -> str:
+    """fn's backward raised: say why in memtrim's words (naming both ops for autograd's in-place error)."""
+    text = f"{type(error).__name__}: {error}" if not isinstance(error, RuntimeError) else str(error)
+    text = text.split(" Hint: enable anomaly detection")[0]  # memtrim names the ops itself
+    if not (isinstance(error, RuntimeError) and "modified by an inplace operation" in str(error)):
+        return f"fn's backward raised {text}"
+    tracer = _SaveTracer()
+    try:
+        args = [x.clone().requires_grad_().clone() for x in inputs]
+        with torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t), tracer:
+            fn(*args)
+        explained = tracer.explain()
+    except Exception:  # the explanation is a courtesy: never let it hide the problem itself
+        explained = None
+    if explained is None:
+        return f"fn's backward fails: a tensor saved for backward was changed in place (torch: {text})"
+    return (f"fn's backward fails: {explained}, so autograd cannot differentiate it (torch: {text}). Let the "
+            "in-place op write into a tensor nothing keeps for backward (a copy), or use the out-of-place op.")
 
 
 def _params(fn: Any) -> dict[str, torch.Tensor]:
@@ -247,8 +407,8 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
     try:
         with recorder:
             out_fn = _call(fn, args_fn, "fn")
-    except InvalidInputError:
-        raise
+    except _NotATensor as e:
+        return [f"{where}: {e}"], False
     except Exception as e:
         return [f"{where}: fn raised {type(e).__name__}: {e}"], False
     if out_fn.shape != out_ref.shape:
@@ -296,8 +456,8 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
     try:
         grads_fn = torch.autograd.grad(out_fn, leaves_fn + [params_fn[n] for n in shared], grad_out,
                                        allow_unused=True)
-    except RuntimeError as e:
-        return problems + [f"{where}: fn's backward raised {e}"], wrote_input
+    except Exception as e:
+        return problems + [f"{where}: {_explain_backward_error(fn, inputs, e)}"], wrote_input
     names = [f"input {i}" for i in range(len(leaves_fn))] + [f"parameter {n}" for n in shared]
     for name, a, b in zip(names, grads_fn, grads_ref):
         if (a is None) != (b is None):
@@ -326,10 +486,10 @@ def _check_saved_by_earlier_op(fn: Callable, reference: Callable, examples: Sequ
         try:
             out_fn = fn(earlier(leaf_fn), *others)
             (got,) = torch.autograd.grad(out_fn, leaf_fn, grad_out)
-        except RuntimeError as e:
-            if "inplace operation" in str(e):
+        except Exception as e:
+            if isinstance(e, RuntimeError) and "inplace operation" in str(e):
                 continue  # autograd caught it: loud, not silent
-            problems.append(f"after {name} (which keeps its output for backward), fn raised {e}")
+            problems.append(f"after {name} (which keeps its output for backward), fn raised {type(e).__name__}: {e}")
             continue
         error = _max_error(got, expected, tol)
         if error is not None:
