@@ -15,10 +15,18 @@ weak reference to the storage) when it dies. It does not know *why* a storage is
   finaliser on the ctx reports their release when the graph dies.
 * ``UntypedStorage.resize_``: resizing a storage from Python does not go through the dispatcher.
 
-Only one set of saved-tensor hooks is active at a time, so the hooks are installed once for all trackers and
-each event is forwarded to every active tracker. Hooks a user pushes *inside* a tracker (checkpointing,
-offloading) take precedence, which is right: what they keep is not kept by autograd. Hooks pushed *outside*
-a tracker are composed with ours, so they keep working.
+Threads. Dispatch modes and saved-tensor hooks are thread-local (autograd carries both into the threads that
+run a backward), while module, optimizer and ``FunctionCtx`` hooks are process-wide. So the saved-tensor hooks
+are pushed once per thread, by that thread's first tracker, and popped by its last; the process-wide hooks are
+installed once while any tracker is active and forward each event only to :func:`current` — the trackers
+whose dispatch mode is on the calling thread's mode stack. A tracker therefore sees its own thread's work
+(and its backward, wherever autograd runs it) and nothing of another thread's. Storage frees and resizes are
+keyed by storage identity, so they reach whichever tracker accounts that storage.
+
+Within a thread, one set of saved-tensor hooks serves every active tracker and each event goes to all of
+them. Hooks a user pushes *inside* a tracker (checkpointing, offloading) take precedence, which is right: what
+they keep is not kept by autograd. Hooks pushed *outside* a tracker are composed with ours, so they keep
+working.
 """
 
 from __future__ import annotations
@@ -37,12 +45,30 @@ if TYPE_CHECKING:  # pragma: no cover
     from .tracker import Tracker
 
 _lock = threading.RLock()
-_active: list[Tracker] = []
+_active: list[Tracker] = []  # every active tracker, in every thread
 _undo: list[Callable[[], None]] = []
+_local = threading.local()  # .trackers: this thread's active trackers, in the order they started
+
+# the attribute by which current() recognises a tracker's dispatch mode
+MODE_ATTRIBUTE = "_memtrim_tracker"
 
 
 def active_trackers() -> tuple[Tracker, ...]:
+    """Every active tracker, in every thread."""
     return tuple(_active)
+
+
+def current() -> tuple[Tracker, ...]:
+    """The active trackers that watch the calling thread: those whose dispatch mode is on its mode stack (which
+    autograd carries into the threads that run a backward), outermost first."""
+    if not _active:
+        return ()
+    found = []
+    for i in range(torch._C._len_torch_dispatch_stack()):
+        tracker = getattr(torch._C._get_dispatch_stack_at(i), MODE_ATTRIBUTE, None)
+        if tracker is not None:
+            found.append(tracker)
+    return tuple(found)
 
 
 class _Saved:
@@ -69,14 +95,18 @@ def check_saved_version(tensor: torch.Tensor, version: int, who: str) -> None:
         )
 
 
-def _make_pack(outer: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None) -> tuple[Callable, Callable]:
+def _make_pack(
+    outer: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None, trackers: list[Tracker]
+) -> tuple[Callable, Callable]:
+    """The saved-tensor hooks of one thread; ``trackers`` is that thread's list of active trackers."""
+
     def pack(tensor: torch.Tensor) -> _Saved:
         holder = _Saved()
         holder.version = tensor._version
         holder.tensor = tensor.detach()
         holder.outer = outer
         holder.packed = outer[0](tensor) if outer is not None else None
-        holder.trackers = tuple(_active)
+        holder.trackers = tuple(trackers)
         for tracker in holder.trackers:
             tracker._hold_saved(holder.tensor)
         return holder
@@ -95,23 +125,19 @@ def _ctx_setattr(self: Any, name: str, value: Any) -> None:
     object.__setattr__(self, name, value)
     if not hasattr(self, "__dict__") or name not in self.__dict__:
         return  # a C-level slot (to_save, dirty_tensors, ...), handled by autograd itself
-    for tracker in tuple(_active):
+    for tracker in current():
         tracker._ctx_attribute(self, name, old, value)
 
 
 def _ctx_delattr(self: Any, name: str) -> None:
     old = self.__dict__.get(name) if hasattr(self, "__dict__") else None
     object.__delattr__(self, name)
-    for tracker in tuple(_active):
+    for tracker in current():
         tracker._ctx_attribute(self, name, old, None)
 
 
 def _install() -> None:
-    outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    pack, unpack = _make_pack(outer)
-    torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
-    _undo.append(torch._C._autograd._pop_saved_tensors_default_hooks)
-
+    """The process-wide hooks (the saved-tensor hooks are per thread: see activate)."""
     ctx_cls = _autograd_function.FunctionCtx
     ctx_cls.__setattr__ = _ctx_setattr  # type: ignore[method-assign,assignment]
     ctx_cls.__delattr__ = _ctx_delattr  # type: ignore[method-assign,assignment]
@@ -148,33 +174,60 @@ def _install() -> None:
 
 
 def _module_pre(module: torch.nn.Module, args: tuple) -> None:
-    for tracker in tuple(_active):
+    for tracker in current():
         tracker._module_enter(module, args)
 
 
 def _module_post(module: torch.nn.Module, args: tuple, output: Any) -> None:
-    for tracker in tuple(_active):
+    for tracker in current():
         tracker._module_exit(module)
 
 
 def _optimizer_pre(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    for tracker in tuple(_active):
+    for tracker in current():
         tracker._optimizer_enter(optimizer)
 
 
 def _optimizer_post(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    for tracker in tuple(_active):
+    for tracker in current():
         tracker._optimizer_exit(optimizer)
 
 
 def activate(tracker: Tracker) -> None:
+    """Start forwarding events to ``tracker``: the process-wide hooks if it is the first tracker anywhere, the
+    saved-tensor hooks if it is the first in this thread. Call from the thread that will run the work, before
+    pushing the tracker's dispatch mode."""
     with _lock:
         if not _active:
             _install()
         _active.append(tracker)
+    trackers = getattr(_local, "trackers", None)
+    if trackers is None:
+        trackers = _local.trackers = []
+    if not trackers:
+        try:
+            outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            torch._C._autograd._push_saved_tensors_default_hooks(*_make_pack(outer, trackers))
+        except BaseException:
+            _remove_active(tracker)
+            raise
+    trackers.append(tracker)
 
 
 def deactivate(tracker: Tracker) -> None:
+    """Stop forwarding events to ``tracker``; the last tracker of a thread pops its saved-tensor hooks, the last
+    tracker anywhere removes the process-wide hooks. Call from the thread that called :func:`activate`."""
+    trackers = getattr(_local, "trackers", None)
+    try:
+        if trackers and tracker in trackers:
+            trackers.remove(tracker)
+            if not trackers:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+    finally:
+        _remove_active(tracker)
+
+
+def _remove_active(tracker: Tracker) -> None:
     with _lock:
         if tracker in _active:
             _active.remove(tracker)
@@ -185,7 +238,7 @@ def deactivate(tracker: Tracker) -> None:
 
 def note_gradients(tensors: list[Any]) -> None:
     """Techniques that consume gradients inside backward call this first, so trackers label them."""
-    for tracker in tuple(_active):
+    for tracker in current():
         for tensor in tensors:
             tracker._include(tensor, "gradients")
 
@@ -193,9 +246,9 @@ def note_gradients(tensors: list[Any]) -> None:
 def hold_for_backward(tensor: Any, owner: Any) -> None:
     """``tensor`` is kept for backward by ``owner`` (not through autograd's saved tensors) until ``owner`` dies:
     active trackers count it as an activation meanwhile."""
-    if not _active:
+    trackers = current()
+    if not trackers:
         return  # nobody to tell (a tracker started later sees the tensor as alive from its start)
-    trackers = tuple(_active)
     records = [tracker._hold(tensor, +1) for tracker in trackers]
 
     def release() -> None:

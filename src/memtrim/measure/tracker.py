@@ -25,6 +25,7 @@ report is asked for, by replaying the event list, so a storage's category can be
 from __future__ import annotations
 
 import bisect
+import threading
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -106,6 +107,7 @@ class _Mode(TorchDispatchMode):
     def __init__(self, tracker: Tracker) -> None:
         super().__init__()
         self.tracker = tracker
+        setattr(self, _hooks.MODE_ATTRIBUTE, tracker)  # how _hooks.current() finds the trackers of a thread
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -158,6 +160,7 @@ class Tracker:
         self._active = False
         self._finished = False
         self._mode: _Mode | None = None
+        self._thread: int | None = None
         self._probe: torch.Tensor | None = None
         self._cuda_device: torch.device | None = None
         self._cuda_peaks: tuple[int, int] | None = None
@@ -172,19 +175,39 @@ class Tracker:
             )
         with torch._C._DisableTorchDispatch():
             self._probe = torch.zeros((), device="cpu", requires_grad=True)
+        self._thread = threading.get_ident()
         self._events.append((_START, None, 0, None, "other", None))
         self._scan_model_and_optimizers(initial=True)
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is not None:
+            self._hook_handles.append(
+                model.register_forward_pre_hook(_inputs_hook(self), with_kwargs=True, prepend=True)
+            )
         self._start_cuda()
         self._active = True
         _hooks.activate(self)
         self._mode = _Mode(self)
-        self._mode.__enter__()
+        try:
+            self._mode.__enter__()
+        except BaseException:
+            self._stop()
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
         assert self._mode is not None
-        self._mode.__exit__(*exc)
-        self._reconcile()
+        if threading.get_ident() != self._thread:
+            raise InvalidInputError(
+                "memtrim.track: a tracker must stop in the thread that started it (its dispatch mode and "
+                "saved-tensor hooks belong to that thread). Use one tracker per thread, each in a `with` block."
+            )
+        try:
+            self._mode.__exit__(*exc)
+            self._reconcile()
+        finally:
+            self._stop()
+
+    def _stop(self) -> None:
         _hooks.deactivate(self)
         self._stop_cuda()
         self._active = False
@@ -480,12 +503,16 @@ class Tracker:
                 self._change_holds(record, -1)
 
     # ------------------------------------------------------------------ modules and optimizers
+    def _model_inputs(self, args: tuple, kwargs: dict) -> None:
+        """The model is called: its tensor arguments, positional and keyword, are ``inputs``."""
+        for tensor in tensors_in(args):
+            self._include(tensor, "inputs")
+        if kwargs:
+            for tensor in tensors_in(kwargs):
+                self._include(tensor, "inputs")
+
     def _module_enter(self, module: torch.nn.Module, args: tuple) -> None:
         name = self._names.get(id(module)) or type(module).__name__
-        model = self._model_ref() if self._model_ref is not None else None
-        if module is model:
-            for tensor in tensors_in(args):
-                self._include(tensor, "inputs")
         self._module_stack.append(name)
         seq = self._sequence_nr()
         if seq is not None:
@@ -580,6 +607,19 @@ _PRIORITY = {name: i for i, name in enumerate(
 
 def _priority(category: str) -> int:
     return _PRIORITY[category]
+
+
+def _inputs_hook(tracker: Tracker) -> Any:
+    """The model's forward pre-hook (global pre-hooks see no keyword arguments). A plain function holding the
+    tracker weakly: deep-copying the model inside the block copies the hook, not the tracker."""
+    ref = weakref.ref(tracker)
+
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        tracker = ref()
+        if tracker is not None and tracker._active and tracker in _hooks.current():
+            tracker._model_inputs(args, kwargs)
+
+    return hook
 
 
 def _device_name(tensor: torch.Tensor) -> str:
