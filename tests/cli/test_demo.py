@@ -34,9 +34,14 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     mem = oib["memory"]
     assert mem["in backward"]["peak_gradients"] <= mem["in backward"]["largest_bucket_bytes"] == 784 * 256 * 4
     assert mem["standard"]["peak_bytes"] - mem["in backward"]["peak_bytes"] > 0
+    assert "gradients not compared" in oib["verify"]  # OptimizerInBackward needs no compare_grads=False
     checks = results["check_inplace"]
     assert checks["silu_inplace_1"]["ok"] is False and "values differ" in checks["silu_inplace_1"]["problems"][0]
-    assert checks["silu_inplace_2"]["ok"] is True
+    # the seed's second SiLU, quoted exactly: right values, but its backward fails, and the checker says why
+    seed_2 = checks["silu_inplace_2"]
+    assert seed_2["ok"] is False and not any("values differ" in p for p in seed_2["problems"])
+    assert "sigmoid_ keeps its output for backward, and mul_ then overwrote it in place" in seed_2["problems"][0]
+    assert checks["silu_inplace_2, corrected"]["ok"] is True
     assert checks["memtrim.functional.relu(save='mask')"]["activation_bytes"] == 64 * 128 // 8
     converted = results["convert"]
     assert converted["seed MLP"]["after"] == converted["seed MLP"]["before"]  # nothing safe to change, and said why
@@ -48,8 +53,24 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     assert rev["drift"]["exact, depth 64"] == 0.0
     report = (tmp_path / "report.md").read_text()
     assert "memtrim demo report" in report and "bitwise" in report
+    assert "sigmoid_ keeps its output for backward, and mul_ then overwrote it" in report
+    assert "second is correct" not in report
+    printed = capsys.readouterr().out
+    assert "standard standard" not in printed and "standard standard" not in report
+
     for name in ("timeline_relu.png", "timeline_relu_inplace.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_demo_quotes_the_seed_articles_silu_exactly():
+    import inspect
+
+    from memtrim.cli import demo
+
+    body = inspect.getsource(demo.silu_inplace_2).split('"""')[-1].strip().splitlines()
+    assert [line.strip() for line in body] == [
+        "result = input.clone()", "torch.sigmoid_(input)", "input *= result", "return input",
+    ]
 
 
 def test_demo_bad_arguments(tmp_path, capsys):
