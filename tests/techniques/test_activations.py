@@ -25,8 +25,11 @@ CASES = {
     "sigmoid": (MF.sigmoid, torch.sigmoid, torch.sigmoid_, "output", "both"),
     "tanh": (MF.tanh, torch.tanh, torch.tanh_, "output", "both"),
     "hardsigmoid": (MF.hardsigmoid, F.hardsigmoid, None, "output", "tolerance"),
-    "softplus": (lambda x, inplace=False: MF.softplus(x, 2.0, 5.0), lambda x: F.softplus(x, 2.0, 5.0), None,
+    "softplus": (lambda x, inplace=False: MF.softplus(x, 2.0), lambda x: F.softplus(x, 2.0), None,
                  "output", "tolerance"),
+    # a low threshold: the output no longer says which side of it the input was on (issue 10, item 3)
+    "softplus_low": (lambda x, inplace=False: MF.softplus(x, 2.0, 5.0), lambda x: F.softplus(x, 2.0, 5.0), None,
+                     "input", "both"),
     "silu": (MF.silu, F.silu, None, "input", "both"),
     "gelu": (lambda x, inplace=False: MF.gelu(x), F.gelu, None, "input", "both"),
     "gelu_tanh": (lambda x, inplace=False: MF.gelu(x, "tanh"), lambda x: F.gelu(x, approximate="tanh"), None,
@@ -90,6 +93,23 @@ def test_masked_gradients_bitwise(name):
     _, g = grad_of(MASKED[name], x, grad_out)
     _, g_ref = grad_of(CASES[name][0], x, grad_out)
     assert torch.equal(g, g_ref)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_keeps_exactly_the_tensor_it_says(name):
+    # catches a technique that quietly does nothing: an output-keeping activation must keep its output's storage
+    # (the tensor the next layer keeps anyway), not its input's, and nothing else; input keepers their input alone
+    fn, _, _, keeps, _ = CASES[name]
+    x, _ = data(shape=(64, 100))
+    for dtype in (torch.float32, torch.bfloat16):
+        inp = x.to(dtype).requires_grad_().clone()
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(saved.append, lambda _: None):
+            y = fn(inp)
+        expected = y if keeps == "output" else inp
+        assert [t.untyped_storage().data_ptr() for t in saved] == [expected.untyped_storage().data_ptr()]
+        assert sum(t.untyped_storage().nbytes() for t in saved) == expected.numel() * expected.element_size()
+        del y
 
 
 @pytest.mark.parametrize("name", list(CASES) + [f"{n}[mask]" for n in MASKED])

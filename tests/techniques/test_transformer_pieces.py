@@ -86,6 +86,23 @@ def test_memory_norm_then_linear_and_mlp():
     assert activation_bytes(lambda t: fused(fc1(t)), x) == one + wide  # fc1's input and the pre-activation only
 
 
+@pytest.mark.skipif(not hasattr(torch.nn, "RMSNorm"), reason="torch.nn.RMSNorm needs torch >= 2.4")
+@pytest.mark.parametrize("affine", [True, False])
+def test_rmsnorm_keeps_fewer_bytes_than_torchs(affine):
+    # catches a norm that quietly does nothing: torch's RMSNorm (composite ops) keeps its input, x * rstd and (with
+    # a weight) its output; memtrim's keeps only its output, which the next Linear keeps anyway, and rstd
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, 64, requires_grad=True).clone()
+    fc = torch.nn.Linear(64, 64)
+    one, rstd = x.numel() * 4, 8 * 16 * 4
+    torch_norm = torch.nn.RMSNorm(64, elementwise_affine=affine)
+    memtrim_norm = memtrim.nn.RMSNorm(64, elementwise_affine=affine)
+    theirs = activation_bytes(lambda t: fc(torch_norm(t)), x)
+    ours = activation_bytes(lambda t: fc(memtrim_norm(t)), x)
+    assert ours == one + rstd
+    assert theirs >= 2 * one + rstd > ours
+
+
 def test_bad_input():
     with pytest.raises(memtrim.InvalidInputError, match="activation must be one of"):
         memtrim.nn.ActLinear(4, 4, activation="tanhh")

@@ -16,7 +16,9 @@ once per backward (BatchNorm's inference kernel, then ReLU); ReLU's backward, th
 from that tensor and lets it go. Every other saved tensor passes through unchanged (and through any saved-tensor
 hooks active outside, so memtrim's tracker still sees them), with autograd's in-place check repeated. The rebuilt
 ``z`` may differ from the forward's by rounding, so the next layer's weight gradients agree to ~1e-6 relative
-(float32), not bitwise.
+(float32), not bitwise. The rebuilt ``z`` has no graph: a backward with create_graph=True that needs it (a later
+layer's saved input) raises :class:`ConvertError` naming the module rather than return a gradient with second-order
+terms missing. Under torch.compile and torch.func the module runs as torch's BatchNorm and ReLU.
 """
 
 from __future__ import annotations
@@ -28,28 +30,23 @@ import torch
 from torch import nn
 
 from ...measure._hooks import check_saved_version, hold_for_backward
-from ._kernels import native_batch_norm, per_channel
+from ._kernels import ConvertError, native_batch_norm, per_channel, plain_only
+from .modules import owner
 from .norm_act import batchnorm_arguments
 
 __all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d"]
 
 
-def _compiling() -> bool:
-    """Under torch.compile the modules here run as plain BatchNorm + ReLU: saved-tensor hooks do not trace, and the
-    compiler decides what to keep itself (``torch._functorch.config.activation_memory_budget``)."""
-    return bool(getattr(torch.compiler, "is_compiling", lambda: False)())
-
-
 class _Recipe:
     """How to rebuild one BatchNormReLU output: ``relu(x * scale + shift)``."""
 
-    __slots__ = ("x", "x_version", "scale", "shift", "version", "cache", "__weakref__")
+    __slots__ = ("x", "x_version", "scale", "shift", "version", "cache", "owner", "__weakref__")
 
     def rebuild(self) -> torch.Tensor:
         """The ReLU output, rebuilt once per backward: later layers' backward runs first and rebuilds it; ReLU's
         own backward then takes its mask from the same tensor and lets it go (:class:`_MaskUse`)."""
         if self.cache is None:
-            check_saved_version(self.x, self.x_version, "memtrim.nn.BatchNormReLU (the input it recomputes from)")
+            check_saved_version(self.x, self.x_version, f"{self.owner} (the input it recomputes from)")
             # x, scale and shift are detached: nothing here is recorded, even under create_graph
             self.cache = torch.relu_(per_channel(self.x, self.scale, self.shift))
         return self.cache
@@ -75,14 +72,14 @@ def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
     """torch's own BatchNorm (its backward node keeps ``x`` and the statistics, as always), then an in-place ReLU
     whose saved output is replaced by a recipe. Autograd's nodes are the native ones: no Python in backward but the
     unpacking."""
-    factor, bn_training, running_mean, running_var = batchnorm_arguments(bn)
+    factor, bn_training, running_mean, running_var = batchnorm_arguments(bn, x)
     out, mean, invstd = native_batch_norm(x, bn.weight, bn.bias, running_mean, running_var, bn_training, factor,
                                            bn.eps)
     if not bn_training:
         assert running_mean is not None and running_var is not None
         mean, invstd = running_mean, torch.rsqrt(running_var + bn.eps)
     recipe = _Recipe()
-    recipe.x, recipe.x_version = x.detach(), x._version
+    recipe.x, recipe.x_version, recipe.owner = x.detach(), x._version, owner(bn)
     # per-channel terms computed now: a later in-place change of bias or running statistics must not reach them
     recipe.scale = invstd if bn.weight is None else invstd * bn.weight.detach()
     recipe.shift = (-mean * recipe.scale if bn.bias is None
@@ -120,8 +117,8 @@ class _BatchNormReLU(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        if not torch.is_grad_enabled() or _compiling():  # nothing kept, or compile plans its own memory
-            factor, bn_training, running_mean, running_var = batchnorm_arguments(self)
+        if not torch.is_grad_enabled() or plain_only():  # nothing kept, or compile/torch.func: torch's own ops
+            factor, bn_training, running_mean, running_var = batchnorm_arguments(self, input)
             return torch.relu_(nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                                         bn_training, factor, self.eps))
         return _batchnorm_relu(self, input)
@@ -152,7 +149,7 @@ class _RecomputeHooks:
         self.depth = 0
 
     def enter(self, module: nn.Module, args: Any) -> None:
-        if _compiling():
+        if plain_only():
             return
         if self.depth == 0:
             outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -160,7 +157,7 @@ class _RecomputeHooks:
         self.depth += 1
 
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        if _compiling():
+        if plain_only():
             return
         self.depth -= 1
         if self.depth == 0:
@@ -203,6 +200,13 @@ def _unpack(packed: Any) -> torch.Tensor:
         packed.recipe.cache = None  # ReLU's own backward is the last use: release the rebuilt output
         return z
     if isinstance(packed, _Recipe):
+        if torch.is_grad_enabled():  # backward with create_graph=True: this layer's gradient needs z's graph
+            raise ConvertError(
+                f"memtrim: {packed.owner} does not keep its output; a later layer gets it rebuilt, without a graph, so "
+                "there is no second derivative through it. Expected a backward without create_graph=True; found "
+                "create_graph=True (a gradient penalty or another double backward). To fix: leave this module out "
+                "of memtrim.convert (module_filter), or use torch's BatchNorm + ReLU here."
+            )
         return packed.rebuild()
     if packed.outer is not None:
         return packed.outer[1](packed.packed)

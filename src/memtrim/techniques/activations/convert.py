@@ -15,7 +15,19 @@ NOTE [ how convert decides ]
   gives the same evidence (a module call whose only user is the next module call) where the model traces;
   otherwise pairs are skipped.
 * Modules are converted in place by changing their class to the memtrim subclass (same parameters, buffers,
-  hooks and state_dict keys), so an optimizer built before ``convert`` keeps working.
+  hooks and state_dict keys), so an optimizer built before ``convert`` keeps working. A module absorbed into its
+  neighbour becomes an :class:`Absorbed` identity the same way, so every name it is registered under (a module can
+  be both ``self.act`` and ``self.block[1]``) and every reference to it see the change; a module the forward calls
+  more than once is never fused.
+* Hooks: a swapped module keeps its hooks, which see the same inputs and outputs. A pair is not fused when either
+  module has forward, forward pre-, backward or backward pre-hooks: they would see the fused module's values, or
+  never run.
+* What breaks a converted module, and what convert checks: an output-keeping module's output must not be changed
+  in place before backward (with example inputs the traced forward sees every in-place write, and such modules are
+  skipped; otherwise backward raises ``ConvertError`` naming the module). Rebuilt norms have no second derivative
+  (``Change.limits`` says so; a backward through their gradient raises ``ConvertError``). Under torch.compile and
+  torch.func every converted module runs as torch's own ops. Tracing and measuring leave the global (and CUDA) RNG,
+  parameters and running statistics as they were.
 * Savings are measured, not estimated: the activation bytes autograd keeps after a forward on the example
   inputs, measured by the tracker before and after each change.
 """
@@ -34,21 +46,25 @@ from ...errors import InvalidInputError
 from ...measure import format_bytes, track
 from ...measure.tracker import tensors_in
 from . import modules as lean
+from ._kernels import ConvertError
 from .bn_relu import BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d, install_recompute_hooks
+from .functional import softplus_keeps_output
 from .norm_act import BatchNormAct1d, BatchNormAct2d, BatchNormAct3d
 from .transformer import ActLinear, LayerNorm, RMSNorm
 
-__all__ = ["Change", "ConversionReport", "Skipped", "convert"]
+__all__ = ["Absorbed", "Change", "ConversionReport", "ConvertError", "Skipped", "convert"]
 
 
 @dataclass(frozen=True)
 class Change:
-    """One module (or pair) converted, with the activation bytes it saved on the example inputs."""
+    """One module (or pair) converted, with the activation bytes it saved on the example inputs, and what the
+    converted module no longer supports (``limits``; empty where it does everything torch's does)."""
 
     modules: tuple[str, ...]
     before: str
     after: str
     bytes_saved: int | None
+    limits: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -84,7 +100,8 @@ class ConversionReport:
                          f"{self.activation_bytes_after:,} B ({share:.0%} fewer)")
         for c in self.changes:
             saved = "" if c.bytes_saved is None else f": saves {c.bytes_saved:,} B ({format_bytes(c.bytes_saved)})"
-            lines.append(f"  changed {' + '.join(c.modules)}: {c.before} -> {c.after}{saved}")
+            limits = f" [{'; '.join(c.limits)}]" if c.limits else ""
+            lines.append(f"  changed {' + '.join(c.modules)}: {c.before} -> {c.after}{saved}{limits}")
         for s in self.skipped:
             lines.append(f"  skipped {' + '.join(s.modules)}: {s.reason}")
         lines += [f"  note: {n}" for n in self.notes]
@@ -135,18 +152,36 @@ def convert(
     args: tuple[Any, ...] | None = None
     if example_inputs is not None:
         args = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    parents = _parents(model)
+    with torch.random.fork_rng(devices=_cuda_devices(model, args)):  # tracing must not draw from the user's RNG
+        return _convert(model, args, module_filter)
+
+
+def _convert(model: nn.Module, args: tuple[Any, ...] | None,
+             module_filter: Callable[[str, nn.Module], bool] | None) -> tuple[nn.Module, ConversionReport]:
     skipped: list[Skipped] = []
-    changes: list[tuple[tuple[str, ...], str, str, Callable[[], None]]] = []
+    changes: list[tuple[tuple[str, ...], str, str, tuple[str, ...], Callable[[], None]]] = []
     trace: Any = _trace(model, args) if args is not None else _fx_graph(model)
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules())  # each module once, under its first name
+    aliases: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), []).append(name)
     claimed: set[str] = set()
 
     def allowed(name: str, module: nn.Module) -> bool:
-        if module_filter is not None and not module_filter(name, module):
+        if module_filter is not None and not all(module_filter(n, module) for n in aliases[id(module)]):
             skipped.append(Skipped((name,), "excluded by module_filter"))
             return False
         return True
+
+    def edited(name: str) -> str | None:
+        """Why ``name``'s output cannot be kept (it is changed in place later), or None."""
+        if not isinstance(trace, _Trace):
+            return None
+        writer = trace.written_after(name)
+        if writer is None:
+            return None
+        return (f"its output is changed in place after its forward (in {writer or 'the top-level forward'}); "
+                "keeping the output for backward would break, as torch's module keeps its input")
 
     # pairs first: they claim their modules
     for name, module in modules.items():
@@ -158,6 +193,11 @@ def convert(
             skipped.append(Skipped((name,), f"{what} pairs need example_inputs (or a model torch.fx can trace) to "
                                             "prove the first module's output goes to the second alone"))
             continue
+        hooks = _user_hooks(module)
+        if hooks:  # (a full backward hook also wraps the output in an op of the parent's: evidence would say that)
+            skipped.append(Skipped((name,), f"{name} has {', '.join(hooks)}: fused with the next module, they would "
+                                            "see the fused module's values. Remove the hooks to fuse it"))
+            continue
         found = trace.pair_after(name) if isinstance(trace, _FxGraph) else _pair_after(name, trace, modules)
         if found is None:
             continue
@@ -166,45 +206,52 @@ def convert(
         if why or nxt is None:
             skipped.append(Skipped((name, nxt_name) if nxt_name else (name,), why))
             continue
+        pair = (name, nxt_name)
+        if kind == "bn" and type(nxt) is not nn.ReLU and _bn_activation(nxt) is None:
+            skipped.append(Skipped(pair, f"BatchNorm is followed by {type(nxt).__name__}, not ReLU, LeakyReLU "
+                                         "(slope > 0) or ELU"))
+            continue
+        if kind == "act" and type(nxt) is not nn.Linear:
+            skipped.append(Skipped(pair, f"{type(module).__name__} feeds {type(nxt).__name__}, not a Linear"))
+            continue
+        hooks = _user_hooks(nxt)
+        if hooks:
+            skipped.append(Skipped(pair, f"{nxt_name} has {', '.join(hooks)}: fused, they would see the fused module's "
+                                         "values or not run. Remove the hooks to fuse the pair"))
+            continue
+        why = edited(nxt_name) if kind == "bn" else None
+        if why:
+            skipped.append(Skipped(pair, why))
+            continue
         if kind == "bn":
+            if not (allowed(name, module) and allowed(nxt_name, nxt)):
+                continue
             if type(nxt) is nn.ReLU:
-                if allowed(name, module) and allowed(nxt_name, nxt):
-                    readers = [modules[r] for r in trace.keepers(nxt_name) if r in modules]
-                    changes.append(((name, nxt_name), f"{type(module).__name__} + ReLU",
-                                    f"memtrim.nn.{_BN_RELU[type(module)].__name__}",
-                                    _fuse_bn_relu(module, parents[nxt_name], readers)))
-                    claimed.update((name, nxt_name))
-                continue
-            spec = _bn_activation(nxt)
-            if spec is None:
-                skipped.append(Skipped((name, nxt_name), f"BatchNorm is followed by {type(nxt).__name__}, not "
-                                                         "ReLU, LeakyReLU (slope > 0) or ELU"))
-                continue
-            if allowed(name, module) and allowed(nxt_name, nxt):
-                changes.append(((name, nxt_name), f"{type(module).__name__} + {type(nxt).__name__}",
-                                f"memtrim.nn.{_BN_ACT[type(module)].__name__}",
-                                _fuse_bn(module, parents[nxt_name], spec)))
-                claimed.update((name, nxt_name))
+                readers = [modules[r] for r in trace.keepers(nxt_name) if r in modules]
+                target = _BN_RELU[type(module)]
+                apply = _fuse_bn_relu(module, nxt, readers, _label(pair, target))
+            else:
+                target = _BN_ACT[type(module)]
+                apply = _fuse_bn(module, nxt, _bn_activation(nxt), _label(pair, target))  # type: ignore[arg-type]
+            changes.append((pair, f"{type(module).__name__} + {type(nxt).__name__}", f"memtrim.nn.{target.__name__}",
+                            (_NO_DOUBLE_BACKWARD,), apply))
+            claimed.update(pair)
         else:
-            if type(nxt) is not nn.Linear:
-                skipped.append(Skipped((name, nxt_name), f"{type(module).__name__} feeds {type(nxt).__name__}, "
-                                                         "not a Linear"))
-                continue
             activation = _act_name(module)
             if activation is None:
-                skipped.append(Skipped((name, nxt_name), "GELU with an unsupported approximation"))
+                skipped.append(Skipped(pair, "GELU with an unsupported approximation"))
                 continue
             if allowed(name, module) and allowed(nxt_name, nxt):
-                changes.append(((name, nxt_name), f"{type(module).__name__} + Linear", "memtrim.nn.ActLinear",
-                                _fuse_act_linear(nxt, parents[name], activation)))
-                claimed.update((name, nxt_name))
+                changes.append((pair, f"{type(module).__name__} + Linear", "memtrim.nn.ActLinear", (),
+                                _fuse_act_linear(module, nxt, activation, _label(pair, ActLinear))))
+                claimed.update(pair)
     for name, module in modules.items():
         if type(module) is nn.ReLU and trace is not None:
             found = trace.pair_after(name) if isinstance(trace, _FxGraph) else _pair_after(name, trace, modules)
             if found is not None and not found[1] and type(modules.get(found[0])) is nn.Linear:
                 skipped.append(Skipped((name, found[0]), "ReLU keeps its output, which the Linear keeps anyway: "
                                                          "nothing to save"))
-    for name, module in model.named_modules():
+    for name, module in modules.items():
         target = _SINGLE.get(type(module))
         if target is None or name in claimed:
             continue
@@ -215,24 +262,61 @@ def convert(
         if isinstance(module, (nn.ELU, nn.CELU)) and module.alpha <= 0:
             skipped.append(Skipped((name,), "alpha <= 0: the output does not determine the gradient"))
             continue
+        if isinstance(module, nn.Softplus) and not softplus_keeps_output(module.threshold, torch.float32):
+            skipped.append(Skipped((name,), f"Softplus with threshold {module.threshold}: just below the threshold "
+                                            "the output is also a possible output of the linear region, and the two "
+                                            "gradients differ by up to exp(-threshold); it would keep its input, as "
+                                            "torch's does (from threshold 17.3 up in float32 it keeps its output)"))
+            continue
+        why = edited(name)
+        if why:
+            skipped.append(Skipped((name,), why))
+            continue
         if allowed(name, module):
-            changes.append(((name,), type(module).__name__, f"memtrim.nn.{target.__name__}",
-                            _swap_class(module, target)))
+            limits = (_NO_DOUBLE_BACKWARD,) if target in (LayerNorm, RMSNorm) else ()
+            changes.append(((name,), type(module).__name__, f"memtrim.nn.{target.__name__}", limits,
+                            _swap_class(module, target, _label((name,), target))))
 
     before = _activation_bytes(model, args) if args is not None else None
     done: list[Change] = []
     current = before
-    for modules, old, new, apply in changes:
+    for names, old, new, limits, apply in changes:
         apply()
         after = _activation_bytes(model, args) if args is not None else None
-        done.append(Change(modules, old, new, None if after is None or current is None else current - after))
+        done.append(Change(names, old, new, None if after is None or current is None else current - after, limits))
         current = after
     notes = []
     if args is None:
         notes.append("no example_inputs: pairs " + ("proven from the torch.fx graph" if trace is not None else
                                                      "skipped (the model does not trace with torch.fx)")
-                     + "; savings not measured")
+                     + "; savings not measured; in-place changes of outputs found only at backward")
     return model, ConversionReport(done, skipped, before, current, notes)
+
+
+_NO_DOUBLE_BACKWARD = "no double backward (a backward through its gradient raises ConvertError)"
+
+
+def _label(names: tuple[str, ...], target: type) -> str:
+    """How errors name a converted module."""
+    return f"{' + '.join(repr(n) for n in names)} (converted by memtrim.convert to memtrim.nn.{target.__name__})"
+
+
+def _cuda_devices(model: nn.Module, args: tuple[Any, ...] | None) -> list[int]:
+    """The CUDA devices the model and the example inputs live on: their RNG is saved and restored around tracing."""
+    found = {t.device.index or 0 for t in (*model.parameters(), *model.buffers(), *tensors_in(args or ()))
+             if t.device.type == "cuda"}
+    return sorted(found)
+
+
+def _user_hooks(module: nn.Module) -> list[str]:
+    """The kinds of hooks on ``module`` other than memtrim's own recompute hooks."""
+    own = {h.id for h in getattr(module, "_memtrim_recompute_hooks", None) or ()}
+    kinds = []
+    for attr, label in (("_forward_pre_hooks", "forward pre-hooks"), ("_forward_hooks", "forward hooks"),
+                        ("_backward_pre_hooks", "backward pre-hooks"), ("_backward_hooks", "backward hooks")):
+        if any(key not in own for key in getattr(module, attr, None) or {}):
+            kinds.append(label)
+    return kinds
 
 
 # ---------------------------------------------------------------------- evidence: a traced forward
@@ -243,10 +327,19 @@ class _Trace:
     def __init__(self) -> None:
         self.clock = 0
         self.reads: list[tuple[int, int, tuple[str, ...]]] = []  # (time, id(storage), module stack)
+        self.writes: list[tuple[int, int, tuple[str, ...]]] = []  # in-place writes: (time, id(storage), stack)
         self.saves: list[tuple[int, int, tuple[str, ...]]] = []  # (time, id(storage), module stack)
         self.calls: dict[str, list[tuple[int, int, set[int]]]] = {}  # name -> (start, end, output storage ids)
         self.keep: list[Any] = []  # storages stay alive, so their ids stay unique
 
+    def written_after(self, name: str) -> str | None:
+        """Where ``name``'s output is changed in place after its forward returned (the innermost module, "" for
+        the top-level forward), or None if it never is."""
+        for _, end, outputs in self.calls.get(name, []):
+            for time, storage, stack in self.writes:
+                if storage in outputs and time > end:
+                    return stack[-1] if stack else ""
+        return None
 
     def keepers(self, name: str) -> list[str]:
         """The innermost modules in whose forward autograd saved ``name``'s output (its own ancestors' code
@@ -273,6 +366,13 @@ class _Recorder(TorchDispatchMode):
             storage = t.untyped_storage()
             trace.keep.append(storage)
             trace.reads.append((trace.clock, id(storage), tuple(self.stack)))
+        schema = func._schema
+        if schema.is_mutable:
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    value = args[i] if i < len(args) else kwargs.get(arg.name)
+                    for t in tensors_in(value):
+                        trace.writes.append((trace.clock, id(t.untyped_storage()), tuple(self.stack)))
         return func(*args, **kwargs)
 
 
@@ -300,7 +400,7 @@ def _trace(model: nn.Module, args: tuple[Any, ...]) -> _Trace:
         trace.saves.append((trace.clock, id(storage), tuple(stack)))
         return tensor.detach()
 
-    handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
+    handles = [m.register_forward_pre_hook(pre, prepend=True) for m in model.modules()]  # before users' hooks
     handles += [m.register_forward_hook(post) for m in model.modules()]
     was_training = model.training
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -389,23 +489,30 @@ def _pair_after(name: str, trace: _Trace | None, modules: dict[str, nn.Module]) 
     return consumer, ""
 
 
-def _parents(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
-    found = {}
-    for parent_name, parent in model.named_modules():
-        for child_name, _ in parent.named_children():
-            full = f"{parent_name}.{child_name}" if parent_name else child_name
-            found[full] = (parent, child_name)
-    return found
-
-
 # ---------------------------------------------------------------------- the changes
-def _swap_class(module: nn.Module, target: type) -> Callable[[], None]:
+class Absorbed(nn.Identity):
+    """A module whose work its neighbour now does (:func:`memtrim.convert`): the identity, wherever it is registered.
+
+    Its class is changed in place, like every conversion, so that each name the module is registered under, and
+    each reference to it, sees the same change."""
+
+    def extra_repr(self) -> str:
+        return f"absorbed into {getattr(self, 'memtrim_absorbed_into', '?')}"
+
+
+def _absorb(module: nn.Module, into: str) -> None:
+    module.__class__ = Absorbed
+    module.memtrim_absorbed_into = into  # type: ignore[assignment]
+
+
+def _swap_class(module: nn.Module, target: type, label: str) -> Callable[[], None]:
     def apply() -> None:
         module.__class__ = target
+        module.memtrim_owner = label  # type: ignore[assignment]
         if target in (lean.ReLU, lean.LeakyReLU, lean.Hardtanh, lean.ReLU6, lean.Hardsigmoid):
             module.save = "output"  # type: ignore[attr-defined]
         if target in (LayerNorm, RMSNorm):
-            module.gamma_threshold = 1e-3  # type: ignore[attr-defined]
+            module.gamma_threshold = 0.0  # type: ignore[attr-defined]  # the error bound decides
 
     return apply
 
@@ -418,24 +525,24 @@ def _bn_activation(act: nn.Module) -> tuple[str, float] | None:
     return None
 
 
-def _fuse_bn(bn: nn.Module, where: tuple[nn.Module, str], spec: tuple[str, float]) -> Callable[[], None]:
+def _fuse_bn(bn: nn.Module, act: nn.Module, spec: tuple[str, float], label: str) -> Callable[[], None]:
     def apply() -> None:
         bn.__class__ = _BN_ACT[type(bn)]
         bn.activation = spec[0]  # type: ignore[assignment]
         bn.negative_slope = spec[1] if spec[0] == "leaky_relu" else 0.01  # type: ignore[assignment]
         bn.alpha = spec[1] if spec[0] == "elu" else 1.0  # type: ignore[assignment]
-        bn.gamma_threshold = 1e-3  # type: ignore[assignment]
-        parent, child = where
-        setattr(parent, child, nn.Identity())
+        bn.gamma_threshold = 0.0  # type: ignore[assignment]  # the error bound decides
+        bn.memtrim_owner = label  # type: ignore[assignment]
+        _absorb(act, label)
 
     return apply
 
 
-def _fuse_bn_relu(bn: nn.Module, where: tuple[nn.Module, str], readers: list[nn.Module]) -> Callable[[], None]:
+def _fuse_bn_relu(bn: nn.Module, relu: nn.Module, readers: list[nn.Module], label: str) -> Callable[[], None]:
     def apply() -> None:
         bn.__class__ = _BN_RELU[type(bn)]
-        parent, child = where
-        setattr(parent, child, nn.Identity())
+        bn.memtrim_owner = label  # type: ignore[assignment]
+        _absorb(relu, label)
         for reader in readers:  # the modules that would keep the ReLU output keep a recipe instead
             install_recompute_hooks(reader)
 
@@ -448,12 +555,12 @@ def _act_name(act: nn.Module) -> str | None:
     return _ACT_LINEAR.get(type(act))
 
 
-def _fuse_act_linear(linear: nn.Module, where: tuple[nn.Module, str], activation: str) -> Callable[[], None]:
+def _fuse_act_linear(act: nn.Module, linear: nn.Module, activation: str, label: str) -> Callable[[], None]:
     def apply() -> None:
         linear.__class__ = ActLinear
         linear.activation = activation  # type: ignore[assignment]
-        parent, child = where
-        setattr(parent, child, nn.Identity())
+        linear.memtrim_owner = label  # type: ignore[assignment]
+        _absorb(act, label)
 
     return apply
 

@@ -2,7 +2,8 @@
 
 NOTE [ what each activation keeps ]
 * Output (``save="output"``, the default where the derivative is a function of the output): relu, leaky_relu
-  (slope >= 0), hardtanh, relu6, elu / celu (alpha > 0), selu, sigmoid, tanh, hardsigmoid, softplus. These can
+  (slope >= 0), hardtanh, relu6, elu / celu (alpha > 0), selu, sigmoid, tanh, hardsigmoid, and softplus where its
+  threshold makes the output determine the gradient (:func:`softplus_keeps_output`; else its input). These can
   run truly in place (``inplace=True``): the caller's tensor becomes the output and is the only thing kept.
   When the next layer keeps that output anyway (a Linear does), this costs nothing extra.
 * Mask (``save="mask"``): relu, leaky_relu, hardtanh, relu6, hardsigmoid need only where the input was in their
@@ -23,13 +24,13 @@ import math
 from typing import Any
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ...errors import InvalidInputError
+from ._kernels import inplace_error, plain_only
 
 __all__ = [
     "celu", "elu", "gelu", "hardsigmoid", "hardswish", "hardtanh", "leaky_relu", "mish", "relu", "relu6", "selu",
-    "sigmoid", "silu", "softplus", "tanh", "pack_mask", "unpack_mask",
+    "sigmoid", "silu", "softplus", "tanh", "pack_mask", "unpack_mask", "softplus_keeps_output",
 ]
 
 _SELU_ALPHA = 1.6732632423543772848170429916717
@@ -207,6 +208,8 @@ class _Hardsigmoid(_Rule):
 
 
 class _Softplus(_Rule):
+    """softplus from its output, used only where that is exact to rounding (:func:`softplus_keeps_output`)."""
+
     def __init__(self, beta: float, threshold: float) -> None:
         self.beta, self.threshold = beta, threshold
 
@@ -219,6 +222,18 @@ class _Softplus(_Rule):
         return torch.where(linear, grad, grad * -torch.expm1(-self.beta * y))
 
 
+def softplus_keeps_output(threshold: float, dtype: torch.dtype) -> bool:
+    """Whether softplus's output determines its gradient in ``dtype``.
+
+    torch switches to the identity where ``beta * x > threshold``; just below, ``softplus(x) = x + log1p(exp(-beta
+    x)) / beta`` lies above ``threshold / beta`` too, so an output there could come from either side: the two
+    gradients, 1 and ``sigmoid(beta x)``, differ by up to ``exp(-threshold)``. That difference vanishes in rounding
+    (1 - d rounds to 1 for d < eps / 4) only for a large threshold: float32 from 17.3 (torch's default 20 is fine),
+    float64 from 37.4. Otherwise the input is kept, as torch does.
+    """
+    return math.exp(-threshold) < torch.finfo(dtype).eps / 4
+
+
 class _InputRule(_Rule):
     keeps = "input"
 
@@ -229,7 +244,18 @@ class _InputRule(_Rule):
         return self._forward(x)
 
     def grad(self, grad, x):  # type: ignore[no-untyped-def]
+        if torch.is_grad_enabled():  # create_graph=True: some torch *_backward ops have no derivative of their own
+            return differentiable_grad(self._forward, grad, x)
         return self._backward(grad, x)
+
+
+def differentiable_grad(forward: Any, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad * forward'(x)`` as a differentiable graph (for a backward with create_graph=True): torch's autograd of
+    ``forward`` itself, which is what the unconverted module's double backward uses."""
+    with torch.enable_grad():
+        leaf = x if x.requires_grad else x.detach().requires_grad_()
+        (dx,) = torch.autograd.grad(forward(leaf), leaf, grad, create_graph=True)
+    return dx
 
 
 # ---------------------------------------------------------------------- the autograd Functions
@@ -242,39 +268,50 @@ def _run(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool) -> torch.Tensor:
     return rule.forward_(x)
 
 
+# The backward formulas are torch ops with derivatives of their own (threshold_backward, elu_backward, ...), applied
+# to the kept tensor: under create_graph=True autograd differentiates them, through the kept output's own graph, as it
+# does for torch's in-place activations. So double backward works (a mask's second derivative is 0, as ReLU's).
+def _saved(ctx: Any) -> tuple[torch.Tensor, ...]:
+    """``ctx.saved_tensors``, with autograd's in-place error turned into one that names the module."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as e:
+        raise inplace_error(ctx.owner, e) from e
+
+
 class _KeepOutput(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool, owner: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.owner = owner
         y = _run(ctx, x, rule, inplace)
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        (y,) = ctx.saved_tensors
-        return ctx.rule.grad(grad, y), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        (y,) = _saved(ctx)
+        return ctx.rule.grad(grad, y), None, None, None
 
 
 class _KeepMask(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool, owner: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.owner = owner
         y = _run(ctx, x, rule, inplace)
         ctx.shape = y.shape
         ctx.save_for_backward(pack_mask(rule.mask(y)))
         return y
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        (packed,) = ctx.saved_tensors
-        return ctx.rule.grad_from_mask(grad, unpack_mask(packed, ctx.shape)), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        (packed,) = _saved(ctx)
+        return ctx.rule.grad_from_mask(grad, unpack_mask(packed, ctx.shape)), None, None, None
 
 
 class _KeepInput(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool) -> torch.Tensor:  # type: ignore[override]
-        ctx.rule = rule
+    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool, owner: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.rule, ctx.owner = rule, owner
         if inplace:
             ctx.save_for_backward(x.clone())  # the input is about to be overwritten and the backward needs it
             ctx.mark_dirty(x)
@@ -283,13 +320,12 @@ class _KeepInput(torch.autograd.Function):
         return rule.forward(x)
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        (x,) = ctx.saved_tensors
-        return ctx.rule.grad(grad, x), None, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        (x,) = _saved(ctx)
+        return ctx.rule.grad(grad, x), None, None, None
 
 
-def _apply(name: str, x: torch.Tensor, rule: _Rule, inplace: bool, save: str) -> torch.Tensor:
+def _apply(name: str, x: torch.Tensor, rule: _Rule, inplace: bool, save: str, owner: str | None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise InvalidInputError(f"memtrim.functional.{name}: input must be a tensor, got {type(x).__name__}.")
     if save not in ("output", "mask"):
@@ -299,109 +335,120 @@ def _apply(name: str, x: torch.Tensor, rule: _Rule, inplace: bool, save: str) ->
             f"memtrim.functional.{name}: save='mask' needs an activation whose gradient is a 0/1 (or 0/slope) "
             "function of a sign: relu, leaky_relu, hardtanh, relu6 or hardsigmoid."
         )
-    if not (torch.is_grad_enabled() and x.requires_grad):
+    if not (torch.is_grad_enabled() and x.requires_grad) or plain_only():  # torch's own op (and its autograd)
         return rule.forward_(x) if inplace else rule.forward(x)
+    owner = owner or f"memtrim.functional.{name}"
     if rule.keeps == "input":
-        return _KeepInput.apply(x, rule, inplace)
-    return (_KeepMask if save == "mask" else _KeepOutput).apply(x, rule, inplace)
+        return _KeepInput.apply(x, rule, inplace, owner)
+    return (_KeepMask if save == "mask" else _KeepOutput).apply(x, rule, inplace, owner)
 
 
 # ---------------------------------------------------------------------- public functions (torch's signatures)
-def relu(input: torch.Tensor, inplace: bool = False, *, save: str = "output") -> torch.Tensor:
+def relu(input: torch.Tensor, inplace: bool = False, *, save: str = "output",
+         _owner: str | None = None) -> torch.Tensor:
     """ReLU keeping only its output (or a 1-bit mask with ``save="mask"``) for backward."""
-    return _apply("relu", input, _ReLU(), inplace, save)
+    return _apply("relu", input, _ReLU(), inplace, save, _owner)
 
 
 def leaky_relu(input: torch.Tensor, negative_slope: float = 0.01, inplace: bool = False, *,
-               save: str = "output") -> torch.Tensor:
+               save: str = "output", _owner: str | None = None) -> torch.Tensor:
     """LeakyReLU keeping its output (or a 1-bit mask); a negative slope keeps the input instead."""
     if negative_slope < 0:
         rule: _Rule = _InputRule(lambda x: torch.nn.functional.leaky_relu(x, negative_slope),
                                  lambda g, x: torch.ops.aten.leaky_relu_backward(g, x, negative_slope, False))
         if save == "mask":
             raise InvalidInputError("memtrim.functional.leaky_relu: save='mask' needs negative_slope >= 0.")
-        return _apply("leaky_relu", input, rule, inplace, "output")
-    return _apply("leaky_relu", input, _LeakyReLU(negative_slope), inplace, save)
+        return _apply("leaky_relu", input, rule, inplace, "output", _owner)
+    return _apply("leaky_relu", input, _LeakyReLU(negative_slope), inplace, save, _owner)
 
 
 def hardtanh(input: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False, *,
-             save: str = "output") -> torch.Tensor:
+             save: str = "output", _owner: str | None = None) -> torch.Tensor:
     """Hardtanh keeping its output (or a 1-bit mask)."""
     if min_val >= max_val:
         raise InvalidInputError(f"memtrim.functional.hardtanh: min_val ({min_val}) must be < max_val ({max_val}).")
-    return _apply("hardtanh", input, _Hardtanh(min_val, max_val), inplace, save)
+    return _apply("hardtanh", input, _Hardtanh(min_val, max_val), inplace, save, _owner)
 
 
-def relu6(input: torch.Tensor, inplace: bool = False, *, save: str = "output") -> torch.Tensor:
+def relu6(input: torch.Tensor, inplace: bool = False, *, save: str = "output",
+          _owner: str | None = None) -> torch.Tensor:
     """ReLU6 keeping its output (or a 1-bit mask)."""
-    return _apply("relu6", input, _Hardtanh(0.0, 6.0), inplace, save)
+    return _apply("relu6", input, _Hardtanh(0.0, 6.0), inplace, save, _owner)
 
 
-def elu(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False) -> torch.Tensor:
+def elu(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False, *, _owner: str | None = None) -> torch.Tensor:
     """ELU keeping its output (alpha > 0; otherwise its input)."""
     if alpha <= 0:
         rule: _Rule = _InputRule(lambda x: torch.nn.functional.elu(x, alpha),
                                  lambda g, x: torch.ops.aten.elu_backward(g, alpha, 1.0, 1.0, False, x))
-        return _apply("elu", input, rule, inplace, "output")
-    return _apply("elu", input, _ELU(alpha), inplace, "output")
+        return _apply("elu", input, rule, inplace, "output", _owner)
+    return _apply("elu", input, _ELU(alpha), inplace, "output", _owner)
 
 
-def celu(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False) -> torch.Tensor:
+def celu(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False, *, _owner: str | None = None) -> torch.Tensor:
     """CELU keeping its output."""
     if alpha <= 0:
         raise InvalidInputError(f"memtrim.functional.celu: alpha must be > 0, got {alpha}.")
-    return _apply("celu", input, _ELU(alpha, 1.0, 1.0 / alpha), inplace, "output")
+    return _apply("celu", input, _ELU(alpha, 1.0, 1.0 / alpha), inplace, "output", _owner)
 
 
-def selu(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+def selu(input: torch.Tensor, inplace: bool = False, *, _owner: str | None = None) -> torch.Tensor:
     """SELU keeping its output."""
-    return _apply("selu", input, _ELU(_SELU_ALPHA, _SELU_SCALE), inplace, "output")
+    return _apply("selu", input, _ELU(_SELU_ALPHA, _SELU_SCALE), inplace, "output", _owner)
 
 
-def sigmoid(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+def sigmoid(input: torch.Tensor, inplace: bool = False, *, _owner: str | None = None) -> torch.Tensor:
     """Sigmoid keeping its output."""
-    return _apply("sigmoid", input, _Sigmoid(), inplace, "output")
+    return _apply("sigmoid", input, _Sigmoid(), inplace, "output", _owner)
 
 
-def tanh(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+def tanh(input: torch.Tensor, inplace: bool = False, *, _owner: str | None = None) -> torch.Tensor:
     """Tanh keeping its output."""
-    return _apply("tanh", input, _Tanh(), inplace, "output")
+    return _apply("tanh", input, _Tanh(), inplace, "output", _owner)
 
 
-def hardsigmoid(input: torch.Tensor, inplace: bool = False, *, save: str = "output") -> torch.Tensor:
+def hardsigmoid(input: torch.Tensor, inplace: bool = False, *, save: str = "output",
+                _owner: str | None = None) -> torch.Tensor:
     """Hardsigmoid keeping its output (or a 1-bit mask)."""
-    return _apply("hardsigmoid", input, _Hardsigmoid(), inplace, save)
+    return _apply("hardsigmoid", input, _Hardsigmoid(), inplace, save, _owner)
 
 
-def softplus(input: torch.Tensor, beta: float = 1.0, threshold: float = 20.0) -> torch.Tensor:
-    """Softplus keeping its output (its derivative is 1 - exp(-beta * output))."""
+def softplus(input: torch.Tensor, beta: float = 1.0, threshold: float = 20.0, *,
+             _owner: str | None = None) -> torch.Tensor:
+    """Softplus keeping its output (its derivative is 1 - exp(-beta * output)) where that determines the gradient
+    (:func:`softplus_keeps_output`: torch's default threshold in float32 and narrower types); its input otherwise."""
     if beta <= 0:
         raise InvalidInputError(f"memtrim.functional.softplus: beta must be > 0, got {beta}.")
-    return _apply("softplus", input, _Softplus(beta, threshold), False, "output")
+    if not softplus_keeps_output(threshold, input.dtype):
+        rule = _InputRule(lambda x: torch.nn.functional.softplus(x, beta, threshold),
+                          lambda g, x: torch.ops.aten.softplus_backward(g, x, beta, threshold))
+        return _apply("softplus", input, rule, False, "output", _owner)
+    return _apply("softplus", input, _Softplus(beta, threshold), False, "output", _owner)
 
 
-def silu(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+def silu(input: torch.Tensor, inplace: bool = False, *, _owner: str | None = None) -> torch.Tensor:
     """SiLU keeping its input (the derivative needs it); nothing else."""
     return _apply("silu", input, _InputRule(torch.nn.functional.silu, torch.ops.aten.silu_backward), inplace,
-                  "output")
+                  "output", _owner)
 
 
-def gelu(input: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+def gelu(input: torch.Tensor, approximate: str = "none", *, _owner: str | None = None) -> torch.Tensor:
     """GELU (exact or ``approximate="tanh"``) keeping its input; nothing else."""
     if approximate not in ("none", "tanh"):
         raise InvalidInputError(f"memtrim.functional.gelu: approximate must be 'none' or 'tanh', got {approximate!r}.")
     rule = _InputRule(lambda x: torch.nn.functional.gelu(x, approximate=approximate),
                       lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate=approximate))
-    return _apply("gelu", input, rule, False, "output")
+    return _apply("gelu", input, rule, False, "output", _owner)
 
 
-def mish(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+def mish(input: torch.Tensor, inplace: bool = False, *, _owner: str | None = None) -> torch.Tensor:
     """Mish keeping its input; nothing else."""
     return _apply("mish", input, _InputRule(torch.nn.functional.mish, torch.ops.aten.mish_backward), inplace,
-                  "output")
+                  "output", _owner)
 
 
-def hardswish(input: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+def hardswish(input: torch.Tensor, inplace: bool = False, *, _owner: str | None = None) -> torch.Tensor:
     """Hardswish keeping its input; nothing else."""
     return _apply("hardswish", input,
-                  _InputRule(torch.nn.functional.hardswish, torch.ops.aten.hardswish_backward), inplace, "output")
+                  _InputRule(torch.nn.functional.hardswish, torch.ops.aten.hardswish_backward), inplace, "output",
+                  _owner)

@@ -13,6 +13,11 @@ __all__ = [
 ]
 
 
+def owner(module: nn.Module) -> str:
+    """How errors name ``module``: by its name in the model when :func:`memtrim.convert` converted it."""
+    return getattr(module, "memtrim_owner", None) or f"memtrim.nn.{type(module).__name__}"
+
+
 class ReLU(nn.ReLU):
     """``nn.ReLU`` keeping only its output (``save="mask"``: a 1-bit mask) for backward."""
 
@@ -21,7 +26,7 @@ class ReLU(nn.ReLU):
         self.save = save
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return MF.relu(input, self.inplace, save=self.save)
+        return MF.relu(input, self.inplace, save=self.save, _owner=owner(self))
 
 
 class LeakyReLU(nn.LeakyReLU):
@@ -30,7 +35,7 @@ class LeakyReLU(nn.LeakyReLU):
         self.save = save
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return MF.leaky_relu(input, self.negative_slope, self.inplace, save=self.save)
+        return MF.leaky_relu(input, self.negative_slope, self.inplace, save=self.save, _owner=owner(self))
 
 
 class Hardtanh(nn.Hardtanh):
@@ -40,7 +45,7 @@ class Hardtanh(nn.Hardtanh):
         self.save = save
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return MF.hardtanh(input, self.min_val, self.max_val, self.inplace, save=self.save)
+        return MF.hardtanh(input, self.min_val, self.max_val, self.inplace, save=self.save, _owner=owner(self))
 
 
 class ReLU6(nn.ReLU6):
@@ -49,32 +54,32 @@ class ReLU6(nn.ReLU6):
         self.save = save
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return MF.relu6(input, self.inplace, save=self.save)
+        return MF.relu6(input, self.inplace, save=self.save, _owner=owner(self))
 
 
 class ELU(nn.ELU):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return MF.elu(input, self.alpha, self.inplace)
+        return MF.elu(input, self.alpha, self.inplace, _owner=owner(self))
 
 
 class CELU(nn.CELU):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return MF.celu(input, self.alpha, self.inplace)
+        return MF.celu(input, self.alpha, self.inplace, _owner=owner(self))
 
 
 class SELU(nn.SELU):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return MF.selu(input, self.inplace)
+        return MF.selu(input, self.inplace, _owner=owner(self))
 
 
 class Sigmoid(nn.Sigmoid):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return MF.sigmoid(input)
+        return MF.sigmoid(input, _owner=owner(self))
 
 
 class Tanh(nn.Tanh):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return MF.tanh(input)
+        return MF.tanh(input, _owner=owner(self))
 
 
 class Hardsigmoid(nn.Hardsigmoid):
@@ -83,29 +88,29 @@ class Hardsigmoid(nn.Hardsigmoid):
         self.save = save
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return MF.hardsigmoid(input, self.inplace, save=self.save)
+        return MF.hardsigmoid(input, self.inplace, save=self.save, _owner=owner(self))
 
 
 class Softplus(nn.Softplus):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return MF.softplus(input, self.beta, self.threshold)
+        return MF.softplus(input, self.beta, self.threshold, _owner=owner(self))
 
 
 class SiLU(nn.SiLU):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return MF.silu(input, self.inplace)
+        return MF.silu(input, self.inplace, _owner=owner(self))
 
 
 class GELU(nn.GELU):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return MF.gelu(input, self.approximate)
+        return MF.gelu(input, self.approximate, _owner=owner(self))
 
 
 class Mish(nn.Mish):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return MF.mish(input, self.inplace)
+        return MF.mish(input, self.inplace, _owner=owner(self))
 
 
 class Hardswish(nn.Hardswish):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return MF.hardswish(input, self.inplace)
+        return MF.hardswish(input, self.inplace, _owner=owner(self))

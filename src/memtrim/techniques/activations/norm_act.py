@@ -8,93 +8,103 @@ inverted by a LeakyReLU with slope 1/s; ELU: ``z`` or ``log1p(z / alpha)``), the
 rebuilds ``x = mean + xhat / invstd`` and calls torch's own fused ``native_batch_norm_backward`` (in eval,
 ``dx = gamma * invstd * dy``). The activation's gradient uses torch's own in-place backward kernels.
 
-Where inversion is unsafe it is not used: channels with ``|gamma| < gamma_threshold`` keep their ``xhat``
-explicitly (a tensor of those channels only), and an ELU call whose output saturates (``z + alpha`` within 1e-4 *
-alpha of 0, where ``log1p`` loses the input) keeps ``y`` for that call. Parameters and buffers are exactly
-``nn.BatchNorm``'s, so state_dicts load both ways. Gradients differ from torch's by the rounding of the
-reconstruction (float32: relative 1e-5 or so; see tests), not bitwise.
+Where inversion would lose precision it is not used: the channels whose ``(|beta| + s) / |gamma|`` could make the
+rebuilt ``xhat`` more than ``KEEP_BOUND`` times less accurate than torch's (s: the ELU term, large where ELU
+saturates and ``log1p`` loses ``y``) keep their ``xhat`` explicitly, a tensor of those channels only (NOTE [ when a
+norm keeps its input ] in _kernels.py derives the rule). Parameters and buffers are exactly ``nn.BatchNorm``'s, so
+state_dicts load both ways. Gradients differ from torch's by the rounding of the reconstruction (float32: within
+10x torch's own error against float64; see tests), not bitwise. There is no second derivative: a backward through
+the gradient raises :class:`ConvertError` naming the module. Under torch.compile and torch.func the module runs as
+torch's BatchNorm and activation.
 
 BatchNorm + ReLU cannot be inverted (ReLU's zeros lose ``y``); keep such pairs as they are.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from ...errors import InvalidInputError
+from ._kernels import inplace_error, keep_input_features, no_double_backward, plain_only
+from .modules import owner
 
 __all__ = ["BatchNormAct1d", "BatchNormAct2d", "BatchNormAct3d"]
 
 _ACTIVATIONS = ("identity", "leaky_relu", "elu")
-_ELU_SATURATION = math.log(1e-4)  # y below this: elu(y) + alpha < 1e-4 * alpha
+
+
+def elu_term(y: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    """The ELU term s of NOTE [ when a norm keeps its input ], per channel: the RMS of ``e^-y - 1`` over ``y < 0``,
+    infinite where some ``y`` saturates (``e^-y > 1 / eps``: ``log1p`` cannot rebuild it)."""
+    e = torch.expm1((-y).clamp(0.0, 40.0))
+    rms = e.square().mean(dims).sqrt()
+    return torch.where(e.amax(dims) > 1.0 / torch.finfo(y.dtype).eps, torch.full_like(rms, float("inf")), rms)
 
 
 class _BatchNormActFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool,
-                momentum: float, eps: float, activation: str, param: float,
-                gamma_threshold: float) -> torch.Tensor:  # type: ignore[override]
+                momentum: float, eps: float, activation: str, param: float, gamma_threshold: float,
+                owner: str) -> torch.Tensor:  # type: ignore[override]
         out, save_mean, save_invstd = torch.ops.aten.native_batch_norm(
             x, weight, bias, running_mean, running_var, training, momentum, eps
         )
         if not training:  # eval: normalised with the running statistics
             assert running_mean is not None and running_var is not None
             save_mean, save_invstd = running_mean.clone(), torch.rsqrt(running_var + eps)
-        channels = x.shape[1]
-        shape = [1, channels] + [1] * (x.dim() - 2)
-        bad = torch.zeros(channels, dtype=torch.bool, device=x.device)
-        if weight is not None:
-            bad = weight.detach().abs() < gamma_threshold
-        kept_y = None
-        if activation == "elu" and bool((out < _ELU_SATURATION).any()):
-            kept_y = out.clone()  # saturated (z + alpha < 1e-4 alpha): log1p cannot recover y, keep it this call
+        shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
+        dims = [0] + list(range(2, x.dim()))
+        kept = xhat_kept = None
+        if weight is not None:  # NOTE [ when a norm keeps its input ] (in _kernels.py)
+            extra = elu_term(out, dims) if activation == "elu" else None
+            kept = keep_input_features(weight, bias, extra, gamma_threshold)
+            if kept.numel() == 0:
+                kept = None
+            else:
+                view = [1, -1] + shape[2:]
+                xhat_kept = ((x.index_select(1, kept) - save_mean.index_select(0, kept).view(view))
+                             * save_invstd.index_select(0, kept).view(view))
         if activation == "leaky_relu":
             torch.nn.functional.leaky_relu_(out, param)
         elif activation == "elu":
             torch.ops.aten.elu_(out, param)
-        xhat_bad = None
-        if bool(bad.any()):
-            xhat_bad = ((x[:, bad] - save_mean[bad].view([1, -1] + shape[2:])) *
-                        save_invstd[bad].view([1, -1] + shape[2:]))
-        ctx.activation, ctx.param, ctx.training, ctx.shape = activation, param, training, shape
-        ctx.save_for_backward(out, save_mean, save_invstd, weight, bias, bad, xhat_bad, kept_y)
+        ctx.activation, ctx.param, ctx.training, ctx.shape, ctx.owner = activation, param, training, shape, owner
+        ctx.save_for_backward(out, save_mean, save_invstd, weight, bias, kept, xhat_kept)
         return out
 
     @staticmethod
-    @once_differentiable
+    @no_double_backward
     def backward(ctx: Any, dz: torch.Tensor) -> tuple:  # type: ignore[override]
-        z, mean, invstd, weight, bias, bad, xhat_bad, kept_y = ctx.saved_tensors
+        z, mean, invstd, weight, bias, kept, xhat_kept = _saved(ctx)
         shape, activation, param = ctx.shape, ctx.activation, ctx.param
         if activation == "leaky_relu":
             y = torch.nn.functional.leaky_relu(z, 1.0 / param)  # the inverse of a leaky ReLU is a leaky ReLU
             dy = torch.ops.aten.leaky_relu_backward(dz, z, param, True)
         elif activation == "elu":
-            y = kept_y if kept_y is not None else torch.where(z > 0, z, torch.log1p(z / param))
+            # saturated channels (z == -alpha, log1p(-1) = -inf) are kept ones: their xhat is replaced below
+            y = torch.where(z > 0, z, torch.log1p(z / param))
             dy = torch.ops.aten.elu_backward(dz, param, 1.0, 1.0, True, z)
         else:
             y, dy = z, dz
-        # xhat = (y - beta) / gamma in one pass; channels with a tiny gamma use their kept xhat
-        if ctx.training and xhat_bad is None and weight is not None:
-            xhat = None  # not needed: x is rebuilt from y directly below
+        # xhat = (y - beta) / gamma in one pass; the kept channels use their kept xhat
+        if ctx.training and kept is None and weight is not None:
+            xhat = None  # not needed: the kernel below is fed y directly
         elif weight is not None:
-            inv_gamma = torch.where(bad, torch.ones_like(weight), weight).reciprocal()
+            inv_gamma = torch.where(weight == 0, torch.ones_like(weight), weight).reciprocal()
             offset = -bias * inv_gamma if bias is not None else torch.zeros_like(inv_gamma)
             xhat = torch.addcmul(offset.view(shape), y, inv_gamma.view(shape))
+            if kept is not None:
+                xhat.index_copy_(1, kept, xhat_kept)
         else:
             xhat = y - bias.view(shape) if bias is not None else y
-        if xhat_bad is not None:
-            assert xhat is not None
-            xhat[:, bad] = xhat_bad
         if ctx.training:
-            # torch's own fused BatchNorm backward, fed the input rebuilt from xhat (x = mean + xhat / invstd)
+            # torch's own fused BatchNorm backward
             mask = [ctx.needs_input_grad[0], weight is not None, bias is not None]
-            if xhat_bad is None and weight is not None:
+            if xhat is None:
                 # No pass to rebuild x: hand the kernel y as its "input" with mean beta and invstd 1/gamma, so the
                 # xhat it computes is (y - beta) / gamma, and weight gamma^2 * invstd, so its dx scale
                 # (weight * its invstd) is gamma * invstd. dgamma = sum(dy * xhat) and dbeta = sum(dy) are unchanged.
@@ -102,7 +112,7 @@ class _BatchNormActFunction(torch.autograd.Function):
                 dx, dgamma, dbeta = torch.ops.aten.native_batch_norm_backward(
                     dy, y, weight * weight * invstd, None, None, beta, weight.reciprocal(), True, 0.0, mask,
                 )
-            else:
+            else:  # fed the input rebuilt from xhat (x = mean + xhat / invstd)
                 x = torch.addcmul(mean.view(shape), xhat, invstd.reciprocal().view(shape))
                 dx, dgamma, dbeta = torch.ops.aten.native_batch_norm_backward(
                     dy, x, weight, None, None, mean, invstd, True, 0.0, mask,
@@ -114,12 +124,22 @@ class _BatchNormActFunction(torch.autograd.Function):
             scale = invstd.view(shape) * (weight.view(shape) if weight is not None else 1.0)
             dx = scale * dy
         return (dx, dgamma if weight is not None else None, dbeta if bias is not None else None,
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
-def batchnorm_arguments(bn: Any) -> tuple[float, bool, torch.Tensor | None, torch.Tensor | None]:
+def _saved(ctx: Any) -> tuple:
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as e:
+        raise inplace_error(ctx.owner, e) from e
+
+
+def batchnorm_arguments(bn: Any, input: torch.Tensor) -> tuple[float, bool, torch.Tensor | None,
+                                                                  torch.Tensor | None]:
     """The (momentum factor, training, running_mean, running_var) ``nn.BatchNorm.forward`` passes to
-    ``batch_norm``, with its ``num_batches_tracked`` bookkeeping, unchanged."""
+    ``batch_norm``, with its ``num_batches_tracked`` bookkeeping, unchanged; and ``batch_norm``'s own check that a
+    training batch has more than one value per channel (torch raises ValueError, after counting the batch: so does
+    this, as an InvalidInputError, which is a ValueError)."""
     factor = 0.0 if bn.momentum is None else bn.momentum
     if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
         bn.num_batches_tracked.add_(1)
@@ -127,6 +147,17 @@ def batchnorm_arguments(bn: Any) -> tuple[float, bool, torch.Tensor | None, torc
     bn_training = bn.training or (bn.running_mean is None and bn.running_var is None)
     running_mean = bn.running_mean if not bn.training or bn.track_running_stats else None
     running_var = bn.running_var if not bn.training or bn.track_running_stats else None
+    if bn_training:
+        size = input.size()
+        values = size[0]
+        for n in size[2:]:
+            values *= n
+        if values == 1:
+            raise InvalidInputError(
+                f"{owner(bn)}: Expected more than 1 value per channel when training, got input size {size} "
+                "(torch's nn.BatchNorm raises the same). Train on batches with more than one value per channel, or "
+                "call .eval() on the module."
+            )
     return factor, bn_training, running_mean, running_var
 
 
@@ -136,7 +167,7 @@ class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, device: Any = None, dtype: Any = None, *,
                  activation: str = "leaky_relu", negative_slope: float = 0.01, alpha: float = 1.0,
-                 gamma_threshold: float = 1e-3) -> None:
+                 gamma_threshold: float = 0.0) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         if activation not in _ACTIVATIONS:
             raise InvalidInputError(
@@ -162,12 +193,12 @@ class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        factor, bn_training, running_mean, running_var = batchnorm_arguments(self)
+        factor, bn_training, running_mean, running_var = batchnorm_arguments(self, input)
         param = self.negative_slope if self.activation == "leaky_relu" else self.alpha
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or (self.weight is not None and self.weight.requires_grad)
         )
-        if not needs_grad:
+        if not needs_grad or plain_only():  # torch's own BatchNorm and activation
             out = nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                            bn_training, factor, self.eps)
             if self.activation == "leaky_relu":
@@ -178,7 +209,8 @@ class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
         if not bn_training and (running_mean is None or running_var is None):
             raise InvalidInputError(f"memtrim.nn.{type(self).__name__}: eval mode needs running statistics.")
         return _BatchNormActFunction.apply(input, self.weight, self.bias, running_mean, running_var, bn_training,
-                                           factor, self.eps, self.activation, param, self.gamma_threshold)
+                                           factor, self.eps, self.activation, param, self.gamma_threshold,
+                                           owner(self))
 
 
 class BatchNormAct1d(_BatchNormAct, nn.BatchNorm1d):

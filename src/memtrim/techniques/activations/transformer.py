@@ -5,14 +5,18 @@ NOTE [ norms that keep their output ]
 ``nn.LayerNorm`` keeps its input (plus mean and rstd); the Linear after it keeps the norm's output. Keeping the
 output instead (one tensor for both) drops the input: backward recovers ``xhat = (n - beta) / gamma``, rebuilds
 ``x = mean + xhat / rstd`` and calls torch's own fused ``native_layer_norm_backward`` (RMSNorm: ``xhat = n / gamma``,
-``dx = rstd * (g - xhat * mean(g * xhat))`` with ``g = gamma * dn``). Features whose ``|gamma|`` is below
-``gamma_threshold`` keep their ``xhat`` column explicitly. Parameters are the torch module's own.
+``dx = rstd * (g - xhat * mean(g * xhat))`` with ``g = gamma * dn``). Features whose rebuilt ``xhat`` could be more
+than ``KEEP_BOUND`` times less accurate than torch's (``|beta| / |gamma|`` large, or gamma 0; NOTE [ when a norm keeps
+its input ] in _kernels.py) keep their ``xhat`` column explicitly. Parameters are the torch module's own. There is no
+second derivative (a backward through the gradient raises :class:`ConvertError` naming the module); under
+torch.compile and torch.func the modules run as torch's own.
 
 NOTE [ activation + Linear keeping the pre-activation ]
 In ``Linear -> GELU -> Linear`` torch keeps the GELU input ``h`` (for GELU's backward) and the GELU output ``a``
 (for the second Linear's weight gradient). :class:`ActLinear` computes ``Linear(act(h))`` keeping only ``h``; its
 backward recomputes ``a = act(h)`` (one cheap pointwise op) for the weight gradient. The recomputed ``a`` is
-bitwise the forward's, and the backward uses torch's own kernels, so gradients are bitwise those of the pair.
+bitwise the forward's, and the backward uses torch's own kernels, so gradients are bitwise those of the pair. The
+backward is written in differentiable torch ops on the kept inputs, so double backward works too.
 """
 
 from __future__ import annotations
@@ -22,20 +26,29 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from ...errors import InvalidInputError
-from ._kernels import zeros_and_ones
+from ._kernels import inplace_error, keep_input_features, no_double_backward, plain_only, zeros_and_ones
+from .functional import differentiable_grad
+from .modules import owner
 
 __all__ = ["ActLinear", "LayerNorm", "RMSNorm"]
+
+
+def _saved(ctx: Any) -> tuple:
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as e:
+        raise inplace_error(ctx.owner, e) from e
 
 
 class _NormKeepOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                normalized_shape: tuple[int, ...], eps: float, rms: bool,
-                gamma_threshold: float) -> torch.Tensor:  # type: ignore[override]
-        dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+                normalized_shape: tuple[int, ...], eps: float, rms: bool, gamma_threshold: float,
+                owner: str) -> torch.Tensor:  # type: ignore[override]
+        nd = len(normalized_shape)
+        dims = tuple(range(x.dim() - nd, x.dim()))
         if rms:
             rstd = torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
             out = x * rstd
@@ -44,33 +57,32 @@ class _NormKeepOutput(torch.autograd.Function):
             mean = None
         else:
             out, mean, rstd = torch.ops.aten.native_layer_norm(x, list(normalized_shape), weight, bias, eps)
-        bad = None
-        xhat_bad = None
-        if weight is not None and bool((weight.detach().abs() < gamma_threshold).any()):
-            bad = weight.detach().abs() < gamma_threshold  # kept only when some feature needs the fallback
-            xhat = x * rstd if rms else (x - mean) * rstd
-            xhat_bad = xhat[..., bad] if len(normalized_shape) == 1 else xhat * bad
-        ctx.dims, ctx.rms, ctx.flat_bad = dims, rms, len(normalized_shape) == 1
-        ctx.save_for_backward(out, mean, rstd, weight, bias, bad, xhat_bad)
+        kept = xhat_kept = None
+        if weight is not None:  # NOTE [ when a norm keeps its input ] (in _kernels.py)
+            kept = keep_input_features(weight, bias, None, gamma_threshold)
+            if kept.numel() == 0:
+                kept = None
+            else:
+                columns = x.reshape(*x.shape[: x.dim() - nd], -1).index_select(-1, kept)
+                r = rstd.reshape(*rstd.shape[: x.dim() - nd], 1)
+                xhat_kept = columns * r if mean is None else (columns - mean.reshape(r.shape)) * r
+        ctx.dims, ctx.rms, ctx.owner = dims, rms, owner
+        ctx.save_for_backward(out, mean, rstd, weight, bias, kept, xhat_kept)
         return out
 
     @staticmethod
-    @once_differentiable
+    @no_double_backward
     def backward(ctx: Any, dn: torch.Tensor) -> tuple:  # type: ignore[override]
-        out, mean, rstd, weight, bias, bad, xhat_bad = ctx.saved_tensors
+        out, mean, rstd, weight, bias, kept, xhat_kept = _saved(ctx)
         dims = ctx.dims
         if weight is not None:  # xhat = (out - beta) / gamma in one pass
-            safe = torch.where(bad, torch.ones_like(weight), weight) if bad is not None else weight
-            inv_gamma = safe.reciprocal()
+            inv_gamma = torch.where(weight == 0, torch.ones_like(weight), weight).reciprocal()
             offset = -bias * inv_gamma if bias is not None else torch.zeros_like(inv_gamma)
             xhat = torch.addcmul(offset, out, inv_gamma)
+            if kept is not None:  # the kept features' own xhat
+                xhat.view(*xhat.shape[: xhat.dim() - len(dims)], -1).index_copy_(-1, kept, xhat_kept)
         else:
             xhat = out - bias if bias is not None else out
-        if xhat_bad is not None:
-            if ctx.flat_bad:
-                xhat[..., bad] = xhat_bad
-            else:
-                xhat = torch.where(bad, xhat_bad, xhat)
         if not ctx.rms:
             # torch's own fused LayerNorm backward, fed xhat as the input with mean 0 and rstd 1: its weight and bias
             # gradients are then exact, and its input gradient is the true one divided by rstd (per row)
@@ -82,13 +94,13 @@ class _NormKeepOutput(torch.autograd.Function):
             )
             if dx is not None:
                 dx.mul_(rstd)
-            return dx, dweight, dbias, None, None, None, None
+            return dx, dweight, dbias, None, None, None, None, None
         g = dn * weight if weight is not None else dn  # RMSNorm
         dx = rstd * (g - xhat * (g * xhat).mean(dims, keepdim=True))
         batch_dims = tuple(range(dn.dim() - len(dims)))
         dweight = (dn * xhat).sum(batch_dims) if weight is not None else None
         dbias = dn.sum(batch_dims) if bias is not None else None
-        return dx, dweight, dbias, None, None, None, None
+        return dx, dweight, dbias, None, None, None, None, None
 
 
 class LayerNorm(nn.LayerNorm):
@@ -97,15 +109,16 @@ class LayerNorm(nn.LayerNorm):
     Same parameters and state_dict as ``nn.LayerNorm``. See NOTE [ norms that keep their output ].
     """
 
-    def __init__(self, *args: Any, gamma_threshold: float = 1e-3, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, gamma_threshold: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.gamma_threshold = gamma_threshold
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() or not (input.requires_grad or any(p.requires_grad for p in self.parameters())):
+        if (not torch.is_grad_enabled() or plain_only()
+                or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))):
             return super().forward(input)
         return _NormKeepOutput.apply(input, self.weight, self.bias, tuple(self.normalized_shape), self.eps, False,
-                                     self.gamma_threshold)
+                                     self.gamma_threshold, owner(self))
 
 
 if hasattr(nn, "RMSNorm"):
@@ -117,16 +130,17 @@ else:  # pragma: no cover - torch < 2.4 has no nn.RMSNorm
 class RMSNorm(_RMSBase):  # type: ignore[misc,valid-type]
     """``nn.RMSNorm`` that keeps its output instead of its input. See NOTE [ norms that keep their output ]."""
 
-    def __init__(self, *args: Any, gamma_threshold: float = 1e-3, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, gamma_threshold: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.gamma_threshold = gamma_threshold
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(input.dtype).eps
-        if not torch.is_grad_enabled() or not (input.requires_grad or any(p.requires_grad for p in self.parameters())):
+        if (not torch.is_grad_enabled() or plain_only()
+                or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))):
             return super().forward(input)
         return _NormKeepOutput.apply(input, self.weight, None, tuple(self.normalized_shape), eps, True,
-                                     self.gamma_threshold)
+                                     self.gamma_threshold, owner(self))
 
 
 _ACT = {
@@ -143,26 +157,26 @@ _ACT = {
 class _ActLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                activation: str) -> torch.Tensor:  # type: ignore[override]
-        ctx.activation = activation
+                activation: str, owner: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.activation, ctx.owner = activation, owner
         ctx.save_for_backward(h, weight, bias)
         return F.linear(_ACT[activation][0](h), weight, bias)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
-        h, weight, bias = ctx.saved_tensors
+        h, weight, bias = _saved(ctx)
         forward, backward = _ACT[ctx.activation]
         grad_2d = grad.reshape(-1, grad.shape[-1])
         dh = dweight = dbias = None
         if ctx.needs_input_grad[0]:
-            dh = backward(grad.matmul(weight), h)
+            da = grad.matmul(weight)
+            dh = differentiable_grad(forward, da, h) if torch.is_grad_enabled() else backward(da, h)
         if ctx.needs_input_grad[1]:
             a = forward(h)  # recomputed instead of kept
             dweight = grad_2d.t().mm(a.reshape(-1, a.shape[-1]))
         if bias is not None and ctx.needs_input_grad[2]:
             dbias = grad_2d.sum(0)
-        return dh, dweight, dbias, None
+        return dh, dweight, dbias, None, None
 
 
 class ActLinear(nn.Linear):
@@ -199,6 +213,6 @@ class ActLinear(nn.Linear):
         return f"{super().extra_repr()}, activation={self.activation} (applied to the input, recomputed in backward)"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or plain_only():
             return F.linear(_ACT[self.activation][0](input), self.weight, self.bias)
-        return _ActLinearFunction.apply(input, self.weight, self.bias, self.activation)
+        return _ActLinearFunction.apply(input, self.weight, self.bias, self.activation, owner(self))
