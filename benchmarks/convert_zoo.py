@@ -1,0 +1,416 @@
+"""memtrim.convert on models from real model libraries (HF transformers, timm, torchvision's ResNets): small
+configs, random weights, offline. For each model: the activation bytes autograd keeps after one training-mode
+forward (the tracker's "activations"), before and after ``memtrim.convert``, and the report's text. No timings.
+
+Reproduce:  /work/scratch/zoovenv/bin/python benchmarks/convert_zoo.py [--only NAME ...]
+Writes benchmarks/results/convert_zoo_cpu.json.
+
+The environment (CPU torch, nothing downloaded at run time; the versions used are written to the JSON):
+    python3 -m venv zoovenv && zoovenv/bin/pip install torch==2.13.0+cpu
+    zoovenv/bin/pip install --no-deps transformers==5.23.0 timm==1.0.31 torchvision==0.28.0 pillow \
+        huggingface_hub safetensors tokenizers regex pyyaml numpy packaging filelock fsspec tqdm
+    zoovenv/bin/pip install --no-deps -e .
+--no-deps keeps pip from replacing the CPU torch. A model whose library is missing is skipped and says so.
+
+torchvision: the 0.28.0 wheel (the one for torch 2.13) is a CUDA build. Its C++ ops do not load beside CPU
+torch, and ``import torchvision`` then stops at ``torch.library.register_fake("torchvision::nms")`` ("operator
+torchvision::nms does not exist"). Every timm release imports torchvision, and transformers imports it whenever it
+is installed (its model classes then fail to import). ``import_torchvision`` below defines the two op schemas that
+registration needs (no kernels: NMS is unusable; model code is untouched) and imports again, before timm or
+transformers is imported. That is for this script only. Without torchvision the ResNets still run: ``TVResNet``
+below is torchvision's ResNet structure written out (one shared ``self.relu`` called 2-3 times per block); where
+torchvision imports, the script checks it has the same state_dict and computes the same outputs.
+
+HF models are called as ``model(**batch)``. ``convert`` is tried with the batch dict first; if it fails the error
+is recorded and it is retried with the same arguments as a positional tuple.
+"""
+
+import argparse
+import copy
+import importlib.metadata
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import memtrim
+from _common import machine, write
+
+SEQ, BATCH, IMAGE = 128, 2, 64
+
+
+# ---------------------------------------------------------------------------------------------- libraries
+def import_torchvision():
+    """``import torchvision``; where its C++ ops cannot load (a CUDA wheel beside CPU torch), define the two op
+    schemas its fake registrations need and import again. Returns (module or None, note)."""
+    try:
+        import torchvision
+
+        return torchvision, "imported as is"
+    except ImportError as e:
+        return None, f"not installed ({e})"
+    except RuntimeError as e:
+        if "torchvision::nms does not exist" not in str(e):
+            return None, f"import failed: {e}"
+    for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
+        del sys.modules[name]
+    lib = torch.library.Library("torchvision", "DEF")
+    lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    import torchvision
+
+    torchvision._convert_zoo_schemas = lib  # keep the definitions alive
+    return torchvision, ("its C++ ops do not load beside CPU torch; imported after defining the torchvision::nms "
+                         "and ::qnms schemas (no kernels)")
+
+
+def version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- torchvision's ResNet
+def conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, kernel_size=3, stride=stride, padding=1, bias=False)
+
+
+def conv1x1(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, kernel_size=1, stride=stride, bias=False)
+
+
+class TVBasicBlock(nn.Module):
+    """torchvision's BasicBlock: one ``self.relu`` (in place) called twice."""
+
+    expansion = 1
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None):
+        super().__init__()
+        self.conv1 = conv3x3(inplanes, planes, stride)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = conv3x3(planes, planes)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = downsample
+        self.stride = stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class TVBottleneck(nn.Module):
+    """torchvision's Bottleneck (stride on the 3x3): one ``self.relu`` (in place) called three times."""
+
+    expansion = 4
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None):
+        super().__init__()
+        self.conv1 = conv1x1(inplanes, planes)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = conv3x3(planes, planes, stride)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = conv1x1(planes, planes * self.expansion)
+        self.bn3 = nn.BatchNorm2d(planes * self.expansion)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+        self.stride = stride
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class TVResNet(nn.Module):
+    """torchvision's ResNet (same module names, so the same state_dict keys, and the same initialisation)."""
+
+    def __init__(self, block: type, layers: list[int], num_classes: int = 1000):
+        super().__init__()
+        self.inplanes = 64
+        self.conv1 = nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        self.layer1 = self._make_layer(block, 64, layers[0])
+        self.layer2 = self._make_layer(block, 128, layers[1], stride=2)
+        self.layer3 = self._make_layer(block, 256, layers[2], stride=2)
+        self.layer4 = self._make_layer(block, 512, layers[3], stride=2)
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(512 * block.expansion, num_classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.constant_(m.weight, 1)
+                nn.init.constant_(m.bias, 0)
+
+    def _make_layer(self, block: type, planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
+        downsample = None
+        if stride != 1 or self.inplanes != planes * block.expansion:
+            downsample = nn.Sequential(conv1x1(self.inplanes, planes * block.expansion, stride),
+                                       nn.BatchNorm2d(planes * block.expansion))
+        layers = [block(self.inplanes, planes, stride, downsample)]
+        self.inplanes = planes * block.expansion
+        layers += [block(self.inplanes, planes) for _ in range(1, blocks)]
+        return nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+# ---------------------------------------------------------------------------------------------- the models
+def tokens(vocab: int) -> dict:
+    return {"input_ids": torch.randint(0, vocab, (BATCH, SEQ))}
+
+
+def images() -> dict:
+    return {"pixel_values": torch.randn(BATCH, 3, IMAGE, IMAGE)}
+
+
+def hf_llama():
+    import_torchvision()  # transformers imports torchvision when it is installed
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=SEQ, use_cache=False)
+    return LlamaForCausalLM(config), tokens(1024), "transformers"
+
+
+def hf_gpt2():
+    import_torchvision()  # transformers imports torchvision when it is installed
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=1024, n_positions=SEQ, n_embd=256, n_layer=4, n_head=4, use_cache=False,
+                        bos_token_id=1023, eos_token_id=1023)
+    return GPT2LMHeadModel(config), tokens(1024), "transformers"
+
+
+def hf_bert():
+    import_torchvision()  # transformers imports torchvision when it is installed
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                        intermediate_size=1024, max_position_embeddings=SEQ)
+    return BertForMaskedLM(config), tokens(1024), "transformers"
+
+
+def hf_vit():
+    import_torchvision()  # transformers imports torchvision when it is installed
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(image_size=IMAGE, patch_size=8, hidden_size=192, num_hidden_layers=4, num_attention_heads=3,
+                       intermediate_size=768, num_labels=10)
+    return ViTForImageClassification(config), images(), "transformers"
+
+
+def timm_model(name: str, **kwargs) -> Callable:
+    def build():
+        import_torchvision()
+        import timm
+
+        model = timm.create_model(name, pretrained=False, num_classes=10, **kwargs)
+        return model, {"x": images()["pixel_values"]}, "timm"
+
+    return build
+
+
+def tv_model(name: str) -> Callable:
+    def build():
+        torchvision, note = import_torchvision()
+        if torchvision is None:
+            raise ImportError(f"torchvision {note}")
+        return getattr(torchvision.models, name)(num_classes=10), {"x": images()["pixel_values"]}, "torchvision"
+
+    return build
+
+
+def pattern_model(block: type, layers: list[int]) -> Callable:
+    def build():
+        return TVResNet(block, layers, num_classes=10), {"x": images()["pixel_values"]}, "torchvision pattern"
+
+    return build
+
+
+MODELS = {
+    "hf_llama": ("HF Llama (LlamaForCausalLM, d=256, 4 layers, mlp 688, batch 2, seq 128)", hf_llama),
+    "hf_gpt2": ("HF GPT-2 (GPT2LMHeadModel, d=256, 4 layers, batch 2, seq 128)", hf_gpt2),
+    "hf_bert": ("HF BERT (BertForMaskedLM, d=256, 4 layers, mlp 1024, batch 2, seq 128)", hf_bert),
+    "hf_vit": ("HF ViT (ViTForImageClassification, d=192, 4 layers, patch 8, batch 2, 64x64)", hf_vit),
+    "timm_convnext_atto": ("timm convnext_atto (conv_mlp: LayerNorm2d + 1x1 convs; batch 2, 64x64)",
+                           timm_model("convnext_atto")),
+    "timm_convnext_atto_linear": ("timm convnext_atto, conv_mlp=False (channels-last LayerNorm + Linear MLP as in "
+                                  "convnext_tiny; batch 2, 64x64)", timm_model("convnext_atto", conv_mlp=False)),
+    "timm_resnet18": ("timm resnet18 (separate act modules, batch 2, 64x64)", timm_model("resnet18")),
+    "tv_resnet18": ("torchvision resnet18 (batch 2, 64x64)", tv_model("resnet18")),
+    "tv_resnet50": ("torchvision resnet50 (batch 2, 64x64)", tv_model("resnet50")),
+    "pattern_resnet18": ("torchvision-pattern resnet18, written out here (batch 2, 64x64)",
+                         pattern_model(TVBasicBlock, [2, 2, 2, 2])),
+    "pattern_resnet50": ("torchvision-pattern resnet50, written out here (batch 2, 64x64)",
+                         pattern_model(TVBottleneck, [3, 4, 6, 3])),
+}
+PATTERN_OF = {"pattern_resnet18": "resnet18", "pattern_resnet50": "resnet50"}
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+def held_activations(model: nn.Module, batch: dict, positional: bool = False) -> int:
+    """Activation bytes autograd keeps after one training-mode forward of ``model(**batch)`` (or, positional,
+    ``model(*batch.values())``: the tracker counts a model's positional arguments as "inputs", but a batch
+    tensor passed by keyword that autograd keeps, such as the ids an embedding keeps, as "activations")."""
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    model.train()
+    torch.manual_seed(1)
+    with memtrim.track(model) as t:
+        out = model(*batch.values()) if positional else model(**batch)
+        held = t.live_by_category()["activations"]
+    del out
+    with torch.no_grad():  # measuring must not move BatchNorm's running statistics
+        for k, v in model.named_buffers():
+            v.copy_(buffers[k])
+    return held
+
+
+def first_tensor(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    return out.logits if hasattr(out, "logits") else out[0]
+
+
+def max_differences(a: nn.Module, b: nn.Module, batch: dict) -> dict:
+    """Eval-mode (no dropout) output and parameter-gradient differences between two models on one batch."""
+    grads = []
+    outs = []
+    for model in (a, b):
+        model.eval()
+        model.zero_grad(set_to_none=True)
+        out = first_tensor(model(**batch))
+        out.float().square().mean().backward()
+        outs.append(out.detach())
+        grads.append({k: p.grad for k, p in model.named_parameters() if p.grad is not None})
+        model.zero_grad(set_to_none=True)
+        model.train()
+    grad_diff = max(((grads[0][k] - grads[1][k]).abs().max().item() for k in grads[0] if k in grads[1]), default=0.0)
+    return {"output": (outs[0] - outs[1]).abs().max().item(), "parameter_gradients": grad_diff,
+            "same_gradient_keys": sorted(grads[0]) == sorted(grads[1])}
+
+
+def try_convert(model: nn.Module, example_inputs) -> tuple[object | None, str | None]:
+    try:
+        _, report = memtrim.convert(model, example_inputs=example_inputs)
+        return report, None
+    except Exception as e:  # recorded: today's convert refuses some inputs
+        return None, f"{type(e).__name__}: {e}"
+
+
+def pattern_check(key: str, model: nn.Module, batch: dict) -> dict:
+    """Does the written-out ResNet match torchvision's (state_dict keys and shapes, outputs with equal weights)?"""
+    torchvision, note = import_torchvision()
+    if torchvision is None:
+        return {"checked": False, "why": f"torchvision {note}"}
+    real = getattr(torchvision.models, PATTERN_OF[key])(num_classes=10)
+    same_keys = {k: tuple(v.shape) for k, v in real.state_dict().items()} == {
+        k: tuple(v.shape) for k, v in model.state_dict().items()}
+    copy_ = copy.deepcopy(model).eval()
+    real.load_state_dict(copy_.state_dict())
+    real.eval()
+    with torch.no_grad():
+        equal = torch.equal(real(**batch), copy_(**batch))
+    return {"checked": True, "same_state_dict": same_keys, "equal_outputs": equal}
+
+
+def run(key: str) -> dict:
+    label, build = MODELS[key]
+    torch.manual_seed(0)
+    try:
+        model, batch, library = build()
+    except ImportError as e:
+        return {"model": label, "skipped": f"library missing: {e}"}
+    result: dict = {"model": label, "library": library,
+                    "parameters": sum(p.numel() for p in model.parameters()),
+                    "batch": {k: list(v.shape) for k, v in batch.items()}}
+    if hasattr(model, "config"):
+        result["attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+    if key in PATTERN_OF:
+        result["matches_torchvision"] = pattern_check(key, model, batch)
+    reference = copy.deepcopy(model)
+    before = held_activations(model, batch)
+    result["batch_counted_as_activations_by_kwargs"] = before - held_activations(model, batch, positional=True)
+    report, dict_error = try_convert(model, batch)
+    result["convert_with_dict"] = "ok" if dict_error is None else dict_error
+    positional_error = None
+    if report is None:
+        report, positional_error = try_convert(model, tuple(batch.values()))
+        result["convert_with_tuple"] = "ok" if positional_error is None else positional_error
+    after = held_activations(model, batch)
+    result.update({
+        "held_before": before, "held_after": after,
+        "saved_fraction": (before - after) / before if before else 0.0,
+        "report": str(report) if report is not None else None,
+        "changes": len(report.changes) if report is not None else 0,
+        "skipped_candidates": len(report.skipped) if report is not None else 0,
+        "differences_vs_unconverted": max_differences(reference, model, batch),
+    })
+    return result
+
+
+def memtrim_source() -> dict:
+    src = Path(memtrim.__file__).resolve().parents[1]
+    info = {"path": str(src)}
+    try:
+        info["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=src, capture_output=True, text=True,
+                                        check=True).stdout.strip()
+        info["uncommitted_in_src"] = subprocess.run(["git", "status", "--porcelain", "."], cwd=src,
+                                                    capture_output=True, text=True, check=True).stdout.split("\n")[:-1]
+    except (OSError, subprocess.CalledProcessError):
+        info["commit"] = None
+    return info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", nargs="*", choices=sorted(MODELS), default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    _, tv_note = import_torchvision()
+    environment = {"torch": torch.__version__, "transformers": version("transformers"), "timm": version("timm"),
+                   "torchvision": version("torchvision"), "torchvision_import": tv_note,
+                   "memtrim": memtrim_source()}
+    results = {}
+    for key in args.only or MODELS:
+        try:
+            results[key] = run(key)
+        except Exception:
+            results[key] = {"model": MODELS[key][0], "failed": traceback.format_exc()}
+        r = results[key]
+        if "held_before" in r:
+            print(f"{r['model']}: {r['held_before']:,} B -> {r['held_after']:,} B ({r['saved_fraction']:.1%} fewer)")
+            print("  " + (r["report"] or "no report").replace("\n", "\n  "))
+        else:
+            print(f"{r['model']}: {r.get('skipped') or r.get('failed')}")
+    path = write("convert_zoo_cpu.json", {"machine": machine(), "environment": environment,
+                                          "what": "activation bytes autograd keeps after one training-mode forward "
+                                                  "(memtrim.track live_by_category()['activations']), before and "
+                                                  "after memtrim.convert on the same batch",
+                                          "results": results})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
