@@ -15,7 +15,8 @@ import torch
 from ...errors import MemtrimError
 
 __all__ = [
-    "CACHE_SIZE", "ConvertError", "KEEP_BOUND", "inplace_error", "keep_input_features", "native_batch_norm",
+    "autocasting", "CACHE_SIZE", "ConvertError", "KEEP_BOUND", "inplace_error", "keep_input_features",
+    "native_batch_norm",
     "no_double_backward", "per_channel", "plain_only", "zeros_and_ones",
 ]
 
@@ -106,6 +107,13 @@ def plain_only() -> bool:
     own memory) and under ``torch.func`` transforms (a custom autograd.Function needs rules they do not have): the
     modules then run as torch's own ops, exactly the unconverted model."""
     return bool(getattr(torch.compiler, "is_compiling", lambda: False)()) or _functorch_active()
+
+
+def autocasting(x: torch.Tensor) -> bool:
+    """Whether autocast is on for ``x``'s device type. The rebuilt norms and ActLinear then run as torch's own ops:
+    autocast picks each op's dtype (LayerNorm in float32, Linear in the low precision), and an output kept in bfloat16
+    would rebuild xhat with bfloat16's rounding where torch's backward reads the input in float32."""
+    return torch.is_autocast_enabled(x.device.type)
 
 
 # ---------------------------------------------------------------------- clear errors instead of torch's

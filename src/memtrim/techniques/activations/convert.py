@@ -26,8 +26,9 @@ NOTE [ how convert decides ]
   in place before backward (with example inputs the traced forward sees every in-place write, and such modules are
   skipped; otherwise backward raises ``ConvertError`` naming the module). Rebuilt norms have no second derivative
   (``Change.limits`` says so; a backward through their gradient raises ``ConvertError``). Under torch.compile and
-  torch.func every converted module runs as torch's own ops. Tracing and measuring leave the global (and CUDA) RNG,
-  parameters and running statistics as they were.
+  torch.func every converted module runs as torch's own ops, and so do the rebuilt norms and ActLinear under
+  autocast (a bfloat16 output would rebuild xhat with bfloat16's rounding where torch reads the input in float32).
+  Tracing and measuring leave the global (and CUDA) RNG, parameters and running statistics as they were.
 * Savings are measured, not estimated: the activation bytes autograd keeps after a forward on the example
   inputs, measured by the tracker before and after each change.
 """
@@ -226,6 +227,7 @@ def _convert(model: nn.Module, args: tuple[Any, ...] | None,
         if kind == "bn":
             if not (allowed(name, module) and allowed(nxt_name, nxt)):
                 continue
+            limits: tuple[str, ...] = (_NO_DOUBLE_BACKWARD,)
             if type(nxt) is nn.ReLU:
                 readers = [modules[r] for r in trace.keepers(nxt_name) if r in modules]
                 target = _BN_RELU[type(module)]
@@ -233,8 +235,9 @@ def _convert(model: nn.Module, args: tuple[Any, ...] | None,
             else:
                 target = _BN_ACT[type(module)]
                 apply = _fuse_bn(module, nxt, _bn_activation(nxt), _label(pair, target))  # type: ignore[arg-type]
+                limits += (_NO_AUTOCAST,)
             changes.append((pair, f"{type(module).__name__} + {type(nxt).__name__}", f"memtrim.nn.{target.__name__}",
-                            (_NO_DOUBLE_BACKWARD,), apply))
+                            limits, apply))
             claimed.update(pair)
         else:
             activation = _act_name(module)
@@ -242,7 +245,7 @@ def _convert(model: nn.Module, args: tuple[Any, ...] | None,
                 skipped.append(Skipped(pair, "GELU with an unsupported approximation"))
                 continue
             if allowed(name, module) and allowed(nxt_name, nxt):
-                changes.append((pair, f"{type(module).__name__} + Linear", "memtrim.nn.ActLinear", (),
+                changes.append((pair, f"{type(module).__name__} + Linear", "memtrim.nn.ActLinear", (_NO_AUTOCAST,),
                                 _fuse_act_linear(module, nxt, activation, _label(pair, ActLinear))))
                 claimed.update(pair)
     for name, module in modules.items():
@@ -273,7 +276,7 @@ def _convert(model: nn.Module, args: tuple[Any, ...] | None,
             skipped.append(Skipped((name,), why))
             continue
         if allowed(name, module):
-            limits = (_NO_DOUBLE_BACKWARD,) if target in (LayerNorm, RMSNorm) else ()
+            limits = (_NO_DOUBLE_BACKWARD, _NO_AUTOCAST) if target in (LayerNorm, RMSNorm) else ()
             changes.append(((name,), type(module).__name__, f"memtrim.nn.{target.__name__}", limits,
                             _swap_class(module, target, _label((name,), target))))
 
@@ -294,6 +297,7 @@ def _convert(model: nn.Module, args: tuple[Any, ...] | None,
 
 
 _NO_DOUBLE_BACKWARD = "no double backward (a backward through its gradient raises ConvertError)"
+_NO_AUTOCAST = "saves nothing under autocast (runs as torch's own ops there)"
 
 
 def _label(names: tuple[str, ...], target: type) -> str:

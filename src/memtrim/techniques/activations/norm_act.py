@@ -14,8 +14,8 @@ saturates and ``log1p`` loses ``y``) keep their ``xhat`` explicitly, a tensor of
 norm keeps its input ] in _kernels.py derives the rule). Parameters and buffers are exactly ``nn.BatchNorm``'s, so
 state_dicts load both ways. Gradients differ from torch's by the rounding of the reconstruction (float32: within
 10x torch's own error against float64; see tests), not bitwise. There is no second derivative: a backward through
-the gradient raises :class:`ConvertError` naming the module. Under torch.compile and torch.func the module runs as
-torch's BatchNorm and activation.
+the gradient raises :class:`ConvertError` naming the module. Under torch.compile, torch.func and autocast the module
+runs as torch's BatchNorm and activation.
 
 BatchNorm + ReLU cannot be inverted (ReLU's zeros lose ``y``); keep such pairs as they are.
 """
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ...errors import InvalidInputError
-from ._kernels import inplace_error, keep_input_features, no_double_backward, plain_only
+from ._kernels import autocasting, inplace_error, keep_input_features, no_double_backward, plain_only
 from .modules import owner
 
 __all__ = ["BatchNormAct1d", "BatchNormAct2d", "BatchNormAct3d"]
@@ -198,7 +198,7 @@ class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or (self.weight is not None and self.weight.requires_grad)
         )
-        if not needs_grad or plain_only():  # torch's own BatchNorm and activation
+        if not needs_grad or plain_only() or autocasting(input):  # torch's own BatchNorm and activation
             out = nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                            bn_training, factor, self.eps)
             if self.activation == "leaky_relu":

@@ -9,14 +9,15 @@ output instead (one tensor for both) drops the input: backward recovers ``xhat =
 than ``KEEP_BOUND`` times less accurate than torch's (``|beta| / |gamma|`` large, or gamma 0; NOTE [ when a norm keeps
 its input ] in _kernels.py) keep their ``xhat`` column explicitly. Parameters are the torch module's own. There is no
 second derivative (a backward through the gradient raises :class:`ConvertError` naming the module); under
-torch.compile and torch.func the modules run as torch's own.
+torch.compile, torch.func and autocast the modules run as torch's own.
 
 NOTE [ activation + Linear keeping the pre-activation ]
 In ``Linear -> GELU -> Linear`` torch keeps the GELU input ``h`` (for GELU's backward) and the GELU output ``a``
 (for the second Linear's weight gradient). :class:`ActLinear` computes ``Linear(act(h))`` keeping only ``h``; its
 backward recomputes ``a = act(h)`` (one cheap pointwise op) for the weight gradient. The recomputed ``a`` is
 bitwise the forward's, and the backward uses torch's own kernels, so gradients are bitwise those of the pair. The
-backward is written in differentiable torch ops on the kept inputs, so double backward works too.
+backward is written in differentiable torch ops on the kept inputs, so double backward works too. Under autocast it
+runs as torch's Linear(act(h)).
 """
 
 from __future__ import annotations
@@ -28,7 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import InvalidInputError
-from ._kernels import inplace_error, keep_input_features, no_double_backward, plain_only, zeros_and_ones
+from ._kernels import (
+    autocasting,
+    inplace_error,
+    keep_input_features,
+    no_double_backward,
+    plain_only,
+    zeros_and_ones,
+)
 from .functional import differentiable_grad
 from .modules import owner
 
@@ -114,7 +122,7 @@ class LayerNorm(nn.LayerNorm):
         self.gamma_threshold = gamma_threshold
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if (not torch.is_grad_enabled() or plain_only()
+        if (not torch.is_grad_enabled() or plain_only() or autocasting(input)
                 or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))):
             return super().forward(input)
         return _NormKeepOutput.apply(input, self.weight, self.bias, tuple(self.normalized_shape), self.eps, False,
@@ -136,7 +144,7 @@ class RMSNorm(_RMSBase):  # type: ignore[misc,valid-type]
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         eps = self.eps if self.eps is not None else torch.finfo(input.dtype).eps
-        if (not torch.is_grad_enabled() or plain_only()
+        if (not torch.is_grad_enabled() or plain_only() or autocasting(input)
                 or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))):
             return super().forward(input)
         return _NormKeepOutput.apply(input, self.weight, None, tuple(self.normalized_shape), eps, True,
@@ -213,6 +221,6 @@ class ActLinear(nn.Linear):
         return f"{super().extra_repr()}, activation={self.activation} (applied to the input, recomputed in backward)"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled() or plain_only():
+        if not torch.is_grad_enabled() or plain_only() or autocasting(input):
             return F.linear(_ACT[self.activation][0](input), self.weight, self.bias)
         return _ActLinearFunction.apply(input, self.weight, self.bias, self.activation, owner(self))
