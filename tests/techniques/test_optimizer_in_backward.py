@@ -153,6 +153,7 @@ def test_clip_grad_norm_needs_backward_method():
     model = SeedMLP()
     opt = memtrim.OptimizerInBackward(torch.optim.Adam(model.parameters()), model=model, clip_grad_norm=1.0)
     x, y = mlp_batches(1)[0]
+    opt.zero_grad()  # opens the step: only then does backward update
     with pytest.raises(memtrim.OptimizerInBackwardError, match=r"opt.backward\(loss\)"):
         F.nll_loss(model(x), y).backward()
     opt.zero_grad()
@@ -197,6 +198,7 @@ def test_two_backwards_without_accumulation_raise():
     model = SeedMLP()
     opt = memtrim.OptimizerInBackward(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
     x, y = mlp_batches(1)[0]
+    opt.zero_grad()
     F.nll_loss(model(x), y).backward()
     with pytest.raises(memtrim.OptimizerInBackwardError, match="accumulate"):
         F.nll_loss(model(x), y).backward()
@@ -301,7 +303,8 @@ def test_state_dict_round_trip_mid_training(direction):
 
 def test_gradients_alive_never_exceed_the_largest_bucket():
     model = SmallGPT(n_layer=2, d_model=64, n_head=4, seq_len=32, vocab_size=128)
-    opt = memtrim.OptimizerInBackward(torch.optim.AdamW(model.parameters()), model=model, bucket_bytes=64 * 1024)
+    opt = memtrim.OptimizerInBackward(torch.optim.AdamW(model.parameters()), model=model, bucket_bytes=64 * 1024,
+                                      peak="lowest")
     idx = torch.randint(0, 128, (4, 32))
     run(model, opt, [(idx, idx)], loss_fn=lm_loss)
     with memtrim.track(model, opt) as tracker:
@@ -319,7 +322,7 @@ def test_peak_drops_by_about_the_gradients():
         model = SmallGPT(n_layer=2, d_model=128, n_head=4, seq_len=16, vocab_size=2048)
         opt = torch.optim.AdamW(model.parameters())
         if wrap:
-            opt = memtrim.OptimizerInBackward(opt, model=model, bucket_bytes=0)
+            opt = memtrim.OptimizerInBackward(opt, model=model, bucket_bytes=0, peak="lowest")
         idx = torch.randint(0, 2048, (2, 16))
         run(model, opt, [(idx, idx)], loss_fn=lm_loss)
         with memtrim.track(model, opt) as tracker:

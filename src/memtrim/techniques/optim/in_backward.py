@@ -2,34 +2,59 @@
 complete, and its gradients are freed right away, so the full set of gradients never exists at once.
 
 NOTE [ optimizer in backward ]
+* Contract. The training loop is the standard one; memtrim only moves *when* the update happens.
+  - An *open step* runs from ``zero_grad()`` to ``step()``. A backward pass inside an open step (and outside
+    ``accumulate()``) updates the parameters it reaches, bucket by bucket, and frees their gradients.
+  - Every other backward pass (before the first ``zero_grad()``, between ``step()`` and the next ``zero_grad()``,
+    inside ``accumulate()``) accumulates into ``.grad`` exactly as in the standard loop: a GAN's generator loss
+    reaching the discriminator, an adversarial attack's backward after ``step()``, micro-batches.
+  - ``step()`` applies every gradient still waiting (written by ``torch.autograd.grad``, accumulated, left by
+    a parameter that missed the backward, zero gradients kept by ``zero_grad(set_to_none=False)``), runs the
+    step hooks, and closes the step.
+  - Whatever memtrim cannot make bitwise equal raises ``OptimizerInBackwardError`` at the first moment it can
+    tell: a second gradient for a parameter already updated in this step (two losses, an attack's backward in
+    the open step), ``zero_grad()`` discarding a step that was already applied, an exception inside a backward
+    that had already updated parameters, the user's own ``clip_grad_norm_`` on freed gradients, a GradScaler
+    driving a wrapper that was not told about it, two open wrappers on one parameter, one wrapper used from two
+    threads at once.
 * Source of truth: the wrapped ``torch.optim`` optimizer. A bucket is stepped by calling that optimizer's own
   ``step`` with ``param_groups`` temporarily narrowed to the bucket (each narrowed group is a shallow copy of
   the real group, so hyperparameters, including a scheduler's latest learning rate, are read at that moment;
   ``state`` is shared). The update of a parameter depends only on its gradient and state, so this is bitwise
   equal to one ``step()`` over all parameters, with the same foreach/fused implementation.
-* When: ``register_post_accumulate_grad_hook`` marks a parameter ready; a bucket steps when its last
+* When: ``register_post_accumulate_grad_hook`` marks a parameter ready; a bucket steps when its last expected
   parameter is ready; at the end of the backward pass (an autograd engine callback) any bucket with some ready
-  parameters steps too (parameters unused in this step keep ``grad=None`` and are skipped, as by ``step()``).
-  Under DDP the gradients are taken from DDP's comm hook after the all-reduce instead (a post-accumulate hook
-  there would see the local gradient and ranks would drift). Under FSDP2 the hooks fire on the sharded,
-  reduce-scattered gradient.
+  parameters steps too. Under DDP the gradients are taken from DDP's comm hook after the all-reduce instead (a
+  post-accumulate hook there would see the local gradient and ranks would drift). Under FSDP2 the hooks fire on
+  the sharded, reduce-scattered gradient. Hooks hold the wrapper weakly: a wrapper nobody references stops.
+* Peak memory: an update inside backward runs while the activations that backward still needs are alive, so
+  its temporaries (for Adam about twice the bucket's bytes) add to the memory of that moment, while the
+  gradients already freed subtract from it. ``peak="never_higher"`` (the default) holds a bucket back until the
+  gradients freed before it cover its temporaries; the first buckets are therefore updated at the end of
+  backward, once activations are gone, and the buckets after them inside backward. The peak is then never above
+  the standard loop's (the standard loop holds every freed gradient at that moment too). ``peak="lowest"``
+  updates every bucket as soon as it is complete: the lowest peak for parameter-heavy models, possibly a higher
+  one for activation-heavy ones (measured in benchmarks/optimizer_in_backward_peak.py).
 * Global information (clipping by global norm, GradScaler's inf check) needs every gradient before any update:
   ``backward(loss)`` then runs two passes: the first computes the norms / inf flags and frees each gradient at
   once, the second (same graph, retained) updates. Cost: one extra backward pass.
-* Exactly once: a parameter stepped in this training step is not stepped again until ``step()`` or
-  ``zero_grad()`` closes the step; a second backward without ``accumulate()`` raises instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
+import threading
+import types
 import weakref
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ...errors import InvalidInputError, MemtrimError
 from ...measure import _hooks
@@ -37,19 +62,129 @@ from ...measure import _hooks
 __all__ = ["OptimizerInBackward", "OptimizerInBackwardError"]
 
 _DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+_PEAK_MODES = ("never_higher", "lowest")
+# Temporaries of one optimizer step, in bytes per byte of the parameters stepped (foreach Adam/AdamW allocate
+# about two bucket-sized tensors; measured with memtrim.track, see benchmarks/optimizer_in_backward_peak.py).
+_TEMPORARIES_PER_BYTE = 2
+
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> weakref to the wrapper of its open step
 
 
 class OptimizerInBackwardError(MemtrimError, RuntimeError):
     """The training loop does something the in-backward step cannot do exactly."""
 
 
+def _memory_now(device: torch.device) -> int | None:
+    """Bytes allocated on ``device`` now: the allocator's counter on CUDA, an active memtrim tracker on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    trackers = _hooks.active_trackers()
+    if trackers:
+        return max(tracker.live_bytes(str(device)) for tracker in trackers)
+    return None
+
+
 class _Bucket:
-    __slots__ = ("group", "params", "ready")
+    __slots__ = ("group", "params", "ready", "expected", "nbytes")
 
     def __init__(self, group: int, params: list[torch.Tensor]) -> None:
         self.group = group
         self.params = params
         self.ready: set[int] = set()  # indices into params
+        self.expected = len(params)  # parameters that can receive a gradient through a hook in this step
+        self.nbytes = sum(p.numel() * p.element_size() for p in params)
+
+
+class _Outcome:
+    """What one backward pass did; outlives the pass so that a pass killed by an exception can be told apart."""
+
+    __slots__ = ("ran", "updated")
+
+    def __init__(self) -> None:
+        self.ran = False
+        self.updated = 0
+
+
+class _EndOfBackward:
+    """Queued as the autograd engine's final callback; freed with the graph task, run only if it succeeded."""
+
+    __slots__ = ("wrapper", "outcome", "__weakref__")
+
+    def __init__(self, wrapper: weakref.ref, outcome: _Outcome) -> None:
+        self.wrapper = wrapper
+        self.outcome = outcome
+
+    def __call__(self) -> None:
+        self.outcome.ran = True
+        wrapper = self.wrapper()
+        if wrapper is not None:
+            wrapper._end_of_backward()
+
+
+def _backward_gone(wrapper_ref: weakref.ref, outcome: _Outcome) -> None:
+    wrapper = wrapper_ref()
+    if wrapper is not None and not outcome.ran:
+        wrapper._backward_aborted(outcome)
+
+
+def _param_hook(wrapper_ref: weakref.ref) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        wrapper = wrapper_ref()
+        if wrapper is not None:
+            wrapper._on_param_ready(param)
+
+    return hook
+
+
+def _output_hook(wrapper_ref: weakref.ref) -> Callable[..., None]:
+    """Forward hook on the model: each output tensor counts the backward passes through its graph."""
+
+    def forward_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+        wrapper = wrapper_ref()
+        if wrapper is None or wrapper._removed or not torch.is_grad_enabled():
+            return
+        tensors = [t for t in _tensors(output) if t.requires_grad]
+        if not tensors:
+            return
+        seen: dict[str, int] = {}  # serial of the open step whose backward last went through this graph
+
+        def grad_hook(grad: torch.Tensor) -> None:
+            wrapper = wrapper_ref()
+            if wrapper is None or wrapper._accumulating:
+                return
+            if wrapper._open and seen.get("serial") == wrapper._serial and wrapper._updated_in_backward:
+                wrapper._close_step()
+                raise OptimizerInBackwardError(
+                    "OptimizerInBackward: expected one backward pass per training step through a graph, but a "
+                    "second backward on the same (retained) graph started after the first had already updated "
+                    "parameters inside it: the graph's saved parameters are no longer the ones it was built with "
+                    "(torch would raise that a variable was modified by an inplace operation). Run the first "
+                    "backward inside `with opt.accumulate():` (loss1.backward(retain_graph=True)), then the "
+                    "second normally; the update then uses the sum of both gradients, as in the standard loop."
+                )
+            if wrapper._open:
+                seen["serial"] = wrapper._serial
+
+        for tensor in tensors:
+            tensor.register_hook(grad_hook)
+
+    return forward_hook
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _tensors(item)]
+    return []
+
+
+def _remove_handles(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 class OptimizerInBackward(torch.optim.Optimizer):
@@ -59,19 +194,28 @@ class OptimizerInBackward(torch.optim.Optimizer):
     of them alive (LOMO, arXiv 2306.09782), without the per-parameter optimizers, lost schedulers, missing
     clipping and accumulation, and DDP drift of the usual recipes.
 
+    The contract (NOTE [ optimizer in backward ]): a backward pass between ``zero_grad()`` and ``step()`` updates
+    the parameters it reaches; any other backward pass accumulates into ``.grad`` as in the standard loop, and
+    ``step()`` applies any gradient still waiting. The result is bitwise equal to the standard loop, or memtrim
+    raises ``OptimizerInBackwardError`` saying what to change.
+
     Args:
         optimizer: an ordinary, already-built ``torch.optim`` optimizer whose update of a parameter depends only
             on that parameter's gradient and state (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad,
-            Adadelta, ...). It stays the source of truth: param_groups, hyperparameters and state.
+            Adadelta, ...). It stays the source of truth: param_groups, hyperparameters, state and step hooks.
         model: the model (or its ``DistributedDataParallel`` wrapper). Optional without distributed training;
             required under DDP (memtrim registers a comm hook on it). All optimized parameters must belong to it.
         clip_grad_norm: clip by global 2-norm, exactly as ``torch.nn.utils.clip_grad_norm_`` over the
             optimizer's parameters in order; needs ``backward(loss)`` (two passes).
         clip_grad_value: clamp each gradient to ``[-v, v]`` before its update (no extra pass).
         scaler: a ``torch.amp.GradScaler``; an inf/NaN anywhere skips the whole update and lowers the scale.
-            Call ``opt.backward(scaler.scale(loss))``, then ``scaler.step(opt)`` and ``scaler.update()``.
+            Call ``opt.backward(scaler.scale(loss))``, then ``scaler.step(opt)`` and ``scaler.update()``
+            (``scaler.unscale_(opt)`` between them is allowed and changes nothing).
         bucket_bytes: parameters of one param group are stepped together in buckets of about this many bytes
             (in reverse order, the order their gradients usually arrive); ``0`` steps each parameter alone.
+        peak: ``"never_higher"`` (default): a bucket is updated inside backward only once the gradients freed
+            before it cover its update's temporaries, so the step's peak is never above the standard loop's;
+            the others are updated at the end of backward. ``"lowest"``: every bucket as soon as it is complete.
 
     Raises:
         InvalidInputError: not an optimizer; a closure-based or global optimizer (LBFGS); parameters the model
@@ -82,13 +226,17 @@ class OptimizerInBackward(torch.optim.Optimizer):
         opt = memtrim.OptimizerInBackward(torch.optim.AdamW(model.parameters(), lr=1e-3))
         sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)
         for x, y in batches:
-            opt.zero_grad()
-            loss_fn(model(x), y).backward()   # parameters are updated here
-            opt.step()                        # closes the step (no work left)
+            opt.zero_grad()                   # opens the step
+            loss_fn(model(x), y).backward()   # parameters are updated here, gradients freed
+            opt.step()                        # applies anything still waiting, runs hooks, closes the step
             sched.step()
 
     See NOTE [ optimizer in backward ] in this file.
     """
+
+    # GradScaler.step(opt) then hands the scale and the inf flag to step() instead of unscaling gradients that
+    # were already applied and freed (and tells us a scaler is in use).
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -99,6 +247,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         clip_grad_value: float | None = None,
         scaler: Any = None,
         bucket_bytes: int = _DEFAULT_BUCKET_BYTES,
+        peak: str = "never_higher",
     ) -> None:
         _check_optimizer(optimizer)
         for name, value in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
@@ -110,6 +259,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
             raise InvalidInputError(
                 f"memtrim.OptimizerInBackward: bucket_bytes must be an int >= 0, got {bucket_bytes!r}."
             )
+        if peak not in _PEAK_MODES:
+            raise InvalidInputError(
+                f"memtrim.OptimizerInBackward: peak must be one of {_PEAK_MODES}, got {peak!r}."
+            )
         if scaler is not None and not hasattr(scaler, "_per_optimizer_states"):
             raise InvalidInputError(
                 f"memtrim.OptimizerInBackward: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}."
@@ -120,31 +273,58 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self.clip_grad_value = clip_grad_value
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self.bucket_bytes = bucket_bytes
+        self.peak = peak
         self._two_passes = clip_grad_norm is not None or self.scaler is not None
         self._ddp = _check_model(model, optimizer)
-        self._hooks: list[Any] = []
+        self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._self_ref = weakref.ref(self)
+        self._handles: list[Any] = []
+        self._hooked: set[int] = set()
+        self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
+        self._removed = False
         self._buckets: list[_Bucket] = []
         self._where: dict[int, tuple[_Bucket, int]] = {}  # id(param) -> (bucket, index)
-        self._stepped: set[int] = set()
+        self._by_id: dict[int, torch.Tensor] = {}
+        # the step
+        self._open = False
+        self._thread: int | None = None
+        self._stepped: set[int] = set()  # updated (or consumed by a skipped update) in this step
+        self._updated_in_backward = 0
+        self._pre_hooks_ran = False
+        self._freed: set[int] = set()  # gradients freed that the standard loop would still hold
+        self._zero_pending: set[int] = set()  # the standard loop holds a zero gradient here; we hold None
         self._accumulating = 0
+        self._outcome: _Outcome | None = None
+        self._token: weakref.ref | None = None
+        self._pending_error: str | None = None
+        self._freed_bytes = 0  # gradient bytes freed inside the current backward pass
+        self._held: list[_Bucket] = []  # complete buckets held back to the end of backward (peak="never_higher")
+        self._ceiling = 0  # the most the standard loop surely holds in this step (bytes), for peak=
+        # global information
         self._pass: str | None = None  # None: single pass; "measure" / "update" inside backward(loss)
         self._norms: dict[int, torch.Tensor] = {}
         self._found_inf: dict[torch.device, torch.Tensor] = {}
+        self._scaler_found: torch.Tensor | None = None
         self._coefficient: torch.Tensor | None = None
-        self._callback_queued = False
+        self._callback_queued = False  # DDP only
         self._deferred = False  # accumulated gradients: step after backward instead of inside it
         raw = getattr(type(optimizer).step, "__wrapped__", None)  # the step without hooks and profiler records
         self._raw_step = raw if raw is not None else type(optimizer).step
+        _install_clip_guard()
         self._build_buckets()
+        self._serial = 0  # counts zero_grad() calls: which open step a graph was built in
+        if model is not None:
+            # a graph backwarded twice (retain_graph=True) after an update inside the first: say so before torch's
+            # version-counter error does
+            self._handles.append(model.register_forward_hook(_output_hook(self._self_ref)))
         if self._ddp is not None:
             # weak references both ways: DDP's C++ reducer must not keep the wrapper (and itself) alive
-            self._ddp.register_comm_hook(weakref.ref(self), _ddp_comm_hook)
+            self._ddp.register_comm_hook(self._self_ref, _ddp_comm_hook)
             self._ddp = weakref.ref(self._ddp)
         else:
             _check_not_distributed(optimizer)
-            for bucket in self._buckets:
-                for param in bucket.params:
-                    self._hooks.append(param.register_post_accumulate_grad_hook(self._on_param_ready))
+            self._hook_new_params()
 
     # ------------------------------------------------------------------ the wrapped optimizer's view
     @property  # type: ignore[override]
@@ -170,13 +350,23 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         self.optimizer.load_state_dict(state_dict)
 
+    def register_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> Any:  # type: ignore[override]
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
+
+    def register_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> Any:  # type: ignore[override]
+        return self.optimizer.register_state_dict_post_hook(hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> Any:  # type: ignore[override]
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> Any:  # type: ignore[override]
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
-        self.remove()
         self._build_buckets()
-        for bucket in self._buckets:
-            for param in bucket.params:
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_param_ready))
+        if self._ddp is None and not self._removed:
+            self._hook_new_params()
 
     def __repr__(self) -> str:
         return f"OptimizerInBackward({self.optimizer!r}, buckets={len(self._buckets)})"
@@ -186,33 +376,120 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the training loop
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Close the training step (a no-op for gradients already freed) and clear any gradient left."""
+        """Open a training step: backward passes from here to ``step()`` update the parameters they reach.
+
+        Raises:
+            OptimizerInBackwardError: the step being discarded was already applied inside backward (``step()``
+                was not called, or the backward was not the training loss: run it inside ``accumulate()``); the
+                last backward raised after updating parameters; another open wrapper updates these parameters.
+        """
+        self._raise_pending("zero_grad")
+        if self._open and self._updated_in_backward:
+            count = self._updated_in_backward
+            self._close_step()
+            raise OptimizerInBackwardError(
+                f"OptimizerInBackward.zero_grad: expected step() to close the training step, but {count} "
+                "parameter(s) were already updated inside a backward pass since the last zero_grad(), and "
+                "zero_grad() would now discard that gradient (the standard loop would never apply it). Call "
+                "opt.step() after the training loss's backward; run any other backward in the step (an "
+                "adversarial attack's input gradient, a probe) inside `with opt.accumulate():` or with "
+                "torch.autograd.grad(loss, inputs)."
+            )
         self._close_step()
+        if set_to_none:
+            self._freed.clear()
+            self._zero_pending.clear()
+        else:
+            self._zero_pending = {k for k in self._freed | self._zero_pending if self._by_id[k].grad is None}
+            self._freed.clear()
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        if self._removed:
+            return
+        self._claim_params()
+        if self._ddp is None:
+            self._hook_new_params()
+        for bucket in self._buckets:
+            bucket.expected = sum(1 for p in bucket.params if p.requires_grad and id(p) in self._hooked)
+        self._open = True
+        self._serial += 1
+        self._thread = threading.get_ident()
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        """Close the training step. The updates already happened inside backward.
+        """Apply every gradient still waiting, run the step hooks, and close the training step.
+
+        Gradients that backward passes outside an open step (or inside ``accumulate()``) left in ``.grad``, or that
+        were written by hand, are applied here by the wrapped optimizer, as in the standard loop.
 
         Raises:
             InvalidInputError: a closure is given (in-backward stepping cannot re-evaluate the loss).
+            OptimizerInBackwardError: the step cannot be bitwise equal to the standard loop's (see the message).
         """
         if closure is not None:
             raise InvalidInputError(
                 "OptimizerInBackward.step: closures are not supported; the update happens inside backward."
             )
+        self._raise_pending("step")
+        driven = "found_inf" in self.__dict__  # GradScaler.step(self) set grad_scale / found_inf
+        if driven and self.scaler is None and self._updated_in_backward:
+            self._close_step()
+            raise OptimizerInBackwardError(
+                "OptimizerInBackward.step: a GradScaler steps this optimizer, but the wrapper was built without "
+                "it, so the scaled gradients were already applied inside backward (unscaled, unchecked). Build "
+                "it with OptimizerInBackward(optimizer, scaler=scaler) and call opt.backward(scaler.scale(loss))."
+            )
+        for hook in tuple(_global_hooks("_global_optimizer_pre_hooks")):
+            hook(self, (), {})
+        waiting = [
+            p for group in self.optimizer.param_groups for p in group["params"]
+            if id(p) not in self._stepped and (p.grad is not None or id(p) in self._zero_pending)
+        ]
+        stale = [p for p in waiting if id(p) in self._freed and p.grad is not None]
+        if stale:
+            self._close_step()
+            raise OptimizerInBackwardError(
+                f"OptimizerInBackward.step: expected each step's gradients to start from zero_grad(), but "
+                f"{len(stale)} parameter(s) received a gradient after the previous step without zero_grad() "
+                "between; the standard loop would add it to the previous step's gradient, which was applied and "
+                "freed inside backward. Call opt.zero_grad() before each training step's backward."
+            )
+        if waiting and self._updated_in_backward and self.clip_grad_norm is not None:
+            self._close_step()
+            raise OptimizerInBackwardError(
+                f"OptimizerInBackward.step: clip_grad_norm needs every gradient of a step at once, but "
+                f"{len(waiting)} gradient(s) arrived after the update inside backward. Produce all of a step's "
+                "gradients in the backward of opt.backward(loss) (earlier ones inside accumulate())."
+            )
+        if waiting:
+            self._apply_waiting(waiting, driven)
+        if self.scaler is not None and self._scaler_found is not None:
+            # what update() reads; written here because GradScaler.step/unscale_ saw no gradients to check
+            found = self._scaler_found
+            self.scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {found.device: found}
+        self._run_pre_hooks()
+        for hook in tuple(self.optimizer._optimizer_step_post_hooks.values()):
+            hook(self.optimizer, (), {})
+        for hook in tuple(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers check
         self._close_step()
+        for hook in tuple(_global_hooks("_global_optimizer_post_hooks")):
+            hook(self, (), {})
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
-        """Micro-batches run inside accumulate gradients normally; the backward after it steps.
+        """Backward passes inside accumulate into ``.grad`` as in the standard loop (no update inside them).
+
+        For earlier micro-batches, a second loss on the same graph, or an adversarial attack's backward inside
+        an open step. The next backward outside it (or ``step()``) applies the accumulated gradients.
 
         Example::
 
+            opt.zero_grad()
             for x, y in micro_batches[:-1]:
                 with opt.accumulate():
                     loss_fn(model(x), y).backward()
-            loss_fn(model(x_last), y_last).backward()   # steps on the accumulated gradients
+            loss_fn(model(x_last), y_last).backward()   # updates with the accumulated gradients
+            opt.step()
         """
         self._accumulating += 1
         try:
@@ -227,14 +504,14 @@ class OptimizerInBackward(torch.optim.Optimizer):
         """
         if not isinstance(loss, torch.Tensor):
             raise InvalidInputError(f"OptimizerInBackward.backward: loss must be a tensor, got {type(loss).__name__}.")
-        if self._accumulating or not self._needs_two_passes():
+        if not self._open or self._accumulating or not self._two_passes or self._removed:
             loss.backward(**kwargs)
             return
         if self._ddp is not None:
             loss.backward(**kwargs)  # DDP: one pass; the step follows DDP's all-reduce (see _ddp_comm_hook)
             return
         retain = kwargs.pop("retain_graph", False)
-        if self._has_accumulated_grads():
+        if self._has_waiting_grads():
             # earlier micro-batches left gradients: they all exist anyway, so step after a single pass
             self._deferred = True
             try:
@@ -248,6 +525,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
             loss.backward(retain_graph=True, **kwargs)
             self._conclude_measure()
             if self._skip_update():
+                self._stepped.update(self._where)  # this step is consumed: nothing may arrive for it later
                 return
             self._pass = "update"
             loss.backward(retain_graph=retain, **kwargs)
@@ -256,10 +534,25 @@ class OptimizerInBackward(torch.optim.Optimizer):
             self._norms.clear()
 
     def remove(self) -> None:
-        """Remove memtrim's hooks (the wrapped optimizer then works as usual)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        """Remove memtrim's hooks: the wrapped optimizer then works as usual (``step()`` applies ``.grad``)."""
+        _remove_handles(self._handles)
+        self._hooked.clear()
+        self._removed = True
+        self._open = False
+        for param in self._by_id.values():
+            owner = _OWNERS.get(param)
+            if owner is not None and owner() is self:
+                del _OWNERS[param]
+
+    def register_step_pre_hook(self, hook: Callable) -> Any:  # type: ignore[override]
+        """Run ``hook(opt, args, kwargs)`` once per step, before its first update (inside backward when the step
+        is fused: gradients of later buckets do not exist yet; use clip_grad_norm=/clip_grad_value= for gradient
+        work). Hooks registered on the wrapped optimizer run at the same moment, with that optimizer."""
+        return super().register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Callable) -> Any:  # type: ignore[override]
+        """Run ``hook(opt, args, kwargs)`` once per step, at the end of ``step()`` (every update done)."""
+        return super().register_step_post_hook(hook)
 
     # ------------------------------------------------------------------ hooks
     def _ddp_hook(self, bucket: Any) -> torch.futures.Future:
@@ -273,7 +566,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         """
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        if not self._accumulating and not self._callback_queued:
+        if self._open and not self._accumulating and not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_ddp_backward)
         return allreduce_hook(self._ddp().process_group, bucket)  # type: ignore[union-attr,misc]
@@ -287,72 +580,167 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     def _on_param_ready(self, param: torch.Tensor) -> None:
         """``param``'s gradient is complete (accumulated; reduce-scattered under FSDP2)."""
-        if self._accumulating or param.grad is None:
-            return
-        if self._pass is None and self._two_passes and not self._deferred:
-            self._check_single_pass()
-        if not self._callback_queued:
-            self._queue_end_of_backward()
-        if self._pass == "measure":
-            self._measure(param)
-            param.grad = None
+        grad = param.grad
+        if grad is None or self._removed:
             return
         key = id(param)
+        if key in self._zero_pending and self._pass != "measure":
+            self._zero_pending.discard(key)
+            with torch.no_grad():
+                grad.add_(0.0)  # the standard loop accumulated into a zero gradient: 0 + g (-0.0 becomes 0.0)
+        if not self._open or self._accumulating:
+            return  # outside an open step: accumulate, as the standard loop does
+        self._check_thread(param)
         if key in self._stepped:
-            self._check_once([param])
-        where = self._where.get(key)
-        if where is None:
-            return  # not optimized by this optimizer
-        bucket, index = where
-        bucket.ready.add(index)
-        if not self._deferred and len(bucket.ready) == len(bucket.params):
-            self._step_bucket(bucket)
-
-    def _check_single_pass(self) -> None:
-        if self._needs_two_passes() and self._pass is None and not self._deferred:
+            self._close_step()  # reported once: the next zero_grad() starts clean
+            raise OptimizerInBackwardError(
+                "OptimizerInBackward: expected one backward pass per training step to reach each parameter, but "
+                f"a second backward in this step reached a parameter of shape {tuple(param.shape)} that was "
+                "already updated inside the first one (the standard loop would have added the two gradients). "
+                "Run the earlier backward passes (micro-batches, a first loss on a retained graph, an "
+                "adversarial attack's input gradient) inside `with opt.accumulate():`, or call opt.step() and "
+                "opt.zero_grad() between training steps."
+            )
+        if self._two_passes and self._pass is None and not self._deferred:
+            self._close_step()
             raise OptimizerInBackwardError(
                 "OptimizerInBackward: clip_grad_norm and a GradScaler need every gradient before any "
                 "update; call opt.backward(loss) instead of loss.backward()."
             )
+        where = self._where.get(key)
+        if where is None:
+            return  # not optimized by this optimizer
+        self._this_backward()
+        if self._pass == "measure":
+            self._measure(param)
+            param.grad = None
+            return
+        bucket, index = where
+        bucket.ready.add(index)
+        if not self._deferred and len(bucket.ready) >= bucket.expected:
+            self._bucket_complete(bucket)
 
-    def _check_once(self, params: list[torch.Tensor]) -> None:
-        if any(id(p) in self._stepped for p in params):
-            raise OptimizerInBackwardError(
-                "OptimizerInBackward: a parameter received a second gradient after it was updated in this "
-                "step. Run the earlier micro-batches inside `with opt.accumulate():`, or call opt.step() / "
-                "opt.zero_grad() between training steps."
-            )
+    def _bucket_complete(self, bucket: _Bucket) -> None:
+        if not self._may_step_now(bucket):
+            self._held.append(bucket)  # its temporaries would lift this moment above the standard loop's peak
+            return
+        self._step_bucket(bucket)
+        for held in list(self._held):  # what it freed (and what backward freed meanwhile) may cover one held
+            if self._may_step_now(held):
+                self._held.remove(held)
+                self._step_bucket(held)
 
-    def _queue_end_of_backward(self) -> None:
+    def _may_step_now(self, bucket: _Bucket) -> bool:
+        """Whether updating ``bucket`` now keeps memory at or below the standard loop's peak (see the NOTE)."""
+        now = _memory_now(bucket.params[0].device)
+        if now is None:
+            return True  # memory cannot be seen here (CPU without a memtrim tracker): as soon as complete
+        # the standard loop holds, at this moment, every gradient freed so far too; and later all of them
+        self._ceiling = max(self._ceiling, now + self._freed_bytes)
+        over = now + _TEMPORARIES_PER_BYTE * bucket.nbytes - self._ceiling
+        if over <= 0:
+            return True
+        return self.peak == "lowest"
+
+    def _this_backward(self) -> None:
+        """Queue the end-of-backward callback once per backward pass (and notice passes killed by exceptions)."""
+        if self._token is not None and self._token() is not None:
+            return
         _check_not_distributed(self.optimizer)  # a process group started after this wrapper was built
-        self._callback_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        outcome = _Outcome()
+        token = _EndOfBackward(self._self_ref, outcome)
+        weakref.finalize(token, _backward_gone, self._self_ref, outcome)
+        self._outcome = outcome
+        self._token = weakref.ref(token)
+        self._freed_bytes = 0
+        self._ceiling = self._standard_floor()
+        torch.autograd.Variable._execution_engine.queue_callback(token)
 
     def _end_of_backward(self) -> None:
-        self._callback_queued = False
+        self._token = None
+        held, self._held = self._held, []
         if self._pass == "measure" or self._deferred:
             return
+        for bucket in held:
+            self._step_bucket(bucket)
         for bucket in self._buckets:
             if bucket.ready:
                 self._step_bucket(bucket)
+
+    def _backward_aborted(self, outcome: _Outcome) -> None:
+        """A backward pass raised: its partial gradients stay in ``.grad`` (as in the standard loop)."""
+        self._token = None
+        self._held = []
+        for bucket in self._buckets:
+            bucket.ready.clear()
+        if outcome.updated:
+            self._pending_error = (
+                f"expected the backward pass to finish, but the last one raised an exception after {outcome.updated} "
+                "parameter(s) had already been updated inside it; the standard loop, which skips that batch, would "
+                "not have updated any, so training is no longer equal to it. Fix what raised; if a backward may "
+                "fail (skipping out-of-memory batches), train without OptimizerInBackward. This error is reported "
+                "once; training can go on from here."
+            )
+
+    def _raise_pending(self, where: str) -> None:
+        message, self._pending_error = self._pending_error, None
+        if message is not None:
+            self._close_step()
+            raise OptimizerInBackwardError(f"OptimizerInBackward.{where}: {message}")
+
+    def _check_thread(self, param: torch.Tensor) -> None:
+        # CPU backward runs on the thread that called it (CUDA's on the engine's device threads: not checked)
+        if param.device.type == "cpu" and self._thread is not None and threading.get_ident() != self._thread:
+            raise OptimizerInBackwardError(
+                "OptimizerInBackward: expected backward passes of an open step on the thread that opened it "
+                "with zero_grad(), but one ran on another thread. One wrapper cannot serve two threads at once "
+                "(their gradients would mix); give each thread its own model and wrapper."
+            )
+
+    def _claim_params(self) -> None:
+        for param in self._by_id.values():
+            owner = _OWNERS.get(param)
+            other = owner() if owner is not None else None
+            if other is not None and other is not self and other._open and not other._removed:
+                raise OptimizerInBackwardError(
+                    f"OptimizerInBackward.zero_grad: expected one wrapper per parameter, but a parameter of shape "
+                    f"{tuple(param.shape)} is also in another open OptimizerInBackward, and both would update it. "
+                    "Call old_opt.remove() (or drop every reference to it) before building a new wrapper."
+                )
+            _OWNERS[param] = self._self_ref
+
+    def _run_pre_hooks(self) -> None:
+        if self._pre_hooks_ran:
+            return
+        self._pre_hooks_ran = True
+        for hook in tuple(self.optimizer._optimizer_step_pre_hooks.values()):
+            hook(self.optimizer, (), {})
+        for hook in tuple(self._optimizer_step_pre_hooks.values()):
+            hook(self, (), {})
 
     # ------------------------------------------------------------------ stepping
     def _step_bucket(self, bucket: _Bucket) -> None:
         params = [bucket.params[i] for i in sorted(bucket.ready)]
         bucket.ready.clear()
-        self._step(params)
+        self._step(params, in_backward=True)
 
-    def _step(self, params: list[torch.Tensor]) -> None:
-        """Update ``params`` (their gradients are complete) with the wrapped optimizer, then free the gradients."""
+    def _step(self, params: list[torch.Tensor], in_backward: bool) -> None:
+        """Update ``params`` (their gradients are complete) with the wrapped optimizer.
+
+        Inside backward the gradients are freed afterwards; in ``step()`` they stay, as in the standard loop.
+        """
         params = [p for p in params if p.grad is not None]
         if not params:
             return
+        self._run_pre_hooks()
         grads = [p.grad for p in params]
-        if _hooks._active:
+        if in_backward and _hooks.active_trackers():
             _hooks.note_gradients(grads)
-        if self.scaler is not None or self._coefficient is not None or self.clip_grad_value is not None:
+        if self._coefficient is not None or self.clip_grad_value is not None or (
+            in_backward and self.scaler is not None
+        ):
             with torch.no_grad():
-                if self.scaler is not None:
+                if in_backward and self.scaler is not None:
                     self._unscale(grads)
                 if self._coefficient is not None:
                     for grad in grads:
@@ -376,14 +764,64 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 group.update((k, v) for k, v in used.items() if k != "params")
         for param in params:
             self._stepped.add(id(param))
+        if in_backward:
+            self._updated_in_backward += len(params)
+            if self._outcome is not None:
+                self._outcome.updated += len(params)
+            for param in params:
+                self._freed_bytes += param.grad.numel() * param.grad.element_size()  # type: ignore[union-attr]
+                self._freed.add(id(param))
+                param.grad = None
+
+    def _apply_waiting(self, waiting: list[torch.Tensor], driven: bool) -> None:
+        """``step()``'s own updates: the standard step over the gradients still waiting."""
+        zeros = [p for p in waiting if p.grad is None]  # zero_grad(set_to_none=False) kept a zero gradient
+        for param in zeros:
+            param.grad = torch.zeros_like(param)
+            self._zero_pending.discard(id(param))
+        grads = [p.grad for p in waiting]
+        if driven:  # GradScaler.step(self): it checked the waiting gradients for infs; we unscale them
+            found = self.__dict__["found_inf"]
+            if bool(found):
+                self._stepped.update(id(p) for p in waiting)
+                self._free(zeros)
+                return
+            grad_scale = self.__dict__.get("grad_scale")
+            if grad_scale is not None:
+                inv_scale = grad_scale.double().reciprocal().float()
+                with torch.no_grad():
+                    for (device, _), tensors in _by_device_and_dtype(grads).items():
+                        dummy = torch.zeros(1, device=device)
+                        torch._amp_foreach_non_finite_check_and_unscale_(tensors, dummy, inv_scale.to(device))
+        elif self.scaler is not None:  # opt.step() called directly: unscale and check here
+            self._unscale(grads, record=True)
+            if self._skip_update():
+                self._stepped.update(id(p) for p in waiting)
+                self._free(zeros)
+                return
+        if self.clip_grad_norm is not None:
+            for param in waiting:
+                self._measure(param, unscale=False)
+            self._conclude_measure()
+            self._norms.clear()
+        try:
+            self._step(waiting, in_backward=False)
+        finally:
+            self._coefficient = None
+        self._free(zeros)
+
+    def _free(self, params: list[torch.Tensor]) -> None:
+        for param in params:
             param.grad = None
+            self._freed.add(id(param))
 
     def _finish_deferred(self) -> None:
+        """Step every waiting gradient of the open step at once (DDP; or accumulated gradients + two passes)."""
         for bucket in self._buckets:
             for index, param in enumerate(bucket.params):
                 if param.grad is not None and id(param) not in self._stepped:
                     bucket.ready.add(index)
-        if self._needs_two_passes():
+        if self._two_passes:
             for bucket in self._buckets:
                 for index in bucket.ready:
                     self._measure(bucket.params[index])
@@ -391,38 +829,60 @@ class OptimizerInBackward(torch.optim.Optimizer):
             self._norms.clear()
             if self._skip_update():
                 for bucket in self._buckets:
+                    for index in bucket.ready:
+                        self._stepped.add(id(bucket.params[index]))
+                        bucket.params[index].grad = None
                     bucket.ready.clear()
-                self.optimizer.zero_grad(set_to_none=True)
                 return
         for bucket in self._buckets:
             if bucket.ready:
                 self._step_bucket(bucket)
 
     def _close_step(self) -> None:
+        self._open = False
         self._stepped.clear()
+        self._updated_in_backward = 0
+        self._pre_hooks_ran = False
         self._coefficient = None
+        self._scaler_found = None
+        self._held = []
         for bucket in self._buckets:
             bucket.ready.clear()
 
+    def _standard_floor(self) -> int:
+        """Bytes the standard loop surely holds at its step: parameters, optimizer state and every gradient."""
+        total = 0
+        for param in self._by_id.values():
+            size = param.numel() * param.element_size()
+            total += 2 * size if param.requires_grad else size
+            for value in self.optimizer.state.get(param, {}).values():
+                if isinstance(value, torch.Tensor):
+                    total += value.numel() * value.element_size()
+        return total
+
+    def _hook_new_params(self) -> None:
+        """Hook parameters that can receive gradients (frozen ones are hooked when unfrozen, at zero_grad)."""
+        for param in self._by_id.values():
+            if param.requires_grad and id(param) not in self._hooked:
+                self._handles.append(param.register_post_accumulate_grad_hook(_param_hook(self._self_ref)))
+                self._hooked.add(id(param))
+
     # ------------------------------------------------------------------ global information
-    def _needs_two_passes(self) -> bool:
-        return self._two_passes
+    def _has_waiting_grads(self) -> bool:
+        return any(p.grad is not None and id(p) not in self._stepped for p in self._by_id.values())
 
-    def _has_accumulated_grads(self) -> bool:
-        return any(p.grad is not None for b in self._buckets for p in b.params)
-
-    def _measure(self, param: torch.Tensor) -> None:
+    def _measure(self, param: torch.Tensor, unscale: bool = True) -> None:
         grad = param.grad
         assert grad is not None
         with torch.no_grad():
-            if self.scaler is not None:
+            if unscale and self.scaler is not None:
                 grad = grad.clone()
                 self._unscale([grad], record=True)
             if self.clip_grad_norm is not None:
                 self._norms[id(param)] = _norm(grad)
 
     def _conclude_measure(self) -> None:
-        if self.clip_grad_norm is None or self._skip_update():
+        if self.clip_grad_norm is None or self._found_any_inf():
             return
         order = [p for group in self.optimizer.param_groups for p in group["params"] if id(p) in self._norms]
         if not order:
@@ -434,40 +894,36 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self.last_total_norm = total
 
     def _unscale(self, grads: list[torch.Tensor], record: bool = False) -> None:
-        scaler = self.scaler
-        inv_scale = scaler._scale.double().reciprocal().float()
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for grad in grads:
-            by_device.setdefault(grad.device, []).append(grad)
-        for device, tensors in by_device.items():
+        assert self.scaler is not None
+        inv_scale = self.scaler._scale.double().reciprocal().float()
+        for (device, _), tensors in _by_device_and_dtype(grads).items():
             found = torch.zeros(1, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_scale.to(device))
             if record:
                 previous = self._found_inf.get(device)
                 self._found_inf[device] = found if previous is None else previous + found
 
+    def _found_any_inf(self) -> bool:
+        return self.scaler is not None and any(bool(f.item()) for f in self._found_inf.values())
+
     def _skip_update(self) -> bool:
-        """With a GradScaler: tell it what was found, and whether this step's update is skipped."""
+        """With a GradScaler: remember what was found (``step()`` tells the scaler), and whether to skip."""
         if self.scaler is None:
             return False
-        from torch.amp.grad_scaler import OptState
-
         device = self.scaler._scale.device
         found = sum((f.to(device) for f in self._found_inf.values()), torch.zeros(1, device=device))
         self._found_inf.clear()
-        self.scaler._per_optimizer_states[id(self)] = {
-            "stage": OptState.UNSCALED,
-            "found_inf_per_device": {device: found},
-        }
+        self._scaler_found = found if self._scaler_found is None else self._scaler_found + found
         return bool(found.item())
 
     def _build_buckets(self) -> None:
         self._buckets.clear()
         self._where.clear()
+        self._by_id.clear()
         for g, group in enumerate(self.optimizer.param_groups):
             current: list[torch.Tensor] = []
             size = 0
-            for param in reversed([p for p in group["params"] if p.requires_grad]):
+            for param in reversed(group["params"]):
                 current.append(param)
                 size += param.numel() * param.element_size()
                 if size >= self.bucket_bytes:
@@ -482,11 +938,26 @@ class OptimizerInBackward(torch.optim.Optimizer):
                         "memtrim.OptimizerInBackward: a parameter appears twice in the optimizer's param_groups."
                     )
                 self._where[id(param)] = (bucket, index)
+                self._by_id[id(param)] = param
 
     @property
     def largest_bucket_bytes(self) -> int:
         """Bytes of gradients in the largest bucket: about the most gradient memory alive at once."""
-        return max((sum(p.numel() * p.element_size() for p in b.params) for b in self._buckets), default=0)
+        return max((b.nbytes for b in self._buckets), default=0)
+
+
+def _by_device_and_dtype(grads: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    out: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for grad in grads:
+        out.setdefault((grad.device, grad.dtype), []).append(grad)
+    return out
+
+
+def _global_hooks(name: str) -> list[Callable]:
+    """torch's process-wide optimizer step hooks (``register_optimizer_step_pre_hook``/``post_hook``)."""
+    import torch.optim.optimizer as optimizer_module
+
+    return list(getattr(optimizer_module, name, {}).values())
 
 
 def _ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects annotations other than its own
@@ -506,6 +977,52 @@ def _norm(grad: torch.Tensor) -> torch.Tensor:
         except RuntimeError:  # pragma: no cover
             pass
     return torch.linalg.vector_norm(grad, 2.0)
+
+
+# ---------------------------------------------------------------------------------------------- the clip guard
+# torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on gradients that were applied and freed inside backward
+# would silently clip nothing (clip_grad_norm_ returns 0.0). The guard raises instead; it looks only at
+# parameters of an open step of a live wrapper and otherwise calls torch's function unchanged.
+
+
+def _check_clip(parameters: Any, name: str, option: str) -> Any:
+    if isinstance(parameters, torch.Tensor):
+        params = [parameters]
+    elif isinstance(parameters, types.GeneratorType):
+        params = list(parameters)
+        parameters = (p for p in params)  # keep torch's warning about an empty generator
+    else:
+        params = parameters = list(parameters)
+    for param in params:
+        owner = _OWNERS.get(param) if isinstance(param, torch.Tensor) else None
+        wrapper = owner() if owner is not None else None
+        if wrapper is not None and wrapper._open and param.grad is None and id(param) in wrapper._stepped:
+            raise OptimizerInBackwardError(
+                f"torch.nn.utils.{name}: expected gradients to clip, but OptimizerInBackward already applied and "
+                f"freed them inside backward, so it would clip nothing. Pass {option} to OptimizerInBackward "
+                "(it clips exactly as torch does, before each update) and call opt.backward(loss)."
+            )
+    return parameters
+
+
+def _install_clip_guard() -> None:
+    import torch.nn.utils as utils
+    import torch.nn.utils.clip_grad as clip_grad
+
+    for name, option in (("clip_grad_norm_", "clip_grad_norm=max_norm"), ("clip_grad_value_", "clip_grad_value=v")):
+        original = getattr(clip_grad, name)
+        if getattr(original, "_memtrim_guard", False):
+            continue
+
+        def guarded(parameters: Any, *args: Any, _original: Callable = original, _name: str = name,
+                    _option: str = option, **kwargs: Any) -> Any:
+            return _original(_check_clip(parameters, _name, _option), *args, **kwargs)
+
+        guarded = functools.wraps(original)(guarded)
+        guarded._memtrim_guard = True  # type: ignore[attr-defined]
+        setattr(clip_grad, name, guarded)
+        if getattr(utils, name, None) is original:
+            setattr(utils, name, guarded)
 
 
 _GLOBAL_OPTIMIZERS = ("LBFGS",)
