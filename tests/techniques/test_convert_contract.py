@@ -444,3 +444,20 @@ def test_loss_of_a_converted_model_unchanged_by_the_fixes():
     converted, _ = memtrim.convert(copy.deepcopy(model), example_inputs=x)
     assert torch.equal(converted(x), ref)
     assert F.mse_loss(converted(x), ref).item() == 0.0
+
+
+def test_keep_input_rule_adds_no_graph_break_under_torch_compile():
+    # the per-feature rule needs the count of kept features (a data-dependent shape): under torch.compile the
+    # converted modules run as torch's own ops, so a whole converted model compiles as one graph, bitwise as plain
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 8), nn.Unflatten(1, (8, 1)),
+                          nn.BatchNorm1d(8), nn.LeakyReLU(0.1), nn.Flatten(), nn.Linear(8, 2))
+    x = torch.randn(5, 6)
+    converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=x)
+    assert len(report.changes) == 3
+    torch._dynamo.reset()
+    results = []
+    for m in (model, converted):
+        compiled = torch.compile(m, backend="eager", fullgraph=True)  # fullgraph: a graph break raises
+        results.append(grads_of(compiled, x))
+    assert_same(results[1], results[0])
