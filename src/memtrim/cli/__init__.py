@@ -21,8 +21,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(_SUBCOMMANDS[args.command].run(args) or 0)
-    except MemtrimError as e:
-        print(f"memtrim {args.command}: error: {e}", file=sys.stderr)
+    except MemtrimError as e:  # a usage error: one line, exit status 2 (1 means "a problem was found")
+        message = " ".join(str(e).split())
+        prefix = f"memtrim {args.command}"
+        if not message.startswith(prefix):
+            message = f"{prefix}: {message}"
+        print(f"error: {message}", file=sys.stderr)
         return 2
 
 
