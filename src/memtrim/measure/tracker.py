@@ -110,17 +110,18 @@ class _Mode(TorchDispatchMode):
         setattr(self, _hooks.MODE_ATTRIBUTE, tracker)  # how _hooks.current() finds the trackers of a thread
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
         tracker = self.tracker
         inputs = tensors_in(args)
         if kwargs:
             inputs += tensors_in(kwargs)
-        tracker._op_start(func, inputs)
+        else:
+            kwargs = {}
+        seen = tracker._op_start(func, inputs)
         try:
             out = func(*args, **kwargs)
         finally:
             tracker._op = None
-        tracker._op_end(func, inputs, out)
+        tracker._op_end(func, seen, out)
         return out
 
 
@@ -144,15 +145,17 @@ class Tracker:
         self._events: list[tuple] = []  # (kind, record, value, op, phase, module)
         self._start_records: list[_Record] = []
         self._params: dict[int, weakref.ref] = {}
+        self._unhooked: list[weakref.ref] = []  # parameters whose gradient hook waits for the first backward
         self._names: dict[int, str] = {}  # id(module) or id(parameter) -> qualified name
         self._param_module: dict[int, str] = {}
         self._hook_handles: list[Any] = []
         self._ctx: dict[int, dict[str, list[_Record]]] = {}
         self._module_stack: list[str] = []
-        self._intervals: list[tuple[int, int, str]] = []  # (first seq nr, last seq nr, module)
-        self._interval_starts: list[int] = []
-        self._open_intervals: list[tuple[int, str]] = []
-        self._seq_cache: dict[int, str | None] = {}
+        # NOTE [ nodes to modules ]: sorted, disjoint ranges [first, end) of autograd sequence numbers, each
+        # with the innermost module whose forward created those nodes; built at module exit (see _module_exit)
+        self._segments: list[tuple[int, int, str]] = []
+        self._segment_starts: list[int] = []
+        self._open_modules: list[tuple[int, int, str]] = []  # (first seq nr, len(_segments) at entry, name)
         self._optimizer_depth = 0
         self._op: str | None = None
         self._phase = "other"
@@ -333,19 +336,31 @@ class Tracker:
         for ref in list(self._params.values()):
             param = ref()
             if param is not None:
-                self._include(param, "parameters")
+                if not initial:
+                    self._include(param, "parameters")  # `param.data = ...` gives it a new storage
                 if param.grad is not None:
                     self._include(param.grad, "gradients")
 
     def _watch_param(self, param: torch.Tensor, module_name: str | None = None) -> None:
-        if id(param) in self._params:
+        key = id(param)
+        if key in self._params:
             return
-        self._params[id(param)] = weakref.ref(param)
+        ref = self._params[key] = weakref.ref(param)
         if module_name is not None:
-            self._param_module[id(param)] = module_name
+            self._param_module[key] = module_name
         self._include(param, "parameters")
         if param.requires_grad and hasattr(param, "register_post_accumulate_grad_hook"):
-            self._hook_handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+            self._unhooked.append(ref)
+
+    def _hook_gradients(self) -> None:
+        """Backward has started: from now on, each gradient autograd accumulates is labelled when it lands.
+        Registered once per parameter, at the first backward, so that a tracker that never sees a backward (an
+        inference loop) does not pay for it."""
+        for ref in self._unhooked:
+            param = ref()
+            if param is not None and param.requires_grad and param.grad_fn is None:
+                self._hook_handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+        self._unhooked.clear()
 
     def _grad_ready(self, param: torch.Tensor) -> None:
         if self._active and param.grad is not None:
@@ -361,9 +376,9 @@ class Tracker:
 
     def _include(self, tensor: torch.Tensor, category: str) -> None:
         """Account ``tensor``'s storage under ``category`` from its birth (or from the start)."""
-        for t in tensors_in(tensor):
+        for t in (tensor,) if type(tensor) in _PLAIN_TENSORS else tensors_in(tensor):
             record = self._see(t, category, existed=True)
-            if record is not None and record.category != category and _priority(category) <= _priority(record.category):
+            if record is not None and record.category != category and _PRIORITY[category] <= _PRIORITY[record.category]:
                 record.birth_category = category
                 record.category = category
 
@@ -376,8 +391,11 @@ class Tracker:
     def _see(self, tensor: torch.Tensor, category: str | None, existed: bool) -> _Record | None:
         """The record of ``tensor``'s storage; a new storage gets one (``category`` None: decide from the
         tensor), born now or, if ``existed``, counted from the start."""
-        storage = _storage(tensor)
-        if storage is None:
+        if tensor.layout is not torch.strided:
+            return None
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
             return None
         record = self._records.get(id(storage))
         if record is None:
@@ -418,25 +436,41 @@ class Tracker:
         self._events.append((kind, record, value, self._op, phase, module))
 
     # ------------------------------------------------------------------ ops
-    def _op_start(self, func: Any, inputs: list[torch.Tensor]) -> None:
+    def _op_start(self, func: Any, inputs: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, _Record]]:
+        """Record the op's inputs (storages that existed before are counted from the start) and its context;
+        returns the inputs' (storage, record) pairs, for _op_end."""
         self._op = _op_name(func)
-        if func in _FRESH_OPS:
-            inputs = []  # torch.tensor(...) hands its brand-new tensor to lift_fresh: born now, not before
-        for tensor in inputs:
-            self._see(tensor, None, existed=True)
-        phase, module = self._context(inputs)
-        if phase != self._phase and phase != "forward":
-            self._reconcile()
-        self._phase, self._module = phase, module
+        seen = []
+        if func not in _FRESH_OPS:  # torch.tensor(...) hands its new tensor to lift_fresh: born now, not before
+            records = self._records
+            for tensor in inputs:
+                if tensor.layout is not torch.strided:
+                    continue
+                try:
+                    storage = tensor.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                record = records.get(id(storage))
+                if record is None:
+                    record = self._new_record(storage, tensor, self._existing_category(tensor), True)
+                elif record.nbytes != storage.nbytes():
+                    self._storage_resized(storage)
+                seen.append((storage, record))
+        self._phase, self._module = self._context(inputs)
+        if self._unhooked and self._phase == "backward":
+            self._hook_gradients()
+        return seen
 
-    def _op_end(self, func: Any, inputs: list[torch.Tensor], out: Any) -> None:
+    def _op_end(self, func: Any, seen: list[tuple[torch.UntypedStorage, _Record]], out: Any) -> None:
         self._op = _op_name(func)
         try:
-            for tensor in tensors_in(out):
-                self._see(tensor, "temporaries", existed=False)
-            for tensor in inputs:  # resize_ and friends change an input's storage
-                storage = _storage(tensor)
-                if storage is not None:
+            if type(out) is torch.Tensor:
+                self._see(out, "temporaries", existed=False)
+            else:
+                for tensor in tensors_in(out):
+                    self._see(tensor, "temporaries", existed=False)
+            for storage, record in seen:  # resize_ and friends change an input's storage
+                if record.nbytes != storage.nbytes():
                     self._storage_resized(storage)
         finally:
             self._op = None
@@ -514,28 +548,40 @@ class Tracker:
     def _module_enter(self, module: torch.nn.Module, args: tuple) -> None:
         name = self._names.get(id(module)) or type(module).__name__
         self._module_stack.append(name)
-        seq = self._sequence_nr()
-        if seq is not None:
-            self._open_intervals.append((seq, name))
+        self._open_modules.append((self._next_sequence_nr(), len(self._segments), name))
 
     def _module_exit(self, module: torch.nn.Module) -> None:
+        """See NOTE [ nodes to modules ]: the segments added since this module started are its submodules'
+        (calls nest), sorted; the gaps between them are this module's own nodes. Each call costs the number of
+        segments inside it, so the whole run costs (segments x nesting depth), and a lookup is a bisection."""
         if not self._module_stack:
             return
         name = self._module_stack.pop()
-        seq = self._sequence_nr()
-        if self._open_intervals and self._open_intervals[-1][1] == name:
-            start, _ = self._open_intervals.pop()
-            if seq is not None and seq > start + 1:
-                index = bisect.bisect(self._interval_starts, start)
-                self._interval_starts.insert(index, start)
-                self._intervals.insert(index, (start, seq, name))
+        if not self._open_modules or self._open_modules[-1][2] != name:
+            return
+        first, marker, _ = self._open_modules.pop()
+        end = self._next_sequence_nr()
+        if end <= first:
+            return  # created no autograd node (no grad, inference mode, or only non-differentiable ops)
+        merged = []
+        cursor = first
+        for segment in self._segments[marker:]:
+            if segment[0] > cursor:
+                merged.append((cursor, segment[0], name))
+            merged.append(segment)
+            cursor = segment[1]
+        if end > cursor:
+            merged.append((cursor, end, name))
+        self._segments[marker:] = merged
+        self._segment_starts[marker:] = [segment[0] for segment in merged]
 
-    def _sequence_nr(self) -> int | None:
-        """The autograd sequence number the next node will get (a throwaway view node tells it)."""
-        if self._probe is None or torch.is_inference_mode_enabled():
-            return None
-        with torch._C._DisableTorchDispatch(), torch.enable_grad():
-            return self._probe.view(()).grad_fn._sequence_nr()  # type: ignore[union-attr]
+    def _next_sequence_nr(self) -> int:
+        """The autograd sequence number the next node created in this thread will get."""
+        if _peek_sequence_nr is not None:
+            return _peek_sequence_nr()
+        assert self._probe is not None  # older torch: a throwaway view node takes a number; the next is ours
+        with torch._C._DisableTorchDispatch(), torch.enable_grad(), torch.inference_mode(False):
+            return self._probe.view(()).grad_fn._sequence_nr() + 1  # type: ignore[union-attr]
 
     def _backward_module(self) -> str | None:
         node = torch._C._current_autograd_node()
@@ -545,17 +591,12 @@ class Tracker:
         if variable is not None:
             return self._param_module.get(id(variable))
         seq = node._sequence_nr()
-        if seq in self._seq_cache:
-            return self._seq_cache[seq]
-        found = None
-        # intervals are sorted by start: the first one containing seq, going back, is the innermost module
-        for index in range(bisect.bisect(self._interval_starts, seq) - 1, -1, -1):
-            start, end, name = self._intervals[index]
-            if start < seq < end:
-                found = name
-                break
-        self._seq_cache[seq] = found
-        return found
+        index = bisect.bisect_right(self._segment_starts, seq) - 1
+        if index >= 0:
+            _, end, name = self._segments[index]
+            if seq < end:
+                return name
+        return None
 
     def _optimizer_enter(self, optimizer: torch.optim.Optimizer) -> None:
         if not any(ref() is optimizer for ref in self._optimizer_refs):
@@ -605,8 +646,7 @@ _PRIORITY = {name: i for i, name in enumerate(
 )}
 
 
-def _priority(category: str) -> int:
-    return _PRIORITY[category]
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def _inputs_hook(tracker: Tracker) -> Any:
@@ -623,7 +663,11 @@ def _inputs_hook(tracker: Tracker) -> Any:
 
 
 def _device_name(tensor: torch.Tensor) -> str:
-    return str(tensor.device)
+    return "cpu" if tensor.is_cpu else str(tensor.device)
+
+
+# the next autograd sequence number of this thread, without creating a node (torch >= 2.2 has it)
+_peek_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
 
 
 _OP_NAMES: dict[Any, str] = {}

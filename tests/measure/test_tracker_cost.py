@@ -1,0 +1,67 @@
+"""The tracker's cost grows with the work it watches, not with ops x parameters (issue 10, item 14).
+
+Timings are noisy on a shared machine, so the cost is counted instead: the Python function calls made while the
+tracked loop runs (entering and leaving the tracker, which visit every parameter once, are not in the count).
+"""
+
+import sys
+
+import pytest
+import torch
+
+import memtrim
+
+
+def _calls_in_loop(n_layers: int, iterations: int = 60, grad: bool = False) -> int:
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(n_layers)])
+    optimizer = torch.optim.SGD(layers.parameters(), lr=0.1)
+    layers(torch.randn(2, 8)).sum().backward()
+    optimizer.step()  # gradients exist: a rescan would visit them too
+    x = torch.randn(2, 8)
+    count = 0
+
+    def profiler(frame, event, arg):
+        nonlocal count
+        if event == "call":
+            count += 1
+
+    with memtrim.track(layers, optimizer), torch.set_grad_enabled(grad):
+        sys.setprofile(profiler)
+        try:
+            h = x
+            for i in range(iterations):
+                h = layers[i % 4](h)  # a module call: phase "forward"
+                h = h.detach() * 0.5  # an op outside any module: phase "other"
+        finally:
+            sys.setprofile(None)
+    return count
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_phase_switches_do_not_rescan_parameters(grad):
+    small, large = _calls_in_loop(4, grad=grad), _calls_in_loop(400, grad=grad)
+    assert large <= 1.1 * small, f"the loop made {large} calls with 400 layers vs {small} with 4"
+
+
+def test_gradients_and_optimizer_state_still_categorised_without_rescans():
+    """What the rescans were for: a gradient assigned by hand and optimizer state loaded from a state dict are
+    still reported as such, while a loop with phase switches runs in between."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 16)).sum().backward()
+    optimizer.step()
+    state = optimizer.state_dict()
+    fresh = torch.optim.Adam(model.parameters())
+    optimizer.zero_grad(set_to_none=True)
+    with memtrim.track(model, fresh) as tracker:
+        model.weight.grad = torch.ones_like(model.weight)
+        fresh.load_state_dict(state)
+        with torch.no_grad():
+            for _ in range(3):
+                model(torch.randn(4, 16)).mul(2)
+        fresh.step()
+    final = tracker.report().final_by_category
+    assert final["gradients"] == model.weight.nbytes
+    assert final["optimizer_state"] == 2 * (model.weight.nbytes + model.bias.nbytes) + 2 * 4
