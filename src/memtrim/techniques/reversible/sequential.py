@@ -30,8 +30,8 @@ what they save, in the forward's order; each handle then returns its tensor and 
   mode: a Python generator reaches an op only through a Python call (``torch.*``, a Tensor method, ``torch.ops``),
   which the mode sees, and it costs about a quarter of a dispatch mode per op (measured: +25 us vs +100 us per
   call of a Linear-ReLU-Linear f on width 64). Code the mode cannot see (TorchScript) is not replayed.
-* The caller's tensors are never freed or modified. If the stack output is modified in place before backward,
-  reconstruction would be wrong: that raises.
+* The caller's tensors are never freed or modified. If the stack output, or a block's parameter, is modified in
+  place before backward, reconstruction would be wrong: that raises (version counters, as autograd's own check).
 """
 
 from __future__ import annotations
@@ -215,6 +215,7 @@ class _Frame:
         self.dtype = torch.float32  # what f and g compute in (exact mode): the stack input's dtype
         self.probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (indices, values) of its input
         self.kept_inputs: dict[int, torch.Tensor] = {}  # blocks whose drift exceeded the tolerance before
+        self.parameter_versions: list[list[tuple[torch.Tensor, int]]] = [[] for _ in self.blocks]
 
     def set_output(self, output: torch.Tensor) -> None:
         self.outputs[len(self.blocks) - 1] = output.detach()  # detached: no cycle through the output's grad_fn
@@ -252,6 +253,7 @@ class _Frame:
         if index in self.materialised:
             return
         block = self.blocks[index]
+        self._check_parameters(index, block)
         recorded: list[torch.Tensor] = []
         saved_buffers = [(b, b.detach().clone()) for b in block.buffers()]
         try:
@@ -285,6 +287,19 @@ class _Frame:
         if index > 0:
             self.outputs[index - 1] = x
         self.outputs.pop(index, None)  # this block's output is no longer needed: one boundary alive at a time
+
+    def _check_parameters(self, index: int, block: nn.Module) -> None:
+        """A block rebuilt with parameters changed since its forward would silently give a wrong input (the plain
+        stack's autograd refuses the same: the ops saved the weights)."""
+        for param, version in self.parameter_versions[index]:
+            if param._version != version:
+                name = next((n for n, p in block.named_parameters() if p is param), "?")
+                raise ReversibleError(
+                    f"memtrim.ReversibleSequential: block {index}'s parameter {name} was modified in place after the "
+                    f"forward (version {version}, now {param._version}), so the block's input cannot be rebuilt from "
+                    "its output. Run backward before changing parameters (an optimizer step, or an "
+                    "OptimizerInBackward stepping during another backward that shares them)."
+                )
 
     def _rebuild_additive(self, index: int, block: AdditiveCoupling, y1: torch.Tensor, y2: torch.Tensor,
                           recorded: list[torch.Tensor]) -> _Halves:
@@ -440,6 +455,7 @@ class ReversibleSequential(nn.Module):
                 frame.kept_inputs[index] = _whole(h).detach()
             elif self.check_drift is not None:
                 frame.probes[index] = _probe(_whole(h))
+            frame.parameter_versions[index] = [(p, p._version) for p in block.parameters()]
             h = self._run_block(frame, index, block, h)
         x = _whole(h)
         frame.set_output(x)
