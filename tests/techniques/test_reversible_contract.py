@@ -118,7 +118,8 @@ def test_own_generator_replayed_in_exact_mode_and_when_the_input_was_kept():
         assert all(torch.equal(a, b) for a, b in zip(states_plain, states_rev))
 
 
-def test_recomputation_drawing_differently_from_an_own_generator_raises():
+@pytest.mark.parametrize("draws", [(1, 0), (1, 2)])
+def test_recomputation_drawing_differently_from_an_own_generator_raises(draws):
     class DrawsOnce(nn.Module):
         def __init__(self):
             super().__init__()
@@ -126,11 +127,12 @@ def test_recomputation_drawing_differently_from_an_own_generator_raises():
             self.generator = torch.Generator().manual_seed(0)
             self.calls = 0
 
-        def forward(self, x):
+        def forward(self, x):  # draws depend on a call count: the recomputation cannot be the same function
             self.calls += 1
-            if self.calls == 1:  # draws in forward only: the recomputation cannot be the same function
-                return self.lin(x) * torch.rand(x.shape, generator=self.generator)
-            return self.lin(x)
+            out = self.lin(x)
+            for _ in range(draws[self.calls - 1]):
+                out = out * torch.rand(x.shape, generator=self.generator)
+            return out
 
     rev = memtrim.ReversibleSequential(memtrim.AdditiveCoupling(DrawsOnce(), nn.Linear(4, 4)))
     out = rev(torch.randn(2, 8, requires_grad=True))

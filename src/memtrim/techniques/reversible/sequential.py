@@ -100,13 +100,7 @@ class _GeneratorDraws(TorchFunctionMode):
             position = len(self.restore)
             if position >= len(self.replay):
                 if self.strict:
-                    raise ReversibleError(
-                        f"memtrim.ReversibleSequential: {self.where} drew from an explicitly passed torch.Generator "
-                        f"{len(self.replay)} time(s) in forward but more when recomputed in backward "
-                        f"({getattr(func, '__name__', func)}); it "
-                        "must compute the same function again. Draw the same numbers in every call (no draws that "
-                        "depend on a call count), or keep this module out of the reversible stack."
-                    )
+                    raise self._mismatch(f"more (at {getattr(func, '__name__', func)})")
                 continue
             self.restore.append((value, value.get_state()))
             value.set_state(self.replay[position])
@@ -117,12 +111,15 @@ class _GeneratorDraws(TorchFunctionMode):
             generator.set_state(state)
         super().__exit__(*exc)
         if exc[0] is None and self.replay is not None and self.strict and len(self.restore) != len(self.replay):
-            raise ReversibleError(
-                f"memtrim.ReversibleSequential: {self.where} drew from an explicitly passed torch.Generator "
-                f"{len(self.replay)} time(s) in forward but {len(self.restore)} when recomputed in backward; it must "
-                "compute the same function again. Draw the same numbers in every call (no draws that depend on a "
-                "call count), or keep this module out of the reversible stack."
-            )
+            raise self._mismatch(str(len(self.restore)))
+
+    def _mismatch(self, found: str) -> ReversibleError:
+        return ReversibleError(
+            f"memtrim.ReversibleSequential: {self.where} drew from an explicitly passed torch.Generator "
+            f"{len(self.replay or ())} time(s) in forward but {found} when recomputed in backward; it must compute "
+            "the same function again. Draw the same numbers in every call (no draws that depend on a call count), "
+            "or keep this module out of the reversible stack."
+        )
 
 
 @contextmanager
