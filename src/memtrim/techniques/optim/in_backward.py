@@ -28,13 +28,16 @@ NOTE [ optimizer in backward ]
   post-accumulate hook there would see the local gradient and ranks would drift). Under FSDP2 the hooks fire on
   the sharded, reduce-scattered gradient. Hooks hold the wrapper weakly: a wrapper nobody references stops.
 * Peak memory: an update inside backward runs while the activations that backward still needs are alive, so
-  its temporaries (for Adam about twice the bucket's bytes) add to the memory of that moment, while the
-  gradients already freed subtract from it. ``peak="never_higher"`` (the default) holds a bucket back until the
-  gradients freed before it cover its temporaries; the first buckets are therefore updated at the end of
-  backward, once activations are gone, and the buckets after them inside backward. The peak is then never above
-  the standard loop's (the standard loop holds every freed gradient at that moment too). ``peak="lowest"``
-  updates every bucket as soon as it is complete: the lowest peak for parameter-heavy models, possibly a higher
-  one for activation-heavy ones (measured in benchmarks/optimizer_in_backward_peak.py).
+  its temporaries (AdamW: about twice the bucket's bytes) add to the memory of that moment, while the gradients
+  already freed subtract from it: at any moment, memory = the standard loop's at that moment - gradients freed
+  + temporaries. ``peak="never_higher"`` (default) updates a complete bucket only if memory now + its
+  temporaries stays under the most the standard loop surely holds in this step (parameters + optimizer state +
+  every gradient, and what it held at each earlier moment of this backward: memory then + gradients freed by
+  then); otherwise the bucket is held back and retried as backward frees memory, at the end of backward, and
+  finally in ``step()`` (where the standard loop steps it too). Memory is read from the CUDA allocator, or on
+  CPU from an active memtrim tracker; on CPU without a tracker nothing can be read and buckets update as soon as
+  complete. ``peak="lowest"`` always updates at once: the lowest peak for parameter-heavy models, a higher one
+  for activation-heavy ones (benchmarks/optimizer_in_backward_peak.py).
 * Global information (clipping by global norm, GradScaler's inf check) needs every gradient before any update:
   ``backward(loss)`` then runs two passes: the first computes the norms / inf flags and frees each gradient at
   once, the second (same graph, retained) updates. Cost: one extra backward pass.
@@ -213,9 +216,11 @@ class OptimizerInBackward(torch.optim.Optimizer):
             (``scaler.unscale_(opt)`` between them is allowed and changes nothing).
         bucket_bytes: parameters of one param group are stepped together in buckets of about this many bytes
             (in reverse order, the order their gradients usually arrive); ``0`` steps each parameter alone.
-        peak: ``"never_higher"`` (default): a bucket is updated inside backward only once the gradients freed
-            before it cover its update's temporaries, so the step's peak is never above the standard loop's;
-            the others are updated at the end of backward. ``"lowest"``: every bucket as soon as it is complete.
+        peak: ``"never_higher"`` (default): a complete bucket is updated inside backward only when memory
+            measured now plus its update's temporaries stays under what the standard loop holds; otherwise later
+            (end of backward, or ``step()``), so the step's peak is never above the standard loop's. Memory is
+            read from the CUDA allocator or, on CPU, an active memtrim tracker (without one: at once).
+            ``"lowest"``: every bucket as soon as it is complete (may lift an activation-heavy model's peak).
 
     Raises:
         InvalidInputError: not an optimizer; a closure-based or global optimizer (LBFGS); parameters the model
@@ -300,7 +305,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._pending_error: str | None = None
         self._freed_bytes = 0  # gradient bytes freed inside the current backward pass
         self._held: list[_Bucket] = []  # complete buckets held back to the end of backward (peak="never_higher")
-        self._ceiling = 0  # the most the standard loop surely holds in this step (bytes), for peak=
+        self._held_to_step: list[_Bucket] = []  # ... and, where even that would lift memory, to step()
+        self._ceiling: int | None = None  # the most the standard loop surely holds in this step (bytes)
         # global information
         self._pass: str | None = None  # None: single pass; "measure" / "update" inside backward(loss)
         self._norms: dict[int, torch.Tensor] = {}
@@ -439,6 +445,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
             )
         for hook in tuple(_global_hooks("_global_optimizer_pre_hooks")):
             hook(self, (), {})
+        held, self._held_to_step = self._held_to_step, []
+        for bucket in held:
+            self._step_bucket(bucket)
         waiting = [
             p for group in self.optimizer.param_groups for p in group["params"]
             if id(p) not in self._stepped and (p.grad is not None or id(p) in self._zero_pending)
@@ -621,6 +630,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
             self._bucket_complete(bucket)
 
     def _bucket_complete(self, bucket: _Bucket) -> None:
+        if any(bucket is held for held in (*self._held, *self._held_to_step)):
+            return
         if not self._may_step_now(bucket):
             self._held.append(bucket)  # its temporaries would lift this moment above the standard loop's peak
             return
@@ -636,6 +647,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if now is None:
             return True  # memory cannot be seen here (CPU without a memtrim tracker): as soon as complete
         # the standard loop holds, at this moment, every gradient freed so far too; and later all of them
+        if self._ceiling is None:
+            self._ceiling = self._standard_floor()
         self._ceiling = max(self._ceiling, now + self._freed_bytes)
         over = now + _TEMPORARIES_PER_BYTE * bucket.nbytes - self._ceiling
         if over <= 0:
@@ -653,7 +666,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._outcome = outcome
         self._token = weakref.ref(token)
         self._freed_bytes = 0
-        self._ceiling = self._standard_floor()
+        self._ceiling = None
         torch.autograd.Variable._execution_engine.queue_callback(token)
 
     def _end_of_backward(self) -> None:
@@ -662,15 +675,19 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if self._pass == "measure" or self._deferred:
             return
         for bucket in held:
-            self._step_bucket(bucket)
+            if self._two_passes or self._may_step_now(bucket):
+                self._step_bucket(bucket)
+            else:  # even now (what backward leaves until it returns): at step(), as the standard loop would
+                self._held_to_step.append(bucket)
         for bucket in self._buckets:
-            if bucket.ready:
+            if bucket.ready and not any(bucket is held for held in self._held_to_step):
                 self._step_bucket(bucket)
 
     def _backward_aborted(self, outcome: _Outcome) -> None:
         """A backward pass raised: its partial gradients stay in ``.grad`` (as in the standard loop)."""
         self._token = None
         self._held = []
+        self._held_to_step = []
         for bucket in self._buckets:
             bucket.ready.clear()
         if outcome.updated:
@@ -750,7 +767,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
                         grad.clamp_(min=-self.clip_grad_value, max=self.clip_grad_value)
         saved = self.optimizer.param_groups
         narrowed = [{**g, "params": []} for g in saved]
-        for param in params:
+        for param in sorted(params, key=lambda p: self._position[id(p)]):  # the optimizer's own order
             narrowed[self._where[id(param)][0].group]["params"].append(param)
         self.optimizer.param_groups = narrowed
         try:
@@ -846,6 +863,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._coefficient = None
         self._scaler_found = None
         self._held = []
+        self._held_to_step = []
         for bucket in self._buckets:
             bucket.ready.clear()
 
@@ -931,6 +949,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
                     current, size = [], 0
             if current:
                 self._buckets.append(_Bucket(g, current))
+        self._position = {id(p): (g, i) for g, group in enumerate(self.optimizer.param_groups)
+                          for i, p in enumerate(group["params"])}
         for bucket in self._buckets:
             for index, param in enumerate(bucket.params):
                 if id(param) in self._where:
