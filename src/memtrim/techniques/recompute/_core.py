@@ -1,0 +1,445 @@
+"""Recipes: a saved tensor kept as "how to rebuild it" instead of itself.
+
+NOTE [ recipes at consumer call sites ]
+Autograd keeps, for each node, the tensors its backward needs. When a tensor ``T`` is cheap to rebuild from
+tensors ``S`` that backward keeps anyway (an activation's output from its input, ``act(g) * u`` from ``g`` and
+``u``), keeping ``T`` too is waste. The producer *marks* ``T`` (:func:`mark_recomputable`): a registry maps
+``T``'s storage (through a weak reference: the registry never keeps a tensor alive beyond ``T``'s own life) to a
+:class:`Recipe` and the sources, with ``T``'s version counter and layout. While a *consumer scope* is active
+(:class:`recipes_honoured`, or :func:`keep_recipes_in` around a module's forward), every tensor autograd saves
+passes through our pack hook:
+
+* a saved tensor whose storage, version and dtype match a live recipe (``T`` itself or any view of it: a Linear
+  on 3-D input saves a 2-D view) becomes a :class:`_Handle`: the view's geometry plus the recipe's sources,
+  each packed through the saved-tensor hooks active *outside* our scope (memtrim's tracker counts them, a
+  checkpoint drops and recomputes them) or, with no hooks outside, kept as detached aliases with their version;
+  a source that is itself a live recipe becomes a nested handle;
+* anything else passes to the hooks outside unchanged (or is kept as a detached alias), and ``unpack`` repeats
+  autograd's in-place version check, which autograd skips for hooked tensors.
+
+In backward the first handle unpacked rebuilds ``T = fn(*sources)`` under no_grad and caches it on the recipe;
+every other handle of that recipe shares it, and the cache is dropped as soon as every live handle has been
+unpacked (or has died). Autograd re-attaches the saved tensor's own grad_fn edge to what an unpack hook returns,
+so when the rebuild is bitwise, a backward with create_graph=True is exact too; recipes that are not bitwise can
+refuse it (``double_backward=False``: a :class:`ConvertError` naming the owner).
+
+A producer whose own backward keeps its output (relu, sigmoid, BatchNorm+ReLU) saves ``T`` before it can be
+marked: :class:`producing` holds saves made in its scope provisionally and decides at exit, once ``T`` is marked.
+
+Under torch.compile and torch.func (:func:`plain_only`) and with grad mode off nothing is marked or hooked.
+Scopes are per thread (saved-tensor hooks are thread-local); the registry is shared, written under a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ...measure._hooks import check_saved_version, hold_for_backward
+from ..activations._kernels import ConvertError, plain_only
+
+__all__ = [
+    "Recipe", "enter_consumer_scope", "entry_of", "exit_consumer_scope", "is_recomputable", "mark_recomputable",
+    "producing", "recipe_of", "recipes_honoured", "register",
+]
+
+_push = torch._C._autograd._push_saved_tensors_default_hooks
+_pop = torch._C._autograd._pop_saved_tensors_default_hooks
+_top = torch._C._autograd._top_saved_tensors_default_hooks
+
+_MARK = "_memtrim_recompute_hooks"  # attribute on our pack functions: "these hooks are memtrim's recompute hooks"
+
+
+class Recipe:
+    """How to rebuild one tensor, shared by every saved copy of it: the function, the tensor's layout, who made it,
+    and the rebuilt tensor while a backward needs it."""
+
+    __slots__ = ("fn", "owner", "shape", "stride", "dtype", "device", "double_backward", "tag", "cache", "live",
+                 "done", "lock", "__weakref__")
+
+    def __init__(self, fn: Callable[..., torch.Tensor], tensor: torch.Tensor, owner: str, double_backward: bool,
+                 tag: str | None) -> None:
+        self.fn, self.owner, self.double_backward, self.tag = fn, owner, double_backward, tag
+        self.shape, self.stride, self.dtype, self.device = tensor.shape, tensor.stride(), tensor.dtype, tensor.device
+        self.cache: torch.Tensor | None = None
+        self.live = 0  # handles alive
+        self.done: set[int] = set()  # handles unpacked since the cache was built
+        self.lock = threading.RLock()
+
+    def _rebuild(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            t = self.fn(*sources)
+        if not isinstance(t, torch.Tensor) or t.shape != self.shape or t.dtype != self.dtype or t.device != self.device:
+            found = (f"{type(t).__name__} {tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
+                     else type(t).__name__)
+            raise ConvertError(
+                f"memtrim: {self.owner} rebuilds a tensor it did not keep, and the rebuild differs from the original. "
+                f"Expected {tuple(self.shape)} {self.dtype} on {self.device}; found {found}. To fix: leave this module "
+                "out of memtrim.convert (module_filter); the recipe's function is not a pure function of its inputs."
+            )
+        if t.stride() != self.stride:  # same values, other layout: lay them out as the original was
+            t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device).copy_(t)
+        return t
+
+
+class _Entry:
+    """A live recipe in the registry: the recipe, its sources (strong, while T lives), T's version, a weak
+    reference to T (for the in-place check at unpack) and to T's storage (whose death removes the entry)."""
+
+    __slots__ = ("recipe", "sources", "versions", "version", "tensor_ref", "storage_ref", "holds")
+
+
+_lock = threading.Lock()
+_REGISTRY: dict[int, _Entry] = {}  # id(storage of T) -> entry; removed by a weakref callback when T's storage dies
+
+
+def _forget(key: int, entry: _Entry) -> None:
+    with _lock:
+        if _REGISTRY.get(key) is entry:
+            del _REGISTRY[key]
+
+
+def _lookup(tensor: torch.Tensor) -> _Entry | None:
+    """The live entry whose tensor ``tensor`` is a view of (same storage, same version, same dtype), or None."""
+    if not _REGISTRY or tensor.layout is not torch.strided:
+        return None
+    try:
+        entry = _REGISTRY.get(id(tensor.untyped_storage()))
+    except (RuntimeError, NotImplementedError):
+        return None
+    if (entry is None or entry.version != tensor._version or entry.recipe.dtype != tensor.dtype
+            or entry.storage_ref() is None or not _sources_unchanged(entry)):
+        return None
+    return entry
+
+
+def _sources_unchanged(entry: _Entry) -> bool:
+    """No source (nor a nested recipe's source) was changed in place since ``T`` was made from it."""
+    for source, version in zip(entry.sources, entry.versions):
+        if isinstance(source, _Entry):
+            if not _sources_unchanged(source):
+                return False
+        elif source._version != version:
+            return False
+    return True
+
+
+def _whole(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is one dense block covering its whole storage from offset 0."""
+    if tensor.layout is not torch.strided or tensor.storage_offset() != 0 or tensor.is_sparse:
+        return False
+    if not tensor.is_contiguous() and not tensor.is_non_overlapping_and_dense():
+        return False
+    return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+def mark_recomputable(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], *sources: torch.Tensor, owner: str,
+                      double_backward: bool = True, holds: Iterable[torch.Tensor] = (),
+                      tag: str | None = None) -> bool:
+    """Register that ``tensor == fn(*sources)``: saved copies of it made inside a consumer scope keep the sources
+    instead. See NOTE [ recipes at consumer call sites ].
+
+    Args:
+        tensor: the tensor ``T`` to drop; one dense block covering its storage from offset 0.
+        fn: rebuilds ``T`` from the sources, called in backward under no_grad. Deterministic, no RNG draws, no side
+            effects (no BatchNorm-in-training forward); bitwise equal to ``T`` where gradients must be bitwise.
+        sources: the tensors ``fn`` needs, kept for backward anyway (else memory moves rather than drops). A source
+            that is itself marked becomes a nested recipe.
+        owner: how errors name the producer (its module path).
+        double_backward: False if a backward with create_graph=True must refuse (a rebuild that is not bitwise).
+        holds: small extra tensors ``fn`` closes over (per-channel terms): trackers count them as kept for
+            backward while the recipe lives.
+        tag: a label :func:`is_recomputable` can ask for (BatchNormReLU marks its outputs ``"relu"``).
+
+    Returns:
+        Whether a recipe was registered: False with grad mode off, under torch.compile/torch.func, for a tensor that
+        is not one whole storage, or one sharing a storage with a source (an in-place producer).
+    """
+    if not torch.is_grad_enabled() or plain_only():
+        return False
+    resolved: list[torch.Tensor | _Entry] = []
+    for source in sources:
+        if not isinstance(source, torch.Tensor) or source.layout is not torch.strided:
+            return False
+        nested = entry_of(source)
+        resolved.append(nested if nested is not None else source)
+    return register(tensor, fn, resolved, owner=owner, double_backward=double_backward, holds=holds,
+                    tag=tag) is not None
+
+
+def entry_of(tensor: torch.Tensor) -> _Entry | None:
+    """The live registry entry of exactly ``tensor`` (for callers that must keep it past the tensor's life)."""
+    entry = _lookup(tensor)
+    if (entry is None or tensor.storage_offset() != 0 or tensor.shape != entry.recipe.shape
+            or tensor.stride() != entry.recipe.stride):
+        return None
+    return entry
+
+
+def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Iterable[torch.Tensor | _Entry], *,
+             owner: str, double_backward: bool = True, holds: Iterable[torch.Tensor] = (),
+             tag: str | None = None) -> _Entry | None:
+    """:func:`mark_recomputable` with sources already resolved (a source may be an entry from :func:`entry_of`,
+    kept alive by the caller after its tensor died). Returns the entry, or None if nothing was registered."""
+    if not torch.is_grad_enabled() or plain_only() or not _whole(tensor):
+        return None
+    storage = tensor.untyped_storage()
+    resolved: list[torch.Tensor | _Entry] = []
+    for source in sources:
+        if isinstance(source, torch.Tensor):
+            if source.untyped_storage().data_ptr() == storage.data_ptr() and storage.nbytes() > 0:
+                return None  # an in-place producer: its input is gone
+            source = source.detach()
+        resolved.append(source)
+    entry = _Entry()
+    entry.recipe = Recipe(fn, tensor, owner, double_backward, tag)
+    entry.sources = tuple(resolved)
+    entry.versions = tuple(s._version if isinstance(s, torch.Tensor) else -1 for s in resolved)
+    entry.version = tensor._version
+    entry.tensor_ref = weakref.ref(tensor)
+    entry.holds = tuple(t.detach() for t in holds)
+    for held in entry.holds:
+        hold_for_backward(held, entry.recipe)
+    key = id(storage)
+    entry.storage_ref = weakref.ref(storage, lambda _, key=key, entry=entry: _forget(key, entry))
+    with _lock:
+        _REGISTRY[key] = entry
+    return entry
+
+
+def recipe_of(tensor: torch.Tensor) -> Recipe | None:
+    """The live recipe of exactly ``tensor`` (whole storage, unchanged since it was marked), or None."""
+    entry = entry_of(tensor)
+    return None if entry is None else entry.recipe
+
+
+def is_recomputable(tensor: torch.Tensor, tag: str | None = None) -> bool:
+    """Whether ``tensor`` is exactly a marked tensor, unchanged since (and, with ``tag``, marked with that tag)."""
+    recipe = recipe_of(tensor)
+    return recipe is not None and (tag is None or recipe.tag == tag)
+
+
+# ---------------------------------------------------------------------- what autograd keeps
+class _Kept:
+    """A saved tensor passed through: packed by the hooks outside, or a detached alias with its version."""
+
+    __slots__ = ("tensor", "version", "packed", "outer", "who")
+
+
+def _keep(tensor: torch.Tensor, outer: Any, who: str) -> _Kept:
+    kept = _Kept()
+    kept.outer, kept.who = outer, who
+    if outer is not None:
+        kept.packed, kept.tensor, kept.version = outer[0](tensor), None, 0
+    else:  # detached: no cycle through the tensor's grad_fn
+        kept.packed, kept.tensor, kept.version = None, tensor.detach(), tensor._version
+    return kept
+
+
+def _unkeep(kept: _Kept) -> torch.Tensor:
+    if kept.outer is not None:
+        return kept.outer[1](kept.packed)
+    check_saved_version(kept.tensor, kept.version, kept.who)
+    return kept.tensor
+
+
+class _Handle:
+    """What autograd keeps instead of (a view of) a marked tensor: the recipe, the view's geometry, the sources as
+    packed at save time, and a weak reference to the marked tensor for the in-place check."""
+
+    __slots__ = ("recipe", "sources", "view", "version", "tensor_ref", "__weakref__")
+
+    def __del__(self) -> None:
+        try:
+            recipe = self.recipe
+        except AttributeError:  # pragma: no cover - construction failed
+            return
+        with recipe.lock:
+            recipe.live -= 1
+            recipe.done.discard(id(self))
+            if recipe.cache is not None and len(recipe.done) >= recipe.live:
+                recipe.cache = None
+                recipe.done.clear()
+
+
+def _handle(entry: _Entry, tensor: torch.Tensor | None, outer: Any) -> _Handle:
+    recipe = entry.recipe
+    handle = _Handle()
+    handle.recipe, handle.version, handle.tensor_ref = recipe, entry.version, entry.tensor_ref
+    handle.view = (None if tensor is None or (tensor.storage_offset() == 0 and tensor.shape == recipe.shape
+                                                and tensor.stride() == recipe.stride)
+                   else (tensor.shape, tensor.stride(), tensor.storage_offset()))
+    handle.sources = tuple(_handle(s, None, outer) if isinstance(s, _Entry) else _keep(s, outer, recipe.owner)
+                           for s in entry.sources)
+    with recipe.lock:
+        recipe.live += 1
+    return handle
+
+
+def _rebuilt(handle: _Handle) -> torch.Tensor:
+    recipe = handle.recipe
+    if torch.is_grad_enabled() and not recipe.double_backward:
+        raise ConvertError(
+            f"memtrim: {recipe.owner} does not keep its output; a later layer gets it rebuilt, without a graph, so "
+            "there is no second derivative through it. Expected a backward without create_graph=True; found "
+            "create_graph=True (a gradient penalty or another double backward). To fix: leave this module out "
+            "of memtrim.convert (module_filter), or use torch's modules here."
+        )
+    original = handle.tensor_ref()
+    if original is not None:  # still alive: autograd's in-place check on the tensor itself
+        check_saved_version(original, handle.version, f"{recipe.owner} (the tensor it rebuilds)")
+    with recipe.lock:
+        t = recipe.cache
+        if t is None:
+            t = recipe.cache = recipe._rebuild([_unpack(s) for s in handle.sources])
+            recipe.done.clear()
+        recipe.done.add(id(handle))
+        if len(recipe.done) >= recipe.live:  # every live handle has had it: let it go
+            recipe.cache = None
+            recipe.done.clear()
+    if handle.view is None:
+        return t
+    shape, stride, offset = handle.view
+    return t.as_strided(shape, stride, t.storage_offset() + offset)
+
+
+class _Pending:
+    """A save made inside a :class:`producing` scope, decided at the scope's exit."""
+
+    __slots__ = ("tensor", "version", "inner")
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    """The unpack hook for everything the pack hooks here return."""
+    if type(packed) is _Pending:
+        packed = packed.inner
+    if type(packed) is _Handle:
+        return _rebuilt(packed)
+    return _unkeep(packed)
+
+
+def _outer_of(top: Any) -> Any:
+    """The saved-tensor hooks below ours: ``top`` itself unless it is one of our own, then what that one chains to."""
+    if top is None:
+        return None
+    return getattr(top[0], _MARK, top)
+
+
+def _consumer_pack(outer: Any) -> Callable[[torch.Tensor], Any]:
+    def pack(tensor: torch.Tensor) -> Any:
+        entry = _lookup(tensor)
+        if entry is not None:
+            return _handle(entry, tensor, outer)
+        return _keep(tensor, outer, "memtrim's recompute hooks")
+
+    setattr(pack, _MARK, outer)
+    return pack
+
+
+_local = threading.local()  # .pushed: per-thread stack of "did this scope push hooks"
+
+
+def _pushed() -> list[bool]:
+    stack = getattr(_local, "pushed", None)
+    if stack is None:
+        stack = _local.pushed = []
+    return stack
+
+
+def enter_consumer_scope() -> None:
+    """Start a consumer scope on this thread (a no-op inside another, under compile/torch.func, or with grad off).
+    Every call must be matched by :func:`exit_consumer_scope`."""
+    if plain_only():  # before anything else: torch.compile must trace none of this
+        return
+    top = _top(False)
+    push = torch.is_grad_enabled() and (top is None or not hasattr(top[0], _MARK))
+    if push:
+        _push(_consumer_pack(_outer_of(top)), _unpack)
+    _pushed().append(push)
+
+
+def exit_consumer_scope() -> None:
+    if plain_only():
+        return
+    stack = _pushed()
+    if stack and stack.pop():
+        _pop()
+
+
+class recipes_honoured(torch.autograd.graph.saved_tensors_hooks):
+    """Context manager: a consumer scope. Saved copies of marked tensors made inside keep their recipe instead.
+
+    Example::
+
+        h = fc1(x)
+        a = act(h)
+        mark_recomputable(a, act, h, owner="act")
+        with recipes_honoured():
+            y = fc2(a)        # fc2 keeps h (kept by act anyway), not a
+    """
+
+    def __init__(self) -> None:  # the hooks are chosen at entry (they chain to whatever is active then)
+        pass
+
+    def __enter__(self) -> recipes_honoured:  # type: ignore[override]
+        enter_consumer_scope()
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        exit_consumer_scope()
+
+
+class producing(torch.autograd.graph.saved_tensors_hooks):
+    """Context manager: a producer scope. Saves made inside are held provisionally; at exit each one becomes a recipe
+    handle if its tensor was marked inside the scope (:func:`mark_recomputable`), else passes to the hooks outside.
+
+    Use around an op whose own backward keeps its output, when the output is marked::
+
+        with producing():
+            z = torch.relu_(bn_out)               # relu_ saves z...
+            mark_recomputable(z, rebuild, x, owner="bn1")   # ...which is kept as the recipe from then on
+    """
+
+    def __init__(self) -> None:
+        self.pending: list[_Pending] = []
+        self.outer: Any = None
+        self.active = False
+
+    def __enter__(self) -> producing:  # type: ignore[override]
+        self.active = torch.is_grad_enabled() and not plain_only()
+        if not self.active:
+            return self
+        self.outer = outer = _outer_of(_top(False))
+        pending = self.pending
+
+        def pack(tensor: torch.Tensor) -> _Pending:
+            held = _Pending()
+            held.tensor, held.version, held.inner = tensor.detach(), tensor._version, None
+            pending.append(held)
+            return held
+
+        setattr(pack, _MARK, outer)
+        _push(pack, _unpack)
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        if not self.active:
+            return
+        _pop()
+        self.active = False
+        outer = self.outer
+        for held in self.pending:
+            tensor = held.tensor
+            if tensor._version != held.version:  # changed in place inside the scope: unpacking raises, as autograd
+                kept = held.inner = _keep(tensor, None, "memtrim's recompute hooks")
+                kept.version = held.version
+            else:
+                entry = _lookup(tensor)
+                held.inner = (_handle(entry, tensor, outer) if entry is not None
+                              else _keep(tensor, outer, "memtrim's recompute hooks"))
+            held.tensor = None
+        self.pending.clear()

@@ -1,0 +1,337 @@
+"""Call-site installers: module hooks that mark producers' outputs, run consumers as consumer scopes, recompute a
+gated MLP's product, or checkpoint a pointwise module. See NOTE [ recipes at consumer call sites ] in _core.py.
+
+Every installer returns a :class:`Handle` whose ``remove()`` undoes it; none changes a module's class, parameters,
+buffers or state_dict. The hooks are bound methods of small module-level classes (deepcopy and pickle work), with
+per-thread state only.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+from ..activations._kernels import plain_only
+from ._core import (
+    enter_consumer_scope,
+    entry_of,
+    exit_consumer_scope,
+    is_recomputable,
+    producing,
+    register,
+)
+
+__all__ = [
+    "Handle", "PassThroughReLU", "checkpoint_call", "keep_recipes_in", "recompute_gated_mlp", "recompute_output",
+]
+
+
+class Handle:
+    """Undoes one installer's changes (``remove()``; idempotent)."""
+
+    def __init__(self, *removers: Callable[[], Any]) -> None:
+        self._removers = list(removers)
+
+    def remove(self) -> None:
+        while self._removers:
+            self._removers.pop()()
+
+
+def _name(module: nn.Module, owner: str | None) -> str:
+    return owner or getattr(module, "memtrim_owner", None) or type(module).__name__
+
+
+def _active() -> bool:
+    return torch.is_grad_enabled() and not plain_only()
+
+
+# ---------------------------------------------------------------------- consumer scopes
+def _enter(module: nn.Module, args: Any) -> None:
+    enter_consumer_scope()
+
+
+def _exit(module: nn.Module, args: Any, output: Any) -> None:
+    exit_consumer_scope()
+
+
+def keep_recipes_in(module: nn.Module) -> Handle:
+    """Run ``module``'s forward as a consumer scope: tensors its ops save that are marked recomputable keep their
+    recipe instead (the consumer module itself — Linear, HF Conv1D, Conv2d — or the parent whose own forward calls
+    ``F.linear``/``matmul`` on a marked tensor). Every other saved tensor passes through unchanged.
+
+    Args:
+        module: the consumer call site.
+
+    Returns:
+        A :class:`Handle`; ``remove()`` uninstalls the hooks.
+    """
+    pre = module.register_forward_pre_hook(_enter)
+    post = module.register_forward_hook(_exit, always_call=True)
+    return Handle(pre.remove, post.remove)
+
+
+# ---------------------------------------------------------------------- producers
+class _OutputRecipe:
+    """Forward hooks of :func:`recompute_output`: a producer scope around the call, the output marked at its end."""
+
+    def __init__(self, module: nn.Module, fn: Callable[..., torch.Tensor] | None, owner: str | None) -> None:
+        self.module, self.fn, self.owner = module, fn, owner
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_local"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+    def _scopes(self) -> list[producing | None]:
+        scopes = getattr(self._local, "scopes", None)
+        if scopes is None:
+            scopes = self._local.scopes = []
+        return scopes
+
+    def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if plain_only():  # torch.compile must trace none of this
+            return
+        scope = None
+        if _active():
+            scope = producing()
+            scope.__enter__()
+        self._scopes().append(scope)
+
+    def post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if plain_only():
+            return
+        scopes = self._scopes()
+        scope = scopes.pop() if scopes else None
+        if scope is None:
+            return
+        try:
+            if isinstance(output, torch.Tensor):
+                self.mark(output, args, kwargs)
+        finally:
+            scope.__exit__(None, None, None)
+
+    def mark(self, output: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        flat = list(args) + list(kwargs.values())
+        if not flat or any(isinstance(a, (list, tuple, dict)) for a in flat):
+            return  # only flat tensor/constant arguments
+        positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+        if not positions:
+            return
+        sources = [flat[i] for i in positions]
+        fn = self.fn if self.fn is not None else _call_with(self.module, args, kwargs, positions)
+        resolved = [entry_of(s) or s for s in sources]
+        register(output, fn, resolved, owner=_name(self.module, self.owner))
+
+
+def _call_with(module: nn.Module, args: tuple, kwargs: dict, positions: list[int]) -> Callable[..., torch.Tensor]:
+    """``module.forward`` on the call's arguments with the tensors replaced by the rebuild's sources (constants and
+    keyword names as in the call)."""
+    n_args = len(args)
+    constants = [None if isinstance(a, torch.Tensor) else a for a in (*args, *kwargs.values())]
+    names = list(kwargs)
+
+    def rebuild(*tensors: torch.Tensor) -> torch.Tensor:
+        flat = list(constants)
+        for i, t in zip(positions, tensors):
+            flat[i] = t
+        return module.forward(*flat[:n_args], **dict(zip(names, flat[n_args:])))
+
+    return rebuild
+
+
+def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None = None, *,
+                     owner: str | None = None) -> Handle:
+    """Mark ``module``'s output, after each call, as recomputable from its tensor arguments.
+
+    The default rebuild is the module's own forward on the same arguments, so it is bitwise for any activation
+    class (HF ``ACT2FN`` classes, timm's). The module's own saves during the call are decided at its end, so an
+    activation whose backward keeps its output (relu, sigmoid, tanh) keeps the recipe too. Calls whose output
+    shares a storage with an input (``inplace=True``) keep their output as usual.
+
+    Args:
+        module: a producer whose forward is a pure function of its tensor arguments (no RNG, no side effects), whose
+            inputs are kept for backward anyway (GELU, SiLU, ... keep their input).
+        fn: the rebuild, called with the call's tensor arguments; default: the module's forward.
+        owner: how errors name the module (default: its ``memtrim_owner`` label or class name).
+
+    Returns:
+        A :class:`Handle`. Marking alone saves nothing: the consumers that keep the output need
+        :func:`keep_recipes_in`.
+    """
+    hooks = _OutputRecipe(module, fn, owner)
+    pre = module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
+    post = module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True)
+    return Handle(pre.remove, post.remove)
+
+
+# ---------------------------------------------------------------------- gated MLP
+def _mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a * b
+
+
+class _GatedMLP:
+    """Forward hooks of :func:`recompute_gated_mlp` (per-thread state of the call in flight)."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"owner": self.owner}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["owner"])  # type: ignore[misc]
+
+    def _state(self) -> dict[str, Any]:
+        state = getattr(self._local, "state", None)
+        if state is None:
+            state = self._local.state = {}
+        return state
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        if plain_only():
+            return
+        self._state().clear()
+        enter_consumer_scope()
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if plain_only():
+            return
+        self._state().clear()  # nothing outlives the call: no graph kept alive by a forward without backward
+        exit_consumer_scope()
+
+    def act_done(self, module: nn.Module, args: Any, output: Any) -> None:
+        if plain_only():
+            return
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None and _active():
+            entry = entry_of(output)
+            if entry is not None:  # marked by recompute_output's hook, which runs first
+                self._state()["a"] = (entry, output.grad_fn._sequence_nr())
+
+    def up_done(self, module: nn.Module, args: Any, output: Any) -> None:
+        if plain_only():
+            return
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None and _active():
+            self._state()["u"] = (output, output.grad_fn._sequence_nr())
+
+    def down_pre(self, module: nn.Module, args: tuple) -> None:
+        if plain_only():
+            return
+        state = self._state()
+        a, u = state.pop("a", None), state.pop("u", None)
+        if a is None or u is None or not args or not isinstance(args[0], torch.Tensor) or not _active():
+            return
+        m = args[0]
+        node = m.grad_fn
+        if node is None or node.name() != "MulBackward0":
+            return
+        inputs = [n._sequence_nr() if n is not None else None for n, _ in node.next_functions]
+        if inputs == [a[1], u[1]]:
+            sources: list[Any] = [a[0], u[0]]
+        elif inputs == [u[1], a[1]]:
+            sources = [u[0], a[0]]
+        else:
+            return  # not act(gate(x)) * up(x) in this call: m is kept as usual
+        register(m, _mul, sources, owner=self.owner)
+
+
+def recompute_gated_mlp(mlp: nn.Module, *, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj",
+                        act: str = "act_fn", owner: str | None = None) -> Handle:
+    """Keep only ``g = gate(x)`` and ``u = up(x)`` in ``down(act(g) * u)`` (Llama, Mistral, Qwen MLPs).
+
+    ``a = act(g)`` (kept by the product) and ``m = a * u`` (kept by ``down``) are rebuilt in backward by the act's
+    own forward and the same multiplication: bitwise. Per call, ``m`` is recomputed only if its grad_fn is a
+    multiplication whose two inputs are exactly ``a``'s and ``u``'s nodes; otherwise it is kept as usual.
+
+    Args:
+        mlp: the MLP module; ``gate``, ``up``, ``down``, ``act``: names of its submodules.
+        owner: how errors name it (default: its ``memtrim_owner`` label or class name).
+
+    Returns:
+        A :class:`Handle`.
+    """
+    name = _name(mlp, owner)
+    act_module, up_module, down_module = (mlp.get_submodule(n) for n in (act, up, down))
+    hooks = _GatedMLP(name)
+    marks = recompute_output(act_module, owner=f"{name}.{act}")
+    removable = (
+        act_module.register_forward_hook(hooks.act_done),  # after recompute_output's hook: a is marked by then
+        up_module.register_forward_hook(hooks.up_done),
+        down_module.register_forward_pre_hook(hooks.down_pre),
+        mlp.register_forward_pre_hook(hooks.enter),
+        mlp.register_forward_hook(hooks.exit, always_call=True),
+    )
+    return Handle(marks.remove, *(h.remove for h in removable))
+
+
+# ---------------------------------------------------------------------- pointwise modules: checkpoint the call
+class _Checkpointed:
+    """An instance ``forward`` that runs the class's (or the previous instance) forward under non-reentrant
+    checkpoint."""
+
+    def __init__(self, module: nn.Module, inner: Callable[..., Any] | None) -> None:
+        self.module, self.inner = module, inner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn = self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+        if not _active() or not any(isinstance(a, torch.Tensor) and a.requires_grad
+                                    for a in (*args, *kwargs.values())):
+            return fn(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+def checkpoint_call(module: nn.Module) -> Handle:
+    """Keep only ``module``'s inputs: its forward runs under non-reentrant ``torch.utils.checkpoint`` and is recomputed
+    in backward (RNG state preserved). For pointwise modules that keep more than their input (HF
+    ``NewGELUActivation`` keeps 4 input-sized tensors).
+
+    Checkpoint saves the inputs through the saved-tensor hooks outside it, so memtrim's tracker counts them (and a
+    marked input keeps its recipe); it nests inside an outer checkpoint or HF gradient checkpointing. Under
+    torch.compile/torch.func, with grad off, or with no input requiring grad the forward runs plainly.
+
+    Args:
+        module: a module whose forward is pointwise (or otherwise cheap) in its inputs.
+
+    Returns:
+        A :class:`Handle`; ``remove()`` restores the previous forward.
+    """
+    inner = module.__dict__.get("forward")
+    wrapper = _Checkpointed(module, inner)
+    module.forward = wrapper  # type: ignore[method-assign]
+
+    def remove() -> None:
+        if module.__dict__.get("forward") is wrapper:
+            if inner is None:
+                del module.forward
+            else:
+                module.forward = inner  # type: ignore[method-assign]
+
+    return Handle(remove)
+
+
+# ---------------------------------------------------------------------- a ReLU shared with fused call sites
+class PassThroughReLU(nn.ReLU):
+    """``nn.ReLU`` that returns an input produced by a fused BatchNormReLU unchanged (it is relu'd already).
+
+    torchvision's BasicBlock/Bottleneck call one ``relu`` module after ``bn1`` (fused: the BatchNormReLU does the
+    ReLU) and after ``out += identity`` (not fused). Another ``relu_`` on the fused output would bump its version,
+    so its consumers would keep it instead of its recipe; this module returns such an input itself (an identity
+    check on the registry) and relus anything else exactly as ``nn.ReLU``. Under torch.compile/torch.func and with
+    grad off it always relus (relu is idempotent). Swap in with ``module.__class__ = PassThroughReLU``.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if _active() and is_recomputable(input, tag="relu"):
+            return input
+        return super().forward(input)
+
