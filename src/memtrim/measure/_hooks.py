@@ -49,6 +49,8 @@ _active: list[Tracker] = []  # every active tracker, in every thread
 _undo: list[Callable[[], None]] = []
 _local = threading.local()  # .trackers: this thread's active trackers, in the order they started
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
 # the attribute by which current() recognises a tracker's dispatch mode
 MODE_ATTRIBUTE = "_memtrim_tracker"
 
@@ -103,7 +105,11 @@ def _make_pack(
     def pack(tensor: torch.Tensor) -> _Saved:
         holder = _Saved()
         holder.version = tensor._version
-        holder.tensor = tensor.detach()
+        if type(tensor) in _PLAIN:
+            with torch._C._DisableTorchDispatch():  # our own alias: no op for the trackers (or other modes) to see
+                holder.tensor = tensor.detach()
+        else:  # a tensor subclass (FakeTensor, DTensor...) makes its alias through its own dispatch
+            holder.tensor = tensor.detach()
         holder.outer = outer
         holder.packed = outer[0](tensor) if outer is not None else None
         holder.trackers = tuple(trackers)

@@ -110,18 +110,25 @@ class _Mode(TorchDispatchMode):
         setattr(self, _hooks.MODE_ATTRIBUTE, tracker)  # how _hooks.current() finds the trackers of a thread
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        # runs for every op: tensors_in inlined for the usual flat argument tuple
         tracker = self.tracker
-        inputs = tensors_in(args)
+        inputs: list[torch.Tensor] = []
+        for arg in args:
+            if type(arg) in _PLAIN_TENSORS:
+                inputs.append(arg)
+            elif isinstance(arg, _CONTAINERS):
+                _collect(arg, inputs)
         if kwargs:
-            inputs += tensors_in(kwargs)
+            _collect(kwargs, inputs)
         else:
             kwargs = {}
-        seen = tracker._op_start(func, inputs)
+        name = _OP_NAMES.get(func) or _op_name(func)
+        seen = tracker._op_start(func, name, inputs)
         try:
             out = func(*args, **kwargs)
         finally:
             tracker._op = None
-        tracker._op_end(func, seen, out)
+        tracker._op_end(name, seen, out)
         return out
 
 
@@ -436,10 +443,10 @@ class Tracker:
         self._events.append((kind, record, value, self._op, phase, module))
 
     # ------------------------------------------------------------------ ops
-    def _op_start(self, func: Any, inputs: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, _Record]]:
+    def _op_start(self, func: Any, name: str, inputs: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, _Record]]:
         """Record the op's inputs (storages that existed before are counted from the start) and its context;
         returns the inputs' (storage, record) pairs, for _op_end."""
-        self._op = _op_name(func)
+        self._op = name
         seen = []
         if func not in _FRESH_OPS:  # torch.tensor(...) hands its new tensor to lift_fresh: born now, not before
             records = self._records
@@ -461,8 +468,8 @@ class Tracker:
             self._hook_gradients()
         return seen
 
-    def _op_end(self, func: Any, seen: list[tuple[torch.UntypedStorage, _Record]], out: Any) -> None:
-        self._op = _op_name(func)
+    def _op_end(self, name: str, seen: list[tuple[torch.UntypedStorage, _Record]], out: Any) -> None:
+        self._op = name
         try:
             if type(out) is torch.Tensor:
                 self._see(out, "temporaries", existed=False)
@@ -587,9 +594,8 @@ class Tracker:
         node = torch._C._current_autograd_node()
         if node is None:
             return None
-        variable = getattr(node, "variable", None)  # AccumulateGrad
-        if variable is not None:
-            return self._param_module.get(id(variable))
+        if type(node) is _ACCUMULATE_GRAD:
+            return self._param_module.get(id(node.variable))
         seq = node._sequence_nr()
         index = bisect.bisect_right(self._segment_starts, seq) - 1
         if index >= 0:
@@ -647,6 +653,8 @@ _PRIORITY = {name: i for i, name in enumerate(
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_CONTAINERS = (torch.Tensor, list, tuple, dict)
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 
 
 def _inputs_hook(tracker: Tracker) -> Any:
