@@ -12,6 +12,7 @@ from ._core import (
     recipes_honoured,
 )
 from ._sites import (
+    LIMITS,
     Handle,
     PassThroughReLU,
     checkpoint_call,
@@ -21,6 +22,7 @@ from ._sites import (
 )
 
 __all__ = [
-    "ConvertError", "Handle", "PassThroughReLU", "Recipe", "checkpoint_call", "is_recomputable", "keep_recipes_in",
-    "mark_recomputable", "producing", "recipe_of", "recipes_honoured", "recompute_gated_mlp", "recompute_output",
+    "LIMITS", "ConvertError", "Handle", "PassThroughReLU", "Recipe", "checkpoint_call", "is_recomputable",
+    "keep_recipes_in", "mark_recomputable", "producing", "recipe_of", "recipes_honoured", "recompute_gated_mlp",
+    "recompute_output",
 ]

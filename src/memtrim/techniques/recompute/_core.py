@@ -26,6 +26,11 @@ refuse it (``double_backward=False``: a :class:`ConvertError` naming the owner).
 A producer whose own backward keeps its output (relu, sigmoid, BatchNorm+ReLU) saves ``T`` before it can be
 marked: :class:`producing` holds saves made in its scope provisionally and decides at exit, once ``T`` is marked.
 
+In-place edits: a source changed in place after ``T`` was made is never used (the pack keeps ``T`` itself; after the
+pack, unpacking raises autograd's "modified by an inplace operation"). ``T`` changed in place after a consumer saved
+it raises the same while ``T`` is alive (a weak reference); once ``T`` has died the recipe cannot see the edit and
+rebuilds the value the consumer saw, so the gradient is that of the computation that ran, where torch would raise.
+
 Under torch.compile and torch.func (:func:`plain_only`) and with grad mode off nothing is marked or hooked.
 Scopes are per thread (saved-tensor hooks are thread-local); the registry is shared, written under a lock.
 """

@@ -27,7 +27,8 @@ from ._core import (
 )
 
 __all__ = [
-    "Handle", "PassThroughReLU", "checkpoint_call", "keep_recipes_in", "recompute_gated_mlp", "recompute_output",
+    "LIMITS", "Handle", "PassThroughReLU", "checkpoint_call", "keep_recipes_in", "recompute_gated_mlp",
+    "recompute_output",
 ]
 
 
@@ -40,6 +41,28 @@ class Handle:
     def remove(self) -> None:
         while self._removers:
             self._removers.pop()()
+
+
+# what the convert report can say about each mechanism (copied into its ``limits``)
+LIMITS: dict[str, tuple[str, ...]] = {
+    "recompute_output": (
+        "the activation's output is rebuilt in backward by its own forward (bitwise); double backward exact",
+        "steps aside under torch.compile and torch.func",
+    ),
+    "recompute_gated_mlp": (
+        "act(gate) and act(gate) * up are rebuilt in backward by the same ops (bitwise); double backward exact",
+        "steps aside under torch.compile and torch.func",
+    ),
+    "checkpoint_call": (
+        "the module's forward runs again in backward (torch.utils.checkpoint, non-reentrant, RNG state preserved)",
+        "steps aside under torch.compile and torch.func",
+    ),
+    "batchnorm_relu": (
+        "the ReLU output is rebuilt from the BatchNorm's input: the next layers' weight gradients agree to rounding",
+        "no double backward (create_graph=True through the rebuilt output raises ConvertError)",
+        "steps aside under torch.compile and torch.func",
+    ),
+}
 
 
 def _name(module: nn.Module, owner: str | None) -> str:
@@ -68,11 +91,20 @@ def keep_recipes_in(module: nn.Module) -> Handle:
         module: the consumer call site.
 
     Returns:
-        A :class:`Handle`; ``remove()`` uninstalls the hooks.
+        A :class:`Handle`; ``remove()`` uninstalls the hooks. Idempotent: a second call returns the first handle.
     """
+    found = module.__dict__.get("_memtrim_consumer_scope")
+    if isinstance(found, Handle) and found._removers:
+        return found
     pre = module.register_forward_pre_hook(_enter)
     post = module.register_forward_hook(_exit, always_call=True)
-    return Handle(pre.remove, post.remove)
+
+    def forget() -> None:
+        module.__dict__.pop("_memtrim_consumer_scope", None)
+
+    handle = Handle(forget, pre.remove, post.remove)
+    module.__dict__["_memtrim_consumer_scope"] = handle
+    return handle
 
 
 # ---------------------------------------------------------------------- producers

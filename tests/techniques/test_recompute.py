@@ -1,0 +1,439 @@
+"""memtrim.techniques.recompute against plain PyTorch: bitwise outputs and gradients, bytes held from the tracker."""
+
+import copy
+import gc
+import math
+import threading
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import memtrim
+from memtrim.techniques import recompute as R
+from memtrim.techniques.recompute import _core
+
+from ..helpers import activation_bytes
+
+
+# ---------------------------------------------------------------------- the patterns, written as the libraries do
+class NewGELU(nn.Module):
+    """HF's NewGELUActivation: 8 pointwise ops keeping 4 input-sized tensors."""
+
+    def forward(self, input):
+        return 0.5 * input * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (input + 0.044715 * torch.pow(input, 3.0))))
+
+
+class Conv1D(nn.Module):
+    """HF's Conv1D (GPT-2): addmm on a 2-D view of the input."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.02)
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.nf,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+class MLP(nn.Module):
+    def __init__(self, act, consumer="linear"):
+        super().__init__()
+        self.consumer = consumer
+        self.fc1 = nn.Linear(16, 48)
+        self.act = act
+        self.fc2 = Conv1D(16, 48) if consumer == "conv1d" else nn.Linear(48, 16)
+
+    def forward(self, x):
+        a = self.act(self.fc1(x))
+        if self.consumer == "functional":  # F.linear in the parent's own forward
+            return F.linear(a, self.fc2.weight, self.fc2.bias)
+        return self.fc2(a)
+
+
+class GatedMLP(nn.Module):
+    """Llama's MLP."""
+
+    def __init__(self, hidden=16, inter=48):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class BasicBlock(nn.Module):
+    """torchvision's BasicBlock: one ReLU module called twice."""
+
+    def __init__(self, c=8):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+def act_to_consumer(model):
+    R.recompute_output(model.act)
+    R.keep_recipes_in(model if model.consumer == "functional" else model.fc2)
+    return model
+
+
+def fuse_block(block):
+    block.bn1.__class__ = memtrim.nn.BatchNormReLU2d
+    block.relu.__class__ = R.PassThroughReLU
+    R.keep_recipes_in(block.conv2)
+    return block
+
+
+def run(model, x, create_graph=False):
+    leaf = x.clone().requires_grad_()
+    out = model(leaf)
+    loss = out.square().sum()
+    params = [leaf, *model.parameters()]
+    if create_graph:  # a gradient penalty: backward through the input gradient
+        (gx,) = torch.autograd.grad(loss, leaf, create_graph=True)
+        loss = loss + gx.square().sum()
+    return out.detach(), [g.detach() for g in torch.autograd.grad(loss, params)]
+
+
+def assert_bitwise(a, b):
+    assert torch.equal(a[0], b[0])
+    assert len(a[1]) == len(b[1])
+    for x, y in zip(a[1], b[1]):
+        assert torch.equal(x, y)
+
+
+def held(model, x):
+    return activation_bytes(model, x, model=model)
+
+
+X = torch.randn(3, 5, 16)
+INTER = 3 * 5 * 48 * 4  # one intermediate-sized float32 tensor
+
+
+# ---------------------------------------------------------------------- 1. act -> consumer
+@pytest.mark.parametrize("consumer", ["linear", "conv1d", "functional"])
+@pytest.mark.parametrize("act", [nn.GELU(), nn.GELU("tanh"), nn.SiLU(), nn.Mish(), nn.Hardswish(), NewGELU(),
+                                 nn.Tanh(), nn.Sigmoid(), nn.ReLU()], ids=lambda a: type(a).__name__)
+def test_act_output_rebuilt_at_the_consumer_bitwise(act, consumer):
+    torch.manual_seed(0)
+    plain = MLP(copy.deepcopy(act), consumer).double()
+    converted = act_to_consumer(copy.deepcopy(plain))
+    x = X.double()
+    assert_bitwise(run(converted, x), run(plain, x))
+    assert_bitwise(run(converted, x, create_graph=True), run(plain, x, create_graph=True))  # double backward exact
+
+
+@pytest.mark.parametrize("consumer", ["linear", "conv1d", "functional"])
+@pytest.mark.parametrize("act", [nn.GELU(), nn.SiLU(), nn.Mish()], ids=lambda a: type(a).__name__)
+def test_act_that_keeps_its_input_drops_its_output(act, consumer):
+    torch.manual_seed(0)
+    plain = MLP(act, consumer)
+    converted = act_to_consumer(copy.deepcopy(plain))
+    assert held(converted, X) == held(plain, X) - INTER
+
+
+def test_output_keeping_act_keeps_the_recipe_for_its_own_backward_too():
+    # tanh keeps its output, and so does the Linear after it: one tensor in all; with recipes: the input, once
+    torch.manual_seed(0)
+    plain = MLP(nn.Tanh())
+    converted = act_to_consumer(copy.deepcopy(plain))
+    assert held(converted, X) == held(plain, X)  # tanh's input replaces its output: nothing saved, nothing lost
+    storages = []
+    converted.act.register_forward_hook(lambda m, a, out: storages.append(weakref.ref(out.untyped_storage())))
+    out = converted(X.clone().requires_grad_())
+    gc.collect()
+    assert storages[0]() is None and out.grad_fn is not None  # nobody keeps the tanh output
+
+
+def test_inplace_act_keeps_its_output_as_usual():
+    torch.manual_seed(0)
+    plain = MLP(nn.ReLU(inplace=True))
+    converted = act_to_consumer(copy.deepcopy(plain))
+    assert held(converted, X) == held(plain, X)
+    assert_bitwise(run(converted, X), run(plain, X))
+
+
+def test_rebuilt_once_per_backward_and_shared_by_every_holder():
+    calls, recipes = [], []
+
+    class Two(nn.Module):  # the activation output read by two Linears
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2, self.fc3 = nn.Linear(16, 48), nn.Linear(48, 8), nn.Linear(48, 8)
+
+        def forward(self, x):
+            h = self.fc1(x)
+            a = F.gelu(h)
+            R.mark_recomputable(a, lambda t: calls.append(1) or F.gelu(t), h, owner="gelu")
+            recipes.append(R.recipe_of(a))
+            with R.recipes_honoured():
+                return self.fc2(a) + self.fc3(a)
+
+    torch.manual_seed(0)
+    model = Two()
+    out = model(X.clone().requires_grad_())
+    out.sum().backward(retain_graph=True)
+    assert len(calls) == 1
+    out.sum().backward()
+    assert len(calls) == 2  # a second backward over the retained graph rebuilds once more
+    assert recipes[0].cache is None  # released after the last holder
+
+
+# ---------------------------------------------------------------------- 2. pointwise module: checkpoint the call
+def test_pointwise_module_keeps_only_its_input():
+    torch.manual_seed(0)
+    plain = MLP(NewGELU())
+    converted = copy.deepcopy(plain)
+    R.checkpoint_call(converted.act)
+    assert held(plain, X) == 5 * INTER  # NewGELU's input and 3 intermediates, fc2's input
+    assert held(converted, X) == 2 * INTER  # NewGELU's input (kept by checkpoint), fc2's input
+    both = act_to_consumer(copy.deepcopy(converted))
+    assert held(both, X) == INTER  # and with fc2 keeping the recipe: the input alone
+    for model in (converted, both):
+        assert_bitwise(run(model, X), run(plain, X))
+
+
+def test_checkpoint_call_under_an_outer_checkpoint_and_removal():
+    torch.manual_seed(0)
+    plain = MLP(NewGELU())
+    converted = act_to_consumer(copy.deepcopy(plain))
+    handle = R.checkpoint_call(converted.act)
+
+    class Outer(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    outer = Outer
+
+    assert_bitwise(run(outer(converted), X), run(outer(plain), X))
+    assert held(outer(converted), X) <= held(outer(plain), X)
+    handle.remove()
+    assert "forward" not in converted.act.__dict__
+
+
+# ---------------------------------------------------------------------- 3. gated MLP
+def test_gated_mlp_keeps_gate_and_up_outputs_only():
+    torch.manual_seed(0)
+    plain = GatedMLP()
+    converted = copy.deepcopy(plain)
+    R.recompute_gated_mlp(converted)
+    assert held(plain, X) == 4 * INTER  # g (silu), a and u (mul), m (down)
+    assert held(converted, X) == 2 * INTER  # g and u
+    for create_graph in (False, True):
+        assert_bitwise(run(converted.double(), X.double(), create_graph), run(plain.double(), X.double(),
+                                                                               create_graph))
+
+
+def test_gated_mlp_with_another_product_keeps_it():
+    class Scaled(GatedMLP):
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x) * 2)
+
+    torch.manual_seed(0)
+    plain = Scaled()
+    converted = copy.deepcopy(plain)
+    R.recompute_gated_mlp(converted)
+    assert held(converted, X) == held(plain, X) - INTER  # a still rebuilt; the product (not a * u) is kept
+    assert_bitwise(run(converted, X), run(plain, X))
+
+
+# ---------------------------------------------------------------------- 4. BatchNorm + ReLU with a shared ReLU
+def test_shared_relu_fused_at_one_call_site_only():
+    torch.manual_seed(0)
+    plain = nn.Sequential(BasicBlock(), BasicBlock())
+    converted = copy.deepcopy(plain)
+    for block in converted:
+        fuse_block(block)
+    x = torch.randn(2, 8, 6, 6)
+    one = 2 * 8 * 6 * 6 * 4
+    assert held(converted, x) == held(plain, x) - 2 * (one - 2 * 8 * 4)  # each block: relu output out, scale+shift in
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
+        a, b = run(converted.to(dtype), x.to(dtype)), run(plain.to(dtype), x.to(dtype))
+        assert torch.equal(a[0], b[0])  # the second call site still relus: the block output is exact
+        for u, v in zip(a[1], b[1]):
+            torch.testing.assert_close(u, v, rtol=tol, atol=tol)
+    with torch.no_grad():
+        assert torch.equal(converted(x.double()), plain(x.double()))
+
+
+def test_pass_through_relu_relus_anything_else():
+    relu = nn.ReLU(inplace=True)
+    relu.__class__ = R.PassThroughReLU
+    x = torch.randn(10)
+    assert torch.equal(relu(x.clone()), torch.relu(x))
+
+
+# ---------------------------------------------------------------------- guards
+def test_inplace_edit_of_a_source_or_of_the_tensor_raises_like_autograd():
+    class EditsSource(MLP):
+        def forward(self, x):
+            h = self.fc1(x)
+            y = self.fc2(self.act(h))
+            h.mul_(2)  # GELU keeps h
+            return y
+
+    class EditsOutput(MLP):
+        def forward(self, x):
+            a = self.act(self.fc1(x))
+            y = self.fc2(a)
+            a.mul_(2)  # fc2 kept a (as a recipe here)
+            self.last = a  # checked while a is alive (see test_edit_of_a_dead_output_uses_its_value_at_save_time)
+            return y + a.sum()
+
+    for cls in (EditsSource, EditsOutput):
+        for convert in (False, True):
+            model = cls(nn.GELU())
+            if convert:
+                act_to_consumer(model)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                model(X.clone().requires_grad_()).sum().backward()
+
+
+def test_edit_of_a_dead_output_uses_its_value_at_save_time():
+    # torch raises here; the recipe cannot see an edit of a tensor that died (it keeps no reference to it), and
+    # rebuilds the value fc2 saw, so the gradient is that of the computation that ran
+    class EditsOutput(MLP):
+        def forward(self, x):
+            a = self.act(self.fc1(x))
+            y = self.fc2(a)
+            a.mul_(2)
+            return y + a.sum()
+
+    class Clones(MLP):
+        def forward(self, x):
+            a = self.act(self.fc1(x))
+            y = self.fc2(a)
+            a = a.clone().mul_(2)
+            return y + a.sum()
+
+    torch.manual_seed(0)
+    model = act_to_consumer(EditsOutput(nn.GELU()))
+    reference = Clones(nn.GELU())
+    reference.load_state_dict(model.state_dict())
+    assert_bitwise(run(model, X), run(reference, X))
+
+
+def test_bn_relu_double_backward_names_the_module():
+    bn = nn.BatchNorm1d(8)
+    bn.__class__ = memtrim.nn.BatchNormReLU1d
+    bn.memtrim_owner = "'block.bn1'"
+    fc = nn.Linear(8, 2)
+    R.keep_recipes_in(fc)
+    leaf = torch.randn(4, 8, requires_grad=True)
+    loss = fc(bn(leaf)).square().sum()
+    with pytest.raises(R.ConvertError, match="'block.bn1'.*double backward"):
+        torch.autograd.grad(loss, leaf, create_graph=True)
+
+
+def test_forward_without_backward_frees_everything():
+    torch.manual_seed(0)
+    models = [act_to_consumer(MLP(nn.GELU())), GatedMLP(), fuse_block(BasicBlock())]
+    R.recompute_gated_mlp(models[1])
+    for model, x in zip(models, (X, X, torch.randn(2, 8, 6, 6))):
+        with memtrim.track(model) as tracker:
+            out = model(x.clone().requires_grad_())
+            assert tracker.live_by_category()["activations"] > 0
+            del out
+            gc.collect()
+            assert tracker.live_by_category()["activations"] == 0
+        assert not _core._REGISTRY
+        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+
+
+def test_outer_saved_tensor_hooks_see_the_sources():
+    torch.manual_seed(0)
+    model = act_to_consumer(MLP(nn.GELU()))
+    seen = []
+
+    def pack(t):
+        seen.append(t.untyped_storage().data_ptr())
+        return t
+
+    h = []
+    model.fc1.register_forward_hook(lambda m, a, out: h.append(out.untyped_storage().data_ptr()))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(X.clone().requires_grad_())
+    assert seen.count(h[0]) == 2  # by GELU, and by fc2's recipe
+    out.sum().backward()
+
+
+def test_steps_aside_under_torch_compile_and_torch_func():
+    torch.manual_seed(0)
+    plain = MLP(nn.GELU())
+    converted = act_to_consumer(copy.deepcopy(plain))
+    plain_gated = GatedMLP()
+    R.recompute_gated_mlp(gated := copy.deepcopy(plain_gated))
+    torch._dynamo.reset()
+    for model, original in ((converted, plain), (gated, plain_gated)):
+        compiled = torch.compile(model, fullgraph=True)  # fullgraph: a graph break would raise
+        out = compiled(X)
+        assert torch.equal(out, torch.compile(original, fullgraph=True)(X))
+        out.sum().backward()
+    params = dict(converted.named_parameters())
+
+    def loss(p, model, x):
+        return torch.func.functional_call(model, p, (x,)).square().sum()
+
+    a = torch.func.grad(loss)(params, converted, X)
+    b = torch.func.grad(loss)(dict(plain.named_parameters()), plain, X)
+    for k in a:
+        assert torch.equal(a[k], b[k])
+
+
+def test_threads_run_their_own_recipes():
+    torch.manual_seed(0)
+    plain = GatedMLP()
+    reference = run(plain, X)
+    results, errors = [None] * 4, []
+
+    def work(i):
+        try:
+            model = copy.deepcopy(plain)
+            R.recompute_gated_mlp(model)
+            for _ in range(3):
+                results[i] = run(model, X)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for result in results:
+        assert_bitwise(result, reference)
+
+
+def test_mark_refuses_what_it_cannot_rebuild():
+    h = torch.randn(4, 6, requires_grad=True) * 1
+    assert not R.mark_recomputable(h[1:], torch.relu, h, owner="view")  # not a whole storage
+    a = torch.relu_(h.clone())
+    assert not R.mark_recomputable(h, torch.relu, h, owner="in place")  # output is its own source
+    with torch.no_grad():
+        assert not R.mark_recomputable(torch.relu(h), torch.relu, h, owner="no grad")
+    assert R.mark_recomputable(a, torch.relu, h, owner="ok") and R.is_recomputable(a)
+    a.add_(1)
+    assert not R.is_recomputable(a)  # changed since it was marked
