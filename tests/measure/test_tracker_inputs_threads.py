@@ -163,3 +163,18 @@ def test_tracker_in_a_thread_leaves_no_hooks_on_error():
     with pytest.raises(RuntimeError):
         _in_threads(run)
     _no_hooks_left()
+
+
+def test_model_copied_or_saved_inside_the_block(tmp_path):
+    """The inputs hook the tracker puts on the model neither drags the tracker into a deep copy nor breaks
+    pickling the whole model."""
+    import copy
+
+    model = MaskedHead()
+    with memtrim.track(model) as tracker:
+        twin = copy.deepcopy(model)
+        torch.save(model, tmp_path / "model.pt")
+        out = twin(torch.randn(2, 8), mask=torch.ones(2, 4))
+    assert out.shape == (2, 4)
+    assert tracker.report().peak_by_category["inputs"] == 0  # the twin is not the tracked model
+    assert not model._forward_pre_hooks  # removed at exit

@@ -191,7 +191,7 @@ class Tracker:
         model = self._model_ref() if self._model_ref is not None else None
         if model is not None:
             self._hook_handles.append(
-                model.register_forward_pre_hook(_inputs_hook(self), with_kwargs=True, prepend=True)
+                model.register_forward_pre_hook(_InputsHook(self), with_kwargs=True, prepend=True)
             )
         self._start_cuda()
         self._active = True
@@ -657,17 +657,23 @@ _CONTAINERS = (torch.Tensor, list, tuple, dict)
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 
 
-def _inputs_hook(tracker: Tracker) -> Any:
-    """The model's forward pre-hook (global pre-hooks see no keyword arguments). A plain function holding the
-    tracker weakly: deep-copying the model inside the block copies the hook, not the tracker."""
-    ref = weakref.ref(tracker)
+class _InputsHook:
+    """The model's forward pre-hook that labels its tensor arguments, positional and keyword, as ``inputs``
+    (global pre-hooks see no keyword arguments). It holds the tracker weakly; a copy or pickle of the model
+    made inside the block carries an inert hook, not the tracker."""
 
-    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        tracker = ref()
+    __slots__ = ("ref",)
+
+    def __init__(self, tracker: Tracker | None = None) -> None:
+        self.ref = weakref.ref(tracker) if tracker is not None else None
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        tracker = self.ref() if self.ref is not None else None
         if tracker is not None and tracker._active and tracker in _hooks.current():
             tracker._model_inputs(args, kwargs)
 
-    return hook
+    def __reduce__(self) -> tuple:
+        return (_InputsHook, ())
 
 
 def _device_name(tensor: torch.Tensor) -> str:
