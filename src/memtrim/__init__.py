@@ -9,6 +9,7 @@ from . import data, models
 from . import functional as functional  # submodules outside __all__ (see the docstring)
 from . import nn as nn
 from .errors import (
+    ConvertError,
     DataError,
     DeviceMismatchError,
     InvalidInputError,
@@ -29,7 +30,19 @@ from .measure import (
     op_memory,
     track,
 )
-from .techniques.activations import ConversionReport, InplaceCheck, InplaceCheckError, check_inplace, convert
+from .techniques.activations import InplaceCheck, InplaceCheckError, check_inplace
+from .techniques.convert import (
+    Absorbed,
+    Candidate,
+    Change,
+    ConversionReport,
+    ModelTrace,
+    Skipped,
+    convert,
+    register_rule,
+    registered_rules,
+    unregister_rule,
+)
 from .techniques.optim import OptimizerInBackward, OptimizerInBackwardError
 from .techniques.reversible import AdditiveCoupling, AffineCoupling, ReversibleError, ReversibleSequential
 from .verify import Divergence, VerifyReport, verify
@@ -37,10 +50,14 @@ from .verify import Divergence, VerifyReport, verify
 __version__ = "0.1.0"
 
 __all__ = [
+    "Absorbed",
     "AdditiveCoupling",
     "AffineCoupling",
     "CATEGORIES",
+    "Candidate",
+    "Change",
     "ConversionReport",
+    "ConvertError",
     "PHASES",
     "DataError",
     "Divergence",
@@ -51,11 +68,13 @@ __all__ = [
     "MemoryReport",
     "MemtrimError",
     "MissingDependencyError",
+    "ModelTrace",
     "OpMemory",
     "OptimizerInBackward",
     "OptimizerInBackwardError",
     "ReversibleError",
     "ReversibleSequential",
+    "Skipped",
     "TimelineEvent",
     "Tracker",
     "VerifyError",
@@ -68,6 +87,9 @@ __all__ = [
     "data",
     "models",
     "op_memory",
+    "register_rule",
+    "registered_rules",
+    "unregister_rule",
     "track",
     "verify",
 ]

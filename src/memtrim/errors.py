@@ -13,6 +13,7 @@ __all__ = [
     "DataError",
     "MissingDependencyError",
     "VerifyError",
+    "ConvertError",
 ]
 
 
@@ -38,3 +39,8 @@ class MissingDependencyError(MemtrimError, ImportError):
 
 class VerifyError(MemtrimError):
     """A baseline and a transformed run could not be compared, or did not match (``assert_ok``)."""
+
+
+class ConvertError(MemtrimError, RuntimeError):
+    """A module converted by :func:`memtrim.convert` (or a ``memtrim.nn`` module) met a use it cannot serve: an
+    in-place change of a tensor it keeps, or a second derivative through a rebuilt norm."""

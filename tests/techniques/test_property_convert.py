@@ -121,6 +121,9 @@ def random_config(seed):
     }
 
 
+# torch's own nn.RMSNorm under bfloat16 autocast warns that it cannot use its fused kernel (the unconverted model too;
+# reached since issue 11, when an RMSNorm that would save 0 B is left unconverted and the run stays float32)
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight:UserWarning")
 @pytest.mark.parametrize("seed", range(20))
 def test_converted_trains_like_unconverted(seed):
     config = random_config(seed)

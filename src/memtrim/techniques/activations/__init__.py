@@ -1,9 +1,7 @@
-"""Activation memory done right: a checker for in-place code, and activations that keep the least."""
+"""Activation memory done right: a checker for in-place code, activations that keep the least, and fused norms.
+
+``memtrim.convert`` lives in ``memtrim.techniques.convert``."""
 
 from .check import InplaceCheck, InplaceCheckError, check_inplace
-from .convert import Absorbed, Change, ConversionReport, ConvertError, Skipped, convert
 
-__all__ = [
-    "Absorbed", "Change", "ConversionReport", "ConvertError", "InplaceCheck", "InplaceCheckError", "Skipped",
-    "check_inplace", "convert",
-]
+__all__ = ["InplaceCheck", "InplaceCheckError", "check_inplace"]

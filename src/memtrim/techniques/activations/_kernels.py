@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ...errors import MemtrimError
+from ...errors import ConvertError
 
 __all__ = [
     "autocasting", "CACHE_SIZE", "ConvertError", "KEEP_BOUND", "inplace_error", "keep_input_features",
@@ -21,11 +21,6 @@ __all__ = [
 ]
 
 native_batch_norm = torch.ops.aten.native_batch_norm.default
-
-
-class ConvertError(MemtrimError, RuntimeError):
-    """A module converted by :func:`memtrim.convert` (or a ``memtrim.nn`` module) met a use it cannot serve: an
-    in-place change of a tensor it keeps, or a second derivative through a rebuilt norm."""
 
 
 # ---------------------------------------------------------------------- bounded constant cache

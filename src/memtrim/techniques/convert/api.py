@@ -1,0 +1,170 @@
+"""``memtrim.convert``: swap in modules that keep less for backward, only where provably the same function and
+nothing else uses the replaced tensor, and report what each change saved.
+
+NOTE [ how convert decides ]
+* Evidence (NOTE [ convert's evidence ] in evidence.py): a traced training-mode forward on ``example_inputs``
+  (every call site, every op's storages, everything autograd saves), or, without example inputs, the torch.fx graph
+  where the model traces.
+* Rules (NOTE [ convert's rules ] in rules.py; the built-in ones in builtin.py and norms.py) match on that
+  evidence and yield candidates: a change with its reason, or a skip with its reason. Pairs need evidence that the
+  first module's output goes to the second and nowhere else; single modules are the same function whatever
+  surrounds them; norms are recognised by their traced ops, whatever their class.
+* Modules are converted in place by changing their class (same parameters, buffers, hooks and state_dict keys), so
+  an optimizer built before ``convert`` keeps working and a state_dict loads into the unconverted class. A module
+  absorbed into its neighbour becomes an :class:`Absorbed` identity the same way, so every name it is registered
+  under and every reference to it see the change.
+* Hooks: a pair is not fused when either module has forward, forward pre-, backward or backward pre-hooks.
+* What breaks a converted module, and what convert checks: an output-keeping module's output must not be changed
+  in place before backward (the traced forward sees every in-place write, and such modules are skipped; without
+  example inputs backward raises ``ConvertError`` naming the module). Rebuilt norms have no second derivative
+  (``Change.limits``). Under torch.compile and torch.func every converted module runs as torch's own ops (no graph
+  break), and so do the rebuilt norms and ActLinear under autocast. Tracing and measuring leave the global (and
+  CUDA) RNG, parameters and buffers as they were, and copy no parameter.
+* Savings are measured, not estimated: the activation bytes autograd keeps after a forward on the example inputs,
+  by the tracker, before and after each change. A change that saves nothing is undone and reported as skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import InvalidInputError
+from ...measure import track
+from ...measure.tracker import tensors_in
+from . import builtin as _builtin  # noqa: F401  (registers the built-in rules)
+from .evidence import _split, buffers_kept, collect, fresh_inputs, fx_evidence
+from .report import Change, ConversionReport, Skipped
+from .rules import Candidate, Context, registered_rules
+
+__all__ = ["activation_bytes", "convert"]
+
+
+def convert(
+    model: nn.Module,
+    *,
+    example_inputs: torch.Tensor | tuple[Any, ...] | dict[str, Any] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
+    module_filter: Callable[[str, nn.Module], bool] | None = None,
+) -> tuple[nn.Module, ConversionReport]:
+    """Convert ``model`` in place to modules that keep less for backward; return it with a report.
+
+    Why: most of a model's activation memory is what autograd keeps between forward and backward; replacing the
+    modules that keep their input when their output is kept anyway (and fusing pairs) keeps less, computing the
+    same function. Every change is proven on traced evidence and measured; ``memtrim.verify`` checks training stays
+    equal (see tests).
+
+    Args:
+        model: any ``nn.Module``; converted in place (parameters, buffers and state_dict keys unchanged).
+        example_inputs: a tensor, a tuple of arguments (``model(*example_inputs)``) or a dict of keyword arguments
+            (``model(**example_inputs)``, as HF models take a batch); the evidence for the rules (else the torch.fx
+            graph, where the model traces) and what each change's saving is measured on.
+        example_kwargs: more keyword arguments for the example call (with a tensor or tuple ``example_inputs``).
+        module_filter: ``module_filter(name, module)`` returning False leaves that module alone.
+
+    Returns:
+        ``(model, ConversionReport)``: every candidate a rule found is in the report, changed with its measured
+        bytes or skipped with its reason.
+
+    Raises:
+        InvalidInputError: ``model`` is not a module, or the example inputs fail to run through it.
+
+    Example::
+
+        model, report = memtrim.convert(model, example_inputs={"input_ids": ids})
+        print(report)
+
+    See NOTE [ how convert decides ] in memtrim/techniques/convert/api.py.
+    """
+    if not isinstance(model, nn.Module):
+        raise InvalidInputError(f"memtrim.convert: model must be an nn.Module, got {type(model).__name__}.")
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise InvalidInputError(f"memtrim.convert: example_kwargs must be a dict, got {type(example_kwargs).__name__}.")
+    given = example_inputs is not None or bool(example_kwargs)
+    args, kwargs = _split(example_inputs, example_kwargs)
+    with torch.random.fork_rng(devices=_cuda_devices(model, (args, kwargs))):  # tracing must not draw from the RNG
+        return _convert(model, args, kwargs, given, module_filter)
+
+
+def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], given: bool,
+             module_filter: Callable[[str, nn.Module], bool] | None) -> tuple[nn.Module, ConversionReport]:
+    evidence = collect(model, args, kwargs) if given else fx_evidence(model)
+    aliases: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        aliases.setdefault(id(module), []).append(name)
+    ctx = Context(model, evidence, dict(model.named_modules()), aliases, measured=given)
+    measure = (lambda: activation_bytes(model, args, kwargs)) if given else None
+    before = current = measure() if measure is not None else None
+    changes: list[Change] = []
+    skipped: list[Skipped] = []
+    for rule in registered_rules():
+        for cand in rule.match(ctx):
+            if cand.skip:
+                skipped.append(Skipped(cand.modules, cand.reason, rule.name))
+                continue
+            if not ctx.free(*cand.targets, stacks_on=cand.stacks_on):
+                continue
+            excluded = _excluded(cand, aliases, module_filter)
+            if excluded is not None:
+                skipped.append(Skipped((excluded,), "excluded by module_filter", rule.name))
+                continue
+            if measure is not None and cand.expected_bytes is not None and cand.expected_bytes <= 0:
+                skipped.append(Skipped(cand.modules, f"expected to save {cand.expected_bytes:,} B: not applied",
+                                       rule.name))
+                continue
+            assert cand.apply is not None, f"rule {rule.name} yielded a change without apply"
+            undo = cand.apply()
+            saved = None
+            if measure is not None:
+                after = measure()
+                saved = current - after  # type: ignore[operator]
+                if saved <= 0:
+                    undo()
+                    skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} saves {saved:,} B on the "
+                                                         "example inputs (measured): not applied", rule.name))
+                    continue
+                current = after
+            ctx.claimed.update((id(t), rule.name) for t in cand.targets)
+            changes.append(Change(cand.modules, cand.before, cand.after, saved, cand.limits, rule.name))
+    notes = []
+    if not given:
+        notes.append("no example_inputs: pairs " + ("proven from the torch.fx graph" if evidence is not None else
+                                                     "skipped (the model does not trace with torch.fx)")
+                     + "; savings not measured; in-place changes of outputs found only at backward")
+    return model, ConversionReport(changes, skipped, before, current, notes)
+
+
+def _excluded(cand: Candidate, aliases: dict[int, list[str]],
+              module_filter: Callable[[str, nn.Module], bool] | None) -> str | None:
+    """The first name of the first target ``module_filter`` refuses (under any of its names), or None."""
+    if module_filter is None:
+        return None
+    for module in cand.targets:
+        names = aliases.get(id(module), [])
+        if not all(module_filter(n, module) for n in names):
+            return names[0] if names else type(module).__name__
+    return None
+
+
+def _cuda_devices(model: nn.Module, inputs: Any) -> list[int]:
+    """The CUDA devices the model and the example inputs live on: their RNG is saved and restored around tracing."""
+    found = {t.device.index or 0 for t in (*model.parameters(), *model.buffers(), *tensors_in(inputs))
+             if t.device.type == "cuda"}
+    return sorted(found)
+
+
+def activation_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Activation bytes autograd keeps after one training-mode forward of ``model(*args, **kwargs)`` (tracker's
+    "activations"); buffers restored after, parameters never copied, dropout drawn from a fixed seed."""
+    args, kwargs = fresh_inputs(args, kwargs)
+    with buffers_kept(model), torch.random.fork_rng(devices=_cuda_devices(model, (args, kwargs))):
+        model.train()
+        torch.manual_seed(0)
+        with track(model) as tracker:
+            out = model(*args, **kwargs)
+            held = tracker.live_by_category()["activations"]
+        del out
+    return held

@@ -1,0 +1,248 @@
+"""convert's built-in rules (NOTE [ convert's rules ] in rules.py), in the order they run.
+
+* ``batchnorm_activation``: BatchNorm -> LeakyReLU / ELU becomes ``BatchNormAct`` (+ :class:`Absorbed`);
+  BatchNorm -> ReLU becomes ``BatchNormReLU`` with recipe hooks on the modules that keep the ReLU output.
+* ``activation_linear``: GELU / SiLU / Mish / Hardswish -> Linear becomes :class:`Absorbed` + ``ActLinear``.
+* ``relu_linear``: reports ReLU -> Linear (nothing to save: both keep the same storage).
+* ``keep_output``: single torch modules that keep their input where their output serves (LeakyReLU, ELU, ...,
+  LayerNorm, RMSNorm) become their ``memtrim.nn`` forms.
+* ``norm_by_behaviour``: a LayerNorm or RMSNorm in another library's spelling, recognised by its traced ops
+  (see norms.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..activations import modules as lean
+from ..activations.bn_relu import BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d
+from ..activations.functional import softplus_keeps_output
+from ..activations.norm_act import BatchNormAct1d, BatchNormAct2d, BatchNormAct3d
+from ..activations.transformer import ActLinear, LayerNorm, RMSNorm
+from ..recompute import keep_recipes_in
+from .rules import Candidate, Context, Undo, chain, class_swap, label, register_rule
+
+__all__ = ["Absorbed", "NO_AUTOCAST", "NO_DOUBLE_BACKWARD"]
+
+NO_DOUBLE_BACKWARD = "no double backward (a backward through its gradient raises ConvertError)"
+NO_AUTOCAST = "saves nothing under autocast (runs as torch's own ops there)"
+
+_SINGLE: dict[type, type] = {
+    nn.LeakyReLU: lean.LeakyReLU, nn.ELU: lean.ELU, nn.CELU: lean.CELU, nn.SELU: lean.SELU,
+    nn.Hardtanh: lean.Hardtanh, nn.ReLU6: lean.ReLU6, nn.Hardsigmoid: lean.Hardsigmoid,
+    nn.Softplus: lean.Softplus, nn.Sigmoid: lean.Sigmoid, nn.Tanh: lean.Tanh, nn.LayerNorm: LayerNorm,
+    nn.RMSNorm: RMSNorm,
+}
+_BN_ACT = {nn.BatchNorm1d: BatchNormAct1d, nn.BatchNorm2d: BatchNormAct2d, nn.BatchNorm3d: BatchNormAct3d}
+_BN_RELU = {nn.BatchNorm1d: BatchNormReLU1d, nn.BatchNorm2d: BatchNormReLU2d, nn.BatchNorm3d: BatchNormReLU3d}
+_ACT_LINEAR = {nn.GELU: None, nn.SiLU: "silu", nn.Mish: "mish", nn.Hardswish: "hardswish"}
+
+
+class Absorbed(nn.Identity):
+    """A module whose work its neighbour now does (:func:`memtrim.convert`): the identity, wherever it is registered.
+
+    Its class is changed in place, like every conversion, so that each name the module is registered under, and
+    each reference to it, sees the same change."""
+
+    def extra_repr(self) -> str:
+        return f"absorbed into {getattr(self, 'memtrim_absorbed_into', '?')}"
+
+
+def absorb(module: nn.Module, into: str) -> Undo:
+    return class_swap(module, Absorbed, memtrim_absorbed_into=into)
+
+
+# ---------------------------------------------------------------------- pairs
+def _pair(ctx: Context, name: str, module: nn.Module, what: str) -> tuple[str, nn.Module] | Candidate | None:
+    """The module that alone reads ``name``'s output, a skip saying why there is none, or None (no evidence)."""
+    if ctx.evidence is None:
+        return Candidate((name,), reason=f"{what} pairs need example_inputs (or a model torch.fx can trace) to prove "
+                                         "the first module's output goes to the second alone", skip=True)
+    hooks = ctx.user_hooks(module)
+    if hooks:  # (a full backward hook also wraps the output in an op of the parent's: evidence would say that)
+        return Candidate((name,), reason=f"{name} has {', '.join(hooks)}: fused with the next module, they would see "
+                                         "the fused module's values. Remove the hooks to fuse it", skip=True)
+    found = ctx.evidence.pair_after(name)
+    if found is None:
+        return None
+    nxt_name, why = found
+    nxt = ctx.modules.get(nxt_name)
+    if why or nxt is None:
+        return Candidate((name, nxt_name) if nxt_name else (name,), reason=why, skip=True)
+    hooks = ctx.user_hooks(nxt)
+    if hooks:
+        return Candidate((name, nxt_name), reason=f"{nxt_name} has {', '.join(hooks)}: fused, they would see the fused "
+                                                  "module's values or not run. Remove the hooks to fuse the pair",
+                         skip=True)
+    return nxt_name, nxt
+
+
+def _bn_activation(act: nn.Module) -> tuple[str, float] | None:
+    if type(act) is nn.LeakyReLU and act.negative_slope > 0:
+        return "leaky_relu", act.negative_slope
+    if type(act) is nn.ELU and act.alpha > 0:
+        return "elu", act.alpha
+    return None
+
+
+def _shared_relu(ctx: Context, skip: Candidate) -> bool:
+    """A pair refused because its ReLU runs at several call sites: ``batchnorm_relu_call_site`` decides it."""
+    return (ctx.traced and len(skip.modules) == 2 and type(ctx.modules.get(skip.modules[1])) is nn.ReLU
+            and "times per forward" in skip.reason)
+
+
+@register_rule("batchnorm_activation")
+def batchnorm_activation(ctx: Context) -> Iterator[Candidate]:
+    """BatchNorm -> LeakyReLU / ELU (inverted from the output) or -> ReLU (recomputed from the BatchNorm input)."""
+    for name, bn in ctx.modules.items():
+        if type(bn) not in _BN_ACT or not ctx.free(bn):
+            continue
+        found = _pair(ctx, name, bn, "BatchNorm + activation")
+        if not isinstance(found, tuple):
+            if found is not None and not _shared_relu(ctx, found):
+                yield found
+            continue
+        act_name, act = found
+        pair = (name, act_name)
+        spec = _bn_activation(act)
+        if type(act) is not nn.ReLU and spec is None:
+            yield Candidate(pair, reason=f"BatchNorm is followed by {type(act).__name__}, not ReLU, LeakyReLU "
+                                         "(slope > 0) or ELU", skip=True)
+            continue
+        why = ctx.edited(act_name)
+        if why:
+            yield Candidate(pair, reason=why, skip=True)
+            continue
+        if type(act) is nn.ReLU:
+            target = _BN_RELU[type(bn)]
+            readers = [ctx.modules[r] for r in ctx.evidence.keepers(act_name) if r in ctx.modules]  # type: ignore[union-attr]
+            apply = _fuse_bn_relu(bn, act, readers, target, label(pair, f"memtrim.nn.{target.__name__}"))
+            limits: tuple[str, ...] = (NO_DOUBLE_BACKWARD,)
+        else:
+            target = _BN_ACT[type(bn)]
+            apply = _fuse_bn(bn, act, target, spec, label(pair, f"memtrim.nn.{target.__name__}"))  # type: ignore[arg-type]
+            limits = (NO_DOUBLE_BACKWARD, NO_AUTOCAST)
+        yield Candidate(pair, f"{type(bn).__name__} + {type(act).__name__}", f"memtrim.nn.{target.__name__}",
+                        reason="the BatchNorm's output is read by the activation alone", targets=(bn, act),
+                        limits=limits, apply=apply)
+
+
+def _fuse_bn(bn: nn.Module, act: nn.Module, target: type, spec: tuple[str, float], owner: str):  # noqa: ANN202
+    def apply() -> Undo:
+        return chain(
+            class_swap(bn, target, activation=spec[0], negative_slope=spec[1] if spec[0] == "leaky_relu" else 0.01,
+                       alpha=spec[1] if spec[0] == "elu" else 1.0, gamma_threshold=0.0, memtrim_owner=owner),
+            absorb(act, owner))
+
+    return apply
+
+
+def _fuse_bn_relu(bn: nn.Module, relu: nn.Module, readers: list[nn.Module], target: type, owner: str):  # noqa: ANN202
+    def apply() -> Undo:
+        undos = [class_swap(bn, target, memtrim_owner=owner), absorb(relu, owner)]
+        for reader in readers:  # the modules that would keep the ReLU output keep a recipe instead
+            undos.append(_recompute_hooks(reader))
+        return chain(*undos)
+
+    return apply
+
+
+def _recompute_hooks(module: nn.Module) -> Undo:
+    """Run ``module``'s forward as a recipe-honouring consumer scope (if it is not one yet); the undo removes it."""
+    if module.__dict__.get("_memtrim_consumer_scope") is not None:
+        return lambda: None
+    return keep_recipes_in(module).remove
+
+
+def _act_name(act: nn.Module) -> str | None:
+    if isinstance(act, nn.GELU):
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
+    return _ACT_LINEAR.get(type(act))
+
+
+@register_rule("activation_linear")
+def activation_linear(ctx: Context) -> Iterator[Candidate]:
+    """GELU / SiLU / Mish / Hardswish -> Linear: the Linear keeps the pre-activation, recomputing the activation."""
+    for name, act in ctx.modules.items():
+        if type(act) not in _ACT_LINEAR or not ctx.free(act):
+            continue
+        found = _pair(ctx, name, act, "activation + Linear")
+        if not isinstance(found, tuple):
+            if found is not None:
+                yield found
+            continue
+        lin_name, linear = found
+        pair = (name, lin_name)
+        if type(linear) is not nn.Linear:
+            yield Candidate(pair, reason=f"{type(act).__name__} feeds {type(linear).__name__}, not a Linear", skip=True)
+            continue
+        activation = _act_name(act)
+        if activation is None:
+            yield Candidate(pair, reason="GELU with an unsupported approximation", skip=True)
+            continue
+        owner = label(pair, "memtrim.nn.ActLinear")
+
+        def apply(act: nn.Module = act, linear: nn.Module = linear, activation: str = activation,
+                  owner: str = owner) -> Undo:
+            return chain(class_swap(linear, ActLinear, activation=activation, memtrim_owner=owner), absorb(act, owner))
+
+        yield Candidate(pair, f"{type(act).__name__} + Linear", "memtrim.nn.ActLinear",
+                        reason="the activation's output is read by the Linear alone", targets=(act, linear),
+                        limits=(NO_AUTOCAST,), apply=apply)
+
+
+@register_rule("relu_linear")
+def relu_linear(ctx: Context) -> Iterator[Candidate]:
+    """ReLU -> Linear: reported only (the ReLU keeps its output, which the Linear keeps anyway)."""
+    if ctx.evidence is None:
+        return
+    for name, relu in ctx.modules.items():
+        if type(relu) is nn.ReLU and ctx.free(relu):
+            found = ctx.evidence.pair_after(name)
+            if found is not None and not found[1] and type(ctx.modules.get(found[0])) is nn.Linear:
+                yield Candidate((name, found[0]), reason="ReLU keeps its output, which the Linear keeps anyway: "
+                                                         "nothing to save", skip=True)
+
+
+# ---------------------------------------------------------------------- single modules
+def _single_refusal(module: nn.Module) -> str | None:
+    if isinstance(module, nn.LeakyReLU) and module.negative_slope < 0:
+        return "LeakyReLU with a negative slope: the output does not determine the gradient"
+    if isinstance(module, (nn.ELU, nn.CELU)) and module.alpha <= 0:
+        return "alpha <= 0: the output does not determine the gradient"
+    if isinstance(module, nn.Softplus) and not softplus_keeps_output(module.threshold, torch.float32):
+        return (f"Softplus with threshold {module.threshold}: just below the threshold the output is also a possible "
+                "output of the linear region, and the two gradients differ by up to exp(-threshold); it would keep "
+                "its input, as torch's does (from threshold 17.3 up in float32 it keeps its output)")
+    return None
+
+
+@register_rule("keep_output")
+def keep_output(ctx: Context) -> Iterator[Candidate]:
+    """Single torch modules that keep their input become ``memtrim.nn`` forms that keep their output."""
+    for name, module in ctx.modules.items():
+        target = _SINGLE.get(type(module))
+        if target is None or not ctx.free(module):
+            continue
+        why = _single_refusal(module) or ctx.edited(name)
+        if why:
+            yield Candidate((name,), reason=why, skip=True)
+            continue
+        owner = label((name,), f"memtrim.nn.{target.__name__}")
+        attrs: dict = {"memtrim_owner": owner}
+        if target in (lean.ReLU, lean.LeakyReLU, lean.Hardtanh, lean.ReLU6, lean.Hardsigmoid):
+            attrs["save"] = "output"
+        norm = target in (LayerNorm, RMSNorm)
+        if norm:
+            attrs["gamma_threshold"] = 0.0  # the error bound decides
+        yield Candidate((name,), type(module).__name__, f"memtrim.nn.{target.__name__}",
+                        reason="keeps its output instead of its input", targets=(module,),
+                        limits=(NO_DOUBLE_BACKWARD, NO_AUTOCAST) if norm else (),
+                        apply=lambda module=module, target=target, attrs=attrs: class_swap(module, target, **attrs))
+
+
+from . import norms as _norms  # noqa: E402,F401  (registers norm_by_behaviour after keep_output)
+from . import recompute_rules as _recompute_rules  # noqa: E402,F401  (registers the per-call-site rules)

@@ -1,0 +1,411 @@
+"""What :func:`memtrim.convert` decides on: a traced model (:class:`ModelTrace`).
+
+NOTE [ convert's evidence ]
+One interface, two ways to fill it:
+
+* **Traced** (``example_inputs`` given): one training-mode forward on clones of the example inputs, under a
+  ``TorchDispatchMode`` (every aten op: name, the storages it reads, writes in place and returns, its non-tensor
+  arguments), module pre/post hooks (every *call site*: module path and call index, so a module the forward calls
+  three times has three sites) and ``saved_tensors_hooks`` (every tensor autograd keeps: its storage and the call
+  sites running when it was saved). The same collector runs on fake or meta tensors (it reads no values).
+* **fx** (no example inputs): ``torch.fx.symbolic_trace``'s graph, where the model traces. Call sites are the
+  ``call_module`` nodes, a storage is one node's output, readers are its users. Nothing says what autograd keeps
+  (``saves_known`` is False), so rules that need holders skip, and nothing is measured.
+
+Storages are keyed by ``id(untyped_storage())`` (the trace keeps them alive, so ids stay unique). Views share
+their base's key; that is what "the same tensor" means for memory. Tracing draws no random numbers from the
+user's generators and leaves buffers (BatchNorm's running statistics) as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ...errors import InvalidInputError
+from ...measure.tracker import tensors_in
+
+__all__ = ["CallSite", "Holder", "ModelTrace", "Op", "Storage", "VIEW_OPS", "collect", "fx_evidence"]
+
+# ops that move no data of their own (a view, a copy into the same layout, an alias): rules look through them
+VIEW_OPS = frozenset({
+    "view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "unsqueeze", "squeeze", "slice",
+    "select", "alias", "detach", "contiguous", "clone", "as_strided", "split", "unbind", "lift_fresh",
+    "_reshape_alias", "flatten", "view_as", "expand_as", "lift_fresh_copy", "split_with_sizes",
+})
+
+
+@dataclass
+class Op:
+    """One aten op of the forward (overload packet name, ``relu_`` and ``relu`` kept apart)."""
+
+    index: int
+    name: str
+    time: int
+    stack: tuple[int, ...]  # call sites running, outermost first
+    inputs: tuple[int, ...]  # storage keys of its tensor arguments, in order
+    outputs: tuple[int, ...]
+    writes: tuple[int, ...]  # storages it changes in place
+    scalars: tuple[Any, ...] = ()  # its non-tensor positional arguments (an eps, a dim list)
+
+    @property
+    def site(self) -> int | None:
+        """The innermost call site running it (None: the top-level code of the model's forward)."""
+        return self.stack[-1] if self.stack else None
+
+
+@dataclass
+class CallSite:
+    """One call of one module: ``path`` (its first name in ``named_modules``) and ``call`` (0 for the first call)."""
+
+    index: int
+    path: str
+    call: int
+    module: nn.Module
+    parent: int | None
+    start: int
+    end: int = -1
+    first_op: int = 0
+    last_op: int = 0  # ops[first_op:last_op] ran inside it (nested calls included)
+    inputs: tuple[int, ...] = ()
+    outputs: tuple[int, ...] = ()
+    shared: bool = False  # the module has more than one call site
+
+    @property
+    def label(self) -> str:
+        """``path`` for a module called once, ``path#k`` for its k-th call (from 0) otherwise."""
+        return f"{self.path}#{self.call}" if self.shared else self.path
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A save for backward: the call sites running when autograd saved the storage (innermost last)."""
+
+    stack: tuple[int, ...]
+    time: int
+
+    @property
+    def site(self) -> int | None:
+        return self.stack[-1] if self.stack else None
+
+
+@dataclass
+class Storage:
+    """One storage: its bytes, what it is, the op that made it, and every save for backward of it."""
+
+    key: int
+    nbytes: int
+    kind: str  # "parameter", "buffer", "input" or "activation"
+    producer: int | None = None  # index of the op that first returned it
+    holders: list[Holder] = field(default_factory=list)
+
+
+class ModelTrace:
+    """The evidence interface (NOTE [ convert's evidence ]): call sites, ops, storages and their holders.
+
+    Attributes:
+        kind: ``"traced"`` (a forward on example inputs) or ``"fx"`` (a torch.fx graph: no holders, no values).
+        saves_known: whether ``Storage.holders`` says what autograd keeps.
+    """
+
+    kind = "traced"
+    saves_known = True
+
+    def __init__(self, names: dict[int, str]) -> None:
+        self.names = names  # id(module) -> its first name
+        self.sites: list[CallSite] = []
+        self.ops: list[Op] = []
+        self.storages: dict[int, Storage] = {}
+        self.by_path: dict[str, list[CallSite]] = {}
+        self._keep: list[Any] = []  # storages stay alive, so their ids stay unique
+
+    # ------------------------------------------------------------------ filling
+    def storage_key(self, t: torch.Tensor, kind: str = "activation") -> int:
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key not in self.storages:
+            self._keep.append(storage)
+            self.storages[key] = Storage(key, storage.nbytes(), kind)
+        return key
+
+    # ------------------------------------------------------------------ queries
+    def sites_of(self, path: str) -> list[CallSite]:
+        """The call sites of the module named ``path`` (one per call, in call order)."""
+        return self.by_path.get(path, [])
+
+    def site_name(self, index: int | None) -> str:
+        return "" if index is None else self.sites[index].path
+
+    def stack_names(self, stack: Sequence[int]) -> tuple[str, ...]:
+        return tuple(self.sites[i].path for i in stack)
+
+    def ops_in(self, site: CallSite, *, compute_only: bool = True) -> list[Op]:
+        """The ops that ran inside ``site`` (nested calls included), views and copies left out by default."""
+        ops = self.ops[site.first_op:site.last_op]
+        return [o for o in ops if o.name not in VIEW_OPS and o.name != "_to_copy"] if compute_only else ops
+
+    def readers(self, key: int, after: int) -> Iterator[Op]:
+        """The ops that read storage ``key`` after time ``after``."""
+        return (o for o in self.ops if o.time > after and key in o.inputs)
+
+    def holders_outside(self, key: int, site: CallSite) -> list[Holder]:
+        """The saves of storage ``key`` made outside ``site`` (and outside its ancestors' own code)."""
+        return [h for h in self.storages[key].holders if site.index not in h.stack]
+
+    def written_after(self, path: str) -> str | None:
+        """Where ``path``'s output is changed in place after its forward returned (the innermost module, "" for the
+        top-level forward), or None if it never is."""
+        for site in self.sites_of(path):
+            for op in self.ops:
+                if op.time > site.end and set(op.writes) & set(site.outputs):
+                    return self.site_name(op.site)
+        return None
+
+    def keepers(self, path: str) -> list[str]:
+        """The innermost modules in whose forward autograd saved ``path``'s output (its own ancestors' code
+        excluded: no module there whose saved-tensor hooks could reach it)."""
+        found: set[str] = set()
+        for site in self.sites_of(path):
+            for key in site.outputs:
+                for h in self.storages[key].holders:
+                    name = self.site_name(h.site)
+                    if h.time > site.end and h.stack and not _is_self_or_ancestor(name, path):
+                        found.add(name)
+        return sorted(found)
+
+    def pair_after(self, path: str) -> tuple[str, str] | None:
+        """``(consumer, reason)``: the one module that reads ``path``'s output (reason "" if that is all that reads
+        it), or None when there is no evidence (the output is never read)."""
+        sites = self.sites_of(path)
+        if not sites:
+            return None
+        if len(sites) != 1:
+            return path, f"{path} runs {len(sites)} times per forward; its calls cannot be fused one by one"
+        site = sites[0]
+        outputs = set(site.outputs)
+        reads = [(o.time, self.stack_names(o.stack)) for o in self.ops if o.time > site.end and outputs & set(o.inputs)]
+        if not reads:
+            return None
+        first_stack = reads[0][1]
+        consumer = first_stack[-1] if first_stack else ""
+        if _is_self_or_ancestor(consumer, path):
+            return "", f"{path}'s output is used by its parent's own code, not by a module"
+        consumer_sites = self.sites_of(consumer)
+        if len(consumer_sites) != 1:
+            return consumer, f"{consumer} runs {len(consumer_sites)} times per forward"
+        c = consumer_sites[0]
+        if set(c.outputs) & outputs:  # an in-place consumer: later reads are of its own output
+            reads = [(t, st) for t, st in reads if t <= c.end]
+        for _, stack in reads:
+            if consumer not in stack:
+                reader = stack[-1] if stack else "the top-level forward"
+                return consumer, f"{path}'s output is also read outside {consumer} (in {reader or 'a parent module'})"
+        return consumer, ""
+
+
+def _is_self_or_ancestor(entry: str, name: str) -> bool:
+    return entry == "" or entry == name or name.startswith(entry + ".")
+
+
+# ---------------------------------------------------------------------- the traced collector
+class _Recorder(TorchDispatchMode):
+    def __init__(self, trace: ModelTrace, state: _State) -> None:
+        super().__init__()
+        self.trace, self.state = trace, state
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        trace, state = self.trace, self.state
+        state.clock += 1
+        inputs = tuple(trace.storage_key(t) for t in tensors_in((args, kwargs)))
+        outputs = tuple(trace.storage_key(t) for t in tensors_in(out))
+        writes: list[int] = []
+        schema = func._schema
+        if schema.is_mutable:
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    value = args[i] if i < len(args) else kwargs.get(arg.name)
+                    writes += [trace.storage_key(t) for t in tensors_in(value)]
+        scalars = tuple(a for a in args if isinstance(a, (int, float, bool, list, tuple)) and not tensors_in(a))
+        index = len(trace.ops)
+        for key in outputs:
+            record = trace.storages[key]
+            if record.producer is None and record.kind == "activation":
+                record.producer = index
+        trace.ops.append(Op(index, func.overloadpacket.__name__, state.clock, tuple(state.stack), inputs, outputs,
+                            tuple(writes), scalars))
+        return out
+
+
+class _State:
+    def __init__(self) -> None:
+        self.clock = 0
+        self.stack: list[int] = []
+
+
+def _split(example_inputs: Any, example_kwargs: dict[str, Any] | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` for the model from a tensor, a tuple of arguments or a dict of keyword arguments."""
+    if isinstance(example_inputs, dict):
+        args: tuple[Any, ...] = ()
+        kwargs = dict(example_inputs)
+    elif isinstance(example_inputs, tuple):
+        args, kwargs = example_inputs, {}
+    elif example_inputs is None:
+        args, kwargs = (), {}
+    else:
+        args, kwargs = (example_inputs,), {}
+    if example_kwargs:
+        kwargs.update(example_kwargs)
+    return args, kwargs
+
+
+def fresh_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Detached clones of the example tensors (a model may change its inputs in place)."""
+    def fresh(a: Any) -> Any:
+        if isinstance(a, torch.Tensor):
+            return a.detach().clone()
+        if isinstance(a, (list, tuple)):
+            return type(a)(fresh(x) for x in a) if type(a) in (list, tuple) else a
+        if isinstance(a, dict):
+            return {k: fresh(v) for k, v in a.items()}
+        return a
+
+    return tuple(fresh(a) for a in args), {k: fresh(v) for k, v in kwargs.items()}
+
+
+class buffers_kept:  # noqa: N801 - a context manager read like a function
+    """Snapshot ``model``'s buffers (not its parameters) and restore them on exit, with its training mode."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.training = self.model.training
+        self.buffers = [(b, b.clone()) for b in self.model.buffers()]
+
+    def __exit__(self, *exc: Any) -> None:
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                b.copy_(saved)
+        self.model.train(self.training)
+
+
+def collect(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ModelTrace:
+    """Trace one training-mode forward of ``model(*args, **kwargs)`` (NOTE [ convert's evidence ]).
+
+    Raises:
+        InvalidInputError: the model fails on the example inputs.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    trace = ModelTrace(names)
+    state = _State()
+    open_sites: list[CallSite] = []
+    counts: dict[str, int] = {}
+
+    def pre(module: nn.Module, inputs: tuple, kw: dict) -> None:
+        state.clock += 1
+        path = names[id(module)]
+        site = CallSite(len(trace.sites), path, counts.get(path, 0), module,
+                        state.stack[-1] if state.stack else None, state.clock, first_op=len(trace.ops),
+                        inputs=tuple(trace.storage_key(t) for t in tensors_in((inputs, kw))))
+        counts[path] = site.call + 1
+        trace.sites.append(site)
+        trace.by_path.setdefault(path, []).append(site)
+        state.stack.append(site.index)
+        open_sites.append(site)
+
+    def post(module: nn.Module, inputs: tuple, kw: dict, output: Any) -> None:
+        state.clock += 1
+        site = open_sites.pop()
+        state.stack.pop()
+        site.end, site.last_op = state.clock, len(trace.ops)
+        site.outputs = tuple(trace.storage_key(t) for t in tensors_in(output))
+
+    def saved(tensor: torch.Tensor) -> torch.Tensor:
+        key = trace.storage_key(tensor)
+        trace.storages[key].holders.append(Holder(tuple(state.stack), state.clock))
+        return tensor.detach()
+
+    for p in model.parameters():
+        trace.storage_key(p, "parameter")
+    for b in model.buffers():
+        trace.storage_key(b, "buffer")
+    args, kwargs = fresh_inputs(args, kwargs)
+    for t in tensors_in((args, kwargs)):
+        trace.storage_key(t, "input")
+    handles = [m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True) for m in model.modules()]
+    handles += [m.register_forward_hook(post, with_kwargs=True, always_call=True) for m in model.modules()]
+    try:
+        with buffers_kept(model):
+            model.train()
+            with torch.enable_grad(), _Recorder(trace, state), \
+                    torch.autograd.graph.saved_tensors_hooks(saved, lambda t: t):
+                model(*args, **kwargs)
+    except Exception as e:
+        raise InvalidInputError(
+            f"memtrim.convert: the model failed on example_inputs ({type(e).__name__}: {e}). Pass a tensor, a tuple "
+            "of arguments (model(*example_inputs)) or a dict of keyword arguments (model(**example_inputs))."
+        ) from e
+    finally:
+        for h in handles:
+            h.remove()
+    for sites in trace.by_path.values():
+        for s in sites:
+            s.shared = len(sites) > 1
+    return trace
+
+
+# ---------------------------------------------------------------------- the fx graph behind the same interface
+class FxTrace(ModelTrace):
+    """Evidence from ``torch.fx.symbolic_trace``: module calls and who uses their outputs; no saves, no values."""
+
+    kind = "fx"
+    saves_known = False
+
+    def __init__(self, names: dict[int, str], graph: Any, modules: dict[str, nn.Module]) -> None:
+        super().__init__(names)
+        self._users: dict[int, list[Any]] = {}
+        for node in graph.nodes:
+            if node.op == "call_module" and node.target in modules:
+                path = node.target
+                site = CallSite(len(self.sites), path, len(self.by_path.get(path, [])), modules[path], None,
+                                len(self.sites), len(self.sites), outputs=(id(node),))
+                self.sites.append(site)
+                self.by_path.setdefault(path, []).append(site)
+                self._users[site.index] = list(node.users)
+
+    def keepers(self, path: str) -> list[str]:
+        """The modules that take ``path``'s output as an input (any of them may keep it)."""
+        return sorted({u.target for s in self.sites_of(path) for u in self._users[s.index] if u.op == "call_module"})
+
+    def written_after(self, path: str) -> str | None:
+        return None  # fx sees no in-place writes of values: a backward check catches them instead
+
+    def pair_after(self, path: str) -> tuple[str, str] | None:
+        sites = self.sites_of(path)
+        if not sites:
+            return None
+        if len(sites) != 1:
+            return path, f"{path} runs {len(sites)} times per forward; its calls cannot be fused one by one"
+        users = self._users[sites[0].index]
+        if len(users) != 1 or users[0].op != "call_module":
+            return "", f"{path}'s output is used by {len(users)} operations, not by one module alone"
+        consumer = users[0].target
+        if len(self.sites_of(consumer)) != 1:
+            return consumer, f"{consumer} runs {len(self.sites_of(consumer))} times per forward"
+        return consumer, ""
+
+
+def fx_evidence(model: nn.Module) -> FxTrace | None:
+    """The fx evidence for ``model``, or None where it does not trace (control flow on values, unsupported ops)."""
+    try:
+        graph = torch.fx.symbolic_trace(model).graph
+    except Exception:
+        return None
+    return FxTrace({id(m): n for n, m in model.named_modules()}, graph, dict(model.named_modules()))

@@ -1,0 +1,202 @@
+"""Norms recognised by what they compute, whatever their class: the ``norm_by_behaviour`` rule.
+
+NOTE [ norms by behaviour ]
+Class names do not predict behaviour; traced ops do. A call site whose compute ops (views, permutes and copies left
+out) are one ``native_layer_norm`` is a LayerNorm (timm's ``LayerNorm``/``LayerNorm2d``, any subclass or wrapper
+of ``F.layer_norm``); one whose ops are ``pow, mean, add, rsqrt, mul, mul`` with the last ``mul`` by a 1-D parameter
+of the module is an RMSNorm (HF ``LlamaRMSNorm`` and its copies in Mistral/Qwen/..., timm's ``RmsNorm``). Either
+becomes a norm that keeps its output (NOTE [ norms that keep their output ] in activations/transformer.py) when its
+output is kept by a later op anyway (else it would save nothing) and it computes in its input's dtype (an upcast,
+as in a bfloat16 Llama, would make the output a rounded copy of what backward needs: precision guard).
+
+The change is a class swap to a subclass of the module's own class made once per class (parameters, buffers, hooks,
+attribute names and state_dict keys unchanged; a state_dict loads into the unconverted class). The LayerNorm form
+runs the module's own forward with its ``layer_norm`` call replaced (a ``TorchFunctionMode``); the RMSNorm form
+computes ``x * rsqrt(mean(x^2) + eps) * weight`` in the same op order, so the forward is bitwise the original's. Under
+torch.compile, torch.func, autocast, without grad, or for an input in another dtype than the weight, both run the
+module's own forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..activations._kernels import autocasting, plain_only
+from ..activations.modules import owner
+from ..activations.transformer import _NormKeepOutput
+from .builtin import _SINGLE, NO_AUTOCAST, NO_DOUBLE_BACKWARD
+from .evidence import CallSite, ModelTrace
+from .rules import Candidate, Context, class_swap, label, register_rule
+
+__all__ = ["layer_norm_form", "rms_norm_form"]
+
+_RMS_OPS = ["pow", "mean", "add", "rsqrt", "mul", "mul"]
+_LAYER_NORM_FUNCTIONS = {torch.nn.functional.layer_norm, torch.layer_norm}
+
+
+def _wants_plain(x: Any, params: list[torch.Tensor]) -> bool:
+    return (not isinstance(x, torch.Tensor) or not torch.is_grad_enabled() or plain_only() or autocasting(x)
+            or not (x.requires_grad or any(p.requires_grad for p in params)))
+
+
+class _LayerNormKeepsOutput(TorchFunctionMode):
+    """Inside a converted module's forward: ``layer_norm`` calls run as the keep-output norm."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func not in _LAYER_NORM_FUNCTIONS:
+            return func(*args, **kwargs)
+        bound = dict(zip(("input", "normalized_shape", "weight", "bias", "eps"), args))
+        bound.update({k: v for k, v in kwargs.items() if k in ("input", "normalized_shape", "weight", "bias", "eps")})
+        x, weight, bias = bound["input"], bound.get("weight"), bound.get("bias")
+        params = [t for t in (weight, bias) if isinstance(t, torch.Tensor)]
+        if _wants_plain(x, params) or any(p.dtype != x.dtype for p in params):
+            return func(*args, **kwargs)
+        return _NormKeepOutput.apply(x, weight, bias, tuple(bound["normalized_shape"]), bound.get("eps", 1e-5),
+                                     False, getattr(self.module, "gamma_threshold", 0.0), owner(self.module))
+
+
+_FORMS: dict[tuple[type, str], type] = {}
+
+
+def _form(base: type, kind: str) -> type:
+    """The keep-output subclass of ``base`` (made once per class; registered in this module so it pickles)."""
+    found = _FORMS.get((base, kind))
+    if found is not None:
+        return found
+    name = f"KeepOutput{base.__name__}"
+
+    if kind == "layer":
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if plain_only() or not torch.is_grad_enabled():
+                return base.forward(self, *args, **kwargs)
+            with _LayerNormKeepsOutput(self):
+                return base.forward(self, *args, **kwargs)
+    else:
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            weight_name, eps = self.memtrim_rms  # type: ignore[attr-defined]
+            weight = getattr(self, weight_name)
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            if _wants_plain(x, [weight]) or x.dtype != weight.dtype or len(args) + len(kwargs) != 1:
+                return base.forward(self, *args, **kwargs)
+            return _NormKeepOutput.apply(x, weight, None, tuple(weight.shape), eps, True,
+                                         getattr(self, "gamma_threshold", 0.0), owner(self))
+
+    doc = (f"{base.__qualname__} keeping its output instead of its input (made by memtrim.convert; see NOTE [ norms "
+           "by behaviour ] in memtrim/techniques/convert/norms.py).")
+    form = type(name, (base,), {"forward": forward, "__doc__": doc, "__module__": __name__, "__qualname__": name})
+    _FORMS[(base, kind)] = form
+    globals().setdefault(name, form)
+    return form
+
+
+def layer_norm_form(base: type) -> type:
+    """The keep-output subclass of a LayerNorm-like class ``base`` (its ``layer_norm`` call replaced)."""
+    return _form(base, "layer")
+
+
+def rms_norm_form(base: type) -> type:
+    """The keep-output subclass of an RMSNorm-like class ``base`` (needs ``memtrim_rms = (weight name, eps)``)."""
+    return _form(base, "rms")
+
+
+def _innermost(trace: ModelTrace, site: CallSite) -> bool:
+    """No child call of ``site`` ran all of its ops (a wrapper around a norm is not the norm)."""
+    return not any(s.parent == site.index and s.first_op == site.first_op and s.last_op == site.last_op
+                   for s in trace.sites[site.index + 1:])
+
+
+def _rms_spec(trace: ModelTrace, site: CallSite, module: nn.Module) -> tuple[str, float] | str:
+    """``(weight name, eps)`` of an RMSNorm-shaped call site, or why it is not one convert can rebuild."""
+    ops = trace.ops_in(site)
+    mean, add, last = ops[1], ops[2], ops[5]
+    dims = mean.scalars[0] if mean.scalars else None
+    if (list(dims) if isinstance(dims, (list, tuple)) else [dims]) != [-1]:
+        return "an RMSNorm-like call whose mean is not over the last dimension"
+    eps = next((s for s in add.scalars if isinstance(s, float)), None)
+    if eps is None:
+        return "an RMSNorm-like call whose eps is not a constant"
+    own = {id(p.untyped_storage()): n for n, p in module.named_parameters(recurse=False)}
+    weights = [own[k] for k in last.inputs if k in own]
+    if len(weights) != 1 or getattr(module, weights[0]).dim() != 1:
+        return "an RMSNorm-like call whose last multiply is not by a 1-D parameter of the module"
+    return weights[0], float(eps)
+
+
+def _expected(trace: ModelTrace, site: CallSite) -> tuple[int, bool]:
+    """(bytes the keep-output form drops, whether the output is kept after the call anyway)."""
+    out_keys = set(site.outputs)
+    kept_after = any(h.time > site.end and site.index not in h.stack
+                     for k in out_keys for h in trace.storages[k].holders)
+    big = max((trace.storages[k].nbytes for k in out_keys), default=0)
+    dropped = 0
+    for key, record in trace.storages.items():
+        if (record.kind == "activation" or key in site.inputs) and record.kind != "parameter" and record.holders \
+                and all(site.index in h.stack for h in record.holders) and record.nbytes >= big and key not in out_keys:
+            dropped += record.nbytes
+    return dropped - (0 if kept_after else big), kept_after
+
+
+@register_rule("norm_by_behaviour")
+def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
+    """LayerNorm / RMSNorm in any library's spelling, recognised by traced ops, keep their output."""
+    trace = ctx.evidence
+    if trace is None or not trace.saves_known:
+        return
+    done: set[int] = set()
+    for site in trace.sites:
+        module = site.module
+        if id(module) in done or type(module) in _SINGLE or not ctx.free(module) or not _innermost(trace, site):
+            continue
+        names = ctx.op_names(site)
+        kind = "layer" if names == ["native_layer_norm"] else "rms" if names == _RMS_OPS else None
+        if kind is None:
+            if ("native_layer_norm" in names or "rsqrt" in names) and not any(
+                    s.parent == site.index for s in trace.sites):
+                done.add(id(module))
+                yield Candidate((site.path,), reason=f"{type(module).__name__} computes a norm convert has no rule for "
+                                                     f"(ops: {', '.join(names)})", skip=True)
+            continue
+        done.add(id(module))
+        sites = trace.sites_of(site.path)
+        if any(ctx.op_names(s) != names for s in sites):
+            yield Candidate((site.path,), reason=f"{type(module).__name__} computes different things at its "
+                                                 f"{len(sites)} calls", skip=True)
+            continue
+        if any(o.name == "_to_copy" for s in sites for o in trace.ops_in(s, compute_only=False)):
+            yield Candidate((site.path,), reason=f"{type(module).__name__} computes in another dtype than its input "
+                                                 "(an upcast): its output would be a rounded copy of what backward "
+                                                 "needs (precision guard)", skip=True)
+            continue
+        why = ctx.edited(site.path)
+        if why:
+            yield Candidate((site.path,), reason=why, skip=True)
+            continue
+        expected = sum(_expected(trace, s)[0] for s in sites)
+        if expected <= 0:
+            yield Candidate((site.path,), reason=f"{type(module).__name__}'s output is not kept after it (e.g. a "
+                                                 "dropout follows): keeping it would save 0 B", skip=True)
+            continue
+        if kind == "layer":
+            target, attrs = layer_norm_form(type(module)), {}
+        else:
+            spec = _rms_spec(trace, site, module)
+            if isinstance(spec, str):
+                yield Candidate((site.path,), reason=spec, skip=True)
+                continue
+            target, attrs = rms_norm_form(type(module)), {"memtrim_rms": spec}
+        attrs["memtrim_owner"] = label((site.path,), f"a keep-output {type(module).__name__}")
+        what = "LayerNorm" if kind == "layer" else "RMSNorm"
+        yield Candidate((site.path,), type(module).__name__, f"memtrim keep-output {what} ({target.__name__})",
+                        reason=f"traced ops are a {what}; its output is kept after it anyway", targets=(module,),
+                        expected_bytes=expected, limits=(NO_DOUBLE_BACKWARD, NO_AUTOCAST),
+                        apply=lambda m=module, t=target, a=attrs: class_swap(m, t, **a))

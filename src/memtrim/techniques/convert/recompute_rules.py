@@ -1,0 +1,314 @@
+"""convert's rules that keep a recipe instead of a tensor, per call site (mechanisms in ``techniques/recompute``).
+
+NOTE [ recompute rules ]
+Matched on traced evidence (NOTE [ convert's evidence ]), never on class names:
+
+* ``batchnorm_relu_call_site``: a ``relu`` op whose input is a BatchNorm's output, read by nothing before it: the
+  BatchNorm becomes ``BatchNormReLU`` (keeps its input; the ReLU output is a recipe) and the modules that keep the
+  ReLU output run as recipe-honouring scopes. A ReLU module called at several sites (torchvision's ``self.relu``)
+  becomes a ``PassThroughReLU``: it returns a fused BatchNorm's output unchanged and relus anything else, so its
+  other call sites stay exactly torch's.
+* ``gated_mlp``: ``down(act(gate(x)) * up(x))`` in one call (Llama, Mistral, Qwen): ``act(g)`` and the product are
+  rebuilt from ``g`` and ``u``, which stay kept.
+* ``checkpoint_pointwise``: a leaf call whose ops are pointwise in one input (HF ``NewGELUActivation``) or a max
+  pool (its int64 indices), keeping more than its input: the call is recomputed in backward (checkpoint).
+* ``activation_consumer``: an activation call (one pointwise input-keeping op, any class: HF ``ACT2FN``, timm's,
+  torch's) whose output is kept only by later call sites (a Linear, HF ``Conv1D``, a convolution, a parent's
+  ``F.linear`` or ``*``): the output is marked as the activation of its input and those sites keep the recipe.
+
+Expected bytes come from the evidence (storages every holder of which the change removes, minus storages it
+newly holds); convert measures each change anyway and undoes one that saves nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from torch import nn
+
+from ..activations.bn_relu import BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d
+from ..recompute import (
+    LIMITS,
+    PassThroughReLU,
+    checkpoint_call,
+    keep_recipes_in,
+    recompute_gated_mlp,
+    recompute_output,
+)
+from .evidence import CallSite, ModelTrace, Op
+from .rules import Candidate, Context, Undo, chain, class_swap, label, register_rule
+
+__all__: list[str] = []
+
+_BN_RELU = {nn.BatchNorm1d: BatchNormReLU1d, nn.BatchNorm2d: BatchNormReLU2d, nn.BatchNorm3d: BatchNormReLU3d}
+# single-input activation ops that keep their input (their output is then only kept by the consumers)
+_KEEPS_INPUT = frozenset({"gelu", "silu", "mish", "hardswish", "softplus", "elu", "leaky_relu", "hardtanh", "relu6",
+                          "hardsigmoid", "celu", "selu", "log_sigmoid"})
+_POINTWISE = frozenset({
+    "mul", "add", "sub", "div", "pow", "tanh", "sigmoid", "erf", "exp", "expm1", "neg", "rsub", "reciprocal",
+    "sqrt", "rsqrt", "minimum", "maximum", "clamp", "clamp_min", "clamp_max", "abs", "relu", "gelu", "silu",
+    "softplus", "log1p", "where", "sign", "square", "hardtanh", "leaky_relu", "elu",
+})
+_RANDOM = frozenset({"bernoulli", "native_dropout", "rand", "randn", "rand_like", "randn_like", "uniform",
+                     "normal", "randint", "multinomial"})
+
+
+def _owned(trace: ModelTrace, ops: list[Op], inputs: set[int]) -> bool:
+    """Every tensor an op of ``ops`` reads is one of ``inputs`` or made by an earlier op of ``ops`` (or a scalar)."""
+    made = set(inputs)
+    for op in ops:
+        for key in op.inputs:
+            if key not in made and trace.storages[key].nbytes > 8:
+                return False
+        made.update(op.outputs)
+    return True
+
+
+def _holder_modules(ctx: Context, key: int, site: CallSite) -> list[nn.Module] | None:
+    """The modules of the call sites that keep storage ``key`` after ``site`` (None if one is ``site`` itself or
+    one of its ancestors' own code holds it before the site ended)."""
+    trace = ctx.evidence
+    assert trace is not None
+    found: list[nn.Module] = []
+    for h in trace.storages[key].holders:
+        if site.index in h.stack:
+            continue
+        if h.time < site.end or h.site is None:
+            return None
+        module = trace.sites[h.site].module
+        if module not in found:
+            found.append(module)
+    return found
+
+
+def _install_consumers(modules: list[nn.Module]) -> Undo:
+    undos = []
+    for m in modules:
+        if m.__dict__.get("_memtrim_consumer_scope") is None:
+            undos.append(keep_recipes_in(m).remove)
+    return chain(*undos)
+
+
+# ---------------------------------------------------------------------- BatchNorm + ReLU per call site
+@register_rule("batchnorm_relu_call_site", before="activation_linear")
+def batchnorm_relu_call_site(ctx: Context) -> Iterator[Candidate]:
+    """BatchNorm -> ReLU where the ReLU module also runs elsewhere: fused at this call site only."""
+    trace = ctx.evidence
+    if trace is None or not trace.saves_known:
+        return
+    for name, bn in ctx.modules.items():
+        if type(bn) not in _BN_RELU or not ctx.free(bn) or len(trace.sites_of(name)) != 1:
+            continue
+        site = trace.sites_of(name)[0]
+        out = set(site.outputs)
+        reads = [o for o in trace.ops if o.time > site.end and out & set(o.inputs)]
+        if not reads or reads[0].name not in ("relu", "relu_") or reads[0].site is None:
+            continue
+        relu_site = trace.sites[reads[0].site]
+        relu = relu_site.module
+        if type(relu) not in (nn.ReLU, PassThroughReLU) or not relu_site.shared or ctx.op_names(relu_site) != ["relu"]:
+            continue
+        where = (name, relu_site.label)
+        if reads[0].name == "relu" and len(reads) > 1:
+            yield Candidate(where, reason=f"{name}'s output is also read after the ReLU", skip=True)
+            continue
+        hooks = ctx.user_hooks(bn) or ctx.user_hooks(relu)
+        if hooks:
+            yield Candidate(where, reason=f"hooks on the pair ({', '.join(hooks)}): fused, they would see the fused "
+                                          "module's values. Remove the hooks to fuse it", skip=True)
+            continue
+        if any(trace.ops_in(s) and ctx.op_names(s) != ["relu"] for s in trace.sites_of(relu_site.path)):
+            yield Candidate(where, reason=f"{relu_site.path} does more than a ReLU at some call", skip=True)
+            continue
+        z = reads[0].outputs[0]
+        consumers = _holder_modules(ctx, z, relu_site)
+        if consumers is None:
+            yield Candidate(where, reason="the ReLU output is kept by its parent's own code", skip=True)
+            continue
+        target = _BN_RELU[type(bn)]
+        owner = label(where, f"memtrim.nn.{target.__name__}")
+
+        def apply(bn: nn.Module = bn, relu: nn.Module = relu, consumers: list = consumers, target: type = target,
+                  owner: str = owner) -> Undo:
+            swap = class_swap(relu, PassThroughReLU) if type(relu) is nn.ReLU else (lambda: None)
+            return chain(class_swap(bn, target, memtrim_owner=owner), swap, _install_consumers(consumers))
+
+        yield Candidate(where, f"{type(bn).__name__} + ReLU (call {relu_site.call} of {relu_site.path})",
+                        f"memtrim.nn.{target.__name__} + PassThroughReLU",
+                        reason="this call of the ReLU reads the BatchNorm's output first", targets=(bn,),
+                        expected_bytes=trace.storages[z].nbytes, limits=LIMITS["batchnorm_relu"], apply=apply)
+
+
+# ---------------------------------------------------------------------- gated MLP
+def _child_of(trace: ModelTrace, parent: CallSite, key: int) -> CallSite | None:
+    """The direct child call of ``parent`` that returned storage ``key``."""
+    for s in trace.sites[parent.index + 1:]:
+        if s.start > parent.end:
+            break
+        if s.parent == parent.index and key in s.outputs:
+            return s
+    return None
+
+
+def _relative(parent: str, child: str) -> str:
+    return child[len(parent) + 1:] if parent else child
+
+
+@register_rule("gated_mlp")
+def gated_mlp(ctx: Context) -> Iterator[Candidate]:
+    """``down(act(gate(x)) * up(x))``: act(gate) and the product rebuilt in backward from gate's and up's outputs."""
+    trace = ctx.evidence
+    if trace is None or not trace.saves_known:
+        return
+    seen: set[int] = set()
+    for op in trace.ops:
+        if op.name != "mul" or op.site is None or len(op.inputs) != 2:
+            continue
+        parent = trace.sites[op.site]
+        if id(parent.module) in seen or not ctx.free(parent.module):
+            continue
+        a_site, u_site = (_child_of(trace, parent, k) for k in op.inputs)
+        if a_site is None or u_site is None:
+            continue
+        if ctx.op_names(a_site) not in (["silu"], ["gelu"]) and ctx.op_names(u_site) in (["silu"], ["gelu"]):
+            a_site, u_site = u_site, a_site
+        if ctx.op_names(a_site) not in (["silu"], ["gelu"]) or not a_site.inputs:
+            continue
+        g_site = _child_of(trace, parent, a_site.inputs[0])
+        d_site = next((s for s in trace.sites[parent.index + 1:] if s.parent == parent.index
+                       and op.outputs and op.outputs[0] in s.inputs), None)
+        if g_site is None or d_site is None:
+            continue
+        seen.add(id(parent.module))
+        names = {k: _relative(parent.path, s.path) for k, s in
+                 (("gate", g_site), ("up", u_site), ("down", d_site), ("act", a_site))}
+        a, m = a_site.outputs[0], op.outputs[0]
+        expected = sum(trace.storages[k].nbytes for k in (a, m)
+                       if all(h.site in (parent.index, d_site.index) for h in trace.storages[k].holders))
+        modules = (parent.path or type(parent.module).__name__,)
+        owner = label(modules, "a gated MLP recomputing act(gate) * up")
+
+        def apply(mlp: nn.Module = parent.module, names: dict = names, owner: str = owner) -> Undo:
+            return recompute_gated_mlp(mlp, owner=owner, **names).remove
+
+        yield Candidate(modules, type(parent.module).__name__, "gated MLP keeping gate(x) and up(x) only",
+                        reason=f"traced: {names['act']}({names['gate']}(x)) * {names['up']}(x) -> {names['down']}",
+                        targets=(parent.module, a_site.module), expected_bytes=expected,
+                        limits=LIMITS["recompute_gated_mlp"], apply=apply)
+
+
+# ---------------------------------------------------------------------- pointwise modules and pools: checkpoint
+@register_rule("checkpoint_pointwise")
+def checkpoint_pointwise(ctx: Context) -> Iterator[Candidate]:
+    """A leaf call, pointwise in one input (or a max pool), keeping more than its input: recomputed in backward."""
+    trace = ctx.evidence
+    if trace is None or not trace.saves_known:
+        return
+    done: set[int] = set()
+    for site in trace.sites:
+        module = site.module
+        if id(module) in done or not ctx.free(module) or any(s.parent == site.index for s in trace.sites):
+            continue
+        names = ctx.op_names(site)
+        pool = names == ["max_pool2d_with_indices"]
+        if not pool and (len(names) < 2 or not set(names) <= _POINTWISE):
+            continue
+        done.add(id(module))
+        acts = [k for k in site.inputs if trace.storages[k].kind != "parameter"]
+        if len(acts) != 1 or not _owned(trace, trace.ops_in(site), set(site.inputs)):
+            continue
+        if any(ctx.op_names(s) != names for s in trace.sites_of(site.path)):
+            continue
+        inner = 0
+        for s in trace.sites_of(site.path):
+            for key, record in trace.storages.items():
+                if (record.producer is not None and s.first_op <= record.producer < s.last_op
+                        and key not in s.outputs and record.holders
+                        and all(s.index in h.stack for h in record.holders)):
+                    inner += record.nbytes
+        if inner <= 0:
+            continue
+        hooks = ctx.user_hooks(module)
+        if hooks:
+            yield Candidate((site.path,), reason=f"{type(module).__name__} has {', '.join(hooks)}: a recomputed "
+                                                 "call would run them twice", skip=True)
+            continue
+
+        def apply(module: nn.Module = module) -> Undo:
+            return checkpoint_call(module).remove
+
+        yield Candidate((site.path,), type(module).__name__, "recomputed in backward (checkpoint of the call)",
+                        reason=("a max pool keeps int64 indices" if pool else
+                                f"pointwise ops ({', '.join(names)}) keeping {inner:,} B besides the input"),
+                        targets=(module,), expected_bytes=inner, limits=LIMITS["checkpoint_call"], apply=apply)
+
+
+# ---------------------------------------------------------------------- activation -> input-keeping consumers
+def _activation_like(ctx: Context, site: CallSite) -> bool:
+    names = ctx.op_names(site)
+    if len(names) == 1:
+        return names[0] in _KEEPS_INPUT
+    return len(names) >= 2 and set(names) <= _POINTWISE
+
+
+@register_rule("activation_consumer")
+def activation_consumer(ctx: Context) -> Iterator[Candidate]:
+    """An activation's output kept only by later call sites (Linear, Conv1D, conv, a parent's matmul): they keep a
+    recipe (the activation of its input) instead."""
+    trace = ctx.evidence
+    if trace is None or not trace.saves_known:
+        return
+    done: set[int] = set()
+    for site in trace.sites:
+        module = site.module
+        if id(module) in done or any(s.parent == site.index for s in trace.sites):
+            continue
+        if not ctx.free(module, stacks_on=("checkpoint_pointwise",)):
+            continue
+        if not _activation_like(ctx, site):
+            continue
+        done.add(id(module))
+        sites = trace.sites_of(site.path)
+        acts = [k for k in site.inputs if trace.storages[k].kind != "parameter"]
+        if (len(acts) != 1 or len(site.outputs) != 1 or site.outputs[0] in site.inputs
+                or any(o.name.endswith("_") and not o.name.startswith("_") for o in trace.ops_in(site))
+                or any(o.name in _RANDOM for o in trace.ops_in(site))):
+            continue
+        consumers: list[nn.Module] = []
+        expected = 0
+        refused = None
+        for s in sites:
+            if not s.outputs:
+                continue
+            found = _holder_modules(ctx, s.outputs[0], s)
+            if found is None:
+                refused = "its output is kept by its parent's own code before it returns"
+                break
+            if not found:
+                continue
+            consumers += [m for m in found if m not in consumers]
+            source = [k for k in s.inputs if trace.storages[k].kind != "parameter"]
+            input_kept = bool(source) and bool(trace.storages[source[0]].holders)
+            expected += trace.storages[s.outputs[0]].nbytes - (0 if input_kept else trace.storages[source[0]].nbytes)
+        if refused:
+            yield Candidate((site.path,), reason=refused, skip=True)
+            continue
+        if not consumers:
+            continue
+        hooks = ctx.user_hooks(module)
+        if hooks:
+            yield Candidate((site.path,), reason=f"{type(module).__name__} has {', '.join(hooks)}: they would see a "
+                                                 "rebuilt output", skip=True)
+            continue
+        names = [n for n, m in ctx.modules.items() if any(m is c for c in consumers)]
+        owner = label((site.path,), "a recomputed activation")
+
+        def apply(module: nn.Module = module, consumers: list = consumers, owner: str = owner) -> Undo:
+            return chain(recompute_output(module, owner=owner).remove, _install_consumers(consumers))
+
+        yield Candidate((site.path,), type(module).__name__,
+                        f"recomputed for {', '.join(n or '<model>' for n in names[:3])}"
+                        + (f" and {len(names) - 3} more" if len(names) > 3 else ""),
+                        reason="its output is kept only by later call sites, its input by itself",
+                        targets=(module,), expected_bytes=expected, limits=LIMITS["recompute_output"], apply=apply,
+                        stacks_on=("checkpoint_pointwise",))

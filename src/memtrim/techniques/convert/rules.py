@@ -1,0 +1,202 @@
+"""The rule registry of :func:`memtrim.convert`: each rewrite is a small registered rule.
+
+NOTE [ convert's rules ]
+A rule is a ``match(context) -> Iterable[Candidate]`` function registered under a name (torchao's
+``register_quantize_module_handler`` style). A candidate names the call sites or modules it would change, why it
+matched (the traced evidence), the bytes it expects to save where the evidence says, the limits of the converted
+module, and ``apply`` (does the change, returns its undo) — or it is a *skip* with a reason, so that every
+norm- and activation-like call site a rule recognises ends up in the report. ``convert`` is a loop: rules in
+registration order, candidates in the order a rule yields them (lazily: a rule sees the claims of the candidates
+already applied), module_filter and hooks checked, each change measured on the example inputs and undone when it
+saves nothing. Adding support for a new library's module is one rule and one test::
+
+    @register_rule("my_norm")
+    def my_norm(ctx: Context) -> Iterator[Candidate]:
+        for site in ctx.sites():
+            if ctx.op_names(site) == ["native_layer_norm"] and ...:
+                yield Candidate((site.label,), "MyNorm", "memtrim keep-output LayerNorm", reason=..., apply=...)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from ...errors import InvalidInputError
+from .evidence import CallSite, ModelTrace
+
+__all__ = ["Candidate", "Context", "Rule", "register_rule", "registered_rules", "unregister_rule"]
+
+
+Undo = Callable[[], None]
+
+
+@dataclass
+class Candidate:
+    """One change a rule proposes, or (``skip``) one it found and leaves alone, with the reason.
+
+    Attributes:
+        modules: names for the report (a call site of a shared module reads ``path#k``).
+        before, after: what the call site is and what it becomes.
+        reason: why it matched (or, for a skip, why not).
+        targets: the modules the change touches: module_filter, hooks and claims are checked on them.
+        expected_bytes: what the evidence says it saves (None: unknown); ``<= 0`` is skipped unapplied.
+        limits: what the converted module does not support (copied to the report).
+        apply: does the change and returns its undo.
+        stacks_on: rules whose changed modules this change may change further (a checkpointed activation can
+            still have its output recomputed for its consumers).
+    """
+
+    modules: tuple[str, ...]
+    before: str = ""
+    after: str = ""
+    reason: str = ""
+    skip: bool = False
+    targets: tuple[nn.Module, ...] = ()
+    expected_bytes: int | None = None
+    limits: tuple[str, ...] = ()
+    apply: Callable[[], Undo] | None = None
+    stacks_on: tuple[str, ...] = ()
+
+
+@dataclass
+class Context:
+    """What a rule's ``match`` sees: the model, the evidence and the conversion so far."""
+
+    model: nn.Module
+    evidence: ModelTrace | None
+    modules: dict[str, nn.Module]  # each module once, under its first name
+    aliases: dict[int, list[str]]  # id(module) -> every name it is registered under
+    claimed: dict[int, str] = field(default_factory=dict)  # id() of modules already changed -> the rule
+    measured: bool = False  # savings are measured (example inputs given)
+
+    @property
+    def traced(self) -> bool:
+        """Whether the evidence is a traced forward (with what autograd saved), not an fx graph or nothing."""
+        return self.evidence is not None and self.evidence.saves_known
+
+    def sites(self) -> list[CallSite]:
+        return [] if self.evidence is None else self.evidence.sites
+
+    def op_names(self, site: CallSite) -> list[str]:
+        """The compute ops of ``site`` (views and dtype copies left out), ``op_`` written as ``op``."""
+        assert self.evidence is not None
+        return [o.name.rstrip("_") if not o.name.startswith("_") else o.name for o in self.evidence.ops_in(site)]
+
+    def free(self, *modules: nn.Module, stacks_on: tuple[str, ...] = ()) -> bool:
+        """None of ``modules`` was changed by an earlier candidate (except by the rules in ``stacks_on``)."""
+        return not any(id(m) in self.claimed and self.claimed[id(m)] not in stacks_on for m in modules)
+
+    def user_hooks(self, module: nn.Module) -> list[str]:
+        """The kinds of hooks on ``module`` other than memtrim's own (recipe scopes, recomputes)."""
+        kinds = []
+        for attr, kind in (("_forward_pre_hooks", "forward pre-hooks"), ("_forward_hooks", "forward hooks"),
+                           ("_backward_pre_hooks", "backward pre-hooks"), ("_backward_hooks", "backward hooks")):
+            if any(not _memtrims(hook) for hook in (getattr(module, attr, None) or {}).values()):
+                kinds.append(kind)
+        return kinds
+
+    def edited(self, name: str) -> str | None:
+        """Why ``name``'s output cannot be kept (it is changed in place after its forward), or None."""
+        if self.evidence is None:
+            return None
+        writer = self.evidence.written_after(name)
+        if writer is None:
+            return None
+        return (f"its output is changed in place after its forward (in {writer or 'the top-level forward'}); "
+                "keeping the output for backward would break, as torch's module keeps its input")
+
+
+def _memtrims(hook: Any) -> bool:
+    """Whether ``hook`` is one of memtrim's own (a function or bound method defined in memtrim)."""
+    owner = getattr(hook, "__self__", None)
+    where = type(owner).__module__ if owner is not None else getattr(hook, "__module__", "") or ""
+    return where == "memtrim" or where.startswith("memtrim.")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A registered rule: ``match(context)`` yields candidates (NOTE [ convert's rules ])."""
+
+    name: str
+    match: Callable[[Context], Iterable[Candidate]]
+    doc: str = ""
+
+
+_RULES: dict[str, Rule] = {}
+
+
+def register_rule(name: str, *, before: str | None = None) -> Callable[[Callable[[Context], Iterable[Candidate]]],
+                                                                        Callable[[Context], Iterable[Candidate]]]:
+    """Register ``match`` as the rule ``name`` (a decorator); ``before``: run it before that rule.
+
+    Raises:
+        InvalidInputError: ``name`` is taken, or ``before`` names no rule.
+    """
+
+    def decorate(match: Callable[[Context], Iterable[Candidate]]) -> Callable[[Context], Iterable[Candidate]]:
+        if name in _RULES:
+            raise InvalidInputError(f"memtrim.register_rule: a rule named {name!r} exists; pick another name or "
+                                    "unregister_rule it first.")
+        rule = Rule(name, match, (match.__doc__ or "").strip().split("\n")[0])
+        if before is None:
+            _RULES[name] = rule
+            return match
+        if before not in _RULES:
+            raise InvalidInputError(f"memtrim.register_rule: before={before!r} names no rule; expected one of "
+                                    f"{sorted(_RULES)}.")
+        items = list(_RULES.items())
+        at = [k for k, _ in items].index(before)
+        items.insert(at, (name, rule))
+        _RULES.clear()
+        _RULES.update(items)
+        return match
+
+    return decorate
+
+
+def unregister_rule(name: str) -> None:
+    """Remove the rule ``name`` (no error if there is none)."""
+    _RULES.pop(name, None)
+
+
+def registered_rules() -> list[Rule]:
+    """The rules, in the order :func:`memtrim.convert` runs them."""
+    return list(_RULES.values())
+
+
+def class_swap(module: nn.Module, target: type, **attrs: Any) -> Undo:
+    """Change ``module``'s class to ``target`` in place and set ``attrs``; return the undo. Parameters, buffers,
+    hooks, state_dict keys and every reference to the module stay as they are."""
+    old_class = module.__class__
+    old = {k: module.__dict__[k] for k in attrs if k in module.__dict__}
+    module.__class__ = target
+    for k, v in attrs.items():
+        setattr(module, k, v)
+
+    def undo() -> None:
+        module.__class__ = old_class
+        for k in attrs:
+            if k in old:
+                setattr(module, k, old[k])
+            else:
+                module.__dict__.pop(k, None)
+
+    return undo
+
+
+def chain(*undos: Undo) -> Undo:
+    """One undo running ``undos`` last first."""
+    def undo() -> None:
+        for u in reversed(undos):
+            u()
+
+    return undo
+
+
+def label(names: tuple[str, ...] | list[str], target: str) -> str:
+    """How errors name a converted module."""
+    return f"{' + '.join(repr(n) for n in names)} (converted by memtrim.convert to {target})"
