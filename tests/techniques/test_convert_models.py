@@ -1,0 +1,309 @@
+"""memtrim.convert on the models people train (issue 11): HF Llama, GPT-2, BERT and ViT from small configs (random
+weights, offline; skipped without ``transformers``), and torchvision's ResNet pattern written out (one ``relu`` module
+called 2-3 times per block; torchvision itself does not import beside CPU torch 2.13). Each converted model is
+compared with its unconverted copy (float64 within 1e-9: a rebuilt norm rounds) and its savings asserted in bytes."""
+
+import copy
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import memtrim
+
+
+# ---------------------------------------------------------------------- helpers
+def import_transformers():
+    """``transformers``, or a skip. Where a CUDA torchvision wheel sits beside CPU torch, transformers' import of
+    torchvision fails on ``torchvision::nms``: define the two op schemas it registers fakes for first (the shim in
+    benchmarks/convert_zoo.py)."""
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        pass
+    except RuntimeError as e:
+        if "torchvision::nms does not exist" not in str(e):
+            raise
+        for name in [n for n in sys.modules if n.split(".")[0] == "torchvision"]:
+            del sys.modules[name]
+        lib = torch.library.Library("torchvision", "DEF")
+        lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+        import torchvision
+
+        torchvision._memtrim_test_schemas = lib
+    transformers = pytest.importorskip("transformers", reason="pip install 'memtrim[models]'")
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def outputs_and_grads(model, batch, seed=0):
+    """Training-mode output and every parameter gradient of ``model(**batch)`` (dropout drawn from ``seed``)."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = model(**batch)
+    out = out.logits if hasattr(out, "logits") else out
+    out.square().mean().backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out.detach(), grads
+
+
+def assert_equal_training(plain, converted, batch, tol=1e-9):
+    out_a, grads_a = outputs_and_grads(plain, batch)
+    out_b, grads_b = outputs_and_grads(converted, batch)
+    assert torch.equal(out_a, out_b)  # every converted forward is torch's kernel or the same ops in the same order
+    assert sorted(grads_a) == sorted(grads_b)
+    for k in grads_a:
+        torch.testing.assert_close(grads_b[k], grads_a[k], rtol=tol, atol=tol, msg=k)
+
+
+def converted_pair(make, batch):
+    torch.manual_seed(0)
+    plain = make().double()
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=batch)
+    return plain, converted, report
+
+
+def ids(vocab=64, batch=2, seq=32):
+    return {"input_ids": torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))}
+
+
+# ---------------------------------------------------------------------- HF Llama
+def llama():
+    transformers = import_transformers()
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=88, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                      use_cache=False, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_llama_rmsnorm_and_gated_mlp():
+    # LlamaRMSNorm computes in float32 whatever its input (a float64 model casts down inside it, and the precision
+    # guard leaves it alone), so Llama runs in float32 here: the gated MLP is bitwise, the rebuilt norms round
+    torch.manual_seed(0)
+    plain = llama()
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=ids())
+    rules = report.by_rule()
+    assert set(rules) == {"norm_by_behaviour", "gated_mlp"}, str(report)
+    # every LlamaRMSNorm (2 per layer + the final one) and every MLP changed, none skipped
+    assert sum(c.rule == "norm_by_behaviour" for c in report.changes) == 5
+    assert sum(c.rule == "gated_mlp" for c in report.changes) == 2
+    one = 2 * 32 * 32 * 4  # batch x seq x hidden float32
+    assert all(c.bytes_saved == 2 * one for c in report.changes if c.rule == "norm_by_behaviour")  # x and x*r
+    assert all(c.bytes_saved == 2 * one * 88 // 32 for c in report.changes if c.rule == "gated_mlp")  # a and a*u
+    assert report.fraction_saved >= 0.20, str(report)  # the issue's target
+    assert_equal_training(plain, converted, ids(), tol=2e-5)
+    mlp_only, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=ids(),
+                                  module_filter=lambda name, m: "norm" not in name)
+    assert_equal_training(plain, mlp_only, ids(), tol=0.0)
+    # state_dicts load both ways, the weight keeps its name
+    type(plain)(plain.config).load_state_dict(converted.state_dict())
+    assert list(converted.state_dict()) == list(plain.state_dict())
+    assert type(converted.model.norm).__name__ == "KeepOutputLlamaRMSNorm"
+    assert isinstance(converted.model.norm, type(plain.model.norm))
+
+
+class LlamaSpelledRMSNorm(nn.Module):
+    """LlamaRMSNorm's arithmetic without its float32 cast (its copies in other code bases): float64 end to end."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def test_rmsnorm_by_behaviour_float64_within_1e9():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 32), LlamaSpelledRMSNorm(32), nn.Linear(32, 8)).double()
+    with torch.no_grad():
+        plain[1].weight.uniform_(-2, 2)
+    batch = {"input": torch.randn(4, 5, 16, dtype=torch.float64)}
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=batch)
+    assert [(c.modules, c.bytes_saved) for c in report.changes] == [(("1",), 2 * 4 * 5 * 32 * 8)]
+    assert_equal_training(plain, converted, batch)
+    assert converted[1].weight is converted.get_parameter("1.weight")
+    LlamaSpelledRMSNorm(32).double().load_state_dict(converted[1].state_dict())
+
+
+def test_llama_bfloat16_rmsnorm_is_left_alone_by_the_precision_guard():
+    torch.manual_seed(0)
+    model = llama().to(torch.bfloat16)
+    _, report = memtrim.convert(model, example_inputs=ids())
+    reasons = [s.reason for s in report.skipped if s.rule == "norm_by_behaviour"]
+    assert len(reasons) == 5 and all("precision guard" in r for r in reasons), str(report)
+
+
+@pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
+def test_llama_save_load_generate_and_gradient_checkpointing(tmp_path):
+    transformers = import_transformers()
+    torch.manual_seed(0)
+    plain = llama()
+    converted, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=ids())
+    converted.save_pretrained(tmp_path)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    saved = converted.state_dict()
+    assert list(loaded.state_dict()) == list(saved)
+    for k, v in loaded.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+    prompt = ids(seq=5)["input_ids"]
+    plain.eval(), converted.eval()
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "use_cache": True}
+    assert torch.equal(converted.generate(prompt, **kwargs), plain.generate(prompt, **kwargs))
+    plain.gradient_checkpointing_enable()
+    converted.gradient_checkpointing_enable()
+    assert_equal_training(plain, converted, ids(), tol=2e-5)
+
+
+# ---------------------------------------------------------------------- HF GPT-2
+def gpt2():
+    transformers = import_transformers()
+    config = transformers.GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=2, n_head=4, use_cache=False,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def test_gpt2_layernorm_newgelu_and_conv1d():
+    plain, converted, report = converted_pair(gpt2, ids())
+    assert set(report.by_rule()) == {"keep_output", "checkpoint_pointwise", "activation_consumer"}, str(report)
+    # NewGELUActivation: its intermediates recomputed (checkpoint), its output recomputed for HF's Conv1D c_proj
+    acts = [c for c in report.changes if c.modules == ("transformer.h.0.mlp.act",)]
+    assert [c.rule for c in acts] == ["checkpoint_pointwise", "activation_consumer"]
+    hidden = 2 * 32 * 4 * 32 * 8  # batch x seq x 4 * d float64
+    assert acts[1].bytes_saved == hidden
+    assert report.fraction_saved >= 0.25, str(report)  # the issue's target
+    assert_equal_training(plain, converted, ids())
+
+
+def test_gpt2_compiles_without_new_graph_breaks():
+    plain, converted, _ = converted_pair(gpt2, ids())
+    counts = []
+    for model in (plain, converted):
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(model)(**ids())
+        counts.append((explanation.graph_count, explanation.graph_break_count))
+    assert counts[1] == counts[0], counts
+
+
+# ---------------------------------------------------------------------- HF BERT and ViT
+def bert():
+    transformers = import_transformers()
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=64)
+    return transformers.BertForMaskedLM(config)
+
+
+def vit():
+    transformers = import_transformers()
+    config = transformers.ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, intermediate_size=128, num_labels=3)
+    return transformers.ViTForImageClassification(config)
+
+
+@pytest.mark.parametrize("make, batch", [(bert, lambda: ids()),
+                                         (vit, lambda: {"pixel_values": torch.randn(2, 3, 16, 16).double()})],
+                         ids=["bert", "vit"])
+def test_gelu_activation_feeding_a_linear(make, batch):
+    plain, converted, report = converted_pair(make, batch())
+    gelus = [c for c in report.changes if c.rule == "activation_consumer"]
+    assert len(gelus) == 2 and all(c.before == "GELUActivation" for c in gelus), str(report)
+    assert all(c.bytes_saved > 0 for c in report.changes)
+    if make is bert:  # the embedding LayerNorm's output goes through dropout: keeping it saves 0 B
+        assert any(s.modules == ("bert.embeddings.LayerNorm",) for s in report.skipped), str(report)
+    assert_equal_training(plain, converted, batch())
+
+
+# ---------------------------------------------------------------------- torchvision's ResNet pattern
+class BasicBlock(nn.Module):
+    """torchvision's BasicBlock: one ``self.relu`` (in place) called twice."""
+
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                           if stride != 1 or cin != cout else None)
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class Bottleneck(BasicBlock):
+    """torchvision's Bottleneck: one ``self.relu`` called three times."""
+
+    def __init__(self, cin, cout, stride=1):
+        super().__init__(cin, cout, stride)
+        width = cout // 4
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(cout)
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    """torchvision's ResNet structure (stem conv-bn-relu-maxpool, 4 stages), narrow."""
+
+    def __init__(self, block, widths=(8, 16, 32, 64), blocks=(2, 2, 2, 2)):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        cin, stages = 8, []
+        for i, (w, n) in enumerate(zip(widths, blocks)):
+            stages.append(nn.Sequential(*[block(cin if j == 0 else w, w, 2 if i and j == 0 else 1) for j in range(n)]))
+            cin = w
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, 10)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+@pytest.mark.parametrize("block, target", [(BasicBlock, 0.25), (Bottleneck, 0.20)], ids=["resnet18", "resnet50"])
+def test_torchvision_resnet_pattern_shared_relu_per_call_site(block, target):
+    batch = {"x": torch.randn(2, 3, 64, 64, dtype=torch.float64)}
+    blocks = (2, 2, 2, 2) if block is BasicBlock else (1, 1, 1, 1)
+    widths = (8, 16, 32, 64) if block is BasicBlock else (16, 32, 64, 128)
+    plain, converted, report = converted_pair(lambda: ResNet(block, widths, blocks), batch)
+    per_site = [c for c in report.changes if c.rule == "batchnorm_relu_call_site"]
+    # bn1 fused with call 0 of the shared relu (and bn2 with call 1 in a Bottleneck); the call after the residual
+    # addition stays a ReLU
+    expected = [f"layer{i}.{j}.relu#{k}" for i in range(1, 5) for j in range(blocks[i - 1])
+                for k in range(1 if block is BasicBlock else 2)]
+    assert [c.modules[1] for c in per_site] == expected, str(report)
+    assert type(converted.layer1[0].relu) is memtrim.techniques.recompute.PassThroughReLU
+    assert any(c.rule == "checkpoint_pointwise" and c.modules == ("maxpool",) for c in report.changes)
+    assert report.fraction_saved >= target, str(report)
+    assert_equal_training(plain, converted, batch)
+    ResNet(block, widths, blocks).double().load_state_dict(converted.state_dict())
