@@ -65,3 +65,17 @@ def test_gradients_and_optimizer_state_still_categorised_without_rescans():
     final = tracker.report().final_by_category
     assert final["gradients"] == model.weight.nbytes
     assert final["optimizer_state"] == 2 * (model.weight.nbytes + model.bias.nbytes) + 2 * 4
+
+
+def test_parameters_saved_before_any_op_reads_them():
+    """No model given: a trainable leaf is a parameter even when autograd saves it (LayerNorm saves its weight)
+    before any op has read it; only the norm's input and the Linear's input are activations, plus the stats."""
+    torch.manual_seed(0)
+    ln, fc = torch.nn.LayerNorm(64), torch.nn.Linear(64, 64)
+    x = torch.randn(8, 16, 64, requires_grad=True).clone()
+    with memtrim.track() as tracker:
+        out = fc(ln(x))
+        live = tracker.live_by_category()
+    assert live["activations"] == 2 * x.nbytes + 2 * 8 * 16 * 4
+    assert live["parameters"] == sum(p.nbytes for p in (*ln.parameters(), *fc.parameters()))
+    del out

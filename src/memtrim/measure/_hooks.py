@@ -114,7 +114,7 @@ def _make_pack(
         holder.packed = outer[0](tensor) if outer is not None else None
         holder.trackers = tuple(trackers)
         for tracker in holder.trackers:
-            tracker._hold_saved(holder.tensor)
+            tracker._hold_saved(tensor)  # the original: a trainable leaf is a parameter, its alias is not
         return holder
 
     def unpack(holder: _Saved) -> torch.Tensor:
