@@ -307,3 +307,17 @@ def test_torchvision_resnet_pattern_shared_relu_per_call_site(block, target):
     assert report.fraction_saved >= target, str(report)
     assert_equal_training(plain, converted, batch)
     ResNet(block, widths, blocks).double().load_state_dict(converted.state_dict())
+
+
+# ---------------------------------------------------------------------- timm ConvNeXt (LayerNorm2d, channels-last Mlp)
+def test_timm_convnext_norms_and_gelu_by_behaviour():
+    import_transformers()  # the torchvision shim: every timm release imports torchvision
+    timm = pytest.importorskip("timm", reason="pip install --no-deps timm (see pyproject's models extra)")
+    batch = {"x": torch.randn(2, 3, 32, 32, dtype=torch.float64)}
+    plain, converted, report = converted_pair(
+        lambda: timm.create_model("convnext_atto", pretrained=False, num_classes=4, conv_mlp=False), batch)
+    norms = [c for c in report.changes if c.rule == "norm_by_behaviour"]
+    assert {c.before for c in norms} == {"LayerNorm", "LayerNorm2d"}, str(report)
+    assert any(c.rule == "activation_consumer" and c.before == "GELU" for c in report.changes), str(report)
+    assert report.fraction_saved >= 0.15, str(report)  # the target
+    assert_equal_training(plain, converted, batch)

@@ -119,7 +119,13 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
             undo = cand.apply()
             saved = None
             if measure is not None:
-                after = measure()
+                try:
+                    after = measure()
+                except Exception as e:  # a change must never leave the model broken: undo it and say why
+                    undo()
+                    skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} failed on the example "
+                                                         f"inputs ({type(e).__name__}: {e}): not applied", rule.name))
+                    continue
                 saved = current - after  # type: ignore[operator]
                 if saved <= 0:
                     undo()
