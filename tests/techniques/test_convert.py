@@ -244,3 +244,64 @@ def test_bad_input():
         memtrim.convert(lambda x: x)
     with pytest.raises(memtrim.InvalidInputError, match="failed on example_inputs"):
         memtrim.convert(nn.Linear(4, 4), example_inputs=torch.randn(2, 5))
+
+
+class KeywordModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)
+
+    def forward(self, x, *, scale=1.0):
+        return self.fc2(self.act(self.fc1(x))) * scale
+
+
+@pytest.mark.parametrize("how", ["tensor", "tuple", "dict", "kwargs"])
+def test_example_inputs_as_a_tensor_a_tuple_a_dict_or_with_kwargs(how):
+    x = torch.randn(4, 8)
+    given = {"tensor": {"example_inputs": x}, "tuple": {"example_inputs": (x,)},
+             "dict": {"example_inputs": {"x": x, "scale": 2.0}},
+             "kwargs": {"example_inputs": x, "example_kwargs": {"scale": 2.0}}}[how]
+    _, report = memtrim.convert(KeywordModel(), **given)
+    assert [c.after for c in report.changes] == ["memtrim.nn.ActLinear"]
+    assert report.changes[0].bytes_saved == 4 * 16 * 4
+
+
+def test_a_registered_rule_runs_and_reports():
+    seen = []
+
+    @memtrim.register_rule("test_only_tanh_note", before="keep_output")
+    def note(ctx):
+        for site in ctx.sites():
+            if ctx.op_names(site) == ["tanh"]:
+                seen.append(site.label)
+                yield memtrim.Candidate((site.label,), reason="a tanh, noted by a test rule", skip=True)
+
+    try:
+        assert [r.name for r in memtrim.registered_rules()].index("test_only_tanh_note") < \
+            [r.name for r in memtrim.registered_rules()].index("keep_output")
+        _, report = memtrim.convert(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), example_inputs=torch.randn(2, 4))
+        assert seen == ["1"]
+        assert any(s.rule == "test_only_tanh_note" and s.modules == ("1",) for s in report.skipped)
+        with pytest.raises(memtrim.InvalidInputError, match="exists"):
+            memtrim.register_rule("test_only_tanh_note")(note)
+    finally:
+        memtrim.unregister_rule("test_only_tanh_note")
+    assert "test_only_tanh_note" not in [r.name for r in memtrim.registered_rules()]
+
+
+def test_measuring_copies_no_parameter():
+    # convert snapshots buffers only: parameters are never cloned (the tracker sees no parameter-sized allocation)
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.LeakyReLU(0.1), nn.Linear(64, 64))
+    clones = []
+    original = torch.Tensor.clone
+
+    def counting(self, *args, **kwargs):
+        clones.append(self.numel())
+        return original(self, *args, **kwargs)
+
+    torch.Tensor.clone = counting
+    try:
+        memtrim.convert(model, example_inputs=torch.randn(8, 64))
+    finally:
+        torch.Tensor.clone = original
+    assert 64 * 64 not in clones
