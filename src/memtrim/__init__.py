@@ -12,9 +12,13 @@ from .errors import (
     ConvertError,
     DataError,
     DeviceMismatchError,
+    InplaceCheckError,
     InvalidInputError,
     MemtrimError,
+    MemtrimStateError,
     MissingDependencyError,
+    OptimizerInBackwardError,
+    ReversibleError,
     VerifyError,
 )
 from .measure import (
@@ -30,7 +34,7 @@ from .measure import (
     op_memory,
     track,
 )
-from .techniques.activations import InplaceCheck, InplaceCheckError, check_inplace
+from .proof import Divergence, InplaceCheck, VerifyReport, check_inplace, verify
 from .techniques.convert import (
     Absorbed,
     Candidate,
@@ -43,9 +47,8 @@ from .techniques.convert import (
     registered_rules,
     unregister_rule,
 )
-from .techniques.optim import OptimizerInBackward, OptimizerInBackwardError
-from .techniques.reversible import AdditiveCoupling, AffineCoupling, ReversibleError, ReversibleSequential
-from .verify import Divergence, VerifyReport, verify
+from .techniques.optim import OptimizerInBackward
+from .techniques.reversible import AdditiveCoupling, AffineCoupling, ReversibleSequential
 
 __version__ = "0.1.0"
 
@@ -67,6 +70,7 @@ __all__ = [
     "InvalidInputError",
     "MemoryReport",
     "MemtrimError",
+    "MemtrimStateError",
     "MissingDependencyError",
     "ModelTrace",
     "OpMemory",

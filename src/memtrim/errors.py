@@ -14,6 +14,10 @@ __all__ = [
     "MissingDependencyError",
     "VerifyError",
     "ConvertError",
+    "MemtrimStateError",
+    "OptimizerInBackwardError",
+    "ReversibleError",
+    "InplaceCheckError",
 ]
 
 
@@ -23,6 +27,11 @@ class MemtrimError(Exception):
 
 class InvalidInputError(MemtrimError, TypeError, ValueError):
     """An argument has the wrong type or value (also a ``TypeError`` and a ``ValueError``)."""
+
+
+class MemtrimStateError(MemtrimError, RuntimeError):
+    """An object is used in a state that does not allow the call (a single-use object used twice, a wrapper
+    used again); the arguments themselves are fine, so this is not an :class:`InvalidInputError`."""
 
 
 class DeviceMismatchError(InvalidInputError):
@@ -44,3 +53,16 @@ class VerifyError(MemtrimError):
 class ConvertError(MemtrimError, RuntimeError):
     """A module converted by :func:`memtrim.convert` (or a ``memtrim.nn`` module) met a use it cannot serve: an
     in-place change of a tensor it keeps, or a second derivative through a rebuilt norm."""
+
+
+class OptimizerInBackwardError(MemtrimError, RuntimeError):
+    """The training loop does something :class:`memtrim.OptimizerInBackward`'s in-backward step cannot do
+    exactly."""
+
+
+class ReversibleError(MemtrimError, RuntimeError):
+    """A :class:`memtrim.ReversibleSequential` cannot reconstruct what backward needs."""
+
+
+class InplaceCheckError(MemtrimError, AssertionError):
+    """``InplaceCheck.assert_ok`` found problems (:func:`memtrim.check_inplace`)."""

@@ -358,7 +358,7 @@ def test_bad_input():
     with pytest.raises(memtrim.InvalidInputError, match="clip_grad_norm must be a positive"):
         memtrim.OptimizerInBackward(torch.optim.Adam(model.parameters()), clip_grad_norm=-1)
     opt = memtrim.OptimizerInBackward(torch.optim.Adam(model.parameters()))
-    with pytest.raises(memtrim.InvalidInputError, match="already wrapped"):
+    with pytest.raises(memtrim.MemtrimStateError, match="already wrapped"):
         memtrim.OptimizerInBackward(opt)
     with pytest.raises(memtrim.InvalidInputError, match="closures are not supported"):
         opt.step(lambda: 0.0)

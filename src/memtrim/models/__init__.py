@@ -1,4 +1,5 @@
-"""Reference workloads: the seed MLP, a ResNet-style CNN, a conv+BN+LeakyReLU CNN and a small GPT-style decoder."""
+"""Reference workloads: the seed MLP, a ResNet-style CNN, a conv+BN+LeakyReLU CNN, a small GPT-style decoder, and
+the seed article's in-place SiLUs (:mod:`memtrim.models.seed_silu`)."""
 
 from .cnn import BasicBlock, ConvBNActCNN, ResNetCNN
 from .gpt import GPTConfig, SmallGPT

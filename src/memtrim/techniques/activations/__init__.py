@@ -2,6 +2,6 @@
 
 ``memtrim.convert`` lives in ``memtrim.techniques.convert``."""
 
-from .check import InplaceCheck, InplaceCheckError, check_inplace
+from ...proof import InplaceCheck, InplaceCheckError, check_inplace  # moved to memtrim.proof; kept importable here
 
 __all__ = ["InplaceCheck", "InplaceCheckError", "check_inplace"]

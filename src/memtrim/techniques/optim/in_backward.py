@@ -59,7 +59,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ...errors import InvalidInputError, MemtrimError
+from ...errors import InvalidInputError, MemtrimError, MemtrimStateError, OptimizerInBackwardError
 from ...measure import _hooks
 
 __all__ = ["OptimizerInBackward", "OptimizerInBackwardError"]
@@ -71,10 +71,6 @@ _PEAK_MODES = ("never_higher", "lowest")
 _TEMPORARIES_PER_BYTE = 2
 
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> weakref to the wrapper of its open step
-
-
-class OptimizerInBackwardError(MemtrimError, RuntimeError):
-    """The training loop does something the in-backward step cannot do exactly."""
 
 
 def _memory_now(device: torch.device) -> int | None:
@@ -1050,7 +1046,10 @@ _GLOBAL_OPTIMIZERS = ("LBFGS",)
 
 def _check_optimizer(optimizer: Any) -> None:
     if isinstance(optimizer, OptimizerInBackward):
-        raise InvalidInputError("memtrim.OptimizerInBackward: this optimizer is already wrapped.")
+        raise MemtrimStateError(
+            "memtrim.OptimizerInBackward: this optimizer is already wrapped (its hooks step it inside backward). "
+            "Use it as it is, or wrap the inner torch optimizer (opt.optimizer) once."
+        )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidInputError(
             f"memtrim.OptimizerInBackward: expected a built torch.optim.Optimizer, got {type(optimizer).__name__}. "

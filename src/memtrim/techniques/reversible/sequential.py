@@ -46,15 +46,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ...errors import InvalidInputError, MemtrimError
+from ...errors import InvalidInputError, ReversibleError
 from ...measure import _hooks
 from .coupling import AdditiveCoupling, AffineCoupling, _checked, _split
 
 __all__ = ["ReversibleSequential", "ReversibleError"]
-
-
-class ReversibleError(MemtrimError, RuntimeError):
-    """A reversible stack cannot reconstruct what backward needs."""
 
 
 class _Handle:

@@ -7,24 +7,7 @@ import torch.nn.functional as F
 import memtrim
 import memtrim.functional as MF
 from memtrim.cli import main
-
-
-def silu_inplace_1(input):  # the seed's first version: returns sigmoid(x)**2
-    return input * torch.sigmoid_(input)
-
-
-def silu_inplace_2(input):  # the seed's second version, quoted exactly: right values, backward raises
-    result = input.clone()
-    torch.sigmoid_(input)
-    input *= result
-    return input
-
-
-def silu_inplace_2_corrected(input):  # sigmoid_ on the copy: nothing sigmoid_ keeps is overwritten
-    result = input.clone()
-    torch.sigmoid_(result)
-    input *= result
-    return input
+from memtrim.models.seed_silu import silu_inplace_1, silu_inplace_2, silu_inplace_2_corrected
 
 
 def sin_then_overwrite(x):  # sin keeps its input for backward; mul_ overwrites that input
@@ -213,22 +196,13 @@ def test_rtol_alone_is_used_not_ignored():
     assert memtrim.check_inplace(ten_percent_off, torch.relu, torch.randn(8, 8), rtol=0.2).ok
 
 
-def test_cli(tmp_path, monkeypatch, capsys):
-    (tmp_path / "seed_silu.py").write_text(
-        "import torch\n"
-        "def silu_inplace_1(input):\n    return input * torch.sigmoid_(input)\n"
-        "def silu_inplace_2(input):\n    r = input.clone()\n    torch.sigmoid_(input)\n    input *= r\n"
-        "    return input\n"
-        "def silu_inplace_2_corrected(input):\n    r = input.clone()\n    torch.sigmoid_(r)\n    input *= r\n"
-        "    return input\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path))
+def test_cli(capsys):
     args = ["--reference", "torch.nn.functional:silu", "--shape", "16,8"]
-    assert main(["check-inplace", "seed_silu:silu_inplace_1", *args]) == 1
+    assert main(["check-inplace", "memtrim.models.seed_silu:silu_inplace_1", *args]) == 1
     assert "values differ" in capsys.readouterr().out
-    assert main(["check-inplace", "seed_silu:silu_inplace_2", *args]) == 1
+    assert main(["check-inplace", "memtrim.models.seed_silu:silu_inplace_2", *args]) == 1
     assert "sigmoid_ keeps its output for backward, and mul_ then overwrote it" in capsys.readouterr().out
-    assert main(["check-inplace", "seed_silu:silu_inplace_2_corrected", *args]) == 0
+    assert main(["check-inplace", "memtrim.models.seed_silu:silu_inplace_2_corrected", *args]) == 0
     assert "ok over" in capsys.readouterr().out
-    assert main(["check-inplace", "seed_silu:nothing", *args]) == 2
+    assert main(["check-inplace", "memtrim.models.seed_silu:nothing", *args]) == 2
     assert "has no attribute" in capsys.readouterr().err

@@ -37,10 +37,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ...errors import InvalidInputError, MemtrimError
-from ...measure import format_bytes, track
-from ...measure.tracker import tensors_in
-from ...verify import _bitwise_equal
+from ..errors import InplaceCheckError, InvalidInputError
+from ..measure import format_bytes, track
+from ..measure.tracker import tensors_in
+from .compare import bitwise_equal, compare_tensors
 
 __all__ = ["InplaceCheck", "InplaceCheckError", "check_inplace"]
 
@@ -50,10 +50,6 @@ _DEFAULT_TOLERANCE = {  # (rtol, atol): a rewrite may reorder floating-point ope
     torch.bfloat16: (1.6e-2, 1e-3),
     torch.float16: (1e-3, 1e-5),
 }
-
-
-class InplaceCheckError(MemtrimError, AssertionError):
-    """``InplaceCheck.assert_ok`` found problems."""
 
 
 @dataclass(frozen=True)
@@ -139,7 +135,7 @@ def check_inplace(
             return x * torch.sigmoid_(x)
         memtrim.check_inplace(silu_inplace_1, torch.nn.functional.silu, torch.randn(64, 128)).ok   # False
 
-    See NOTE [ what check_inplace checks ] in memtrim/techniques/activations/check.py.
+    See NOTE [ what check_inplace checks ] in memtrim/proof/check_inplace.py.
     """
     _check_arguments(fn, reference, example_inputs, draws, dtypes, shapes, inplace, rtol, atol, seed)
     device = example_inputs[0].device
@@ -440,10 +436,10 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
         problems.append(f"{where}: fn claims to be out of place but writes into its input.")
     if not returns_input:
         for i, (a, b) in enumerate(zip(args_fn, before)):
-            if not _bitwise_equal(a.detach(), b) and not any("input" in p for p in problems):
+            if not bitwise_equal(a.detach(), b) and not any("input" in p for p in problems):
                 problems.append(f"{where}: fn changed its input {i} without returning it.")
     for name, p in params_fn.items():
-        if not _bitwise_equal(p.detach(), params_before[name]):
+        if not bitwise_equal(p.detach(), params_before[name]):
             problems.append(f"{where}: fn changed its parameter {name} during the forward.")
     # gradients
     grad_out = torch.randn(out_ref.shape, generator=generator, dtype=torch.float64).to(out_ref.device, out_ref.dtype)
@@ -511,16 +507,6 @@ def _memory(fn: Callable, examples: Sequence[torch.Tensor]) -> tuple[int, int]:
 
 
 def _max_error(a: torch.Tensor, b: torch.Tensor, tol: tuple[float, float]) -> tuple[float, float] | None:
-    """(max abs, max rel) error if ``a`` and ``b`` differ beyond ``tol``, else None (NaNs must match)."""
-    a64, b64 = a.detach().double(), b.detach().double()
-    nan_a, nan_b = torch.isnan(a64), torch.isnan(b64)
-    if not torch.equal(nan_a, nan_b):
-        return math.inf, math.inf
-    a64, b64 = a64[~nan_a], b64[~nan_b]
-    both_inf = torch.isinf(a64) & torch.isinf(b64) & (a64 == b64)
-    diff = (a64 - b64).abs()
-    diff[both_inf] = 0
-    if bool((diff <= tol[1] + tol[0] * b64.abs()).all()):
-        return None
-    rel = diff / b64.abs().clamp_min(1e-300)
-    return float(diff.max()), float(rel.max())
+    """(max abs, max rel) error if ``a`` differs from the reference ``b`` beyond ``tol`` = (rtol, atol), else None."""
+    closeness = compare_tensors(a, b, rtol=tol[0], atol=tol[1])
+    return None if closeness.within else (closeness.max_abs_error, closeness.max_rel_error)

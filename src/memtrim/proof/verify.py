@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidInputError, VerifyError
+from ..errors import InvalidInputError, VerifyError
+from .compare import compare_tensors
 
 __all__ = ["Divergence", "VerifyReport", "verify"]
 
@@ -289,7 +290,7 @@ def _is_number(value: Any) -> bool:
 
 
 def _is_in_backward(optimizer: Any) -> bool:
-    from .techniques.optim import OptimizerInBackward  # here: techniques import this module
+    from ..techniques.optim import OptimizerInBackward  # here: techniques import this module
 
     return isinstance(optimizer, OptimizerInBackward)
 
@@ -394,6 +395,9 @@ def _match(base: Iterable[tuple[str, torch.Tensor]], other: Iterable[tuple[str, 
 
 
 class _Comparison:
+    """Compares each named tensor of the two runs; remembers the first difference, the first divergence (outside
+    tolerance) and the largest errors seen."""
+
     def __init__(self, rtol: float, atol: float) -> None:
         self.rtol, self.atol = rtol, atol
         self.divergence: Divergence | None = None
@@ -409,36 +413,12 @@ class _Comparison:
             self.difference = self.difference or found
             self.divergence = found
             return False
-        a, b = a.detach(), b.detach()
-        if _bitwise_equal(a, b):
+        closeness = compare_tensors(a, b, rtol=self.rtol, atol=self.atol)
+        if closeness.bitwise:
             return True
-        diff = (a.double() - b.double()).abs()
-        finite = torch.isfinite(diff)
-        same_nonfinite = True  # inf and nan must sit at the same places with the same values
-        if not finite.all():
-            same_nonfinite = torch.equal(a[~finite].double().nan_to_num(), b[~finite].double().nan_to_num())
-        max_abs = float(diff[finite].max()) if finite.any() else 0.0
-        rel = diff / b.double().abs().clamp_min(torch.finfo(torch.float64).tiny)
-        max_rel = float(rel[finite].max()) if finite.any() else 0.0
-        if not same_nonfinite:
-            max_abs = max_rel = math.inf
-        found = Divergence(step, name, max_abs, max_rel)
+        found = Divergence(step, name, closeness.max_abs_error, closeness.max_rel_error)
         self.difference = self.difference or found
-        self.max_abs, self.max_rel = max(self.max_abs, max_abs), max(self.max_rel, max_rel)
-        within = same_nonfinite and bool(
-            (diff[finite] <= self.atol + self.rtol * b.double().abs()[finite]).all()
-        )
-        if not within:
+        self.max_abs, self.max_rel = max(self.max_abs, found.max_abs_error), max(self.max_rel, found.max_rel_error)
+        if not closeness.within:
             self.divergence = found
-        return within
-
-
-def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.is_floating_point() or a.is_complex():
-        if a.is_complex():
-            a, b = torch.view_as_real(a), torch.view_as_real(b)
-        a = a.contiguous().view(torch.uint8) if a.element_size() == 1 else a.contiguous()
-        b = b.contiguous().view(torch.uint8) if b.element_size() == 1 else b.contiguous()
-        int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-        return torch.equal(a.view(int_dtype), b.view(int_dtype))
-    return torch.equal(a, b)
+        return closeness.within
