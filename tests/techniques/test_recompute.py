@@ -150,6 +150,29 @@ def test_act_that_keeps_its_input_drops_its_output(act, consumer):
     assert held(converted, X) == held(plain, X) - INTER
 
 
+class ConvMLP(nn.Module):
+    """timm ConvNeXt's conv_mlp: 1x1 convolutions on a channels-last activation (dense, not contiguous)."""
+
+    def __init__(self, c=8, inter=24):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Conv2d(c, inter, 1), nn.GELU(), nn.Conv2d(inter, c, 1)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def test_channels_last_act_output_rebuilt_at_a_1x1_conv():
+    torch.manual_seed(0)
+    plain = ConvMLP().to(memory_format=torch.channels_last)
+    converted = copy.deepcopy(plain)
+    R.recompute_output(converted.act)
+    R.keep_recipes_in(converted.fc2)
+    x = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last)
+    assert not plain.act(plain.fc1(x)).is_contiguous()  # the case: dense in another order
+    assert_bitwise(run(converted, x), run(plain, x))
+    assert held(converted, x) == held(plain, x) - 2 * 24 * 5 * 5 * 4
+
+
 def test_output_keeping_act_keeps_the_recipe_for_its_own_backward_too():
     # tanh keeps its output, and so does the Linear after it: one tensor in all; with recipes: the input, once
     torch.manual_seed(0)

@@ -137,9 +137,20 @@ def _whole(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is one dense block covering its whole storage from offset 0."""
     if tensor.layout is not torch.strided or tensor.storage_offset() != 0 or tensor.is_sparse:
         return False
-    if not tensor.is_contiguous() and not tensor.is_non_overlapping_and_dense():
+    if not tensor.is_contiguous() and not _dense_in_some_order(tensor):
         return False
     return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+def _dense_in_some_order(tensor: torch.Tensor) -> bool:
+    """Whether the strides are a contiguous layout of some permutation of the dimensions (channels-last, a
+    transposed contiguous tensor, ...): no gaps, no overlaps."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(tensor.shape, tensor.stride()) if s != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def mark_recomputable(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], *sources: torch.Tensor, owner: str,
