@@ -9,8 +9,9 @@ from typing import Any
 import torch
 
 from ..errors import DeviceMismatchError, InvalidInputError
-from .report import MemoryReport
-from .tracker import tensors_in, track
+from .hooks import tensors_in
+from .report import Category, MemoryReport
+from .tracker import track
 
 __all__ = ["OpMemory", "op_memory", "measure_step"]
 
@@ -58,7 +59,7 @@ def op_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> OpMemory:
         base = torch.cuda.memory_allocated(cuda)
     with track() as tracker:
         for tensor in tensors:
-            tracker._include(tensor, "inputs")
+            tracker.label(tensor, Category.INPUTS)
         result = fn(*args, **kwargs)
     allocator_allocated = allocator_peak = None
     if cuda is not None:
@@ -102,9 +103,9 @@ def measure_step(
     check_training_args("memtrim.measure_step", model, inputs, targets, loss_fn, optimizer)
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     with track(model, optimizer) as tracker:
-        tracker._include(targets, "inputs")
+        tracker.label(targets, Category.INPUTS)
         for tensor in args:
-            tracker._include(tensor, "inputs")
+            tracker.label(tensor, Category.INPUTS)
         loss = loss_fn(model(*args), targets)
         loss.backward()
         del loss

@@ -4,6 +4,7 @@ measure code the tracker cannot hook (``torch.compile``'d graphs keep their tens
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -34,7 +35,7 @@ def autograd_graph_bytes(output: torch.Tensor, *, exclude: Iterable[torch.Tensor
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     storages: dict[int, int] = {}
     seen: set[int] = set()
-    stack = [output.grad_fn]
+    stack: list[torch.autograd.graph.Node | None] = [output.grad_fn]
     keep = []  # node wrappers stay alive during the walk, so their ids stay unique
     while stack:
         node = stack.pop()
@@ -50,11 +51,11 @@ def autograd_graph_bytes(output: torch.Tensor, *, exclude: Iterable[torch.Tensor
     return sum(storages.values())
 
 
-def _saved(node: object) -> list[torch.Tensor]:
+def _saved(node: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
     if hasattr(node, "saved_tensors"):
         try:
-            found.extend(t for t in node.saved_tensors if isinstance(t, torch.Tensor))  # type: ignore[attr-defined]
+            found.extend(t for t in node.saved_tensors if isinstance(t, torch.Tensor))
         except RuntimeError:  # freed by an earlier backward
             pass
     for name in dir(node):

@@ -4,22 +4,47 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from ..errors import MissingDependencyError
 
-__all__ = ["CATEGORIES", "PHASES", "MemoryReport", "TimelineEvent", "format_bytes"]
+__all__ = ["CATEGORIES", "PHASES", "Category", "MemoryReport", "TimelineEvent", "format_bytes"]
 
-CATEGORIES = (
-    "parameters",
-    "buffers",
-    "gradients",
-    "optimizer_state",
-    "activations",
-    "temporaries",
-    "inputs",
-    "other",
-)
+
+class Category(str, Enum):
+    """What a tracked storage holds (see NOTE [ memtrim's accounting ] in tracker.py).
+
+    A ``str`` Enum, as torch's ``mem_tracker`` names its reference types: each member equals its value
+    (``Category.GRADIENTS == "gradients"``), so reports, keyed by the plain strings in :data:`CATEGORIES`, accept
+    either. The first five say what a storage *is* and are given from its birth (``Tracker.label`` assigns them);
+    the last three are decided by the tracker from what keeps the storage alive.
+
+    - ``PARAMETERS``: the model's parameters (trainable leaves when no model is given).
+    - ``BUFFERS``: the model's buffers (BatchNorm running statistics...).
+    - ``GRADIENTS``: parameter gradients, from the op that computes them on.
+    - ``OPTIMIZER_STATE``: what the optimizer keeps between steps (Adam's ``exp_avg``...).
+    - ``ACTIVATIONS``: storages kept for backward, by autograd or by a technique (``hooks.hold_for_backward``).
+    - ``TEMPORARIES``: born inside the tracker and kept by nothing above.
+    - ``INPUTS``: the batch (the model's tensor arguments, or what a measurement is told).
+    - ``OTHER``: existed before the tracker started and is none of the above.
+    """
+
+    PARAMETERS = "parameters"
+    BUFFERS = "buffers"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer_state"
+    ACTIVATIONS = "activations"
+    TEMPORARIES = "temporaries"
+    INPUTS = "inputs"
+    OTHER = "other"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# the category names as plain strings, in report order (the keys of every by-category dict)
+CATEGORIES: tuple[str, ...] = tuple(category.value for category in Category)
 PHASES = ("forward", "backward", "optimizer", "other")
 
 _COLORS = {

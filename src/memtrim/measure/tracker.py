@@ -11,7 +11,7 @@ NOTE [ memtrim's accounting ]
 * Categories: ``parameters``, ``buffers``, ``gradients``, ``optimizer_state`` and ``inputs`` are what a
   storage *is*; they are assigned from birth (a gradient is born in backward as an op output and becomes
   ``.grad`` moments later; Adam's ``exp_avg`` is born inside ``step``). Any other storage is ``activations``
-  while autograd keeps it for backward (see NOTE [ how the tracker sees what autograd keeps ] in _hooks.py),
+  while autograd keeps it for backward (see NOTE [ how the tracker sees what autograd keeps ] in hooks.py),
   else ``temporaries`` if it was born inside the tracker and ``other`` if it existed before.
 * Phases: ``backward`` while the autograd engine runs, ``optimizer`` inside ``Optimizer.step``, ``forward``
   inside a module's forward or while an op records a graph, ``other`` otherwise.
@@ -25,6 +25,7 @@ report is asked for, by replaying the event list, so a storage's category can be
 from __future__ import annotations
 
 import bisect
+import functools
 import threading
 import weakref
 from collections.abc import Iterable
@@ -32,14 +33,18 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import InvalidInputError
-from . import _hooks
-from .report import CATEGORIES, MemoryReport, TimelineEvent
+from . import hooks
+from .hooks import _collect, tensors_in
+from .report import CATEGORIES, Category, MemoryReport, TimelineEvent
 
 __all__ = ["Tracker", "track"]
 
-_IDENTITY = frozenset({"parameters", "buffers", "gradients", "optimizer_state", "inputs"})
+# the categories that say what a storage is (Tracker.label gives them); the others follow from what keeps it
+_IDENTITY = frozenset(c.value for c in (Category.PARAMETERS, Category.BUFFERS, Category.GRADIENTS,
+                                        Category.OPTIMIZER_STATE, Category.INPUTS))
 _CATEGORY_INDEX = {name: i for i, name in enumerate(CATEGORIES)}
 
 # torch.tensor(...) builds its tensor below the dispatcher and then passes it through one of these
@@ -69,47 +74,15 @@ class _Record:
         return "activations" if holds > 0 else category
 
 
-def tensors_in(obj: Any) -> list[torch.Tensor]:
-    """Tensors in (nested lists, tuples and dicts of) ``obj``, wrapper subclasses flattened."""
-    found: list[torch.Tensor] = []
-    _collect(obj, found)
-    return found
-
-
-def _collect(obj: Any, found: list[torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        if type(obj) is torch.Tensor or not hasattr(obj, "__tensor_flatten__"):
-            found.append(obj)
-        else:
-            for name in obj.__tensor_flatten__()[0]:
-                _collect(getattr(obj, name), found)
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            if type(item) is torch.Tensor:
-                found.append(item)
-            elif isinstance(item, (torch.Tensor, list, tuple, dict)):
-                _collect(item, found)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            _collect(item, found)
-
-
-def _storage(tensor: torch.Tensor) -> torch.UntypedStorage | None:
-    if tensor.layout is not torch.strided:
-        return None  # sparse / nested tensors: not accounted (see README)
-    try:
-        return tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-
-
 class _Mode(TorchDispatchMode):
     def __init__(self, tracker: Tracker) -> None:
         super().__init__()
         self.tracker = tracker
-        setattr(self, _hooks.MODE_ATTRIBUTE, tracker)  # how _hooks.current() finds the trackers of a thread
+        setattr(self, hooks.MODE_ATTRIBUTE, tracker)  # how hooks.current() finds the trackers of a thread
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         # runs for every op: tensors_in inlined for the usual flat argument tuple
         tracker = self.tracker
         inputs: list[torch.Tensor] = []
@@ -133,7 +106,12 @@ class _Mode(TorchDispatchMode):
 
 
 class Tracker:
-    """Accounts the live bytes of every tensor storage touched while it is active. Use :func:`track`."""
+    """Accounts the live bytes of every tensor storage touched while it is active. Use :func:`track`.
+
+    Besides the queries (:meth:`report`, :meth:`live_by_category`...) and :meth:`label`, a tracker implements
+    :class:`~memtrim.measure.hooks.TrackerListener`: its ``on_*`` methods are what the process-wide hooks in
+    :mod:`memtrim.measure.hooks` tell it, and are not meant to be called otherwise.
+    """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None):
         if model is not None and not isinstance(model, torch.nn.Module):
@@ -151,15 +129,17 @@ class Tracker:
         self._records: dict[int, _Record] = {}  # id(live storage) -> record
         self._events: list[tuple] = []  # (kind, record, value, op, phase, module)
         self._start_records: list[_Record] = []
-        self._params: dict[int, weakref.ref] = {}
-        self._unhooked: list[weakref.ref] = []  # parameters whose gradient hook waits for the first backward
-        self._names: dict[int, str] = {}  # id(module) or id(parameter) -> qualified name
-        self._param_module: dict[int, str] = {}
+        self._params: WeakIdKeyDictionary = WeakIdKeyDictionary()  # every parameter seen -> None
+        self._unhooked: list[weakref.ref[torch.Tensor]] = []  # parameters whose gradient hook waits for backward
+        # Looked up on every module call / every gradient accumulation, so keyed by id() (a WeakIdKeyDictionary
+        # lookup costs eight Python calls); they name the model's own modules and parameters, alive with it.
+        self._names: dict[int, str] = {}  # id(module) -> qualified name
+        self._param_module: dict[int, str] = {}  # id(parameter) -> qualified name of its module
         self._hook_handles: list[Any] = []
-        self._ctx: dict[int, dict[str, list[_Record]]] = {}
+        self._ctx: dict[int, dict[str, list[_Record]]] = {}  # id(ctx) -> its attributes' holds, until it dies
         self._module_stack: list[str] = []
         # NOTE [ nodes to modules ]: sorted, disjoint ranges [first, end) of autograd sequence numbers, each
-        # with the innermost module whose forward created those nodes; built at module exit (see _module_exit)
+        # with the innermost module whose forward created those nodes; built at module exit (see on_module_exit)
         self._segments: list[tuple[int, int, str]] = []
         self._segment_starts: list[int] = []
         self._open_modules: list[tuple[int, int, str]] = []  # (first seq nr, len(_segments) at entry, name)
@@ -171,7 +151,6 @@ class Tracker:
         self._finished = False
         self._mode: _Mode | None = None
         self._thread: int | None = None
-        self._probe: torch.Tensor | None = None
         self._cuda_device: torch.device | None = None
         self._cuda_peaks: tuple[int, int] | None = None
         self._cuda_start: int | None = None
@@ -183,8 +162,6 @@ class Tracker:
             raise InvalidInputError(
                 "memtrim.track: this tracker was already used; create a new one with memtrim.track(...)."
             )
-        with torch._C._DisableTorchDispatch():
-            self._probe = torch.zeros((), device="cpu", requires_grad=True)
         self._thread = threading.get_ident()
         self._events.append((_START, None, 0, None, "other", None))
         self._scan_model_and_optimizers(initial=True)
@@ -195,7 +172,7 @@ class Tracker:
             )
         self._start_cuda()
         self._active = True
-        _hooks.activate(self)
+        hooks.activate(self)
         self._mode = _Mode(self)
         try:
             self._mode.__enter__()
@@ -218,7 +195,7 @@ class Tracker:
             self._stop()
 
     def _stop(self) -> None:
-        _hooks.deactivate(self)
+        hooks.deactivate(self)
         self._stop_cuda()
         self._active = False
         self._finished = True
@@ -340,24 +317,21 @@ class Tracker:
             optimizer = ref()
             if optimizer is not None:
                 self._scan_optimizer(optimizer)
-        for ref in list(self._params.values()):
-            param = ref()
-            if param is not None:
-                if not initial:
-                    self._include(param, "parameters")  # `param.data = ...` gives it a new storage
-                if param.grad is not None:
-                    self._include(param.grad, "gradients")
+        for param in list(self._params.keys()):
+            if not initial:
+                self._include(param, "parameters")  # `param.data = ...` gives it a new storage
+            if param.grad is not None:
+                self._include(param.grad, "gradients")
 
     def _watch_param(self, param: torch.Tensor, module_name: str | None = None) -> None:
-        key = id(param)
-        if key in self._params:
+        if param in self._params:
             return
-        ref = self._params[key] = weakref.ref(param)
+        self._params[param] = None
         if module_name is not None:
-            self._param_module[key] = module_name
+            self._param_module[id(param)] = module_name
         self._include(param, "parameters")
-        if param.requires_grad and hasattr(param, "register_post_accumulate_grad_hook"):
-            self._unhooked.append(ref)
+        if param.requires_grad:
+            self._unhooked.append(weakref.ref(param))
 
     def _hook_gradients(self) -> None:
         """Backward has started: from now on, each gradient autograd accumulates is labelled when it lands.
@@ -380,6 +354,36 @@ class Tracker:
         for state in optimizer.state.values():
             for tensor in tensors_in(state):
                 self._include(tensor, "optimizer_state")
+
+    def label(self, tensor: Any, category: Category | str) -> None:
+        """Account the storages of ``tensor`` (a tensor or nested lists, tuples and dicts of them) under
+        ``category`` from their birth, or from the tracker's start if they existed before.
+
+        For code that knows what a tensor is: a batch passed to the model other than as an argument, gradients
+        consumed inside backward. A stronger label wins (parameters, buffers, optimizer_state, gradients, inputs,
+        in that order).
+
+        Args:
+            tensor: what to label.
+            category: one of ``parameters``, ``buffers``, ``gradients``, ``optimizer_state``, ``inputs`` (a
+                :class:`~memtrim.measure.hooks.Category` or its string); activations, temporaries and other are
+                decided by the tracker.
+
+        Raises:
+            InvalidInputError: ``category`` is not one of those five.
+
+        Example::
+
+            with memtrim.track(model) as tracker:
+                tracker.label(batch["labels"], "inputs")
+        """
+        name = category.value if isinstance(category, Category) else category
+        if name not in _IDENTITY:
+            raise InvalidInputError(
+                f"Tracker.label: category must be one of {sorted(_IDENTITY)}, got {category!r}. Activations, "
+                "temporaries and other follow from what keeps a storage alive; the tracker decides them."
+            )
+        self._include(tensor, name)
 
     def _include(self, tensor: torch.Tensor, category: str) -> None:
         """Account ``tensor``'s storage under ``category`` from its birth (or from the start)."""
@@ -408,13 +412,13 @@ class Tracker:
         if record is None:
             return self._new_record(storage, tensor, category or self._existing_category(tensor), existed)
         if record.nbytes != storage.nbytes():
-            self._storage_resized(storage)
+            self.on_storage_resized(storage)
         return record
 
     def _new_record(self, storage: torch.UntypedStorage, tensor: torch.Tensor, category: str, existed: bool) -> _Record:
         record = _Record(_device_name(tensor), storage.nbytes(), category)
         key = id(storage)
-        record.wref = weakref.ref(storage, lambda _, key=key, record=record: self._storage_died(key, record))
+        record.wref = weakref.ref(storage, functools.partial(self._storage_died, key, record))
         self._records[key] = record
         if existed:
             self._start_records.append(record)
@@ -422,7 +426,7 @@ class Tracker:
             self._event(_ALLOC, record, record.nbytes)
         return record
 
-    def _storage_died(self, key: int, record: _Record) -> None:
+    def _storage_died(self, key: int, record: _Record, ref: object = None) -> None:
         if not self._active or not record.alive:
             return
         record.alive = False
@@ -430,7 +434,8 @@ class Tracker:
             del self._records[key]
         self._event(_FREE, record, record.nbytes)
 
-    def _storage_resized(self, storage: torch.UntypedStorage) -> None:
+    def on_storage_resized(self, storage: torch.UntypedStorage) -> None:
+        """See :class:`~memtrim.measure.hooks.TrackerListener`."""
         record = self._records.get(id(storage))
         if record is not None and record.nbytes != storage.nbytes():
             record.nbytes = storage.nbytes()
@@ -461,7 +466,7 @@ class Tracker:
                 if record is None:
                     record = self._new_record(storage, tensor, self._existing_category(tensor), True)
                 elif record.nbytes != storage.nbytes():
-                    self._storage_resized(storage)
+                    self.on_storage_resized(storage)
                 seen.append((storage, record))
         self._phase, self._module = self._context(inputs)
         if self._unhooked and self._phase == "backward":
@@ -478,7 +483,7 @@ class Tracker:
                     self._see(tensor, "temporaries", existed=False)
             for storage, record in seen:  # resize_ and friends change an input's storage
                 if record.nbytes != storage.nbytes():
-                    self._storage_resized(storage)
+                    self.on_storage_resized(storage)
         finally:
             self._op = None
 
@@ -500,24 +505,20 @@ class Tracker:
         return "other", None
 
     # ------------------------------------------------------------------ autograd holds
-    def _hold_saved(self, tensor: torch.Tensor) -> None:
-        self._hold(tensor, +1)
-
-    def _release_saved(self, tensor: torch.Tensor) -> None:
-        self._hold(tensor, -1)
-
-    def _hold(self, tensor: torch.Tensor, delta: int) -> list[_Record]:
+    def on_hold(self, tensor: Any) -> list[_Record]:
+        """See :class:`~memtrim.measure.hooks.TrackerListener`: the token is the records held."""
         held = []
         for t in tensors_in(tensor):
-            if delta > 0:
-                record = self._see(t, None, existed=True)
-            else:
-                storage = _storage(t)
-                record = self._records.get(id(storage)) if storage is not None else None
+            record = self._see(t, None, existed=True)
             if record is not None:
-                self._change_holds(record, delta)
+                self._change_holds(record, +1)
                 held.append(record)
         return held
+
+    def on_release(self, held: list[_Record]) -> None:
+        """See :class:`~memtrim.measure.hooks.TrackerListener`."""
+        for record in held:
+            self._change_holds(record, -1)
 
     def _change_holds(self, record: _Record, delta: int) -> None:
         if not self._active or not record.alive:
@@ -525,18 +526,18 @@ class Tracker:
         record.holds += delta
         self._event(_HOLD, record, delta)
 
-    def _ctx_attribute(self, ctx: Any, name: str, old: Any, new: Any) -> None:
+    def on_ctx_attribute(self, ctx: Any, name: str, old: Any, new: Any) -> None:
+        """See :class:`~memtrim.measure.hooks.TrackerListener`. Keyed by id(ctx): the finaliser drops the entry
+        when the ctx dies, so an id is never reused while it is in the table."""
         held = self._ctx.get(id(ctx))
         if held is None:
             if new is None or not tensors_in(new):
                 return
             held = self._ctx[id(ctx)] = {}
-            key = id(ctx)
-            _hooks.ctx_finalizer(ctx, lambda: self._ctx_died(key))
-        for record in held.pop(name, []):
-            self._change_holds(record, -1)
+            weakref.finalize(ctx, self._ctx_died, id(ctx))
+        self.on_release(held.pop(name, []))
         if new is not None:
-            held[name] = self._hold(new, +1)
+            held[name] = self.on_hold(new)
 
     def _ctx_died(self, key: int) -> None:
         for records in self._ctx.pop(key, {}).values():
@@ -544,7 +545,7 @@ class Tracker:
                 self._change_holds(record, -1)
 
     # ------------------------------------------------------------------ modules and optimizers
-    def _model_inputs(self, args: tuple, kwargs: dict) -> None:
+    def _model_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The model is called: its tensor arguments, positional and keyword, are ``inputs``."""
         for tensor in tensors_in(args):
             self._include(tensor, "inputs")
@@ -552,12 +553,13 @@ class Tracker:
             for tensor in tensors_in(kwargs):
                 self._include(tensor, "inputs")
 
-    def _module_enter(self, module: torch.nn.Module, args: tuple) -> None:
+    def on_module_enter(self, module: torch.nn.Module) -> None:
+        """See :class:`~memtrim.measure.hooks.TrackerListener`."""
         name = self._names.get(id(module)) or type(module).__name__
         self._module_stack.append(name)
         self._open_modules.append((self._next_sequence_nr(), len(self._segments), name))
 
-    def _module_exit(self, module: torch.nn.Module) -> None:
+    def on_module_exit(self, module: torch.nn.Module) -> None:
         """See NOTE [ nodes to modules ]: the segments added since this module started are its submodules'
         (calls nest), sorted; the gaps between them are this module's own nodes. Each call costs the number of
         segments inside it, so the whole run costs (segments x nesting depth), and a lookup is a bisection."""
@@ -584,14 +586,10 @@ class Tracker:
 
     def _next_sequence_nr(self) -> int:
         """The autograd sequence number the next node created in this thread will get."""
-        if _peek_sequence_nr is not None:
-            return _peek_sequence_nr()
-        assert self._probe is not None  # older torch: a throwaway view node takes a number; the next is ours
-        with torch._C._DisableTorchDispatch(), torch.enable_grad(), torch.inference_mode(False):
-            return self._probe.view(()).grad_fn._sequence_nr() + 1  # type: ignore[union-attr]
+        return _peek_sequence_nr()
 
     def _backward_module(self) -> str | None:
-        node = torch._C._current_autograd_node()
+        node: Any = torch._C._current_autograd_node()
         if node is None:
             return None
         if type(node) is _ACCUMULATE_GRAD:
@@ -604,13 +602,15 @@ class Tracker:
                 return name
         return None
 
-    def _optimizer_enter(self, optimizer: torch.optim.Optimizer) -> None:
+    def on_optimizer_enter(self, optimizer: torch.optim.Optimizer) -> None:
+        """See :class:`~memtrim.measure.hooks.TrackerListener`."""
         if not any(ref() is optimizer for ref in self._optimizer_refs):
             self._optimizer_refs.append(weakref.ref(optimizer))
         self._reconcile()
         self._optimizer_depth += 1
 
-    def _optimizer_exit(self, optimizer: torch.optim.Optimizer) -> None:
+    def on_optimizer_exit(self, optimizer: torch.optim.Optimizer) -> None:
+        """See :class:`~memtrim.measure.hooks.TrackerListener`."""
         self._optimizer_depth = max(0, self._optimizer_depth - 1)
         self._scan_optimizer(optimizer)
 
@@ -654,7 +654,7 @@ _PRIORITY = {name: i for i, name in enumerate(
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _CONTAINERS = (torch.Tensor, list, tuple, dict)
-_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
+_ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad  # type: ignore[attr-defined]  # not in torch's stubs
 
 
 class _InputsHook:
@@ -669,7 +669,7 @@ class _InputsHook:
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         tracker = self.ref() if self.ref is not None else None
-        if tracker is not None and tracker._active and tracker in _hooks.current():
+        if tracker is not None and tracker._active and tracker in hooks.current():
             tracker._model_inputs(args, kwargs)
 
     def __reduce__(self) -> tuple:
@@ -680,8 +680,8 @@ def _device_name(tensor: torch.Tensor) -> str:
     return "cpu" if tensor.is_cpu else str(tensor.device)
 
 
-# the next autograd sequence number of this thread, without creating a node (torch >= 2.2 has it)
-_peek_sequence_nr = getattr(torch._C._autograd, "_get_sequence_nr", None)
+# the next autograd sequence number of this thread, without creating a node
+_peek_sequence_nr = torch._C._autograd._get_sequence_nr
 
 
 _OP_NAMES: dict[Any, str] = {}
@@ -701,7 +701,7 @@ def _op_name(func: Any) -> str:
 
 def _fold_cuda_peaks(device: torch.device) -> None:
     """Before resetting the allocator's peak, let every active tracker keep the peak it has seen."""
-    for tracker in _hooks.active_trackers():
+    for tracker in hooks.active():
         if tracker._cuda_device == device:
             tracker._fold_cuda_peak()
 

@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import InplaceCheckError, InvalidInputError
 from ..measure import format_bytes, track
-from ..measure.tracker import tensors_in
+from ..measure.hooks import tensors_in
 from .compare import bitwise_equal, compare_tensors
 
 __all__ = ["InplaceCheck", "InplaceCheckError", "check_inplace"]

@@ -34,7 +34,7 @@ from torch import nn
 
 from ...errors import InvalidInputError
 from ...measure import track
-from ...measure.tracker import tensors_in
+from ...measure.hooks import tensors_in
 from . import builtin as _builtin  # noqa: F401  (registers the built-in rules)
 from .evidence import _split, buffers_kept, collect, fresh_inputs, fx_evidence
 from .report import Change, ConversionReport, Skipped

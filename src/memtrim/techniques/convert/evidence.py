@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...errors import InvalidInputError
-from ...measure.tracker import tensors_in
+from ...measure.hooks import tensors_in
 
 __all__ = ["CallSite", "Holder", "ModelTrace", "Op", "Storage", "VIEW_OPS", "collect", "fx_evidence"]
 

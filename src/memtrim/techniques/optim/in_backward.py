@@ -60,7 +60,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ...errors import InvalidInputError, MemtrimError, MemtrimStateError, OptimizerInBackwardError
-from ...measure import _hooks
+from ...measure import hooks as measure_hooks
 
 __all__ = ["OptimizerInBackward", "OptimizerInBackwardError"]
 
@@ -77,7 +77,7 @@ def _memory_now(device: torch.device) -> int | None:
     """Bytes allocated on ``device`` now: the allocator's counter on CUDA, an active memtrim tracker on CPU."""
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
-    trackers = _hooks.active_trackers()
+    trackers = measure_hooks.active()
     if trackers:
         return max(tracker.live_bytes(str(device)) for tracker in trackers)
     return None
@@ -747,8 +747,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
             return
         self._run_pre_hooks()
         grads = [p.grad for p in params]
-        if in_backward and _hooks.active_trackers():
-            _hooks.note_gradients(grads)
+        if in_backward:
+            measure_hooks.note_gradients(grads)
         if self._coefficient is not None or self.clip_grad_value is not None or (
             in_backward and self.scaler is not None
         ):

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ...measure._hooks import check_saved_version, hold_for_backward
+from ...measure.hooks import check_saved_version, hold_for_backward
 from ..activations._kernels import ConvertError, plain_only
 
 __all__ = [

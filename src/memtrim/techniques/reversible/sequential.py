@@ -47,7 +47,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ...errors import InvalidInputError, ReversibleError
-from ...measure import _hooks
+from ...measure.hooks import hold_for_backward
 from .coupling import AdditiveCoupling, AffineCoupling, _checked, _split
 
 __all__ = ["ReversibleSequential", "ReversibleError"]
@@ -452,9 +452,9 @@ class ReversibleSequential(nn.Module):
             h = self._run_block(frame, index, block, h)
         x = _whole(h)
         frame.set_output(x)
-        _hooks.hold_for_backward(frame.outputs[len(self.blocks) - 1], frame)
+        hold_for_backward(frame.outputs[len(self.blocks) - 1], frame)
         for kept in frame.kept_inputs.values():
-            _hooks.hold_for_backward(kept, frame)
+            hold_for_backward(kept, frame)
         if self.exact:
             return (x / frame.scale).to(frame.dtype)
         return x
