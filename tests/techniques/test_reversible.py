@@ -79,6 +79,32 @@ def test_dropout_is_replayed_and_the_global_generator_untouched(affine):
     assert torch.equal(after_plain, after_rev)  # backward's recomputation drew nothing from the global generator
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("affine", [False, True])
+def test_dropout_on_the_gpu_is_replayed_and_its_generator_untouched(affine):
+    """The accelerator's RNG state is captured device-generically (torch.utils.checkpoint.get_device_states)."""
+    plain, rev = (model.cuda() for model in twins(dropout=0.3, affine=affine))
+    x = torch.randn(8, 32, dtype=torch.float64, device="cuda")
+    grad_out = torch.randn(8, 32, dtype=torch.float64, device="cuda")
+    out_plain, g_plain = grads(plain, x, grad_out, seed=7)
+    after_plain = torch.cuda.get_rng_state()
+    out_rev, g_rev = grads(rev, x, grad_out, seed=7)
+    assert torch.equal(torch.cuda.get_rng_state(), after_plain)
+    assert torch.equal(out_plain, out_rev)
+    assert_grads_close(g_rev, g_plain, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.cuda
+def test_bf16_autocast_on_the_gpu_is_replayed():
+    plain, rev = (model.cuda() for model in twins(dtype=torch.float32))
+    x, grad_out = torch.randn(8, 32, device="cuda"), torch.randn(8, 32, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out_plain, g_plain = grads(plain, x, grad_out)
+        out_rev, g_rev = grads(rev, x, grad_out)
+    assert torch.equal(out_plain, out_rev)
+    assert_grads_close(g_rev, g_plain, rtol=2e-2, atol=2e-2)  # as on the CPU: bf16 rounding of f and g
+
+
 def test_batchnorm_running_stats_updated_once():
     plain, rev = twins(bn=True)
     x = torch.randn(8, 32, dtype=torch.float64)

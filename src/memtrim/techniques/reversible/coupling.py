@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +37,16 @@ def _checked(module: nn.Module, name: str, out: Any, like: torch.Tensor, channel
     return out
 
 
+# A coupling's arithmetic is written once, in ``couple`` (forward) and ``uncouple`` (inverse); what stands for
+# ``f(half)`` is passed in (``evaluate``), so ReversibleSequential runs the same arithmetic while capturing,
+# replaying or recording around each of f and g. See NOTE [ reversible without backward inside backward ].
+Evaluate = Callable[[str, nn.Module, torch.Tensor], Any]
+
+
+def _call(name: str, fn: nn.Module, half: torch.Tensor) -> Any:
+    return fn(half)
+
+
 class AdditiveCoupling(nn.Module):
     """``y1 = x1 + f(x2)``, ``y2 = x2 + g(y1)``: exactly invertible in exact arithmetic.
 
@@ -51,16 +62,29 @@ class AdditiveCoupling(nn.Module):
         self.split_dim = split_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = _split(self, x, self.split_dim)
-        y1 = x1 + _checked(self, "f", self.f(x2), x2)
-        y2 = x2 + _checked(self, "g", self.g(y1), y1)
+        y1, y2 = self.couple(*_split(self, x, self.split_dim), self.checked_call)
         return torch.cat([y1, y2], dim=self.split_dim)
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
-        y1, y2 = _split(self, y, self.split_dim)
-        x2 = y2 - self.g(y1)
-        x1 = y1 - self.f(x2)
+        x1, x2 = self.uncouple(*_split(self, y, self.split_dim), _call)
         return torch.cat([x1, x2], dim=self.split_dim)
+
+    def checked_call(self, name: str, fn: nn.Module, half: torch.Tensor) -> torch.Tensor:
+        """``fn(half)``, which must have the half's shape (else InvalidInputError naming f or g)."""
+        return _checked(self, name, fn(half), half)
+
+    def couple(self, x1: torch.Tensor, x2: torch.Tensor, evaluate: Evaluate) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward on the halves: ``y1 = x1 + f(x2)``, ``y2 = x2 + g(y1)``, ``evaluate(name, fn, half)``
+        standing for ``fn(half)``."""
+        y1 = x1 + evaluate("f", self.f, x2)
+        y2 = x2 + evaluate("g", self.g, y1)
+        return y1, y2
+
+    def uncouple(self, y1: torch.Tensor, y2: torch.Tensor, evaluate: Evaluate) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inverse on the halves: ``x2 = y2 - g(y1)``, ``x1 = y1 - f(x2)`` (g first, then f)."""
+        x2 = y2 - evaluate("g", self.g, y1)
+        x1 = y1 - evaluate("f", self.f, x2)
+        return x1, x2
 
 
 class AffineCoupling(nn.Module):
@@ -74,22 +98,37 @@ class AffineCoupling(nn.Module):
         super().__init__()
         self.f, self.g, self.split_dim = f, g, split_dim
 
-    def _scale_shift(self, name: str, fn: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raw, shift = _checked(self, name, fn(h), h, channels=2).chunk(2, dim=self.split_dim)
+    def scale_shift(self, name: str, fn: nn.Module, half: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(s, t)`` from ``fn(half)``: the scale ``sigmoid(raw + 2)`` and the shift."""
+        raw, shift = _checked(self, name, fn(half), half, channels=2).chunk(2, dim=self.split_dim)
         return torch.sigmoid(raw + 2.0), shift
 
+    @staticmethod
+    def mix(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """One half's update, ``x * scale + shift``."""
+        return x * scale + shift
+
+    @staticmethod
+    def unmix(y: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """:meth:`mix` undone, ``(y - shift) / scale``."""
+        return (y - shift) / scale
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = _split(self, x, self.split_dim)
-        s, t = self._scale_shift("f", self.f, x2)
-        y1 = x1 * s + t
-        s, t = self._scale_shift("g", self.g, y1)
-        y2 = x2 * s + t
+        y1, y2 = self.couple(*_split(self, x, self.split_dim), self.scale_shift)
         return torch.cat([y1, y2], dim=self.split_dim)
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
-        y1, y2 = _split(self, y, self.split_dim)
-        s, t = self._scale_shift("g", self.g, y1)
-        x2 = (y2 - t) / s
-        s, t = self._scale_shift("f", self.f, x2)
-        x1 = (y1 - t) / s
+        x1, x2 = self.uncouple(*_split(self, y, self.split_dim), self.scale_shift)
         return torch.cat([x1, x2], dim=self.split_dim)
+
+    def couple(self, x1: torch.Tensor, x2: torch.Tensor, scale_shift: Evaluate) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward on the halves, ``scale_shift(name, fn, half)`` standing for :meth:`scale_shift`."""
+        y1 = self.mix(x1, *scale_shift("f", self.f, x2))
+        y2 = self.mix(x2, *scale_shift("g", self.g, y1))
+        return y1, y2
+
+    def uncouple(self, y1: torch.Tensor, y2: torch.Tensor, scale_shift: Evaluate) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inverse on the halves (g first, then f)."""
+        x2 = self.unmix(y2, *scale_shift("g", self.g, y1))
+        x1 = self.unmix(y1, *scale_shift("f", self.f, x2))
+        return x1, x2

@@ -8,6 +8,8 @@ first), the block is *materialised*: its input is reconstructed from its output 
 reconstructed for block ``i + 1``) and the computations whose saved tensors the graph needs are re-run, recording
 what they save, in the forward's order; each handle then returns its tensor and is released with its node.
 
+* A coupling's arithmetic lives once, in its ``couple`` / ``uncouple``; the stack passes what stands for f and g
+  (capturing in forward, replaying and recording in backward).
 * For an :class:`AdditiveCoupling` the inversion ``x2 = y2 - g(y1)``, ``x1 = y1 - f(x2)`` evaluates ``g`` and ``f``
   exactly where the forward did, so it is run with grad enabled and recorded: each of f and g runs once in backward.
   Any other block with an ``inverse`` is inverted without grad and re-run once (f and g twice).
@@ -16,10 +18,12 @@ what they save, in the forward's order; each handle then returns its tensor and 
   is concatenated.
 * No backward inside backward: the graph is the ordinary one and is traversed once, so ``autograd.grad``, DDP
   (each parameter's gradient accumulated once) and an enclosing non-reentrant checkpoint work.
-* Replay: the RNG states (CPU and the CUDA device) before each of f and g, and the autocast state, are recorded in
-  forward and restored for the recomputation, then the caller's states are put back (the global generator is never
-  reseeded or advanced; a generator f or g drew nothing from is not touched at all); module buffers (BatchNorm's
-  running statistics) are restored after it, so they are updated once per forward.
+* Replay (``_replay.py``): the RNG states (CPU, and the accelerator the input lives on, captured with
+  ``torch.utils.checkpoint.get_device_states``) before each of f and g, and the autocast state of both (enabled,
+  dtype, cache_enabled, as checkpoint keeps it), are recorded in forward and restored for the recomputation, then
+  the caller's states are put back (the global generator is never reseeded or advanced; a generator f or g drew
+  nothing from is not touched at all); module buffers (BatchNorm's running statistics) are restored after it, so
+  they are updated once per forward.
 * A ``torch.Generator`` passed to an op explicitly (``torch.rand(..., generator=self.gen)``, a module's own
   generator) is not reachable from outside f or g, so a torch-function mode (:class:`_GeneratorDraws`) sees every
   torch call in their forward and records, per call given a generator, that generator's state before the call; the
@@ -37,20 +41,19 @@ what they save, in the forward's order; each handle then returns its tensor and 
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from ...errors import InvalidInputError, ReversibleError
 from ...measure.hooks import hold_for_backward
+from ._replay import Replay, captured, replayed
 from .coupling import AdditiveCoupling, AffineCoupling, _checked, _split
 
-__all__ = ["ReversibleSequential", "ReversibleError"]
+__all__ = ["ReversibleSequential", "ReversibleError"]  # ReversibleError: re-exported from memtrim.errors
 
 
 class _Handle:
@@ -61,112 +64,6 @@ class _Handle:
     def __init__(self, frame: _Frame, block: int) -> None:
         self.frame, self.block = frame, block
         self.tensor: torch.Tensor | None = None  # filled when backward materialises the block
-
-
-class _Replay:
-    """What the forward of one function (f, g, or a whole block) ran under."""
-
-    __slots__ = ("cpu_rng", "cuda_rng", "cuda_device", "autocast", "requires_grad", "generator_states", "where")
-
-
-class _GeneratorDraws(TorchFunctionMode):
-    """Records (forward) or replays (recomputation) the draws of every torch call given an explicit generator.
-
-    Recording keeps, per such call in order, the generator's state before it. Replaying sets the generator of the
-    ``k``-th such call to the ``k``-th recorded state; on exit every generator it touched is put back, latest first,
-    so each ends where the caller left it. ``strict``: the replayed computation must draw exactly as often as the
-    recorded one (a forward's recomputation); a block's ``inverse`` is replayed leniently.
-    See NOTE [ reversible without backward inside backward ].
-    """
-
-    def __init__(self, where: str, replay: list[torch.Tensor] | None = None, strict: bool = True) -> None:
-        super().__init__()
-        self.where, self.replay, self.strict = where, replay, strict
-        self.states: list[torch.Tensor] = []  # recorded states (forward)
-        self.restore: list[tuple[torch.Generator, torch.Tensor]] = []  # the caller's states (replay)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        for value in (*args, *kwargs.values()):
-            if not isinstance(value, torch.Generator):
-                continue
-            if self.replay is None:
-                self.states.append(value.get_state())
-                continue
-            position = len(self.restore)
-            if position >= len(self.replay):
-                if self.strict:
-                    raise self._mismatch(f"more (at {getattr(func, '__name__', func)})")
-                continue
-            self.restore.append((value, value.get_state()))
-            value.set_state(self.replay[position])
-        return func(*args, **kwargs)
-
-    def __exit__(self, *exc: object) -> None:
-        for generator, state in reversed(self.restore):
-            generator.set_state(state)
-        super().__exit__(*exc)
-        if exc[0] is None and self.replay is not None and self.strict and len(self.restore) != len(self.replay):
-            raise self._mismatch(str(len(self.restore)))
-
-    def _mismatch(self, found: str) -> ReversibleError:
-        return ReversibleError(
-            f"memtrim.ReversibleSequential: {self.where} drew from an explicitly passed torch.Generator "
-            f"{len(self.replay or ())} time(s) in forward but {found} when recomputed in backward; it must compute "
-            "the same function again. Draw the same numbers in every call (no draws that depend on a call count), "
-            "or keep this module out of the reversible stack."
-        )
-
-
-@contextmanager
-def _captured(replays: dict[str, _Replay], name: str, x: torch.Tensor, where: str) -> Iterator[None]:
-    """Around a function's forward (f, g, or a whole block, reading ``x``): record in ``replays[name]`` what its
-    recomputation must replay. A generator it drew nothing from is not replayed (the common case, no dropout):
-    drawing any random number advances a generator's state, so an unchanged state means nothing was drawn.
-    ``where`` names the function in errors ("block 3's f")."""
-    replay = replays[name] = _Replay()
-    replay.where = where
-    replay.requires_grad = x.requires_grad
-    replay.cpu_rng = torch.get_rng_state()
-    replay.cuda_device = x.device if x.device.type == "cuda" else None
-    replay.cuda_rng = torch.cuda.get_rng_state(x.device) if replay.cuda_device is not None else None
-    replay.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-                       if d == "cpu" or replay.cuda_device is not None] if hasattr(torch, "get_autocast_dtype") else []
-    with _GeneratorDraws(where) as draws:
-        yield
-    replay.generator_states = draws.states or None
-    if torch.equal(torch.get_rng_state(), replay.cpu_rng):
-        replay.cpu_rng = None
-    if replay.cuda_device is not None and torch.equal(torch.cuda.get_rng_state(replay.cuda_device), replay.cuda_rng):
-        replay.cuda_rng = None
-
-
-@contextmanager
-def _replayed(replay: _Replay, strict: bool = True) -> Iterator[None]:
-    """Run under the forward's random-number state and autocast state; restore the caller's generators after, as
-    ``torch.random.fork_rng`` does (inlined: this runs twice per block in backward). ``strict=False`` for a
-    block's ``inverse``, which need not draw what the forward drew."""
-    cpu_state = cuda_state = None
-    if replay.cpu_rng is not None:
-        cpu_state = torch.get_rng_state()
-        torch.set_rng_state(replay.cpu_rng)
-    if replay.cuda_rng is not None:
-        cuda_state = torch.cuda.get_rng_state(replay.cuda_device)
-        torch.cuda.set_rng_state(replay.cuda_rng, replay.cuda_device)
-    try:
-        with contextlib.ExitStack() as stack:
-            for device, enabled, dtype in replay.autocast:
-                now = torch.is_autocast_enabled(device)
-                if now != enabled or (enabled and torch.get_autocast_dtype(device) != dtype):  # else already in it
-                    stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
-            if replay.generator_states is not None:
-                stack.enter_context(_GeneratorDraws(replay.where, replay.generator_states, strict=strict))
-            yield
-    finally:
-        if cpu_state is not None:
-            torch.set_rng_state(cpu_state)
-        if cuda_state is not None:
-            torch.cuda.set_rng_state(cuda_state, replay.cuda_device)
 
 
 class _Halves(NamedTuple):
@@ -192,27 +89,186 @@ def _split_halves(block: AdditiveCoupling | AffineCoupling, x: torch.Tensor | _H
     return _split(block, _whole(x), block.split_dim)
 
 
-class _Frame:
-    """One forward of the stack: the output, the handles per block, and what backward rebuilt."""
+def _probe(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """64 evenly spaced elements of a block input: a few hundred bytes to check its reconstruction against."""
+    flat = x.detach().reshape(-1)
+    where = torch.linspace(0, flat.numel() - 1, steps=min(64, flat.numel()), device=flat.device).long()
+    return where, flat[where].clone()
 
-    def __init__(self, stack: ReversibleSequential) -> None:
-        self.stack = stack
-        self.blocks = list(stack.blocks)
-        self.handles: list[list[weakref.ref]] = [[] for _ in self.blocks]
-        self.replays: list[dict[str, _Replay]] = [{} for _ in self.blocks]
+
+@contextlib.contextmanager
+def _recording(into: list[torch.Tensor]) -> contextlib.AbstractContextManager:  # type: ignore[misc]
+    def pack(tensor: torch.Tensor) -> None:
+        into.append(tensor.detach())
+
+    def unpack(_: None) -> torch.Tensor:  # pragma: no cover - the recomputed graph is never differentiated
+        raise ReversibleError("memtrim.ReversibleSequential: internal recomputation graph was differentiated.")
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+class _DriftLog:
+    """The stack's drift state, shared with each forward's frame: the last measured error per block and the blocks
+    whose input is kept from the next forward on (its error exceeded ``check_drift``)."""
+
+    def __init__(self, check_drift: float | None) -> None:
+        self.check_drift = check_drift
+        self.drift: dict[int, float] = {}
+        self.keep_inputs: set[int] = set()
+
+    def measure(self, index: int, x: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
+        rebuilt = x.detach().reshape(-1)[where].to(values.dtype)
+        if values.numel() == 0:  # an empty batch: nothing was rebuilt, nothing drifted
+            error = 0.0
+        else:
+            error = float((rebuilt - values).abs().max() / values.abs().max().clamp_min(1e-30))
+        self.drift[index] = error
+        if self.check_drift is not None and error > self.check_drift and index not in self.keep_inputs:
+            warnings.warn(
+                f"memtrim.ReversibleSequential: block {index} was reconstructed with relative error {error:.3e} "
+                f"(> check_drift={self.check_drift}); from the next forward on its input is kept instead.",
+                stacklevel=2,
+            )
+            self.keep_inputs.add(index)
+
+
+class _Frame:
+    """One forward of the stack and its backward: runs the blocks (capturing what to replay), keeps the output and
+    the handles per block, and rebuilds each block's input when backward first needs one of its tensors."""
+
+    def __init__(self, blocks: list[nn.Module], exact: bool, fraction_bits: int, dtype: torch.dtype,
+                 drift: _DriftLog) -> None:
+        self.blocks = blocks
+        self.exact, self.scale, self.dtype, self.drift = exact, float(2 ** fraction_bits), dtype, drift
+        self.fraction_bits = fraction_bits
+        self.handles: list[list[weakref.ref]] = [[] for _ in blocks]
+        self.replays: list[dict[str, Replay]] = [{} for _ in blocks]
         self.outputs: dict[int, torch.Tensor | _Halves] = {}  # block index -> its output (the next block's input)
         self.output_version = 0
         self.materialised: set[int] = set()
-        self.exact = stack.exact
-        self.scale = float(2 ** stack.fraction_bits)
-        self.dtype = torch.float32  # what f and g compute in (exact mode): the stack input's dtype
         self.probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (indices, values) of its input
         self.kept_inputs: dict[int, torch.Tensor] = {}  # blocks whose drift exceeded the tolerance before
-        self.parameter_versions: list[list[tuple[torch.Tensor, int]]] = [[] for _ in self.blocks]
+        self.parameter_versions: list[list[tuple[torch.Tensor, int]]] = [[] for _ in blocks]
 
-    def set_output(self, output: torch.Tensor) -> None:
-        self.outputs[len(self.blocks) - 1] = output.detach()  # detached: no cycle through the output's grad_fn
-        self.output_version = output._version
+    # ------------------------------------------------------------------------------------------------ forward
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The stack's forward: every tensor a block saves is packed as a handle; the output is kept."""
+        if self.exact:
+            x = self._to_fixed(x)
+        h: torch.Tensor | _Halves = x  # between two couplings the stream stays split: no cat, no split
+        for index, block in enumerate(self.blocks):
+            if index in self.drift.keep_inputs:
+                self.kept_inputs[index] = _whole(h).detach()
+            elif self.drift.check_drift is not None:
+                self.probes[index] = _probe(_whole(h))
+            self.parameter_versions[index] = [(p, p._version) for p in block.parameters()]
+            h = self._run_block(index, block, h)
+        x = _whole(h)
+        last = len(self.blocks) - 1
+        self.outputs[last] = x.detach()  # detached: no cycle through the output's grad_fn
+        self.output_version = x._version
+        hold_for_backward(self.outputs[last], self)
+        for kept in self.kept_inputs.values():
+            hold_for_backward(kept, self)
+        if self.exact:
+            return (x / self.scale).to(self.dtype)
+        return x
+
+    def _run_block(self, index: int, block: nn.Module, x: torch.Tensor | _Halves) -> torch.Tensor | _Halves:
+        def pack(tensor: torch.Tensor) -> _Handle:
+            handle = _Handle(self, index)
+            self.handles[index].append(weakref.ref(handle))
+            return handle
+
+        def unpack(handle: _Handle) -> torch.Tensor:
+            return handle.frame.unpack(handle)
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                if type(block) is AdditiveCoupling:
+                    return self._additive(index, block, x)
+                if type(block) is AffineCoupling:
+                    return self._affine(index, block, x)
+                x = _whole(x)
+                with captured(self.replays[index], "block", x, f"block {index} ({type(block).__name__})"):
+                    return block(x)
+        except InvalidInputError as e:
+            raise InvalidInputError(f"memtrim.ReversibleSequential: block {index}: {e}") from e
+
+    def _additive(self, index: int, block: AdditiveCoupling, x: torch.Tensor | _Halves,
+                  recorded: list[torch.Tensor] | None = None) -> _Halves:
+        """One additive coupling; in exact mode f and g see floats, the stream stays on the fixed-point grid.
+
+        The random-number and autocast state is captured before each of f and g; with ``recorded`` (backward's
+        recomputation of a block whose input was kept) it is replayed instead, and f's and g's saved tensors
+        recorded."""
+        def evaluate(name: str, fn: nn.Module, half: torch.Tensor) -> torch.Tensor:
+            inp = self._from_stream(half)
+            if recorded is None:
+                with captured(self.replays[index], name, inp, f"block {index}'s {name}"):
+                    out = _checked(block, name, fn(inp), inp)
+            else:
+                with replayed(self.replays[index][name]), _recording(recorded):
+                    out = fn(inp)
+            return self._on_grid(out, f"block {index}'s {name}") if self.exact else out
+
+        y1, y2 = block.couple(*_split_halves(block, x), evaluate)
+        if self.exact:
+            self._check_range(y1, f"block {index}")
+            self._check_range(y2, f"block {index}")
+        return _Halves(y1, y2, block.split_dim)
+
+    def _affine(self, index: int, block: AffineCoupling, x: torch.Tensor | _Halves,
+                recorded: list[torch.Tensor] | None = None) -> _Halves:
+        """One affine coupling, capturing (or, with ``recorded``, replaying and recording) as :meth:`_additive`."""
+        def scale_shift(name: str, fn: nn.Module, half: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if recorded is None:
+                with captured(self.replays[index], name, half, f"block {index}'s {name}"):
+                    return block.scale_shift(name, fn, half)
+            with replayed(self.replays[index][name]):
+                return block.scale_shift(name, fn, half)
+
+        with _recording(recorded) if recorded is not None else contextlib.nullcontext():
+            y1, y2 = block.couple(*_split_halves(block, x), scale_shift)
+        return _Halves(y1, y2, block.split_dim)
+
+    # ------------------------------------------------------------------------------------- exact mode (fixed point)
+
+    def _to_fixed(self, x: torch.Tensor) -> torch.Tensor:
+        """The input on the fixed-point grid, as integer-valued float64 (exact below 2**53), with a straight-through
+        gradient."""
+        if not torch.isfinite(x.detach()).all():
+            raise ReversibleError("memtrim.ReversibleSequential (exact): the input holds a non-finite value.")
+        return self._on_grid(x, "the input")
+
+    def _on_grid(self, out: torch.Tensor, where: str) -> torch.Tensor:
+        """``out`` scaled and rounded to the fixed-point grid, with a straight-through gradient (forward)."""
+        scaled = out.double() * self.scale
+        self._check_range(scaled, where)
+        return scaled + (torch.round(scaled) - scaled).detach()
+
+    def _to_stream(self, out: torch.Tensor) -> torch.Tensor:
+        """f's or g's output as added to the stream: itself, or (exact mode) its value on the grid (backward)."""
+        return torch.round(out.double() * self.scale) if self.exact else out
+
+    def _from_stream(self, half: torch.Tensor) -> torch.Tensor:
+        """What f or g receives: the half itself, or (exact mode) its value back in floating point."""
+        return (half / self.scale).to(self.dtype) if self.exact else half
+
+    def _check_range(self, stream: torch.Tensor, where: str) -> None:
+        stream = stream.detach()  # checks must not record anything in the graph (isfinite saves via abs)
+        if not torch.isfinite(stream).all():
+            raise ReversibleError(f"memtrim.ReversibleSequential (exact): {where} produced a non-finite value.")
+        if bool((stream.abs() >= float(2 ** 53)).any()):
+            raise ReversibleError(
+                f"memtrim.ReversibleSequential (exact): {where} overflows the fixed-point range "
+                f"(|x| < 2**{53 - self.fraction_bits} with fraction_bits={self.fraction_bits}). Lower fraction_bits "
+                "or keep activations smaller."
+            )
+
+    # ----------------------------------------------------------------------------------------------- backward
 
     def unpack(self, handle: _Handle) -> torch.Tensor:
         if handle.tensor is None:
@@ -225,9 +281,6 @@ class _Frame:
                 "dependent control flow?). Keep such a block out of the reversible stack."
             )
         return tensor
-
-    def output_of(self, index: int) -> torch.Tensor:
-        return _whole(self._stored_output(index))
 
     def _stored_output(self, index: int) -> torch.Tensor | _Halves:
         if index not in self.outputs:
@@ -243,6 +296,7 @@ class _Frame:
         return y
 
     def materialise(self, index: int) -> None:
+        """Rebuild block ``index``'s input and re-run what its saved tensors need; fill its handles."""
         if index in self.materialised:
             return
         block = self.blocks[index]
@@ -250,15 +304,7 @@ class _Frame:
         recorded: list[torch.Tensor] = []
         saved_buffers = [(b, b.detach().clone()) for b in block.buffers()]
         try:
-            if index in self.kept_inputs:  # drift fallback: the input was kept, recompute forward from it
-                x = self.kept_inputs.pop(index)
-                self._recompute_forward(index, block, x, recorded)
-            elif type(block) is AdditiveCoupling:
-                x = self._rebuild_additive(index, block, *_split_halves(block, self._stored_output(index)), recorded)
-            elif type(block) is AffineCoupling and not self.exact:
-                x = self._rebuild_affine(index, block, *_split_halves(block, self._stored_output(index)), recorded)
-            else:
-                x = self._rebuild_generic(index, block, self.output_of(index), recorded)
+            x = self._rebuild(index, block, recorded)
         finally:
             with torch.no_grad():
                 for buffer, value in saved_buffers:
@@ -276,10 +322,22 @@ class _Frame:
                 handle.tensor = tensor
         self.materialised.add(index)
         if index in self.probes:
-            self.stack._measure_drift(index, _whole(x), *self.probes.pop(index))
+            self.drift.measure(index, _whole(x), *self.probes.pop(index))
         if index > 0:
             self.outputs[index - 1] = x
         self.outputs.pop(index, None)  # this block's output is no longer needed: one boundary alive at a time
+
+    def _rebuild(self, index: int, block: nn.Module, recorded: list[torch.Tensor]) -> torch.Tensor | _Halves:
+        """Block ``index``'s input, recording into ``recorded`` what its forward saved, in the forward's order."""
+        if index in self.kept_inputs:  # drift fallback: the input was kept, recompute forward from it
+            x = self.kept_inputs.pop(index)
+            self._recompute_forward(index, block, x, recorded)
+            return x
+        if type(block) is AdditiveCoupling:
+            return self._rebuild_additive(index, block, *_split_halves(block, self._stored_output(index)), recorded)
+        if type(block) is AffineCoupling and not self.exact:
+            return self._rebuild_affine(index, block, *_split_halves(block, self._stored_output(index)), recorded)
+        return self._rebuild_generic(index, block, _whole(self._stored_output(index)), recorded)
 
     def _check_parameters(self, index: int, block: nn.Module) -> None:
         """A block rebuilt with parameters changed since its forward would silently give a wrong input (the plain
@@ -296,93 +354,65 @@ class _Frame:
 
     def _rebuild_additive(self, index: int, block: AdditiveCoupling, y1: torch.Tensor, y2: torch.Tensor,
                           recorded: list[torch.Tensor]) -> _Halves:
-        replays = self.replays[index]
-        f_saved: list[torch.Tensor] = []
-        g_saved: list[torch.Tensor] = []
-        # inputs require grad as they did in forward, so the ops save the same tensors
-        with _replayed(replays["g"]), _recording(g_saved), torch.enable_grad():
-            gy = block.g(self._fn_input(y1).requires_grad_(replays["g"].requires_grad))
-        x2 = (y2 - self._to_stream(gy.detach())).detach()
-        with _replayed(replays["f"]), _recording(f_saved), torch.enable_grad():
-            fx = block.f(self._fn_input(x2).requires_grad_(replays["f"].requires_grad))
-        x1 = (y1 - self._to_stream(fx.detach())).detach()
-        recorded += f_saved + g_saved  # the forward saved f's tensors, then g's (the additions save nothing)
-        return _Halves(x1, x2, block.split_dim)
+        """Invert with g and f evaluated once each, recording what they save (the additions save nothing)."""
+        saved: dict[str, list[torch.Tensor]] = {"f": [], "g": []}
+
+        def evaluate(name: str, fn: nn.Module, half: torch.Tensor) -> torch.Tensor:
+            replay = self.replays[index][name]
+            # the input requires grad as it did in forward, so the ops save the same tensors
+            with replayed(replay), _recording(saved[name]), torch.enable_grad():
+                out = fn(self._from_stream(half.detach()).requires_grad_(replay.requires_grad))
+            return self._to_stream(out.detach())
+
+        x1, x2 = block.uncouple(y1, y2, evaluate)
+        recorded += saved["f"] + saved["g"]  # the forward saved f's tensors, then g's
+        return _Halves(x1.detach(), x2.detach(), block.split_dim)
 
     def _rebuild_affine(self, index: int, block: AffineCoupling, y1: torch.Tensor, y2: torch.Tensor,
                         recorded: list[torch.Tensor]) -> _Halves:
-        """Invert with f and g evaluated once each, recording what the forward saved, in its order: f's tensors and
+        """Invert with g and f evaluated once each, recording what the forward saved, in its order: f's tensors and
         the f-side multiplication's, then g's and the g-side multiplication's."""
-        replays = self.replays[index]
-        f_saved: list[torch.Tensor] = []
-        g_saved: list[torch.Tensor] = []
+        saved: dict[str, list[torch.Tensor]] = {"f": [], "g": []}
+        evaluated: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # name -> (input, s, t)
+
+        def scale_shift(name: str, fn: nn.Module, half: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            replay = self.replays[index][name]
+            inp = half.detach().requires_grad_(replay.requires_grad)
+            with replayed(replay), _recording(saved[name]), torch.enable_grad():
+                s, t = block.scale_shift(name, fn, inp)
+            evaluated[name] = (inp, s, t)
+            return s.detach(), t.detach()
+
+        x1, x2 = block.uncouple(y1, y2, scale_shift)
+        x2_in, s_f, t_f = evaluated["f"]
+        _, s_g, t_g = evaluated["g"]
         with torch.enable_grad():
-            y1_in = y1.detach().requires_grad_(replays["g"].requires_grad)
-            with _replayed(replays["g"]), _recording(g_saved):
-                s_g, t_g = block._scale_shift("g", block.g, y1_in)
-            x2 = ((y2 - t_g.detach()) / s_g.detach()).detach().requires_grad_(replays["f"].requires_grad)
-            with _replayed(replays["f"]), _recording(f_saved):
-                s_f, t_f = block._scale_shift("f", block.f, x2)
-            x1 = ((y1 - t_f.detach()) / s_f.detach()).detach().requires_grad_(replays["f"].requires_grad)
-            with _recording(f_saved):
-                _ = x1 * s_f + t_f  # what the forward's y1 = x1 * s_f + t_f saved
-            with _recording(g_saved):
-                _ = x2 * s_g + t_g
-        recorded += f_saved + g_saved
+            with _recording(saved["f"]):  # what the forward's y1 = x1 * s_f + t_f saved
+                block.mix(x1.detach().requires_grad_(x2_in.requires_grad), s_f, t_f)
+            with _recording(saved["g"]):
+                block.mix(x2_in, s_g, t_g)
+        recorded += saved["f"] + saved["g"]
         return _Halves(x1.detach(), x2.detach(), block.split_dim)
-
-    def _fn_input(self, half: torch.Tensor) -> torch.Tensor:
-        """What f or g receives: the half itself, or (exact mode) its value back in floating point."""
-        if not self.exact:
-            return half.detach()
-        return (half.detach() / self.scale).to(self.dtype)
-
-    def _to_stream(self, out: torch.Tensor) -> torch.Tensor:
-        """f's or g's output as added to the stream: itself, or (exact mode) rounded to the fixed-point grid."""
-        if not self.exact:
-            return out
-        return torch.round(out.double() * self.scale)
 
     def _recompute_forward(self, index: int, block: nn.Module, x: torch.Tensor, recorded: list[torch.Tensor]) -> None:
         replays = self.replays[index]
         with torch.enable_grad():
             if type(block) is AdditiveCoupling:
-                self.stack._additive(self, index, block, x.detach().requires_grad_(replays["f"].requires_grad),
-                                     recording=recorded)
+                self._additive(index, block, x.detach().requires_grad_(replays["f"].requires_grad), recorded)
             elif type(block) is AffineCoupling:
-                self.stack._affine(self, index, block, x.detach().requires_grad_(replays["f"].requires_grad),
-                                   recording=recorded)
+                self._affine(index, block, x.detach().requires_grad_(replays["f"].requires_grad), recorded)
             else:
-                with _replayed(replays["block"]), _recording(recorded):
+                with replayed(replays["block"]), _recording(recorded):
                     block(x.detach().requires_grad_(replays["block"].requires_grad))
 
     def _rebuild_generic(self, index: int, block: nn.Module, y: torch.Tensor,
                          recorded: list[torch.Tensor]) -> torch.Tensor:
         replay = self.replays[index]["block"]
-        with _replayed(replay, strict=False), torch.no_grad():
+        with replayed(replay, strict=False), torch.no_grad():
             x = block.inverse(y)
-        with _replayed(replay), _recording(recorded), torch.enable_grad():
+        with replayed(replay), _recording(recorded), torch.enable_grad():
             block(x.detach().requires_grad_(replay.requires_grad))
         return x.detach()
-
-
-def _probe(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """64 evenly spaced elements of a block input: a few hundred bytes to check its reconstruction against."""
-    flat = x.detach().reshape(-1)
-    where = torch.linspace(0, flat.numel() - 1, steps=min(64, flat.numel()), device=flat.device).long()
-    return where, flat[where].clone()
-
-
-@contextmanager
-def _recording(into: list[torch.Tensor]) -> Iterator[None]:
-    def pack(tensor: torch.Tensor) -> None:
-        into.append(tensor.detach())
-
-    def unpack(_: None) -> torch.Tensor:  # pragma: no cover - the recomputed graph is never differentiated
-        raise ReversibleError("memtrim.ReversibleSequential: internal recomputation graph was differentiated.")
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
 
 
 class ReversibleSequential(nn.Module):
@@ -393,9 +423,14 @@ class ReversibleSequential(nn.Module):
 
     Args:
         blocks: :class:`AdditiveCoupling`, :class:`AffineCoupling`, or any module with ``inverse(output)``.
+        exact: carry the stream in fixed point (AdditiveCoupling blocks only), so every input is rebuilt bit for
+            bit.
+        fraction_bits: the fixed-point grid's fraction bits in exact mode (1..40).
+        check_drift: measure each rebuilt input's relative error; above this, warn and keep that block's input
+            from the next forward on (see :meth:`drift_report`).
 
     Raises:
-        InvalidInputError: a block without ``inverse``.
+        InvalidInputError: a block without ``inverse``, or an option out of range.
 
     Example::
 
@@ -420,15 +455,16 @@ class ReversibleSequential(nn.Module):
             )
         if check_drift is not None and not check_drift > 0:
             raise InvalidInputError(f"memtrim.ReversibleSequential: check_drift must be > 0, got {check_drift}.")
-        self.exact, self.fraction_bits, self.check_drift = exact, fraction_bits, check_drift
-        self.drift: dict[int, float] = {}  # block -> relative reconstruction error seen in the last backward
-        self.keep_inputs: set[int] = set()  # blocks whose input is kept (drift above check_drift)
         for i, block in enumerate(blocks):
             if not isinstance(block, nn.Module) or not callable(getattr(block, "inverse", None)):
                 raise InvalidInputError(
                     f"memtrim.ReversibleSequential: block {i} ({type(block).__name__}) has no inverse(); wrap f and g "
                     "in memtrim.AdditiveCoupling or memtrim.AffineCoupling, or give the module an inverse method."
                 )
+        self.exact, self.fraction_bits, self.check_drift = exact, fraction_bits, check_drift
+        self._drift = _DriftLog(check_drift)
+        self.drift = self._drift.drift  # block -> relative reconstruction error seen in the last backward
+        self.keep_inputs = self._drift.keep_inputs  # blocks whose input is kept (drift above check_drift)
         self.blocks = nn.ModuleList(blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -438,138 +474,11 @@ class ReversibleSequential(nn.Module):
             for block in self.blocks:
                 x = block(x)
             return x
-        frame = _Frame(self)
-        frame.dtype = x.dtype
-        if self.exact:
-            x = self._to_fixed(x)
-        h: torch.Tensor | _Halves = x  # between two couplings the stream stays split: no cat, no split
-        for index, block in enumerate(self.blocks):
-            if index in self.keep_inputs:
-                frame.kept_inputs[index] = _whole(h).detach()
-            elif self.check_drift is not None:
-                frame.probes[index] = _probe(_whole(h))
-            frame.parameter_versions[index] = [(p, p._version) for p in block.parameters()]
-            h = self._run_block(frame, index, block, h)
-        x = _whole(h)
-        frame.set_output(x)
-        hold_for_backward(frame.outputs[len(self.blocks) - 1], frame)
-        for kept in frame.kept_inputs.values():
-            hold_for_backward(kept, frame)
-        if self.exact:
-            return (x / frame.scale).to(frame.dtype)
-        return x
-
-    def _to_fixed(self, x: torch.Tensor) -> torch.Tensor:
-        """The input on the fixed-point grid, as integer-valued float64 (exact below 2**53), with a straight-through
-        gradient."""
-        if not torch.isfinite(x.detach()).all():
-            raise ReversibleError("memtrim.ReversibleSequential (exact): the input holds a non-finite value.")
-        scaled = x.double() * float(2 ** self.fraction_bits)
-        self._check_range(scaled, "the input")
-        return scaled + (torch.round(scaled) - scaled).detach()
-
-    def _check_range(self, stream: torch.Tensor, where: str) -> None:
-        stream = stream.detach()  # checks must not record anything in the graph (isfinite saves via abs)
-        if not torch.isfinite(stream).all():
-            raise ReversibleError(f"memtrim.ReversibleSequential (exact): {where} produced a non-finite value.")
-        limit = float(2 ** 53)
-        if bool((stream.detach().abs() >= limit).any()):
-            raise ReversibleError(
-                f"memtrim.ReversibleSequential (exact): {where} overflows the fixed-point range "
-                f"(|x| < 2**{53 - self.fraction_bits} with fraction_bits={self.fraction_bits}). Lower fraction_bits "
-                "or keep activations smaller."
-            )
-
-    def _measure_drift(self, index: int, x: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
-        rebuilt = x.detach().reshape(-1)[where].to(values.dtype)
-        if values.numel() == 0:  # an empty batch: nothing was rebuilt, nothing drifted
-            error = 0.0
-        else:
-            error = float((rebuilt - values).abs().max() / values.abs().max().clamp_min(1e-30))
-        self.drift[index] = error
-        if self.check_drift is not None and error > self.check_drift and index not in self.keep_inputs:
-            import warnings
-
-            warnings.warn(
-                f"memtrim.ReversibleSequential: block {index} was reconstructed with relative error {error:.3e} "
-                f"(> check_drift={self.check_drift}); from the next forward on its input is kept instead.",
-                stacklevel=2,
-            )
-            self.keep_inputs.add(index)
+        return _Frame(list(self.blocks), self.exact, self.fraction_bits, x.dtype, self._drift).run(x)
 
     def drift_report(self) -> dict[int, float]:
         """Per block, the relative reconstruction error measured in the last backward (needs ``check_drift``)."""
         return dict(self.drift)
-
-    def _run_block(self, frame: _Frame, index: int, block: nn.Module, x: torch.Tensor | _Halves
-                   ) -> torch.Tensor | _Halves:
-        def pack(tensor: torch.Tensor) -> _Handle:
-            handle = _Handle(frame, index)
-            frame.handles[index].append(weakref.ref(handle))
-            return handle
-
-        def unpack(handle: _Handle) -> torch.Tensor:
-            return handle.frame.unpack(handle)
-
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                if type(block) is AdditiveCoupling:
-                    return self._additive(frame, index, block, x)
-                if type(block) is AffineCoupling:
-                    return self._affine(frame, index, block, x)
-                x = _whole(x)
-                with _captured(frame.replays[index], "block", x, f"block {index} ({type(block).__name__})"):
-                    return block(x)
-        except InvalidInputError as e:
-            raise InvalidInputError(f"memtrim.ReversibleSequential: block {index}: {e}") from e
-
-    @staticmethod
-    def _affine(frame: _Frame, index: int, block: AffineCoupling, x: torch.Tensor | _Halves,
-                recording: list[torch.Tensor] | None = None) -> _Halves:
-        """AffineCoupling.forward, step by step: the random-number state is captured before f and before g (or,
-        with ``recording``, replayed and the saved tensors recorded)."""
-        def scale_shift(name: str, fn: nn.Module, half: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            if recording is None:
-                with _captured(frame.replays[index], name, half, f"block {index}'s {name}"):
-                    return block._scale_shift(name, fn, half)
-            with _replayed(frame.replays[index][name]):
-                return block._scale_shift(name, fn, half)
-
-        with _recording(recording) if recording is not None else contextlib.nullcontext():
-            x1, x2 = _split_halves(block, x)
-            s, t = scale_shift("f", block.f, x2)
-            y1 = x1 * s + t
-            s, t = scale_shift("g", block.g, y1)
-            y2 = x2 * s + t
-        return _Halves(y1, y2, block.split_dim)
-
-    def _additive(self, frame: _Frame, index: int, block: AdditiveCoupling, x: torch.Tensor | _Halves,
-                  recording: list[torch.Tensor] | None = None) -> _Halves:
-        """One additive coupling; in exact mode f and g see floats, the stream stays on the fixed-point grid.
-
-        With ``recording`` (backward's recomputation of a block whose input was kept) the forward's random numbers
-        and autocast are replayed and the saved tensors recorded, instead of captured."""
-        def apply(name: str, fn: nn.Module, half: torch.Tensor) -> torch.Tensor:
-            inp = (half / frame.scale).to(frame.dtype) if self.exact else half
-            if recording is None:
-                with _captured(frame.replays[index], name, inp, f"block {index}'s {name}"):
-                    out = _checked(block, name, fn(inp), inp)
-            else:
-                with _replayed(frame.replays[index][name]), _recording(recording):
-                    out = fn(inp)
-            if not self.exact:
-                return out
-            scaled = out.double() * frame.scale
-            self._check_range(scaled, f"block {index}'s {name}")
-            return scaled + (torch.round(scaled) - scaled).detach()  # on the grid, straight-through gradient
-
-        x1, x2 = _split_halves(block, x)
-        y1 = x1 + apply("f", block.f, x2)
-        y2 = x2 + apply("g", block.g, y1)
-        if self.exact:
-            self._check_range(y1, f"block {index}")
-            self._check_range(y2, f"block {index}")
-        return _Halves(y1, y2, block.split_dim)
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
         """Reconstruct the stack's input from its output."""

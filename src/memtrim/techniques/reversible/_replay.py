@@ -1,0 +1,161 @@
+"""What a function's forward ran under, captured so that its recomputation in backward draws the same numbers.
+
+The random-number and autocast state are captured with ``torch.utils.checkpoint``'s own device-generic helpers
+(``get_device_states`` / ``set_device_states``, the autocast kwargs with ``cache_enabled``), for the CPU and the
+accelerator the input lives on, whatever its type; draws from explicitly passed generators are recorded by a
+torch-function mode. See NOTE [ reversible without backward inside backward ] in ``sequential.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import get_device_states, set_device_states
+
+from ...errors import ReversibleError
+
+# ``set_device_states(..., device_type=)`` is torch >= 2.5; torch 2.4's sets the default device type's (CUDA).
+_SET_TAKES_DEVICE_TYPE = "device_type" in inspect.signature(set_device_states).parameters
+
+
+class _GeneratorDraws(TorchFunctionMode):
+    """Records (forward) or replays (recomputation) the draws of every torch call given an explicit generator.
+
+    Recording keeps, per such call in order, the generator's state before it. Replaying sets the generator of the
+    ``k``-th such call to the ``k``-th recorded state; on exit every generator it touched is put back, latest first,
+    so each ends where the caller left it. ``strict``: the replayed computation must draw exactly as often as the
+    recorded one (a forward's recomputation); a block's ``inverse`` is replayed leniently.
+    """
+
+    def __init__(self, where: str, replay: list[torch.Tensor] | None = None, strict: bool = True) -> None:
+        super().__init__()
+        self.where, self.replay, self.strict = where, replay, strict
+        self.states: list[torch.Tensor] = []  # recorded states (forward)
+        self.restore: list[tuple[torch.Generator, torch.Tensor]] = []  # the caller's states (replay)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        for value in (*args, *kwargs.values()):
+            if not isinstance(value, torch.Generator):
+                continue
+            if self.replay is None:
+                self.states.append(value.get_state())
+                continue
+            position = len(self.restore)
+            if position >= len(self.replay):
+                if self.strict:
+                    raise self._mismatch(f"more (at {getattr(func, '__name__', func)})")
+                continue
+            self.restore.append((value, value.get_state()))
+            value.set_state(self.replay[position])
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc: object) -> None:
+        for generator, state in reversed(self.restore):
+            generator.set_state(state)
+        super().__exit__(*exc)
+        if exc[0] is None and self.replay is not None and self.strict and len(self.restore) != len(self.replay):
+            raise self._mismatch(str(len(self.restore)))
+
+    def _mismatch(self, found: str) -> ReversibleError:
+        return ReversibleError(
+            f"memtrim.ReversibleSequential: {self.where} drew from an explicitly passed torch.Generator "
+            f"{len(self.replay or ())} time(s) in forward but {found} when recomputed in backward; it must compute "
+            "the same function again. Draw the same numbers in every call (no draws that depend on a call count), "
+            "or keep this module out of the reversible stack."
+        )
+
+
+def _autocast_kwargs(device_type: str) -> dict[str, Any]:
+    """``torch.autocast`` arguments reproducing the current state for ``device_type`` (as checkpoint's)."""
+    return {"enabled": torch.is_autocast_enabled(device_type), "dtype": torch.get_autocast_dtype(device_type),
+            "cache_enabled": torch.is_autocast_cache_enabled()}
+
+
+def _autocast_available(device_type: str) -> bool:
+    available = getattr(torch.amp, "is_autocast_available", None)  # torch >= 2.4.1; CPU and CUDA before
+    return available(device_type) if available is not None else device_type in ("cpu", "cuda")
+
+
+@dataclass
+class Replay:
+    """What the forward of one function (f, g, or a whole block) ran under; ``None`` where it changed nothing."""
+
+    where: str  # names the function in errors ("block 3's f")
+    requires_grad: bool  # whether its input required grad (so the recomputation saves the same tensors)
+    cpu_rng: torch.Tensor | None
+    device_type: str  # of the input: "cpu", "cuda", "xpu", ...
+    device_ids: list[int]
+    device_rng: list[torch.Tensor] | None
+    autocast: dict[str, dict[str, Any]] = field(default_factory=dict)  # device type -> torch.autocast kwargs
+    generator_states: list[torch.Tensor] | None = None
+
+
+@contextmanager
+def captured(replays: dict[str, Replay], name: str, x: torch.Tensor, where: str) -> Iterator[None]:
+    """Around a function's forward (reading ``x``): record in ``replays[name]`` what its recomputation must replay.
+
+    A generator it drew nothing from is not replayed (the common case, no dropout): drawing any random number
+    advances a generator's state, so an unchanged state means nothing was drawn.
+    """
+    device_ids, device_rng = get_device_states(x)
+    device_type = x.device.type
+    autocast = {d: _autocast_kwargs(d) for d in dict.fromkeys(("cpu", device_type)) if _autocast_available(d)}
+    replay = replays[name] = Replay(where=where, requires_grad=x.requires_grad, cpu_rng=torch.get_rng_state(),
+                                    device_type=device_type, device_ids=device_ids, device_rng=device_rng,
+                                    autocast=autocast)
+    with _GeneratorDraws(where) as draws:
+        yield
+    replay.generator_states = draws.states or None
+    if torch.equal(torch.get_rng_state(), replay.cpu_rng):
+        replay.cpu_rng = None
+    if all(torch.equal(now, then) for now, then in zip(get_device_states(x)[1], device_rng)):
+        replay.device_rng = None
+
+
+def _set_device_rng(replay: Replay, states: list[torch.Tensor]) -> None:
+    if _SET_TAKES_DEVICE_TYPE:
+        set_device_states(replay.device_ids, states, device_type=replay.device_type)
+        return
+    module = torch.get_device_module(replay.device_type)  # torch 2.4
+    for device, state in zip(replay.device_ids, states):
+        with module.device(device):
+            module.set_rng_state(state)
+
+
+@contextmanager
+def replayed(replay: Replay, strict: bool = True) -> Iterator[None]:
+    """Run under the forward's random-number and autocast state; restore the caller's generators after, as
+    ``torch.random.fork_rng`` does (inlined: this runs twice per block in backward). ``strict=False`` for a
+    block's ``inverse``, which need not draw what the forward drew."""
+    cpu_state = torch.get_rng_state() if replay.cpu_rng is not None else None
+    device_state = get_device_states(*_on(replay))[1] if replay.device_rng is not None else None
+    if replay.cpu_rng is not None:
+        torch.set_rng_state(replay.cpu_rng)
+    if replay.device_rng is not None:
+        _set_device_rng(replay, replay.device_rng)
+    try:
+        with contextlib.ExitStack() as stack:
+            for device_type, kwargs in replay.autocast.items():
+                if _autocast_kwargs(device_type) != kwargs:  # else already in it
+                    stack.enter_context(torch.autocast(device_type, **kwargs))
+            if replay.generator_states is not None:
+                stack.enter_context(_GeneratorDraws(replay.where, replay.generator_states, strict=strict))
+            yield
+    finally:
+        if cpu_state is not None:
+            torch.set_rng_state(cpu_state)
+        if device_state is not None:
+            _set_device_rng(replay, device_state)
+
+
+def _on(replay: Replay) -> list[torch.Tensor]:
+    """An empty tensor on each device whose state was captured (what ``get_device_states`` reads devices from)."""
+    return [torch.empty(0, device=torch.device(replay.device_type, i)) for i in replay.device_ids]
