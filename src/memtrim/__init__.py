@@ -24,6 +24,7 @@ from .errors import (
 from .measure import (
     CATEGORIES,
     PHASES,
+    Category,
     MemoryReport,
     OpMemory,
     TimelineEvent,
@@ -58,6 +59,7 @@ __all__ = [
     "AffineCoupling",
     "CATEGORIES",
     "Candidate",
+    "Category",
     "Change",
     "ConversionReport",
     "ConvertError",
