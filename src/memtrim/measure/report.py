@@ -118,6 +118,27 @@ class MemoryReport:
     def final_bytes(self) -> int:
         return sum(self.final_by_category.values())
 
+    @property
+    def activations_at_backward_start(self) -> int:
+        """Activation bytes alive just before the first backward event: what the forward left for backward (what
+        a technique that keeps less shrinks). 0 when the tracked span holds no backward."""
+        for i, event in enumerate(self.timeline):
+            if event.phase == "backward":
+                return self.timeline[max(i - 1, 0)].by_category["activations"]
+        return 0
+
+    @property
+    def forward_transient_peak(self) -> int:
+        """The most bytes of activations plus temporaries alive at once before the first backward event: the
+        forward's transient peak (what an in-place op shrinks even when it keeps the same activations)."""
+        peak = 0
+        for event in self.timeline:
+            if event.phase == "backward":
+                break
+            by_category = event.by_category
+            peak = max(peak, by_category["activations"] + by_category["temporaries"])
+        return peak
+
     def to_dict(self, timeline: bool = True) -> dict[str, Any]:
         """A JSON-ready dict (the timeline as lists of running totals by category)."""
         data: dict[str, Any] = {
