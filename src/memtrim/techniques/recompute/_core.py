@@ -37,6 +37,7 @@ Scopes are per thread (saved-tensor hooks are thread-local); the registry is sha
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -96,13 +97,20 @@ class _Entry:
     reference to T (for the in-place check at unpack) and to T's storage (whose death removes the entry)."""
 
     __slots__ = ("recipe", "sources", "versions", "version", "tensor_ref", "storage_ref", "holds")
+    recipe: Recipe
+    sources: tuple[torch.Tensor | _Entry, ...]
+    versions: tuple[int, ...]
+    version: int
+    tensor_ref: weakref.ref[torch.Tensor]
+    storage_ref: weakref.ref[torch.UntypedStorage]
+    holds: tuple[torch.Tensor, ...]
 
 
 _lock = threading.Lock()
 _REGISTRY: dict[int, _Entry] = {}  # id(storage of T) -> entry; removed by a weakref callback when T's storage dies
 
 
-def _forget(key: int, entry: _Entry) -> None:
+def _forget(key: int, entry: _Entry, ref: object = None) -> None:
     with _lock:
         if _REGISTRY.get(key) is entry:
             del _REGISTRY[key]
@@ -221,7 +229,7 @@ def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Ite
     for held in entry.holds:
         hold_for_backward(held, entry.recipe)
     key = id(storage)
-    entry.storage_ref = weakref.ref(storage, lambda _, key=key, entry=entry: _forget(key, entry))
+    entry.storage_ref = weakref.ref(storage, functools.partial(_forget, key, entry))
     with _lock:
         _REGISTRY[key] = entry
     return entry
@@ -244,6 +252,11 @@ class _Kept:
     """A saved tensor passed through: packed by the hooks outside, or a detached alias with its version."""
 
     __slots__ = ("tensor", "version", "packed", "outer", "who")
+    tensor: torch.Tensor | None  # None when packed by the hooks outside
+    version: int
+    packed: Any
+    outer: Any
+    who: str
 
 
 def _keep(tensor: torch.Tensor, outer: Any, who: str) -> _Kept:
@@ -259,6 +272,7 @@ def _keep(tensor: torch.Tensor, outer: Any, who: str) -> _Kept:
 def _unkeep(kept: _Kept) -> torch.Tensor:
     if kept.outer is not None:
         return kept.outer[1](kept.packed)
+    assert kept.tensor is not None
     check_saved_version(kept.tensor, kept.version, kept.who)
     return kept.tensor
 
@@ -268,6 +282,11 @@ class _Handle:
     packed at save time, and a weak reference to the marked tensor for the in-place check."""
 
     __slots__ = ("recipe", "sources", "view", "version", "tensor_ref", "__weakref__")
+    recipe: Recipe
+    sources: tuple[_Handle | _Kept, ...]
+    view: tuple[torch.Size, tuple[int, ...], int | torch.SymInt] | None  # None: the whole marked tensor
+    version: int
+    tensor_ref: weakref.ref[torch.Tensor]
 
     def __del__(self) -> None:
         try:
@@ -327,6 +346,9 @@ class _Pending:
     """A save made inside a :class:`producing` scope, decided at the scope's exit."""
 
     __slots__ = ("tensor", "version", "inner")
+    tensor: torch.Tensor | None  # None once decided
+    version: int
+    inner: _Handle | _Kept | None  # None until decided
 
 
 def _unpack(packed: Any) -> torch.Tensor:
@@ -450,6 +472,7 @@ class producing(torch.autograd.graph.saved_tensors_hooks):
         outer = self.outer
         for held in self.pending:
             tensor = held.tensor
+            assert tensor is not None
             if tensor._version != held.version:  # changed in place inside the scope: unpacking raises, as autograd
                 kept = held.inner = _keep(tensor, None, "memtrim's recompute hooks")
                 kept.version = held.version

@@ -339,14 +339,14 @@ def checkpoint_call(module: nn.Module) -> Handle:
     """
     inner = module.__dict__.get("forward")
     wrapper = _Checkpointed(module, inner)
-    module.forward = wrapper  # type: ignore[method-assign]
+    module.forward = wrapper
 
     def remove() -> None:
         if module.__dict__.get("forward") is wrapper:
             if inner is None:
                 del module.forward
             else:
-                module.forward = inner  # type: ignore[method-assign]
+                module.forward = inner
 
     return Handle(remove)
 
