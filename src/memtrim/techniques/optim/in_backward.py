@@ -54,7 +54,7 @@ import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -329,7 +329,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
             self._hook_new_params()
 
     # ------------------------------------------------------------------ the wrapped optimizer's view
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
@@ -337,31 +337,31 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:
+    @property
+    def state(self) -> Any:  # type: ignore[override]  # read-only: the wrapped optimizer's own
         return self.optimizer.state
 
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]  # read-only: the wrapped optimizer's own
         return self.optimizer.defaults
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict()``: interchangeable with plain training, both ways."""
         return self.optimizer.state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
 
-    def register_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> Any:  # type: ignore[override]
+    def register_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> Any:
         return self.optimizer.register_state_dict_pre_hook(hook, prepend)
 
-    def register_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> Any:  # type: ignore[override]
+    def register_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> Any:
         return self.optimizer.register_state_dict_post_hook(hook, prepend)
 
-    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> Any:  # type: ignore[override]
+    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> Any:
         return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
 
-    def register_load_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> Any:  # type: ignore[override]
+    def register_load_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> Any:
         return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -549,13 +549,13 @@ class OptimizerInBackward(torch.optim.Optimizer):
             if owner is not None and owner() is self:
                 del _OWNERS[param]
 
-    def register_step_pre_hook(self, hook: Callable) -> Any:  # type: ignore[override]
+    def register_step_pre_hook(self, hook: Callable) -> Any:
         """Run ``hook(opt, args, kwargs)`` once per step, before its first update (inside backward when the step
         is fused: gradients of later buckets do not exist yet; use clip_grad_norm=/clip_grad_value= for gradient
         work). Hooks registered on the wrapped optimizer run at the same moment, with that optimizer."""
         return super().register_step_pre_hook(hook)
 
-    def register_step_post_hook(self, hook: Callable) -> Any:  # type: ignore[override]
+    def register_step_post_hook(self, hook: Callable) -> Any:
         """Run ``hook(opt, args, kwargs)`` once per step, at the end of ``step()`` (every update done)."""
         return super().register_step_post_hook(hook)
 
@@ -574,7 +574,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if self._open and not self._accumulating and not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_ddp_backward)
-        return allreduce_hook(self._ddp().process_group, bucket)  # type: ignore[union-attr,misc]
+        return allreduce_hook(self._ddp().process_group, bucket)
 
     def _end_of_ddp_backward(self) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(self._after_ddp_finalize)
@@ -746,7 +746,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if not params:
             return
         self._run_pre_hooks()
-        grads = [p.grad for p in params]
+        grads = cast(list[torch.Tensor], [p.grad for p in params])  # filtered above
         if in_backward:
             measure_hooks.note_gradients(grads)
         if self._coefficient is not None or self.clip_grad_value is not None or (
@@ -792,7 +792,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for param in zeros:
             param.grad = torch.zeros_like(param)
             self._zero_pending.discard(id(param))
-        grads = [p.grad for p in waiting]
+        grads = cast(list[torch.Tensor], [p.grad for p in waiting])
         if driven:  # GradScaler.step(self): it checked the waiting gradients for infs; we unscale them
             found = self.__dict__["found_inf"]
             if bool(found):
@@ -976,12 +976,12 @@ def _global_hooks(name: str) -> list[Callable]:
     return list(getattr(optimizer_module, name, {}).values())
 
 
-def _ddp_comm_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP rejects annotations other than its own
+def _ddp_comm_hook(state, bucket):  # no annotations: DDP rejects any but its own
     wrapper = state()
     if wrapper is None:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        return allreduce_hook(None, bucket)
+        return allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group, as DDP's own
     return wrapper._ddp_hook(bucket)
 
 
