@@ -23,6 +23,7 @@ from torch import nn
 
 import memtrim
 from _common import RESULTS, machine, pin_malloc, quartiles, write
+from memtrim.measure import plot_curves
 
 
 def fg(width=512):
@@ -132,21 +133,10 @@ def main():
     write("reversible_cpu.json", {"machine": machine(), "depth": args.depth, "rounds": args.rounds,
                                   "results": results, "memory_vs_depth": {"depths": depths, **curve}})
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for name, values in curve.items():
-            ax.plot(depths, [v / 2**20 for v in values], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("coupling blocks (f, g = Linear(128)+ReLU+Linear(128), width 256, batch 64)")
-        ax.set_ylabel("activation bytes held at backward start (MiB)")
-        ax.set_title("memtrim tracker: plain vs reversible stack")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(RESULTS, "reversible_memory_vs_depth.png"), dpi=110)
+        plot_curves(os.path.join(RESULTS, "reversible_memory_vs_depth.png"), depths, curve,
+                    xlabel="coupling blocks (f, g = Linear(128)+ReLU+Linear(128), width 256, batch 64)",
+                    ylabel="activation bytes held at backward start (MiB)",
+                    title="memtrim tracker: plain vs reversible stack", divide_by=2**20)
     except ImportError:
         print("matplotlib not installed: no plot")
     print("wrote", os.path.join(RESULTS, "reversible_cpu.json"))

@@ -33,6 +33,7 @@ from .measure import (
     format_bytes,
     measure_step,
     op_memory,
+    plot_curves,
     track,
 )
 from .proof import Divergence, InplaceCheck, VerifyReport, check_inplace, verify
@@ -93,6 +94,7 @@ __all__ = [
     "data",
     "models",
     "op_memory",
+    "plot_curves",
     "register_rule",
     "registered_rules",
     "unregister_rule",

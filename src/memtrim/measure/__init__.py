@@ -4,6 +4,7 @@ techniques report to."""
 from . import hooks
 from .api import OpMemory, measure_step, op_memory
 from .graph import autograd_graph_bytes
+from .plots import plot_curves
 from .report import CATEGORIES, PHASES, Category, MemoryReport, TimelineEvent, format_bytes
 from .tracker import Tracker, track
 
@@ -20,5 +21,6 @@ __all__ = [
     "hooks",
     "measure_step",
     "op_memory",
+    "plot_curves",
     "track",
 ]
