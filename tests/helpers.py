@@ -15,6 +15,22 @@ def mlp_step_setup(batch: int = 64, inplace: bool = False):
     return model, optimizer, x, y
 
 
+def seed_mlp_batches(n: int = 10, batch: int = 16, seed: int = 1):
+    """``n`` (inputs, targets) batches for the seed MLP from their own generator (the global one untouched)."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 784, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)]
+
+
+def adam(model):
+    """``make_optimizer`` for memtrim.verify: Adam at lr 1e-3."""
+    return torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def identity(model, optimizer):
+    """The ``transform`` that changes nothing."""
+    return model, optimizer
+
+
 def train_step(model, optimizer, x, y, loss_fn=F.nll_loss):
     loss = loss_fn(model(x), y)
     loss.backward()

@@ -23,13 +23,6 @@ def ref(x):
     return torch.relu(x)
 
 
-def seed_silu(input):  # the seed article's in-place SiLU: right values, broken backward
-    result = input.clone()
-    torch.sigmoid_(input)
-    input *= result
-    return input
-
-
 def silu(x):
     return torch.nn.functional.silu(x)
 
@@ -79,8 +72,16 @@ def test_console_script_finds_a_module_in_the_working_directory(tmp_path):
 
 
 def test_problem_found_exits_1(workdir, capsys):
-    code = main(["check-inplace", "mt_user_mod:seed_silu", "--reference", "mt_user_mod:silu", "--shape", "4,5"])
+    # the seed article's second in-place SiLU: right values, broken backward, and the checker says why
+    code = main(["check-inplace", "memtrim.models.seed_silu:silu_inplace_2", "--reference", "mt_user_mod:silu",
+                 "--shape", "4,5"])
     assert code == 1
+    assert "sigmoid_ keeps its output for backward, and mul_ then overwrote it" in capsys.readouterr().out
+    assert main(["check-inplace", "memtrim.models.seed_silu:silu_inplace_1", "--reference", "mt_user_mod:silu",
+                 "--shape", "4,5"]) == 1
+    assert "values differ" in capsys.readouterr().out
+    assert main(["check-inplace", "memtrim.models.seed_silu:silu_inplace_2_corrected", "--reference",
+                 "torch.nn.functional:silu", "--shape", "16,8"]) == 0
 
 
 @pytest.mark.parametrize("argv, says", [

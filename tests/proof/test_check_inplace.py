@@ -6,7 +6,6 @@ import torch.nn.functional as F
 
 import memtrim
 import memtrim.functional as MF
-from memtrim.cli import main
 from memtrim.models.seed_silu import silu_inplace_1, silu_inplace_2, silu_inplace_2_corrected
 
 
@@ -194,15 +193,3 @@ def test_rtol_alone_is_used_not_ignored():
 
     assert not memtrim.check_inplace(ten_percent_off, torch.relu, torch.randn(8, 8)).ok
     assert memtrim.check_inplace(ten_percent_off, torch.relu, torch.randn(8, 8), rtol=0.2).ok
-
-
-def test_cli(capsys):
-    args = ["--reference", "torch.nn.functional:silu", "--shape", "16,8"]
-    assert main(["check-inplace", "memtrim.models.seed_silu:silu_inplace_1", *args]) == 1
-    assert "values differ" in capsys.readouterr().out
-    assert main(["check-inplace", "memtrim.models.seed_silu:silu_inplace_2", *args]) == 1
-    assert "sigmoid_ keeps its output for backward, and mul_ then overwrote it" in capsys.readouterr().out
-    assert main(["check-inplace", "memtrim.models.seed_silu:silu_inplace_2_corrected", *args]) == 0
-    assert "ok over" in capsys.readouterr().out
-    assert main(["check-inplace", "memtrim.models.seed_silu:nothing", *args]) == 2
-    assert "has no attribute" in capsys.readouterr().err

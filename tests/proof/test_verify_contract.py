@@ -10,18 +10,11 @@ import torch.nn.functional as F
 import memtrim
 from memtrim.models import SeedMLP
 
-
-def batches(n=3, batch=8):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(batch, 784, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)]
+from ..helpers import adam, identity, seed_mlp_batches
 
 
-def adam(model):
-    return torch.optim.Adam(model.parameters(), lr=1e-3)
-
-
-def identity(model, optimizer):
-    return model, optimizer
+def batches(n=3):
+    return seed_mlp_batches(n=n, batch=8)
 
 
 def zero_every_parameter(model, optimizer):

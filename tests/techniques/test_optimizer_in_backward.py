@@ -10,10 +10,7 @@ from torch.utils.checkpoint import checkpoint
 import memtrim
 from memtrim.models import SeedMLP, SmallGPT
 
-
-def mlp_batches(n=10, batch=16, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, 784, generator=g), torch.randint(0, 10, (batch,), generator=g)) for _ in range(n)]
+from ..helpers import seed_mlp_batches as mlp_batches
 
 
 def gpt_batches(n=10):
