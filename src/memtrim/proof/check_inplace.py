@@ -137,29 +137,13 @@ def check_inplace(
 
     See NOTE [ what check_inplace checks ] in memtrim/proof/check_inplace.py.
     """
+    # Over 60 lines for its docstring (Args, Returns, Raises, Example); the body is the trial loop, ~35 lines.
     _check_arguments(fn, reference, example_inputs, draws, dtypes, shapes, inplace, rtol, atol, seed)
     device = example_inputs[0].device
     base_shapes = [tuple(x.shape) for x in example_inputs]
     shape_sets = [base_shapes] + [[tuple(shape) for shape in s] for s in (shapes or [])]
-    if dtypes:
-        dtype_list = list(dict.fromkeys(dtypes))
-    elif _params(fn) or _params(reference):  # parameters fix the dtype
-        dtype_list = list(dict.fromkeys(x.dtype for x in example_inputs))
-    else:
-        dtype_list = list(dict.fromkeys([*(x.dtype for x in example_inputs), torch.float64]))
-    try:
-        with torch.no_grad():
-            ref_out = reference(*[x.detach().clone() for x in example_inputs])
-    except Exception as e:
-        raise InvalidInputError(
-            f"memtrim.check_inplace: the reference raised on the example inputs ({type(e).__name__}: {e}); "
-            "there is nothing to compare against. Fix the reference or the examples."
-        ) from e
-    if not isinstance(ref_out, torch.Tensor):
-        raise InvalidInputError(
-            f"memtrim.check_inplace: the reference returned a {type(ref_out).__name__}, not a tensor, on the example "
-            "inputs; it must return one tensor, like fn."
-        )
+    dtype_list = _dtypes_to_try(fn, reference, example_inputs, dtypes)
+    _check_reference(reference, example_inputs)
 
     problems: list[str] = []
     notes: list[str] = []
@@ -182,16 +166,7 @@ def check_inplace(
     problems += _check_saved_by_earlier_op(fn, reference, example_inputs, _tolerance(earlier_dtype, rtol, atol),
                                            generator)
 
-    try:
-        kept, peak = _memory(fn, example_inputs)
-    except Exception as e:
-        kept = peak = None
-        problems.append(f"on the example inputs fn raised {type(e).__name__}: {e}")
-    ref_kept, ref_peak = _memory(reference, example_inputs)
-    if kept is None or peak is None:
-        verdict = "memory not measured: fn raised on the example inputs"
-    else:
-        verdict = _verdict(kept, ref_kept, peak, ref_peak)
+    kept, peak, verdict, ref_kept, ref_peak = _memory_verdict(fn, reference, example_inputs, problems)
     return InplaceCheck(
         ok=not problems, problems=problems, trials=trials, mutates_input=mutated, activation_bytes=kept,
         reference_activation_bytes=ref_kept, peak_bytes=peak, reference_peak_bytes=ref_peak, verdict=verdict,
@@ -245,6 +220,49 @@ def _check_arguments(fn: Any, reference: Any, example_inputs: Sequence[Any], dra
             raise fail(f"{name} must be a finite number >= 0 (or None for the dtype's default), got {value!r}.")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise fail(f"seed must be an int, got {seed!r}.")
+
+
+def _dtypes_to_try(fn: Any, reference: Any, examples: Sequence[torch.Tensor],
+                   dtypes: Sequence[torch.dtype] | None) -> list[torch.dtype]:
+    """The caller's dtypes; else the examples', plus float64 unless parameters fix the dtype."""
+    if dtypes:
+        return list(dict.fromkeys(dtypes))
+    if _params(fn) or _params(reference):
+        return list(dict.fromkeys(x.dtype for x in examples))
+    return list(dict.fromkeys([*(x.dtype for x in examples), torch.float64]))
+
+
+def _check_reference(reference: Callable, examples: Sequence[torch.Tensor]) -> None:
+    """The reference must return a tensor on the examples: otherwise there is nothing to compare against."""
+    try:
+        with torch.no_grad():
+            ref_out = reference(*[x.detach().clone() for x in examples])
+    except Exception as e:
+        raise InvalidInputError(
+            f"memtrim.check_inplace: the reference raised on the example inputs ({type(e).__name__}: {e}); "
+            "there is nothing to compare against. Fix the reference or the examples."
+        ) from e
+    if not isinstance(ref_out, torch.Tensor):
+        raise InvalidInputError(
+            f"memtrim.check_inplace: the reference returned a {type(ref_out).__name__}, not a tensor, on the example "
+            "inputs; it must return one tensor, like fn."
+        )
+
+
+def _memory_verdict(fn: Callable, reference: Callable, examples: Sequence[torch.Tensor], problems: list[str]
+                    ) -> tuple[int | None, int | None, str, int, int]:
+    """(kept, peak, verdict, reference kept, reference peak) on the examples; fn raising is one more problem."""
+    kept: int | None
+    peak: int | None
+    try:
+        kept, peak = _memory(fn, examples)
+    except Exception as e:
+        kept = peak = None
+        problems.append(f"on the example inputs fn raised {type(e).__name__}: {e}")
+    ref_kept, ref_peak = _memory(reference, examples)
+    if kept is None or peak is None:
+        return kept, peak, "memory not measured: fn raised on the example inputs", ref_kept, ref_peak
+    return kept, peak, _verdict(kept, ref_kept, peak, ref_peak), ref_kept, ref_peak
 
 
 def _tolerance(dtype: torch.dtype, rtol: float | None, atol: float | None) -> tuple[float, float]:
@@ -414,22 +432,8 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
     if error is not None:
         problems.append(f"{where}: the values differ from the reference's: max abs error {error[0]:.3e}, "
                         f"max rel error {error[1]:.3e}.")
-    # what fn wrote into
-    out_storage = out_fn.untyped_storage()
-    created = {id(s) for s in recorder.created if s is not None}
-    input_storages = {id(a.untyped_storage()): i for i, a in enumerate(args_fn)}
-    wrote_input = False
-    for op, storage in recorder.written:
-        key = id(storage)
-        if key in input_storages:
-            wrote_input = True
-            if storage is not out_storage and storage.data_ptr() != out_storage.data_ptr():
-                problems.append(f"{where}: fn writes into its input {input_storages[key]} in place ({op}) but "
-                                "returns a different tensor: the caller's tensor is silently overwritten.")
-        elif key not in created and storage.data_ptr() != out_storage.data_ptr():
-            problems.append(f"{where}: fn writes in place ({op}) into a tensor it neither created nor received "
-                            "as an input (a parameter, a buffer or a global): another caller's data is corrupted.")
-    returns_input = any(out_storage.data_ptr() == a.untyped_storage().data_ptr() for a in args_fn)
+    found, wrote_input, returns_input = _writes(recorder, args_fn, out_fn, where)
+    problems += found
     if inplace is True and not returns_input:
         problems.append(f"{where}: fn claims to work in place but its result does not share its input's storage.")
     if inplace is False and wrote_input:
@@ -455,6 +459,13 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
     except Exception as e:
         return problems + [f"{where}: {_explain_backward_error(fn, inputs, e)}"], wrote_input
     names = [f"input {i}" for i in range(len(leaves_fn))] + [f"parameter {n}" for n in shared]
+    problems += _gradient_problems(names, grads_fn, grads_ref, tol, where)
+    return problems, wrote_input
+
+
+def _gradient_problems(names: list[str], grads_fn: Sequence[torch.Tensor | None],
+                       grads_ref: Sequence[torch.Tensor | None], tol: tuple[float, float], where: str) -> list[str]:
+    problems = []
     for name, a, b in zip(names, grads_fn, grads_ref):
         if (a is None) != (b is None):
             problems.append(f"{where}: the gradient of {name} is {'missing' if a is None else 'present'} for fn "
@@ -464,7 +475,29 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
             if error is not None:
                 problems.append(f"{where}: the gradient of {name} differs from the reference's: max abs error "
                                 f"{error[0]:.3e}, max rel error {error[1]:.3e}.")
-    return problems, wrote_input
+    return problems
+
+
+def _writes(recorder: _WriteRecorder, args_fn: list[torch.Tensor], out_fn: torch.Tensor, where: str
+            ) -> tuple[list[str], bool, bool]:
+    """What fn wrote into: (problems, whether it wrote into an input, whether it returns an input's storage)."""
+    problems: list[str] = []
+    out_storage = out_fn.untyped_storage()
+    created = {id(s) for s in recorder.created if s is not None}
+    input_storages = {id(a.untyped_storage()): i for i, a in enumerate(args_fn)}
+    wrote_input = False
+    for op, storage in recorder.written:
+        key = id(storage)
+        if key in input_storages:
+            wrote_input = True
+            if storage is not out_storage and storage.data_ptr() != out_storage.data_ptr():
+                problems.append(f"{where}: fn writes into its input {input_storages[key]} in place ({op}) but "
+                                "returns a different tensor: the caller's tensor is silently overwritten.")
+        elif key not in created and storage.data_ptr() != out_storage.data_ptr():
+            problems.append(f"{where}: fn writes in place ({op}) into a tensor it neither created nor received "
+                            "as an input (a parameter, a buffer or a global): another caller's data is corrupted.")
+    returns_input = any(out_storage.data_ptr() == a.untyped_storage().data_ptr() for a in args_fn)
+    return problems, wrote_input, returns_input
 
 
 def _check_saved_by_earlier_op(fn: Callable, reference: Callable, examples: Sequence[torch.Tensor],

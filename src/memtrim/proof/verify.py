@@ -124,8 +124,54 @@ def verify(
                                 lambda m, o: (memtrim.convert(m)[0], o), steps=10)
         assert report.bitwise
     """
+    # Over 60 lines for its docstring (Args, Returns, Raises, Example); the body is the step loop, ~40 lines.
     batch_list = _check_arguments(make_model, make_optimizer, batches, loss_fn, transform, steps, rtol, atol, seed,
                                   compare_grads)
+    base_model, base_opt, model, opt = _build_pair(make_model, make_optimizer, transform, seed)
+    params = _match(base_model.named_parameters(), model.named_parameters(), "parameters")
+    buffers = _match(base_model.named_buffers(), model.named_buffers(), "buffers")
+    compare_grads, notes = _grads_compared(compare_grads, _is_in_backward(opt))
+    base_model.train()
+    model.train()
+
+    comparison = _Comparison(rtol, atol)
+    base_losses: list[float] = []
+    losses: list[float] = []
+    for step, (inputs, targets) in enumerate(batch_list):
+        args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        base_loss = _forward_backward(base_model, base_opt, args, targets, loss_fn, seed + 1 + step)
+        loss = _forward_backward(model, opt, args, targets, loss_fn, seed + 1 + step)
+        base_losses.append(float(base_loss))
+        losses.append(float(loss))
+        if not comparison.compare(step, "loss", base_loss, loss):
+            break
+        if compare_grads and not all(
+            comparison.compare(step, f"grad:{name}", a.grad, b.grad) for name, a, b in params
+        ):
+            break
+        base_opt.step()
+        opt.step()
+        if not _states_agree(comparison, step, params, buffers, base_opt, opt):
+            break
+    return VerifyReport(
+        ok=comparison.divergence is None,
+        bitwise=comparison.difference is None,
+        steps=len(losses),
+        first_divergence=comparison.divergence,
+        first_difference=comparison.difference,
+        max_abs_error=comparison.max_abs,
+        max_rel_error=comparison.max_rel,
+        baseline_losses=base_losses,
+        transformed_losses=losses,
+        grads_compared=compare_grads,
+        notes=tuple(notes),
+    )
+
+
+def _build_pair(make_model: Callable, make_optimizer: Callable, transform: Callable, seed: int
+                ) -> tuple[torch.nn.Module, Any, torch.nn.Module, Any]:
+    """The baseline's (model, optimizer) and the transformed one's, each built from ``seed``; refuses any object
+    the two runs would share."""
     base_model, base_opt = _build(make_model, make_optimizer, seed)
     model, opt = _build(make_model, make_optimizer, seed)
     if model is base_model:
@@ -139,72 +185,42 @@ def verify(
             "memtrim.verify: make_optimizer returned the same optimizer object twice; build a new optimizer for "
             "the model it is given, e.g. lambda m: torch.optim.Adam(m.parameters())."
         )
-    result = transform(model, opt)
-    model, opt = _check_transformed(result)
+    model, opt = _check_transformed(transform(model, opt))
     if opt is base_opt:
         raise InvalidInputError(
             "memtrim.verify: transform returned the baseline's optimizer; it must return an optimizer of the "
             "model it was given (or that model's own optimizer)."
         )
     _check_nothing_shared(base_model, model)
-    params = _match(base_model.named_parameters(), model.named_parameters(), "parameters")
-    buffers = _match(base_model.named_buffers(), model.named_buffers(), "buffers")
-    in_backward = _is_in_backward(opt)
-    notes: list[str] = []
+    return base_model, base_opt, model, opt
+
+
+def _grads_compared(compare_grads: bool | None, in_backward: bool) -> tuple[bool, list[str]]:
+    """Whether ``.grad`` is compared after backward, and the report's note when it is not by default."""
     if compare_grads is None:
-        compare_grads = not in_backward
         if in_backward:
-            notes.append("gradients not compared: the transformed optimizer is an OptimizerInBackward, which frees "
-                         "each gradient inside backward by design; the loss, parameters, buffers and optimizer "
-                         "state are compared after every step")
-    elif compare_grads and in_backward:
+            return False, ["gradients not compared: the transformed optimizer is an OptimizerInBackward, which "
+                           "frees each gradient inside backward by design; the loss, parameters, buffers and "
+                           "optimizer state are compared after every step"]
+        return True, []
+    if compare_grads and in_backward:
         raise InvalidInputError(
             "memtrim.verify: compare_grads=True, but the transformed optimizer is an OptimizerInBackward, which "
             "frees each gradient inside backward by design, so there are none to compare. Leave compare_grads "
             "at None (its updates are then checked through the parameters and optimizer state)."
         )
-    base_model.train()
-    model.train()
+    return compare_grads, []
 
-    tracker = _Comparison(rtol, atol)
-    base_losses: list[float] = []
-    losses: list[float] = []
-    for step, (inputs, targets) in enumerate(batch_list):
-        args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        base_loss = _forward_backward(base_model, base_opt, args, targets, loss_fn, seed + 1 + step)
-        loss = _forward_backward(model, opt, args, targets, loss_fn, seed + 1 + step)
-        base_losses.append(float(base_loss))
-        losses.append(float(loss))
-        if not tracker.compare(step, "loss", base_loss, loss):
-            break
-        if compare_grads and not all(
-            tracker.compare(step, f"grad:{name}", a.grad, b.grad) for name, a, b in params
-        ):
-            break
-        base_opt.step()
-        opt.step()
-        if not all(tracker.compare(step, f"param:{name}", a, b) for name, a, b in params):
-            break
-        if not all(tracker.compare(step, f"buffer:{name}", a, b) for name, a, b in buffers):
-            break
-        if not all(
-            tracker.compare(step, f"state:{name}.{key}", a, b)
-            for name, key, a, b in _optimizer_states(base_opt, opt, params)
-        ):
-            break
-    return VerifyReport(
-        ok=tracker.divergence is None,
-        bitwise=tracker.difference is None,
-        steps=len(losses),
-        first_divergence=tracker.divergence,
-        first_difference=tracker.difference,
-        max_abs_error=tracker.max_abs,
-        max_rel_error=tracker.max_rel,
-        baseline_losses=base_losses,
-        transformed_losses=losses,
-        grads_compared=bool(compare_grads),
-        notes=tuple(notes),
-    )
+
+def _states_agree(comparison: _Comparison, step: int, params: list[tuple[str, torch.Tensor, torch.Tensor]],
+                  buffers: list[tuple[str, torch.Tensor, torch.Tensor]], base_opt: torch.optim.Optimizer,
+                  opt: torch.optim.Optimizer) -> bool:
+    """After the optimizer step: every parameter, then every buffer, then every optimizer-state tensor (stops at
+    the first divergence)."""
+    return (all(comparison.compare(step, f"param:{name}", a, b) for name, a, b in params)
+            and all(comparison.compare(step, f"buffer:{name}", a, b) for name, a, b in buffers)
+            and all(comparison.compare(step, f"state:{name}.{key}", a, b)
+                    for name, key, a, b in _optimizer_states(base_opt, opt, params)))
 
 
 def _check_arguments(make_model: Any, make_optimizer: Any, batches: Any, loss_fn: Any, transform: Any, steps: Any,
