@@ -13,7 +13,7 @@ import os
 import platform
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -244,7 +244,8 @@ def _optimizer_in_backward(args: argparse.Namespace, device: torch.device) -> In
 
 def _per_parameter_adam(model: torch.nn.Module) -> None:
     """The seed's recipe: one Adam per parameter, stepped from a post-accumulate-grad hook."""
-    optimizers = {p: torch.optim.Adam([p], lr=1e-3) for p in model.parameters()}
+    optimizers: dict[torch.Tensor, torch.optim.Optimizer] = {p: torch.optim.Adam([p], lr=1e-3)
+                                                             for p in model.parameters()}
 
     def step_one(param: torch.Tensor) -> None:
         optimizers[param].step()
@@ -335,7 +336,7 @@ def _convert_workloads(args: argparse.Namespace, device: torch.device) -> dict[s
         return ConvBNActCNN(in_channels=1, width=16, depth=4, num_classes=None)
 
     d = 64 if args.quick else 256
-    workloads = {
+    workloads: dict[str, tuple[Callable[[], torch.nn.Module], torch.Tensor]] = {
         "seed MLP": (SeedMLP, torch.randn(64, 784)),
         "ResNet-style CNN (BN+ReLU)": (ResNetCNN, torch.randn(16, 1, 28, 28)),
         "conv+BN+LeakyReLU CNN": (leaky_cnn, torch.randn(16, 1, 28, 28)),
@@ -346,13 +347,13 @@ def _convert_workloads(args: argparse.Namespace, device: torch.device) -> dict[s
     for name, (make, x) in workloads.items():
         torch.manual_seed(args.seed)
         _, report = memtrim.convert(make().to(device), example_inputs=(x.to(device),))
-        out[name] = Converted(before=report.activation_bytes_before, after=report.activation_bytes_after,
+        before, after = report.activation_bytes_before, report.activation_bytes_after
+        assert before is not None and after is not None  # measured: example inputs were given
+        out[name] = Converted(before=before, after=after,
                               changes=[f"{' + '.join(c.modules)}: {c.before} -> {c.after} ({c.bytes_saved:,} B)"
                                        for c in report.changes],
                               skipped=sorted({s.reason for s in report.skipped}))
-        share = 1 - report.activation_bytes_after / report.activation_bytes_before
-        print(f"  convert {name}: activations {report.activation_bytes_before:,} -> "
-              f"{report.activation_bytes_after:,} B ({share:.0%} fewer)")
+        print(f"  convert {name}: activations {before:,} -> {after:,} B ({1 - after / before:.0%} fewer)")
     return out
 
 
@@ -396,9 +397,12 @@ def _largest_drift(depth: int, exact: bool, x: torch.Tensor, y: torch.Tensor, de
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the drift report says what the warnings would
         F.nll_loss(model(x), y).backward()
-    return max(model.hidden.drift_report().values())
+    stack = model.hidden
+    assert isinstance(stack, memtrim.ReversibleSequential)
+    return max(stack.drift_report().values())
 
 
 def _swap_to_reversible(model: torch.nn.Module) -> torch.nn.Module:
-    model.set_submodule("hidden", memtrim.ReversibleSequential(*model.hidden))  # the same blocks and parameters
+    blocks = model.get_submodule("hidden")
+    model.set_submodule("hidden", memtrim.ReversibleSequential(*blocks.children()))  # the same blocks and parameters
     return model

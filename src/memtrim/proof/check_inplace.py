@@ -292,7 +292,7 @@ class _WriteRecorder(TorchDispatchMode):
         self.written: list[tuple[str, torch.UntypedStorage]] = []
         self.created: list[torch.UntypedStorage] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         seen = {id(t.untyped_storage()) for t in tensors_in((args, kwargs))}
         out = func(*args, **kwargs)
@@ -333,7 +333,7 @@ class _SaveTracer(TorchFunctionMode):
         self.writes: list[tuple[int, str, int]] = []  # (call index, name, storage) for each in-place write
         self.saved: list[tuple[int | None, torch.Tensor, int]] = []  # (saving call, tensor, its version then)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         name = _INPLACE_DUNDER.get(name, name)

@@ -40,7 +40,7 @@ class _GeneratorDraws(TorchFunctionMode):
         self.states: list[torch.Tensor] = []  # recorded states (forward)
         self.restore: list[tuple[torch.Generator, torch.Tensor]] = []  # the caller's states (replay)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for value in (*args, *kwargs.values()):
             if not isinstance(value, torch.Generator):
@@ -108,13 +108,14 @@ def captured(replays: dict[str, Replay], name: str, x: torch.Tensor, where: str)
     device_ids, device_rng = get_device_states(x)
     device_type = x.device.type
     autocast = {d: _autocast_kwargs(d) for d in dict.fromkeys(("cpu", device_type)) if _autocast_available(d)}
-    replay = replays[name] = Replay(where=where, requires_grad=x.requires_grad, cpu_rng=torch.get_rng_state(),
+    cpu_rng = torch.get_rng_state()
+    replay = replays[name] = Replay(where=where, requires_grad=x.requires_grad, cpu_rng=cpu_rng,
                                     device_type=device_type, device_ids=device_ids, device_rng=device_rng,
                                     autocast=autocast)
     with _GeneratorDraws(where) as draws:
         yield
     replay.generator_states = draws.states or None
-    if torch.equal(torch.get_rng_state(), replay.cpu_rng):
+    if torch.equal(torch.get_rng_state(), cpu_rng):
         replay.cpu_rng = None
     if all(torch.equal(now, then) for now, then in zip(get_device_states(x)[1], device_rng)):
         replay.device_rng = None

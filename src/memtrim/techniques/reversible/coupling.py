@@ -27,7 +27,9 @@ def _split(module: nn.Module, x: torch.Tensor, dim: int) -> tuple[torch.Tensor, 
 
 def _checked(module: nn.Module, name: str, out: Any, like: torch.Tensor, channels: int = 1) -> torch.Tensor:
     expected = list(like.shape)
-    expected[module.split_dim] *= channels  # type: ignore[operator]
+    dim = module.split_dim
+    assert isinstance(dim, int)
+    expected[dim] *= channels
     if not isinstance(out, torch.Tensor) or list(out.shape) != expected:
         got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         raise InvalidInputError(

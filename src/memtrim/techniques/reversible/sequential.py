@@ -43,7 +43,8 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from typing import NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -89,6 +90,12 @@ def _split_halves(block: AdditiveCoupling | AffineCoupling, x: torch.Tensor | _H
     return _split(block, _whole(x), block.split_dim)
 
 
+def _inverse(block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A block's ``inverse`` method (checked to exist when the stack was built)."""
+    inverse: Callable[[torch.Tensor], torch.Tensor] = getattr(block, "inverse")  # noqa: B009 - typed, not Module's
+    return inverse
+
+
 def _probe(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """64 evenly spaced elements of a block input: a few hundred bytes to check its reconstruction against."""
     flat = x.detach().reshape(-1)
@@ -97,7 +104,7 @@ def _probe(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _recording(into: list[torch.Tensor]) -> contextlib.AbstractContextManager:  # type: ignore[misc]
+def _recording(into: list[torch.Tensor]) -> Iterator[None]:
     def pack(tensor: torch.Tensor) -> None:
         into.append(tensor.detach())
 
@@ -230,7 +237,9 @@ class _Frame:
             with replayed(self.replays[index][name]):
                 return block.scale_shift(name, fn, half)
 
-        with _recording(recorded) if recorded is not None else contextlib.nullcontext():
+        recording: contextlib.AbstractContextManager[Any] = (
+            _recording(recorded) if recorded is not None else contextlib.nullcontext())
+        with recording:
             y1, y2 = block.couple(*_split_halves(block, x), scale_shift)
         return _Halves(y1, y2, block.split_dim)
 
@@ -409,7 +418,7 @@ class _Frame:
                          recorded: list[torch.Tensor]) -> torch.Tensor:
         replay = self.replays[index]["block"]
         with replayed(replay, strict=False), torch.no_grad():
-            x = block.inverse(y)
+            x = _inverse(block)(y)
         with replayed(replay), _recording(recorded), torch.enable_grad():
             block(x.detach().requires_grad_(replay.requires_grad))
         return x.detach()
@@ -483,5 +492,5 @@ class ReversibleSequential(nn.Module):
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
         """Reconstruct the stack's input from its output."""
         for block in reversed(self.blocks):
-            y = block.inverse(y)
+            y = _inverse(block)(y)
         return y
