@@ -2,7 +2,7 @@
 configs, random weights, offline. For each model: the activation bytes autograd keeps after one training-mode
 forward (the tracker's "activations"), before and after ``memtrim.convert``, and the report's text. No timings.
 
-Reproduce:  /work/scratch/zoovenv/bin/python benchmarks/convert_zoo.py [--only NAME ...]
+Reproduce:  zoovenv/bin/python benchmarks/convert_zoo.py [--only NAME ...]
 Writes benchmarks/results/convert_zoo_cpu.json.
 
 The environment (CPU torch, nothing downloaded at run time; the versions used are written to the JSON):
