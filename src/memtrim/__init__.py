@@ -37,6 +37,7 @@ from .measure import (
     track,
 )
 from .proof import Divergence, InplaceCheck, VerifyReport, check_inplace, verify
+from .techniques.checkpoint import CheckpointHandle, checkpoint_modules
 from .techniques.convert import (
     Absorbed,
     Candidate,
@@ -62,6 +63,7 @@ __all__ = [
     "Candidate",
     "Category",
     "Change",
+    "CheckpointHandle",
     "ConversionReport",
     "ConvertError",
     "PHASES",
@@ -90,6 +92,7 @@ __all__ = [
     "measure_step",
     "autograd_graph_bytes",
     "check_inplace",
+    "checkpoint_modules",
     "convert",
     "data",
     "models",

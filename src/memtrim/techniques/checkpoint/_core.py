@@ -1,0 +1,294 @@
+"""Per-module and selective (per-op) activation checkpointing, in place.
+
+NOTE [ checkpointed forward ]
+A chosen module's ``forward`` is replaced, on the instance, by one that calls the original through
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False, preserve_rng_state=True)``. The module object, its
+name, parameters, buffers, hooks and ``state_dict`` keys stay as they were; ``CheckpointHandle.remove()`` deletes the
+instance attribute again.
+
+Buffers: torch's recomputation reruns the forward as it is, so a BatchNorm in training mode updates its running
+statistics (and ``num_batches_tracked``) a second time in backward. So each checkpointed call snapshots the
+subtree's buffers before its forward (a clone per buffer, kept as long as the call's graph: BatchNorm's are 2C+1
+numbers), and every recomputation runs on fresh clones of that snapshot: it reads what the forward read, so its
+outputs are bitwise the forward's, and its writes go to clones that are dropped. The swap is done by the
+recompute context torch enters around each recomputation (``_Recompute``), outside torch's selective dispatch
+mode, which would reject ops the forward did not run; the originals are put back in ``__exit__``, which also
+runs when torch stops a recomputation early by raising once it has what backward needs.
+
+Selective: ``policy`` builds ``create_selective_checkpoint_contexts`` (torch >= 2.4) with a policy function; ops it
+marks ``MUST_SAVE`` keep their outputs, the rest are recomputed. Eager mode ignores the ``*_CPU_OFFLOAD`` policies.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+import torch.utils.checkpoint as tuc
+from torch import nn
+
+from ...errors import InvalidInputError, MemtrimStateError, MissingDependencyError
+from ...measure.hooks import hold_for_backward
+
+_API = "memtrim.checkpoint_modules"
+_MARK = "_memtrim_checkpointed"
+
+ModuleSelector = Union[Callable[[str, nn.Module], bool], Collection[str], type]
+Policy = Union[str, Callable[..., Any], Collection[Any], None]
+
+
+def _matmul_ops() -> frozenset[Any]:
+    aten = torch.ops.aten
+    names = (
+        "mm", "addmm", "bmm", "baddbmm", "convolution", "_convolution", "cudnn_convolution",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_flash_attention_forward", "_efficient_attention_forward",
+    )
+    return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
+
+
+POLICIES: dict[str, Callable[[], frozenset[Any]]] = {"save_matmuls": _matmul_ops}
+"""Named policies for ``checkpoint_modules(policy=...)``: each gives the aten ops whose outputs are kept."""
+
+
+@dataclass
+class CheckpointHandle:
+    """What :func:`checkpoint_modules` did: ``names`` of the checkpointed modules, the ``policy``; ``remove()``
+    restores every module's own forward."""
+
+    names: list[str]
+    policy: str | None
+    _modules: list[nn.Module] = field(default_factory=list, repr=False)
+
+    def remove(self) -> None:
+        """Undo: the modules run their own forward again (a second call does nothing)."""
+        for module in self._modules:
+            if getattr(module, _MARK, None) is self:
+                del module.forward
+                delattr(module, _MARK)
+        self._modules = []
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def _select(model: nn.Module, modules: ModuleSelector) -> list[tuple[str, nn.Module]]:
+    named = list(model.named_modules())
+    if isinstance(modules, type):
+        if not issubclass(modules, nn.Module):
+            raise InvalidInputError(
+                f"{_API}: modules must be a predicate (name, module) -> bool, a list of names or an nn.Module "
+                f"subclass; got the class {modules.__qualname__}. Pass e.g. the decoder block's class."
+            )
+        cls = modules
+        chosen = [(n, m) for n, m in named if isinstance(m, cls)]
+        what = f"no submodule is an instance of {cls.__qualname__}"
+    elif callable(modules):
+        chosen = [(n, m) for n, m in named if modules(n, m)]
+        what = "the predicate matched no submodule"
+    elif isinstance(modules, Collection) and not isinstance(modules, (str, bytes)):
+        names = list(modules)
+        table = dict(named)
+        missing = [n for n in names if not isinstance(n, str) or n not in table]
+        if missing:
+            raise InvalidInputError(
+                f"{_API}: expected names of submodules of the model; found {missing!r}, which it does not have "
+                f"(it has e.g. {[n for n, _ in named[1:6]]!r}). Use names from model.named_modules()."
+            )
+        chosen = [(n, table[n]) for n in dict.fromkeys(names)]
+        what = "the list of names is empty"
+    else:
+        raise InvalidInputError(
+            f"{_API}: modules must be a predicate (name, module) -> bool, a list of names or an nn.Module "
+            f"subclass; got {type(modules).__name__}. Wrap a single name in a list."
+        )
+    if not chosen:
+        raise InvalidInputError(f"{_API}: expected at least one module to checkpoint, but {what}. "
+                                "Check the selector against model.named_modules().")
+    nested = [(a, b) for a, ma in chosen for b, mb in chosen
+              if a != b and any(m is mb for m in ma.modules())]
+    if nested:
+        outer, inner = nested[0]
+        raise InvalidInputError(
+            f"{_API}: expected disjoint modules; found {inner!r} inside {outer!r}, which would be recomputed "
+            "twice. Choose one of them."
+        )
+    return chosen
+
+
+def _policy_fn(policy: Policy) -> tuple[Callable[..., Any] | None, str | None]:
+    if policy is None:
+        return None, None
+    if isinstance(policy, str):
+        if policy not in POLICIES:
+            raise InvalidInputError(
+                f"{_API}: policy must be one of {sorted(POLICIES)!r}, a callable policy_fn(ctx, op, *args, "
+                f"**kwargs) -> CheckpointPolicy, or a collection of aten ops to save; found {policy!r}. "
+                "Pass a known name or None for whole-module checkpointing."
+            )
+        ops: Collection[Any] | None = POLICIES[policy]()
+        label = policy
+    elif callable(policy):
+        return policy, getattr(policy, "__name__", "custom")
+    elif isinstance(policy, Collection):
+        ops, label = frozenset(policy), "custom ops"
+    else:
+        raise InvalidInputError(f"{_API}: policy must be a name, a callable or a collection of ops; found "
+                                f"{type(policy).__name__}. Pass e.g. policy='save_matmuls'.")
+    saved = frozenset(ops)
+
+    def save_listed(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        packet = getattr(op, "overloadpacket", op)
+        keep = op in saved or packet in saved
+        return tuc.CheckpointPolicy.MUST_SAVE if keep else tuc.CheckpointPolicy.PREFER_RECOMPUTE
+
+    return save_listed, label
+
+
+def _selective(policy_fn: Callable[..., Any] | None) -> Callable[[], tuple[Any, Any]] | None:
+    if policy_fn is None:
+        return None
+    create = getattr(tuc, "create_selective_checkpoint_contexts", None)
+    if create is None:
+        raise MissingDependencyError(
+            f"{_API}: policy= needs torch.utils.checkpoint.create_selective_checkpoint_contexts (torch >= 2.4); "
+            f"found torch {torch.__version__} without it. Upgrade torch or pass policy=None."
+        )
+    return functools.partial(create, policy_fn)
+
+
+def _saved_values(obj: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        found.append(obj)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _saved_values(value, found)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _saved_values(value, found)
+    elif hasattr(obj, "val"):  # torch's _VersionWrapper around a kept output
+        _saved_values(obj.val, found)
+    return found
+
+
+class _Recompute:
+    """Entered by torch around each recomputation: the subtree's buffers are fresh clones of their values before
+    the forward (entered before torch's selective mode, so the clones are no ops it sees), put back on exit."""
+
+    def __init__(self, snapshot: list[tuple[nn.Module, str, torch.Tensor]], inner: Any) -> None:
+        self.snapshot, self.inner = snapshot, inner
+        self.swapped: list[list[tuple[nn.Module, str, torch.Tensor]]] = []
+
+    def __enter__(self) -> None:
+        clones: dict[int, torch.Tensor] = {}
+        swapped = []
+        for sub, name, value in self.snapshot:
+            swapped.append((sub, name, sub._buffers[name]))
+            sub._buffers[name] = clones.setdefault(id(value), value.clone())
+        self.swapped.append(swapped)
+        if self.inner is not None:
+            self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self.inner is not None:
+                self.inner.__exit__(*exc)
+        finally:  # also when torch stops the recomputation early by raising
+            for sub, name, original in self.swapped.pop():
+                sub._buffers[name] = original
+
+
+class _Forward:
+    """Torch's selective forward mode, if any; on exit the outputs it kept are reported to memtrim's trackers as
+    held for backward (torch keeps them in the mode's storage, outside saved-tensor hooks)."""
+
+    def __init__(self, inner: Any, owner: _Recompute) -> None:
+        self.inner, self.owner = inner, owner
+
+    def __enter__(self) -> None:
+        if self.inner is not None:
+            self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.inner is None:
+            return
+        self.inner.__exit__(*exc)
+        kept = _saved_values(getattr(self.inner, "storage", {}), [])
+        if kept:
+            hold_for_backward(kept, self.owner)  # the owner lives as long as the checkpoint's frame
+
+
+def _context_fn(module: nn.Module, selective: Callable[[], tuple[Any, Any]] | None) -> Callable[[], Any]:
+    def contexts() -> tuple[_Forward, _Recompute]:
+        with torch.no_grad():
+            snapshot = {id(b): b.clone() for sub in module.modules() for b in sub._buffers.values() if b is not None}
+        entries = [(sub, name, snapshot[id(b)]) for sub in module.modules()
+                   for name, b in sub._buffers.items() if b is not None]
+        forward, recompute = selective() if selective is not None else (None, None)
+        owner = _Recompute(entries, recompute)
+        return _Forward(forward, owner), owner
+
+    return contexts
+
+
+def _checkpointed_forward(original: Callable[..., Any], context_fn: Callable[[], Any]) -> Callable[..., Any]:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        return tuc.checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True,
+                              context_fn=context_fn, **kwargs)
+
+    return forward
+
+
+def checkpoint_modules(model: nn.Module, modules: ModuleSelector, *, policy: Policy = None) -> CheckpointHandle:
+    """Checkpoint chosen submodules of ``model`` in place: they keep their inputs, and recompute in backward.
+
+    Why: activations dominate training memory at depth; a checkpointed block keeps only its inputs between
+    forward and backward (or, with ``policy``, also the outputs of the ops the policy saves) at the cost of a
+    second forward of the block in backward. Training stays bitwise equal: dropout's random numbers are replayed,
+    and BatchNorm's running statistics are updated once (see NOTE [ checkpointed forward ]).
+
+    Args:
+        model: the model; changed in place (names, parameters and ``state_dict`` keys unchanged).
+        modules: ``predicate(name, module) -> bool``, a list of submodule names, or an ``nn.Module`` subclass
+            (every instance is checkpointed, e.g. a decoder block class). The chosen modules must be disjoint.
+        policy: ``None`` for whole-module checkpointing; ``"save_matmuls"`` to keep the outputs of matmul,
+            convolution and attention ops and recompute pointwise ones; a collection of aten ops to keep; or a
+            ``policy_fn(ctx, op, *args, **kwargs) -> CheckpointPolicy`` as torch takes it.
+
+    Returns:
+        A :class:`CheckpointHandle`; ``handle.names`` lists the modules, ``handle.remove()`` undoes.
+
+    Raises:
+        InvalidInputError: ``model`` is not a module, the selector matches nothing, names are unknown, chosen
+            modules nest, or ``policy`` is unknown.
+        MemtrimStateError: a chosen module is checkpointed already.
+        MissingDependencyError: ``policy`` given on a torch without selective checkpointing.
+
+    Example:
+        >>> handle = memtrim.checkpoint_modules(gpt, memtrim.models.gpt.Block)
+        >>> handle.remove()
+    """
+    if not isinstance(model, nn.Module):
+        raise InvalidInputError(f"{_API}: expected an nn.Module as model; found {type(model).__name__}. "
+                                "Pass the model whose submodules to checkpoint.")
+    chosen = _select(model, modules)
+    done = [n for n, m in chosen if hasattr(m, _MARK)]
+    if done:
+        raise MemtrimStateError(
+            f"{_API}: expected modules not checkpointed yet; found {done!r} checkpointed already. Call .remove() "
+            "on the earlier handle first."
+        )
+    policy_fn, label = _policy_fn(policy)
+    selective = _selective(policy_fn)
+    handle = CheckpointHandle(names=[n for n, _ in chosen], policy=label)
+    for _, module in chosen:
+        module.forward = _checkpointed_forward(module.forward, _context_fn(module, selective))  # type: ignore[method-assign]
+        setattr(module, _MARK, handle)
+        handle._modules.append(module)
+    return handle

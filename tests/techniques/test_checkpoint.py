@@ -1,0 +1,360 @@
+"""checkpoint_modules: bitwise equal to plain training (dropout replayed, BatchNorm statistics updated once), its
+compositions with convert, ReversibleSequential and OptimizerInBackward, its activation bytes, and its errors."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import memtrim
+from memtrim.errors import InvalidInputError, MemtrimStateError
+from memtrim.models.gpt import Block, GPTConfig, SmallGPT
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4, dropout=0.1)
+
+
+def gpt_batches(n=3, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 64, (4, 16), generator=g) for _ in range(n)]
+
+
+def lm_loss(out, tokens):
+    return F.cross_entropy(out.flatten(0, 1), tokens.flatten())
+
+
+def train(model, batches, loss_fn, *, make_opt=None, seed=0, opt=None):
+    """A few steps from one RNG seed; returns the outputs, the input-free gradients of the last step."""
+    opt = opt if opt is not None else (make_opt or (lambda m: torch.optim.SGD(m.parameters(), lr=0.1)))(model)
+    torch.manual_seed(seed)
+    outs, grads = [], []
+    for x in batches:
+        opt.zero_grad()
+        out = model(x)
+        loss_fn(out, x).backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        opt.step()
+        outs.append(out.detach())
+    return outs, grads
+
+
+def assert_same(a, b, *, exact=True, atol=0.0):
+    if exact:
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    else:
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=0.0, atol=atol)
+
+
+def assert_models_same(a, b, **kw):
+    assert_same([t for _, t in a.state_dict().items()], [t for _, t in b.state_dict().items()], **kw)
+
+
+@pytest.mark.parametrize("policy", [None, "save_matmuls"])
+@pytest.mark.parametrize("selector", ["class", "names", "predicate"])
+def test_gpt_with_dropout_bitwise(policy, selector):
+    torch.manual_seed(0)
+    plain = SmallGPT(CFG)
+    treated = copy.deepcopy(plain)
+    modules = {"class": Block, "names": ["blocks.0", "blocks.1"],
+               "predicate": lambda name, m: isinstance(m, Block)}[selector]
+    handle = memtrim.checkpoint_modules(treated, modules, policy=policy)
+    assert handle.names == ["blocks.0", "blocks.1"] and len(handle) == 2 and handle.policy == policy
+    batches = gpt_batches()
+    outs_a, grads_a = train(plain, batches, lm_loss)
+    outs_b, grads_b = train(treated, batches, lm_loss)
+    assert_same(outs_a, outs_b)
+    assert_same(grads_a, grads_b)
+    assert_models_same(plain, treated)
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(c)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        return x + self.drop(F.relu(self.bn(self.conv(x))))
+
+
+def cnn(momentum=0.1):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), ConvBlock(8), ConvBlock(8), nn.Flatten(), nn.Linear(8 * 36, 5))
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.momentum = momentum
+    return model
+
+
+def image_batches(n=3):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(4, 3, 6, 6, generator=g) for _ in range(n)]
+
+
+def image_loss(out, x):
+    return out.square().mean()
+
+
+def test_torch_alone_updates_batchnorm_statistics_twice():
+    """Why the buffer swap exists: torch's recomputation runs BatchNorm's training forward again."""
+    block = ConvBlock(4)
+    x = torch.randn(2, 4, 5, 5, requires_grad=True)
+    checkpoint(block, x, use_reentrant=False).sum().backward()
+    assert int(block.bn.num_batches_tracked) == 2
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])  # None: the cumulative average reads num_batches_tracked
+@pytest.mark.parametrize("policy", [None, "save_matmuls"])
+def test_batchnorm_statistics_updated_once_and_dropout_replayed(momentum, policy):
+    plain = cnn(momentum)
+    treated = copy.deepcopy(plain)
+    memtrim.checkpoint_modules(treated, ConvBlock, policy=policy)
+    batches = image_batches()
+    outs_a, grads_a = train(plain, batches, image_loss)
+    outs_b, grads_b = train(treated, batches, image_loss)
+    assert_same(outs_a, outs_b)
+    assert_same(grads_a, grads_b)
+    assert_models_same(plain, treated)  # running_mean, running_var and num_batches_tracked included
+    assert int(treated[1].bn.num_batches_tracked) == len(batches)
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x, *, scale=1.0, mask=None):
+        y = torch.tanh(self.lin(x)) * scale
+        return y if mask is None else y * mask
+
+
+class WithKwargs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = Scaled(), Scaled()
+
+    def forward(self, x):
+        mask = (x > 0).to(x.dtype)
+        return self.b(self.a(x, scale=0.5, mask=mask), scale=2.0)
+
+
+def test_kwargs_forwarded_and_remove_restores():
+    torch.manual_seed(0)
+    plain = WithKwargs()
+    treated = copy.deepcopy(plain)
+    handle = memtrim.checkpoint_modules(treated, Scaled)
+    x = torch.randn(3, 6)
+    outs_a, grads_a = train(plain, [x, x], lambda o, _: o.sum())
+    outs_b, grads_b = train(treated, [x, x], lambda o, _: o.sum())
+    assert_same(outs_a, outs_b)
+    assert_same(grads_a, grads_b)
+    assert "forward" in vars(treated.a)
+    handle.remove()
+    handle.remove()  # a second call does nothing
+    assert "forward" not in vars(treated.a) and "forward" not in vars(treated.b)
+    memtrim.checkpoint_modules(treated, ["a"])  # may be checkpointed again after remove
+    with torch.no_grad():  # no graph, no checkpoint
+        assert torch.equal(treated(x), plain(x))
+
+
+def test_convert_inside_checkpointed_blocks_float64():
+    torch.manual_seed(0)
+    plain = SmallGPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4)).double()
+    treated = copy.deepcopy(plain)
+    batches = gpt_batches()
+    memtrim.convert(treated, example_inputs=(batches[0],))
+    assert isinstance(treated.blocks[0].ln1, memtrim.nn.LayerNorm)  # converted modules inside the blocks
+    memtrim.checkpoint_modules(treated, Block)
+    outs_a, grads_a = train(plain, batches, lm_loss)
+    outs_b, grads_b = train(treated, batches, lm_loss)
+    assert_same(outs_a, outs_b, exact=False, atol=1e-9)
+    assert_same(grads_a, grads_b, exact=False, atol=1e-9)
+    assert_models_same(plain, treated, exact=False, atol=1e-9)
+
+
+class ConvBNReLU(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(c)
+        self.act = nn.ReLU()
+        self.conv2 = nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        return x + self.conv2(self.act(self.bn(self.conv(x))))
+
+
+def test_convert_fused_batchnorm_inside_checkpointed_blocks_float64():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), ConvBNReLU(8), ConvBNReLU(8), nn.Flatten(),
+                          nn.Linear(8 * 36, 5)).double()
+    treated = copy.deepcopy(plain)
+    batches = [x.double() for x in image_batches()]
+    _, report = memtrim.convert(treated, example_inputs=(batches[0],))
+    kinds = {type(m).__name__ for m in treated[1].modules()}
+    assert "BatchNorm2d" not in kinds or "ReLU" not in kinds, report  # BatchNorm converted (fused with its ReLU)
+    memtrim.checkpoint_modules(treated, ConvBNReLU)
+    outs_a, grads_a = train(plain, batches, image_loss)
+    outs_b, grads_b = train(treated, batches, image_loss)
+    assert_same(outs_a, outs_b, exact=False, atol=1e-9)
+    assert_same(grads_a, grads_b, exact=False, atol=1e-9)
+    assert_models_same(plain, treated, exact=False, atol=1e-9)  # running statistics included
+
+
+class Halves(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.1), nn.GELU(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def reversible_model():
+    torch.manual_seed(0)
+    stack = memtrim.ReversibleSequential(*(memtrim.AdditiveCoupling(Halves(), Halves(), split_dim=-1)
+                                           for _ in range(2)))
+    return nn.Sequential(nn.Linear(8, 8), stack, nn.Linear(8, 3))
+
+
+@pytest.mark.parametrize("where", ["coupling functions", "whole stack"])
+def test_reversible_sequential(where):
+    plain = reversible_model()
+    treated = copy.deepcopy(plain)
+    if where == "coupling functions":
+        memtrim.checkpoint_modules(treated, Halves)
+    else:
+        memtrim.checkpoint_modules(treated, ["1"])
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(5, 8, generator=g) for _ in range(3)]
+    outs_a, grads_a = train(plain, batches, lambda o, _: o.square().mean())
+    outs_b, grads_b = train(treated, batches, lambda o, _: o.square().mean())
+    assert_same(outs_a, outs_b)
+    assert_same(grads_a, grads_b)
+    assert_models_same(plain, treated)
+
+
+@pytest.mark.parametrize("policy", [None, "save_matmuls"])
+def test_optimizer_in_backward(policy):
+    torch.manual_seed(0)
+    plain = SmallGPT(CFG)
+    treated = copy.deepcopy(plain)
+    memtrim.checkpoint_modules(treated, Block, policy=policy)
+    batches = gpt_batches()
+    outs_a, _ = train(plain, batches, lm_loss, make_opt=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
+    fused = memtrim.OptimizerInBackward(torch.optim.AdamW(treated.parameters(), lr=1e-2), model=treated)
+    torch.manual_seed(0)
+    outs_b = []
+    for x in batches:
+        fused.zero_grad()
+        out = treated(x)
+        lm_loss(out, x).backward()  # the step happens here, block by block as recomputation reaches it
+        fused.step()
+        outs_b.append(out.detach())
+    assert_same(outs_a, outs_b)
+    assert_models_same(plain, treated)
+
+
+def activation_bytes(policy):
+    """Activation bytes held after forward by a 3-block SmallGPT (d_model 64, batch 4, seq 32)."""
+    torch.manual_seed(0)
+    model = SmallGPT(GPTConfig(vocab_size=64, seq_len=32, n_layer=3, d_model=64, n_head=4))
+    if policy != "plain":
+        memtrim.checkpoint_modules(model, Block, policy=policy)
+    x = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
+    with memtrim.track(model) as t:
+        out = model(x)
+        held = t.live_by_category()["activations"]
+    del out
+    return held
+
+
+def test_activation_bytes_plain_selective_per_block():
+    plain, selective, per_block = activation_bytes("plain"), activation_bytes("save_matmuls"), activation_bytes(None)
+    block_input = 4 * 32 * 64 * 4  # one float32 (B, T, d_model) tensor per block
+    outside = 2 * block_input + 4 * 32 * 2 * 4 + 32 * 8  # ln_f's input and output, its mean/rstd, positions
+    assert per_block == 3 * block_input + outside
+    assert per_block < selective < plain
+    assert plain == 1_651_968 and selective == 1_154_304 and per_block == 165_120  # measured, torch 2.13 CPU
+
+
+def test_bad_input():
+    model = SmallGPT(CFG)
+    with pytest.raises(InvalidInputError, match=r"^memtrim.checkpoint_modules: expected an nn.Module"):
+        memtrim.checkpoint_modules("model", Block)
+    with pytest.raises(InvalidInputError, match=r"^memtrim.checkpoint_modules: .*predicate matched no submodule"):
+        memtrim.checkpoint_modules(model, lambda name, m: False)
+    with pytest.raises(InvalidInputError, match=r"^memtrim.checkpoint_modules: .*no submodule is an instance"):
+        memtrim.checkpoint_modules(model, nn.Conv2d)
+    with pytest.raises(InvalidInputError, match=r"^memtrim.checkpoint_modules: expected names .*'blocks.9'"):
+        memtrim.checkpoint_modules(model, ["blocks.9"])
+    with pytest.raises(InvalidInputError, match=r"^memtrim.checkpoint_modules: .*got str"):
+        memtrim.checkpoint_modules(model, "blocks.0")
+    with pytest.raises(InvalidInputError, match=r"^memtrim.checkpoint_modules: expected disjoint"):
+        memtrim.checkpoint_modules(model, ["blocks.0", "blocks.0.mlp"])
+    with pytest.raises(InvalidInputError, match=r"^memtrim.checkpoint_modules: policy must be one of .*'fast'"):
+        memtrim.checkpoint_modules(model, Block, policy="fast")
+    memtrim.checkpoint_modules(model, ["blocks.0"])
+    with pytest.raises(MemtrimStateError, match=r"^memtrim.checkpoint_modules: .*\['blocks.0'\] checkpointed already"):
+        memtrim.checkpoint_modules(model, Block)
+    assert "forward" not in vars(model.blocks[1])  # a refused call changes nothing
+
+
+def test_custom_policy_callable_and_ops():
+    torch.manual_seed(0)
+    plain = SmallGPT(CFG)
+    treated = copy.deepcopy(plain)
+    memtrim.checkpoint_modules(treated, ["blocks.0"], policy={torch.ops.aten.addmm})
+
+    def save_nothing(ctx, op, *args, **kwargs):
+        return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+    handle = memtrim.checkpoint_modules(treated, ["blocks.1"], policy=save_nothing)
+    assert handle.policy == "save_nothing"
+    batches = gpt_batches()
+    outs_a, grads_a = train(plain, batches, lm_loss)
+    outs_b, grads_b = train(treated, batches, lm_loss)
+    assert_same(outs_a, outs_b)
+    assert_same(grads_a, grads_b)
+
+
+def test_missing_selective_checkpointing(monkeypatch):
+    monkeypatch.delattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts")
+    with pytest.raises(memtrim.MissingDependencyError, match=r"^memtrim.checkpoint_modules: policy= needs"):
+        memtrim.checkpoint_modules(SmallGPT(CFG), Block, policy="save_matmuls")
+
+
+class RunningCentre(nn.Module):
+    """Reads its buffer in the training forward and then updates it: a recomputation must read the old value."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("centre", torch.zeros(4))
+
+    def forward(self, x):
+        y = self.lin(x) - self.centre
+        with torch.no_grad():
+            self.centre.mul_(0.5).add_(y.mean(0), alpha=0.5)
+        return torch.sin(y)
+
+
+@pytest.mark.parametrize("policy", [None, "save_matmuls"])
+def test_buffers_read_before_update_and_graph_retained(policy):
+    torch.manual_seed(0)
+    plain = nn.Sequential(RunningCentre(), RunningCentre())
+    treated = copy.deepcopy(plain)
+    memtrim.checkpoint_modules(treated, RunningCentre, policy=policy)
+    x = torch.randn(3, 4)
+    for model in (plain, treated):
+        for _ in range(2):
+            out = model(x).square().sum()
+            if policy is None:  # torch allows one backward through a selective region
+                out.backward(retain_graph=True)  # then a second recomputation from the same snapshot
+            out.backward()
+    assert_same([p.grad for p in plain.parameters()], [p.grad for p in treated.parameters()])
+    assert_models_same(plain, treated)
