@@ -358,3 +358,32 @@ def test_buffers_read_before_update_and_graph_retained(policy):
             out.backward()
     assert_same([p.grad for p in plain.parameters()], [p.grad for p in treated.parameters()])
     assert_models_same(plain, treated)
+
+
+def test_deepcopy_of_a_checkpointed_model_is_checkpointed_and_independent():
+    torch.manual_seed(0)
+    plain = SmallGPT(CFG)
+    treated = copy.deepcopy(plain)
+    memtrim.checkpoint_modules(treated, Block, policy="save_matmuls")
+    copied = copy.deepcopy(treated)
+    assert copied.blocks[0].forward.__self__ is copied.blocks[0]
+    batches = gpt_batches()
+    outs_a, grads_a = train(plain, batches, lm_loss)
+    outs_b, grads_b = train(copied, batches, lm_loss)
+    assert_same(outs_a, outs_b)
+    assert_same(grads_a, grads_b)
+    assert all(p.grad is None for p in treated.parameters())  # the original was not touched
+    copied.blocks[0]._memtrim_checkpointed.remove()
+    assert "forward" not in vars(copied.blocks[0]) and "forward" in vars(treated.blocks[0])
+
+
+def test_a_forward_set_on_the_instance_is_kept_and_restored():
+    torch.manual_seed(0)
+    model = WithKwargs()
+    own = model.a.forward
+    model.a.forward = lambda x, **kw: own(x, **kw) + 1.0
+    expected = model(torch.ones(2, 6))
+    handle = memtrim.checkpoint_modules(model, ["a"])
+    assert torch.equal(model(torch.ones(2, 6)), expected)
+    handle.remove()
+    assert torch.equal(model(torch.ones(2, 6)), expected) and "forward" in vars(model.a)

@@ -1,10 +1,12 @@
 """Per-module and selective (per-op) activation checkpointing, in place.
 
 NOTE [ checkpointed forward ]
-A chosen module's ``forward`` is replaced, on the instance, by one that calls the original through
-``torch.utils.checkpoint.checkpoint(..., use_reentrant=False, preserve_rng_state=True)``. The module object, its
-name, parameters, buffers, hooks and ``state_dict`` keys stay as they were; ``CheckpointHandle.remove()`` deletes the
-instance attribute again.
+A chosen module's ``forward`` is replaced, on the instance, by ``_checkpointed_forward`` bound with
+``types.MethodType`` (so ``copy.deepcopy`` binds it to the copy), which calls the class's forward (or a forward
+the instance had before) through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False,
+preserve_rng_state=True)``. The module object, its name, parameters, buffers, hooks and ``state_dict`` keys stay
+as they were; ``CheckpointHandle.remove()`` deletes the instance attribute again. Without grad mode it runs the
+forward plainly.
 
 Buffers: torch's recomputation reruns the forward as it is, so a BatchNorm in training mode updates its running
 statistics (and ``num_batches_tracked``) a second time in backward. So each checkpointed call snapshots the
@@ -17,11 +19,15 @@ runs when torch stops a recomputation early by raising once it has what backward
 
 Selective: ``policy`` builds ``create_selective_checkpoint_contexts`` (torch >= 2.4) with a policy function; ops it
 marks ``MUST_SAVE`` keep their outputs, the rest are recomputed. Eager mode ignores the ``*_CPU_OFFLOAD`` policies.
+torch keeps those outputs in its mode's storage, not through saved-tensor hooks, so ``_Forward`` reports them to
+memtrim's trackers with ``hold_for_backward`` (owned by the recompute context, which lives as long as the graph);
+torch allows one backward through a selective region (``retain_graph`` does not give a second).
 """
 
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -34,7 +40,8 @@ from ...errors import InvalidInputError, MemtrimStateError, MissingDependencyErr
 from ...measure.hooks import hold_for_backward
 
 _API = "memtrim.checkpoint_modules"
-_MARK = "_memtrim_checkpointed"
+_MARK = "_memtrim_checkpointed"  # instance attribute: the CheckpointHandle
+_INNER = "_memtrim_checkpoint_inner"  # instance attribute: a forward the module had on the instance before
 
 ModuleSelector = Union[Callable[[str, nn.Module], bool], Collection[str], type]
 Policy = Union[str, Callable[..., Any], Collection[Any], None]
@@ -63,13 +70,16 @@ class CheckpointHandle:
     names: list[str]
     policy: str | None
     _modules: list[nn.Module] = field(default_factory=list, repr=False)
+    _selective: Callable[[], tuple[Any, Any]] | None = field(default=None, repr=False)
 
     def remove(self) -> None:
         """Undo: the modules run their own forward again (a second call does nothing)."""
         for module in self._modules:
-            if getattr(module, _MARK, None) is self:
+            if module.__dict__.get(_MARK) is self:
                 del module.forward
                 delattr(module, _MARK)
+                if _INNER in module.__dict__:
+                    module.forward = module.__dict__.pop(_INNER)
         self._modules = []
 
     def __len__(self) -> int:
@@ -130,7 +140,7 @@ def _policy_fn(policy: Policy) -> tuple[Callable[..., Any] | None, str | None]:
                 f"**kwargs) -> CheckpointPolicy, or a collection of aten ops to save; found {policy!r}. "
                 "Pass a known name or None for whole-module checkpointing."
             )
-        ops: Collection[Any] | None = POLICIES[policy]()
+        ops: Collection[Any] = POLICIES[policy]()
         label = policy
     elif callable(policy):
         return policy, getattr(policy, "__name__", "custom")
@@ -185,9 +195,11 @@ class _Recompute:
 
     def __enter__(self) -> None:
         clones: dict[int, torch.Tensor] = {}
-        swapped = []
+        swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
         for sub, name, value in self.snapshot:
-            swapped.append((sub, name, sub._buffers[name]))
+            original = sub._buffers[name]
+            assert original is not None  # the snapshot lists buffers that are set
+            swapped.append((sub, name, original))
             sub._buffers[name] = clones.setdefault(id(value), value.clone())
         self.swapped.append(swapped)
         if self.inner is not None:
@@ -235,14 +247,15 @@ def _context_fn(module: nn.Module, selective: Callable[[], tuple[Any, Any]] | No
     return contexts
 
 
-def _checkpointed_forward(original: Callable[..., Any], context_fn: Callable[[], Any]) -> Callable[..., Any]:
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return original(*args, **kwargs)
-        return tuc.checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True,
-                              context_fn=context_fn, **kwargs)
-
-    return forward
+def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Bound to the module with ``types.MethodType``, so that ``copy.deepcopy`` of the model binds it to the copy
+    (a closure over the module would keep calling the original)."""
+    inner = self.__dict__.get(_INNER) or functools.partial(type(self).forward, self)
+    if not torch.is_grad_enabled():
+        return inner(*args, **kwargs)
+    handle: CheckpointHandle = self.__dict__[_MARK]
+    return tuc.checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True,
+                          context_fn=_context_fn(self, handle._selective), **kwargs)
 
 
 def checkpoint_modules(model: nn.Module, modules: ModuleSelector, *, policy: Policy = None) -> CheckpointHandle:
@@ -278,7 +291,7 @@ def checkpoint_modules(model: nn.Module, modules: ModuleSelector, *, policy: Pol
         raise InvalidInputError(f"{_API}: expected an nn.Module as model; found {type(model).__name__}. "
                                 "Pass the model whose submodules to checkpoint.")
     chosen = _select(model, modules)
-    done = [n for n, m in chosen if hasattr(m, _MARK)]
+    done = [n for n, m in chosen if _MARK in m.__dict__]
     if done:
         raise MemtrimStateError(
             f"{_API}: expected modules not checkpointed yet; found {done!r} checkpointed already. Call .remove() "
@@ -286,9 +299,11 @@ def checkpoint_modules(model: nn.Module, modules: ModuleSelector, *, policy: Pol
         )
     policy_fn, label = _policy_fn(policy)
     selective = _selective(policy_fn)
-    handle = CheckpointHandle(names=[n for n, _ in chosen], policy=label)
+    handle = CheckpointHandle(names=[n for n, _ in chosen], policy=label, _selective=selective)
     for _, module in chosen:
-        module.forward = _checkpointed_forward(module.forward, _context_fn(module, selective))  # type: ignore[method-assign]
+        if "forward" in module.__dict__:  # a forward set on the instance by someone else: keep and call it
+            setattr(module, _INNER, module.__dict__["forward"])
+        module.forward = types.MethodType(_checkpointed_forward, module)
         setattr(module, _MARK, handle)
         handle._modules.append(module)
     return handle
