@@ -387,3 +387,22 @@ def test_a_forward_set_on_the_instance_is_kept_and_restored():
     assert torch.equal(model(torch.ones(2, 6)), expected)
     handle.remove()
     assert torch.equal(model(torch.ones(2, 6)), expected) and "forward" in vars(model.a)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw", "adamw in backward"])
+@pytest.mark.parametrize("policy", [None, "save_matmuls"])
+@pytest.mark.parametrize("workload", ["gpt with dropout", "cnn with batchnorm"])
+def test_memtrim_verify_bitwise(workload, policy, fused):
+    if workload == "gpt with dropout":
+        make, block, batches = (lambda: SmallGPT(CFG)), Block, [(x, x) for x in gpt_batches(4)]
+        loss_fn = lm_loss
+    else:
+        make, block, batches = cnn, ConvBlock, [(x, x) for x in image_batches(4)]
+        loss_fn = image_loss
+
+    def transform(model, optimizer):
+        memtrim.checkpoint_modules(model, block, policy=policy)
+        return model, (memtrim.OptimizerInBackward(optimizer, model=model) if fused else optimizer)
+
+    report = memtrim.verify(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), batches, loss_fn, transform)
+    assert report.bitwise, str(report)
