@@ -19,6 +19,7 @@ demo: $(BIN)/memtrim
 
 test: $(BIN)/memtrim
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/mypy  # targets: [tool.mypy] files in pyproject.toml (src/memtrim)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 lint: $(BIN)/memtrim

@@ -128,12 +128,12 @@ class _Refuse(torch.autograd.Function):
     """Identity in forward; its backward (a second derivative through a rebuilt norm) raises a ConvertError."""
 
     @staticmethod
-    def forward(ctx: Any, message: str, n_anchors: int, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, message: str, n_anchors: int, *tensors: torch.Tensor) -> Any:
         ctx.message = message
         return tuple(t.view_as(t) for t in tensors[n_anchors:])
 
     @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Any) -> Any:
         raise ConvertError(ctx.message)
 
 

@@ -87,19 +87,19 @@ class _Rule:
 class _ReLU(_Rule):
     mask_ok = True
 
-    def forward(self, x):  # type: ignore[no-untyped-def]
+    def forward(self, x):
         return torch.relu(x)
 
-    def forward_(self, x):  # type: ignore[no-untyped-def]
+    def forward_(self, x):
         return torch.relu_(x)
 
-    def grad(self, grad, y):  # type: ignore[no-untyped-def]
+    def grad(self, grad, y):
         return torch.ops.aten.threshold_backward(grad, y, 0)
 
-    def mask(self, y):  # type: ignore[no-untyped-def]
+    def mask(self, y):
         return y > 0
 
-    def grad_from_mask(self, grad, mask):  # type: ignore[no-untyped-def]
+    def grad_from_mask(self, grad, mask):
         return torch.where(mask, grad, grad.new_zeros(()))
 
 
@@ -109,19 +109,19 @@ class _LeakyReLU(_Rule):
     def __init__(self, slope: float) -> None:
         self.slope = slope
 
-    def forward(self, x):  # type: ignore[no-untyped-def]
+    def forward(self, x):
         return torch.nn.functional.leaky_relu(x, self.slope)
 
-    def forward_(self, x):  # type: ignore[no-untyped-def]
+    def forward_(self, x):
         return torch.nn.functional.leaky_relu_(x, self.slope)
 
-    def grad(self, grad, y):  # type: ignore[no-untyped-def]
+    def grad(self, grad, y):
         return torch.ops.aten.leaky_relu_backward(grad, y, self.slope, True)
 
-    def mask(self, y):  # type: ignore[no-untyped-def]
+    def mask(self, y):
         return y > 0
 
-    def grad_from_mask(self, grad, mask):  # type: ignore[no-untyped-def]
+    def grad_from_mask(self, grad, mask):
         return torch.where(mask, grad, grad * self.slope)
 
 
@@ -131,20 +131,20 @@ class _Hardtanh(_Rule):
     def __init__(self, low: float, high: float) -> None:
         self.low, self.high = low, high
 
-    def forward(self, x):  # type: ignore[no-untyped-def]
+    def forward(self, x):
         return torch.nn.functional.hardtanh(x, self.low, self.high)
 
-    def forward_(self, x):  # type: ignore[no-untyped-def]
+    def forward_(self, x):
         return torch.nn.functional.hardtanh_(x, self.low, self.high)
 
-    def grad(self, grad, y):  # type: ignore[no-untyped-def]
+    def grad(self, grad, y):
         # low < y < high exactly where low < x < high: the same mask torch computes from the input
         return torch.ops.aten.hardtanh_backward(grad, y, self.low, self.high)
 
-    def mask(self, y):  # type: ignore[no-untyped-def]
+    def mask(self, y):
         return (y > self.low) & (y < self.high)
 
-    def grad_from_mask(self, grad, mask):  # type: ignore[no-untyped-def]
+    def grad_from_mask(self, grad, mask):
         return torch.where(mask, grad, grad.new_zeros(()))
 
 
@@ -154,13 +154,13 @@ class _ELU(_Rule):
     def __init__(self, alpha: float, scale: float = 1.0, input_scale: float = 1.0) -> None:
         self.alpha, self.scale, self.input_scale = alpha, scale, input_scale
 
-    def forward(self, x):  # type: ignore[no-untyped-def]
+    def forward(self, x):
         return torch.ops.aten.elu(x, self.alpha, self.scale, self.input_scale)
 
-    def forward_(self, x):  # type: ignore[no-untyped-def]
+    def forward_(self, x):
         return torch.ops.aten.elu_(x, self.alpha, self.scale, self.input_scale)
 
-    def grad(self, grad, y):  # type: ignore[no-untyped-def]
+    def grad(self, grad, y):
         return torch.ops.aten.elu_backward(grad, self.alpha, self.scale, self.input_scale, True, y)
 
 
@@ -170,13 +170,13 @@ class _OutputKernels(_Rule):
     def __init__(self, forward: Any, forward_: Any, backward: Any) -> None:
         self._forward, self._forward_, self._backward = forward, forward_, backward
 
-    def forward(self, x):  # type: ignore[no-untyped-def]
+    def forward(self, x):
         return self._forward(x)
 
-    def forward_(self, x):  # type: ignore[no-untyped-def]
+    def forward_(self, x):
         return self._forward_(x)
 
-    def grad(self, grad, y):  # type: ignore[no-untyped-def]
+    def grad(self, grad, y):
         return self._backward(grad, y)
 
 
@@ -191,19 +191,19 @@ def _Tanh() -> _Rule:  # noqa: N802
 class _Hardsigmoid(_Rule):
     mask_ok = True
 
-    def forward(self, x):  # type: ignore[no-untyped-def]
+    def forward(self, x):
         return torch.nn.functional.hardsigmoid(x)
 
-    def forward_(self, x):  # type: ignore[no-untyped-def]
+    def forward_(self, x):
         return torch.nn.functional.hardsigmoid(x, inplace=True)
 
-    def mask(self, y):  # type: ignore[no-untyped-def]
+    def mask(self, y):
         return (y > 0) & (y < 1)  # exactly -3 < x < 3
 
-    def grad(self, grad, y):  # type: ignore[no-untyped-def]
+    def grad(self, grad, y):
         return self.grad_from_mask(grad, self.mask(y))
 
-    def grad_from_mask(self, grad, mask):  # type: ignore[no-untyped-def]
+    def grad_from_mask(self, grad, mask):
         return torch.where(mask, grad / 6, grad.new_zeros(()))
 
 
@@ -213,10 +213,10 @@ class _Softplus(_Rule):
     def __init__(self, beta: float, threshold: float) -> None:
         self.beta, self.threshold = beta, threshold
 
-    def forward(self, x):  # type: ignore[no-untyped-def]
+    def forward(self, x):
         return torch.nn.functional.softplus(x, self.beta, self.threshold)
 
-    def grad(self, grad, y):  # type: ignore[no-untyped-def]
+    def grad(self, grad, y):
         # d/dx log(1 + exp(beta x)) / beta = sigmoid(beta x) = 1 - exp(-beta y); 1 above the threshold (y == x)
         linear = y * self.beta > self.threshold
         return torch.where(linear, grad, grad * -torch.expm1(-self.beta * y))
@@ -240,10 +240,10 @@ class _InputRule(_Rule):
     def __init__(self, forward: Any, backward: Any) -> None:
         self._forward, self._backward = forward, backward
 
-    def forward(self, x):  # type: ignore[no-untyped-def]
+    def forward(self, x):
         return self._forward(x)
 
-    def grad(self, grad, x):  # type: ignore[no-untyped-def]
+    def grad(self, grad, x):
         if torch.is_grad_enabled():  # create_graph=True: some torch *_backward ops have no derivative of their own
             return differentiable_grad(self._forward, grad, x)
         return self._backward(grad, x)
@@ -281,21 +281,21 @@ def _saved(ctx: Any) -> tuple[torch.Tensor, ...]:
 
 class _KeepOutput(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool, owner: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool, owner: str) -> torch.Tensor:
         ctx.owner = owner
         y = _run(ctx, x, rule, inplace)
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (y,) = _saved(ctx)
         return ctx.rule.grad(grad, y), None, None, None
 
 
 class _KeepMask(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool, owner: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool, owner: str) -> torch.Tensor:
         ctx.owner = owner
         y = _run(ctx, x, rule, inplace)
         ctx.shape = y.shape
@@ -303,14 +303,14 @@ class _KeepMask(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (packed,) = _saved(ctx)
         return ctx.rule.grad_from_mask(grad, unpack_mask(packed, ctx.shape)), None, None, None
 
 
 class _KeepInput(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool, owner: str) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool, owner: str) -> torch.Tensor:
         ctx.rule, ctx.owner = rule, owner
         if inplace:
             ctx.save_for_backward(x.clone())  # the input is about to be overwritten and the backward needs it
@@ -320,7 +320,7 @@ class _KeepInput(torch.autograd.Function):
         return rule.forward(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (x,) = _saved(ctx)
         return ctx.rule.grad(grad, x), None, None, None
 

@@ -49,7 +49,7 @@ class _BatchNormActFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool,
                 momentum: float, eps: float, activation: str, param: float, gamma_threshold: float,
-                owner: str) -> torch.Tensor:  # type: ignore[override]
+                owner: str) -> torch.Tensor:
         out, save_mean, save_invstd = torch.ops.aten.native_batch_norm(
             x, weight, bias, running_mean, running_var, training, momentum, eps
         )
@@ -78,7 +78,7 @@ class _BatchNormActFunction(torch.autograd.Function):
 
     @staticmethod
     @no_double_backward
-    def backward(ctx: Any, dz: torch.Tensor) -> tuple:  # type: ignore[override]
+    def backward(ctx: Any, dz: torch.Tensor) -> tuple:
         z, mean, invstd, weight, bias, kept, xhat_kept = _saved(ctx)
         shape, activation, param = ctx.shape, ctx.activation, ctx.param
         if activation == "leaky_relu":

@@ -22,6 +22,7 @@ runs as torch's Linear(act(h)).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ class _NormKeepOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 normalized_shape: tuple[int, ...], eps: float, rms: bool, gamma_threshold: float,
-                owner: str) -> torch.Tensor:  # type: ignore[override]
+                owner: str) -> torch.Tensor:
         nd = len(normalized_shape)
         dims = tuple(range(x.dim() - nd, x.dim()))
         if rms:
@@ -80,7 +81,7 @@ class _NormKeepOutput(torch.autograd.Function):
 
     @staticmethod
     @no_double_backward
-    def backward(ctx: Any, dn: torch.Tensor) -> tuple:  # type: ignore[override]
+    def backward(ctx: Any, dn: torch.Tensor) -> tuple:
         out, mean, rstd, weight, bias, kept, xhat_kept = _saved(ctx)
         dims = ctx.dims
         if weight is not None:  # xhat = (out - beta) / gamma in one pass
@@ -135,7 +136,7 @@ else:  # pragma: no cover - torch < 2.4 has no nn.RMSNorm
     _RMSBase = nn.Module
 
 
-class RMSNorm(_RMSBase):  # type: ignore[misc,valid-type]
+class RMSNorm(_RMSBase):
     """``nn.RMSNorm`` that keeps its output instead of its input. See NOTE [ norms that keep their output ]."""
 
     def __init__(self, *args: Any, gamma_threshold: float = 0.0, **kwargs: Any) -> None:
@@ -151,7 +152,8 @@ class RMSNorm(_RMSBase):  # type: ignore[misc,valid-type]
                                      self.gamma_threshold, owner(self))
 
 
-_ACT = {
+# activation name: (forward, backward(grad, pre-activation))
+_ACT: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {
     "gelu": (lambda h: F.gelu(h), lambda g, h: torch.ops.aten.gelu_backward(g, h)),
     "gelu_tanh": (lambda h: F.gelu(h, approximate="tanh"),
                   lambda g, h: torch.ops.aten.gelu_backward(g, h, approximate="tanh")),
@@ -165,13 +167,13 @@ _ACT = {
 class _ActLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                activation: str, owner: str) -> torch.Tensor:  # type: ignore[override]
+                activation: str, owner: str) -> torch.Tensor:
         ctx.activation, ctx.owner = activation, owner
         ctx.save_for_backward(h, weight, bias)
         return F.linear(_ACT[activation][0](h), weight, bias)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         h, weight, bias = _saved(ctx)
         forward, backward = _ACT[ctx.activation]
         grad_2d = grad.reshape(-1, grad.shape[-1])

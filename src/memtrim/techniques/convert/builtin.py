@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import torch
 from torch import nn
@@ -36,8 +37,10 @@ _SINGLE: dict[type, type] = {
     nn.Softplus: lean.Softplus, nn.Sigmoid: lean.Sigmoid, nn.Tanh: lean.Tanh, nn.LayerNorm: LayerNorm,
     nn.RMSNorm: RMSNorm,
 }
-_BN_ACT = {nn.BatchNorm1d: BatchNormAct1d, nn.BatchNorm2d: BatchNormAct2d, nn.BatchNorm3d: BatchNormAct3d}
-_BN_RELU = {nn.BatchNorm1d: BatchNormReLU1d, nn.BatchNorm2d: BatchNormReLU2d, nn.BatchNorm3d: BatchNormReLU3d}
+_BN_ACT: dict[type[nn.Module], type[nn.Module]] = {
+    nn.BatchNorm1d: BatchNormAct1d, nn.BatchNorm2d: BatchNormAct2d, nn.BatchNorm3d: BatchNormAct3d}
+_BN_RELU: dict[type[nn.Module], type[nn.Module]] = {
+    nn.BatchNorm1d: BatchNormReLU1d, nn.BatchNorm2d: BatchNormReLU2d, nn.BatchNorm3d: BatchNormReLU3d}
 _ACT_LINEAR = {nn.GELU: None, nn.SiLU: "silu", nn.Mish: "mish", nn.Hardswish: "hardswish"}
 
 
@@ -241,7 +244,7 @@ def keep_output(ctx: Context) -> Iterator[Candidate]:
         yield Candidate((name,), type(module).__name__, f"memtrim.nn.{target.__name__}",
                         reason="keeps its output instead of its input", targets=(module,),
                         limits=(NO_DOUBLE_BACKWARD, NO_AUTOCAST) if norm else (),
-                        apply=lambda module=module, target=target, attrs=attrs: class_swap(module, target, **attrs))
+                        apply=partial(class_swap, module, target, **attrs))
 
 
 from . import norms as _norms  # noqa: E402,F401  (registers norm_by_behaviour after keep_output)

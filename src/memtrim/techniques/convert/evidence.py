@@ -218,7 +218,7 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.trace, self.state = trace, state
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         trace, state = self.trace, self.state

@@ -20,7 +20,8 @@ module's own forward.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from functools import partial
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -51,7 +52,7 @@ class _LayerNormKeepsOutput(TorchFunctionMode):
         super().__init__()
         self.module = module
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in _LAYER_NORM_FUNCTIONS:
             return func(*args, **kwargs)
@@ -68,7 +69,7 @@ class _LayerNormKeepsOutput(TorchFunctionMode):
 _FORMS: dict[tuple[type, str], type] = {}
 
 
-def _form(base: type, kind: str) -> type:
+def _form(base: type[nn.Module], kind: str) -> type:
     """The keep-output subclass of ``base`` (made once per class; registered in this module so it pickles)."""
     found = _FORMS.get((base, kind))
     if found is not None:
@@ -83,10 +84,11 @@ def _form(base: type, kind: str) -> type:
                 return base.forward(self, *args, **kwargs)
     else:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            weight_name, eps = self.memtrim_rms  # type: ignore[attr-defined]
+            weight_name, eps = cast("tuple[str, float]", self.memtrim_rms)
             weight = getattr(self, weight_name)
             x = args[0] if args else next(iter(kwargs.values()), None)
-            if _wants_plain(x, [weight]) or x.dtype != weight.dtype or len(args) + len(kwargs) != 1:
+            if (not isinstance(x, torch.Tensor) or _wants_plain(x, [weight]) or x.dtype != weight.dtype
+                    or len(args) + len(kwargs) != 1):
                 return base.forward(self, *args, **kwargs)
             return _NormKeepOutput.apply(x, weight, None, tuple(weight.shape), eps, True,
                                          getattr(self, "gamma_threshold", 0.0), owner(self))
@@ -99,12 +101,12 @@ def _form(base: type, kind: str) -> type:
     return form
 
 
-def layer_norm_form(base: type) -> type:
+def layer_norm_form(base: type[nn.Module]) -> type:
     """The keep-output subclass of a LayerNorm-like class ``base`` (its ``layer_norm`` call replaced)."""
     return _form(base, "layer")
 
 
-def rms_norm_form(base: type) -> type:
+def rms_norm_form(base: type[nn.Module]) -> type:
     """The keep-output subclass of an RMSNorm-like class ``base`` (needs ``memtrim_rms = (weight name, eps)``)."""
     return _form(base, "rms")
 
@@ -186,6 +188,7 @@ def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
             yield Candidate((site.path,), reason=f"{type(module).__name__}'s output is not kept after it (e.g. a "
                                                  "dropout follows): keeping it would save 0 B", skip=True)
             continue
+        attrs: dict[str, Any]
         if kind == "layer":
             target, attrs = layer_norm_form(type(module)), {}
         else:
@@ -199,4 +202,4 @@ def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
         yield Candidate((site.path,), type(module).__name__, f"memtrim keep-output {what} ({target.__name__})",
                         reason=f"traced ops are a {what}; its output is kept after it anyway", targets=(module,),
                         expected_bytes=expected, limits=(NO_DOUBLE_BACKWARD, NO_AUTOCAST),
-                        apply=lambda m=module, t=target, a=attrs: class_swap(m, t, **a))
+                        apply=partial(class_swap, module, target, **attrs))

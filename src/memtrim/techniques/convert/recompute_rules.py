@@ -40,7 +40,8 @@ from .rules import Candidate, Context, Undo, chain, class_swap, label, register_
 
 __all__: list[str] = []
 
-_BN_RELU = {nn.BatchNorm1d: BatchNormReLU1d, nn.BatchNorm2d: BatchNormReLU2d, nn.BatchNorm3d: BatchNormReLU3d}
+_BN_RELU: dict[type[nn.Module], type[nn.Module]] = {
+    nn.BatchNorm1d: BatchNormReLU1d, nn.BatchNorm2d: BatchNormReLU2d, nn.BatchNorm3d: BatchNormReLU3d}
 # single-input activation ops that keep their input (their output is then only kept by the consumers)
 _KEEPS_INPUT = frozenset({"gelu", "silu", "mish", "hardswish", "softplus", "elu", "leaky_relu", "hardtanh", "relu6",
                           "hardsigmoid", "celu", "selu", "log_sigmoid"})
