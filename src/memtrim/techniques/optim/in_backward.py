@@ -16,14 +16,20 @@ NOTE [ optimizer in backward ]
     the open step), ``zero_grad()`` discarding a step that was already applied, an exception inside a backward
     that had already updated parameters, the user's own ``clip_grad_norm_`` on freed gradients, a GradScaler
     driving a wrapper that was not told about it, two open wrappers on one parameter, one wrapper used from two
-    threads at once.
+    threads at once; and, at ``step()``, anything the standard ``step()`` would have used differently than the
+    update inside backward did: a hyperparameter changed since (an ``lr`` set by hand, ``sched.step()`` before
+    ``opt.step()``; compared per group, every key but 'params', tensors by version) or a parameter written in
+    place since its update (manual weight decay; compared by ``_version``). A skipped ``step()`` (a non-finite
+    loss) is reported at the next ``zero_grad()``.
 * Source of truth: the wrapped ``torch.optim`` optimizer. A bucket is stepped by calling that optimizer's own
   ``step`` with ``param_groups`` temporarily narrowed to the bucket (each narrowed group is a shallow copy of
   the real group, so hyperparameters, including a scheduler's latest learning rate, are read at that moment;
   ``state`` is shared). The update of a parameter depends only on its gradient and state, so this is bitwise
   equal to one ``step()`` over all parameters, with the same foreach/fused implementation.
 * When: ``register_post_accumulate_grad_hook`` marks a parameter ready; a bucket steps when its last expected
-  parameter is ready; at the end of the backward pass (an autograd engine callback) any bucket with some ready
+  parameter is ready (memtrim's hook is moved behind the user's own at each ``zero_grad()``, so a user's hook
+  that edits ``.grad`` runs first; one registered inside the open step makes its bucket wait for the end of
+  backward); at the end of the backward pass (an autograd engine callback) any bucket with some ready
   parameters steps too. Under DDP the gradients are taken from DDP's comm hook after the all-reduce instead (a
   post-accumulate hook there would see the local gradient and ranks would drift). Under FSDP2 the hooks fire on
   the sharded, reduce-scattered gradient. Hooks hold the wrapper weakly: a wrapper nobody references stops.
@@ -282,6 +288,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._self_ref = weakref.ref(self)
         self._handles: list[Any] = []
         self._hooked: set[int] = set()
+        self._hook_ids: dict[int, int] = {}  # id(param) -> key of memtrim's hook in its post-accumulate-grad hooks
         self._finalizer = weakref.finalize(self, _remove_handles, self._handles)
         self._removed = False
         self._buckets: list[_Bucket] = []
@@ -302,6 +309,11 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._freed_bytes = 0  # gradient bytes freed inside the current backward pass
         self._held: list[_Bucket] = []  # complete buckets held back to the end of backward (peak="never_higher")
         self._held_to_step: list[_Bucket] = []  # ... and, where even that would lift memory, to step()
+        self._late: list[_Bucket] = []  # a user's grad hook runs after memtrim's: updated at the end of backward
+        self._late_measure: list[torch.Tensor] = []  # ... measured at the end of the measuring pass
+        # what the updates inside backward used, checked at step(): hyperparameters per group, parameter versions
+        self._used_hyper: dict[int, dict[str, Any]] = {}
+        self._versions: dict[int, tuple[torch.Tensor, int]] = {}
         self._ceiling: int | None = None  # the most the standard loop surely holds in this step (bytes)
         # global information
         self._pass: str | None = None  # None: single pass; "measure" / "update" inside backward(loss)
@@ -314,6 +326,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         raw = getattr(type(optimizer).step, "__wrapped__", None)  # the step without hooks and profiler records
         self._raw_step = raw if raw is not None else type(optimizer).step
         _install_clip_guard()
+        _WRAPPERS.add(self)
         self._build_buckets()
         self._serial = 0  # counts zero_grad() calls: which open step a graph was built in
         if model is not None:
@@ -395,7 +408,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 "zero_grad() would now discard that gradient (the standard loop would never apply it). Call "
                 "opt.step() after the training loss's backward; run any other backward in the step (an "
                 "adversarial attack's input gradient, a probe) inside `with opt.accumulate():` or with "
-                "torch.autograd.grad(loss, inputs)."
+                "torch.autograd.grad(loss, inputs). Skipping a bad batch after backward (`if not "
+                "torch.isfinite(loss): continue`) comes too late: the update was already applied inside backward. "
+                "Check the loss before calling backward, or pass scaler= (a torch.amp.GradScaler skips every "
+                "non-finite step) and call opt.backward(scaler.scale(loss))."
             )
         self._close_step()
         if set_to_none:
@@ -410,6 +426,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._claim_params()
         if self._ddp is None:
             self._hook_new_params()
+            self._hooks_last()
         for bucket in self._buckets:
             bucket.expected = sum(1 for p in bucket.params if p.requires_grad and id(p) in self._hooked)
         self._open = True
@@ -431,6 +448,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 "OptimizerInBackward.step: closures are not supported; the update happens inside backward."
             )
         self._raise_pending("step")
+        self._check_unchanged()
         driven = "found_inf" in self.__dict__  # GradScaler.step(self) set grad_scale / found_inf
         if driven and self.scaler is None and self._updated_in_backward:
             self._close_step()
@@ -542,6 +560,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         """Remove memtrim's hooks: the wrapped optimizer then works as usual (``step()`` applies ``.grad``)."""
         _remove_handles(self._handles)
         self._hooked.clear()
+        self._hook_ids.clear()
         self._removed = True
         self._open = False
         for param in self._by_id.values():
@@ -597,7 +616,18 @@ class OptimizerInBackward(torch.optim.Optimizer):
             return  # outside an open step: accumulate, as the standard loop does
         self._check_thread(param)
         if key in self._stepped:
+            nested = self._token is not None and self._token() is not None  # the updating backward still runs
             self._close_step()  # reported once: the next zero_grad() starts clean
+            if nested:
+                raise OptimizerInBackwardError(
+                    "OptimizerInBackward: expected each parameter's gradient once per backward pass, but a backward "
+                    "nested inside the running one (reentrant torch.utils.checkpoint, use_reentrant=True, or an "
+                    "autograd.Function whose backward calls backward) sent a second gradient for a parameter of "
+                    f"shape {tuple(param.shape)} that the outer pass had already completed and updated: a weight "
+                    "used both inside and outside the checkpointed segment. The standard loop would have added "
+                    "the two. Use non-reentrant checkpointing: torch.utils.checkpoint.checkpoint(..., "
+                    "use_reentrant=False) (or memtrim's checkpointing)."
+                )
             raise OptimizerInBackwardError(
                 "OptimizerInBackward: expected one backward pass per training step to reach each parameter, but "
                 f"a second backward in this step reached a parameter of shape {tuple(param.shape)} that was "
@@ -616,17 +646,23 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if where is None:
             return  # not optimized by this optimizer
         self._this_backward()
+        late = self._hook_followed(param)  # a user's hook still to run edits .grad: wait for the end of backward
         if self._pass == "measure":
+            if late:
+                self._late_measure.append(param)
+                return
             self._measure(param)
             param.grad = None
             return
         bucket, index = where
         bucket.ready.add(index)
+        if late and not any(bucket is b for b in self._late):
+            self._late.append(bucket)
         if not self._deferred and len(bucket.ready) >= bucket.expected:
             self._bucket_complete(bucket)
 
     def _bucket_complete(self, bucket: _Bucket) -> None:
-        if any(bucket is held for held in (*self._held, *self._held_to_step)):
+        if any(bucket is held for held in (*self._held, *self._held_to_step, *self._late)):
             return
         if not self._may_step_now(bucket):
             self._held.append(bucket)  # its temporaries would lift this moment above the standard loop's peak
@@ -668,6 +704,12 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def _end_of_backward(self) -> None:
         self._token = None
         held, self._held = self._held, []
+        self._late = []  # their buckets have ready parameters: stepped below
+        late_measure, self._late_measure = self._late_measure, []
+        for param in late_measure:
+            if param.grad is not None:
+                self._measure(param)
+                param.grad = None
         if self._pass == "measure" or self._deferred:
             return
         for bucket in held:
@@ -678,12 +720,21 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for bucket in self._buckets:
             if bucket.ready and not any(bucket is held for held in self._held_to_step):
                 self._step_bucket(bucket)
+        self._refresh_versions()
+
+    def _refresh_versions(self) -> None:
+        """Parameters that share a version counter (views of one flat buffer) each saw the later updates of the
+        others: what step() compares with is the version once backward's updates are all done."""
+        for key, (param, _) in self._versions.items():
+            self._versions[key] = (param, param._version)
 
     def _backward_aborted(self, outcome: _Outcome) -> None:
         """A backward pass raised: its partial gradients stay in ``.grad`` (as in the standard loop)."""
         self._token = None
         self._held = []
         self._held_to_step = []
+        self._late = []
+        self._late_measure = []
         for bucket in self._buckets:
             bucket.ready.clear()
         if outcome.updated:
@@ -770,14 +821,18 @@ class OptimizerInBackward(torch.optim.Optimizer):
             self._raw_step(self.optimizer)
         finally:
             self.optimizer.param_groups = saved
-        for group, used in zip(saved, narrowed):  # a hyperparameter the optimizer itself changed in its group
+        for g, (group, used) in enumerate(zip(saved, narrowed)):
             if used["params"] and (len(used) != len(group) or any(
                 group[k] is not v for k, v in used.items() if k != "params" and k in group
-            )):
+            )):  # a hyperparameter the optimizer itself changed in its group
                 group.update((k, v) for k, v in used.items() if k != "params")
+            if in_backward and used["params"]:
+                self._used_hyper[g] = _hyperparameters(group)
         for param in params:
             self._stepped.add(id(param))
         if in_backward:
+            for param in params:
+                self._versions[id(param)] = (param, param._version)
             self._updated_in_backward += len(params)
             if self._outcome is not None:
                 self._outcome.updated += len(params)
@@ -785,6 +840,38 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 self._freed_bytes += param.grad.numel() * param.grad.element_size()  # type: ignore[union-attr]
                 self._freed.add(id(param))
                 param.grad = None
+
+    def _check_unchanged(self) -> None:
+        """At ``step()``: what the updates inside backward used must be what the standard ``step()`` would use."""
+        changed = []
+        for g, used in self._used_hyper.items():
+            if g >= len(self.optimizer.param_groups):
+                continue
+            now = _hyperparameters(self.optimizer.param_groups[g])
+            for key in sorted(used.keys() | now.keys()):
+                if (used.get(key, _MISSING),) != (now.get(key, _MISSING),):  # a tuple: `is` first (NaN)
+                    changed.append(f"group {g}'s {key!r} changed from {_show(used.get(key, _MISSING))} to "
+                                   f"{_show(now.get(key, _MISSING))}")
+        if changed:
+            self._close_step()
+            raise OptimizerInBackwardError(
+                "OptimizerInBackward.step: expected the hyperparameters to stay what the update inside backward "
+                f"used, but between backward and step() {'; '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}"
+                ". The standard loop's step() would use the new values; memtrim already updated these "
+                "parameters with the old ones. Set hyperparameters before loss.backward() (e.g. right after "
+                "opt.zero_grad()), and call sched.step() after opt.step(), as torch's LR schedulers expect."
+            )
+        modified = [param for param, version in self._versions.values() if param._version != version]
+        if modified:
+            self._close_step()
+            raise OptimizerInBackwardError(
+                f"OptimizerInBackward.step: expected the parameters to stay as the update inside backward left "
+                f"them until step(), but {len(modified)} parameter(s) (the first of shape "
+                f"{tuple(modified[0].shape)}) were written in place after their update (manual weight decay "
+                "p.mul_(...), p.copy_(...), a clamp or projection). The standard loop's step() would update the "
+                "modified values; memtrim updated them before the write. Do such writes before loss.backward() or "
+                "after opt.step(); for weight decay use the optimizer's weight_decay (AdamW: decoupled)."
+            )
 
     def _apply_waiting(self, waiting: list[torch.Tensor], driven: bool) -> None:
         """``step()``'s own updates: the standard step over the gradients still waiting."""
@@ -850,6 +937,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for bucket in self._buckets:
             if bucket.ready:
                 self._step_bucket(bucket)
+        self._refresh_versions()
 
     def _close_step(self) -> None:
         self._open = False
@@ -860,6 +948,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._scaler_found = None
         self._held = []
         self._held_to_step = []
+        self._late = []
+        self._late_measure = []
+        self._used_hyper.clear()
+        self._versions.clear()
         for bucket in self._buckets:
             bucket.ready.clear()
 
@@ -878,8 +970,36 @@ class OptimizerInBackward(torch.optim.Optimizer):
         """Hook parameters that can receive gradients (frozen ones are hooked when unfrozen, at zero_grad)."""
         for param in self._by_id.values():
             if param.requires_grad and id(param) not in self._hooked:
-                self._handles.append(param.register_post_accumulate_grad_hook(_param_hook(self._self_ref)))
+                handle = param.register_post_accumulate_grad_hook(_param_hook(self._self_ref))
+                self._handles.append(handle)
                 self._hooked.add(id(param))
+                self._hook_ids[id(param)] = handle.id
+
+    def _hooks_last(self) -> None:
+        """Move memtrim's post-accumulate-grad hook behind any the user registered since (they edit ``.grad``).
+
+        autograd calls a parameter's hooks in the order of its hook dict (``PyDict_Next``: the plain dict order,
+        which ``OrderedDict.move_to_end`` does not change), so the entry is popped and re-inserted. O(1) a
+        parameter, and nothing at all for a parameter with memtrim's hook alone.
+        """
+        for key, hook_id in self._hook_ids.items():
+            hooks = getattr(self._by_id.get(key), "_post_accumulate_grad_hooks", None)
+            if hooks is not None and len(hooks) > 1 and hook_id in hooks and next(reversed(hooks)) != hook_id:
+                hooks[hook_id] = hooks.pop(hook_id)
+
+    def _hook_followed(self, param: torch.Tensor) -> bool:
+        """Whether a user's hook registered after this step opened runs after memtrim's on ``param`` now (memtrim's
+        own, such as a tracker's, only read the gradient and do not count)."""
+        hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+        if hooks is None or len(hooks) < 2:
+            return False
+        mine = self._hook_ids.get(id(param))
+        for key in reversed(hooks):
+            if key == mine:
+                return False
+            if not _memtrims_own(hooks[key]):
+                return True
+        return False
 
     # ------------------------------------------------------------------ global information
     def _has_waiting_grads(self) -> bool:
@@ -962,6 +1082,46 @@ class OptimizerInBackward(torch.optim.Optimizer):
         return max((b.nbytes for b in self._buckets), default=0)
 
 
+_MISSING = object()
+
+
+def _memtrims_own(hook: Any) -> bool:
+    """A hook of memtrim's own (a tracker's, another wrapper's): it reads gradients, never edits them."""
+    owner = getattr(hook, "__self__", None)
+    module = type(owner).__module__ if owner is not None else getattr(hook, "__module__", None)
+    return isinstance(module, str) and module.startswith("memtrim.")
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's hyperparameters (every key but 'params') in a form that compares by value, tensors by
+    identity and version (an in-place change of a tensor learning rate shows; no device sync)."""
+    return {key: _fingerprint(value) for key, value in group.items() if key != "params"}
+
+
+class _TensorMark(tuple):
+    __slots__ = ()
+
+
+def _fingerprint(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return _TensorMark((id(value), value._version, value))  # tuple ==: same object short-circuits
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_fingerprint(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _fingerprint(v)) for k, v in value.items()))
+    return value
+
+
+def _show(value: Any) -> str:
+    if value is _MISSING:
+        return "(absent)"
+    if isinstance(value, _TensorMark):
+        return f"a tensor (version {value[1]})"
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], type):
+        return repr(value[0](_show(v) if isinstance(v, _TensorMark) else v for v in value[1]))
+    return repr(value)
+
+
 def _by_device_and_dtype(grads: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
     out: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for grad in grads:
@@ -996,9 +1156,37 @@ def _norm(grad: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- the clip guard
-# torch.nn.utils.clip_grad_norm_ / clip_grad_value_ on gradients that were applied and freed inside backward
-# would silently clip nothing (clip_grad_norm_ returns 0.0). The guard raises instead; it looks only at
-# parameters of an open step of a live wrapper and otherwise calls torch's function unchanged.
+# torch.nn.utils' clipping on gradients that were applied and freed inside backward would silently clip nothing
+# (clip_grad_norm_ returns 0.0). The guard raises instead; it looks only at parameters of an open step of a live
+# wrapper and otherwise calls torch's function unchanged.
+#
+# Where it sits: torch's clipping functions are ``_no_grad`` wrappers, closures whose cell ``func`` holds the
+# function itself. The guard goes into that cell, so every reference sees it: ``torch.nn.utils.clip_grad_norm_``,
+# a ``from torch.nn.utils import clip_grad_norm_`` made before memtrim was imported, and clip_grad_norm_'s own
+# calls of ``_get_total_norm``/``_clip_grads_with_norm_`` (torch >= 2.6, also public as ``get_total_norm`` and
+# ``clip_grads_with_norm_``). Where a torch has no such cell, the module attributes are replaced instead (early
+# imports by name are then not seen). ``get_total_norm`` receives gradients, not parameters: it raises when it
+# gets none at all while an open step has freed gradients; a partial list (a bucket held back to step()) is not
+# seen, but the clip_grads_with_norm_ that follows it is.
+
+_WRAPPERS: weakref.WeakSet = weakref.WeakSet()  # every live wrapper (get_total_norm's check)
+_CLIP_DEPTH = threading.local()  # inside a guarded clip_grad_norm_: its own _get_total_norm call is not the user's
+# torch.nn.utils.clip_grad name, the public name, the option to use instead, what the first argument holds
+_CLIP_FUNCTIONS = (
+    ("clip_grad_norm_", "clip_grad_norm_", "clip_grad_norm=max_norm", "parameters"),
+    ("clip_grad_value_", "clip_grad_value_", "clip_grad_value=v", "parameters"),
+    ("_clip_grads_with_norm_", "clip_grads_with_norm_", "clip_grad_norm=max_norm", "parameters"),
+    ("_get_total_norm", "get_total_norm", "clip_grad_norm=max_norm", "tensors"),
+)
+
+
+def _clip_error(name: str, option: str) -> OptimizerInBackwardError:
+    return OptimizerInBackwardError(
+        f"torch.nn.utils.{name}: expected gradients to clip, but OptimizerInBackward already applied and "
+        f"freed them inside backward, so it would clip nothing. Pass {option} to OptimizerInBackward "
+        "(it clips exactly as torch does, before each update; the norm is then opt.last_total_norm) and call "
+        "opt.backward(loss)."
+    )
 
 
 def _check_clip(parameters: Any, name: str, option: str) -> Any:
@@ -1013,32 +1201,67 @@ def _check_clip(parameters: Any, name: str, option: str) -> Any:
         owner = _OWNERS.get(param) if isinstance(param, torch.Tensor) else None
         wrapper = owner() if owner is not None else None
         if wrapper is not None and wrapper._open and param.grad is None and id(param) in wrapper._stepped:
-            raise OptimizerInBackwardError(
-                f"torch.nn.utils.{name}: expected gradients to clip, but OptimizerInBackward already applied and "
-                f"freed them inside backward, so it would clip nothing. Pass {option} to OptimizerInBackward "
-                "(it clips exactly as torch does, before each update) and call opt.backward(loss)."
-            )
+            raise _clip_error(name, option)
     return parameters
+
+
+def _check_total_norm(tensors: Any, name: str, option: str) -> Any:
+    inside_clip_grad_norm: int = getattr(_CLIP_DEPTH, "depth", 0)
+    if inside_clip_grad_norm or isinstance(tensors, torch.Tensor):
+        return tensors
+    tensors = list(tensors)  # as torch's own first line does
+    if not tensors:
+        thread = threading.get_ident()
+        for wrapper in list(_WRAPPERS):
+            if wrapper._open and wrapper._updated_in_backward and wrapper._thread == thread:
+                raise _clip_error(name, option)
+    return tensors
+
+
+def _guarded(inner: Callable, name: str, option: str, argument: str) -> Callable:
+    check = _check_total_norm if argument == "tensors" else _check_clip
+    counts = name == "clip_grad_norm_"
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            args = (check(args[0], name, option), *args[1:])
+        elif argument in kwargs:
+            kwargs[argument] = check(kwargs[argument], name, option)
+        if not counts:
+            return inner(*args, **kwargs)
+        _CLIP_DEPTH.depth = getattr(_CLIP_DEPTH, "depth", 0) + 1
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            _CLIP_DEPTH.depth -= 1
+
+    guarded = functools.wraps(inner)(guarded)
+    guarded._memtrim_guard = True  # type: ignore[attr-defined]
+    return guarded
 
 
 def _install_clip_guard() -> None:
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
 
-    for name, option in (("clip_grad_norm_", "clip_grad_norm=max_norm"), ("clip_grad_value_", "clip_grad_value=v")):
-        original = getattr(clip_grad, name)
-        if getattr(original, "_memtrim_guard", False):
+    for attribute, name, option, argument in _CLIP_FUNCTIONS:
+        public = getattr(clip_grad, attribute, None)
+        if public is None or getattr(public, "_memtrim_guard", False):
             continue
-
-        def guarded(parameters: Any, *args: Any, _original: Callable = original, _name: str = name,
-                    _option: str = option, **kwargs: Any) -> Any:
-            return _original(_check_clip(parameters, _name, _option), *args, **kwargs)
-
-        guarded = functools.wraps(original)(guarded)
-        guarded._memtrim_guard = True  # type: ignore[attr-defined]
-        setattr(clip_grad, name, guarded)
-        if getattr(utils, name, None) is original:
-            setattr(utils, name, guarded)
+        code, closure = getattr(public, "__code__", None), getattr(public, "__closure__", None)
+        if code is not None and closure and "func" in code.co_freevars:  # torch's _no_grad wrapper
+            cell = closure[code.co_freevars.index("func")]
+            inner = cell.cell_contents
+            if getattr(inner, "_memtrim_guard", False):
+                continue
+            if getattr(inner, "__name__", None) == public.__name__:
+                cell.cell_contents = _guarded(inner, name, option, argument)
+                continue
+        guarded = _guarded(public, name, option, argument)  # another torch: replace the module attributes
+        setattr(clip_grad, attribute, guarded)
+        for module, exported in ((utils, name), (utils, attribute)):
+            if getattr(module, exported, None) is public:
+                setattr(module, exported, guarded)
 
 
 _GLOBAL_OPTIMIZERS = ("LBFGS",)

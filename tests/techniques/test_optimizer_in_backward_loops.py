@@ -1,0 +1,399 @@
+"""OptimizerInBackward against training-loop habits that act between ``loss.backward()`` and ``opt.step()``.
+
+The update already happened inside backward, so anything that changes what the standard loop's ``step()`` would
+use (the learning rate, a scheduler stepped early, an in-place write to a parameter, the user's own clipping or
+gradient hook, a skipped batch) must either stay bitwise equal or raise ``OptimizerInBackwardError`` naming the
+fix. Each test below was a silent divergence (or a misleading message) before the fix.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Imported by name before any wrapper exists, as a training script does at its top: the guard must still see them.
+from torch.nn.utils import clip_grad_norm_ as early_clip_grad_norm_
+from torch.nn.utils import clip_grad_value_ as early_clip_grad_value_
+
+import memtrim
+
+early_get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+early_clip_grads_with_norm_ = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
+needs_total_norm = pytest.mark.skipif(early_get_total_norm is None, reason="torch < 2.6 has no get_total_norm")
+
+Error = memtrim.OptimizerInBackwardError
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def batches(n=5, batch=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 8, generator=g), torch.randint(0, 4, (batch,), generator=g)) for _ in range(n)]
+
+
+def assert_same(a, b, moved_from=None):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    if moved_from is not None:
+        assert all(not torch.equal(p, q) for p, q in zip(a.parameters(), moved_from.parameters()))
+
+
+def wrap(opt, model, **options):
+    return memtrim.OptimizerInBackward(opt, model=model, bucket_bytes=options.pop("bucket_bytes", 0), **options)
+
+
+def one_step(model, opt, x, y):
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+
+
+# ---------------------------------------------------------------------------------------------- 1 hyperparameters
+
+
+def test_lr_set_by_hand_between_backward_and_step_raises():
+    model = net()
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
+    x, y = batches(1)[0]
+    one_step(model, opt, x, y)
+    for group in opt.param_groups:
+        group["lr"] = 5e-3
+    with pytest.raises(Error, match=r"(?s)'lr'.*0\.01.*0\.005.*before.*backward"):
+        opt.step()
+    opt.zero_grad()  # reported once: training can go on
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def test_lr_set_by_hand_before_backward_is_bitwise():
+    a = net()
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
+    opt_b = wrap(torch.optim.AdamW(b.parameters(), lr=1e-2), b)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        for i, (x, y) in enumerate(batches()):
+            opt.zero_grad()
+            for group in opt.param_groups:
+                group["lr"] = 1e-2 * (i + 1)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert_same(a, b, moved_from=net())
+
+
+def test_lr_set_between_backward_and_step_with_nothing_updated_in_backward_is_bitwise():
+    # every backward inside accumulate(): step() does the whole update, with the new lr, as the standard loop
+    a = net()
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9), b)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        for i, (x, y) in enumerate(batches()):
+            opt.zero_grad()
+            with opt.accumulate() if opt is opt_b else torch.enable_grad():
+                F.cross_entropy(model(x), y).backward()
+            for group in opt.param_groups:
+                group["lr"] = 0.1 / (i + 1)
+            opt.step()
+    assert_same(a, b, moved_from=net())
+
+
+def test_a_tensor_hyperparameter_changed_in_place_raises():
+    model = net()
+    opt = wrap(torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-2)), model)
+    x, y = batches(1)[0]
+    one_step(model, opt, x, y)
+    opt.param_groups[0]["lr"].fill_(1e-3)
+    with pytest.raises(Error, match=r"'lr'"):
+        opt.step()
+
+
+def test_scheduler_step_before_opt_step_raises():
+    model = net()
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    x, y = batches(1)[0]
+    one_step(model, opt, x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's own "lr_scheduler.step() before optimizer.step()" warning
+        sched.step()
+    with pytest.raises(Error, match=r"(?s)'lr'.*sched(uler)?\.step\(\) after opt\.step\(\)"):
+        opt.step()
+
+
+def test_scheduler_step_after_opt_step_is_bitwise():
+    a = net()
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9), b)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        for x, y in batches():
+            one_step(model, opt, x, y)
+            opt.step()
+            sched.step()
+    assert_same(a, b, moved_from=net())
+
+
+# ---------------------------------------------------------------------------------------------- 3 parameter writes
+
+
+def test_manual_weight_decay_between_backward_and_step_raises():
+    model = net()
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    x, y = batches(1)[0]
+    one_step(model, opt, x, y)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1 - 0.1 * 0.5)
+    with pytest.raises(Error, match=r"(?s)in place.*before.*backward.*weight_decay"):
+        opt.step()
+
+
+def test_one_parameter_copied_into_between_backward_and_step_raises():
+    model = net()
+    opt = wrap(torch.optim.Adam(model.parameters(), lr=1e-2), model, bucket_bytes=1 << 30)
+    x, y = batches(1)[0]
+    one_step(model, opt, x, y)
+    with torch.no_grad():
+        model[2].bias.copy_(torch.zeros(16))
+    with pytest.raises(Error, match=r"shape \(16,\)"):
+        opt.step()
+
+
+def test_manual_weight_decay_before_backward_is_bitwise():
+    a = net()
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1), b)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        for x, y in batches():
+            opt.zero_grad()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1 - 0.1 * 0.5)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert_same(a, b, moved_from=net())
+
+
+# ---------------------------------------------------------------------------------------------- 4 user's clipping
+
+
+def test_clip_grad_norm_imported_by_name_before_the_wrapper_raises():
+    model = net()
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.5), model)
+    x, y = batches(1)[0]
+    one_step(model, opt, x, y)
+    with pytest.raises(Error, match=r"clip_grad_norm="):
+        early_clip_grad_norm_(model.parameters(), 0.1)
+    with pytest.raises(Error, match=r"clip_grad_value="):
+        early_clip_grad_value_(model.parameters(), 0.1)
+
+
+@needs_total_norm
+def test_get_total_norm_and_clip_grads_with_norm_raise():
+    model = net()
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.5), model)
+    x, y = batches(1)[0]
+    one_step(model, opt, x, y)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads == []
+    with pytest.raises(Error, match=r"clip_grad_norm="):
+        early_get_total_norm(grads)
+    with pytest.raises(Error, match=r"clip_grad_norm="):
+        early_clip_grads_with_norm_(model.parameters(), 0.1, torch.tensor(1.0))
+    with pytest.raises(Error, match=r"clip_grad_norm="):
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.1, torch.tensor(1.0))
+    opt.step()
+    assert float(early_get_total_norm([])) == 0.0  # outside an open step: torch's own answer
+
+
+@needs_total_norm
+def test_total_norm_of_another_model_inside_the_open_step_is_untouched():
+    model, other = net(), net(1)
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.5), model)
+    x, y = batches(1)[0]
+    one_step(model, opt, x, y)
+    assert float(early_clip_grad_norm_(other.parameters(), 1.0)) == 0.0  # no gradients, none freed by memtrim
+    x2 = torch.randn(3, 8)
+    other(x2).sum().backward()
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in other.parameters()]))
+    assert torch.equal(early_get_total_norm([p.grad for p in other.parameters()]), expected)
+    opt.step()
+
+
+def test_users_clip_on_waiting_gradients_through_early_imports_is_bitwise():
+    a = net()
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.5)
+    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.5), b)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        for x, y in batches():
+            opt.zero_grad()
+            with opt.accumulate() if opt is opt_b else torch.enable_grad():
+                (10 * F.cross_entropy(model(x), y)).backward()
+            early_clip_grad_norm_(model.parameters(), 0.1)
+            early_clip_grad_value_(model.parameters(), 0.01)
+            opt.step()
+    assert_same(a, b, moved_from=net())
+
+
+# ---------------------------------------------------------------------------------------------- 5 user's grad hooks
+
+
+def halve(param):
+    if param.grad is not None:
+        param.grad.mul_(0.5)
+
+
+@pytest.mark.parametrize("when", ["before_first_zero_grad", "after_first_zero_grad"])
+@pytest.mark.parametrize("bucket_bytes", [0, 1 << 30])
+def test_users_post_accumulate_grad_hook_registered_after_the_wrapper(when, bucket_bytes):
+    a = net()
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9), b, bucket_bytes=bucket_bytes)
+    for p in a.parameters():
+        p.register_post_accumulate_grad_hook(halve)
+    if when == "before_first_zero_grad":
+        for p in b.parameters():
+            p.register_post_accumulate_grad_hook(halve)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        for i, (x, y) in enumerate(batches()):
+            opt.zero_grad()
+            if opt is opt_b and when == "after_first_zero_grad" and i == 0:
+                for p in b.parameters():
+                    p.register_post_accumulate_grad_hook(halve)
+            before = [p.detach().clone() for p in model.parameters()]
+            F.cross_entropy(model(x), y).backward()
+            if opt is opt_b:  # still stepped inside backward, gradients freed
+                for p, q in zip(model.parameters(), before):
+                    assert p.grad is None and not torch.equal(p, q)
+            opt.step()
+    assert_same(a, b, moved_from=net())
+
+
+def test_users_hook_registered_after_zero_grad_with_two_passes():
+    a = net()
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.5)
+    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.5), b, clip_grad_norm=0.1)
+    for p in a.parameters():
+        p.register_post_accumulate_grad_hook(halve)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        for i, (x, y) in enumerate(batches()):
+            opt.zero_grad()
+            if opt is opt_b and i == 0:
+                for p in b.parameters():
+                    p.register_post_accumulate_grad_hook(halve)
+            loss = 10 * F.cross_entropy(model(x), y)
+            if opt is opt_b:
+                opt.backward(loss)
+            else:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            opt.step()
+    assert_same(a, b, moved_from=net())
+
+
+def test_users_hook_removed_later_keeps_memtrims_hooks():
+    a = net()
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1), b)
+    handles = {id(m): [p.register_post_accumulate_grad_hook(halve) for p in m.parameters()] for m in (a, b)}
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        for i, (x, y) in enumerate(batches()):
+            if i == 2:
+                for handle in handles[id(model)]:
+                    handle.remove()
+            one_step(model, opt, x, y)
+            if opt is opt_b:
+                assert all(p.grad is None for p in model.parameters())
+            opt.step()
+    assert_same(a, b, moved_from=net())
+
+
+# ---------------------------------------------------------------------------------------------- 6 reentrant checkpoint
+
+
+def test_reentrant_checkpoint_with_a_weight_used_inside_and_outside_names_the_fix():
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    lin, head = nn.Linear(8, 8), nn.Linear(8, 4)
+    model = nn.ModuleList([lin, head])
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    h = checkpoint(lambda z: torch.tanh(lin(z)), x.requires_grad_(True), use_reentrant=True)
+    h = torch.tanh(lin(h))
+    with pytest.raises(Error, match=r"(?s)reentrant.*use_reentrant=False") as info:
+        F.cross_entropy(head(h), y).backward()
+    assert "accumulate()" not in str(info.value)
+
+
+def test_non_reentrant_checkpoint_with_a_weight_used_inside_and_outside_is_bitwise():
+    from torch.utils.checkpoint import checkpoint
+
+    def build():
+        torch.manual_seed(0)
+        return nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 4)])
+
+    a, b = build(), build()
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1), b)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        lin, head = model
+        for x, y in batches():
+            opt.zero_grad()
+            h = checkpoint(lambda z, lin=lin: torch.tanh(lin(z)), x, use_reentrant=False)
+            F.cross_entropy(head(torch.tanh(lin(h))), y).backward()
+            opt.step()
+    assert_same(a, b, moved_from=build())
+
+
+# ---------------------------------------------------------------------------------------------- 7 skipped batch
+
+
+def test_skipping_a_non_finite_batch_after_backward_names_the_case_and_the_fix():
+    model = net()
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y) * float("inf")
+    loss.backward()
+    assert not torch.isfinite(loss)  # the loop skips opt.step() here: too late, the update was applied
+    with pytest.raises(Error, match=r"(?s)isfinite.*before.*backward.*scaler="):
+        opt.zero_grad()
+
+
+class FlatViews(nn.Module):
+    """Parameters that are views of one flat buffer share a version counter: updating one bumps the others."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        flat = torch.randn(8 * 16 + 16 + 16 * 4 + 4) * 0.3
+        sizes, shapes = [8 * 16, 16, 16 * 4, 4], [(16, 8), (16,), (4, 16), (4,)]
+        views = torch.split(flat, sizes)
+        self.w1, self.b1, self.w2, self.b2 = (nn.Parameter(v.view(s)) for v, s in zip(views, shapes))
+
+    def forward(self, x):
+        return F.linear(torch.tanh(F.linear(x, self.w1, self.b1)), self.w2, self.b2)
+
+
+def test_parameters_sharing_a_version_counter_are_not_taken_for_a_write():
+    a, b = FlatViews(), FlatViews()
+    opt_a = torch.optim.Adam(a.parameters(), lr=1e-2)
+    opt_b = wrap(torch.optim.Adam(b.parameters(), lr=1e-2), b)  # one bucket per parameter
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        for x, y in batches():
+            one_step(model, opt, x, y)
+            opt.step()
+    assert_same(a, b, moved_from=FlatViews())
