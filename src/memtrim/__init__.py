@@ -18,6 +18,7 @@ from .errors import (
     MemtrimStateError,
     MissingDependencyError,
     OptimizerInBackwardError,
+    PlanError,
     ReversibleError,
     VerifyError,
 )
@@ -36,6 +37,7 @@ from .measure import (
     plot_curves,
     track,
 )
+from .planner import Plan, Plans, plan
 from .proof import Divergence, InplaceCheck, VerifyReport, check_inplace, verify
 from .techniques.checkpoint import CheckpointHandle, checkpoint_modules
 from .techniques.convert import (
@@ -50,6 +52,7 @@ from .techniques.convert import (
     registered_rules,
     unregister_rule,
 )
+from .techniques.offload import OffloadActivations, OffloadHandle, offload_module
 from .techniques.optim import OptimizerInBackward
 from .techniques.reversible import AdditiveCoupling, AffineCoupling, ReversibleSequential
 
@@ -78,9 +81,14 @@ __all__ = [
     "MemtrimStateError",
     "MissingDependencyError",
     "ModelTrace",
+    "OffloadActivations",
+    "OffloadHandle",
     "OpMemory",
     "OptimizerInBackward",
     "OptimizerInBackwardError",
+    "Plan",
+    "PlanError",
+    "Plans",
     "ReversibleError",
     "ReversibleSequential",
     "Skipped",
@@ -96,7 +104,9 @@ __all__ = [
     "convert",
     "data",
     "models",
+    "offload_module",
     "op_memory",
+    "plan",
     "plot_curves",
     "register_rule",
     "registered_rules",

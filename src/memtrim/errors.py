@@ -18,6 +18,7 @@ __all__ = [
     "OptimizerInBackwardError",
     "ReversibleError",
     "InplaceCheckError",
+    "PlanError",
 ]
 
 
@@ -66,3 +67,12 @@ class ReversibleError(MemtrimError, RuntimeError):
 
 class InplaceCheckError(MemtrimError, AssertionError):
     """``InplaceCheck.assert_ok`` found problems (:func:`memtrim.check_inplace`)."""
+
+
+class PlanError(MemtrimError, RuntimeError):
+    """:func:`memtrim.plan` found no combination of techniques that fits the budget; ``plans`` holds every plan
+    it traced (``plans.rejected``, lowest peak first)."""
+
+    def __init__(self, message: str, *, plans: object = None) -> None:
+        super().__init__(message)
+        self.plans = plans

@@ -4,7 +4,7 @@ techniques report to."""
 from . import hooks
 from .api import OpMemory, measure_step, op_memory
 from .graph import autograd_graph_bytes
-from .plots import plot_curves
+from .plots import plot_curves, pyplot
 from .report import CATEGORIES, PHASES, Category, MemoryReport, TimelineEvent, format_bytes
 from .tracker import Tracker, track
 
@@ -22,5 +22,6 @@ __all__ = [
     "measure_step",
     "op_memory",
     "plot_curves",
+    "pyplot",
     "track",
 ]

@@ -49,6 +49,9 @@ _CATEGORY_INDEX = {name: i for i, name in enumerate(CATEGORIES)}
 
 # torch.tensor(...) builds its tensor below the dispatcher and then passes it through one of these
 _FRESH_OPS = frozenset({torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default})
+# ops that read metadata and make no storage: under FakeTensorMode ``tensor.device`` dispatches prim.device, also from
+# inside the tracker's own bookkeeping (a record's device name), where accounting it would count a storage twice
+_METADATA_OPS = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
 
 # event kinds
 _START, _ALLOC, _FREE, _RESIZE, _HOLD = "start", "alloc", "free", "resize", "hold"
@@ -84,6 +87,8 @@ class _Mode(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         # runs for every op: tensors_in inlined for the usual flat argument tuple
+        if func in _METADATA_OPS:
+            return func(*args, **(kwargs or {}))
         tracker = self.tracker
         inputs: list[torch.Tensor] = []
         for arg in args:

@@ -1,0 +1,26 @@
+"""The planner: which of memtrim's techniques make a training step fit a memory budget, and at what cost.
+
+``memtrim.plan`` traces the step once per combination of techniques on fake tensors (nothing is allocated) through
+memtrim's own tracker, and ranks the combinations that fit by a FLOP-and-bytes time model.
+"""
+
+from ._cost import DeviceCost, calibrate, device_cost
+from ._techniques import TECHNIQUES, Technique, repeated_block
+from ._trace import StepTrace, trace_step
+from .api import Plan, Plans, combinations, parse_bytes, plan
+
+__all__ = [
+    "TECHNIQUES",
+    "DeviceCost",
+    "Plan",
+    "Plans",
+    "StepTrace",
+    "Technique",
+    "calibrate",
+    "combinations",
+    "device_cost",
+    "parse_bytes",
+    "plan",
+    "repeated_block",
+    "trace_step",
+]

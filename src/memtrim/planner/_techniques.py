@@ -1,0 +1,120 @@
+"""The techniques a plan can combine: each applies memtrim's own technique to a (model, optimizer) pair.
+
+Every technique here keeps training bitwise equal to the standard loop. ``memtrim.convert`` is not among them yet:
+its rebuilt norms choose per feature from the weight values, which fake tensors do not have (NOTE [ predicting a
+step ]); convert a model first and plan the converted model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..techniques.checkpoint import checkpoint_modules
+from ..techniques.offload import offload_module
+from ..techniques.optim import OptimizerInBackward
+
+
+class Applied:
+    """A (model, optimizer) pair with techniques applied in turn, and how to undo the in-place ones."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, example_inputs: Any) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.example_inputs = example_inputs
+        self._undo: list[Callable[[], None]] = []
+
+    @property
+    def inner_optimizer(self) -> torch.optim.Optimizer:
+        """The ``torch.optim`` optimizer (unwrapped from an :class:`OptimizerInBackward`)."""
+        return self.optimizer.optimizer if isinstance(self.optimizer, OptimizerInBackward) else self.optimizer
+
+    def undo(self) -> None:
+        """Remove the hooks and forwards the techniques set (a converted model stays converted)."""
+        while self._undo:
+            self._undo.pop()()
+
+
+@dataclass(frozen=True)
+class Technique:
+    """One option of a plan: ``name``, what it does to numerics, and ``apply`` (returns notes)."""
+
+    name: str
+    numerics: str  # "bitwise" | "tolerance"
+    description: str
+    _apply: Callable[[Applied], list[str]] = field(repr=False, compare=False)
+
+    def apply(self, applied: Applied) -> list[str]:
+        """Apply to ``applied`` in place; the notes say what was done."""
+        return self._apply(applied)
+
+
+def repeated_block(model: nn.Module) -> type[nn.Module] | None:
+    """The class of the model's repeated blocks: the children of the ``ModuleList``/``Sequential`` holding the most
+    parameters whose two or more children all share one class (a decoder layer, a residual block); None if none."""
+    best: tuple[int, type[nn.Module]] | None = None
+    for module in model.modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(module.children())
+        if len(children) < 2 or len({type(c) for c in children}) != 1:
+            continue
+        kind = type(children[0])
+        if kind in (nn.ModuleList, nn.Sequential, nn.ModuleDict) or not any(True for _ in children[0].parameters()):
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        if best is None or size > best[0]:
+            best = (size, kind)
+    return None if best is None else best[1]
+
+
+def _checkpoint(policy: str | None) -> Callable[[Applied], list[str]]:
+    def apply(applied: Applied) -> list[str]:
+        block = repeated_block(applied.model)
+        if block is None:
+            raise LookupError("no repeated block class to checkpoint")
+        handle = checkpoint_modules(applied.model, block, policy=policy)
+        applied._undo.append(handle.remove)
+        return [f"checkpoints {len(handle)} {block.__name__} blocks" + (f" ({policy})" if policy else "")]
+
+    return apply
+
+
+def _in_backward(**options: Any) -> Callable[[Applied], list[str]]:
+    def apply(applied: Applied) -> list[str]:
+        wrapper = OptimizerInBackward(applied.optimizer, model=applied.model, **options)
+        applied.optimizer = wrapper
+        applied._undo.append(wrapper.remove)
+        return [f"the optimizer step runs inside backward ({options or 'defaults'})"]
+
+    return apply
+
+
+def _offload(applied: Applied) -> list[str]:
+    handle = offload_module(applied.model)
+    applied._undo.append(handle.remove)
+    return [handle.note]
+
+
+TECHNIQUES: dict[str, Technique] = {
+    t.name: t
+    for t in (
+        Technique("selective", "bitwise", "selective checkpointing of each block (keep matmul outputs)",
+                  _checkpoint("save_matmuls")),
+        Technique("checkpoint", "bitwise", "checkpoint each block (keep only its input)", _checkpoint(None)),
+        Technique("offload", "bitwise", "saved activations wait in host memory", _offload),
+        Technique("in_backward", "bitwise", "the optimizer step fused into backward (OptimizerInBackward)",
+                  _in_backward()),
+        Technique("in_backward_each", "bitwise", "the step fused into backward, one parameter at a time as soon "
+                  "as its gradient is ready (bucket_bytes=0, peak='lowest')", _in_backward(bucket_bytes=0,
+                                                                                           peak="lowest")),
+    )
+}
+"""Every technique a plan can use, by name, in the order they are applied."""
+
+EXCLUSIVE = (frozenset({"selective", "checkpoint"}), frozenset({"in_backward", "in_backward_each"}))
+"""Techniques that do not combine (one checkpointing policy per block, one optimizer wrapper)."""

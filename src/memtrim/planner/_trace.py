@@ -1,0 +1,161 @@
+"""One training step run through memtrim's tracker and a cost counter, on fake tensors (a prediction: nothing is
+allocated) or on real ones (a measurement), with a set of techniques applied.
+
+NOTE [ predicting a step ]
+A prediction builds the model inside ``FakeTensorMode`` (from a factory, or as a fake copy of a given model through
+``FakeCopyMode``: no weight is copied), makes fake copies of the example batch, applies the techniques exactly as
+:meth:`Plan.apply` does, runs one warm-up step (the optimizer creates its state) and then one tracked step. Fake
+tensors on the CPU device take the same kernels and the same storages as real CPU tensors, so the tracker's peak
+is the measured peak, byte for byte (``benchmarks/plan_accuracy.py`` checks it). The step is the standard loop:
+``zero_grad(set_to_none=True)``, forward, loss, backward, ``step()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+from ..errors import InvalidInputError
+from ..measure import Category, MemoryReport, track
+from ..measure.hooks import tensors_in
+from ._techniques import Applied, Technique
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    """What one traced step did: the tracker's report, and the work it did (for the time model)."""
+
+    report: MemoryReport
+    flops: int
+    moved_bytes: int
+    notes: tuple[str, ...]
+
+
+class _CostMode(TorchDispatchMode):
+    """Counts floating-point operations (torch's own flop formulas) and bytes read and written by every op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+        self.moved = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = getattr(func, "overloadpacket", None)
+        counter = flop_registry.get(packet) if packet is not None else None
+        if counter is not None:
+            self.flops += int(counter(*args, **kwargs, out_val=out))
+        for tensor in (*tensors_in((args, kwargs)), *tensors_in(out)):
+            if tensor.layout is torch.strided:
+                self.moved += tensor.numel() * tensor.element_size()
+        return out
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """``model(inputs)``, ``model(*inputs)`` for a tuple or list, ``model(**inputs)`` for a dict."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _step(model: nn.Module, optimizer: Any, inputs: Any, targets: Any, loss_fn: Callable[..., Any]) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    out = call_model(model, inputs)
+    loss = loss_fn(out, targets)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise InvalidInputError(
+            f"memtrim.plan: loss_fn(output, targets) must return a scalar tensor, got "
+            f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}."
+        )
+    del out
+    loss.backward()
+    del loss
+    optimizer.step()
+
+
+def _fake_mode() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+def _fake_copy(mode: Any, value: Any) -> Any:
+    def one(t: Any) -> Any:
+        return mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+
+    return torch.utils._pytree.tree_map(one, value)
+
+
+def _fake_copy_of(model: nn.Module, mode: Any) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are fake (the memo hands them to deepcopy: no weight is
+    copied). Made outside the mode, which refuses real tensors."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(mode.from_tensor(p), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = mode.from_tensor(b)
+    return copy.deepcopy(model, memo)
+
+
+def _build(model_or_factory: nn.Module | Callable[[], nn.Module]) -> nn.Module:
+    if isinstance(model_or_factory, nn.Module):
+        return copy.deepcopy(model_or_factory)
+    model = model_or_factory()
+    if not isinstance(model, nn.Module):
+        raise InvalidInputError(
+            f"memtrim.plan: the model factory must return a torch.nn.Module, got {type(model).__name__}."
+        )
+    return model
+
+
+def trace_step(
+    model_or_factory: nn.Module | Callable[[], nn.Module],
+    inputs: Any,
+    targets: Any,
+    loss_fn: Callable[..., Any],
+    optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
+    techniques: Sequence[Technique],
+    *,
+    fake: bool = True,
+    device: torch.device | None = None,
+) -> StepTrace:
+    """Run the steady-state training step of ``model`` with ``techniques`` applied; see NOTE [ predicting a step ].
+
+    ``fake=False`` measures it for real instead (on a copy of the model, or a new one from the factory).
+    """
+    mode = _fake_mode() if fake else None
+    model = None
+    notes: list[str] = []
+    if mode is not None:
+        inputs, targets = _fake_copy(mode, (inputs, targets))
+        if isinstance(model_or_factory, nn.Module):
+            model = _fake_copy_of(model_or_factory, mode)
+    with mode if mode is not None else contextlib.nullcontext():
+        if model is None:
+            with device if device is not None else contextlib.nullcontext():
+                model = _build(model_or_factory)
+        optimizer = optimizer_factory(model)
+        applied = Applied(model, optimizer, inputs)
+        for technique in techniques:
+            notes.extend(technique.apply(applied))
+        _step(applied.model, applied.optimizer, inputs, targets, loss_fn)
+        cost = _CostMode()
+        with track(applied.model, applied.inner_optimizer) as tracker:
+            for tensor in tensors_in((inputs, targets)):
+                tracker.label(tensor, Category.INPUTS)
+            with cost:
+                _step(applied.model, applied.optimizer, inputs, targets, loss_fn)
+        report = tracker.report()
+        applied.undo()
+    return StepTrace(report=report, flops=cost.flops, moved_bytes=cost.moved, notes=tuple(notes))

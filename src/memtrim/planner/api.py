@@ -1,0 +1,310 @@
+"""``memtrim.plan``: which techniques make a training step fit a memory budget, predicted without allocating."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InvalidInputError, PlanError
+from ..measure import format_bytes, pyplot
+from ._cost import DeviceCost, calibrate, device_cost
+from ._techniques import EXCLUSIVE, TECHNIQUES, Applied, Technique
+from ._trace import StepTrace, trace_step
+
+_API = "memtrim.plan"
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``24GiB``, ``1.5 GB``, ``500MB``, ``1000`` or an int → bytes.
+
+    Raises:
+        InvalidInputError: anything else, or a value <= 0.
+    """
+    if isinstance(value, bool):
+        raise InvalidInputError(f"{_API}: a budget must be bytes or a size like '24GiB', got {value!r}.")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)\s*", value.lower())
+        if match is None or match.group(2) not in _UNITS:
+            raise InvalidInputError(
+                f"{_API}: cannot read the size {value!r}; write e.g. '24GiB', '1.5GB', '800MiB' or a number of bytes."
+            )
+        number = float(match.group(1)) * _UNITS[match.group(2)]
+    else:
+        raise InvalidInputError(f"{_API}: a budget must be bytes or a size like '24GiB', got {type(value).__name__}.")
+    if number <= 0:
+        raise InvalidInputError(f"{_API}: a budget must be > 0, got {value!r}.")
+    return int(number)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One combination of techniques and what it is predicted to do to a training step.
+
+    Attributes:
+        techniques: the technique names, in the order they are applied (``()`` is the plain step).
+        peak_bytes: the predicted peak of a steady-state step; ``peak_by_category`` splits it.
+        peak_phase: forward, backward or optimizer.
+        time_ratio: predicted step time relative to the plain step (the cost model of ``memtrim.planner``).
+        numerics: ``"bitwise"`` (training unchanged) or ``"tolerance"`` (rebuilt tensors round differently).
+        fits: whether ``peak_bytes <= budget``.
+        notes: what each technique did on the traced model.
+    """
+
+    techniques: tuple[str, ...]
+    peak_bytes: int
+    peak_by_category: dict[str, int]
+    peak_phase: str
+    time_ratio: float
+    numerics: str
+    fits: bool
+    notes: tuple[str, ...] = ()
+    _example_inputs: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def name(self) -> str:
+        """``plain`` or the techniques joined by ``+``."""
+        return "+".join(self.techniques) or "plain"
+
+    def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, example_inputs: Any = None) -> tuple[
+            nn.Module, Any]:
+        """Apply the plan's techniques to a real ``(model, optimizer)``, in place where the technique is; returns
+        the pair to train with (the optimizer may be an :class:`~memtrim.OptimizerInBackward`).
+
+        Args:
+            example_inputs: the batch ``convert`` traces (default: the one the plan was made with).
+
+        Raises:
+            InvalidInputError: ``convert`` is in the plan and there are no real example inputs.
+        """
+        inputs = example_inputs if example_inputs is not None else self._example_inputs
+        applied = Applied(model, optimizer, inputs)
+        for name in self.techniques:
+            TECHNIQUES[name].apply(applied)
+        return applied.model, applied.optimizer
+
+
+class Plans(Sequence[Plan]):
+    """The plans that fit the budget, fastest first (then bitwise before tolerance, then lowest peak); ``rejected``
+    holds those that do not fit, lowest peak first. ``best`` is the first plan."""
+
+    def __init__(self, fitting: list[Plan], rejected: list[Plan], budget: int, device: str, cost: DeviceCost,
+                 notes: list[str]) -> None:
+        self._plans = fitting
+        self.rejected = rejected
+        self.budget = budget
+        self.device = device
+        self.cost = cost
+        self.notes = notes
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._plans[i]
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def __iter__(self) -> Iterator[Plan]:
+        return iter(self._plans)
+
+    @property
+    def best(self) -> Plan:
+        """The fastest plan that fits."""
+        return self._plans[0]
+
+    @property
+    def all(self) -> list[Plan]:
+        """Every plan traced: fitting ones first."""
+        return [*self._plans, *self.rejected]
+
+    def table(self) -> str:
+        """The plans as a markdown table (rejected ones marked)."""
+        rows = ["| plan | predicted peak | phase | time | numerics | fits |", "|---|---:|---|---:|---|---|"]
+        for p in self.all:
+            rows.append(f"| {p.name} | {format_bytes(p.peak_bytes)} | {p.peak_phase} | {p.time_ratio:.2f}x | "
+                        f"{p.numerics} | {'yes' if p.fits else 'no'} |")
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        head = f"memtrim.plan: budget {format_bytes(self.budget)} on {self.device}; {len(self)} of " \
+               f"{len(self.all)} plans fit"
+        return "\n".join([head, self.table(), *self.notes])
+
+    def plot(self, path: str) -> None:
+        """A stacked bar per plan: its predicted peak by category, the budget as a line (needs matplotlib)."""
+        plt = pyplot("Plans.plot")
+        plans = self.all
+        categories = [c for c in plans[0].peak_by_category if any(p.peak_by_category.get(c) for p in plans)]
+        fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(plans)), 4.5))
+        bottom = [0.0] * len(plans)
+        for cat in categories:
+            values = [p.peak_by_category.get(cat, 0) / 2**20 for p in plans]
+            ax.bar(range(len(plans)), values, bottom=bottom, label=cat)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.axhline(self.budget / 2**20, color="black", linestyle="--", label="budget")
+        ax.set_xticks(range(len(plans)), [p.name for p in plans], rotation=30, ha="right")
+        ax.set_ylabel("predicted peak (MiB)")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+
+def combinations(names: Iterable[str]) -> list[tuple[str, ...]]:
+    """Every subset of ``names`` that respects ``EXCLUSIVE``, each in ``TECHNIQUES`` order."""
+    order = [n for n in TECHNIQUES if n in set(names)]
+    out = []
+    for r in range(len(order) + 1):
+        for combo in itertools.combinations(order, r):
+            if all(len(group & set(combo)) <= 1 for group in EXCLUSIVE):
+                out.append(combo)
+    return out
+
+
+def _check(model_or_factory: Any, loss_fn: Any, optimizer_factory: Any, techniques: Any) -> list[str]:
+    if not isinstance(model_or_factory, nn.Module) and not callable(model_or_factory):
+        raise InvalidInputError(
+            f"{_API}: model_or_factory must be an nn.Module or a function returning one, got "
+            f"{type(model_or_factory).__name__}."
+        )
+    if isinstance(optimizer_factory, type) or not callable(optimizer_factory):
+        raise InvalidInputError(
+            f"{_API}: optimizer_factory must be a function of the model, e.g. lambda m: torch.optim.AdamW("
+            f"m.parameters()), got {optimizer_factory!r}."
+        )
+    if not callable(loss_fn):
+        raise InvalidInputError(f"{_API}: loss_fn must be callable (output, targets) -> loss, got {loss_fn!r}.")
+    names = list(TECHNIQUES if techniques is None else techniques)
+    unknown = [n for n in names if n not in TECHNIQUES]
+    if unknown:
+        raise InvalidInputError(f"{_API}: unknown techniques {unknown}; choose from {sorted(TECHNIQUES)}.")
+    return names
+
+
+def plan(
+    model_or_factory: nn.Module | Callable[[], nn.Module],
+    example_inputs: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer_factory: Callable[[nn.Module], torch.optim.Optimizer],
+    *,
+    budget: int | float | str,
+    targets: Any = None,
+    device: str | torch.device | None = None,
+    techniques: Sequence[str] | None = None,
+    calibrate_time: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> Plans:
+    """Rank the combinations of memtrim's techniques that make one training step fit ``budget``.
+
+    Why: "will it fit?" is the question people bring; this answers it before anything is allocated. Every plan is
+    predicted by running the step on fake tensors through memtrim's tracker with the techniques applied (NOTE
+    [ predicting a step ]): the predicted peak is what the tracker measures when the step runs for real, byte for
+    byte on the CPU.
+
+    Args:
+        model_or_factory: a module (copied as fake tensors: nothing is allocated) or a function that builds one
+            (called under ``FakeTensorMode``: a model larger than the machine plans fine).
+        example_inputs: what the model is called with: a tensor, a tuple of arguments, or a dict (``model(**batch)``).
+        loss_fn: ``loss_fn(output, targets)`` → scalar loss (HF: ``lambda out, _: out.loss``).
+        optimizer_factory: ``optimizer_factory(model)`` → a ``torch.optim`` optimizer.
+        budget: bytes, or a size such as ``"24GiB"``.
+        targets: passed to ``loss_fn``.
+        device: the device the plan is for (default: the example inputs'). Tracing uses that device's kernels
+            only when it is present; a CUDA plan made on a CPU-only machine traces CPU kernels (said in the notes).
+        techniques: the names to combine (default all of ``memtrim.planner.TECHNIQUES``).
+        calibrate_time: measure the device's throughput first (when present) instead of the default constants.
+        progress: called with a line per traced plan.
+
+    Returns:
+        :class:`Plans`, fastest fitting plan first; ``Plans.rejected`` the rest.
+
+    Raises:
+        InvalidInputError: a wrong argument.
+        PlanError: no plan fits; the message names the closest plan and how much it is over.
+
+    Example::
+
+        plans = memtrim.plan(SmallGPT, x, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+                             lambda m: torch.optim.AdamW(m.parameters()), targets=y, budget="64MiB")
+        model, optimizer = plans.best.apply(model, optimizer)
+    """
+    names = _check(model_or_factory, loss_fn, optimizer_factory, techniques)
+    limit = parse_bytes(budget)
+    tensors = [t for t in torch.utils._pytree.tree_leaves((example_inputs, targets)) if isinstance(t, torch.Tensor)]
+    dev = torch.device(device) if device is not None else (tensors[0].device if tensors else torch.device("cpu"))
+    notes = []
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        notes.append(
+            "traced with CPU kernels for a CUDA target: attention with dropout takes the math path on CPU and "
+            "keeps the full score matrix, so such models are over-estimated; allocator rounding (512 B blocks) "
+            "is not modelled"
+        )
+    if "offload" in names:
+        names.remove("offload")
+        notes.append(
+            "offload: left out; the planner does not model host memory yet"
+            + (" (and on this device host memory is the device's)" if dev.type in ("cpu", "meta") else "")
+            + ": apply memtrim.offload_module by hand"
+        )
+    cost = calibrate(dev) if calibrate_time else device_cost(dev)
+    traces: dict[tuple[str, ...], StepTrace] = {}
+    for combo in combinations(names):
+        try:
+            traces[combo] = trace_step(model_or_factory, example_inputs, targets, loss_fn, optimizer_factory,
+                                       [TECHNIQUES[n] for n in combo])
+        except LookupError as e:  # the technique has nothing to do on this model
+            notes.append(f"{'+'.join(combo)}: left out ({e})")
+            continue
+        if progress is not None:
+            progress(f"{'+'.join(combo) or 'plain'}: {format_bytes(traces[combo].report.peak_bytes)}")
+    plain = traces[()]
+    base = cost.seconds(plain.flops, plain.moved_bytes)
+    real_inputs = None if any(t.device.type == "meta" or _is_fake(t) for t in tensors) else example_inputs
+    plans = [_plan(combo, trace, base, cost, limit, real_inputs) for combo, trace in traces.items()]
+    fitting = sorted((p for p in plans if p.fits), key=lambda p: (round(p.time_ratio, 3), p.numerics != "bitwise",
+                                                                  p.peak_bytes))
+    rejected = sorted((p for p in plans if not p.fits), key=lambda p: p.peak_bytes)
+    result = Plans(fitting, rejected, limit, str(dev), cost, notes)
+    if not fitting:
+        closest = rejected[0]
+        raise PlanError(
+            f"{_API}: no plan fits {format_bytes(limit)}. The closest, {closest.name}, peaks at "
+            f"{format_bytes(closest.peak_bytes)} ({format_bytes(closest.peak_bytes - limit)} over; the plain step "
+            f"{format_bytes(plain.report.peak_bytes)}). Lower the batch or sequence length, or add memory.",
+            plans=result,
+        )
+    return result
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
+
+
+def _plan(combo: tuple[str, ...], trace: StepTrace, base: float, cost: DeviceCost, limit: int,
+          inputs: Any) -> Plan:
+    report = trace.report
+    numerics = "tolerance" if any(TECHNIQUES[n].numerics != "bitwise" for n in combo) else "bitwise"
+    return Plan(
+        techniques=combo,
+        peak_bytes=report.peak_bytes,
+        peak_by_category=dict(report.peak_by_category),
+        peak_phase=report.peak_phase,
+        time_ratio=cost.seconds(trace.flops, trace.moved_bytes) / base,
+        numerics=numerics,
+        fits=report.peak_bytes <= limit,
+        notes=trace.notes,
+        _example_inputs=inputs,
+    )
+
+
+__all__ = ["Plan", "Plans", "Technique", "combinations", "parse_bytes", "plan"]

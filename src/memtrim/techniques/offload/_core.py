@@ -1,0 +1,163 @@
+"""Activation offloading through saved-tensor hooks.
+
+NOTE [ offloading saved tensors ]
+Between forward and backward, autograd keeps the tensors each op saved. ``OffloadActivations`` (a
+``torch.autograd.graph.saved_tensors_hooks`` subclass, as torchtune's ``OffloadActivations``) packs every saved
+tensor that lives on an accelerator and is at least ``min_bytes`` into host memory, and unpacks it back onto its
+device when backward needs it. The copy is exact, so training is bitwise the same. Parameters (and any leaf that
+requires grad) are never copied: they stay on the device anyway. On CUDA the device-to-host copy runs on a side
+stream into pinned memory, ordered after the op that made the tensor; ``record_stream`` keeps the device block
+from reuse until the copy is done, and the copy back waits for that copy's event. On a machine without an
+accelerator host memory is device memory: nothing is moved and ``OffloadHandle.note`` says so.
+Like torch's ``save_on_cpu``, the hooks see only what ``save_for_backward`` keeps, not attributes a custom Function
+sets on ``ctx``. Saved-tensor hooks step aside under ``torch.compile`` and ``torch.func`` (they refuse them).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import InvalidInputError, MemtrimStateError
+
+_API = "memtrim.offload_module"
+_MARK = "_memtrim_offloaded"
+
+
+class _Offloaded:
+    """A saved tensor waiting in host memory."""
+
+    __slots__ = ("host", "device", "event")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, event: Any) -> None:
+        self.host = host
+        self.device = device
+        self.event = event
+
+
+class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
+    """Context manager: tensors autograd saves inside it wait in host memory until backward.
+
+    Args:
+        min_bytes: smaller tensors stay where they are (the copy would cost more than it frees).
+        pin_memory: copy into pinned host memory (faster, asynchronous copies); ignored without an accelerator.
+
+    Attributes:
+        offloaded_bytes: bytes moved to the host since the context was made.
+
+    Example::
+
+        with memtrim.OffloadActivations(min_bytes=1 << 20):
+            loss = model(x).sum()
+        loss.backward()   # outside the context is fine: unpacking needs no hooks
+    """
+
+    def __init__(self, *, min_bytes: int = 1 << 20, pin_memory: bool = True) -> None:
+        if not isinstance(min_bytes, int) or isinstance(min_bytes, bool) or min_bytes < 0:
+            raise InvalidInputError(f"memtrim.OffloadActivations: min_bytes must be an int >= 0, got {min_bytes!r}.")
+        self.min_bytes = min_bytes
+        self.pin_memory = pin_memory
+        self.offloaded_bytes = 0
+        self._streams: dict[torch.device, Any] = {}
+        super().__init__(self._pack, self._unpack)
+
+    def __enter__(self) -> OffloadActivations:  # type: ignore[override]  # torch's returns None
+        super().__enter__()
+        return self
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        device = tensor.device
+        if (
+            device.type in ("cpu", "meta")
+            or tensor.layout is not torch.strided
+            or (tensor.is_leaf and tensor.requires_grad)
+            or isinstance(tensor, nn.Parameter)
+            or tensor.numel() * tensor.element_size() < self.min_bytes
+        ):
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin_memory and device.type == "cuda")
+        event = None
+        if device.type == "cuda":
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                host.copy_(tensor, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            tensor.record_stream(stream)
+        else:
+            host.copy_(tensor)
+        self.offloaded_bytes += host.numel() * host.element_size()
+        return _Offloaded(host, device, event)
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Offloaded):
+            return packed
+        if packed.event is not None:
+            torch.cuda.current_stream(packed.device).wait_event(packed.event)
+        return packed.host.to(packed.device, non_blocking=packed.host.is_pinned())
+
+
+@dataclass
+class OffloadHandle:
+    """What :func:`offload_module` did; ``remove()`` restores the model's own forward."""
+
+    min_bytes: int
+    note: str
+    _model: nn.Module | None = field(default=None, repr=False)
+
+    def remove(self) -> None:
+        """Undo: the model's forward no longer offloads (a second call does nothing)."""
+        model = self._model
+        if model is not None and model.__dict__.get(_MARK) is self:
+            del model.forward
+            delattr(model, _MARK)
+        self._model = None
+
+
+def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    handle: OffloadHandle = self.__dict__[_MARK]
+    with OffloadActivations(min_bytes=handle.min_bytes):
+        return type(self).forward(self, *args, **kwargs)
+
+
+def offload_module(model: nn.Module, *, min_bytes: int = 1 << 20) -> OffloadHandle:
+    """Offload what ``model``'s forward saves for backward to host memory (NOTE [ offloading saved tensors ]), in
+    place; bitwise the same training.
+
+    Args:
+        model: the module whose forward is wrapped (its parameters are never copied).
+        min_bytes: saved tensors smaller than this stay on the device.
+
+    Returns:
+        An :class:`OffloadHandle`; ``note`` says what will happen on this model's device (nothing on a CPU model).
+
+    Raises:
+        InvalidInputError: ``model`` is not a module, or ``min_bytes`` is not an int >= 0.
+        MemtrimStateError: the model is offloaded already, or has a forward set on the instance.
+    """
+    if not isinstance(model, nn.Module):
+        raise InvalidInputError(f"{_API}: model must be a torch.nn.Module, got {type(model).__name__}.")
+    OffloadActivations(min_bytes=min_bytes)  # validates
+    if _MARK in model.__dict__ or "forward" in model.__dict__:
+        raise MemtrimStateError(
+            f"{_API}: the model already has a forward set on the instance (offloaded or checkpointed already). "
+            "Call remove() on the earlier handle first, or offload a submodule."
+        )
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    note = (
+        f"saved tensors of at least {min_bytes} B go to pinned host memory"
+        if device.type not in ("cpu", "meta")
+        else "the model is on the host already (no accelerator): nothing is moved and nothing is saved"
+    )
+    handle = OffloadHandle(min_bytes=min_bytes, note=note, _model=model)
+    model.forward = types.MethodType(_offloaded_forward, model)
+    model.__dict__[_MARK] = handle
+    return handle

@@ -1,0 +1,144 @@
+"""memtrim.plan: predictions on fake tensors equal the tracker's measurement of the real step, byte for byte; the
+chosen plan fits and trains bitwise like the standard loop; bad input and impossible budgets raise."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memtrim
+from memtrim.errors import InvalidInputError, PlanError
+from memtrim.models import GPTConfig, ResNetCNN, SmallGPT
+from memtrim.planner import TECHNIQUES, combinations, parse_bytes, repeated_block, trace_step
+
+_CFG = GPTConfig(n_layer=2, d_model=32, n_head=4, seq_len=16, vocab_size=64)
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return SmallGPT(_CFG)
+
+
+def _gpt_loss(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
+
+
+@pytest.mark.parametrize("combo", [(), ("checkpoint", "in_backward_each"), ("selective", "in_backward")])
+def test_predicted_peak_equals_the_measured_peak_byte_for_byte(combo):
+    x, y = _batch()
+    techniques = [TECHNIQUES[n] for n in combo]
+    predicted = trace_step(_gpt(), x, y, _gpt_loss, _adamw, techniques).report
+    measured = trace_step(_gpt(), x, y, _gpt_loss, _adamw, techniques, fake=False).report
+    assert predicted.peak_bytes == measured.peak_bytes
+    assert dict(predicted.peak_by_category) == dict(measured.peak_by_category)
+    assert predicted.peak_phase == measured.peak_phase
+
+
+def test_cnn_prediction_from_a_factory_equals_the_measurement():
+    x, y = torch.randn(4, 1, 28, 28), torch.randint(0, 10, (4,))
+    combo = [TECHNIQUES["checkpoint"]]
+    predicted = trace_step(ResNetCNN, x, y, F.cross_entropy, _adamw, combo).report
+    measured = trace_step(ResNetCNN, x, y, F.cross_entropy, _adamw, combo, fake=False).report
+    assert predicted.peak_bytes == measured.peak_bytes > 0
+
+
+def test_a_fake_prediction_allocates_no_parameter():
+    # a factory is built under FakeTensorMode: 4 GiB of weights on a machine that never allocates them
+    x, y = torch.randn(2, 32768), torch.randn(2, 32768)
+    report = trace_step(lambda: torch.nn.Sequential(torch.nn.Linear(32768, 32768, bias=False)), x, y, F.mse_loss,
+                        _adamw, []).report
+    assert report.peak_by_category["parameters"] == 32768 * 32768 * 4
+    assert report.peak_by_category["optimizer_state"] >= 2 * 32768 * 32768 * 4
+
+
+def test_plan_ranks_fitting_plans_and_the_chosen_one_fits_when_measured():
+    x, y = _batch()
+    plain = trace_step(_gpt(), x, y, _gpt_loss, _adamw, [], fake=False).report.peak_bytes
+    plans = memtrim.plan(_gpt(), x, _gpt_loss, _adamw, targets=y, budget=plain - 1)
+    assert all(p.fits and p.peak_bytes < plain for p in plans)
+    assert [p.time_ratio for p in plans] == sorted(p.time_ratio for p in plans)
+    assert all(not p.fits for p in plans.rejected) and () in [p.techniques for p in plans.rejected]
+    best = plans.best
+    measured = trace_step(_gpt(), x, y, _gpt_loss, _adamw, [TECHNIQUES[n] for n in best.techniques],
+                          fake=False).report.peak_bytes
+    assert measured == best.peak_bytes <= plain - 1
+    assert "offload: left out" in str(plans)
+
+
+def test_a_larger_budget_never_gives_a_slower_plan():
+    x, y = _batch()
+    plans = memtrim.plan(_gpt(), x, _gpt_loss, _adamw, targets=y, budget=1 << 40)
+    peaks = sorted({p.peak_bytes for p in plans.all})
+    chosen = []
+    for budget in peaks:
+        fitting = [p for p in plans.all if p.peak_bytes <= budget]
+        chosen.append(min(p.time_ratio for p in fitting))
+    assert chosen == sorted(chosen, reverse=True)
+    assert plans.best.techniques == ()  # everything fits: the plain step is the fastest
+
+
+def test_the_best_plan_applied_trains_bitwise_like_the_standard_loop():
+    x, y = _batch()
+    plans = memtrim.plan(_gpt(), x, _gpt_loss, _adamw, targets=y, budget=1 << 40,
+                         techniques=["checkpoint", "in_backward_each"])
+    chosen = next(p for p in plans.all if p.techniques == ("checkpoint", "in_backward_each"))
+    batches = [_batch(seed) for seed in range(4)]
+    report = memtrim.verify(_gpt, _adamw, batches, _gpt_loss, lambda m, o: chosen.apply(m, o))
+    assert report.ok and report.bitwise
+
+
+def test_no_plan_fits_raises_with_the_closest_plan():
+    x, y = _batch()
+    with pytest.raises(PlanError, match="no plan fits 1.00 KiB.*closest.*over") as info:
+        memtrim.plan(_gpt(), x, _gpt_loss, _adamw, targets=y, budget=1024)
+    assert info.value.plans is not None and len(info.value.plans.rejected) == len(combinations(
+        ["selective", "checkpoint", "in_backward", "in_backward_each"]))
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * 2**30
+    assert parse_bytes("1.5 GB") == 1_500_000_000
+    assert parse_bytes(4096) == 4096
+    for bad in ("lots", "-1GB", 0, True, None, "12 parsecs"):
+        with pytest.raises(InvalidInputError):
+            parse_bytes(bad)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"optimizer_factory": torch.optim.AdamW}, "optimizer_factory must be a function"),
+    ({"loss_fn": 3}, "loss_fn must be callable"),
+    ({"model_or_factory": 3}, "model_or_factory must be"),
+    ({"techniques": ["magic"]}, "unknown techniques"),
+    ({"budget": "big"}, "cannot read the size"),
+])
+def test_bad_arguments_raise_invalid_input(kwargs, message):
+    x, y = _batch()
+    args = {"model_or_factory": _gpt(), "example_inputs": x, "loss_fn": _gpt_loss, "optimizer_factory": _adamw,
+            "budget": "1GiB", "targets": y, **kwargs}
+    with pytest.raises(InvalidInputError, match=message):
+        memtrim.plan(**args)
+
+
+def test_repeated_block_finds_the_decoder_block_and_nothing_in_a_plain_mlp():
+    from memtrim.models import SeedMLP
+    from memtrim.models.gpt import Block
+
+    assert repeated_block(_gpt()) is Block
+    assert repeated_block(SeedMLP()) is None
+
+
+def test_a_model_without_blocks_leaves_checkpointing_out_and_says_so():
+    from memtrim.models import SeedMLP
+
+    x, y = torch.randn(4, 784), torch.randint(0, 10, (4,))
+    plans = memtrim.plan(SeedMLP(), x, F.nll_loss, _adamw, targets=y, budget="1GiB")
+    assert {p.techniques for p in plans.all} == {(), ("in_backward",), ("in_backward_each",)}
+    assert any("checkpoint: left out (no repeated block class" in n for n in plans.notes)

@@ -1,0 +1,72 @@
+"""Activation offloading: bitwise the same training; on CPU a no-op that says so; on CUDA the saved activations
+leave the device (bytes from the allocator)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memtrim
+from memtrim.errors import InvalidInputError, MemtrimStateError
+from memtrim.models import GPTConfig, SmallGPT
+
+
+def _gpt(device="cpu"):
+    torch.manual_seed(0)
+    return SmallGPT(GPTConfig(n_layer=2, d_model=64, n_head=4, seq_len=32, vocab_size=128)).to(device)
+
+
+def _grads_after_step(model, x, y):
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_on_cpu_nothing_moves_and_the_handle_says_so():
+    model = _gpt()
+    x = torch.randint(0, 128, (2, 32))
+    plain = copy.deepcopy(model)
+    handle = memtrim.offload_module(model, min_bytes=0)
+    assert "nothing is moved" in handle.note
+    with memtrim.OffloadActivations(min_bytes=0) as hooks:
+        out = model(x)
+    assert hooks.offloaded_bytes == 0
+    assert torch.equal(out, plain(x))
+    for a, b in zip(_grads_after_step(model, x, x), _grads_after_step(plain, x, x)):
+        assert torch.equal(a, b)
+    handle.remove()
+    assert "forward" not in model.__dict__
+    handle.remove()  # a second call does nothing
+
+
+def test_bad_input_and_double_offload_raise():
+    model = _gpt()
+    with pytest.raises(InvalidInputError, match="model must be a torch.nn.Module"):
+        memtrim.offload_module(3)
+    with pytest.raises(InvalidInputError, match="min_bytes must be an int >= 0"):
+        memtrim.offload_module(model, min_bytes=-1)
+    memtrim.offload_module(model)
+    with pytest.raises(MemtrimStateError, match="already has a forward"):
+        memtrim.offload_module(model)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_saved_activations_leave_the_device_and_training_is_bitwise():
+    model = _gpt("cuda")
+    plain = copy.deepcopy(model)
+    x = torch.randint(0, 128, (8, 32), device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    out_plain = plain(x)
+    held_plain = torch.cuda.memory_allocated() - base
+    del out_plain
+    memtrim.offload_module(model, min_bytes=0)
+    base = torch.cuda.memory_allocated()
+    out = model(x)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    del out
+    assert held < held_plain / 2, (held, held_plain)
+    for a, b in zip(_grads_after_step(model, x, x), _grads_after_step(plain, x, x)):
+        assert torch.equal(a, b)
