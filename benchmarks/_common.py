@@ -9,6 +9,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import memtrim
 from memtrim.models import SeedMLP, SmallGPT
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
@@ -81,3 +82,12 @@ def train_step(model, x, y, loss_fn, optimizer) -> None:
     del loss
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def third_step_report(step, model, optimizer) -> memtrim.MemoryReport:
+    """Run ``step()`` twice (the optimizer's state exists afterwards), then once under ``memtrim.track``: its report."""
+    step()
+    step()
+    with memtrim.track(model, optimizer) as tracker:
+        step()
+    return tracker.report()

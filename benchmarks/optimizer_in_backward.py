@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import memtrim
-from _common import machine, pin_malloc, write
+from _common import machine, pin_malloc, third_step_report, write
 from memtrim.models import SeedMLP, SmallGPT
 
 
@@ -154,11 +154,7 @@ def gpt_memory(bucket_bytes):
                 F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
                 opt.step()
 
-            step()
-            step()
-            with memtrim.track(model, opt) as tracker:
-                step()
-            report = tracker.report()
+            report = third_step_report(step, model, opt)
             name = "memtrim.OptimizerInBackward" if wrap else "standard"
             out[label][name] = {
                 "peak_bytes": report.peak_bytes, "peak_phase": report.peak_phase, "peak_module": report.peak_module,

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memtrim
-from _common import machine, write
+from _common import machine, third_step_report, write
 from memtrim.models import SmallGPT
 
 
@@ -87,11 +87,7 @@ def main():
                 loss_fn(model(x), y).backward()
                 opt.step()
 
-            step()
-            step()
-            with memtrim.track(model, opt) as tracker:
-                step()
-            report = tracker.report()
+            report = third_step_report(step, model, opt)
             results[label][name] = {"peak_bytes": report.peak_bytes, "peak_phase": report.peak_phase,
                                     "peak_by_category": report.peak_by_category}
             print(f"{label} | {name}: {report.peak_bytes} bytes ({report.peak_phase})")

@@ -38,7 +38,6 @@ def test_layernorm_keeps_output_and_matches(dtype, tol, tiny_gamma):
         torch.testing.assert_close(a, b, rtol=tol[0], atol=tol[1])
 
 
-@pytest.mark.skipif(not hasattr(torch.nn, "RMSNorm"), reason="torch.nn.RMSNorm needs torch >= 2.4")
 def test_rmsnorm_matches():
     torch.manual_seed(0)
     plain = torch.nn.RMSNorm(32, eps=1e-6).double()
@@ -86,7 +85,6 @@ def test_memory_norm_then_linear_and_mlp():
     assert activation_bytes(lambda t: fused(fc1(t)), x) == one + wide  # fc1's input and the pre-activation only
 
 
-@pytest.mark.skipif(not hasattr(torch.nn, "RMSNorm"), reason="torch.nn.RMSNorm needs torch >= 2.4")
 @pytest.mark.parametrize("affine", [True, False])
 def test_rmsnorm_keeps_fewer_bytes_than_torchs(affine):
     # catches a norm that quietly does nothing: torch's RMSNorm (composite ops) keeps its input, x * rstd and (with

@@ -14,6 +14,8 @@ _SUBCOMMANDS = {"demo": demo, "check-inplace": check_inplace}
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``memtrim <subcommand>`` with ``argv`` (default ``sys.argv[1:]``); the exit status: 0 fine, 1 a problem
+    found, 2 a usage error (printed as one line on stderr)."""
     parser = argparse.ArgumentParser(prog="memtrim", description="Train neural networks in less memory, measured.")
     sub = parser.add_subparsers(dest="command", required=True)
     for module in _SUBCOMMANDS.values():

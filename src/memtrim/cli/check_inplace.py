@@ -21,6 +21,7 @@ _API = "memtrim check-inplace"
 
 
 def add_parser(sub: Any) -> None:
+    """Add the ``check-inplace`` subcommand and its options to ``sub`` (argparse's subparsers)."""
     p = sub.add_parser("check-inplace", help="check an in-place function against an out-of-place reference",
                        description="Compare values, gradients, what is written in place, and memory of FN against "
                        "REFERENCE on random inputs (see memtrim.check_inplace). Names are resolved like "
@@ -109,6 +110,7 @@ def _examples(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.T
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run :func:`memtrim.check_inplace` with the parsed ``args``; 0 when it passes, 1 when it finds a problem."""
     _working_directory_on_path()
     fn, reference = _load(args.fn, "FN"), _load(args.reference, "--reference")
     dtype = _dtype(args.dtype)

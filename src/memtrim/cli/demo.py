@@ -49,6 +49,7 @@ _RUNS = (("nn.ReLU()", False), ("nn.ReLU(inplace=True)", True))
 
 
 def add_parser(sub: Any) -> None:
+    """Add the ``demo`` subcommand and its options to ``sub`` (argparse's subparsers)."""
     p = sub.add_parser("demo", help="run the built-in workload and write a report",
                        description="Measure the seed experiment (784-256-128-64-10 MLP, Fashion-MNIST, Adam) "
                        "with ReLU and in-place ReLU and write report.md, results.json and timeline plots.")
@@ -63,6 +64,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the demo with the parsed ``args`` and write report.md, results.json and the plots to ``args.out``."""
     device = _check_arguments(args)
     os.makedirs(args.out, exist_ok=True)
     train, test = _data(args)

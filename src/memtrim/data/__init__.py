@@ -38,6 +38,7 @@ class Dataset:
         return int(self.labels.shape[0])
 
     def subset(self, n: int) -> Dataset:
+        """The first ``n`` images and labels (all of them where there are fewer)."""
         return Dataset(self.images[:n], self.labels[:n], f"{self.source} (first {n})")
 
     def batches(

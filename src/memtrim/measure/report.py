@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from ..errors import MissingDependencyError
+from .plots import pyplot
 
 __all__ = ["CATEGORIES", "PHASES", "Category", "MemoryReport", "TimelineEvent", "format_bytes"]
 
@@ -43,9 +43,10 @@ class Category(str, Enum):
         return self.value
 
 
-# the category names as plain strings, in report order (the keys of every by-category dict)
 CATEGORIES: tuple[str, ...] = tuple(category.value for category in Category)
+"""The category names as plain strings, in report order (the keys of every by-category dict)."""
 PHASES = ("forward", "backward", "optimizer", "other")
+"""The phases a report names (``peak_phase``, :attr:`TimelineEvent.phase`), in training-step order."""
 
 _COLORS = {
     "parameters": "#4c72b0",
@@ -85,10 +86,12 @@ class TimelineEvent:
 
     @property
     def by_category(self) -> dict[str, int]:
+        """Live bytes per category right after this event."""
         return dict(zip(CATEGORIES, self.totals))
 
     @property
     def total_bytes(self) -> int:
+        """Live bytes, all categories together, right after this event."""
         return sum(self.totals)
 
 
@@ -116,6 +119,7 @@ class MemoryReport:
 
     @property
     def final_bytes(self) -> int:
+        """Live bytes, all categories together, when the tracker stopped."""
         return sum(self.final_by_category.values())
 
     @property
@@ -181,16 +185,7 @@ class MemoryReport:
         Raises:
             MissingDependencyError: matplotlib is not installed.
         """
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError as e:
-            raise MissingDependencyError(
-                "MemoryReport.plot needs matplotlib, which is not installed. Install it with "
-                "`pip install matplotlib` (or `pip install memtrim[plot]`), or use to_json() instead."
-            ) from e
+        plt = pyplot("MemoryReport.plot")
         x = list(range(len(self.timeline)))
         mib = 1024 * 1024
         series = [[e.totals[i] / mib for e in self.timeline] for i in range(len(CATEGORIES))]

@@ -27,6 +27,7 @@ class BasicBlock(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``relu2(bn2(conv2(relu1(bn1(conv1(x))))) + shortcut(x))``."""
         out = self.relu1(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
         return self.relu2(out + self.shortcut(x))
@@ -60,6 +61,7 @@ class ResNetCNN(nn.Module):
         self.head = nn.Linear(channels, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Class logits ``(N, num_classes)`` for images ``(N, in_channels, H, W)``."""
         x = self.stages(self.stem(x))
         return self.head(torch.flatten(self.pool(x), 1))
 

@@ -43,4 +43,5 @@ class CouplingMLP(nn.Module):
         self.out = nn.Linear(256, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities ``(N, 10)`` for images ``(N, 1, 28, 28)`` or flat ``(N, 784)``."""
         return F.log_softmax(self.out(self.hidden(torch.relu(self.inp(x.reshape(x.shape[0], -1))))), dim=1)

@@ -99,6 +99,7 @@ class SmallGPT(nn.Module):
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``(B, T, config.vocab_size)`` for token ids ``(B, T)``, ``T <= config.seq_len``."""
         t = idx.shape[1]
         if t > self.config.seq_len:
             raise InvalidInputError(

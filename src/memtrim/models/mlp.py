@@ -29,6 +29,7 @@ class SeedMLP(nn.Module):
         self.act3 = nn.ReLU(inplace=inplace)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities ``(N, 10)`` for images ``(N, 1, 28, 28)`` or flat ``(N, 784)``."""
         x = x.reshape(x.shape[0], -1)
         x = self.act1(self.fc1(x))
         x = self.act2(self.fc2(x))

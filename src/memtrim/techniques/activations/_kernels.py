@@ -17,7 +17,7 @@ from ...errors import ConvertError
 __all__ = [
     "autocasting", "CACHE_SIZE", "ConvertError", "KEEP_BOUND", "inplace_error", "keep_input_features",
     "native_batch_norm",
-    "no_double_backward", "per_channel", "plain_only", "zeros_and_ones",
+    "no_double_backward", "per_channel", "plain_only", "saved_tensors", "zeros_and_ones",
 ]
 
 native_batch_norm = torch.ops.aten.native_batch_norm.default
@@ -101,7 +101,7 @@ def plain_only() -> bool:
     """True under ``torch.compile`` (saved-tensor hooks and data-dependent shapes do not trace; the compiler plans its
     own memory) and under ``torch.func`` transforms (a custom autograd.Function needs rules they do not have): the
     modules then run as torch's own ops, exactly the unconverted model."""
-    return bool(getattr(torch.compiler, "is_compiling", lambda: False)()) or _functorch_active()
+    return torch.compiler.is_compiling() or _functorch_active()
 
 
 def autocasting(x: torch.Tensor) -> bool:
@@ -122,6 +122,14 @@ def inplace_error(owner: str, error: RuntimeError) -> BaseException:
         "before changing it in place, or leave this module out of memtrim.convert (module_filter, or pass "
         "example_inputs so convert sees the change and skips it)."
     )
+
+
+def saved_tensors(ctx: Any) -> tuple[Any, ...]:
+    """``ctx.saved_tensors``, with autograd's in-place error turned into one that names ``ctx.owner``."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as e:
+        raise inplace_error(ctx.owner, e) from e
 
 
 class _Refuse(torch.autograd.Function):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ...errors import InvalidInputError
-from ._kernels import inplace_error, plain_only
+from ._kernels import plain_only, saved_tensors
 
 __all__ = [
     "celu", "elu", "gelu", "hardsigmoid", "hardswish", "hardtanh", "leaky_relu", "mish", "relu", "relu6", "selu",
@@ -271,14 +271,6 @@ def _run(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool) -> torch.Tensor:
 # The backward formulas are torch ops with derivatives of their own (threshold_backward, elu_backward, ...), applied
 # to the kept tensor: under create_graph=True autograd differentiates them, through the kept output's own graph, as it
 # does for torch's in-place activations. So double backward works (a mask's second derivative is 0, as ReLU's).
-def _saved(ctx: Any) -> tuple[torch.Tensor, ...]:
-    """``ctx.saved_tensors``, with autograd's in-place error turned into one that names the module."""
-    try:
-        return ctx.saved_tensors
-    except RuntimeError as e:
-        raise inplace_error(ctx.owner, e) from e
-
-
 class _KeepOutput(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool, owner: str) -> torch.Tensor:
@@ -289,7 +281,7 @@ class _KeepOutput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        (y,) = _saved(ctx)
+        (y,) = saved_tensors(ctx)
         return ctx.rule.grad(grad, y), None, None, None
 
 
@@ -304,7 +296,7 @@ class _KeepMask(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        (packed,) = _saved(ctx)
+        (packed,) = saved_tensors(ctx)
         return ctx.rule.grad_from_mask(grad, unpack_mask(packed, ctx.shape)), None, None, None
 
 
@@ -321,7 +313,7 @@ class _KeepInput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        (x,) = _saved(ctx)
+        (x,) = saved_tensors(ctx)
         return ctx.rule.grad(grad, x), None, None, None
 
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ...errors import InvalidInputError
-from ._kernels import autocasting, inplace_error, keep_input_features, no_double_backward, plain_only
+from ._kernels import autocasting, keep_input_features, no_double_backward, plain_only, saved_tensors
 from .modules import owner
 
 __all__ = ["BatchNormAct1d", "BatchNormAct2d", "BatchNormAct3d"]
@@ -79,7 +79,7 @@ class _BatchNormActFunction(torch.autograd.Function):
     @staticmethod
     @no_double_backward
     def backward(ctx: Any, dz: torch.Tensor) -> tuple:
-        z, mean, invstd, weight, bias, kept, xhat_kept = _saved(ctx)
+        z, mean, invstd, weight, bias, kept, xhat_kept = saved_tensors(ctx)
         shape, activation, param = ctx.shape, ctx.activation, ctx.param
         if activation == "leaky_relu":
             y = torch.nn.functional.leaky_relu(z, 1.0 / param)  # the inverse of a leaky ReLU is a leaky ReLU
@@ -125,13 +125,6 @@ class _BatchNormActFunction(torch.autograd.Function):
             dx = scale * dy
         return (dx, dgamma if weight is not None else None, dbeta if bias is not None else None,
                 None, None, None, None, None, None, None, None, None)
-
-
-def _saved(ctx: Any) -> tuple:
-    try:
-        return ctx.saved_tensors
-    except RuntimeError as e:
-        raise inplace_error(ctx.owner, e) from e
 
 
 def batchnorm_arguments(bn: Any, input: torch.Tensor) -> tuple[float, bool, torch.Tensor | None,

@@ -32,23 +32,16 @@ from torch import nn
 from ...errors import InvalidInputError
 from ._kernels import (
     autocasting,
-    inplace_error,
     keep_input_features,
     no_double_backward,
     plain_only,
+    saved_tensors,
     zeros_and_ones,
 )
 from .functional import differentiable_grad
 from .modules import owner
 
 __all__ = ["ActLinear", "LayerNorm", "RMSNorm"]
-
-
-def _saved(ctx: Any) -> tuple:
-    try:
-        return ctx.saved_tensors
-    except RuntimeError as e:
-        raise inplace_error(ctx.owner, e) from e
 
 
 class _NormKeepOutput(torch.autograd.Function):
@@ -82,7 +75,7 @@ class _NormKeepOutput(torch.autograd.Function):
     @staticmethod
     @no_double_backward
     def backward(ctx: Any, dn: torch.Tensor) -> tuple:
-        out, mean, rstd, weight, bias, kept, xhat_kept = _saved(ctx)
+        out, mean, rstd, weight, bias, kept, xhat_kept = saved_tensors(ctx)
         dims = ctx.dims
         if weight is not None:  # xhat = (out - beta) / gamma in one pass
             inv_gamma = torch.where(weight == 0, torch.ones_like(weight), weight).reciprocal()
@@ -123,6 +116,8 @@ class LayerNorm(nn.LayerNorm):
         self.gamma_threshold = gamma_threshold
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``nn.LayerNorm``'s forward, keeping the output for backward (torch's own forward where nothing needs
+        a gradient, under autocast, ``torch.compile`` or ``torch.func``)."""
         if (not torch.is_grad_enabled() or plain_only() or autocasting(input)
                 or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))):
             return super().forward(input)
@@ -130,13 +125,7 @@ class LayerNorm(nn.LayerNorm):
                                      self.gamma_threshold, owner(self))
 
 
-if hasattr(nn, "RMSNorm"):
-    _RMSBase: Any = nn.RMSNorm
-else:  # pragma: no cover - torch < 2.4 has no nn.RMSNorm
-    _RMSBase = nn.Module
-
-
-class RMSNorm(_RMSBase):
+class RMSNorm(nn.RMSNorm):
     """``nn.RMSNorm`` that keeps its output instead of its input. See NOTE [ norms that keep their output ]."""
 
     def __init__(self, *args: Any, gamma_threshold: float = 0.0, **kwargs: Any) -> None:
@@ -144,6 +133,8 @@ class RMSNorm(_RMSBase):
         self.gamma_threshold = gamma_threshold
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``nn.RMSNorm``'s forward, keeping the output for backward (torch's own forward where nothing needs
+        a gradient, under autocast, ``torch.compile`` or ``torch.func``)."""
         eps = self.eps if self.eps is not None else torch.finfo(input.dtype).eps
         if (not torch.is_grad_enabled() or plain_only() or autocasting(input)
                 or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))):
@@ -174,7 +165,7 @@ class _ActLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        h, weight, bias = _saved(ctx)
+        h, weight, bias = saved_tensors(ctx)
         forward, backward = _ACT[ctx.activation]
         grad_2d = grad.reshape(-1, grad.shape[-1])
         dh = dweight = dbias = None
@@ -220,9 +211,11 @@ class ActLinear(nn.Linear):
         return new
 
     def extra_repr(self) -> str:
+        """The Linear's repr plus the activation it applies to its input."""
         return f"{super().extra_repr()}, activation={self.activation} (applied to the input, recomputed in backward)"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``linear(activation(input))``, keeping only ``input`` for backward (the activation is recomputed)."""
         if not torch.is_grad_enabled() or plain_only() or autocasting(input):
             return F.linear(_ACT[self.activation][0](input), self.weight, self.bias)
         return _ActLinearFunction.apply(input, self.weight, self.bias, self.activation, owner(self))

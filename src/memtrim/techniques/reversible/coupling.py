@@ -64,10 +64,12 @@ class AdditiveCoupling(nn.Module):
         self.split_dim = split_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Split ``x`` into halves along ``split_dim``, couple them (:meth:`couple`), and join the result."""
         y1, y2 = self.couple(*_split(self, x, self.split_dim), self.checked_call)
         return torch.cat([y1, y2], dim=self.split_dim)
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
+        """The block's input rebuilt from its output ``y`` (:meth:`uncouple` on its halves)."""
         x1, x2 = self.uncouple(*_split(self, y, self.split_dim), _call)
         return torch.cat([x1, x2], dim=self.split_dim)
 
@@ -116,10 +118,12 @@ class AffineCoupling(nn.Module):
         return (y - shift) / scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Split ``x`` into halves along ``split_dim``, couple them (:meth:`couple`), and join the result."""
         y1, y2 = self.couple(*_split(self, x, self.split_dim), self.scale_shift)
         return torch.cat([y1, y2], dim=self.split_dim)
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
+        """The block's input rebuilt from its output ``y`` (:meth:`uncouple` on its halves)."""
         x1, x2 = self.uncouple(*_split(self, y, self.split_dim), self.scale_shift)
         return torch.cat([x1, x2], dim=self.split_dim)
 

@@ -477,6 +477,8 @@ class ReversibleSequential(nn.Module):
         self.blocks = nn.ModuleList(blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The blocks applied in turn, keeping no block's input for backward (each is rebuilt from the block's
+        output there); a plain sequential call where grad is disabled."""
         if not isinstance(x, torch.Tensor):
             raise InvalidInputError(f"memtrim.ReversibleSequential: input must be a tensor, got {type(x).__name__}.")
         if not torch.is_grad_enabled() or len(self.blocks) == 0:
