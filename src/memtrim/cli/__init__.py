@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from ..errors import MemtrimError
-from . import check_inplace, demo
+from . import check_inplace, demo, plan
 
 __all__ = ["main"]
 
-_SUBCOMMANDS = {"demo": demo, "check-inplace": check_inplace}
+_SUBCOMMANDS = {"demo": demo, "check-inplace": check_inplace, "plan": plan, "profile": plan}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     found, 2 a usage error (printed as one line on stderr)."""
     parser = argparse.ArgumentParser(prog="memtrim", description="Train neural networks in less memory, measured.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module in _SUBCOMMANDS.values():
+    for module in dict.fromkeys(_SUBCOMMANDS.values()):  # plan.py adds both plan and profile
         module.add_parser(sub)
     args = parser.parse_args(argv)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -200,6 +201,7 @@ def plan(
     device: str | torch.device | None = None,
     techniques: Sequence[str] | None = None,
     calibrate_time: bool = False,
+    depth: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Plans:
     """Rank the combinations of memtrim's techniques that make one training step fit ``budget``.
@@ -221,6 +223,10 @@ def plan(
             only when it is present; a CUDA plan made on a CPU-only machine traces CPU kernels (said in the notes).
         techniques: the names to combine (default all of ``memtrim.planner.TECHNIQUES``).
         calibrate_time: measure the device's throughput first (when present) instead of the default constants.
+        depth: for a deep stack of identical blocks (a 7B decoder): ``model_or_factory`` is then a function of the
+            number of blocks; each plan is traced at 2 and 3 blocks and every category of its peak, and its work, is
+            extrapolated linearly to ``depth`` (exact where the peak sits at the same place in every block; the
+            notes say it is an extrapolation, ``benchmarks/plan_llama.py`` measures the error against full traces).
         progress: called with a line per traced plan.
 
     Returns:
@@ -255,20 +261,28 @@ def plan(
             + ": apply memtrim.offload_module by hand"
         )
     cost = calibrate(dev) if calibrate_time else device_cost(dev)
-    traces: dict[tuple[str, ...], StepTrace] = {}
+    if depth is not None:
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 3 or isinstance(model_or_factory,
+                                                                                            nn.Module):
+            raise InvalidInputError(
+                f"{_API}: depth must be an int >= 3 with model_or_factory a function of the number of blocks, got "
+                f"depth={depth!r} and {type(model_or_factory).__name__}."
+            )
+        notes.append(f"peaks extrapolated linearly from traces with 2 and 3 blocks to {depth} blocks")
+    estimates: dict[tuple[str, ...], _Estimate] = {}
     for combo in combinations(names):
         try:
-            traces[combo] = trace_step(model_or_factory, example_inputs, targets, loss_fn, optimizer_factory,
-                                       [TECHNIQUES[n] for n in combo])
+            estimates[combo] = _estimate(model_or_factory, example_inputs, targets, loss_fn, optimizer_factory,
+                                         combo, depth)
         except LookupError as e:  # the technique has nothing to do on this model
             notes.append(f"{'+'.join(combo)}: left out ({e})")
             continue
         if progress is not None:
-            progress(f"{'+'.join(combo) or 'plain'}: {format_bytes(traces[combo].report.peak_bytes)}")
-    plain = traces[()]
+            progress(f"{'+'.join(combo) or 'plain'}: {format_bytes(estimates[combo].peak_bytes)}")
+    plain = estimates[()]
     base = cost.seconds(plain.flops, plain.moved_bytes)
     real_inputs = None if any(t.device.type == "meta" or _is_fake(t) for t in tensors) else example_inputs
-    plans = [_plan(combo, trace, base, cost, limit, real_inputs) for combo, trace in traces.items()]
+    plans = [_plan(combo, e, base, cost, limit, real_inputs) for combo, e in estimates.items()]
     fitting = sorted((p for p in plans if p.fits), key=lambda p: (round(p.time_ratio, 3), p.numerics != "bitwise",
                                                                   p.peak_bytes))
     rejected = sorted((p for p in plans if not p.fits), key=lambda p: p.peak_bytes)
@@ -278,7 +292,7 @@ def plan(
         raise PlanError(
             f"{_API}: no plan fits {format_bytes(limit)}. The closest, {closest.name}, peaks at "
             f"{format_bytes(closest.peak_bytes)} ({format_bytes(closest.peak_bytes - limit)} over; the plain step "
-            f"{format_bytes(plain.report.peak_bytes)}). Lower the batch or sequence length, or add memory.",
+            f"{format_bytes(plain.peak_bytes)}). Lower the batch or sequence length, or add memory.",
             plans=result,
         )
     return result
@@ -290,19 +304,54 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def _plan(combo: tuple[str, ...], trace: StepTrace, base: float, cost: DeviceCost, limit: int,
+@dataclass(frozen=True)
+class _Estimate:
+    peak_by_category: dict[str, int]
+    peak_phase: str
+    flops: int
+    moved_bytes: int
+    notes: tuple[str, ...]
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.peak_by_category.values())
+
+    @classmethod
+    def of(cls, trace: StepTrace) -> _Estimate:
+        report = trace.report
+        return cls(dict(report.peak_by_category), report.peak_phase, trace.flops, trace.moved_bytes, trace.notes)
+
+
+def _estimate(model_or_factory: Any, inputs: Any, targets: Any, loss_fn: Any, optimizer_factory: Any,
+              combo: tuple[str, ...], depth: int | None) -> _Estimate:
+    techniques = [TECHNIQUES[n] for n in combo]
+    if depth is None:
+        return _Estimate.of(trace_step(model_or_factory, inputs, targets, loss_fn, optimizer_factory, techniques))
+    two, three = (_Estimate.of(trace_step(functools.partial(model_or_factory, n), inputs, targets, loss_fn,
+                                          optimizer_factory, techniques)) for n in (2, 3))
+    more = depth - 3
+
+    def grow(a: int, b: int) -> int:
+        return b + (b - a) * more
+
+    return _Estimate(
+        {k: grow(two.peak_by_category.get(k, 0), v) for k, v in three.peak_by_category.items()},
+        three.peak_phase, grow(two.flops, three.flops), grow(two.moved_bytes, three.moved_bytes), three.notes,
+    )
+
+
+def _plan(combo: tuple[str, ...], estimate: _Estimate, base: float, cost: DeviceCost, limit: int,
           inputs: Any) -> Plan:
-    report = trace.report
     numerics = "tolerance" if any(TECHNIQUES[n].numerics != "bitwise" for n in combo) else "bitwise"
     return Plan(
         techniques=combo,
-        peak_bytes=report.peak_bytes,
-        peak_by_category=dict(report.peak_by_category),
-        peak_phase=report.peak_phase,
-        time_ratio=cost.seconds(trace.flops, trace.moved_bytes) / base,
+        peak_bytes=estimate.peak_bytes,
+        peak_by_category=estimate.peak_by_category,
+        peak_phase=estimate.peak_phase,
+        time_ratio=cost.seconds(estimate.flops, estimate.moved_bytes) / base,
         numerics=numerics,
-        fits=report.peak_bytes <= limit,
-        notes=trace.notes,
+        fits=estimate.peak_bytes <= limit,
+        notes=estimate.notes,
         _example_inputs=inputs,
     )
 

@@ -1,0 +1,147 @@
+"""memtrim.plan's predictions against measurements: for each model and each technique combination, the peak of a
+steady-state AdamW step predicted on fake tensors vs measured by memtrim's tracker on real CPU tensors; then a budget
+sweep (the chosen plan always fits when measured, and is never slower at a larger budget) and, for the HF Llama-7B
+plan, the time it takes and the depth extrapolation's error against full traces.
+
+Reproduce:  .venv/bin/python benchmarks/plan_accuracy.py            (small GPT, ResNet-style CNN)
+            zoovenv/bin/python benchmarks/plan_accuracy.py --hf     (adds an HF Llama-style decoder and Llama-7B;
+                                                                     the venv of benchmarks/convert_zoo.py)
+Writes benchmarks/results/plan_accuracy_cpu.json. Memory only: no timings but the planner's own wall time.
+"""
+
+import argparse
+import functools
+import time
+
+import torch
+import torch.nn.functional as F
+from _common import machine, write
+
+import memtrim
+from memtrim.models import GPTConfig, ResNetCNN, SmallGPT
+from memtrim.planner import TECHNIQUES, combinations, trace_step
+
+NAMES = ["selective", "checkpoint", "in_backward", "in_backward_each"]
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _gpt_loss(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def _hf_loss(out, _):
+    return out.loss
+
+
+def workloads(hf: bool) -> dict:
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 256, (8, 128))
+    out = {
+        "small GPT (4 layers, d=256, seq 128, batch 8)": (
+            functools.partial(SmallGPT, GPTConfig(n_layer=4, d_model=256, n_head=4, seq_len=128)), tokens, tokens,
+            _gpt_loss),
+        "ResNet-style CNN (batch 32)": (ResNetCNN, torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,)),
+                                        F.cross_entropy),
+    }
+    if hf:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=4, vocab_size=1024, use_cache=False)
+        ids = torch.randint(0, 1024, (4, 128))
+        out["HF Llama-style decoder (4 layers, d=256, seq 128, batch 4)"] = (
+            functools.partial(LlamaForCausalLM, config), {"input_ids": ids, "labels": ids}, None, _hf_loss)
+    return out
+
+
+def accuracy(hf: bool) -> list[dict]:
+    rows = []
+    for name, (factory, x, y, loss) in workloads(hf).items():
+        for combo in combinations(NAMES):
+            techniques = [TECHNIQUES[n] for n in combo]
+            try:
+                predicted = trace_step(factory, x, y, loss, _adamw, techniques).report
+            except LookupError:
+                continue
+            measured = trace_step(factory, x, y, loss, _adamw, techniques, fake=False).report
+            rows.append({"model": name, "plan": "+".join(combo) or "plain", "predicted": predicted.peak_bytes,
+                         "measured": measured.peak_bytes, "equal": predicted.peak_bytes == measured.peak_bytes,
+                         "categories_equal": dict(predicted.peak_by_category) == dict(measured.peak_by_category)})
+            print(rows[-1])
+    return rows
+
+
+def sweep() -> dict:
+    factory, x, y, loss = workloads(False)["small GPT (4 layers, d=256, seq 128, batch 8)"]
+    everything = memtrim.plan(factory, x, loss, _adamw, targets=y, budget=1 << 40, techniques=NAMES)
+    peaks = sorted({p.peak_bytes for p in everything.all}, reverse=True)
+    steps, last_time = [], 0.0
+    for budget in peaks:
+        best = memtrim.plan(factory, x, loss, _adamw, targets=y, budget=budget, techniques=NAMES).best
+        measured = trace_step(factory, x, y, loss, _adamw, [TECHNIQUES[n] for n in best.techniques],
+                              fake=False).report.peak_bytes
+        exhaustive = min(p.time_ratio for p in everything.all if p.peak_bytes <= budget)
+        steps.append({"budget": budget, "plan": best.name, "predicted": best.peak_bytes, "measured": measured,
+                      "fits": measured <= budget, "time_ratio": best.time_ratio,
+                      "exhaustive_best_time_ratio": exhaustive, "slower_than_at_a_larger_budget":
+                      best.time_ratio < last_time})
+        last_time = best.time_ratio
+        print(steps[-1])
+    return {"budgets": steps}
+
+
+def llama7b() -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    base = LlamaConfig(use_cache=False)
+
+    def build(n):
+        config = LlamaConfig(use_cache=False, num_hidden_layers=n)
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            return LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(torch.float32)
+
+    ids = torch.randint(0, 32000, (1, 2048))
+    batch = {"input_ids": ids, "labels": ids}
+
+    def adamw(m):
+        return torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False)
+
+    start = time.perf_counter()
+    plans = memtrim.plan(build, batch, _hf_loss, adamw, budget=1 << 50, depth=base.num_hidden_layers,
+                         techniques=NAMES)
+    seconds = time.perf_counter() - start
+    # the extrapolation against a full 32-layer trace, for two plans
+    full = {}
+    for combo in [(), ("checkpoint", "in_backward")]:
+        report = trace_step(functools.partial(build, base.num_hidden_layers), batch, None, _hf_loss, adamw,
+                            [TECHNIQUES[n] for n in combo]).report
+        predicted = next(p for p in plans.all if p.techniques == combo).peak_bytes
+        full["+".join(combo) or "plain"] = {"extrapolated": predicted, "full_trace": report.peak_bytes,
+                                            "relative_error": (predicted - report.peak_bytes) / report.peak_bytes}
+        print(full)
+    return {"seconds_to_plan": seconds, "plans": [{"plan": p.name, "peak": p.peak_bytes, "phase": p.peak_phase,
+                                                   "by_category": p.peak_by_category, "time_ratio": p.time_ratio}
+                                                  for p in plans.all], "extrapolation": full}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hf", action="store_true", help="add HF Llama models (needs transformers)")
+    args = parser.parse_args()
+    result = {"machine": machine(), "accuracy": accuracy(args.hf), "sweep": sweep()}
+    if args.hf:
+        import transformers
+
+        result["transformers"] = transformers.__version__
+        result["llama_7b"] = llama7b()
+    print(write("plan_accuracy_cpu.json", result))
+
+
+if __name__ == "__main__":
+    main()

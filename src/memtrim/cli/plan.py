@@ -1,0 +1,182 @@
+"""``memtrim plan`` and ``memtrim profile``: will a language model's training step fit a memory budget?
+
+``memtrim plan --model llama-7b --batch 1 --seq 2048 --dtype bf16 --optimizer adamw --budget 24GiB`` builds the model
+on fake tensors (``llama-7b``: transformers' ``LlamaConfig()`` defaults, which are Llama-2-7B's sizes; ``small-gpt``:
+memtrim's own; or ``pkg.module:factory``, a function returning a causal LM that takes token ids), ranks the plans
+(``memtrim.plan``), prints them as a table and writes a stacked-bar PNG of each plan's predicted peak. ``memtrim
+profile`` predicts one configuration (``--techniques``) and writes its timeline plot. Exit status: 0 a plan fits,
+1 none fits, 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memtrim
+
+from .check_inplace import _load, _working_directory_on_path
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+_OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD,
+}
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="llama-7b, small-gpt, or pkg.module:factory (a causal LM)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="parameter dtype (pure, no AMP)")
+    p.add_argument("--optimizer", default="adamw", choices=sorted(_OPTIMIZERS))
+    p.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None,
+                   help="the optimizer's foreach kernels (default: torch's choice for the device: on for cuda)")
+    p.add_argument("--device", default="cuda", help="the device the plan is for (default cuda)")
+    p.add_argument("--layers", type=int, default=None, help="override the model's number of blocks")
+
+
+def add_parser(sub: Any) -> None:
+    """Add the ``plan`` and ``profile`` subcommands to ``sub`` (argparse's subparsers)."""
+    p = sub.add_parser("plan", help="which techniques make a training step fit a memory budget",
+                       description=__doc__)
+    _common(p)
+    p.add_argument("--budget", required=True, help="e.g. 24GiB, 80GB, or bytes")
+    p.add_argument("--plot", default="memtrim_plan.png", help="where the stacked-bar PNG goes ('' for none)")
+    q = sub.add_parser("profile", help="the predicted memory timeline of one training step",
+                       description=__doc__)
+    _common(q)
+    q.add_argument("--techniques", default="", help="comma-separated, e.g. checkpoint,in_backward (default none)")
+    q.add_argument("--plot", default="memtrim_profile.png", help="where the timeline PNG goes ('' for none)")
+
+
+def _hf_llama(layers: int | None, dtype: torch.dtype) -> tuple[Callable[[int], nn.Module], int]:
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        raise memtrim.MissingDependencyError(
+            "memtrim plan: --model llama-7b needs transformers (`pip install memtrim[models]`, or "
+            "`pip install transformers`); or pass --model pkg.module:factory."
+        ) from e
+    config = LlamaConfig()
+    config.use_cache = False
+    return (lambda n: _in_dtype(dtype, lambda: LlamaForCausalLM(_with_layers(config, n)))), (
+        layers or config.num_hidden_layers)
+
+
+def _with_layers(config: Any, n: int) -> Any:
+    import copy
+
+    config = copy.deepcopy(config)
+    config.num_hidden_layers = n
+    return config
+
+
+def _small_gpt(layers: int | None, dtype: torch.dtype, seq: int) -> tuple[Callable[[int], nn.Module], int]:
+    def build(n: int) -> nn.Module:
+        return _in_dtype(dtype, lambda: memtrim.models.SmallGPT(n_layer=n, seq_len=seq))
+
+    return build, layers or 4
+
+
+def _in_dtype(dtype: torch.dtype, build: Callable[[], nn.Module]) -> nn.Module:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return build()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _lm_loss(out: Any, tokens: torch.Tensor) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if loss is not None:
+        return loss
+    logits = out.logits if hasattr(out, "logits") else out
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def _setup(args: argparse.Namespace) -> dict[str, Any]:
+    for name in ("batch", "seq"):
+        if getattr(args, name) < 1:
+            raise memtrim.InvalidInputError(f"memtrim {args.command}: --{name} must be >= 1.")
+    dtype = _DTYPES[args.dtype]
+    tokens = torch.randint(0, 256, (args.batch, args.seq))
+    depth = None
+    if args.model == "llama-7b":
+        build, depth = _hf_llama(args.layers, dtype)
+        inputs: Any = {"input_ids": tokens, "labels": tokens}
+    elif args.model == "small-gpt":
+        build, depth = _small_gpt(args.layers, dtype, args.seq)
+        inputs = tokens
+    else:
+        _working_directory_on_path()
+        factory = _load(args.model, "--model")
+        build, inputs = (lambda n: _in_dtype(dtype, factory)), tokens
+    foreach = args.foreach if args.foreach is not None else torch.device(args.device).type == "cuda"
+    make_optimizer = functools.partial(_optimizer, _OPTIMIZERS[args.optimizer], foreach)
+    if depth is not None and depth >= 3:
+        model: Any = build
+    else:
+        model, depth = functools.partial(build, depth or 0), None
+    return {"model_or_factory": model, "example_inputs": inputs, "loss_fn": _lm_loss,
+            "optimizer_factory": make_optimizer, "targets": tokens, "device": args.device, "depth": depth}
+
+
+def _optimizer(kind: Callable[..., torch.optim.Optimizer], foreach: bool, model: nn.Module) -> torch.optim.Optimizer:
+    extra = {"momentum": 0.9} if kind is torch.optim.SGD else {}
+    return kind(model.parameters(), lr=1e-4, foreach=foreach, **extra)
+
+
+def _progress() -> Callable[[str], None]:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return lambda line: print(f"  traced {line}", file=sys.stderr)
+    bar = tqdm(desc="tracing plans", unit="plan", file=sys.stderr)
+
+    def step(line: str) -> None:
+        bar.set_postfix_str(line)
+        bar.update()
+
+    return step
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``plan`` or ``profile``; see the module docstring for the exit status."""
+    setup = _setup(args)
+    if args.command == "profile":
+        names = [n for n in args.techniques.split(",") if n]
+        setup["budget"] = 1 << 62
+        plans = memtrim.plan(**setup, techniques=names, progress=_progress())
+        chosen = next(p for p in plans.all if p.techniques == tuple(n for n in memtrim.planner.TECHNIQUES
+                                                                     if n in names))
+        print(f"{chosen.name}: predicted peak {memtrim.format_bytes(chosen.peak_bytes)} ({chosen.peak_phase})")
+        for category, value in chosen.peak_by_category.items():
+            print(f"  {category:16s} {memtrim.format_bytes(value)}")
+        if args.plot and setup["depth"] is None:
+            trace = memtrim.planner.trace_step(setup["model_or_factory"], setup["example_inputs"], setup["targets"],
+                                               _lm_loss, setup["optimizer_factory"],
+                                               [memtrim.planner.TECHNIQUES[n] for n in chosen.techniques])
+            trace.report.plot(args.plot)
+            print(f"timeline: {args.plot}")
+        return 0
+    budget = memtrim.planner.parse_bytes(args.budget)  # a usage error before any progress bar
+    try:
+        plans = memtrim.plan(**setup, budget=budget, progress=_progress())
+    except memtrim.PlanError as e:
+        print(e.plans if e.plans is not None else "", file=sys.stdout)
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(plans)
+    if args.plot:
+        plans.plot(args.plot)
+        print(f"plot: {args.plot}")
+    return 0
