@@ -15,9 +15,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _common import machine, write
 
 import memtrim
+from _common import machine, write
 from memtrim.models import GPTConfig, ResNetCNN, SmallGPT
 from memtrim.planner import TECHNIQUES, combinations, trace_step
 
