@@ -54,6 +54,7 @@ from .techniques.convert import (
 )
 from .techniques.offload import OffloadActivations, OffloadHandle, offload_module
 from .techniques.optim import OptimizerInBackward
+from .techniques.optim_state import CPUOffloadOptimizer
 from .techniques.reversible import AdditiveCoupling, AffineCoupling, ReversibleSequential
 
 __version__ = "0.1.0"
@@ -63,6 +64,7 @@ __all__ = [
     "AdditiveCoupling",
     "AffineCoupling",
     "CATEGORIES",
+    "CPUOffloadOptimizer",
     "Candidate",
     "Category",
     "Change",

@@ -142,3 +142,22 @@ def test_a_model_without_blocks_leaves_checkpointing_out_and_says_so():
     plans = memtrim.plan(SeedMLP(), x, F.nll_loss, _adamw, targets=y, budget="1GiB")
     assert {p.techniques for p in plans.all} == {(), ("in_backward",), ("in_backward_each",)}
     assert any("checkpoint: left out (no repeated block class" in n for n in plans.notes)
+
+
+def test_a_cuda_plan_made_on_a_cpu_machine_can_put_optimizer_state_on_the_host():
+    x, y = _batch()
+    plans = memtrim.plan(_gpt(), x, _gpt_loss, _adamw, targets=y, budget=1 << 40, device="cuda",
+                         techniques=["checkpoint", "offload_state", "in_backward"])
+    by = {p.techniques: p for p in plans.all}
+    assert set(by) == {(), ("checkpoint",), ("offload_state",), ("in_backward",), ("checkpoint", "offload_state"),
+                       ("checkpoint", "in_backward")}
+    plain, off = by[()], by[("offload_state",)]
+    params = list(_gpt().parameters())
+    moments = 2 * sum(p.numel() * 4 for p in params)
+    # AdamW's step counters are scalar tensors made on the CPU (the host on a GPU machine; counted here): 4 B each
+    assert plain.peak_by_category["optimizer_state"] == moments + 4 * len(params)
+    assert off.peak_by_category["optimizer_state"] == 4 * len(params) and off.peak_bytes < plain.peak_bytes - moments
+    assert off.numerics == "tolerance" and plain.numerics == "bitwise"
+    assert off.time_ratio > 1  # the host step and the copies cost time
+    if not torch.cuda.is_available():
+        assert any("traced with CPU kernels" in n for n in plans.notes)

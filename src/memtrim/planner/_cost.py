@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidInputError
+from ._trace import Work
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,16 @@ class DeviceCost:
         """The modelled time of work that does ``flops`` and reads/writes ``moved_bytes``."""
         return flops / self.flops_per_s + moved_bytes / self.bytes_per_s
 
+    def step_seconds(self, work: Work) -> float:
+        """The modelled time of a step's :class:`Work`: device work here, host work at the host's default
+        throughput, copies between them at ``HOST_LINK_BYTES_PER_S`` (not overlapped: an upper bound)."""
+        host = _DEFAULTS["cpu"]
+        return (self.seconds(work.flops, work.moved) + host.seconds(work.host_flops, work.host_moved)
+                + work.transferred / HOST_LINK_BYTES_PER_S)
+
+
+HOST_LINK_BYTES_PER_S = 2.5e10
+"""Host-device copy bandwidth of the time model (PCIe 4.0 x16, about what pinned copies reach)."""
 
 _DEFAULTS = {
     "cpu": DeviceCost("cpu", 5e10, 1e10),

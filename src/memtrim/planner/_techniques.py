@@ -17,15 +17,17 @@ from torch import nn
 from ..techniques.checkpoint import checkpoint_modules
 from ..techniques.offload import offload_module
 from ..techniques.optim import OptimizerInBackward
+from ..techniques.optim_state import CPUOffloadOptimizer
 
 
 class Applied:
     """A (model, optimizer) pair with techniques applied in turn, and how to undo the in-place ones."""
 
-    def __init__(self, model: nn.Module, optimizer: Any, example_inputs: Any) -> None:
+    def __init__(self, model: nn.Module, optimizer: Any, example_inputs: Any, host: str = "cpu") -> None:
         self.model = model
         self.optimizer = optimizer
         self.example_inputs = example_inputs
+        self.host = host  # where offloaded state goes: "meta" in a prediction, so it is not counted on the device
         self._undo: list[Callable[[], None]] = []
 
     @property
@@ -94,6 +96,14 @@ def _in_backward(**options: Any) -> Callable[[Applied], list[str]]:
     return apply
 
 
+def _offload_state(applied: Applied) -> list[str]:
+    optimizer = applied.optimizer
+    groups = [dict(group) for group in optimizer.param_groups]  # every option of each group, with its params
+    applied.optimizer = CPUOffloadOptimizer(groups, type(optimizer), host=applied.host)
+    applied._undo.append(applied.optimizer.remove)
+    return [f"{type(optimizer).__name__} state and gradients in host memory"]
+
+
 def _offload(applied: Applied) -> list[str]:
     handle = offload_module(applied.model)
     applied._undo.append(handle.remove)
@@ -107,6 +117,8 @@ TECHNIQUES: dict[str, Technique] = {
                   _checkpoint("save_matmuls")),
         Technique("checkpoint", "bitwise", "checkpoint each block (keep only its input)", _checkpoint(None)),
         Technique("offload", "bitwise", "saved activations wait in host memory", _offload),
+        Technique("offload_state", "tolerance", "optimizer state and gradients in host memory, the step on the host "
+                  "(CPUOffloadOptimizer; the host's kernels round differently from a GPU's)", _offload_state),
         Technique("in_backward", "bitwise", "the optimizer step fused into backward (OptimizerInBackward)",
                   _in_backward()),
         Technique("in_backward_each", "bitwise", "the step fused into backward, one parameter at a time as soon "
@@ -116,5 +128,5 @@ TECHNIQUES: dict[str, Technique] = {
 }
 """Every technique a plan can use, by name, in the order they are applied."""
 
-EXCLUSIVE = (frozenset({"selective", "checkpoint"}), frozenset({"in_backward", "in_backward_each"}))
-"""Techniques that do not combine (one checkpointing policy per block, one optimizer wrapper)."""
+EXCLUSIVE = (frozenset({"selective", "checkpoint"}), frozenset({"in_backward", "in_backward_each", "offload_state"}))
+"""Techniques that do not combine (one checkpointing policy per block, one way of stepping the optimizer)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import torch
@@ -30,33 +30,54 @@ from ._techniques import Applied, Technique
 
 
 @dataclass(frozen=True)
+class Work:
+    """The work of a step, for the time model: floating-point operations and bytes read and written on the device
+    and on the host (offloaded state), and bytes copied between them."""
+
+    flops: int = 0
+    moved: int = 0
+    host_flops: int = 0
+    host_moved: int = 0
+    transferred: int = 0
+
+    def extrapolate(self, smaller: Work, times: int) -> Work:
+        """This work plus ``times`` more of the difference to ``smaller`` (one more block each)."""
+        return Work(*(b + (b - a) * times for a, b in zip(astuple(smaller), astuple(self))))
+
+
+@dataclass(frozen=True)
 class StepTrace:
     """What one traced step did: the tracker's report, and the work it did (for the time model)."""
 
     report: MemoryReport
-    flops: int
-    moved_bytes: int
+    work: Work
     notes: tuple[str, ...]
 
 
 class _CostMode(TorchDispatchMode):
-    """Counts floating-point operations (torch's own flop formulas) and bytes read and written by every op."""
+    """Counts floating-point operations (torch's own flop formulas) and bytes read and written by every op, apart
+    for ops on ``host`` (in a prediction the offloaded state's fake device) and copies between host and device."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str) -> None:
         super().__init__()
-        self.flops = 0
-        self.moved = 0
+        self.host = host
+        self.counts = [0, 0, 0, 0, 0]  # the fields of Work
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        tensors = [t for t in (*tensors_in((args, kwargs)), *tensors_in(out)) if t.layout is torch.strided]
+        on_host = [t.device.type == self.host for t in tensors]
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        if any(on_host) and not all(on_host):
+            self.counts[4] += nbytes // 2  # a copy between host and device: what crosses once
+            return out
+        where = 2 if on_host and all(on_host) else 0
         packet = getattr(func, "overloadpacket", None)
         counter = flop_registry.get(packet) if packet is not None else None
         if counter is not None:
-            self.flops += int(counter(*args, **kwargs, out_val=out))
-        for tensor in (*tensors_in((args, kwargs)), *tensors_in(out)):
-            if tensor.layout is torch.strided:
-                self.moved += tensor.numel() * tensor.element_size()
+            self.counts[where] += int(counter(*args, **kwargs, out_val=out))
+        self.counts[where + 1] += nbytes
         return out
 
 
@@ -146,11 +167,11 @@ def trace_step(
             with device if device is not None else contextlib.nullcontext():
                 model = _build(model_or_factory)
         optimizer = optimizer_factory(model)
-        applied = Applied(model, optimizer, inputs)
+        applied = Applied(model, optimizer, inputs, host="meta" if fake else "cpu")
         for technique in techniques:
             notes.extend(technique.apply(applied))
         _step(applied.model, applied.optimizer, inputs, targets, loss_fn)
-        cost = _CostMode()
+        cost = _CostMode(applied.host if fake else "")  # a real run here has no host apart from the device
         with track(applied.model, applied.inner_optimizer) as tracker:
             for tensor in tensors_in((inputs, targets)):
                 tracker.label(tensor, Category.INPUTS)
@@ -158,4 +179,4 @@ def trace_step(
                 _step(applied.model, applied.optimizer, inputs, targets, loss_fn)
         report = tracker.report()
         applied.undo()
-    return StepTrace(report=report, flops=cost.flops, moved_bytes=cost.moved, notes=tuple(notes))
+    return StepTrace(report=report, work=Work(*cost.counts), notes=tuple(notes))

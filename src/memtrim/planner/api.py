@@ -16,7 +16,7 @@ from ..errors import InvalidInputError, PlanError
 from ..measure import format_bytes, pyplot
 from ._cost import DeviceCost, calibrate, device_cost
 from ._techniques import EXCLUSIVE, TECHNIQUES, Applied, Technique
-from ._trace import StepTrace, trace_step
+from ._trace import StepTrace, Work, trace_step
 
 _API = "memtrim.plan"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -255,11 +255,11 @@ def plan(
         )
     if "offload" in names:
         names.remove("offload")
-        notes.append(
-            "offload: left out; the planner does not model host memory yet"
-            + (" (and on this device host memory is the device's)" if dev.type in ("cpu", "meta") else "")
-            + ": apply memtrim.offload_module by hand"
-        )
+        notes.append("offload: left out; the planner does not model offloaded activations yet: apply "
+                     "memtrim.offload_module by hand")
+    if "offload_state" in names and dev.type in ("cpu", "meta"):
+        names.remove("offload_state")
+        notes.append(f"offload_state: left out; on {dev.type} host memory is the device's")
     cost = calibrate(dev) if calibrate_time else device_cost(dev)
     if depth is not None:
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 3 or isinstance(model_or_factory,
@@ -280,7 +280,7 @@ def plan(
         if progress is not None:
             progress(f"{'+'.join(combo) or 'plain'}: {format_bytes(estimates[combo].peak_bytes)}")
     plain = estimates[()]
-    base = cost.seconds(plain.flops, plain.moved_bytes)
+    base = cost.step_seconds(plain.work)
     real_inputs = None if any(t.device.type == "meta" or _is_fake(t) for t in tensors) else example_inputs
     plans = [_plan(combo, e, base, cost, limit, real_inputs) for combo, e in estimates.items()]
     fitting = sorted((p for p in plans if p.fits), key=lambda p: (round(p.time_ratio, 3), p.numerics != "bitwise",
@@ -308,8 +308,7 @@ def _is_fake(t: torch.Tensor) -> bool:
 class _Estimate:
     peak_by_category: dict[str, int]
     peak_phase: str
-    flops: int
-    moved_bytes: int
+    work: Work
     notes: tuple[str, ...]
 
     @property
@@ -319,7 +318,7 @@ class _Estimate:
     @classmethod
     def of(cls, trace: StepTrace) -> _Estimate:
         report = trace.report
-        return cls(dict(report.peak_by_category), report.peak_phase, trace.flops, trace.moved_bytes, trace.notes)
+        return cls(dict(report.peak_by_category), report.peak_phase, trace.work, trace.notes)
 
 
 def _estimate(model_or_factory: Any, inputs: Any, targets: Any, loss_fn: Any, optimizer_factory: Any,
@@ -336,7 +335,7 @@ def _estimate(model_or_factory: Any, inputs: Any, targets: Any, loss_fn: Any, op
 
     return _Estimate(
         {k: grow(two.peak_by_category.get(k, 0), v) for k, v in three.peak_by_category.items()},
-        three.peak_phase, grow(two.flops, three.flops), grow(two.moved_bytes, three.moved_bytes), three.notes,
+        three.peak_phase, three.work.extrapolate(two.work, more), three.notes,
     )
 
 
@@ -348,7 +347,7 @@ def _plan(combo: tuple[str, ...], estimate: _Estimate, base: float, cost: Device
         peak_bytes=estimate.peak_bytes,
         peak_by_category=estimate.peak_by_category,
         peak_phase=estimate.peak_phase,
-        time_ratio=cost.seconds(estimate.flops, estimate.moved_bytes) / base,
+        time_ratio=cost.step_seconds(estimate.work) / base,
         numerics=numerics,
         fits=estimate.peak_bytes <= limit,
         notes=estimate.notes,

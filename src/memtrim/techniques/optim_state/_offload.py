@@ -1,0 +1,182 @@
+"""Optimizer state (and gradients) in host memory: ``CPUOffloadOptimizer``.
+
+NOTE [ offloaded optimizer state ]
+The wrapped ``torch.optim`` optimizer is built over host copies of the parameters, so its state (AdamW's two
+moments: twice the parameters) never exists on the device. With ``offload_gradients=True`` each parameter's gradient
+is copied into its host copy's ``.grad`` as soon as autograd has accumulated it (a post-accumulate-grad hook) and the
+device gradient is freed, so the full set of gradients never exists on the device either. ``step()`` runs the
+optimizer on the host and copies every updated host parameter back into its device parameter (in place: references
+to the device parameters stay valid). The host copies are made in the parameters' dtype: the update is the
+optimizer's arithmetic on the host's kernels. Where host and device are one (a CPU model), that is the same
+arithmetic as the standard loop, bitwise (tests); on a GPU it is the CPU kernel's rounding (``numerics="tolerance"``).
+``param_groups``, ``state`` and ``state_dict`` are the host optimizer's, so LR schedulers work on this object.
+Gradient accumulation works (hooks add into the host gradient); clipping by norm must use ``clip_grad_norm_`` on
+``host_parameters()`` after backward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ...errors import InvalidInputError
+
+_API = "memtrim.CPUOffloadOptimizer"
+
+
+class CPUOffloadOptimizer(torch.optim.Optimizer):
+    """Keep an optimizer's state (and, by default, the gradients) in host memory; step there.
+
+    Args:
+        params: the device parameters, or parameter groups (dicts with ``"params"`` and per-group options).
+        optimizer_class: a ``torch.optim`` optimizer class (default ``torch.optim.AdamW``).
+        offload_gradients: move each gradient to the host as soon as it is ready and free it on the device.
+        host: where the state lives (default ``"cpu"``; pinned when the parameters are on CUDA).
+        **kwargs: the optimizer's options (``lr``, ``weight_decay``, ...).
+
+    Raises:
+        InvalidInputError: no parameters, a non-tensor parameter, or an optimizer class that is not a
+            ``torch.optim.Optimizer`` subclass.
+
+    Example::
+
+        opt = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4)
+        loss.backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        *,
+        offload_gradients: bool = True,
+        host: str | torch.device = "cpu",
+        **kwargs: Any,
+    ) -> None:
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise InvalidInputError(
+                f"{_API}: optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, got "
+                f"{optimizer_class!r}."
+            )
+        groups = list(params)
+        if not groups:
+            raise InvalidInputError(f"{_API}: got no parameters.")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.host = torch.device(host)
+        self.offload_gradients = offload_gradients
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device parameter, host copy)
+        host_groups = []
+        for group in groups:
+            host_params = [self._host_copy(p) for p in group["params"]]
+            host_groups.append({**group, "params": host_params})
+        self.optimizer = optimizer_class(host_groups, **kwargs)
+        # Optimizer.__init__ is not called: param_groups, state and defaults are the host optimizer's own
+        self.defaults = self.optimizer.defaults
+        self._optimizer_step_pre_hooks = self.optimizer._optimizer_step_pre_hooks
+        self._optimizer_step_post_hooks = self.optimizer._optimizer_step_post_hooks
+        self._handles: list[Any] = []
+        if offload_gradients:
+            me = weakref.ref(self)
+            for device_param, host_param in self._pairs:
+                if device_param.requires_grad:
+                    self._handles.append(device_param.register_post_accumulate_grad_hook(
+                        _GradToHost(me, host_param)))
+
+    def _host_copy(self, param: torch.Tensor) -> torch.Tensor:
+        if not isinstance(param, torch.Tensor):
+            raise InvalidInputError(f"{_API}: parameters must be tensors, got {type(param).__name__}.")
+        pin = param.device.type == "cuda" and self.host.type == "cpu"
+        host = torch.empty(param.shape, dtype=param.dtype, device=self.host, pin_memory=pin)
+        if self.host.type != "meta":
+            host.copy_(param.detach())
+        host.requires_grad_(param.requires_grad)
+        self._pairs.append((param, host))
+        return host
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The host optimizer's parameter groups (their ``params`` are the host copies)."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]  # read-only: the host optimizer's, keyed by device params
+        """The host optimizer's state, keyed by the device parameters (as a plain optimizer's is)."""
+        inner = self.optimizer.state
+        return {p: inner[h] for p, h in self._pairs if h in inner}
+
+    def host_parameters(self) -> list[torch.Tensor]:
+        """The host copies, in the order of the device parameters (their ``.grad`` after an offloaded backward)."""
+        return [h for _, h in self._pairs]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Move any gradient still on the device to the host, step the host optimizer, copy the parameters back."""
+        if closure is not None:
+            raise InvalidInputError(f"{_API}.step: closures are not supported (the step runs on host copies).")
+        if any(p.device.type == "cuda" for p, _ in self._pairs):
+            torch.cuda.synchronize()  # gradients copied to the host asynchronously have arrived
+        for device_param, host_param in self._pairs:
+            if device_param.grad is not None:
+                _add_grad(host_param, device_param.grad)
+                device_param.grad = None
+        self.optimizer.step()
+        if self.host.type != "meta":  # a prediction keeps the state on meta: nothing to copy back
+            for device_param, host_param in self._pairs:
+                device_param.copy_(host_param, non_blocking=True)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients on the host and on the device."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for device_param, _ in self._pairs:
+            if device_param.grad is not None:
+                if set_to_none:
+                    device_param.grad = None
+                else:
+                    device_param.grad.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The host optimizer's state_dict (loadable into the plain optimizer of the same class)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state_dict of the plain optimizer (or of this one) into the host optimizer."""
+        self.optimizer.load_state_dict(state_dict)
+
+    def remove(self) -> None:
+        """Remove the gradient hooks (the device parameters keep their values)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _add_grad(host_param: torch.Tensor, grad: torch.Tensor) -> None:
+    moved = grad.to(host_param.device, non_blocking=grad.device.type == "cuda")
+    if host_param.grad is None:
+        host_param.grad = moved
+    else:
+        host_param.grad.add_(moved)
+
+
+class _GradToHost:
+    """A post-accumulate-grad hook: the gradient goes to the host copy and is freed on the device."""
+
+    __slots__ = ("owner", "host_param")
+
+    def __init__(self, owner: weakref.ref, host_param: torch.Tensor) -> None:
+        self.owner = owner
+        self.host_param = host_param
+
+    def __call__(self, param: torch.Tensor) -> None:
+        if self.owner() is None or param.grad is None:
+            return
+        with torch.no_grad():
+            _add_grad(self.host_param, param.grad)
+        param.grad = None
