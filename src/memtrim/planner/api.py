@@ -270,12 +270,17 @@ def plan(
             )
         notes.append(f"peaks extrapolated linearly from traces with 2 and 3 blocks to {depth} blocks")
     estimates: dict[tuple[str, ...], _Estimate] = {}
+    failed: set[str] = set()
     for combo in combinations(names):
+        if failed.intersection(combo):
+            continue
         try:
             estimates[combo] = _estimate(model_or_factory, example_inputs, targets, loss_fn, optimizer_factory,
                                          combo, depth)
         except LookupError as e:  # the technique has nothing to do on this model
             notes.append(f"{'+'.join(combo)}: left out ({e})")
+            if len(combo) == 1:
+                failed.add(combo[0])
             continue
         if progress is not None:
             progress(f"{'+'.join(combo) or 'plain'}: {format_bytes(estimates[combo].peak_bytes)}")
