@@ -397,3 +397,104 @@ def test_parameters_sharing_a_version_counter_are_not_taken_for_a_write():
             one_step(model, opt, x, y)
             opt.step()
     assert_same(a, b, moved_from=FlatViews())
+
+
+# ---------------------------------------------------------------------------------------------- 8 step boundaries
+
+
+def test_backward_inside_accumulate_after_an_update_in_the_same_step_raises():
+    # Off by one: the first micro-batch outside accumulate() (it updates), the later ones inside. The standard loop
+    # adds the later gradients to the update; they used to stay in .grad, never applied (silent divergence).
+    model = net()
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    F.cross_entropy(model(x[:3]), y[:3]).backward()
+    with pytest.raises(Error, match=r"(?s)accumulate.*already updated.*last one outside"):
+        with opt.accumulate():
+            F.cross_entropy(model(x[3:]), y[3:]).backward()
+    opt.zero_grad()  # reported once: training can go on
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def test_micro_batches_inside_accumulate_then_the_last_outside_is_bitwise():
+    a = net()
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9), b)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        for x, y in batches():
+            opt.zero_grad()
+            with opt.accumulate() if opt is opt_b else torch.enable_grad():
+                F.cross_entropy(model(x[:3]), y[:3]).backward()
+            F.cross_entropy(model(x[3:]), y[3:]).backward()
+            opt.step()
+    assert_same(a, b, moved_from=net())
+
+
+def test_step_twice_without_zero_grad_raises():
+    # The standard loop's second step() applies the same gradients again; they were freed inside backward, so
+    # the wrapper's second step() used to do nothing (silent divergence).
+    model = net()
+    opt = wrap(torch.optim.Adam(model.parameters(), lr=1e-2), model)
+    x, y = batches(1)[0]
+    one_step(model, opt, x, y)
+    opt.step()
+    with pytest.raises(Error, match=r"(?s)zero_grad\(\) between two step\(\).*once more"):
+        opt.step()
+    one_step(model, opt, x, y)  # zero_grad() starts clean
+    opt.step()
+
+
+def test_step_without_backward_after_zero_grad_is_bitwise():
+    a = net()
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9), b)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        for i, (x, y) in enumerate(batches()):
+            opt.zero_grad()
+            if i != 2:
+                F.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert_same(a, b, moved_from=net())
+
+
+def test_users_clip_grad_value_after_step_is_the_usual_no_op():
+    # The standard loop clips gradients that the next zero_grad() discards; torch's own clip_grad_value_ used to
+    # fail on the empty list of gradients ("Expected !nested_tensorlist[0].empty()").
+    a = net()
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9), b)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        for x, y in batches():
+            one_step(model, opt, x, y)
+            opt.step()
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+            early_clip_grad_value_(list(model.parameters()), 0.01)
+    assert_same(a, b, moved_from=net())
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_parameter_unfrozen_between_zero_grad_and_backward(layer):
+    a = net()
+    for p in a.parameters():
+        p.requires_grad_(False)
+    a[4].requires_grad_(True)
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.Adam(a.parameters(), lr=1e-2)
+    opt_b = wrap(torch.optim.Adam(b.parameters(), lr=1e-2), b)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        for i, (x, y) in enumerate(batches()):
+            opt.zero_grad()
+            if i == 1:
+                model[layer].requires_grad_(True)
+            before = [p.detach().clone() for p in model.parameters()]
+            F.cross_entropy(model(x), y).backward()
+            if opt is opt_b and layer == 0:  # its gradient arrives after the pass's first hook: stepped in backward
+                for p, q in zip(model.parameters(), before):
+                    assert p.grad is None and (not p.requires_grad or not torch.equal(p, q))
+            opt.step()
+    assert_same(a, b)

@@ -13,8 +13,9 @@ NOTE [ optimizer in backward ]
     step hooks, and closes the step.
   - Whatever memtrim cannot make bitwise equal raises ``OptimizerInBackwardError`` at the first moment it can
     tell: a second gradient for a parameter already updated in this step (two losses, an attack's backward in
-    the open step), ``zero_grad()`` discarding a step that was already applied, an exception inside a backward
-    that had already updated parameters, the user's own ``clip_grad_norm_`` on freed gradients, a GradScaler
+    the open step, a later micro-batch inside ``accumulate()``), a second ``step()`` without ``zero_grad()``,
+    ``zero_grad()`` discarding a step that was already applied, an exception inside a backward that had already
+    updated parameters, the user's own ``clip_grad_norm_`` on freed gradients, a GradScaler
     driving a wrapper that was not told about it, two open wrappers on one parameter, one wrapper used from two
     threads at once; and, at ``step()``, anything the standard ``step()`` would have used differently than the
     update inside backward did: a hyperparameter changed since (an ``lr`` set by hand, ``sched.step()`` before
@@ -448,6 +449,16 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 "OptimizerInBackward.step: closures are not supported; the update happens inside backward."
             )
         self._raise_pending("step")
+        if not self._open and not self._removed:
+            gone = [self._by_id[k] for k in self._freed if self._by_id[k].grad is None]
+            if gone:
+                raise OptimizerInBackwardError(
+                    "OptimizerInBackward.step: expected zero_grad() between two step() calls, but step() ran again "
+                    f"after the previous one with no zero_grad() between; the standard loop would apply the "
+                    f"previous gradients once more ({len(gone)} parameter(s), the first of shape "
+                    f"{tuple(gone[0].shape)}), and they were applied and freed inside backward. Call step() once "
+                    "per training step (with a GradScaler: scaler.step(opt) only, not opt.step() as well)."
+                )
         self._check_unchanged()
         driven = "found_inf" in self.__dict__  # GradScaler.step(self) set grad_scale / found_inf
         if driven and self.scaler is None and self._updated_in_backward:
@@ -612,6 +623,15 @@ class OptimizerInBackward(torch.optim.Optimizer):
             self._zero_pending.discard(key)
             with torch.no_grad():
                 grad.add_(0.0)  # the standard loop accumulated into a zero gradient: 0 + g (-0.0 becomes 0.0)
+        if self._open and self._accumulating and key in self._stepped:
+            self._close_step()  # reported once: the next zero_grad() starts clean
+            raise OptimizerInBackwardError(
+                "OptimizerInBackward.accumulate: expected accumulate() around the earlier backward passes of a "
+                f"step, but a backward inside it reached a parameter of shape {tuple(param.shape)} that an earlier "
+                "backward of this step had already updated (the standard loop would add this gradient to that "
+                "update; here it would be silently dropped). Run every backward of the step but the last inside "
+                "`with opt.accumulate():` and the last one outside it, or use torch.autograd.grad for a probe."
+            )
         if not self._open or self._accumulating:
             return  # outside an open step: accumulate, as the standard loop does
         self._check_thread(param)
@@ -700,6 +720,12 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._freed_bytes = 0
         self._ceiling = None
         torch.autograd.Variable._execution_engine.queue_callback(token)
+        if self._ddp is None and any(p.requires_grad and id(p) not in self._hooked for p in self._by_id.values()):
+            # unfrozen between zero_grad() and this backward: hooked now, so that a gradient still to come in this
+            # pass is updated and freed in it too (one that already arrived waits for step(), as before)
+            self._hook_new_params()
+            for bucket in self._buckets:
+                bucket.expected = sum(1 for p in bucket.params if p.requires_grad and id(p) in self._hooked)
 
     def _end_of_backward(self) -> None:
         self._token = None
@@ -1205,6 +1231,22 @@ def _check_clip(parameters: Any, name: str, option: str) -> Any:
     return parameters
 
 
+def _only_freed_after_step(parameters: Any) -> bool:
+    """Whether ``parameters`` (a list or a tensor, as ``_check_clip`` returns it) hold no gradient at all because a
+    wrapper freed them inside backward and its step is closed (after ``step()``, before the next ``zero_grad()``)."""
+    if not isinstance(parameters, (list, torch.Tensor)):
+        return False
+    params = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+    if not params or any(not isinstance(p, torch.Tensor) or p.grad is not None for p in params):
+        return False
+    for param in params:
+        owner = _OWNERS.get(param)
+        wrapper = owner() if owner is not None else None
+        if wrapper is not None and not wrapper._open and not wrapper._removed and id(param) in wrapper._freed:
+            return True
+    return False
+
+
 def _check_total_norm(tensors: Any, name: str, option: str) -> Any:
     inside_clip_grad_norm: int = getattr(_CLIP_DEPTH, "depth", 0)
     if inside_clip_grad_norm or isinstance(tensors, torch.Tensor):
@@ -1227,6 +1269,14 @@ def _guarded(inner: Callable, name: str, option: str, argument: str) -> Callable
             args = (check(args[0], name, option), *args[1:])
         elif argument in kwargs:
             kwargs[argument] = check(kwargs[argument], name, option)
+        if name == "clip_grad_value_":
+            if args and isinstance(args[0], types.GeneratorType):
+                args = (list(args[0]), *args[1:])
+            elif isinstance(kwargs.get(argument), types.GeneratorType):
+                kwargs[argument] = list(kwargs[argument])
+            if _only_freed_after_step(args[0] if args else kwargs.get(argument)):
+                return None  # after step(): the standard loop clips gradients that zero_grad() discards, a no-op
+                # for training, as clip_grad_norm_ there; torch's own would fail on an empty list of gradients
         if not counts:
             return inner(*args, **kwargs)
         _CLIP_DEPTH.depth = getattr(_CLIP_DEPTH, "depth", 0) + 1
