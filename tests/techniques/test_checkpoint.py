@@ -52,7 +52,7 @@ def assert_models_same(a, b, **kw):
     assert_same([t for _, t in a.state_dict().items()], [t for _, t in b.state_dict().items()], **kw)
 
 
-@pytest.mark.parametrize("policy", [None, "save_matmuls"])
+@pytest.mark.parametrize("policy", [None, "save_matmuls", "save_attention"])
 @pytest.mark.parametrize("selector", ["class", "names", "predicate"])
 def test_gpt_with_dropout_bitwise(policy, selector):
     torch.manual_seed(0)
@@ -280,6 +280,8 @@ def test_activation_bytes_plain_selective_per_block():
     assert per_block == 3 * block_input + outside
     assert per_block < selective < plain
     assert plain == 1_651_968 and selective == 1_154_304 and per_block == 165_120  # measured, torch 2.13 CPU
+    # save_attention keeps, per block, the fused attention's output (B, T, d_model) and its logsumexp (B, H, T)
+    assert activation_bytes("save_attention") == per_block + 3 * (block_input + 4 * 4 * 32 * 4)
 
 
 def test_bad_input():

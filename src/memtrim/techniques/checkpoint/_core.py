@@ -58,8 +58,13 @@ def _matmul_ops() -> frozenset[Any]:
     return frozenset(getattr(aten, n) for n in names if hasattr(aten, n))
 
 
-POLICIES: dict[str, Callable[[], frozenset[Any]]] = {"save_matmuls": _matmul_ops}
-"""Named policies for ``checkpoint_modules(policy=...)``: each gives the aten ops whose outputs are kept."""
+def _attention_ops() -> frozenset[Any]:
+    return frozenset(op for op in _matmul_ops() if "attention" in str(op))
+
+
+POLICIES: dict[str, Callable[[], frozenset[Any]]] = {"save_matmuls": _matmul_ops, "save_attention": _attention_ops}
+"""Named policies for ``checkpoint_modules(policy=...)``: each gives the aten ops whose outputs are kept
+(``save_matmuls``: matmuls, convolutions and fused attention; ``save_attention``: fused attention only)."""
 
 
 @dataclass
