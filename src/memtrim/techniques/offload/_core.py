@@ -45,6 +45,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     Args:
         min_bytes: smaller tensors stay where they are (the copy would cost more than it frees).
         pin_memory: copy into pinned host memory (faster, asynchronous copies); ignored without an accelerator.
+        include_cpu: copy CPU tensors too (into new CPU tensors: no saving, the same copy-out/copy-back path; for
+            checking that path on a machine without an accelerator).
 
     Attributes:
         offloaded_bytes: bytes moved to the host since the context was made.
@@ -56,11 +58,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         loss.backward()   # outside the context is fine: unpacking needs no hooks
     """
 
-    def __init__(self, *, min_bytes: int = 1 << 20, pin_memory: bool = True) -> None:
+    def __init__(self, *, min_bytes: int = 1 << 20, pin_memory: bool = True, include_cpu: bool = False) -> None:
         if not isinstance(min_bytes, int) or isinstance(min_bytes, bool) or min_bytes < 0:
             raise InvalidInputError(f"memtrim.OffloadActivations: min_bytes must be an int >= 0, got {min_bytes!r}.")
         self.min_bytes = min_bytes
         self.pin_memory = pin_memory
+        self.include_cpu = include_cpu
         self.offloaded_bytes = 0
         self._streams: dict[torch.device, Any] = {}
         super().__init__(self._pack, self._unpack)
@@ -72,7 +75,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _pack(self, tensor: torch.Tensor) -> Any:
         device = tensor.device
         if (
-            device.type in ("cpu", "meta")
+            device.type == "meta"
+            or (device.type == "cpu" and not self.include_cpu)
             or tensor.layout is not torch.strided
             or (tensor.is_leaf and tensor.requires_grad)
             or isinstance(tensor, nn.Parameter)

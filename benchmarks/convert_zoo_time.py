@@ -1,0 +1,81 @@
+"""Step time of memtrim.convert on the real model libraries of benchmarks/convert_zoo.py: each model and its converted
+copy train (forward, backward, AdamW step) in interleaved rounds; the median of the per-round ratios, with quartiles.
+
+Reproduce:  zoovenv/bin/python benchmarks/convert_zoo_time.py [--rounds 15] [--only NAME ...]
+            (the venv that convert_zoo.py's docstring sets up; run on an otherwise idle machine)
+Writes benchmarks/results/convert_zoo_time_cpu.json.
+"""
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+
+import memtrim
+from _common import machine, pin_malloc, quartiles, write
+from convert_zoo import MODELS, first_tensor, import_torchvision, version
+
+
+def step(model, opt, batch) -> None:
+    opt.zero_grad(set_to_none=True)
+    first_tensor(model(**batch)).float().square().mean().backward()
+    opt.step()
+
+
+def run(key: str, rounds: int) -> dict:
+    label, build = MODELS[key]
+    torch.manual_seed(0)
+    try:
+        plain, batch, library = build()
+    except ImportError as e:
+        return {"model": label, "skipped": f"library missing: {e}"}
+    plain.train()
+    converted = copy.deepcopy(plain)
+    _, report = memtrim.convert(converted, example_inputs=batch)
+    models = {"plain": plain, "converted": converted}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    for k in models:
+        step(models[k], opts[k], batch)
+    start = time.perf_counter()
+    step(plain, opts["plain"], batch)
+    repeats = max(2, int(0.2 / (time.perf_counter() - start)))
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for _ in range(rounds):
+        for k in models:
+            start = time.perf_counter()
+            for _ in range(repeats):
+                step(models[k], opts[k], batch)
+            times[k].append((time.perf_counter() - start) / repeats)
+    ratios = sorted(c / p for c, p in zip(times["converted"], times["plain"]))
+    return {"model": label, "library": library, "changes": len(report.changes),
+            "step_ms_plain": 1e3 * statistics.median(times["plain"]),
+            "step_time_ratio_median": statistics.median(ratios), "step_time_ratio_quartiles": quartiles(ratios),
+            "step_time_ratio_range": [ratios[0], ratios[-1]], "repeats_per_round": repeats}
+
+
+def main() -> None:
+    pin_malloc()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--only", nargs="*", choices=sorted(MODELS), default=None)
+    args = parser.parse_args()
+    _, tv_note = import_torchvision()
+    results = {}
+    for key in args.only or MODELS:
+        results[key] = r = run(key, args.rounds)
+        if "step_time_ratio_median" in r:
+            q = r["step_time_ratio_quartiles"]
+            print(f"{r['model']}: {r['step_ms_plain']:.1f} ms, converted {r['step_time_ratio_median']:.3f}x "
+                  f"({q[0]:.3f}-{q[1]:.3f})")
+        else:
+            print(f"{r['model']}: {r['skipped']}")
+    environment = {"torch": torch.__version__, "transformers": version("transformers"), "timm": version("timm"),
+                   "torchvision": version("torchvision"), "torchvision_import": tv_note}
+    print("wrote", write("convert_zoo_time_cpu.json", {"machine": machine(), "environment": environment,
+                                                       "rounds": args.rounds, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
