@@ -54,7 +54,7 @@ from .techniques.convert import (
 )
 from .techniques.offload import OffloadActivations, OffloadHandle, offload_module
 from .techniques.optim import OptimizerInBackward
-from .techniques.optim_state import CPUOffloadOptimizer
+from .techniques.optim_state import CPUOffloadOptimizer, LowBitAdamW
 from .techniques.reversible import AdditiveCoupling, AffineCoupling, ReversibleSequential
 
 __version__ = "0.1.0"
@@ -78,6 +78,7 @@ __all__ = [
     "InplaceCheck",
     "InplaceCheckError",
     "InvalidInputError",
+    "LowBitAdamW",
     "MemoryReport",
     "MemtrimError",
     "MemtrimStateError",

@@ -1,6 +1,7 @@
 """The techniques a plan can combine: each applies memtrim's own technique to a (model, optimizer) pair.
 
-Every technique here keeps training bitwise equal to the standard loop. ``memtrim.convert`` is not among them yet:
+Every technique here keeps training bitwise equal to the standard loop, but ``offload_state`` (the host's kernels:
+``tolerance``) and the low-bit states (``changed``). ``memtrim.convert`` is not among them yet:
 its rebuilt norms choose per feature from the weight values, which fake tensors do not have (NOTE [ predicting a
 step ]); convert a model first and plan the converted model.
 """
@@ -17,7 +18,7 @@ from torch import nn
 from ..techniques.checkpoint import checkpoint_modules
 from ..techniques.offload import offload_module
 from ..techniques.optim import OptimizerInBackward
-from ..techniques.optim_state import CPUOffloadOptimizer
+from ..techniques.optim_state import CPUOffloadOptimizer, LowBitAdamW
 
 
 class Applied:
@@ -46,7 +47,7 @@ class Technique:
     """One option of a plan: ``name``, what it does to numerics, and ``apply`` (returns notes)."""
 
     name: str
-    numerics: str  # "bitwise" | "tolerance"
+    numerics: str  # "bitwise" | "tolerance" | "changed"
     description: str
     _apply: Callable[[Applied], list[str]] = field(repr=False, compare=False)
 
@@ -104,6 +105,20 @@ def _offload_state(applied: Applied) -> list[str]:
     return [f"{type(optimizer).__name__} state and gradients in host memory"]
 
 
+def _low_bit(bits: int) -> Callable[[Applied], list[str]]:
+    def apply(applied: Applied) -> list[str]:
+        optimizer = applied.optimizer
+        if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam) or any(
+                g.get("amsgrad") or (type(optimizer) is torch.optim.Adam and g["weight_decay"])
+                for g in optimizer.param_groups):
+            raise LookupError("low-bit state replaces AdamW (or Adam without weight decay), without amsgrad")
+        groups = [{k: g[k] for k in ("params", "lr", "betas", "eps", "weight_decay")} for g in optimizer.param_groups]
+        applied.optimizer = LowBitAdamW(groups, bits=bits)
+        return [f"AdamW state in {'bfloat16' if bits == 16 else 'blockwise float8'}"]
+
+    return apply
+
+
 def _offload(applied: Applied) -> list[str]:
     handle = offload_module(applied.model)
     applied._undo.append(handle.remove)
@@ -119,6 +134,8 @@ TECHNIQUES: dict[str, Technique] = {
         Technique("offload", "bitwise", "saved activations wait in host memory", _offload),
         Technique("offload_state", "tolerance", "optimizer state and gradients in host memory, the step on the host "
                   "(CPUOffloadOptimizer; the host's kernels round differently from a GPU's)", _offload_state),
+        Technique("state_bf16", "changed", "AdamW's moments in bfloat16 (LowBitAdamW(bits=16))", _low_bit(16)),
+        Technique("state_8bit", "changed", "AdamW's moments in blockwise float8 (LowBitAdamW(bits=8))", _low_bit(8)),
         Technique("in_backward", "bitwise", "the optimizer step fused into backward (OptimizerInBackward)",
                   _in_backward()),
         Technique("in_backward_each", "bitwise", "the step fused into backward, one parameter at a time as soon "
@@ -128,5 +145,7 @@ TECHNIQUES: dict[str, Technique] = {
 }
 """Every technique a plan can use, by name, in the order they are applied."""
 
-EXCLUSIVE = (frozenset({"selective", "checkpoint"}), frozenset({"in_backward", "in_backward_each", "offload_state"}))
-"""Techniques that do not combine (one checkpointing policy per block, one way of stepping the optimizer)."""
+EXCLUSIVE = (frozenset({"selective", "checkpoint"}), frozenset({"in_backward", "in_backward_each", "offload_state"}),
+             frozenset({"state_bf16", "state_8bit"}))
+"""Techniques that do not combine (one checkpointing policy per block, one way of stepping the optimizer, one
+state precision)."""

@@ -56,7 +56,8 @@ class Plan:
         peak_bytes: the predicted peak of a steady-state step; ``peak_by_category`` splits it.
         peak_phase: forward, backward or optimizer.
         time_ratio: predicted step time relative to the plain step (the cost model of ``memtrim.planner``).
-        numerics: ``"bitwise"`` (training unchanged) or ``"tolerance"`` (rebuilt tensors round differently).
+        numerics: ``"bitwise"`` (training unchanged), ``"tolerance"`` (another kernel's rounding) or ``"changed"``
+            (low-bit optimizer state: planned only where nothing else fits, NOTE [ numerics first ]).
         fits: whether ``peak_bytes <= budget``.
         notes: what each technique did on the traced model.
     """
@@ -95,8 +96,9 @@ class Plan:
 
 
 class Plans(Sequence[Plan]):
-    """The plans that fit the budget, fastest first (then bitwise before tolerance, then lowest peak); ``rejected``
-    holds those that do not fit, lowest peak first. ``best`` is the first plan."""
+    """The plans that fit the budget, those that keep the numbers first (bitwise, then tolerance, then changed), then
+    fastest, then lowest peak (NOTE [ numerics first ]); ``rejected`` holds those that do not fit, lowest peak first.
+    ``best`` is the first plan."""
 
     def __init__(self, fitting: list[Plan], rejected: list[Plan], budget: int, device: str, cost: DeviceCost,
                  notes: list[str]) -> None:
@@ -118,7 +120,7 @@ class Plans(Sequence[Plan]):
 
     @property
     def best(self) -> Plan:
-        """The fastest plan that fits."""
+        """The first plan that fits: the fastest of those with the least change to the numbers."""
         return self._plans[0]
 
     @property
@@ -204,7 +206,8 @@ def plan(
     depth: int | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Plans:
-    """Rank the combinations of memtrim's techniques that make one training step fit ``budget``.
+    """Rank the combinations of memtrim's techniques that make one training step fit ``budget``: unchanged numerics
+    first, then the fastest by the time model (NOTE [ numerics first ]).
 
     Why: "will it fit?" is the question people bring; this answers it before anything is allocated. Every plan is
     predicted by running the step on fake tensors through memtrim's tracker with the techniques applied (NOTE
@@ -230,7 +233,7 @@ def plan(
         progress: called with a line per traced plan.
 
     Returns:
-        :class:`Plans`, fastest fitting plan first; ``Plans.rejected`` the rest.
+        :class:`Plans`, the best fitting plan first; ``Plans.rejected`` the rest.
 
     Raises:
         InvalidInputError: a wrong argument.
@@ -244,52 +247,53 @@ def plan(
     """
     names = _check(model_or_factory, loss_fn, optimizer_factory, techniques)
     limit = parse_bytes(budget)
+    _check_depth(depth, model_or_factory)
     tensors = [t for t in torch.utils._pytree.tree_leaves((example_inputs, targets)) if isinstance(t, torch.Tensor)]
     dev = torch.device(device) if device is not None else (tensors[0].device if tensors else torch.device("cpu"))
-    notes = []
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        notes.append(
-            "traced with CPU kernels for a CUDA target: attention with dropout takes the math path on CPU and "
-            "keeps the full score matrix, so such models are over-estimated; allocator rounding (512 B blocks) "
-            "is not modelled"
-        )
-    if "offload" in names:
-        names.remove("offload")
-        notes.append("offload: left out; the planner does not model offloaded activations yet: apply "
-                     "memtrim.offload_module by hand")
-    if "offload_state" in names and dev.type in ("cpu", "meta"):
-        names.remove("offload_state")
-        notes.append(f"offload_state: left out; on {dev.type} host memory is the device's")
+    notes: list[str] = []
+    names = _usable(names, dev, depth, notes)
     cost = calibrate(dev) if calibrate_time else device_cost(dev)
-    if depth is not None:
-        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 3 or isinstance(model_or_factory,
-                                                                                            nn.Module):
-            raise InvalidInputError(
-                f"{_API}: depth must be an int >= 3 with model_or_factory a function of the number of blocks, got "
-                f"depth={depth!r} and {type(model_or_factory).__name__}."
-            )
-        notes.append(f"peaks extrapolated linearly from traces with 2 and 3 blocks to {depth} blocks")
-    estimates: dict[tuple[str, ...], _Estimate] = {}
-    failed: set[str] = set()
-    for combo in combinations(names):
-        if failed.intersection(combo):
-            continue
-        try:
-            estimates[combo] = _estimate(model_or_factory, example_inputs, targets, loss_fn, optimizer_factory,
-                                         combo, depth)
-        except LookupError as e:  # the technique has nothing to do on this model
-            notes.append(f"{'+'.join(combo)}: left out ({e})")
-            if len(combo) == 1:
-                failed.add(combo[0])
-            continue
-        if progress is not None:
-            progress(f"{'+'.join(combo) or 'plain'}: {format_bytes(estimates[combo].peak_bytes)}")
-    plain = estimates[()]
-    base = cost.step_seconds(plain.work)
     real_inputs = None if any(t.device.type == "meta" or _is_fake(t) for t in tensors) else example_inputs
+
+    def trace(combos: list[tuple[str, ...]], failed: set[str]) -> dict[tuple[str, ...], _Estimate]:
+        out = {}
+        for combo in combos:
+            if failed.intersection(combo):
+                continue
+            try:
+                out[combo] = _estimate(model_or_factory, example_inputs, targets, loss_fn, optimizer_factory, combo,
+                                       depth)
+            except LookupError as e:  # the technique has nothing to do on this model
+                notes.append(f"{'+'.join(combo)}: left out ({e})")
+                failed.update(combo if len(combo) == 1 else ())
+                continue
+            if progress is not None:
+                progress(f"{'+'.join(combo) or 'plain'}: {format_bytes(out[combo].peak_bytes)}")
+        return out
+
+    # NOTE [ numerics first ]: a technique that changes the numbers (low-bit state) is planned only when nothing that
+    # keeps them fits; among fitting plans the ranking is numerics class, then predicted time, then peak
+    changing = {n for n in names if TECHNIQUES[n].numerics == "changed"}
+    failed: set[str] = set()
+    estimates = trace([c for c in combinations(names) if not changing.intersection(c)], failed)
+    base = cost.step_seconds(estimates[()].work)
     plans = [_plan(combo, e, base, cost, limit, real_inputs) for combo, e in estimates.items()]
-    fitting = sorted((p for p in plans if p.fits), key=lambda p: (round(p.time_ratio, 3), p.numerics != "bitwise",
-                                                                  p.peak_bytes))
+    if changing and not any(p.fits for p in plans):
+        notes.append(f"{', '.join(sorted(changing))}: traced because no plan with unchanged numerics fits")
+        more = trace([c for c in combinations(names) if changing.intersection(c)], failed)
+        plans += [_plan(combo, e, base, cost, limit, real_inputs) for combo, e in more.items()]
+    elif changing:
+        notes.append(f"{', '.join(sorted(changing))}: not needed (a plan with unchanged numerics fits)")
+    return _ranked(plans, limit, dev, cost, notes, estimates[()].peak_bytes)
+
+
+_NUMERICS_ORDER = {"bitwise": 0, "tolerance": 1, "changed": 2}
+
+
+def _ranked(plans: list[Plan], limit: int, dev: torch.device, cost: DeviceCost, notes: list[str],
+            plain_peak: int) -> Plans:
+    fitting = sorted((p for p in plans if p.fits),
+                     key=lambda p: (_NUMERICS_ORDER[p.numerics], round(p.time_ratio, 3), p.peak_bytes))
     rejected = sorted((p for p in plans if not p.fits), key=lambda p: p.peak_bytes)
     result = Plans(fitting, rejected, limit, str(dev), cost, notes)
     if not fitting:
@@ -297,10 +301,40 @@ def plan(
         raise PlanError(
             f"{_API}: no plan fits {format_bytes(limit)}. The closest, {closest.name}, peaks at "
             f"{format_bytes(closest.peak_bytes)} ({format_bytes(closest.peak_bytes - limit)} over; the plain step "
-            f"{format_bytes(plain.peak_bytes)}). Lower the batch or sequence length, or add memory.",
+            f"{format_bytes(plain_peak)}). Lower the batch or sequence length, or add memory.",
             plans=result,
         )
     return result
+
+
+def _check_depth(depth: Any, model_or_factory: Any) -> None:
+    if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 3
+                              or isinstance(model_or_factory, nn.Module)):
+        raise InvalidInputError(
+            f"{_API}: depth must be an int >= 3 with model_or_factory a function of the number of blocks, got "
+            f"depth={depth!r} and {type(model_or_factory).__name__}."
+        )
+
+
+def _usable(names: list[str], dev: torch.device, depth: int | None, notes: list[str]) -> list[str]:
+    """The technique names that can be planned for ``dev``; notes say what was left out and how tracing differs."""
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        notes.append(
+            "traced with CPU kernels for a CUDA target: attention with dropout takes the math path on CPU and "
+            "keeps the full score matrix, so such models are over-estimated; allocator rounding (512 B blocks) "
+            "is not modelled"
+        )
+    if depth is not None:
+        notes.append(f"peaks extrapolated linearly from traces with 2 and 3 blocks to {depth} blocks")
+    out = list(names)
+    if "offload" in out:
+        out.remove("offload")
+        notes.append("offload: left out; the planner does not model offloaded activations yet: apply "
+                     "memtrim.offload_module by hand")
+    if "offload_state" in out and dev.type in ("cpu", "meta"):
+        out.remove("offload_state")
+        notes.append(f"offload_state: left out; on {dev.type} host memory is the device's")
+    return out
 
 
 def _is_fake(t: torch.Tensor) -> bool:
@@ -346,7 +380,7 @@ def _estimate(model_or_factory: Any, inputs: Any, targets: Any, loss_fn: Any, op
 
 def _plan(combo: tuple[str, ...], estimate: _Estimate, base: float, cost: DeviceCost, limit: int,
           inputs: Any) -> Plan:
-    numerics = "tolerance" if any(TECHNIQUES[n].numerics != "bitwise" for n in combo) else "bitwise"
+    numerics = max((TECHNIQUES[n].numerics for n in combo), key=_NUMERICS_ORDER.__getitem__, default="bitwise")
     return Plan(
         techniques=combo,
         peak_bytes=estimate.peak_bytes,
