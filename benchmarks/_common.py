@@ -41,6 +41,13 @@ def machine() -> dict:
     }
 
 
+# NOTE [ interleaved timing rounds ]
+# The timing scripts take step times with time.perf_counter in interleaved rounds (each round times every variant
+# once, in turn) and report the median of the per-round ratios to the baseline, with quartiles; they do not use
+# torch.utils.benchmark.Timer. A Timer times one statement at a time (blocked_autorange repeats it until its own
+# time budget is spent, and by default on one thread), so two variants timed by two Timers run one after the other;
+# on a shared, noisy 2-core machine the load changes in between and skews their ratio. Interleaving puts every
+# variant through the same moments of load, so each round's ratio is fair even while absolute times drift.
 def quartiles(values: list[float]) -> list[float]:
     """First and third quartiles: the spread quoted beside a median of step-time ratios."""
     q = statistics.quantiles(values, n=4)

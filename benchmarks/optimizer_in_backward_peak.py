@@ -13,46 +13,10 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import memtrim
 from _common import machine, third_step_report, write
-from memtrim.models import SmallGPT
-
-
-def conv_bn(cin, cout, k=3, stride=1, groups=1, act=True):
-    layers = [nn.Conv2d(cin, cout, k, stride, k // 2, groups=groups, bias=False), nn.BatchNorm2d(cout)]
-    if act:
-        layers.append(nn.Hardswish())
-    return nn.Sequential(*layers)
-
-
-class InvertedResidual(nn.Module):
-    def __init__(self, cin, expand, cout, stride):
-        super().__init__()
-        self.residual = stride == 1 and cin == cout
-        self.block = nn.Sequential(conv_bn(cin, expand, 1), conv_bn(expand, expand, 3, stride, groups=expand),
-                                   conv_bn(expand, cout, 1, act=False))
-
-    def forward(self, x):
-        y = self.block(x)
-        return x + y if self.residual else y
-
-
-class MobileNetLike(nn.Module):
-    """MobileNetV3-small's shape (torchvision does not load beside CPU torch here); the same net as the test's."""
-
-    def __init__(self, classes=10):
-        super().__init__()
-        config = [(16, 16, 16, 2), (16, 72, 24, 2), (24, 88, 24, 1), (24, 96, 40, 2), (40, 240, 40, 1),
-                  (40, 120, 48, 1), (48, 288, 96, 2), (96, 576, 96, 1)]
-        self.stem = conv_bn(3, 16, 3, 2)
-        self.blocks = nn.Sequential(*[InvertedResidual(*c) for c in config])
-        self.last = conv_bn(96, 576, 1)
-        self.head = nn.Sequential(nn.Linear(576, 1024), nn.Hardswish(), nn.Linear(1024, classes))
-
-    def forward(self, x):
-        return self.head(self.last(self.blocks(self.stem(x))).mean((2, 3)))
+from memtrim.models import MobileNetLike, SmallGPT
 
 
 def cases():

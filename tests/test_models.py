@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import memtrim
-from memtrim.models import BasicBlock, CouplingMLP, GPTConfig, ResNetCNN, SeedMLP, SmallGPT
+from memtrim.models import BasicBlock, CouplingMLP, GPTConfig, MobileNetLike, ResNetCNN, SeedMLP, SmallGPT
 
 
 def test_seed_mlp_computes_the_seed_network():
@@ -54,6 +54,17 @@ def test_resnet_cnn_stages():
     wide = ResNetCNN(in_channels=3, num_classes=5, widths=(8, 16), blocks_per_stage=2)
     assert [b.conv1.stride[0] for b in wide.stages] == [1, 1, 2, 1]
     assert wide(torch.randn(2, 3, 32, 32)).shape == (2, 5)
+
+
+def test_mobilenet_like_blocks():
+    model = MobileNetLike()
+    # the figure benchmarks/optimizer_in_backward_peak.py's results were measured with
+    assert sum(p.numel() for p in model.parameters()) == 873_810
+    assert [b.residual for b in model.blocks] == [False, False, True, False, True, False, False, True]
+    assert [b.block[1][0].stride[0] for b in model.blocks] == [2, 2, 1, 2, 1, 1, 2, 1]
+    block = model.blocks[2].eval()
+    x = torch.randn(2, 24, 5, 5)
+    assert torch.equal(block(x), x + block.block(x))
 
 
 def test_coupling_mlp_plain_and_reversible_are_the_same_network():

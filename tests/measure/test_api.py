@@ -111,7 +111,7 @@ def test_plot_without_matplotlib(tmp_path, monkeypatch):
 def test_export_snapshot_needs_cuda(tmp_path):
     with memtrim.track() as tracker:
         torch.empty(10)
-    with pytest.raises(memtrim.InvalidInputError, match="CUDA"):
+    with pytest.raises(memtrim.MemtrimStateError, match="CUDA"):
         tracker.export_memory_snapshot(str(tmp_path / "s.pickle"))
 
 

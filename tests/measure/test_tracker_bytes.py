@@ -3,6 +3,7 @@
 import gc
 import weakref
 
+import pytest
 import torch
 
 import memtrim
@@ -125,13 +126,8 @@ def test_tracker_is_single_use():
     tracker = memtrim.track()
     with tracker:
         pass
-    try:
-        with tracker:
-            pass
-    except memtrim.InvalidInputError as e:
-        assert "already used" in str(e)
-    else:
-        raise AssertionError("a reused tracker must raise")
+    with pytest.raises(memtrim.MemtrimStateError, match="already used"), tracker:
+        pass
 
 
 def test_meta_tensors_counted_by_size():

@@ -89,22 +89,24 @@ def _fsdp_body(rank):
     return results
 
 
+def _assert_equal(tensors, others):
+    """Two lists of parameters, bitwise equal one by one."""
+    assert len(tensors) == len(others)
+    for i, (a, b) in enumerate(zip(tensors, others)):
+        assert torch.equal(a, b), i
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo file rendezvous")
 def test_ddp_equals_standard_ddp():
     results = spawn(_ddp_body)
     for rank_result in results:
-        for a, b in zip(rank_result["plain"], rank_result["fused"]):
-            assert torch.equal(a, b)
-        for a, b in zip(rank_result["clipped_plain"], rank_result["clipped"]):
-            assert torch.equal(a, b)
+        _assert_equal(rank_result["plain"], rank_result["fused"])
+        _assert_equal(rank_result["clipped_plain"], rank_result["clipped"])
         assert "no DistributedDataParallel model was given" in rank_result["refused"]
-    for a, b in zip(results[0]["fused"], results[1]["fused"]):
-        assert torch.equal(a, b)  # the ranks did not drift apart
+    _assert_equal(results[0]["fused"], results[1]["fused"])  # the ranks did not drift apart
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo file rendezvous")
 def test_fsdp2_equals_standard_fsdp2():
-    results = spawn(_fsdp_body)
-    for rank_result in results:
-        for a, b in zip(rank_result["plain"], rank_result["fused"]):
-            assert torch.equal(a, b)
+    for rank_result in spawn(_fsdp_body):
+        _assert_equal(rank_result["plain"], rank_result["fused"])

@@ -48,9 +48,27 @@ def wrap(opt, model, **options):
     return memtrim.OptimizerInBackward(opt, model=model, bucket_bytes=options.pop("bucket_bytes", 0), **options)
 
 
+def plain_and_wrapped(make_optimizer, a=None, b=None, **options):
+    """The two runs a bitwise test trains the same way: ``a`` (default ``net()``) with ``make_optimizer(params)``,
+    and ``b`` (default a deep copy of ``a``) with the same optimizer wrapped (``options`` go to ``wrap``)."""
+    a = net() if a is None else a
+    b = copy.deepcopy(a) if b is None else b
+    return a, make_optimizer(a.parameters()), b, wrap(make_optimizer(b.parameters()), b, **options)
+
+
 def one_step(model, opt, x, y):
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
+
+
+def updated_in_backward(make_optimizer, **options):
+    """``net()`` and its wrapped ``make_optimizer(params)`` after one batch's backward in an open step: the
+    parameters were updated inside it and their gradients freed."""
+    model = net()
+    opt = wrap(make_optimizer(model.parameters()), model, **options)
+    x, y = batches(1)[0]
+    one_step(model, opt, x, y)
+    return model, opt
 
 
 # ---------------------------------------------------------------------------------------------- 1 hyperparameters
@@ -71,10 +89,7 @@ def test_lr_set_by_hand_between_backward_and_step_raises():
 
 
 def test_lr_set_by_hand_before_backward_is_bitwise():
-    a = net()
-    b = copy.deepcopy(a)
-    opt_a = torch.optim.AdamW(a.parameters(), lr=1e-2)
-    opt_b = wrap(torch.optim.AdamW(b.parameters(), lr=1e-2), b)
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda params: torch.optim.AdamW(params, lr=1e-2))
     for model, opt in ((a, opt_a), (b, opt_b)):
         for i, (x, y) in enumerate(batches()):
             opt.zero_grad()
@@ -87,10 +102,7 @@ def test_lr_set_by_hand_before_backward_is_bitwise():
 
 def test_lr_set_between_backward_and_step_with_nothing_updated_in_backward_is_bitwise():
     # every backward inside accumulate(): step() does the whole update, with the new lr, as the standard loop
-    a = net()
-    b = copy.deepcopy(a)
-    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
-    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9), b)
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
     for model, opt in ((a, opt_a), (b, opt_b)):
         for i, (x, y) in enumerate(batches()):
             opt.zero_grad()
@@ -103,10 +115,7 @@ def test_lr_set_between_backward_and_step_with_nothing_updated_in_backward_is_bi
 
 
 def test_a_tensor_hyperparameter_changed_in_place_raises():
-    model = net()
-    opt = wrap(torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-2)), model)
-    x, y = batches(1)[0]
-    one_step(model, opt, x, y)
+    model, opt = updated_in_backward(lambda params: torch.optim.Adam(params, lr=torch.tensor(1e-2)))
     opt.param_groups[0]["lr"].fill_(1e-3)
     with pytest.raises(Error, match=r"'lr'"):
         opt.step()
@@ -126,10 +135,7 @@ def test_scheduler_step_before_opt_step_raises():
 
 
 def test_scheduler_step_after_opt_step_is_bitwise():
-    a = net()
-    b = copy.deepcopy(a)
-    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
-    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9), b)
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
     for model, opt in ((a, opt_a), (b, opt_b)):
         sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
         for x, y in batches():
@@ -143,10 +149,7 @@ def test_scheduler_step_after_opt_step_is_bitwise():
 
 
 def test_manual_weight_decay_between_backward_and_step_raises():
-    model = net()
-    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model)
-    x, y = batches(1)[0]
-    one_step(model, opt, x, y)
+    model, opt = updated_in_backward(lambda params: torch.optim.SGD(params, lr=0.1))
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1 - 0.1 * 0.5)
@@ -155,10 +158,7 @@ def test_manual_weight_decay_between_backward_and_step_raises():
 
 
 def test_one_parameter_copied_into_between_backward_and_step_raises():
-    model = net()
-    opt = wrap(torch.optim.Adam(model.parameters(), lr=1e-2), model, bucket_bytes=1 << 30)
-    x, y = batches(1)[0]
-    one_step(model, opt, x, y)
+    model, opt = updated_in_backward(lambda params: torch.optim.Adam(params, lr=1e-2), bucket_bytes=1 << 30)
     with torch.no_grad():
         model[2].bias.copy_(torch.zeros(16))
     with pytest.raises(Error, match=r"shape \(16,\)"):
@@ -166,10 +166,7 @@ def test_one_parameter_copied_into_between_backward_and_step_raises():
 
 
 def test_manual_weight_decay_before_backward_is_bitwise():
-    a = net()
-    b = copy.deepcopy(a)
-    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
-    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1), b)
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda params: torch.optim.SGD(params, lr=0.1))
     for model, opt in ((a, opt_a), (b, opt_b)):
         for x, y in batches():
             opt.zero_grad()
@@ -185,10 +182,7 @@ def test_manual_weight_decay_before_backward_is_bitwise():
 
 
 def test_clip_grad_norm_imported_by_name_before_the_wrapper_raises():
-    model = net()
-    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.5), model)
-    x, y = batches(1)[0]
-    one_step(model, opt, x, y)
+    model, opt = updated_in_backward(lambda params: torch.optim.SGD(params, lr=0.5))
     with pytest.raises(Error, match=r"clip_grad_norm="):
         early_clip_grad_norm_(model.parameters(), 0.1)
     with pytest.raises(Error, match=r"clip_grad_value="):
@@ -197,10 +191,7 @@ def test_clip_grad_norm_imported_by_name_before_the_wrapper_raises():
 
 @needs_total_norm
 def test_get_total_norm_and_clip_grads_with_norm_raise():
-    model = net()
-    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.5), model)
-    x, y = batches(1)[0]
-    one_step(model, opt, x, y)
+    model, opt = updated_in_backward(lambda params: torch.optim.SGD(params, lr=0.5))
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads == []
     with pytest.raises(Error, match=r"clip_grad_norm="):
@@ -228,10 +219,7 @@ def test_total_norm_of_another_model_inside_the_open_step_is_untouched():
 
 
 def test_users_clip_on_waiting_gradients_through_early_imports_is_bitwise():
-    a = net()
-    b = copy.deepcopy(a)
-    opt_a = torch.optim.SGD(a.parameters(), lr=0.5)
-    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.5), b)
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda params: torch.optim.SGD(params, lr=0.5))
     for model, opt in ((a, opt_a), (b, opt_b)):
         for x, y in batches():
             opt.zero_grad()
@@ -254,10 +242,9 @@ def halve(param):
 @pytest.mark.parametrize("when", ["before_first_zero_grad", "after_first_zero_grad"])
 @pytest.mark.parametrize("bucket_bytes", [0, 1 << 30])
 def test_users_post_accumulate_grad_hook_registered_after_the_wrapper(when, bucket_bytes):
-    a = net()
-    b = copy.deepcopy(a)
-    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
-    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9), b, bucket_bytes=bucket_bytes)
+    a, opt_a, b, opt_b = plain_and_wrapped(
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), bucket_bytes=bucket_bytes
+    )
     for p in a.parameters():
         p.register_post_accumulate_grad_hook(halve)
     if when == "before_first_zero_grad":
@@ -279,10 +266,7 @@ def test_users_post_accumulate_grad_hook_registered_after_the_wrapper(when, buck
 
 
 def test_users_hook_registered_after_zero_grad_with_two_passes():
-    a = net()
-    b = copy.deepcopy(a)
-    opt_a = torch.optim.SGD(a.parameters(), lr=0.5)
-    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.5), b, clip_grad_norm=0.1)
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda params: torch.optim.SGD(params, lr=0.5), clip_grad_norm=0.1)
     for p in a.parameters():
         p.register_post_accumulate_grad_hook(halve)
     for model, opt in ((a, opt_a), (b, opt_b)):
@@ -302,10 +286,7 @@ def test_users_hook_registered_after_zero_grad_with_two_passes():
 
 
 def test_users_hook_removed_later_keeps_memtrims_hooks():
-    a = net()
-    b = copy.deepcopy(a)
-    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
-    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1), b)
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda params: torch.optim.SGD(params, lr=0.1))
     handles = {id(m): [p.register_post_accumulate_grad_hook(halve) for p in m.parameters()] for m in (a, b)}
     for model, opt in ((a, opt_a), (b, opt_b)):
         for i, (x, y) in enumerate(batches()):
@@ -345,9 +326,7 @@ def test_non_reentrant_checkpoint_with_a_weight_used_inside_and_outside_is_bitwi
         torch.manual_seed(0)
         return nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 4)])
 
-    a, b = build(), build()
-    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
-    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1), b)
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda params: torch.optim.SGD(params, lr=0.1), build(), build())
     for model, opt in ((a, opt_a), (b, opt_b)):
         lin, head = model
         for x, y in batches():
@@ -389,9 +368,8 @@ class FlatViews(nn.Module):
 
 
 def test_parameters_sharing_a_version_counter_are_not_taken_for_a_write():
-    a, b = FlatViews(), FlatViews()
-    opt_a = torch.optim.Adam(a.parameters(), lr=1e-2)
-    opt_b = wrap(torch.optim.Adam(b.parameters(), lr=1e-2), b)  # one bucket per parameter
+    # built twice: a deep copy's parameters would not share one flat buffer; one bucket per parameter
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda p: torch.optim.Adam(p, lr=1e-2), FlatViews(), FlatViews())
     for model, opt in ((a, opt_a), (b, opt_b)):
         for x, y in batches():
             one_step(model, opt, x, y)
@@ -419,10 +397,7 @@ def test_backward_inside_accumulate_after_an_update_in_the_same_step_raises():
 
 
 def test_micro_batches_inside_accumulate_then_the_last_outside_is_bitwise():
-    a = net()
-    b = copy.deepcopy(a)
-    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
-    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9), b)
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
     for model, opt in ((a, opt_a), (b, opt_b)):
         for x, y in batches():
             opt.zero_grad()
@@ -448,10 +423,7 @@ def test_step_twice_without_zero_grad_raises():
 
 
 def test_step_without_backward_after_zero_grad_is_bitwise():
-    a = net()
-    b = copy.deepcopy(a)
-    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
-    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9), b)
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
     for model, opt in ((a, opt_a), (b, opt_b)):
         for i, (x, y) in enumerate(batches()):
             opt.zero_grad()
@@ -464,10 +436,7 @@ def test_step_without_backward_after_zero_grad_is_bitwise():
 def test_users_clip_grad_value_after_step_is_the_usual_no_op():
     # The standard loop clips gradients that the next zero_grad() discards; torch's own clip_grad_value_ used to
     # fail on the empty list of gradients ("Expected !nested_tensorlist[0].empty()").
-    a = net()
-    b = copy.deepcopy(a)
-    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
-    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9), b)
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
     for model, opt in ((a, opt_a), (b, opt_b)):
         for x, y in batches():
             one_step(model, opt, x, y)
@@ -483,9 +452,7 @@ def test_parameter_unfrozen_between_zero_grad_and_backward(layer):
     for p in a.parameters():
         p.requires_grad_(False)
     a[4].requires_grad_(True)
-    b = copy.deepcopy(a)
-    opt_a = torch.optim.Adam(a.parameters(), lr=1e-2)
-    opt_b = wrap(torch.optim.Adam(b.parameters(), lr=1e-2), b)
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda params: torch.optim.Adam(params, lr=1e-2), a)
     for model, opt in ((a, opt_a), (b, opt_b)):
         for i, (x, y) in enumerate(batches()):
             opt.zero_grad()

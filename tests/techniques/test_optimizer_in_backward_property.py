@@ -2,6 +2,8 @@
 OptimizerInBackward (parameters and optimizer state)."""
 
 import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ from torch import nn
 
 import memtrim
 
+STEPS = 4
 OPTIMIZERS = [
     lambda p, fe, r: torch.optim.SGD(p, lr=0.05, momentum=r.choice([0.0, 0.9]), weight_decay=r.choice([0, 1e-3]),
                                      foreach=fe),
@@ -45,79 +48,114 @@ def build(case, seed):
     return model, r, groups
 
 
-def run(case, wrapped):
-    r = random.Random(case)
-    make = r.choice(OPTIMIZERS)
-    foreach = r.choice([False, True])
-    clip = r.choice([None, None, ("norm", 0.3), ("value", 0.02)])
-    use_scaler = r.random() < 0.3
-    use_sched = r.random() < 0.5
-    micro = r.choice([1, 2, 3])
-    two_models = r.random() < 0.4
-    freeze_until = r.choice([0, 0, 2])
-    set_to_none = r.random() < 0.7
-    bucket_bytes = r.choice([0, 512, 1 << 20])
-    peak = r.choice(["never_higher", "lowest"])
-    g = torch.Generator().manual_seed(100 + case)
-    steps = 4
-    data = [[(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g), r.random() < 0.5)
-             for _ in range(micro)] for _ in range(steps)]
-    if use_scaler:
-        x, y, e = data[1][-1]
-        data[1][-1] = (x.clone().index_fill_(1, torch.tensor([2]), float("inf")), y, e)
+@dataclass
+class Loop:
+    """One random training loop, drawn from its case number: the options, and the micro-batches of each step."""
 
+    make: Callable
+    foreach: bool
+    clip: tuple[str, float] | None
+    use_scaler: bool
+    use_sched: bool
+    micro: int
+    two_models: bool
+    freeze_until: int
+    set_to_none: bool
+    bucket_bytes: int
+    peak: str
+    data: list = field(default_factory=list)  # data[step][micro-batch] = (x, y, both experts)
+
+
+def draw(case):
+    r = random.Random(case)
+    loop = Loop(
+        make=r.choice(OPTIMIZERS),
+        foreach=r.choice([False, True]),
+        clip=r.choice([None, None, ("norm", 0.3), ("value", 0.02)]),
+        use_scaler=r.random() < 0.3,
+        use_sched=r.random() < 0.5,
+        micro=r.choice([1, 2, 3]),
+        two_models=r.random() < 0.4,
+        freeze_until=r.choice([0, 0, 2]),
+        set_to_none=r.random() < 0.7,
+        bucket_bytes=r.choice([0, 512, 1 << 20]),
+        peak=r.choice(["never_higher", "lowest"]),
+    )
+    g = torch.Generator().manual_seed(100 + case)
+    loop.data = [[(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g), r.random() < 0.5)
+                  for _ in range(loop.micro)] for _ in range(STEPS)]
+    if loop.use_scaler:
+        x, y, e = loop.data[1][-1]
+        loop.data[1][-1] = (x.clone().index_fill_(1, torch.tensor([2]), float("inf")), y, e)
+    return loop
+
+
+def setup(case, loop, wrapped):
+    """One or two models (the second fed by the first), each with its optimizer, scaler and scheduler."""
     models, opts, scheds, scalers = [], [], [], []
-    for seed in range(2 if two_models else 1):
+    for seed in range(2 if loop.two_models else 1):
         model, mr, groups = build(case, seed)
-        if freeze_until:
+        if loop.freeze_until:
             model.inp.requires_grad_(False)
-        inner = make(groups, foreach, mr)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) if use_scaler else None
+        inner = loop.make(groups, loop.foreach, mr)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) if loop.use_scaler else None
         opt = inner
         if wrapped:
+            clip = loop.clip
             opt = memtrim.OptimizerInBackward(
-                inner, model=model, bucket_bytes=bucket_bytes, peak=peak, scaler=scaler,
+                inner, model=model, bucket_bytes=loop.bucket_bytes, peak=loop.peak, scaler=scaler,
                 clip_grad_norm=clip[1] if clip and clip[0] == "norm" else None,
                 clip_grad_value=clip[1] if clip and clip[0] == "value" else None,
             )
         models.append(model)
         opts.append(opt)
         scalers.append(scaler)
-        scheds.append(torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if use_sched else None)
+        scheds.append(torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if loop.use_sched else None)
+    return models, opts, scheds, scalers
 
-    for step in range(steps):
-        if step == freeze_until:
+
+def train_step(loop, step, k, models, opt, scaler, wrapped):
+    """Model ``k``'s step: zero_grad, the micro-batches' backward passes, (clipping,) the optimizer's step."""
+    model = models[k]
+    opt.zero_grad(set_to_none=loop.set_to_none)
+    for i, (x, y, both) in enumerate(loop.data[step]):
+        if k == 1:  # the second model reads the first one's output (not detached): a GAN-like loop
+            x = torch.cat([models[0](x), x[:, :0]], 1)
+        loss = F.cross_entropy(model(x, (0, 1) if both or i == 0 else (0,)), y) / loop.micro
+        if scaler is not None:
+            loss = scaler.scale(loss)
+        last = i == loop.micro - 1
+        if not wrapped:
+            loss.backward()
+        elif not last:
+            with opt.accumulate():
+                loss.backward()
+        else:
+            opt.backward(loss)
+    if not wrapped:
+        if scaler is not None:
+            scaler.unscale_(opt)
+        params = [p for group in opt.param_groups for p in group["params"]]
+        if loop.clip and loop.clip[0] == "norm":
+            torch.nn.utils.clip_grad_norm_(params, loop.clip[1])
+        elif loop.clip:
+            torch.nn.utils.clip_grad_value_(params, loop.clip[1])
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+
+
+def run(case, wrapped):
+    loop = draw(case)
+    models, opts, scheds, scalers = setup(case, loop, wrapped)
+    for step in range(STEPS):
+        if step == loop.freeze_until:
             for model in models:
                 model.inp.requires_grad_(True)
-        for k, (model, opt, sched, scaler) in enumerate(zip(models, opts, scheds, scalers)):
-            opt.zero_grad(set_to_none=set_to_none)
-            for i, (x, y, both) in enumerate(data[step]):
-                if k == 1:  # the second model reads the first one's output (not detached): a GAN-like loop
-                    x = torch.cat([models[0](x), x[:, :0]], 1)
-                loss = F.cross_entropy(model(x, (0, 1) if both or i == 0 else (0,)), y) / micro
-                if scaler is not None:
-                    loss = scaler.scale(loss)
-                last = i == micro - 1
-                if not wrapped:
-                    loss.backward()
-                elif not last:
-                    with opt.accumulate():
-                        loss.backward()
-                else:
-                    opt.backward(loss)
-            if not wrapped:
-                if scaler is not None:
-                    scaler.unscale_(opt)
-                params = [p for group in opt.param_groups for p in group["params"]]
-                if clip and clip[0] == "norm":
-                    torch.nn.utils.clip_grad_norm_(params, clip[1])
-                elif clip:
-                    torch.nn.utils.clip_grad_value_(params, clip[1])
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
+        for k, (opt, sched, scaler) in enumerate(zip(opts, scheds, scalers)):
+            train_step(loop, step, k, models, opt, scaler, wrapped)
             if sched is not None:
                 sched.step()
     return models, opts

@@ -11,7 +11,7 @@ import torch
 from ..errors import DeviceMismatchError, InvalidInputError
 from .hooks import tensors_in
 from .report import Category, MemoryReport
-from .tracker import track
+from .tracker import _allocator_module, track
 
 __all__ = ["OpMemory", "op_memory", "measure_step"]
 
@@ -22,7 +22,8 @@ class OpMemory:
 
     ``allocated_bytes``: bytes of storages the call created that are still alive after it (its result).
     ``peak_bytes``: the highest extra live bytes at any moment during the call.
-    On CUDA, ``allocator_*`` repeat both from the caching allocator (its peak reset first).
+    On an accelerator (CUDA, XPU, ...), ``allocator_*`` repeat both from its caching allocator (its peak reset
+    first).
     """
 
     allocated_bytes: int
@@ -51,21 +52,23 @@ def op_memory(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> OpMemory:
     if not callable(fn):
         raise InvalidInputError(f"memtrim.op_memory: fn must be callable, got {type(fn).__name__}.")
     tensors = list(tensors_in((args, kwargs)))
-    cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    # the first argument on an accelerator whose caching allocator keeps peaks (CUDA, XPU, ...)
+    accelerator = next((t.device for t in tensors if _allocator_module(t.device) is not None), None)
+    allocator = _allocator_module(accelerator) if accelerator is not None else None
     base = 0
-    if cuda is not None:
-        torch.cuda.synchronize(cuda)
-        torch.cuda.reset_peak_memory_stats(cuda)
-        base = torch.cuda.memory_allocated(cuda)
+    if allocator is not None:
+        allocator.synchronize(accelerator)
+        allocator.reset_peak_memory_stats(accelerator)
+        base = allocator.memory_allocated(accelerator)
     with track() as tracker:
         for tensor in tensors:
             tracker.label(tensor, Category.INPUTS)
         result = fn(*args, **kwargs)
     allocator_allocated = allocator_peak = None
-    if cuda is not None:
-        torch.cuda.synchronize(cuda)
-        allocator_allocated = torch.cuda.memory_allocated(cuda) - base
-        allocator_peak = torch.cuda.max_memory_allocated(cuda) - base
+    if allocator is not None:
+        allocator.synchronize(accelerator)
+        allocator_allocated = allocator.memory_allocated(accelerator) - base
+        allocator_peak = allocator.max_memory_allocated(accelerator) - base
     device = str(tensors[0].device) if tensors else None
     report = tracker.report(device)
     start = report.timeline[0].total_bytes

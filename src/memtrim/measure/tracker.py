@@ -35,7 +35,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, MemtrimStateError
 from . import hooks
 from .hooks import _collect, tensors_in
 from .report import CATEGORIES, Category, MemoryReport, TimelineEvent
@@ -156,15 +156,15 @@ class Tracker:
         self._finished = False
         self._mode: _Mode | None = None
         self._thread: int | None = None
-        self._cuda_device: torch.device | None = None
-        self._cuda_peaks: tuple[int, int] | None = None
-        self._cuda_start: int | None = None
-        self._cuda_snapshot: Any = None
+        self._allocator_device: torch.device | None = None  # an accelerator whose allocator's peaks are read
+        self._allocator_peaks: tuple[int, int] | None = None
+        self._allocator_start: int | None = None
+        self._cuda_snapshot: Any = None  # memory_viz's history: CUDA only
 
     # ------------------------------------------------------------------ context manager
     def __enter__(self) -> Tracker:
         if self._active or self._finished:
-            raise InvalidInputError(
+            raise MemtrimStateError(
                 "memtrim.track: this tracker was already used; create a new one with memtrim.track(...)."
             )
         self._thread = threading.get_ident()
@@ -175,7 +175,7 @@ class Tracker:
             self._hook_handles.append(
                 model.register_forward_pre_hook(_InputsHook(self), with_kwargs=True, prepend=True)
             )
-        self._start_cuda()
+        self._start_allocator()
         self._active = True
         hooks.activate(self)
         self._mode = _Mode(self)
@@ -189,7 +189,7 @@ class Tracker:
     def __exit__(self, *exc: Any) -> None:
         assert self._mode is not None
         if threading.get_ident() != self._thread:
-            raise InvalidInputError(
+            raise MemtrimStateError(
                 "memtrim.track: a tracker must stop in the thread that started it (its dispatch mode and "
                 "saved-tensor hooks belong to that thread). Use one tracker per thread, each in a `with` block."
             )
@@ -201,7 +201,7 @@ class Tracker:
 
     def _stop(self) -> None:
         hooks.deactivate(self)
-        self._stop_cuda()
+        self._stop_allocator()
         self._active = False
         self._finished = True
         for record in self._records.values():
@@ -235,20 +235,26 @@ class Tracker:
         """The :class:`MemoryReport` of everything seen so far, for one device (default: the model's)."""
         self._reconcile()
         device = self._choose_device(device)
-        cuda = None
-        if self._cuda_peaks is not None and self._cuda_device is not None and device == str(self._cuda_device):
-            cuda = (*self._cuda_peaks, self._cuda_start)
-        return _replay(self._events, self._start_records, device, cuda)
+        allocator = None
+        if (self._allocator_peaks is not None and self._allocator_device is not None
+                and device == str(self._allocator_device)):
+            allocator = (*self._allocator_peaks, self._allocator_start)
+        return _replay(self._events, self._start_records, device, allocator)
 
     def export_memory_snapshot(self, path: str) -> None:
-        """Write the CUDA allocator's snapshot (the pickle PyTorch's memory_viz page reads) to ``path``."""
+        """Write the CUDA allocator's snapshot (the pickle PyTorch's memory_viz page reads) to ``path``.
+
+        Raises:
+            MemtrimStateError: no CUDA allocator history was recorded (CUDA was not initialised at the start).
+        """
         import pickle
 
         snapshot = self._cuda_snapshot
-        if snapshot is None and self._active and self._cuda_device is not None:
+        device = self._allocator_device
+        if snapshot is None and self._active and device is not None and device.type == "cuda":
             snapshot = torch.cuda.memory._snapshot()
         if snapshot is None:
-            raise InvalidInputError(
+            raise MemtrimStateError(
                 "Tracker.export_memory_snapshot: no CUDA allocator history was recorded; it exists only when "
                 "CUDA is initialised when the tracker starts (a model or tensor already on a GPU). Use "
                 "report().to_json() on other devices."
@@ -256,7 +262,7 @@ class Tracker:
         with open(path, "wb") as f:
             pickle.dump(snapshot, f)
 
-    # ------------------------------------------------------------------ devices and CUDA
+    # ------------------------------------------------------------------ devices and the accelerator's allocator
     def _choose_device(self, device: str | torch.device | None) -> str:
         if device is not None:
             return str(torch.device(device))
@@ -272,41 +278,50 @@ class Tracker:
                 sizes[record.device] = sizes.get(record.device, 0) + value
         return max(sizes, key=sizes.__getitem__) if sizes else "cpu"
 
-    def _start_cuda(self) -> None:
-        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-            return  # never initialise CUDA ourselves
+    def _start_allocator(self) -> None:
+        """Reset the accelerator allocator's peaks (the model's device, else the current one) and, on CUDA, record
+        the allocator's history for memory_viz. Only an accelerator already initialised: never start one."""
+        module, kind = _initialised_accelerator()
+        if module is None:
+            return
         model = self._model_ref() if self._model_ref is not None else None
         device = None
         if model is not None:
-            device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
-        self._cuda_device = device or torch.device("cuda", torch.cuda.current_device())
-        _fold_cuda_peaks(self._cuda_device)
-        torch.cuda.synchronize(self._cuda_device)
-        torch.cuda.reset_peak_memory_stats(self._cuda_device)
-        self._cuda_peaks = (0, 0)
-        self._cuda_start = torch.cuda.memory_allocated(self._cuda_device)
-        try:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
-        except Exception:  # pragma: no cover - history is a bonus, never a failure
-            pass
+            device = next((p.device for p in model.parameters() if p.device.type == kind), None)
+        self._allocator_device = device = device or torch.device(kind, module.current_device())
+        _fold_allocator_peaks(device)
+        module.synchronize(device)
+        module.reset_peak_memory_stats(device)
+        self._allocator_peaks = (0, 0)
+        self._allocator_start = module.memory_allocated(device)
+        if device.type == "cuda":
+            try:
+                torch.cuda.memory._record_memory_history(max_entries=100_000)
+            except Exception:  # pragma: no cover - history is a bonus, never a failure
+                pass
 
-    def _stop_cuda(self) -> None:
-        if self._cuda_device is None:
+    def _stop_allocator(self) -> None:
+        device = self._allocator_device
+        if device is None:
             return
-        torch.cuda.synchronize(self._cuda_device)
-        self._fold_cuda_peak()
+        torch.get_device_module(device).synchronize(device)
+        self._fold_allocator_peak()
+        if device.type != "cuda":
+            return
         try:
             self._cuda_snapshot = torch.cuda.memory._snapshot()
             torch.cuda.memory._record_memory_history(enabled=None)
         except Exception:  # pragma: no cover
             self._cuda_snapshot = None
 
-    def _fold_cuda_peak(self) -> None:
-        if self._cuda_device is None or self._cuda_peaks is None:
+    def _fold_allocator_peak(self) -> None:
+        device = self._allocator_device
+        if device is None or self._allocator_peaks is None:
             return
-        allocated = torch.cuda.max_memory_allocated(self._cuda_device)
-        reserved = torch.cuda.max_memory_reserved(self._cuda_device)
-        self._cuda_peaks = (max(self._cuda_peaks[0], allocated), max(self._cuda_peaks[1], reserved))
+        module = torch.get_device_module(device)
+        allocated = module.max_memory_allocated(device)
+        reserved = module.max_memory_reserved(device)
+        self._allocator_peaks = (max(self._allocator_peaks[0], allocated), max(self._allocator_peaks[1], reserved))
 
     # ------------------------------------------------------------------ discovery and labels
     def _scan_model_and_optimizers(self, initial: bool = False) -> None:
@@ -638,6 +653,7 @@ def track(model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer
 
     Raises:
         InvalidInputError: ``model`` is not an ``nn.Module`` or ``optimizer`` not an ``Optimizer``.
+        MemtrimStateError: the tracker is entered a second time, or its block ends in another thread.
 
     Example::
 
@@ -704,15 +720,46 @@ def _op_name(func: Any) -> str:
     return name
 
 
-def _fold_cuda_peaks(device: torch.device) -> None:
+def _fold_allocator_peaks(device: torch.device) -> None:
     """Before resetting the allocator's peak, let every active tracker keep the peak it has seen."""
     for tracker in hooks.active():
-        if tracker._cuda_device == device:
-            tracker._fold_cuda_peak()
+        if tracker._allocator_device == device:
+            tracker._fold_allocator_peak()
+
+
+_ALLOCATOR_FUNCTIONS = (
+    "synchronize", "reset_peak_memory_stats", "memory_allocated", "max_memory_allocated", "max_memory_reserved"
+)
+
+
+def _allocator_module(device: torch.device) -> Any:
+    """The torch module (``torch.cuda``, ``torch.xpu``, ...) whose caching allocator keeps ``device``'s memory and
+    its peaks, or None (CPU, meta, an accelerator without peak statistics such as MPS)."""
+    if device.type in ("cpu", "meta"):
+        return None
+    try:
+        module = torch.get_device_module(device)
+    except RuntimeError:  # no torch.<device type> module
+        return None
+    return module if all(hasattr(module, name) for name in _ALLOCATOR_FUNCTIONS) else None
+
+
+def _initialised_accelerator() -> tuple[Any, str]:
+    """This build's accelerator: (its torch module, its device type) when its runtime is already initialised and
+    its allocator keeps peaks; ``(None, "")`` otherwise (the tracker never initialises one itself)."""
+    accelerator: torch.device | None = torch.device("cuda")
+    if hasattr(torch, "accelerator"):  # torch >= 2.6; before it, CUDA is the one with allocator peaks
+        accelerator = torch.accelerator.current_accelerator()  # the build's type: initialises nothing
+    if accelerator is None:
+        return None, ""
+    module = _allocator_module(accelerator)
+    if module is None or not module.is_available() or not getattr(module, "is_initialized", lambda: False)():
+        return None, ""
+    return module, accelerator.type
 
 
 def _replay(
-    events: list[tuple], start_records: Iterable[_Record], device: str, cuda: tuple[int, int, int | None] | None
+    events: list[tuple], start_records: Iterable[_Record], device: str, allocator: tuple[int, int, int | None] | None
 ) -> MemoryReport:
     index = _CATEGORY_INDEX
     totals = [0] * len(CATEGORIES)
@@ -766,7 +813,7 @@ def _replay(
         final_by_category=dict(zip(CATEGORIES, totals)),
         timeline=timeline,
         device=device,
-        allocator_peak_allocated_bytes=cuda[0] if cuda else None,
-        allocator_peak_reserved_bytes=cuda[1] if cuda else None,
-        allocator_start_allocated_bytes=cuda[2] if cuda else None,
+        allocator_peak_allocated_bytes=allocator[0] if allocator else None,
+        allocator_peak_reserved_bytes=allocator[1] if allocator else None,
+        allocator_start_allocated_bytes=allocator[2] if allocator else None,
     )

@@ -41,10 +41,10 @@ NOTE [ optimizer in backward ]
   temporaries stays under the most the standard loop surely holds in this step (parameters + optimizer state +
   every gradient, and what it held at each earlier moment of this backward: memory then + gradients freed by
   then); otherwise the bucket is held back and retried as backward frees memory, at the end of backward, and
-  finally in ``step()`` (where the standard loop steps it too). Memory is read from the CUDA allocator, or on
-  CPU from an active memtrim tracker; on CPU without a tracker nothing can be read and buckets update as soon as
-  complete. ``peak="lowest"`` always updates at once: the lowest peak for parameter-heavy models, a higher one
-  for activation-heavy ones (benchmarks/optimizer_in_backward_peak.py).
+  finally in ``step()`` (where the standard loop steps it too). Memory is read from the accelerator's allocator
+  (``torch.cuda``, ``torch.xpu``, ...), or on CPU from an active memtrim tracker; on CPU without a tracker nothing
+  can be read and buckets update as soon as complete. ``peak="lowest"`` always updates at once: the lowest peak
+  for parameter-heavy models, a higher one for activation-heavy ones (benchmarks/optimizer_in_backward_peak.py).
 * Global information (clipping by global norm, GradScaler's inf check) needs every gradient before any update:
   ``backward(loss)`` then runs two passes: the first computes the norms / inf flags and frees each gradient at
   once, the second (same graph, retained) updates. Cost: one extra backward pass.
@@ -61,7 +61,7 @@ import types
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -81,9 +81,16 @@ _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> weakref to 
 
 
 def _memory_now(device: torch.device) -> int | None:
-    """Bytes allocated on ``device`` now: the allocator's counter on CUDA, an active memtrim tracker on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.memory_allocated(device)
+    """Bytes allocated on ``device`` now: the allocator's counter on an accelerator, an active memtrim tracker on
+    CPU (or on an accelerator whose torch module keeps no counter)."""
+    if device.type != "cpu":
+        try:
+            module = torch.get_device_module(device)
+        except RuntimeError:  # a device with no torch module (meta): no allocator to read
+            module = None
+        memory_allocated = getattr(module, "memory_allocated", None)
+        if memory_allocated is not None:
+            return int(memory_allocated(device))
     trackers = measure_hooks.active()
     if trackers:
         return max(tracker.live_bytes(str(device)) for tracker in trackers)
@@ -222,7 +229,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         peak: ``"never_higher"`` (default): a complete bucket is updated inside backward only when memory
             measured now plus its update's temporaries stays under what the standard loop holds; otherwise later
             (end of backward, or ``step()``), so the step's peak is never above the standard loop's. Memory is
-            read from the CUDA allocator or, on CPU, an active memtrim tracker (without one: at once).
+            read from the accelerator's allocator or, on CPU, an active memtrim tracker (without one: at once).
             ``"lowest"``: every bucket as soon as it is complete (may lift an activation-heavy model's peak).
 
     Raises:
@@ -258,23 +265,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         peak: str = "never_higher",
     ) -> None:
         _check_optimizer(optimizer)
-        for name, value in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
-            if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-                raise InvalidInputError(
-                    f"memtrim.OptimizerInBackward: {name} must be a positive number, got {value!r}."
-                )
-        if not isinstance(bucket_bytes, int) or bucket_bytes < 0:
-            raise InvalidInputError(
-                f"memtrim.OptimizerInBackward: bucket_bytes must be an int >= 0, got {bucket_bytes!r}."
-            )
-        if peak not in _PEAK_MODES:
-            raise InvalidInputError(
-                f"memtrim.OptimizerInBackward: peak must be one of {_PEAK_MODES}, got {peak!r}."
-            )
-        if scaler is not None and not hasattr(scaler, "_per_optimizer_states"):
-            raise InvalidInputError(
-                f"memtrim.OptimizerInBackward: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}."
-            )
+        _check_options(clip_grad_norm, clip_grad_value, scaler, bucket_bytes, peak)
         # Optimizer.__init__ is not called: param_groups, state and defaults are the wrapped optimizer's own.
         self.optimizer = optimizer
         self.clip_grad_norm = clip_grad_norm
@@ -295,7 +286,17 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._buckets: list[_Bucket] = []
         self._where: dict[int, tuple[_Bucket, int]] = {}  # id(param) -> (bucket, index)
         self._by_id: dict[int, torch.Tensor] = {}
-        # the step
+        self._init_step_state()
+        raw = getattr(type(optimizer).step, "__wrapped__", None)  # the step without hooks and profiler records
+        self._raw_step = raw if raw is not None else type(optimizer).step
+        _install_clip_guard()
+        _WRAPPERS.add(self)
+        self._build_buckets()
+        self._serial = 0  # counts zero_grad() calls: which open step a graph was built in
+        self._attach(model)
+
+    def _init_step_state(self) -> None:
+        """The bookkeeping of one training step and of the two-pass backward (NOTE [ optimizer in backward ])."""
         self._open = False
         self._thread: int | None = None
         self._stepped: set[int] = set()  # updated (or consumed by a skipped update) in this step
@@ -324,12 +325,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._coefficient: torch.Tensor | None = None
         self._callback_queued = False  # DDP only
         self._deferred = False  # accumulated gradients: step after backward instead of inside it
-        raw = getattr(type(optimizer).step, "__wrapped__", None)  # the step without hooks and profiler records
-        self._raw_step = raw if raw is not None else type(optimizer).step
-        _install_clip_guard()
-        _WRAPPERS.add(self)
-        self._build_buckets()
-        self._serial = 0  # counts zero_grad() calls: which open step a graph was built in
+
+    def _attach(self, model: torch.nn.Module | None) -> None:
+        """Hook the model (when given) and the parameters, or DDP's comm hook under DDP."""
         if model is not None:
             # a graph backwarded twice (retain_graph=True) after an update inside the first: say so before torch's
             # version-counter error does
@@ -339,12 +337,13 @@ class OptimizerInBackward(torch.optim.Optimizer):
             self._ddp.register_comm_hook(self._self_ref, _ddp_comm_hook)
             self._ddp = weakref.ref(self._ddp)
         else:
-            _check_not_distributed(optimizer)
+            _check_not_distributed(self.optimizer)
             self._hook_new_params()
 
     # ------------------------------------------------------------------ the wrapped optimizer's view
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's ``param_groups`` (read and set through to it)."""
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -353,10 +352,12 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     @property
     def state(self) -> Any:  # type: ignore[override]  # read-only: the wrapped optimizer's own
+        """The wrapped optimizer's per-parameter ``state``."""
         return self.optimizer.state
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]  # read-only: the wrapped optimizer's own
+        """The wrapped optimizer's ``defaults``."""
         return self.optimizer.defaults
 
     def state_dict(self) -> dict[str, Any]:
@@ -364,21 +365,27 @@ class OptimizerInBackward(torch.optim.Optimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load into the wrapped optimizer: a ``state_dict()`` of plain training or of a wrapper alike."""
         self.optimizer.load_state_dict(state_dict)
 
     def register_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> Any:
+        """Register ``hook`` on the wrapped optimizer, run before its ``state_dict()``; returns the handle."""
         return self.optimizer.register_state_dict_pre_hook(hook, prepend)
 
     def register_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> Any:
+        """Register ``hook`` on the wrapped optimizer, run after its ``state_dict()``; returns the handle."""
         return self.optimizer.register_state_dict_post_hook(hook, prepend)
 
     def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> Any:
+        """Register ``hook`` on the wrapped optimizer, run before its ``load_state_dict()``; returns the handle."""
         return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
 
     def register_load_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> Any:
+        """Register ``hook`` on the wrapped optimizer, run after its ``load_state_dict()``; returns the handle."""
         return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the wrapped optimizer; its parameters are bucketed and hooked like the others."""
         self.optimizer.add_param_group(param_group)
         self._build_buckets()
         if self._ddp is None and not self._removed:
@@ -449,18 +456,45 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 "OptimizerInBackward.step: closures are not supported; the update happens inside backward."
             )
         self._raise_pending("step")
-        if not self._open and not self._removed:
-            gone = [self._by_id[k] for k in self._freed if self._by_id[k].grad is None]
-            if gone:
-                raise OptimizerInBackwardError(
-                    "OptimizerInBackward.step: expected zero_grad() between two step() calls, but step() ran again "
-                    f"after the previous one with no zero_grad() between; the standard loop would apply the "
-                    f"previous gradients once more ({len(gone)} parameter(s), the first of shape "
-                    f"{tuple(gone[0].shape)}), and they were applied and freed inside backward. Call step() once "
-                    "per training step (with a GradScaler: scaler.step(opt) only, not opt.step() as well)."
-                )
+        self._check_not_stepped_twice()
         self._check_unchanged()
         driven = "found_inf" in self.__dict__  # GradScaler.step(self) set grad_scale / found_inf
+        self._check_scaler_known(driven)
+        for hook in tuple(_global_hooks("_global_optimizer_pre_hooks")):
+            hook(self, (), {})
+        held, self._held_to_step = self._held_to_step, []
+        for bucket in held:
+            self._step_bucket(bucket)
+        waiting = self._waiting_gradients()
+        if waiting:
+            self._apply_waiting(waiting, driven)
+        self._tell_scaler()
+        self._run_pre_hooks()
+        for hook in tuple(self.optimizer._optimizer_step_post_hooks.values()):
+            hook(self.optimizer, (), {})
+        for hook in tuple(self._optimizer_step_post_hooks.values()):
+            hook(self, (), {})
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers check
+        self._close_step()
+        for hook in tuple(_global_hooks("_global_optimizer_post_hooks")):
+            hook(self, (), {})
+
+    def _check_not_stepped_twice(self) -> None:
+        """``step()`` after a closed step: the standard loop would apply gradients that were freed inside backward."""
+        if self._open or self._removed:
+            return
+        gone = [self._by_id[k] for k in self._freed if self._by_id[k].grad is None]
+        if gone:
+            raise OptimizerInBackwardError(
+                "OptimizerInBackward.step: expected zero_grad() between two step() calls, but step() ran again "
+                f"after the previous one with no zero_grad() between; the standard loop would apply the "
+                f"previous gradients once more ({len(gone)} parameter(s), the first of shape "
+                f"{tuple(gone[0].shape)}), and they were applied and freed inside backward. Call step() once "
+                "per training step (with a GradScaler: scaler.step(opt) only, not opt.step() as well)."
+            )
+
+    def _check_scaler_known(self, driven: bool) -> None:
+        """A GradScaler steps this wrapper (``driven``) but the wrapper, not told, already applied scaled gradients."""
         if driven and self.scaler is None and self._updated_in_backward:
             self._close_step()
             raise OptimizerInBackwardError(
@@ -468,11 +502,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 "it, so the scaled gradients were already applied inside backward (unscaled, unchecked). Build "
                 "it with OptimizerInBackward(optimizer, scaler=scaler) and call opt.backward(scaler.scale(loss))."
             )
-        for hook in tuple(_global_hooks("_global_optimizer_pre_hooks")):
-            hook(self, (), {})
-        held, self._held_to_step = self._held_to_step, []
-        for bucket in held:
-            self._step_bucket(bucket)
+
+    def _waiting_gradients(self) -> list[torch.Tensor]:
+        """The parameters ``step()`` itself updates (gradients not applied inside backward), in the optimizer's
+        order; raises where the standard loop would have combined them with gradients already applied."""
         waiting = [
             p for group in self.optimizer.param_groups for p in group["params"]
             if id(p) not in self._stepped and (p.grad is not None or id(p) in self._zero_pending)
@@ -493,21 +526,17 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 f"{len(waiting)} gradient(s) arrived after the update inside backward. Produce all of a step's "
                 "gradients in the backward of opt.backward(loss) (earlier ones inside accumulate())."
             )
-        if waiting:
-            self._apply_waiting(waiting, driven)
+        return waiting
+
+    def _tell_scaler(self) -> None:
+        """Hand the scaler the inf/NaN flags found inside backward, where its ``update()`` reads them.
+
+        GradScaler's private per-optimizer state: torch has no public way to report them. Its ``step``/``unscale_``
+        check the ``.grad`` of the optimizer's parameters, which were applied and freed inside backward.
+        """
         if self.scaler is not None and self._scaler_found is not None:
-            # what update() reads; written here because GradScaler.step/unscale_ saw no gradients to check
             found = self._scaler_found
             self.scaler._per_optimizer_states[id(self)]["found_inf_per_device"] = {found.device: found}
-        self._run_pre_hooks()
-        for hook in tuple(self.optimizer._optimizer_step_post_hooks.values()):
-            hook(self.optimizer, (), {})
-        for hook in tuple(self._optimizer_step_post_hooks.values()):
-            hook(self, (), {})
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers check
-        self._close_step()
-        for hook in tuple(_global_hooks("_global_optimizer_post_hooks")):
-            hook(self, (), {})
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
@@ -636,26 +665,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
             return  # outside an open step: accumulate, as the standard loop does
         self._check_thread(param)
         if key in self._stepped:
-            nested = self._token is not None and self._token() is not None  # the updating backward still runs
-            self._close_step()  # reported once: the next zero_grad() starts clean
-            if nested:
-                raise OptimizerInBackwardError(
-                    "OptimizerInBackward: expected each parameter's gradient once per backward pass, but a backward "
-                    "nested inside the running one (reentrant torch.utils.checkpoint, use_reentrant=True, or an "
-                    "autograd.Function whose backward calls backward) sent a second gradient for a parameter of "
-                    f"shape {tuple(param.shape)} that the outer pass had already completed and updated: a weight "
-                    "used both inside and outside the checkpointed segment. The standard loop would have added "
-                    "the two. Use non-reentrant checkpointing: torch.utils.checkpoint.checkpoint(..., "
-                    "use_reentrant=False) (or memtrim's checkpointing)."
-                )
-            raise OptimizerInBackwardError(
-                "OptimizerInBackward: expected one backward pass per training step to reach each parameter, but "
-                f"a second backward in this step reached a parameter of shape {tuple(param.shape)} that was "
-                "already updated inside the first one (the standard loop would have added the two gradients). "
-                "Run the earlier backward passes (micro-batches, a first loss on a retained graph, an "
-                "adversarial attack's input gradient) inside `with opt.accumulate():`, or call opt.step() and "
-                "opt.zero_grad() between training steps."
-            )
+            self._raise_second_gradient(param)
         if self._two_passes and self._pass is None and not self._deferred:
             self._close_step()
             raise OptimizerInBackwardError(
@@ -680,6 +690,29 @@ class OptimizerInBackward(torch.optim.Optimizer):
             self._late.append(bucket)
         if not self._deferred and len(bucket.ready) >= bucket.expected:
             self._bucket_complete(bucket)
+
+    def _raise_second_gradient(self, param: torch.Tensor) -> NoReturn:
+        """A gradient for ``param`` after its update in this open step: the standard loop would add the two."""
+        nested = self._token is not None and self._token() is not None  # the updating backward still runs
+        self._close_step()  # reported once: the next zero_grad() starts clean
+        if nested:
+            raise OptimizerInBackwardError(
+                "OptimizerInBackward: expected each parameter's gradient once per backward pass, but a backward "
+                "nested inside the running one (reentrant torch.utils.checkpoint, use_reentrant=True, or an "
+                "autograd.Function whose backward calls backward) sent a second gradient for a parameter of "
+                f"shape {tuple(param.shape)} that the outer pass had already completed and updated: a weight "
+                "used both inside and outside the checkpointed segment. The standard loop would have added "
+                "the two. Use non-reentrant checkpointing: torch.utils.checkpoint.checkpoint(..., "
+                "use_reentrant=False) (or memtrim's checkpointing)."
+            )
+        raise OptimizerInBackwardError(
+            "OptimizerInBackward: expected one backward pass per training step to reach each parameter, but "
+            f"a second backward in this step reached a parameter of shape {tuple(param.shape)} that was "
+            "already updated inside the first one (the standard loop would have added the two gradients). "
+            "Run the earlier backward passes (micro-batches, a first loss on a retained graph, an "
+            "adversarial attack's input gradient) inside `with opt.accumulate():`, or call opt.step() and "
+            "opt.zero_grad() between training steps."
+        )
 
     def _bucket_complete(self, bucket: _Bucket) -> None:
         if any(bucket is held for held in (*self._held, *self._held_to_step, *self._late)):
@@ -1055,7 +1088,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     def _unscale(self, grads: list[torch.Tensor], record: bool = False) -> None:
         assert self.scaler is not None
-        inv_scale = self.scaler._scale.double().reciprocal().float()
+        inv_scale = _scale_tensor(self.scaler).double().reciprocal().float()
         for (device, _), tensors in _by_device_and_dtype(grads).items():
             found = torch.zeros(1, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, inv_scale.to(device))
@@ -1070,7 +1103,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         """With a GradScaler: remember what was found (``step()`` tells the scaler), and whether to skip."""
         if self.scaler is None:
             return False
-        device = self.scaler._scale.device
+        device = _scale_tensor(self.scaler).device
         found = sum((f.to(device) for f in self._found_inf.values()), torch.zeros(1, device=device))
         self._found_inf.clear()
         self._scaler_found = found if self._scaler_found is None else self._scaler_found + found
@@ -1146,6 +1179,16 @@ def _show(value: Any) -> str:
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], type):
         return repr(value[0](_show(v) if isinstance(v, _TensorMark) else v for v in value[1]))
     return repr(value)
+
+
+def _scale_tensor(scaler: torch.amp.GradScaler) -> torch.Tensor:
+    """GradScaler's current scale as a tensor on its device (set by ``scaler.scale(loss)`` before backward).
+
+    Its private attribute: the public ``get_scale()`` returns a Python float (``.item()``: a device sync for each
+    bucket updated inside backward) and torch has no public accessor for the tensor, which GradScaler's own
+    ``unscale_`` reads the same way.
+    """
+    return cast(torch.Tensor, scaler._scale)
 
 
 def _by_device_and_dtype(grads: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
@@ -1312,6 +1355,29 @@ def _install_clip_guard() -> None:
         for module, exported in ((utils, name), (utils, attribute)):
             if getattr(module, exported, None) is public:
                 setattr(module, exported, guarded)
+
+
+def _check_options(
+    clip_grad_norm: float | None, clip_grad_value: float | None, scaler: Any, bucket_bytes: int, peak: str
+) -> None:
+    """Validate ``OptimizerInBackward``'s keyword options (raises ``InvalidInputError``)."""
+    for name, value in (("clip_grad_norm", clip_grad_norm), ("clip_grad_value", clip_grad_value)):
+        if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+            raise InvalidInputError(
+                f"memtrim.OptimizerInBackward: {name} must be a positive number, got {value!r}."
+            )
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 0:
+        raise InvalidInputError(
+            f"memtrim.OptimizerInBackward: bucket_bytes must be an int >= 0, got {bucket_bytes!r}."
+        )
+    if peak not in _PEAK_MODES:
+        raise InvalidInputError(
+            f"memtrim.OptimizerInBackward: peak must be one of {_PEAK_MODES}, got {peak!r}."
+        )
+    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
+        raise InvalidInputError(
+            f"memtrim.OptimizerInBackward: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}."
+        )
 
 
 _GLOBAL_OPTIMIZERS = ("LBFGS",)
