@@ -324,12 +324,6 @@ def test_custom_policy_callable_and_ops():
     assert_same(grads_a, grads_b)
 
 
-def test_missing_selective_checkpointing(monkeypatch):
-    monkeypatch.delattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts")
-    with pytest.raises(memtrim.MissingDependencyError, match=r"^memtrim.checkpoint_modules: policy= needs"):
-        memtrim.checkpoint_modules(SmallGPT(CFG), Block, policy="save_matmuls")
-
-
 class RunningCentre(nn.Module):
     """Reads its buffer in the training forward and then updates it: a recomputation must read the old value."""
 

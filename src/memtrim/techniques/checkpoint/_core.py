@@ -17,7 +17,7 @@ recompute context torch enters around each recomputation (``_Recompute``), outsi
 mode, which would reject ops the forward did not run; the originals are put back in ``__exit__``, which also
 runs when torch stops a recomputation early by raising once it has what backward needs.
 
-Selective: ``policy`` builds ``create_selective_checkpoint_contexts`` (torch >= 2.4) with a policy function; ops it
+Selective: ``policy`` builds ``create_selective_checkpoint_contexts`` with a policy function; ops it
 marks ``MUST_SAVE`` keep their outputs, the rest are recomputed. Eager mode ignores the ``*_CPU_OFFLOAD`` policies.
 torch keeps those outputs in its mode's storage, not through saved-tensor hooks, so ``_Forward`` reports them to
 memtrim's trackers with ``hold_for_backward`` (owned by the recompute context, which lives as long as the graph);
@@ -36,7 +36,7 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch import nn
 
-from ...errors import InvalidInputError, MemtrimStateError, MissingDependencyError
+from ...errors import InvalidInputError, MemtrimStateError
 from ...measure.hooks import hold_for_backward
 
 _API = "memtrim.checkpoint_modules"
@@ -167,13 +167,7 @@ def _policy_fn(policy: Policy) -> tuple[Callable[..., Any] | None, str | None]:
 def _selective(policy_fn: Callable[..., Any] | None) -> Callable[[], tuple[Any, Any]] | None:
     if policy_fn is None:
         return None
-    create = getattr(tuc, "create_selective_checkpoint_contexts", None)
-    if create is None:
-        raise MissingDependencyError(
-            f"{_API}: policy= needs torch.utils.checkpoint.create_selective_checkpoint_contexts (torch >= 2.4); "
-            f"found torch {torch.__version__} without it. Upgrade torch or pass policy=None."
-        )
-    return functools.partial(create, policy_fn)
+    return functools.partial(tuc.create_selective_checkpoint_contexts, policy_fn)
 
 
 def _saved_values(obj: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -286,7 +280,6 @@ def checkpoint_modules(model: nn.Module, modules: ModuleSelector, *, policy: Pol
         InvalidInputError: ``model`` is not a module, the selector matches nothing, names are unknown, chosen
             modules nest, or ``policy`` is unknown.
         MemtrimStateError: a chosen module is checkpointed already.
-        MissingDependencyError: ``policy`` given on a torch without selective checkpointing.
 
     Example:
         >>> handle = memtrim.checkpoint_modules(gpt, memtrim.models.gpt.Block)
