@@ -10,7 +10,7 @@ stream into pinned memory, ordered after the op that made the tensor; ``record_s
 from reuse until the copy is done, and the copy back waits for that copy's event. On a machine without an
 accelerator host memory is device memory: nothing is moved and ``OffloadHandle.note`` says so.
 Like torch's ``save_on_cpu``, the hooks see only what ``save_for_backward`` keeps, not attributes a custom Function
-sets on ``ctx``. Saved-tensor hooks step aside under ``torch.compile`` and ``torch.func`` (they refuse them).
+sets on ``ctx``. ``torch.func`` transforms and a compiled backward refuse saved-tensor hooks: offload outside them.
 """
 
 from __future__ import annotations
