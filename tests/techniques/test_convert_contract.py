@@ -465,3 +465,153 @@ def test_keep_input_rule_adds_no_graph_break_under_torch_compile():
         compiled = torch.compile(m, backend="eager", fullgraph=True)  # fullgraph: a graph break raises
         results.append(grads_of(compiled, x))
     assert_same(results[1], results[0])
+
+
+# ---------------------------------------------------------------------- torchvision's shared ReLU, compiled
+class SharedReLUBlock(nn.Module):
+    """torchvision's BasicBlock pattern: one in-place ``self.relu`` after ``bn1`` (fused) and after the residual add."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + x)
+
+
+def shared_relu_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(SharedReLUBlock(), nn.Conv2d(4, 2, 1))
+    x = torch.randn(2, 4, 6, 6)
+    converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=x)
+    assert type(converted[0].relu) is memtrim.techniques.recompute.PassThroughReLU, str(report)
+    return model, converted, x
+
+
+def test_shared_relu_fused_at_one_call_runs_as_torch_ops_under_compile_and_func():
+    # under torch.compile / torch.func the BatchNormReLU ran relu_ and the shared PassThroughReLU relu_'d that
+    # output again: torch's "modified by an inplace operation" error in backward instead of the plain result
+    model, converted, x = shared_relu_model()
+    torch._dynamo.reset()
+    results = [grads_of(torch.compile(m, backend="eager"), x) for m in (model, converted)]
+    assert_same(results[1], results[0])
+    model.eval(), converted.eval()
+
+    def loss(m):
+        return lambda p, t: torch.func.functional_call(m, p, (t,)).square().sum()
+
+    ref = torch.func.grad(loss(model), argnums=(0, 1))(dict(model.named_parameters()), x)
+    ours = torch.func.grad(loss(converted), argnums=(0, 1))(dict(converted.named_parameters()), x)
+    assert torch.equal(ours[1], ref[1])
+    for k in ref[0]:
+        assert torch.equal(ours[0][k], ref[0][k]), k
+    with torch.no_grad():  # grad off: torch's ops too
+        assert torch.equal(converted(x), model(x))
+
+
+def test_converted_model_pickles_and_deepcopies():
+    # the recipe scopes' handles live in the modules' __dict__: a closure there made torch.save(model) fail
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 8), nn.Unflatten(1, (8, 1)), nn.BatchNorm1d(8),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(8, 2)).double()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=x)
+    assert len(report.changes) == 2, str(report)
+    buffer = io.BytesIO()
+    torch.save(converted, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    from memtrim.techniques.convert.api import activation_bytes
+
+    for other in (loaded, copy.deepcopy(converted)):
+        assert_same(grads_of(other, x), grads_of(converted, x))
+        assert activation_bytes(other, (x,), {}) == activation_bytes(converted, (x,), {}) < activation_bytes(
+            model, (x,), {})
+        other[7].__dict__["_memtrim_consumer_scope"].remove()  # the copy's own hooks and handle, not the original's
+        assert "_memtrim_consumer_scope" not in other[7].__dict__ and not other[7]._forward_pre_hooks
+        assert "_memtrim_consumer_scope" in converted[7].__dict__ and converted[7]._forward_pre_hooks
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_convert_called_without_grad_traces_the_training_forward(mode):
+    # with grad off nothing is saved: every candidate measured 0 B and convert silently changed nothing
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2)).double()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    _, expected = memtrim.convert(copy.deepcopy(model), example_inputs=x)
+    converted = copy.deepcopy(model)
+    with mode():
+        _, report = memtrim.convert(converted, example_inputs=x.clone())
+        assert not torch.is_grad_enabled()
+    assert [c.modules for c in report.changes] == [c.modules for c in expected.changes] != []
+    assert report.activation_bytes_after == expected.activation_bytes_after < expected.activation_bytes_before
+    assert_same(grads_of(converted, x), grads_of(model, x), rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------- forwards that change parameters
+class MomentumEncoder(nn.Module):
+    """MoCo's pattern: the key encoder is updated from the query encoder inside forward, under no_grad (in place,
+    or by replacing ``.data``), and a queue buffer is reassigned."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.q = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 8))
+        self.k = copy.deepcopy(self.q).requires_grad_(False)
+        self.register_buffer("queue", torch.randn(8, 6))
+
+    def forward(self, x):
+        qv = self.q(x)
+        with torch.no_grad():
+            for pq, pk in zip(self.q.parameters(), self.k.parameters()):
+                if self.how == "in place":
+                    pk.data.mul_(0.9).add_(pq.data, alpha=0.1)
+                else:
+                    pk.data = pk.data * 0.9 + pq.data * 0.1
+        kv = self.k(x)
+        out = (qv * kv).sum(-1, keepdim=True) + qv @ self.queue
+        self.queue = torch.cat([kv.detach()[:1].T, self.queue[:, :-1]], dim=1)
+        return out
+
+
+@pytest.mark.parametrize("how", ["in place", "data"])
+def test_forward_that_updates_parameters_leaves_them_as_they_were(how):
+    # convert runs the forward on example_inputs several times (trace, one measurement per candidate): a key
+    # encoder updated inside forward came out of convert moved, and the converted model silently diverged
+    torch.manual_seed(0)
+    model = MomentumEncoder(how).double()
+    with torch.no_grad():
+        for p in model.q.parameters():
+            p.add_(torch.randn_like(p))
+    x = torch.randn(4, 8, dtype=torch.float64)
+    converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=x)
+    assert report.changes, str(report)
+    for (name, a), b in zip(converted.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+    for (name, a), b in zip(converted.named_parameters(), model.parameters()):
+        assert type(a) is nn.Parameter and a.requires_grad == b.requires_grad, name
+    assert_same(grads_of(converted, x, params=False), grads_of(model, x, params=False), rtol=1e-10, atol=1e-12)
+    assert torch.equal(converted.k[0].weight, model.k[0].weight) and torch.equal(converted.queue, model.queue)
+
+
+def test_uninitialized_lazy_parameters_are_refused():
+    model = nn.Sequential(nn.LazyLinear(8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 2))
+    with pytest.raises(memtrim.InvalidInputError, match="lazy.*run one forward"):
+        memtrim.convert(model, example_inputs=torch.randn(4, 5))
+    model(torch.randn(4, 5))
+    _, report = memtrim.convert(model, example_inputs=torch.randn(4, 5))
+    assert report.changes
+
+
+def test_a_batch_of_one_through_batchnorm_names_the_training_mode_trace():
+    # convert traces a training-mode forward; BatchNorm refuses one value per channel there, even for a model
+    # trained in eval mode: the error says so and what to pass, not a hint about argument formats
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2)).eval()
+    with pytest.raises(memtrim.InvalidInputError, match="training-mode forward.*batch of at least 2"):
+        memtrim.convert(model, example_inputs=torch.randn(1, 4))
+    assert not model.training  # left as it was

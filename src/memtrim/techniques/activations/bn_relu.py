@@ -74,8 +74,11 @@ class _BatchNormReLU(nn.modules.batchnorm._BatchNorm):
         self._check_input_dim(input)
         if not torch.is_grad_enabled() or plain_only():  # nothing kept, or compile/torch.func: torch's own ops
             factor, bn_training, running_mean, running_var = batchnorm_arguments(self, input)
-            return torch.relu_(nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias,
-                                                        bn_training, factor, self.eps))
+            out = nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias, bn_training,
+                                           factor, self.eps)
+            # fused at one call of a shared ReLU (convert's batchnorm_relu_call_site): that PassThroughReLU relus
+            # it there, as in the unconverted model (relu'd twice in place, autograd's check would refuse it)
+            return out if getattr(self, "memtrim_relu_follows", False) else torch.relu_(out)
         return _batchnorm_relu(self, input)
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ...errors import InvalidInputError
 from ...measure import track
@@ -70,7 +71,8 @@ def convert(
         bytes or skipped with its reason.
 
     Raises:
-        InvalidInputError: ``model`` is not a module, or the example inputs fail to run through it.
+        InvalidInputError: ``model`` is not a module, has uninitialized lazy parameters, or the example inputs fail
+            to run through it.
 
     Example::
 
@@ -83,9 +85,17 @@ def convert(
         raise InvalidInputError(f"memtrim.convert: model must be an nn.Module, got {type(model).__name__}.")
     if example_kwargs is not None and not isinstance(example_kwargs, dict):
         raise InvalidInputError(f"memtrim.convert: example_kwargs must be a dict, got {type(example_kwargs).__name__}.")
+    lazy = [n for n, p in model.named_parameters() if is_lazy(p)]
+    if lazy:
+        raise InvalidInputError(f"memtrim.convert: {len(lazy)} parameters are uninitialized lazy parameters "
+                                f"({lazy[0]}, ...): run one forward of the model (which materialises them) before "
+                                "convert.")
     given = example_inputs is not None or bool(example_kwargs)
     args, kwargs = _split(example_inputs, example_kwargs)
-    with torch.random.fork_rng(devices=_cuda_devices(model, (args, kwargs))):  # tracing must not draw from the RNG
+    # tracing must not draw from the RNG; the evidence is what autograd keeps in training, so it is traced (and
+    # measured) with grad on even when convert is called under torch.no_grad() or torch.inference_mode()
+    with torch.random.fork_rng(devices=_cuda_devices(model, (args, kwargs))), torch.inference_mode(False), \
+            torch.enable_grad():
         return _convert(model, args, kwargs, given, module_filter)
 
 

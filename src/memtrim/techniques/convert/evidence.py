@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...errors import InvalidInputError
@@ -279,8 +280,40 @@ def fresh_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[A
     return tuple(fresh(a) for a in args), {k: fresh(v) for k, v in kwargs.items()}
 
 
+class _ParametersWritten(TorchDispatchMode):
+    """Copy-on-write of parameter values: the first in-place write to a parameter's storage clones it first (a
+    forward that updates parameters, e.g. a momentum encoder's ``pk.data.mul_(m).add_(pq.data, alpha=1 - m)``).
+    Parameters nobody writes are never copied. The clone runs with dispatch off: no tracker or recorder sees it."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.storages = [p.untyped_storage() for p in params]  # kept alive: their ids stay theirs
+        self.data = {id(st): p.data for st, p in zip(self.storages, params)}
+        self.saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # storage id -> (the data, its clone)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        if schema.is_mutable:
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is None or not arg.alias_info.is_write:
+                    continue
+                for t in tensors_in(args[i] if i < len(args) else kwargs.get(arg.name)):
+                    key = id(t.untyped_storage())
+                    if key in self.data and key not in self.saved:
+                        with torch._C._DisableTorchDispatch():
+                            self.saved[key] = (self.data[key], self.data[key].clone())
+        return func(*args, **kwargs)
+
+    def restore(self) -> None:
+        for data, saved in self.saved.values():
+            data.copy_(saved)
+
+
 class buffers_kept:  # noqa: N801 - a context manager read like a function
-    """Snapshot ``model``'s buffers (not its parameters) and restore them on exit, with its training mode."""
+    """Snapshot ``model``'s buffers and restore them on exit, with its training mode. Parameters (and buffers) are
+    restored too where the forward changes them: written in place (copied on the first write, see
+    :class:`_ParametersWritten`), their ``.data`` replaced, or the module attribute reassigned."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -288,9 +321,21 @@ class buffers_kept:  # noqa: N801 - a context manager read like a function
     def __enter__(self) -> None:
         self.training = self.model.training
         self.buffers = [(b, b.clone()) for b in self.model.buffers()]
+        # (lazy parameters are left alone: the forward materialises them, as it would without convert)
+        self.slots = [(slots, name, t, t.data) for m in self.model.modules()
+                      for slots in (m._parameters, m._buffers) for name, t in slots.items()
+                      if t is not None and not is_lazy(t)]
+        self.written = _ParametersWritten([p for p in self.model.parameters() if not is_lazy(p)])
+        self.written.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
+        self.written.__exit__(*exc)
         with torch.no_grad():
+            for slots, name, t, data in self.slots:
+                slots[name] = t  # type: ignore[assignment]  # reassigned in forward (``self.queue = torch.cat(...)``)
+                if t.untyped_storage()._cdata != data.untyped_storage()._cdata:
+                    t.data = data  # ``.data`` replaced in forward (MoCo's ``pk.data = pk.data * m + ...``)
+            self.written.restore()
             for b, saved in self.buffers:
                 b.copy_(saved)
         self.model.train(self.training)
@@ -348,9 +393,15 @@ def collect(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                     torch.autograd.graph.saved_tensors_hooks(saved, lambda t: t):
                 model(*args, **kwargs)
     except Exception as e:
+        hint = (
+            "convert traces a training-mode forward (what autograd keeps there), where BatchNorm needs more than one "
+            "value per channel: pass example_inputs with a batch of at least 2"
+            if "Expected more than 1 value per channel" in str(e) else
+            "Pass a tensor, a tuple of arguments (model(*example_inputs)) or a dict of keyword arguments "
+            "(model(**example_inputs))"
+        )
         raise InvalidInputError(
-            f"memtrim.convert: the model failed on example_inputs ({type(e).__name__}: {e}). Pass a tensor, a tuple "
-            "of arguments (model(*example_inputs)) or a dict of keyword arguments (model(**example_inputs))."
+            f"memtrim.convert: the model failed on example_inputs ({type(e).__name__}: {e}). {hint}."
         ) from e
     finally:
         for h in handles:

@@ -132,7 +132,8 @@ def batchnorm_relu_call_site(ctx: Context) -> Iterator[Candidate]:
         def apply(bn: nn.Module = bn, relu: nn.Module = relu, consumers: list = consumers, target: type = target,
                   owner: str = owner) -> Undo:
             swap = class_swap(relu, PassThroughReLU) if type(relu) is nn.ReLU else (lambda: None)
-            return chain(class_swap(bn, target, memtrim_owner=owner), swap, _install_consumers(consumers))
+            return chain(class_swap(bn, target, memtrim_owner=owner, memtrim_relu_follows=True), swap,
+                         _install_consumers(consumers))
 
         yield Candidate(where, f"{type(bn).__name__} + ReLU (call {relu_site.call} of {relu_site.path})",
                         f"memtrim.nn.{target.__name__} + PassThroughReLU",

@@ -8,6 +8,7 @@ per-thread state only.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -82,6 +83,10 @@ def _exit(module: nn.Module, args: Any, output: Any) -> None:
     exit_consumer_scope()
 
 
+def _forget_scope(module: nn.Module) -> None:
+    module.__dict__.pop("_memtrim_consumer_scope", None)
+
+
 def keep_recipes_in(module: nn.Module) -> Handle:
     """Run ``module``'s forward as a consumer scope: tensors its ops save that are marked recomputable keep their
     recipe instead (the consumer module itself — Linear, HF Conv1D, Conv2d — or the parent whose own forward calls
@@ -98,11 +103,9 @@ def keep_recipes_in(module: nn.Module) -> Handle:
         return found
     pre = module.register_forward_pre_hook(_enter)
     post = module.register_forward_hook(_exit, always_call=True)
-
-    def forget() -> None:
-        module.__dict__.pop("_memtrim_consumer_scope", None)
-
-    handle = Handle(forget, pre.remove, post.remove)
+    # a partial, not a closure: the handle lives in the module's __dict__, so it must pickle (torch.save(model)) and
+    # deepcopy with the module
+    handle = Handle(functools.partial(_forget_scope, module), pre.remove, post.remove)
     module.__dict__["_memtrim_consumer_scope"] = handle
     return handle
 
