@@ -6,18 +6,21 @@ plan, the time it takes and the depth extrapolation's error against full traces.
 Reproduce:  .venv/bin/python benchmarks/plan_accuracy.py            (small GPT, ResNet-style CNN)
             zoovenv/bin/python benchmarks/plan_accuracy.py --hf     (adds an HF Llama-style decoder and Llama-7B;
                                                                      the venv of benchmarks/convert_zoo.py)
+            zoovenv/bin/python benchmarks/plan_accuracy.py --hf --llama-only   (the Llama-7B part, timed: run alone)
 Writes benchmarks/results/plan_accuracy_cpu.json. Memory only: no timings but the planner's own wall time.
 """
 
 import argparse
 import functools
+import json
+import os
 import time
 
 import torch
 import torch.nn.functional as F
 
 import memtrim
-from _common import machine, write
+from _common import RESULTS, machine, write
 from memtrim.models import GPTConfig, ResNetCNN, SmallGPT
 from memtrim.planner import TECHNIQUES, combinations, trace_step
 
@@ -94,6 +97,8 @@ def sweep() -> dict:
 
 
 def llama7b() -> dict:
+    """`memtrim plan --model llama-7b --batch 1 --seq 2048 --dtype bf16 --optimizer adamw --budget 24GiB` as the CLI
+    runs it (a CUDA target, torch's foreach AdamW there), timed; then the depth extrapolation against full traces."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     base = LlamaConfig(use_cache=False)
@@ -109,31 +114,45 @@ def llama7b() -> dict:
     ids = torch.randint(0, 32000, (1, 2048))
     batch = {"input_ids": ids, "labels": ids}
 
-    def adamw(m):
-        return torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=False)
+    def adamw(m, foreach=True):
+        return torch.optim.AdamW(m.parameters(), lr=1e-4, foreach=foreach)
 
     start = time.perf_counter()
-    plans = memtrim.plan(build, batch, _hf_loss, adamw, budget=1 << 50, depth=base.num_hidden_layers,
-                         techniques=NAMES)
+    plans = memtrim.plan(build, batch, _hf_loss, adamw, budget="24GiB", device="cuda", depth=base.num_hidden_layers)
     seconds = time.perf_counter() - start
-    # the extrapolation against a full 32-layer trace, for two plans
-    full = {}
+    print(plans, f"\n{seconds:.1f} s")
+    full = {}  # the extrapolation against a full 32-layer trace, for two plans (foreach=False: the smaller peak)
+    sequential = functools.partial(adamw, foreach=False)
+    small = memtrim.plan(build, batch, _hf_loss, sequential, budget=1 << 50, depth=base.num_hidden_layers,
+                         techniques=["checkpoint", "in_backward"])
     for combo in [(), ("checkpoint", "in_backward")]:
-        report = trace_step(functools.partial(build, base.num_hidden_layers), batch, None, _hf_loss, adamw,
+        report = trace_step(functools.partial(build, base.num_hidden_layers), batch, None, _hf_loss, sequential,
                             [TECHNIQUES[n] for n in combo]).report
-        predicted = next(p for p in plans.all if p.techniques == combo).peak_bytes
+        predicted = next(p for p in small.all if p.techniques == combo).peak_bytes
         full["+".join(combo) or "plain"] = {"extrapolated": predicted, "full_trace": report.peak_bytes,
                                             "relative_error": (predicted - report.peak_bytes) / report.peak_bytes}
         print(full)
-    return {"seconds_to_plan": seconds, "plans": [{"plan": p.name, "peak": p.peak_bytes, "phase": p.peak_phase,
-                                                   "by_category": p.peak_by_category, "time_ratio": p.time_ratio}
-                                                  for p in plans.all], "extrapolation": full}
+    return {"command": "memtrim plan --model llama-7b --batch 1 --seq 2048 --dtype bf16 --optimizer adamw "
+                       "--budget 24GiB", "seconds_to_plan": seconds, "best": plans.best.name, "notes": plans.notes,
+            "plans": [{"plan": p.name, "peak": p.peak_bytes, "fits": p.fits, "phase": p.peak_phase,
+                       "numerics": p.numerics, "by_category": p.peak_by_category, "time_ratio": p.time_ratio}
+                      for p in plans.all],
+            "extrapolation_foreach_false": full}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hf", action="store_true", help="add HF Llama models (needs transformers)")
+    parser.add_argument("--llama-only", action="store_true", help="only the Llama-7B plan (with --hf); merged into "
+                        "the existing result file")
     args = parser.parse_args()
+    if args.llama_only:
+        path = os.path.join(RESULTS, "plan_accuracy_cpu.json")
+        with open(path) as f:
+            result = json.load(f)
+        result["llama_7b"] = llama7b()
+        print(write("plan_accuracy_cpu.json", result))
+        return
     result = {"machine": machine(), "accuracy": accuracy(args.hf), "sweep": sweep()}
     if args.hf:
         import transformers
