@@ -3,10 +3,10 @@ steady-state AdamW step predicted on fake tensors vs measured by memtrim's track
 sweep (the chosen plan always fits when measured, and is never slower at a larger budget) and, for the HF Llama-7B
 plan, the time it takes and the depth extrapolation's error against full traces.
 
-Reproduce:  .venv/bin/python benchmarks/plan_accuracy.py            (small GPT, ResNet-style CNN)
-            zoovenv/bin/python benchmarks/plan_accuracy.py --hf     (adds an HF Llama-style decoder and Llama-7B;
-                                                                     the venv of benchmarks/convert_zoo.py)
-            zoovenv/bin/python benchmarks/plan_accuracy.py --hf --llama-only   (the Llama-7B part, timed: run alone)
+Reproduce:  zoovenv/bin/python benchmarks/plan_accuracy.py --hf --parts accuracy,sweep
+            zoovenv/bin/python benchmarks/plan_accuracy.py --parts llama      (Llama-7B, timed: on an idle machine)
+            (zoovenv: the venv of benchmarks/convert_zoo.py, for transformers; without --hf and llama,
+            .venv/bin/python runs the small GPT, the ResNet-style CNN and the MobileNet-like net)
 Writes benchmarks/results/plan_accuracy_cpu.json. Memory only: no timings but the planner's own wall time.
 """
 
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import memtrim
 from _common import RESULTS, machine, write
-from memtrim.models import GPTConfig, ResNetCNN, SmallGPT
+from memtrim.models import GPTConfig, MobileNetLike, ResNetCNN, SmallGPT
 from memtrim.planner import TECHNIQUES, combinations, trace_step
 
 NAMES = ["selective", "checkpoint", "in_backward", "in_backward_each"]
@@ -48,6 +48,8 @@ def workloads(hf: bool) -> dict:
             _gpt_loss),
         "ResNet-style CNN (batch 32)": (ResNetCNN, torch.randn(32, 1, 28, 28), torch.randint(0, 10, (32,)),
                                         F.cross_entropy),
+        "MobileNet-like conv net with BatchNorm (batch 8, 64x64)": (
+            MobileNetLike, torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,)), F.cross_entropy),
     }
     if hf:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -142,19 +144,23 @@ def llama7b() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--hf", action="store_true", help="add HF Llama models (needs transformers)")
-    parser.add_argument("--llama-only", action="store_true", help="only the Llama-7B plan (with --hf); merged into "
-                        "the existing result file")
+    parser.add_argument("--hf", action="store_true", help="add the HF Llama-style decoder (needs transformers)")
+    parser.add_argument("--parts", default="accuracy,sweep,llama",
+                        help="comma-separated: accuracy, sweep, llama (Llama-7B, timed: run it on an idle machine); "
+                        "parts not run keep their entries in the existing result file")
     args = parser.parse_args()
-    if args.llama_only:
-        path = os.path.join(RESULTS, "plan_accuracy_cpu.json")
+    parts = set(args.parts.split(","))
+    path = os.path.join(RESULTS, "plan_accuracy_cpu.json")
+    result = {}
+    if os.path.exists(path):
         with open(path) as f:
             result = json.load(f)
-        result["llama_7b"] = llama7b()
-        print(write("plan_accuracy_cpu.json", result))
-        return
-    result = {"machine": machine(), "accuracy": accuracy(args.hf), "sweep": sweep()}
-    if args.hf:
+    result["machine"] = machine()
+    if "accuracy" in parts:
+        result["accuracy"] = accuracy(args.hf)
+    if "sweep" in parts:
+        result["sweep"] = sweep()
+    if "llama" in parts:
         import transformers
 
         result["transformers"] = transformers.__version__
