@@ -10,7 +10,8 @@ The environment (CPU torch, nothing downloaded at run time; the versions used ar
     zoovenv/bin/pip install --no-deps transformers==5.23.0 timm==1.0.31 torchvision==0.28.0 pillow \
         huggingface_hub==1.33.0 httpx click safetensors tokenizers regex pyyaml numpy packaging filelock fsspec tqdm
     zoovenv/bin/pip install --no-deps -e .
---no-deps keeps pip from replacing the CPU torch (huggingface_hub pinned: 2.x needs packages transformers 5.23 does not). A model whose library is missing is skipped and says so.
+--no-deps keeps pip from replacing the CPU torch (huggingface_hub pinned: 2.x needs packages transformers 5.23
+does not). A model whose library is missing is skipped and says so.
 
 torchvision: the 0.28.0 wheel (the one for torch 2.13) is a CUDA build. Its C++ ops do not load beside CPU
 torch, and ``import torchvision`` then stops at ``torch.library.register_fake("torchvision::nms")`` ("operator

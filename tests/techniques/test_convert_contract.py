@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memtrim
-from memtrim.techniques.activations import _kernels
+from memtrim.techniques.norms import _kernels
 
 
 def grads_of(model, x, params=True, grad_out=None):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ...errors import InvalidInputError
-from ._kernels import plain_only, saved_tensors
+from ..guards import plain_only, saved_tensors
 
 __all__ = [
     "celu", "elu", "gelu", "hardsigmoid", "hardswish", "hardtanh", "leaky_relu", "mish", "relu", "relu6", "selu",

@@ -5,17 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..guards import owner
 from . import functional as MF
 
 __all__ = [
     "CELU", "ELU", "GELU", "Hardsigmoid", "Hardswish", "Hardtanh", "LeakyReLU", "Mish", "ReLU", "ReLU6", "SELU",
     "SiLU", "Sigmoid", "Softplus", "Tanh",
 ]
-
-
-def owner(module: nn.Module) -> str:
-    """How errors name ``module``: by its name in the model when :func:`memtrim.convert` converted it."""
-    return getattr(module, "memtrim_owner", None) or f"memtrim.nn.{type(module).__name__}"
 
 
 class ReLU(nn.ReLU):

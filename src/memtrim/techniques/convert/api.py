@@ -37,7 +37,7 @@ from ...errors import InvalidInputError
 from ...measure import track
 from ...measure.hooks import tensors_in
 from . import builtin as _builtin  # noqa: F401  (registers the built-in rules)
-from .evidence import _split, buffers_kept, collect, fresh_inputs, fx_evidence
+from .evidence import buffers_kept, collect, fresh_inputs, fx_evidence, split_inputs
 from .report import Change, ConversionReport, Skipped
 from .rules import Candidate, Context, registered_rules
 
@@ -91,7 +91,7 @@ def convert(
                                 f"({lazy[0]}, ...): run one forward of the model (which materialises them) before "
                                 "convert.")
     given = example_inputs is not None or bool(example_kwargs)
-    args, kwargs = _split(example_inputs, example_kwargs)
+    args, kwargs = split_inputs(example_inputs, example_kwargs)
     # tracing must not draw from the RNG; the evidence is what autograd keeps in training, so it is traced (and
     # measured) with grad on even when convert is called under torch.no_grad() or torch.inference_mode()
     with torch.random.fork_rng(devices=_cuda_devices(model, (args, kwargs))), torch.inference_mode(False), \

@@ -18,25 +18,36 @@ from functools import partial
 import torch
 from torch import nn
 
+from ..activations import ActLinear, softplus_keeps_output
 from ..activations import modules as lean
-from ..activations.bn_relu import BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d
-from ..activations.functional import softplus_keeps_output
-from ..activations.norm_act import BatchNormAct1d, BatchNormAct2d, BatchNormAct3d
-from ..activations.transformer import ActLinear, LayerNorm, RMSNorm
+from ..norms import (
+    BatchNormAct1d,
+    BatchNormAct2d,
+    BatchNormAct3d,
+    BatchNormReLU1d,
+    BatchNormReLU2d,
+    BatchNormReLU3d,
+    LayerNorm,
+    RMSNorm,
+)
 from ..recompute import keep_recipes_in
 from .rules import Candidate, Context, Undo, chain, class_swap, label, register_rule
 
-__all__ = ["Absorbed", "NO_AUTOCAST", "NO_DOUBLE_BACKWARD"]
+__all__ = ["Absorbed", "KEEP_OUTPUT_FORMS", "NO_AUTOCAST", "NO_DOUBLE_BACKWARD"]
 
 NO_DOUBLE_BACKWARD = "no double backward (a backward through its gradient raises ConvertError)"
+"""The limit a change states (``Change.limits``) when its module rebuilds a tensor it has no second derivative for."""
 NO_AUTOCAST = "saves nothing under autocast (runs as torch's own ops there)"
+"""The limit a change states (``Change.limits``) when its module runs as torch's own ops under autocast."""
 
-_SINGLE: dict[type, type] = {
+KEEP_OUTPUT_FORMS: dict[type, type] = {
     nn.LeakyReLU: lean.LeakyReLU, nn.ELU: lean.ELU, nn.CELU: lean.CELU, nn.SELU: lean.SELU,
     nn.Hardtanh: lean.Hardtanh, nn.ReLU6: lean.ReLU6, nn.Hardsigmoid: lean.Hardsigmoid,
     nn.Softplus: lean.Softplus, nn.Sigmoid: lean.Sigmoid, nn.Tanh: lean.Tanh, nn.LayerNorm: LayerNorm,
     nn.RMSNorm: RMSNorm,
 }
+"""The ``keep_output`` rule's swaps: each torch class to its ``memtrim.nn`` form (norm_by_behaviour leaves these
+classes to it)."""
 _BN_ACT: dict[type[nn.Module], type[nn.Module]] = {
     nn.BatchNorm1d: BatchNormAct1d, nn.BatchNorm2d: BatchNormAct2d, nn.BatchNorm3d: BatchNormAct3d}
 _BN_RELU: dict[type[nn.Module], type[nn.Module]] = {
@@ -51,10 +62,12 @@ class Absorbed(nn.Identity):
     each reference to it, sees the same change."""
 
     def extra_repr(self) -> str:
+        """Which module now does this one's work (``absorbed into <name>``)."""
         return f"absorbed into {getattr(self, 'memtrim_absorbed_into', '?')}"
 
 
 def absorb(module: nn.Module, into: str) -> Undo:
+    """Make ``module`` an :class:`Absorbed` identity whose work ``into`` now does."""
     return class_swap(module, Absorbed, memtrim_absorbed_into=into)
 
 
@@ -227,7 +240,7 @@ def _single_refusal(module: nn.Module) -> str | None:
 def keep_output(ctx: Context) -> Iterator[Candidate]:
     """Single torch modules that keep their input become ``memtrim.nn`` forms that keep their output."""
     for name, module in ctx.modules.items():
-        target = _SINGLE.get(type(module))
+        target = KEEP_OUTPUT_FORMS.get(type(module))
         if target is None or not ctx.free(module):
             continue
         why = _single_refusal(module) or ctx.edited(name)

@@ -31,7 +31,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ...errors import InvalidInputError
 from ...measure.hooks import tensors_in
 
-__all__ = ["CallSite", "Holder", "ModelTrace", "Op", "Storage", "VIEW_OPS", "collect", "fx_evidence"]
+__all__ = [
+    "CallSite", "Holder", "ModelTrace", "Op", "Storage", "VIEW_OPS", "buffers_kept", "collect", "fresh_inputs",
+    "fx_evidence", "split_inputs",
+]
 
 # ops that move no data of their own (a view, a copy into the same layout, an alias): rules look through them
 VIEW_OPS = frozenset({
@@ -39,6 +42,7 @@ VIEW_OPS = frozenset({
     "select", "alias", "detach", "contiguous", "clone", "as_strided", "split", "unbind", "lift_fresh",
     "_reshape_alias", "flatten", "view_as", "expand_as", "lift_fresh_copy", "split_with_sizes",
 })
+"""Aten op names that move no data of their own: :meth:`ModelTrace.ops_in` leaves them out of a call's compute ops."""
 
 
 @dataclass
@@ -92,6 +96,7 @@ class Holder:
 
     @property
     def site(self) -> int | None:
+        """The innermost call site running when autograd saved the storage (None: the model's top-level code)."""
         return self.stack[-1] if self.stack else None
 
 
@@ -127,6 +132,7 @@ class ModelTrace:
 
     # ------------------------------------------------------------------ filling
     def storage_key(self, t: torch.Tensor, kind: str = "activation") -> int:
+        """The key of ``t``'s storage, recorded as a :class:`Storage` of ``kind`` the first time it is seen."""
         storage = t.untyped_storage()
         key = id(storage)
         if key not in self.storages:
@@ -140,10 +146,16 @@ class ModelTrace:
         return self.by_path.get(path, [])
 
     def site_name(self, index: int | None) -> str:
+        """The module path of call site ``index`` ("" for None: the model's top-level code)."""
         return "" if index is None else self.sites[index].path
 
     def stack_names(self, stack: Sequence[int]) -> tuple[str, ...]:
+        """The module paths of the call sites in ``stack``, outermost first."""
         return tuple(self.sites[i].path for i in stack)
+
+    def leaf(self, site: CallSite) -> bool:
+        """Whether no other call ran inside ``site``."""
+        return not any(s.parent == site.index for s in self.sites)
 
     def ops_in(self, site: CallSite, *, compute_only: bool = True) -> list[Op]:
         """The ops that ran inside ``site`` (nested calls included), views and copies left out by default."""
@@ -245,12 +257,46 @@ class _Recorder(TorchDispatchMode):
 
 
 class _State:
-    def __init__(self) -> None:
+    """The traced forward in flight: a clock, the call sites running (outermost first), and the hooks that record
+    call sites (module pre/post hooks) and saves for backward (a saved-tensor pack hook) into ``trace``."""
+
+    def __init__(self, trace: ModelTrace) -> None:
+        self.trace = trace
         self.clock = 0
         self.stack: list[int] = []
+        self.open_sites: list[CallSite] = []
+        self.counts: dict[str, int] = {}  # module path -> calls so far
+
+    def pre(self, module: nn.Module, inputs: tuple, kw: dict) -> None:
+        """Forward pre-hook: a call site opens."""
+        trace = self.trace
+        self.clock += 1
+        path = trace.names[id(module)]
+        site = CallSite(len(trace.sites), path, self.counts.get(path, 0), module,
+                        self.stack[-1] if self.stack else None, self.clock, first_op=len(trace.ops),
+                        inputs=tuple(trace.storage_key(t) for t in tensors_in((inputs, kw))))
+        self.counts[path] = site.call + 1
+        trace.sites.append(site)
+        trace.by_path.setdefault(path, []).append(site)
+        self.stack.append(site.index)
+        self.open_sites.append(site)
+
+    def post(self, module: nn.Module, inputs: tuple, kw: dict, output: Any) -> None:
+        """Forward hook: the innermost open call site closes."""
+        self.clock += 1
+        site = self.open_sites.pop()
+        self.stack.pop()
+        site.end, site.last_op = self.clock, len(self.trace.ops)
+        site.outputs = tuple(self.trace.storage_key(t) for t in tensors_in(output))
+
+    def saved(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Pack hook: autograd keeps ``tensor``, held by the call sites running now."""
+        key = self.trace.storage_key(tensor)
+        self.trace.storages[key].holders.append(Holder(tuple(self.stack), self.clock))
+        return tensor.detach()
 
 
-def _split(example_inputs: Any, example_kwargs: dict[str, Any] | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def split_inputs(example_inputs: Any, example_kwargs: dict[str, Any] | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """``(args, kwargs)`` for the model from a tensor, a tuple of arguments or a dict of keyword arguments."""
     if isinstance(example_inputs, dict):
         args: tuple[Any, ...] = ()
@@ -347,36 +393,8 @@ def collect(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     Raises:
         InvalidInputError: the model fails on the example inputs.
     """
-    names = {id(m): n for n, m in model.named_modules()}
-    trace = ModelTrace(names)
-    state = _State()
-    open_sites: list[CallSite] = []
-    counts: dict[str, int] = {}
-
-    def pre(module: nn.Module, inputs: tuple, kw: dict) -> None:
-        state.clock += 1
-        path = names[id(module)]
-        site = CallSite(len(trace.sites), path, counts.get(path, 0), module,
-                        state.stack[-1] if state.stack else None, state.clock, first_op=len(trace.ops),
-                        inputs=tuple(trace.storage_key(t) for t in tensors_in((inputs, kw))))
-        counts[path] = site.call + 1
-        trace.sites.append(site)
-        trace.by_path.setdefault(path, []).append(site)
-        state.stack.append(site.index)
-        open_sites.append(site)
-
-    def post(module: nn.Module, inputs: tuple, kw: dict, output: Any) -> None:
-        state.clock += 1
-        site = open_sites.pop()
-        state.stack.pop()
-        site.end, site.last_op = state.clock, len(trace.ops)
-        site.outputs = tuple(trace.storage_key(t) for t in tensors_in(output))
-
-    def saved(tensor: torch.Tensor) -> torch.Tensor:
-        key = trace.storage_key(tensor)
-        trace.storages[key].holders.append(Holder(tuple(state.stack), state.clock))
-        return tensor.detach()
-
+    trace = ModelTrace({id(m): n for n, m in model.named_modules()})
+    state = _State(trace)
     for p in model.parameters():
         trace.storage_key(p, "parameter")
     for b in model.buffers():
@@ -384,13 +402,13 @@ def collect(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     args, kwargs = fresh_inputs(args, kwargs)
     for t in tensors_in((args, kwargs)):
         trace.storage_key(t, "input")
-    handles = [m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True) for m in model.modules()]
-    handles += [m.register_forward_hook(post, with_kwargs=True, always_call=True) for m in model.modules()]
+    handles = [m.register_forward_pre_hook(state.pre, prepend=True, with_kwargs=True) for m in model.modules()]
+    handles += [m.register_forward_hook(state.post, with_kwargs=True, always_call=True) for m in model.modules()]
     try:
         with buffers_kept(model):
             model.train()
             with torch.enable_grad(), _Recorder(trace, state), \
-                    torch.autograd.graph.saved_tensors_hooks(saved, lambda t: t):
+                    torch.autograd.graph.saved_tensors_hooks(state.saved, lambda t: t):
                 model(*args, **kwargs)
     except Exception as e:
         hint = (
@@ -436,9 +454,11 @@ class FxTrace(ModelTrace):
         return sorted({u.target for s in self.sites_of(path) for u in self._users[s.index] if u.op == "call_module"})
 
     def written_after(self, path: str) -> str | None:
+        """Always None: fx sees no in-place writes of values (a backward check catches them instead)."""
         return None  # fx sees no in-place writes of values: a backward check catches them instead
 
     def pair_after(self, path: str) -> tuple[str, str] | None:
+        """As :meth:`ModelTrace.pair_after`, from the graph's users of ``path``'s output."""
         sites = self.sites_of(path)
         if not sites:
             return None

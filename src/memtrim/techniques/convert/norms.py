@@ -5,7 +5,7 @@ Class names do not predict behaviour; traced ops do. A call site whose compute o
 out) are one ``native_layer_norm`` is a LayerNorm (timm's ``LayerNorm``/``LayerNorm2d``, any subclass or wrapper
 of ``F.layer_norm``); one whose ops are ``pow, mean, add, rsqrt, mul, mul`` with the last ``mul`` by a 1-D parameter
 of the module is an RMSNorm (HF ``LlamaRMSNorm`` and its copies in Mistral/Qwen/..., timm's ``RmsNorm``). Either
-becomes a norm that keeps its output (NOTE [ norms that keep their output ] in activations/transformer.py) when its
+becomes a norm that keeps its output (NOTE [ norms that keep their output ] in norms/keep_output.py) when its
 output is kept by a later op anyway (else it would save nothing) and it computes in its input's dtype (an upcast,
 as in a bfloat16 Llama, would make the output a rounded copy of what backward needs: precision guard).
 
@@ -27,10 +27,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..activations._kernels import autocasting, plain_only
-from ..activations.modules import owner
-from ..activations.transformer import _NormKeepOutput
-from .builtin import _SINGLE, NO_AUTOCAST, NO_DOUBLE_BACKWARD
+from ..guards import autocasting, owner, plain_only
+from ..norms import NormKeepOutput
+from .builtin import KEEP_OUTPUT_FORMS, NO_AUTOCAST, NO_DOUBLE_BACKWARD
 from .evidence import CallSite, ModelTrace
 from .rules import Candidate, Context, class_swap, label, register_rule
 
@@ -62,7 +61,7 @@ class _LayerNormKeepsOutput(TorchFunctionMode):
         params = [t for t in (weight, bias) if isinstance(t, torch.Tensor)]
         if _wants_plain(x, params) or any(p.dtype != x.dtype for p in params):
             return func(*args, **kwargs)
-        return _NormKeepOutput.apply(x, weight, bias, tuple(bound["normalized_shape"]), bound.get("eps", 1e-5),
+        return NormKeepOutput.apply(x, weight, bias, tuple(bound["normalized_shape"]), bound.get("eps", 1e-5),
                                      False, getattr(self.module, "gamma_threshold", 0.0), owner(self.module))
 
 
@@ -90,7 +89,7 @@ def _form(base: type[nn.Module], kind: str) -> type:
             if (not isinstance(x, torch.Tensor) or _wants_plain(x, [weight]) or x.dtype != weight.dtype
                     or len(args) + len(kwargs) != 1):
                 return base.forward(self, *args, **kwargs)
-            return _NormKeepOutput.apply(x, weight, None, tuple(weight.shape), eps, True,
+            return NormKeepOutput.apply(x, weight, None, tuple(weight.shape), eps, True,
                                          getattr(self, "gamma_threshold", 0.0), owner(self))
 
     doc = (f"{base.__qualname__} keeping its output instead of its input (made by memtrim.convert; see NOTE [ norms "
@@ -151,19 +150,15 @@ def _expected(trace: ModelTrace, site: CallSite) -> tuple[int, bool]:
 @register_rule("norm_by_behaviour")
 def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
     """LayerNorm / RMSNorm in any library's spelling, recognised by traced ops, keep their output."""
-    trace = ctx.evidence
-    if trace is None or not trace.saves_known:
-        return
     done: set[int] = set()
-    for site in trace.sites:
+    for trace, site in ctx.undecided_sites(done):
         module = site.module
-        if id(module) in done or type(module) in _SINGLE or not ctx.free(module) or not _innermost(trace, site):
+        if type(module) in KEEP_OUTPUT_FORMS or not _innermost(trace, site):
             continue
         names = ctx.op_names(site)
         kind = "layer" if names == ["native_layer_norm"] else "rms" if names == _RMS_OPS else None
         if kind is None:
-            if ("native_layer_norm" in names or "rsqrt" in names) and not any(
-                    s.parent == site.index for s in trace.sites):
+            if ("native_layer_norm" in names or "rsqrt" in names) and trace.leaf(site):
                 done.add(id(module))
                 yield Candidate((site.path,), reason=f"{type(module).__name__} computes a norm convert has no rule for "
                                                      f"(ops: {', '.join(names)})", skip=True)

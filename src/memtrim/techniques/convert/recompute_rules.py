@@ -26,7 +26,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from ..activations.bn_relu import BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d
+from ..norms import BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d
 from ..recompute import (
     LIMITS,
     PassThroughReLU,
@@ -68,7 +68,7 @@ def _owned(trace: ModelTrace, ops: list[Op], inputs: set[int]) -> bool:
 def _holder_modules(ctx: Context, key: int, site: CallSite) -> list[nn.Module] | None:
     """The modules of the call sites that keep storage ``key`` after ``site`` (None if one is ``site`` itself or
     one of its ancestors' own code holds it before the site ended)."""
-    trace = ctx.evidence
+    trace = ctx.trace
     assert trace is not None
     found: list[nn.Module] = []
     for h in trace.storages[key].holders:
@@ -94,8 +94,8 @@ def _install_consumers(modules: list[nn.Module]) -> Undo:
 @register_rule("batchnorm_relu_call_site", before="activation_linear")
 def batchnorm_relu_call_site(ctx: Context) -> Iterator[Candidate]:
     """BatchNorm -> ReLU where the ReLU module also runs elsewhere: fused at this call site only."""
-    trace = ctx.evidence
-    if trace is None or not trace.saves_known:
+    trace = ctx.trace
+    if trace is None:
         return
     for name, bn in ctx.modules.items():
         if type(bn) not in _BN_RELU or not ctx.free(bn) or len(trace.sites_of(name)) != 1:
@@ -159,8 +159,8 @@ def _relative(parent: str, child: str) -> str:
 @register_rule("gated_mlp")
 def gated_mlp(ctx: Context) -> Iterator[Candidate]:
     """``down(act(gate(x)) * up(x))``: act(gate) and the product rebuilt in backward from gate's and up's outputs."""
-    trace = ctx.evidence
-    if trace is None or not trace.saves_known:
+    trace = ctx.trace
+    if trace is None:
         return
     seen: set[int] = set()
     for op in trace.ops:
@@ -203,13 +203,10 @@ def gated_mlp(ctx: Context) -> Iterator[Candidate]:
 @register_rule("checkpoint_pointwise")
 def checkpoint_pointwise(ctx: Context) -> Iterator[Candidate]:
     """A leaf call, pointwise in one input (or a max pool), keeping more than its input: recomputed in backward."""
-    trace = ctx.evidence
-    if trace is None or not trace.saves_known:
-        return
     done: set[int] = set()
-    for site in trace.sites:
+    for trace, site in ctx.undecided_sites(done):
         module = site.module
-        if id(module) in done or not ctx.free(module) or any(s.parent == site.index for s in trace.sites):
+        if not trace.leaf(site):
             continue
         names = ctx.op_names(site)
         pool = names == ["max_pool2d_with_indices"]
@@ -257,17 +254,10 @@ def _activation_like(ctx: Context, site: CallSite) -> bool:
 def activation_consumer(ctx: Context) -> Iterator[Candidate]:
     """An activation's output kept only by later call sites (Linear, Conv1D, conv, a parent's matmul): they keep a
     recipe (the activation of its input) instead."""
-    trace = ctx.evidence
-    if trace is None or not trace.saves_known:
-        return
     done: set[int] = set()
-    for site in trace.sites:
+    for trace, site in ctx.undecided_sites(done, stacks_on=("checkpoint_pointwise",)):
         module = site.module
-        if id(module) in done or any(s.parent == site.index for s in trace.sites):
-            continue
-        if not ctx.free(module, stacks_on=("checkpoint_pointwise",)):
-            continue
-        if not _activation_like(ctx, site):
+        if not trace.leaf(site) or not _activation_like(ctx, site):
             continue
         done.add(id(module))
         sites = trace.sites_of(site.path)

@@ -19,7 +19,7 @@ saves nothing. Adding support for a new library's module is one rule and one tes
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +32,7 @@ __all__ = ["Candidate", "Context", "Rule", "register_rule", "registered_rules", 
 
 
 Undo = Callable[[], None]
+"""What applying a candidate returns: a call that puts the model back as it was."""
 
 
 @dataclass
@@ -78,8 +79,27 @@ class Context:
         """Whether the evidence is a traced forward (with what autograd saved), not an fx graph or nothing."""
         return self.evidence is not None and self.evidence.saves_known
 
+    @property
+    def trace(self) -> ModelTrace | None:
+        """The evidence if it is a traced forward (it says what autograd keeps: the rules that need holders), else
+        None."""
+        return self.evidence if self.traced else None
+
     def sites(self) -> list[CallSite]:
+        """Every call site of the evidence, in call order (none without evidence)."""
         return [] if self.evidence is None else self.evidence.sites
+
+    def undecided_sites(self, decided: set[int], *,
+                        stacks_on: tuple[str, ...] = ()) -> Iterator[tuple[ModelTrace, CallSite]]:
+        """``(trace, site)`` for the call sites of a traced forward (none without one), in call order, less those of
+        the modules in ``decided`` (the ``id()`` a rule adds once it has decided on a module) and of modules an
+        earlier candidate changed (except by the rules in ``stacks_on``)."""
+        trace = self.trace
+        if trace is None:
+            return
+        for site in trace.sites:
+            if id(site.module) not in decided and self.free(site.module, stacks_on=stacks_on):
+                yield trace, site
 
     def op_names(self, site: CallSite) -> list[str]:
         """The compute ops of ``site`` (views and dtype copies left out), ``op_`` written as ``op``."""

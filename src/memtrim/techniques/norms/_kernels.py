@@ -1,30 +1,24 @@
-"""Helpers shared by the norm + activation modules: the fastest torch kernels for a per-channel affine map, a small
-cache of constant tensors for torch's fused normalization kernels, the rule that decides which features keep their
-normalised input (NOTE [ when a norm keeps its input ]), and the guards that make converted modules step aside or
-raise a clear error where their own autograd cannot follow (torch.compile, torch.func, double backward)."""
+"""The kernels the norms share: the fastest torch kernel for a per-channel affine map, a small cache of constant
+tensors for torch's fused normalization kernels, and the rule that decides which features keep their normalised input
+(NOTE [ when a norm keeps its input ]). Where the norms step aside and the errors they raise are in
+:mod:`memtrim.techniques.guards`."""
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ...errors import ConvertError
-
-__all__ = [
-    "autocasting", "CACHE_SIZE", "ConvertError", "KEEP_BOUND", "inplace_error", "keep_input_features",
-    "native_batch_norm",
-    "no_double_backward", "per_channel", "plain_only", "saved_tensors", "zeros_and_ones",
-]
+__all__ = ["CACHE_SIZE", "KEEP_BOUND", "keep_input_features", "native_batch_norm", "per_channel", "zeros_and_ones"]
 
 native_batch_norm = torch.ops.aten.native_batch_norm.default
+"""torch's fused BatchNorm forward, returning (output, mean, invstd): its ``default`` overload, resolved once."""
 
 
 # ---------------------------------------------------------------------- bounded constant cache
-CACHE_SIZE = 8  # shapes kept; a model sees a handful (one per sequence length in flight), not thousands
+CACHE_SIZE = 8
+"""Shapes :func:`zeros_and_ones` keeps: a model sees a handful (one per sequence length in flight), not thousands."""
 # (shape, dtype, device) -> (zeros, ones), least recently used first; never written to (the kernels only read them)
 _CONSTANTS: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
@@ -74,8 +68,10 @@ def per_channel(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> to
 # the gradient error aggregates in norm, and a max would keep nearly every ELU channel for one tail value. The
 # decision is a per-feature boolean tensor; gathering the kept features needs their count (one small host sync on
 # an accelerator, none on CPU). Under torch.compile and torch.func the modules run as torch's own ops instead
-# (:func:`plain_only`), so the compiler sees no data-dependent shape.
-KEEP_BOUND = 8.0  # the converted error stays within ~9x torch's at the bound; tests hold it to 10x against float64
+# (:func:`memtrim.techniques.guards.plain_only`), so the compiler sees no data-dependent shape.
+KEEP_BOUND = 8.0
+"""How many times torch's own error a rebuilt ``xhat`` may carry (NOTE above): the converted gradients' error stays
+within ~9x torch's at the bound; tests hold it to 10x against float64."""
 
 
 def keep_input_features(gamma: torch.Tensor, beta: torch.Tensor | None, extra: torch.Tensor | None = None,
@@ -89,85 +85,3 @@ def keep_input_features(gamma: torch.Tensor, beta: torch.Tensor | None, extra: t
         limit = limit + extra.to(limit.dtype)
     keep = ~(g * KEEP_BOUND > limit) | (g < max(torch.finfo(g.dtype).tiny ** 0.25, floor))
     return keep.flatten().nonzero().flatten()
-
-
-# ---------------------------------------------------------------------- where the modules step aside
-def _functorch_active() -> bool:
-    active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    return bool(active()) if active is not None else False
-
-
-def plain_only() -> bool:
-    """True under ``torch.compile`` (saved-tensor hooks and data-dependent shapes do not trace; the compiler plans its
-    own memory) and under ``torch.func`` transforms (a custom autograd.Function needs rules they do not have): the
-    modules then run as torch's own ops, exactly the unconverted model."""
-    return torch.compiler.is_compiling() or _functorch_active()
-
-
-def autocasting(x: torch.Tensor) -> bool:
-    """Whether autocast is on for ``x``'s device type. The rebuilt norms and ActLinear then run as torch's own ops:
-    autocast picks each op's dtype (LayerNorm in float32, Linear in the low precision), and an output kept in bfloat16
-    would rebuild xhat with bfloat16's rounding where torch's backward reads the input in float32."""
-    return torch.is_autocast_enabled(x.device.type)
-
-
-# ---------------------------------------------------------------------- clear errors instead of torch's
-def inplace_error(owner: str, error: RuntimeError) -> BaseException:
-    """The error for an in-place change of a tensor ``owner`` keeps (torch's message otherwise names only a node)."""
-    if "modified by an inplace operation" not in str(error):
-        return error
-    return ConvertError(
-        f"memtrim: {owner} keeps its output for backward (that is how it saves memory), and that output was changed "
-        f"in place after the forward. Expected it unchanged until backward; found: {error} To fix: clone the output "
-        "before changing it in place, or leave this module out of memtrim.convert (module_filter, or pass "
-        "example_inputs so convert sees the change and skips it)."
-    )
-
-
-def saved_tensors(ctx: Any) -> tuple[Any, ...]:
-    """``ctx.saved_tensors``, with autograd's in-place error turned into one that names ``ctx.owner``."""
-    try:
-        return ctx.saved_tensors
-    except RuntimeError as e:
-        raise inplace_error(ctx.owner, e) from e
-
-
-class _Refuse(torch.autograd.Function):
-    """Identity in forward; its backward (a second derivative through a rebuilt norm) raises a ConvertError."""
-
-    @staticmethod
-    def forward(ctx: Any, message: str, n_anchors: int, *tensors: torch.Tensor) -> Any:
-        ctx.message = message
-        return tuple(t.view_as(t) for t in tensors[n_anchors:])
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        raise ConvertError(ctx.message)
-
-
-def no_double_backward(backward: Callable[..., tuple]) -> Callable[..., tuple]:
-    """Like ``torch.autograd.function.once_differentiable``, but differentiating the result raises a ConvertError
-    naming the module (``ctx.owner``), and does so whenever create_graph is on and anything the gradients depend on
-    (incoming gradients or the inputs and parameters kept in ctx) requires grad."""
-
-    @functools.wraps(backward)
-    def wrapper(ctx: Any, *grads: Any) -> tuple:
-        with torch.no_grad():
-            outputs = backward(ctx, *grads)
-        if not torch.is_grad_enabled():
-            return outputs
-        anchors = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not anchors:
-            return outputs
-        message = (f"memtrim: {ctx.owner} rebuilds its input from its output in backward, so it has no second "
-                   "derivative (double backward: create_graph=True followed by a backward through the gradient, "
-                   "as in a gradient penalty). Expected a single backward; found a backward through its gradient. "
-                   "To fix: leave this module out of memtrim.convert (module_filter), or use torch's module here.")
-        present = [i for i, t in enumerate(outputs) if isinstance(t, torch.Tensor)]
-        wrapped = _Refuse.apply(message, len(anchors), *anchors, *[outputs[i] for i in present])
-        result = list(outputs)
-        for i, t in zip(present, wrapped if isinstance(wrapped, tuple) else (wrapped,)):
-            result[i] = t
-        return tuple(result)
-
-    return wrapper

@@ -11,15 +11,15 @@ The forward is torch's own BatchNorm (its native backward node keeps ``x`` and t
 ReLU whose output is marked as a recipe (:mod:`memtrim.techniques.recompute`, NOTE [ recipes at consumer call
 sites ]): the ReLU runs in a producer scope, so its backward node keeps the recipe instead of its output, and
 :func:`memtrim.convert` runs the modules in which autograd saved the output during its traced forward as consumer
-scopes (:func:`install_recompute_hooks`): when an op there saves a tensor that is a BatchNormReLU output (same
-storage, same version), autograd keeps the recipe instead. Unpacking rebuilds ``z`` once per backward
-(BatchNorm's inference kernel, then ReLU), shared by every holder and released after the last. Every other saved
-tensor passes through unchanged (and through any saved-tensor hooks active outside, so memtrim's tracker still
-sees them), with autograd's in-place check repeated. The rebuilt
-``z`` may differ from the forward's by rounding, so the next layer's weight gradients agree to ~1e-6 relative
-(float32), not bitwise. The rebuilt ``z`` has no graph: a backward with create_graph=True that needs it (a later
-layer's saved input) raises :class:`ConvertError` naming the module rather than return a gradient with second-order
-terms missing. Under torch.compile and torch.func the module runs as torch's BatchNorm and ReLU.
+scopes (:func:`memtrim.techniques.recompute.keep_recipes_in`): when an op there saves a tensor that is a
+BatchNormReLU output (same storage, same version), autograd keeps the recipe instead. Unpacking rebuilds ``z`` once
+per backward (BatchNorm's inference kernel, then ReLU), shared by every holder and released after the last. Every
+other saved tensor passes through unchanged (and through any saved-tensor hooks active outside, so memtrim's tracker
+still sees them), with autograd's in-place check repeated. The rebuilt ``z`` may differ from the forward's by
+rounding, so the next layer's weight gradients agree to ~1e-6 relative (float32), not bitwise. The rebuilt ``z`` has
+no graph: a backward with create_graph=True that needs it (a later layer's saved input) raises :class:`ConvertError`
+naming the module rather than return a gradient with second-order terms missing. Under torch.compile and torch.func
+the module runs as torch's BatchNorm and ReLU.
 """
 
 from __future__ import annotations
@@ -29,13 +29,12 @@ import functools
 import torch
 from torch import nn
 
-from ..recompute._core import mark_recomputable, producing
-from ..recompute._sites import keep_recipes_in
-from ._kernels import native_batch_norm, per_channel, plain_only
-from .modules import owner
+from ..guards import owner, plain_only
+from ..recompute import mark_recomputable, producing
+from ._kernels import native_batch_norm, per_channel
 from .norm_act import batchnorm_arguments
 
-__all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d", "install_recompute_hooks"]
+__all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d"]
 
 
 def _rebuild(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -68,9 +67,11 @@ class _BatchNormReLU(nn.modules.batchnorm._BatchNorm):
     """``nn.BatchNorm`` + ReLU keeping only the BatchNorm's input. See NOTE [ BatchNorm + ReLU, recomputed ]."""
 
     def extra_repr(self) -> str:
+        """The BatchNorm's repr plus the ReLU it applies."""
         return f"{super().extra_repr()}, activation=relu (recomputed from the input)"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``relu(batch_norm(input))``, keeping only ``input`` (torch's own ops where nothing is kept)."""
         self._check_input_dim(input)
         if not torch.is_grad_enabled() or plain_only():  # nothing kept, or compile/torch.func: torch's own ops
             factor, bn_training, running_mean, running_var = batchnorm_arguments(self, input)
@@ -92,11 +93,3 @@ class BatchNormReLU2d(_BatchNormReLU, nn.BatchNorm2d):
 
 class BatchNormReLU3d(_BatchNormReLU, nn.BatchNorm3d):
     """``nn.BatchNorm3d`` + ReLU keeping only the BatchNorm's input."""
-
-
-def install_recompute_hooks(model: nn.Module) -> None:
-    """Run ``model``'s forward as a consumer scope (:func:`memtrim.techniques.recompute.keep_recipes_in`), once per
-    model."""
-    if getattr(model, "_memtrim_recompute_hooks", None) is not None:
-        return
-    model._memtrim_recompute_hooks = keep_recipes_in(model)  # type: ignore[assignment]

@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from ...errors import InvalidInputError
-from ._kernels import autocasting, keep_input_features, no_double_backward, plain_only, saved_tensors
-from .modules import owner
+from ..guards import autocasting, no_double_backward, owner, plain_only, saved_tensors
+from ._kernels import keep_input_features
 
 __all__ = ["BatchNormAct1d", "BatchNormAct2d", "BatchNormAct3d"]
 
@@ -180,11 +180,13 @@ class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
         self.gamma_threshold = gamma_threshold
 
     def extra_repr(self) -> str:
+        """The BatchNorm's repr plus the activation it applies."""
         act = {"identity": "identity", "leaky_relu": f"leaky_relu({self.negative_slope})",
                "elu": f"elu({self.alpha})"}[self.activation]
         return f"{super().extra_repr()}, activation={act}"
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``activation(batch_norm(input))``, keeping only the output (torch's own ops where nothing is kept)."""
         self._check_input_dim(input)
         factor, bn_training, running_mean, running_var = batchnorm_arguments(self, input)
         param = self.negative_slope if self.activation == "leaky_relu" else self.alpha

@@ -2,7 +2,7 @@
 modules checkpointed, a ReLU shared with fused BatchNorm+ReLU call sites. See NOTE [ recipes at consumer call
 sites ] in _core.py."""
 
-from ..activations._kernels import ConvertError
+from ...errors import ConvertError
 from ._core import (
     Recipe,
     is_recomputable,

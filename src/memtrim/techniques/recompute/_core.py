@@ -45,17 +45,26 @@ from typing import Any
 
 import torch
 
+from ...errors import ConvertError
 from ...measure.hooks import check_saved_version, hold_for_backward
-from ..activations._kernels import ConvertError, plain_only
+from ..guards import plain_only
 
 __all__ = [
     "Recipe", "enter_consumer_scope", "entry_of", "exit_consumer_scope", "is_recomputable", "mark_recomputable",
     "producing", "recipe_of", "recipes_honoured", "register",
 ]
 
-_push = torch._C._autograd._push_saved_tensors_default_hooks
-_pop = torch._C._autograd._pop_saved_tensors_default_hooks
-_top = torch._C._autograd._top_saved_tensors_default_hooks
+
+def _active_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+    """The (pack, unpack) saved-tensor hooks active on this thread, or None.
+
+    A private torch call, kept on purpose: torch has no public API that reads the active hooks (entering a
+    ``saved_tensors_hooks`` replaces them, and ``disable_saved_tensors_hooks`` forbids them), and the recipe scopes
+    must chain to them so that what they pass through still reaches memtrim's tracker or an outer checkpoint
+    (NOTE [ recipes at consumer call sites ]). torch's own compiler reads them the same way
+    (``torch._functorch._aot_autograd.utils.top_saved_tensors_hooks``)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
 
 _MARK = "_memtrim_recompute_hooks"  # attribute on our pack functions: "these hooks are memtrim's recompute hooks"
 
@@ -378,13 +387,13 @@ def _consumer_pack(outer: Any) -> Callable[[torch.Tensor], Any]:
     return pack
 
 
-_local = threading.local()  # .pushed: per-thread stack of "did this scope push hooks"
+_local = threading.local()  # .scopes: per-thread stack of the hooks each consumer scope entered (None: none)
 
 
-def _pushed() -> list[bool]:
-    stack = getattr(_local, "pushed", None)
+def _scopes() -> list[torch.autograd.graph.saved_tensors_hooks | None]:
+    stack = getattr(_local, "scopes", None)
     if stack is None:
-        stack = _local.pushed = []
+        stack = _local.scopes = []
     return stack
 
 
@@ -393,19 +402,22 @@ def enter_consumer_scope() -> None:
     Every call must be matched by :func:`exit_consumer_scope`."""
     if plain_only():  # before anything else: torch.compile must trace none of this
         return
-    top = _top(False)
-    push = torch.is_grad_enabled() and (top is None or not hasattr(top[0], _MARK))
-    if push:
-        _push(_consumer_pack(_outer_of(top)), _unpack)
-    _pushed().append(push)
+    top = _active_hooks()
+    hooks = None
+    if torch.is_grad_enabled() and (top is None or not hasattr(top[0], _MARK)):
+        hooks = torch.autograd.graph.saved_tensors_hooks(_consumer_pack(_outer_of(top)), _unpack)
+        hooks.__enter__()
+    _scopes().append(hooks)
 
 
 def exit_consumer_scope() -> None:
+    """End the consumer scope the matching :func:`enter_consumer_scope` started on this thread."""
     if plain_only():
         return
-    stack = _pushed()
-    if stack and stack.pop():
-        _pop()
+    stack = _scopes()
+    hooks = stack.pop() if stack else None
+    if hooks is not None:
+        hooks.__exit__(None, None, None)
 
 
 class recipes_honoured(torch.autograd.graph.saved_tensors_hooks):
@@ -451,7 +463,7 @@ class producing(torch.autograd.graph.saved_tensors_hooks):
         self.active = torch.is_grad_enabled() and not plain_only()
         if not self.active:
             return self
-        self.outer = outer = _outer_of(_top(False))
+        self.outer = outer = _outer_of(_active_hooks())
         pending = self.pending
 
         def pack(tensor: torch.Tensor) -> _Pending:
@@ -461,13 +473,14 @@ class producing(torch.autograd.graph.saved_tensors_hooks):
             return held
 
         setattr(pack, _MARK, outer)
-        _push(pack, _unpack)
+        self.pack_hook, self.unpack_hook = pack, _unpack
+        super().__enter__()
         return self
 
     def __exit__(self, *args: object) -> None:
         if not self.active:
             return
-        _pop()
+        super().__exit__(*args)
         self.active = False
         outer = self.outer
         for held in self.pending:

@@ -17,7 +17,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from ..activations._kernels import plain_only
+from ..guards import plain_only
 from ._core import (
     enter_consumer_scope,
     entry_of,
@@ -40,11 +40,11 @@ class Handle:
         self._removers = list(removers)
 
     def remove(self) -> None:
+        """Undo the installer's changes (hooks removed, the previous forward restored); a second call does nothing."""
         while self._removers:
             self._removers.pop()()
 
 
-# what the convert report can say about each mechanism (copied into its ``limits``)
 LIMITS: dict[str, tuple[str, ...]] = {
     "recompute_output": (
         "the activation's output is rebuilt in backward by its own forward (bitwise); double backward exact",
@@ -64,6 +64,7 @@ LIMITS: dict[str, tuple[str, ...]] = {
         "steps aside under torch.compile and torch.func",
     ),
 }
+"""What convert's report says about each mechanism (copied into ``Change.limits``), by mechanism name."""
 
 
 def _name(module: nn.Module, owner: str | None) -> str:
@@ -366,6 +367,7 @@ class PassThroughReLU(nn.ReLU):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """``input`` itself if a fused BatchNormReLU made it (relu'd already), else ``nn.ReLU``'s forward."""
         if _active() and is_recomputable(input, tag="relu"):
             return input
         return super().forward(input)

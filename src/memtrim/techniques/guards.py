@@ -1,0 +1,108 @@
+"""Where the techniques' own autograd steps aside, and the clear errors they raise instead of torch's.
+
+Shared by the lean activations (``activations/``), the norms that keep less (``norms/``), the recipes
+(``recompute/``) and convert's rules: the modules run as torch's own ops under ``torch.compile`` and ``torch.func``
+(:func:`plain_only`) and, for the rebuilt norms and ActLinear, under autocast (:func:`autocasting`); an in-place
+change of a kept tensor and a double backward through a rebuilt norm raise a :class:`ConvertError` naming the module
+(:func:`owner`) and saying what to do.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ConvertError
+
+__all__ = ["autocasting", "inplace_error", "no_double_backward", "owner", "plain_only", "saved_tensors"]
+
+
+# ---------------------------------------------------------------------- where the modules step aside
+def _functorch_active() -> bool:
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active()) if active is not None else False
+
+
+def plain_only() -> bool:
+    """True under ``torch.compile`` (saved-tensor hooks and data-dependent shapes do not trace; the compiler plans its
+    own memory) and under ``torch.func`` transforms (a custom autograd.Function needs rules they do not have): the
+    modules then run as torch's own ops, exactly the unconverted model."""
+    return torch.compiler.is_compiling() or _functorch_active()
+
+
+def autocasting(x: torch.Tensor) -> bool:
+    """Whether autocast is on for ``x``'s device type. The rebuilt norms and ActLinear then run as torch's own ops:
+    autocast picks each op's dtype (LayerNorm in float32, Linear in the low precision), and an output kept in bfloat16
+    would rebuild xhat with bfloat16's rounding where torch's backward reads the input in float32."""
+    return torch.is_autocast_enabled(x.device.type)
+
+
+# ---------------------------------------------------------------------- clear errors instead of torch's
+def owner(module: nn.Module) -> str:
+    """How errors name ``module``: by its name in the model when :func:`memtrim.convert` converted it."""
+    return getattr(module, "memtrim_owner", None) or f"memtrim.nn.{type(module).__name__}"
+
+
+def inplace_error(owner: str, error: RuntimeError) -> BaseException:
+    """The error for an in-place change of a tensor ``owner`` keeps (torch's message otherwise names only a node)."""
+    if "modified by an inplace operation" not in str(error):
+        return error
+    return ConvertError(
+        f"memtrim: {owner} keeps its output for backward (that is how it saves memory), and that output was changed "
+        f"in place after the forward. Expected it unchanged until backward; found: {error} To fix: clone the output "
+        "before changing it in place, or leave this module out of memtrim.convert (module_filter, or pass "
+        "example_inputs so convert sees the change and skips it)."
+    )
+
+
+def saved_tensors(ctx: Any) -> tuple[Any, ...]:
+    """``ctx.saved_tensors``, with autograd's in-place error turned into one that names ``ctx.owner``."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as e:
+        raise inplace_error(ctx.owner, e) from e
+
+
+class _Refuse(torch.autograd.Function):
+    """Identity in forward; its backward (a second derivative through a rebuilt norm) raises a ConvertError."""
+
+    @staticmethod
+    def forward(ctx: Any, message: str, n_anchors: int, *tensors: torch.Tensor) -> Any:
+        ctx.message = message
+        return tuple(t.view_as(t) for t in tensors[n_anchors:])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise ConvertError(ctx.message)
+
+
+def no_double_backward(backward: Callable[..., tuple]) -> Callable[..., tuple]:
+    """Like ``torch.autograd.function.once_differentiable``, but differentiating the result raises a ConvertError
+    naming the module (``ctx.owner``), and does so whenever create_graph is on and anything the gradients depend on
+    (incoming gradients or the inputs and parameters kept in ctx) requires grad."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grads: Any) -> tuple:
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outputs
+        anchors = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not anchors:
+            return outputs
+        message = (f"memtrim: {ctx.owner} rebuilds its input from its output in backward, so it has no second "
+                   "derivative (double backward: create_graph=True followed by a backward through the gradient, "
+                   "as in a gradient penalty). Expected a single backward; found a backward through its gradient. "
+                   "To fix: leave this module out of memtrim.convert (module_filter), or use torch's module here.")
+        present = [i for i, t in enumerate(outputs) if isinstance(t, torch.Tensor)]
+        wrapped = _Refuse.apply(message, len(anchors), *anchors, *[outputs[i] for i in present])
+        result = list(outputs)
+        for i, t in zip(present, wrapped if isinstance(wrapped, tuple) else (wrapped,)):
+            result[i] = t
+        return tuple(result)
+
+    return wrapper
