@@ -245,6 +245,7 @@ def plan(
                              lambda m: torch.optim.AdamW(m.parameters()), targets=y, budget="64MiB")
         model, optimizer = plans.best.apply(model, optimizer)
     """
+    # Over 60 lines for its docstring (Args, Returns, Raises, Example); the body is the two tracing passes, ~45 lines.
     names = _check(model_or_factory, loss_fn, optimizer_factory, techniques)
     limit = parse_bytes(budget)
     _check_depth(depth, model_or_factory)

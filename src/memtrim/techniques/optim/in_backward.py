@@ -68,6 +68,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ...errors import InvalidInputError, MemtrimError, MemtrimStateError, OptimizerInBackwardError
 from ...measure import hooks as measure_hooks
+from .wrapping import WrappedOptimizerView
 
 __all__ = ["OptimizerInBackward", "OptimizerInBackwardError"]
 
@@ -200,7 +201,7 @@ def _remove_handles(handles: list[Any]) -> None:
     handles.clear()
 
 
-class OptimizerInBackward(torch.optim.Optimizer):
+class OptimizerInBackward(WrappedOptimizerView):
     """Wrap an optimizer so that it steps inside backward, bucket by bucket, freeing gradients as it goes.
 
     Why: gradients are as large as the parameters; stepping inside backward keeps at most about one bucket
@@ -342,23 +343,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the wrapped optimizer's view
     @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's ``param_groups`` (read and set through to it)."""
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
     def state(self) -> Any:  # type: ignore[override]  # read-only: the wrapped optimizer's own
         """The wrapped optimizer's per-parameter ``state``."""
         return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]  # read-only: the wrapped optimizer's own
-        """The wrapped optimizer's ``defaults``."""
-        return self.optimizer.defaults
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict()``: interchangeable with plain training, both ways."""

@@ -23,11 +23,12 @@ from typing import Any
 import torch
 
 from ...errors import InvalidInputError
+from ..optim.wrapping import WrappedOptimizerView
 
 _API = "memtrim.CPUOffloadOptimizer"
 
 
-class CPUOffloadOptimizer(torch.optim.Optimizer):
+class CPUOffloadOptimizer(WrappedOptimizerView):
     """Keep an optimizer's state (and, by default, the gradients) in host memory; step there.
 
     Args:
@@ -74,8 +75,8 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
             host_params = [self._host_copy(p) for p in group["params"]]
             host_groups.append({**group, "params": host_params})
         self.optimizer = optimizer_class(host_groups, **kwargs)
-        # Optimizer.__init__ is not called: param_groups, state and defaults are the host optimizer's own
-        self.defaults = self.optimizer.defaults
+        # Optimizer.__init__ is not called: param_groups, state and defaults are the host optimizer's own (their
+        # params are the host copies; state is keyed by the device parameters)
         self._optimizer_step_pre_hooks = self.optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = self.optimizer._optimizer_step_post_hooks
         self._handles: list[Any] = []
@@ -96,15 +97,6 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         host.requires_grad_(param.requires_grad)
         self._pairs.append((param, host))
         return host
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The host optimizer's parameter groups (their ``params`` are the host copies)."""
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
 
     @property
     def state(self) -> Any:  # type: ignore[override]  # read-only: the host optimizer's, keyed by device params

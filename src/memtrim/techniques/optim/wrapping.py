@@ -1,0 +1,30 @@
+"""The view memtrim's optimizer wrappers give of the optimizer they wrap."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class WrappedOptimizerView(torch.optim.Optimizer):
+    """Base of memtrim's optimizer wrappers (``OptimizerInBackward``, ``CPUOffloadOptimizer``): ``param_groups``
+    and ``defaults`` are those of ``self.optimizer``, read and set through to it, so LR schedulers and code that
+    reads hyperparameters see one optimizer. ``Optimizer.__init__`` is not called; a subclass sets
+    ``self.optimizer`` first."""
+
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's ``param_groups`` (read and set through to it)."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]  # read-only: the wrapped optimizer's own
+        """The wrapped optimizer's ``defaults``."""
+        return self.optimizer.defaults
