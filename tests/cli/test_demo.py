@@ -51,10 +51,14 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     assert len(set(rev["curve"]["reversible"])) == 1  # constant in depth
     assert rev["curve"]["plain"][-1] > 5 * rev["curve"]["reversible"][-1]
     assert rev["drift"]["exact, depth 64"] == 0.0
+    plan = results["plan"]  # the chosen plan fits the budget, and its predicted peak is the measured one
+    assert plan["measured"] == plan["predicted"] <= plan["budget"]
+    assert plan["chosen"] != "plain" and any(p["name"] == "plain" and not p["fits"] for p in plan["plans"])
     report = (tmp_path / "report.md").read_text()
     assert "memtrim demo report" in report and "bitwise" in report
     assert "sigmoid_ keeps its output for backward, and mul_ then overwrote it" in report
     assert "second is correct" not in report
+    assert "## 8. Will it fit? `memtrim.plan`" in report and "(the same bytes)" in report
     printed = capsys.readouterr().out
     assert "standard standard" not in printed and "standard standard" not in report
 

@@ -10,6 +10,7 @@ from ._demo_results import (
     DemoResults,
     InBackward,
     InplaceResult,
+    Planned,
     Reversible,
 )
 
@@ -18,7 +19,8 @@ REVERSIBLE_PLOT = "reversible_memory_vs_depth.png"
 
 def markdown(results: DemoResults) -> str:
     """The whole report."""
-    sections = (_header, _relu_op, _runs, _equivalence, _in_backward, _check_inplace, _convert, _reversible)
+    sections = (_header, _relu_op, _runs, _equivalence, _in_backward, _check_inplace, _convert, _reversible,
+                _plan)
     return "\n".join(line for section in sections for line in section(results))
 
 
@@ -171,3 +173,17 @@ def _reversible(results: DemoResults) -> list[str]:
                     "an input by subtraction then loses its low bits, and at depth 64 in float32 the rebuilt inputs "
                     "are useless. `check_drift` finds such blocks and keeps their inputs from the next step on; exact "
                     "mode carries the stream in fixed point and rebuilds every input bit for bit.", ""]
+
+
+def _plan(results: DemoResults) -> list[str]:
+    plan: Planned = results.plan
+    lines = ["## 8. Will it fit? `memtrim.plan`", "",
+             f"The {plan.workload} training step, AdamW, for a budget of {plan.budget:,} B (80 % of the plain step's "
+             "peak): each combination of techniques traced on fake tensors (nothing allocated), ranked by numerics, "
+             "then by the time model:", "",
+             "| plan | predicted peak | phase | time (model) | numerics | fits |", "|---|---:|---|---:|---|---|"]
+    lines += [f"| {p['name']} | {p['peak']:,} B | {p['phase']} | {p['time_ratio']:.2f}x | {p['numerics']} | "
+              f"{'yes' if p['fits'] else 'no'} |" for p in plan.plans]
+    same = "the same bytes" if plan.measured == plan.predicted else f"{plan.measured - plan.predicted:+,} B off"
+    return lines + ["", f"Chosen: **{plan.chosen}**, predicted {plan.predicted:,} B; run for real and measured by the "
+                    f"tracker: {plan.measured:,} B ({same}).", ""]

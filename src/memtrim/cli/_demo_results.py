@@ -165,6 +165,18 @@ class Reversible:
 
 
 @dataclass(frozen=True)
+class Planned:
+    """Section 8: ``memtrim.plan`` for a budget below the plain step's peak, and the chosen plan measured."""
+
+    workload: str
+    budget: int
+    plans: list[dict[str, object]]  # name, predicted peak, phase, time ratio, numerics, fits
+    chosen: str
+    predicted: int
+    measured: int  # the chosen plan's step, run for real and measured by the tracker
+
+
+@dataclass(frozen=True)
 class DemoResults:
     machine: Machine
     settings: Settings
@@ -175,3 +187,4 @@ class DemoResults:
     check_inplace: dict[str, InplaceResult]
     convert: dict[str, Converted]
     reversible: Reversible
+    plan: Planned

@@ -34,6 +34,7 @@ from ._demo_results import (
     InplaceResult,
     Machine,
     OpBytes,
+    Planned,
     ReluOp,
     Reversible,
     Settings,
@@ -83,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         check_inplace=_check_seed_silu(device),
         convert=_convert_workloads(args, device),
         reversible=_reversible(args, device, train),
+        plan=_plan(args, device),
     )
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(to_json(results), f, indent=1)
@@ -408,3 +410,32 @@ def _swap_to_reversible(model: torch.nn.Module) -> torch.nn.Module:
     blocks = model.get_submodule("hidden")
     model.set_submodule("hidden", memtrim.ReversibleSequential(*blocks.children()))  # the same blocks and parameters
     return model
+
+
+def _plan(args: argparse.Namespace, device: torch.device) -> Planned:
+    """memtrim.plan on the small GPT for 80 % of its plain peak; the chosen plan then measured for real."""
+    d = 64 if args.quick else 256
+    workload = f"small GPT (4 layers, d={d}, seq 64, batch 8)"
+    torch.manual_seed(args.seed)
+    model = SmallGPT(n_layer=4, d_model=d, n_head=4, seq_len=64).to(device)
+    tokens = torch.randint(0, 256, (8, 64), device=device)
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+
+    def adamw(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+    everything = memtrim.plan(model, tokens, loss_fn, adamw, targets=tokens, budget=1 << 50)
+    plain = next(p for p in everything.all if not p.techniques)
+    budget = int(0.8 * plain.peak_bytes)
+    plans = memtrim.plan(model, tokens, loss_fn, adamw, targets=tokens, budget=budget)
+    best = plans.best
+    measured = memtrim.planner.trace_step(model, tokens, tokens, loss_fn, adamw,
+                                          [memtrim.planner.TECHNIQUES[n] for n in best.techniques], fake=False)
+    print(f"  plan {workload} for {budget:,} B: {best.name}, predicted {best.peak_bytes:,} B, measured "
+          f"{measured.report.peak_bytes:,} B")
+    return Planned(workload=workload, budget=budget, chosen=best.name, predicted=best.peak_bytes,
+                   measured=measured.report.peak_bytes,
+                   plans=[{"name": p.name, "peak": p.peak_bytes, "phase": p.peak_phase, "time_ratio": p.time_ratio,
+                           "numerics": p.numerics, "fits": p.fits} for p in plans.all])
