@@ -50,3 +50,51 @@ def test_a_model_spec_that_does_not_resolve_exits_2(capsys):
     code = main(["plan", "--model", "no_such_module:factory", "--budget", "1GiB", "--device", "cpu"])
     assert code == 2
     assert "does not resolve" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--layers", "0"], "--layers must be >= 1, got 0"),  # was silently the default depth
+    (["--device", "tpu"], "cannot read --device 'tpu'"),
+    (["--plot", "no/such/folder/plan.png"], "no folder"),
+])
+def test_more_usage_errors_exit_2_with_one_line(argv, message, capsys):
+    code = main(["plan", "--model", "small-gpt", "--layers", "2", "--seq", "16", "--device", "cpu", "--plot", "",
+                 "--budget", "1GiB", *argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and err.count("\n") == 1
+
+
+def test_a_user_factory_that_raises_or_is_not_callable_exits_2_naming_this_command(tmp_path, monkeypatch, capsys):
+    (tmp_path / "usermodels.py").write_text("def broken():\n    raise RuntimeError('my factory is broken')\n"
+                                            "CONST = 5\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec, message in (("usermodels:broken", "RuntimeError: my factory is broken"),
+                          ("usermodels:CONST", "memtrim plan: --model 'usermodels:CONST' is a int, not callable")):
+        code = main(["plan", "--model", spec, "--seq", "16", "--device", "cpu", "--budget", "1GiB", "--plot", ""])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "check-inplace" not in err
+        assert err.strip().splitlines()[-1].startswith("error: memtrim plan:")
+
+
+@pytest.mark.parametrize("techniques, message", [
+    ("selective,checkpoint", "do not combine"),
+    ("offload_state", "offload_state was not traced: offload_state: left out; on cpu"),  # was a StopIteration
+])
+def test_profile_of_a_combination_that_cannot_be_traced_exits_2(techniques, message, capsys):
+    code = main(["profile", "--model", "small-gpt", "--layers", "2", "--seq", "16", "--device", "cpu", "--techniques",
+                 techniques, "--plot", ""])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err.splitlines()[-1]
+
+
+def test_profile_of_low_bit_state_and_at_an_extrapolated_depth_writes_the_timeline(tmp_path, capsys):
+    plot = tmp_path / "timeline.png"  # --layers 3: the peak is extrapolated; the timeline was silently not written
+    code = main(["profile", "--model", "small-gpt", "--layers", "3", "--seq", "16", "--dtype", "fp32", "--device",
+                 "cpu", "--techniques", "state_8bit", "--plot", str(plot)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.startswith("state_8bit: predicted peak") and f"timeline: {plot}" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -109,7 +109,7 @@ def test_parse_bytes():
     assert parse_bytes("24GiB") == 24 * 2**30
     assert parse_bytes("1.5 GB") == 1_500_000_000
     assert parse_bytes(4096) == 4096
-    for bad in ("lots", "-1GB", 0, True, None, "12 parsecs"):
+    for bad in ("lots", "-1GB", 0, True, None, "12 parsecs", float("inf"), float("nan"), 0.5, "0.4"):
         with pytest.raises(InvalidInputError):
             parse_bytes(bad)
 
@@ -163,3 +163,53 @@ def test_a_cuda_plan_made_on_a_cpu_machine_can_put_optimizer_state_on_the_host()
     assert off.time_ratio > 1  # the host step and the copies cost time
     if not torch.cuda.is_available():
         assert any("traced with CPU kernels" in n for n in plans.notes)
+
+
+class _DictOut(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return {"logits": self.layer(x)}
+
+
+def _boom():
+    raise RuntimeError("the factory is broken")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    # a KeyError (a LookupError) in the user's loss was taken for "technique has nothing to do": a bare KeyError: ()
+    ({"loss_fn": lambda out, y: F.cross_entropy(out["logit"], y)}, "plain training step failed.*KeyError"),
+    ({"model_or_factory": _boom}, "plain training step failed.*RuntimeError: the factory is broken"),
+    ({"model_or_factory": lambda n: _DictOut()}, "factory must be callable with no arguments"),
+    ({"model_or_factory": lambda: _DictOut(), "depth": 4}, "depth must be an int >= 3 with model_or_factory a func"),
+    ({"optimizer_factory": lambda m: None}, "must return a torch.optim.Optimizer, got NoneType"),
+    ({"optimizer_factory": lambda: None}, "optimizer_factory must accept one argument"),
+    ({"loss_fn": lambda out: out.sum()}, "loss_fn must accept two arguments"),
+    ({"example_inputs": torch.randn(3, 5)}, "plain training step failed.*RuntimeError"),
+    ({"model_or_factory": _DictOut().to("meta")}, "plain training step failed.*devices"),
+    ({"device": "tpu"}, "cannot read the device 'tpu'"),
+    ({"techniques": "checkpoint"}, r"techniques must be a list of names, e.g. \['checkpoint'\]"),
+])
+def test_a_step_that_cannot_run_raises_invalid_input_not_a_raw_error(kwargs, message):
+    args = {"model_or_factory": _DictOut(), "example_inputs": torch.randn(3, 4),
+            "loss_fn": lambda out, y: F.cross_entropy(out["logits"], y), "optimizer_factory": _adamw,
+            "budget": "1GiB", "targets": torch.randint(0, 2, (3,)), **kwargs}
+    with pytest.raises(InvalidInputError, match=message):
+        memtrim.plan(**args)
+
+
+def test_a_combination_whose_trace_raises_is_left_out_with_a_note_and_the_rest_is_exact():
+    # the user's factory already wraps the optimizer: wrapping it again raises, so the in_backward plans are left out
+    x, y = _batch()
+
+    def wrapped(model):
+        return memtrim.OptimizerInBackward(_adamw(model), model=model)
+
+    plans = memtrim.plan(_gpt(), x, _gpt_loss, wrapped, targets=y, budget=1 << 40)
+    assert {p.techniques for p in plans.all} == {(), ("selective",), ("checkpoint",)}
+    assert any(n.startswith("in_backward: left out (tracing it raised MemtrimStateError") for n in plans.notes)
+    for p in plans.all:
+        measured = trace_step(_gpt(), x, y, _gpt_loss, wrapped, [TECHNIQUES[n] for n in p.techniques], fake=False)
+        assert measured.report.peak_bytes == p.peak_bytes

@@ -151,3 +151,81 @@ def test_low_bit_bad_input():
         memtrim.LowBitAdamW(_gpt().parameters(), betas=(1.0, 0.9))
     with pytest.raises(InvalidInputError, match="block_size"):
         memtrim.LowBitAdamW(_gpt().parameters(), block_size=0)
+
+
+def _steps(model, optimizer, batches):
+    for x, y in batches:
+        optimizer.zero_grad()
+        _loss(model(x), y).backward()
+        optimizer.step()
+
+
+def test_add_param_group_named_parameters_offload_and_stay_bitwise():
+    model, plain = _gpt(), _gpt()
+    blocks = lambda m: list(m.blocks.parameters())  # noqa: E731
+    rest = lambda m: [p for n, p in m.named_parameters() if not n.startswith("blocks.")]  # noqa: E731
+    opt = memtrim.CPUOffloadOptimizer(blocks(model), torch.optim.AdamW, lr=1e-3)
+    opt.add_param_group({"params": rest(model), "lr": 3e-3})
+    ref = torch.optim.AdamW(blocks(plain), lr=1e-3)
+    ref.add_param_group({"params": rest(plain), "lr": 3e-3})
+    x, y = _batches(1)[0]
+    _loss(model(x), y).backward()
+    assert all(p.grad is None for p in model.parameters())  # the added group's gradients went to the host too
+    opt.zero_grad()
+    _steps(model, opt, _batches(3))
+    _steps(plain, ref, _batches(3))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))
+    named, plain = _gpt(), _gpt()  # torch optimizers take named_parameters(); so does the wrapper
+    opt = memtrim.CPUOffloadOptimizer(named.named_parameters(), torch.optim.AdamW, lr=1e-3)
+    _steps(named, opt, _batches(3))
+    _steps(plain, torch.optim.AdamW(plain.named_parameters(), lr=1e-3), _batches(3))
+    assert all(torch.equal(a, b) for a, b in zip(named.parameters(), plain.parameters()))
+    assert opt.state_dict()["param_groups"][0]["param_names"][0] == "tok.weight"
+
+
+def test_offload_refuses_a_repeated_parameter_a_single_tensor_and_a_bad_host_and_leaks_no_hook():
+    w = torch.nn.Parameter(torch.randn(3))
+    # a parameter given twice would be stepped through one host copy and overwritten by the other: no update at all
+    with pytest.raises(InvalidInputError, match="appears twice"):
+        memtrim.CPUOffloadOptimizer([w, w], torch.optim.SGD, lr=1.0)
+    with pytest.raises(InvalidInputError, match="appears twice"):
+        memtrim.CPUOffloadOptimizer([{"params": [w]}, {"params": [w]}], torch.optim.SGD, lr=1.0)
+    with pytest.raises(InvalidInputError, match="single tensor"):
+        memtrim.CPUOffloadOptimizer(torch.nn.Linear(3, 4).weight)
+    with pytest.raises(InvalidInputError, match="host device"):
+        memtrim.CPUOffloadOptimizer([w], host="tpu")
+    with pytest.raises(TypeError):  # the optimizer's own options are checked by the optimizer
+        memtrim.CPUOffloadOptimizer([w], torch.optim.AdamW, lrr=1.0)
+    w.sum().backward()
+    assert w.grad is not None  # no gradient hook of a failed construction took the gradient away
+
+
+def test_low_bit_state_dict_round_trip_keeps_its_dtypes_and_continues_exactly():
+    for bits in (16, 8):
+        model = torch.nn.Linear(40, 300).to(torch.bfloat16)
+        x = torch.randn(8, 40, dtype=torch.bfloat16)
+        opt = memtrim.LowBitAdamW(model.parameters(), lr=1e-2, bits=bits)
+        for _ in range(2):
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        again = copy.deepcopy(model)
+        resumed = memtrim.LowBitAdamW(again.parameters(), lr=1e-2, bits=bits)
+        resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+        dtypes = {k: v.dtype for k, v in opt.state[model.weight].items() if isinstance(v, torch.Tensor)}
+        # torch's load_state_dict casts state to the parameter's dtype: bfloat16 scales would change the numbers
+        assert {k: v.dtype for k, v in resumed.state[again.weight].items() if torch.is_tensor(v)} == dtypes
+        for m, o in ((model, opt), (again, resumed)):
+            m(x).float().square().mean().backward()
+            o.step()
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+
+
+def test_low_bit_refuses_complex_parameters_and_malformed_options():
+    with pytest.raises(InvalidInputError, match="complex"):
+        memtrim.LowBitAdamW([torch.nn.Parameter(torch.randn(4, dtype=torch.complex64))])
+    for options in ({"betas": (0.9,)}, {"lr": "1e-3"}, {"block_size": True}):
+        with pytest.raises(InvalidInputError):
+            memtrim.LowBitAdamW(_gpt().parameters(), **options)
+    with pytest.raises(InvalidInputError, match="betas in"):
+        memtrim.LowBitAdamW([{"params": _gpt().parameters(), "betas": (0.9, 1.5)}])

@@ -465,3 +465,33 @@ def test_parameter_unfrozen_between_zero_grad_and_backward(layer):
                     assert p.grad is None and (not p.requires_grad or not torch.equal(p, q))
             opt.step()
     assert_same(a, b)
+
+
+def test_a_model_returning_logits_and_the_hidden_state_that_feeds_them_is_one_backward():
+    # both outputs' gradients arrive in the same backward pass: not the "second backward on a retained graph" error
+    class TwoOutputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(3)])
+            self.out = torch.nn.Linear(16, 4)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return self.out(x), x
+
+    torch.manual_seed(0)
+    model = TwoOutputs()
+    plain = copy.deepcopy(model)
+    opt = memtrim.OptimizerInBackward(torch.optim.AdamW(model.parameters()), model=model, bucket_bytes=0,
+                                      peak="lowest")
+    ref = torch.optim.AdamW(plain.parameters())
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    for _ in range(3):
+        for m, o in ((model, opt), (plain, ref)):
+            o.zero_grad()
+            logits, hidden = m(x)
+            (F.cross_entropy(logits, y) + 1e-3 * hidden.square().mean()).backward()
+            o.step()
+    for a, b in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(a, b)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -104,9 +105,19 @@ def _lm_loss(out: Any, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _setup(args: argparse.Namespace) -> dict[str, Any]:
-    for name in ("batch", "seq"):
-        if getattr(args, name) < 1:
-            raise memtrim.InvalidInputError(f"memtrim {args.command}: --{name} must be >= 1.")
+    for name in ("batch", "seq", "layers"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise memtrim.InvalidInputError(f"memtrim {args.command}: --{name} must be >= 1, got {value}.")
+    try:
+        device = torch.device(args.device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise memtrim.InvalidInputError(
+            f"memtrim {args.command}: cannot read --device {args.device!r}; write e.g. cuda, cuda:1 or cpu."
+        ) from e
+    folder = os.path.dirname(os.path.abspath(args.plot)) if args.plot else ""
+    if folder and not os.path.isdir(folder):
+        raise memtrim.InvalidInputError(f"memtrim {args.command}: --plot {args.plot!r}: no folder {folder!r}.")
     dtype = _DTYPES[args.dtype]
     tokens = torch.randint(0, 256, (args.batch, args.seq))
     depth = None
@@ -118,9 +129,14 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
         inputs = tokens
     else:
         _working_directory_on_path()
-        factory = _load(args.model, "--model")
+        try:
+            factory = _load(args.model, "--model")
+        except memtrim.InvalidInputError as e:  # check-inplace's loader names its own command: say ours
+            raise memtrim.InvalidInputError(
+                str(e).replace("memtrim check-inplace: ", f"memtrim {args.command}: ", 1)
+            ) from e
         build, inputs = (lambda n: _in_dtype(dtype, factory)), tokens
-    foreach = args.foreach if args.foreach is not None else torch.device(args.device).type == "cuda"
+    foreach = args.foreach if args.foreach is not None else device.type == "cuda"
     make_optimizer = functools.partial(_optimizer, _OPTIMIZERS[args.optimizer], foreach)
     if depth is not None and depth >= 3:
         model: Any = build
@@ -135,34 +151,83 @@ def _optimizer(kind: Callable[..., torch.optim.Optimizer], foreach: bool, model:
     return kind(model.parameters(), lr=1e-4, foreach=foreach, **extra)
 
 
-def _progress() -> Callable[[str], None]:
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return lambda line: print(f"  traced {line}", file=sys.stderr)
-    bar = tqdm(desc="tracing plans", unit="plan", file=sys.stderr)
+class _Progress:
+    """A progress bar on stderr (a line per plan without tqdm), made at the first traced plan and closed by
+    ``close()``, so that an error message never lands on the bar's line."""
 
-    def step(line: str) -> None:
-        bar.set_postfix_str(line)
-        bar.update()
+    def __init__(self) -> None:
+        self.bar: Any = None
 
-    return step
+    def __call__(self, line: str) -> None:
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            print(f"  traced {line}", file=sys.stderr)
+            return
+        if self.bar is None:
+            self.bar = tqdm(desc="tracing plans", unit="plan", file=sys.stderr)
+        self.bar.set_postfix_str(line)
+        self.bar.update()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``plan`` or ``profile``; see the module docstring for the exit status."""
+    progress = _Progress()
+    try:
+        return _run(args, progress)
+    finally:
+        progress.close()
+
+
+def _profiled(setup: dict[str, Any], techniques: str, progress: _Progress) -> memtrim.planner.Plan:
+    """The one plan ``--techniques`` names, traced (low-bit state included: nothing fits 1 B, so every
+    combination of the names is traced)."""
+    names = [n.strip() for n in techniques.split(",") if n.strip()]
+    unknown = [n for n in names if n not in memtrim.planner.TECHNIQUES]
+    if unknown:
+        raise memtrim.InvalidInputError(
+            f"memtrim profile: unknown techniques {unknown}; choose from {sorted(memtrim.planner.TECHNIQUES)}."
+        )
+    combo = tuple(n for n in memtrim.planner.TECHNIQUES if n in names)
+    if combo not in memtrim.planner.combinations(combo):
+        raise memtrim.InvalidInputError(
+            f"memtrim profile: --techniques {','.join(combo)} do not combine (one checkpointing policy, one way of "
+            "stepping the optimizer, one state precision)."
+        )
+    try:
+        plans = memtrim.plan(**setup, budget=1, techniques=names, progress=progress)
+    except memtrim.PlanError as e:
+        if not isinstance(e.plans, memtrim.planner.Plans):  # plan() always attaches them
+            raise
+        plans = e.plans
+    chosen = next((p for p in plans.all if p.techniques == combo), None)
+    if chosen is None:
+        why = [n for n in plans.notes if any(n.startswith(f"{t}:") or n.startswith(f"{'+'.join(combo)}:")
+                                             for t in combo)]
+        raise memtrim.InvalidInputError(
+            f"memtrim profile: {'+'.join(combo)} was not traced: {'; '.join(why) or 'see memtrim plan'}."
+        )
+    return chosen
+
+
+def _run(args: argparse.Namespace, progress: _Progress) -> int:
     setup = _setup(args)
     if args.command == "profile":
-        names = [n for n in args.techniques.split(",") if n]
-        setup["budget"] = 1 << 62
-        plans = memtrim.plan(**setup, techniques=names, progress=_progress())
-        chosen = next(p for p in plans.all if p.techniques == tuple(n for n in memtrim.planner.TECHNIQUES
-                                                                     if n in names))
+        chosen = _profiled(setup, args.techniques, progress)
+        progress.close()
         print(f"{chosen.name}: predicted peak {memtrim.format_bytes(chosen.peak_bytes)} ({chosen.peak_phase})")
         for category, value in chosen.peak_by_category.items():
             print(f"  {category:16s} {memtrim.format_bytes(value)}")
-        if args.plot and setup["depth"] is None:
-            trace = memtrim.planner.trace_step(setup["model_or_factory"], setup["example_inputs"], setup["targets"],
+        if args.plot:
+            model = setup["model_or_factory"]
+            if setup["depth"] is not None:  # the peak was extrapolated; the timeline is one trace at full depth
+                model = functools.partial(model, setup["depth"])
+            trace = memtrim.planner.trace_step(model, setup["example_inputs"], setup["targets"],
                                                _lm_loss, setup["optimizer_factory"],
                                                [memtrim.planner.TECHNIQUES[n] for n in chosen.techniques])
             trace.report.plot(args.plot)
@@ -170,11 +235,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     budget = memtrim.planner.parse_bytes(args.budget)  # a usage error before any progress bar
     try:
-        plans = memtrim.plan(**setup, budget=budget, progress=_progress())
+        plans = memtrim.plan(**setup, budget=budget, progress=progress)
     except memtrim.PlanError as e:
+        progress.close()
         print(e.plans if e.plans is not None else "", file=sys.stdout)
         print(f"error: {e}", file=sys.stderr)
         return 1
+    progress.close()
     print(plans)
     if args.plot:
         plans.plot(args.plot)

@@ -21,6 +21,12 @@ from ..techniques.optim import OptimizerInBackward
 from ..techniques.optim_state import CPUOffloadOptimizer, LowBitAdamW
 
 
+class NotApplicable(LookupError):
+    """A technique has nothing to do on this model or optimizer (the plan leaves it out and says why). The planner
+    catches this class only: a ``KeyError`` (another ``LookupError``) raised by the user's model or loss must not
+    pass for it."""
+
+
 class Applied:
     """A (model, optimizer) pair with techniques applied in turn, and how to undo the in-place ones."""
 
@@ -79,7 +85,7 @@ def _checkpoint(policy: str | None) -> Callable[[Applied], list[str]]:
     def apply(applied: Applied) -> list[str]:
         block = repeated_block(applied.model)
         if block is None:
-            raise LookupError("no repeated block class to checkpoint")
+            raise NotApplicable("no repeated block class to checkpoint")
         handle = checkpoint_modules(applied.model, block, policy=policy)
         applied._undo.append(handle.remove)
         return [f"checkpoints {len(handle)} {block.__name__} blocks" + (f" ({policy})" if policy else "")]
@@ -111,7 +117,7 @@ def _low_bit(bits: int) -> Callable[[Applied], list[str]]:
         if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam) or any(
                 g.get("amsgrad") or (type(optimizer) is torch.optim.Adam and g["weight_decay"])
                 for g in optimizer.param_groups):
-            raise LookupError("low-bit state replaces AdamW (or Adam without weight decay), without amsgrad")
+            raise NotApplicable("low-bit state replaces AdamW (or Adam without weight decay), without amsgrad")
         groups = [{k: g[k] for k in ("params", "lr", "betas", "eps", "weight_decay")} for g in optimizer.param_groups]
         applied.optimizer = LowBitAdamW(groups, bits=bits)
         return [f"AdamW state in {'bfloat16' if bits == 16 else 'blockwise float8'}"]

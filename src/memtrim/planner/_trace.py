@@ -167,6 +167,11 @@ def trace_step(
             with device if device is not None else contextlib.nullcontext():
                 model = _build(model_or_factory)
         optimizer = optimizer_factory(model)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise InvalidInputError(
+                f"memtrim.plan: optimizer_factory(model) must return a torch.optim.Optimizer, got "
+                f"{type(optimizer).__name__}."
+            )
         applied = Applied(model, optimizer, inputs, host="meta" if fake else "cpu")
         for technique in techniques:
             notes.extend(technique.apply(applied))

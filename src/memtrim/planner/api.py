@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
+import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -12,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InvalidInputError, PlanError
+from ..errors import InvalidInputError, MemtrimError, PlanError
 from ..measure import format_bytes, pyplot
 from ._cost import DeviceCost, calibrate, device_cost
-from ._techniques import EXCLUSIVE, TECHNIQUES, Applied, Technique
+from ._techniques import EXCLUSIVE, TECHNIQUES, Applied, NotApplicable, Technique
 from ._trace import StepTrace, Work, trace_step
 
 _API = "memtrim.plan"
@@ -42,8 +44,8 @@ def parse_bytes(value: int | float | str) -> int:
         number = float(match.group(1)) * _UNITS[match.group(2)]
     else:
         raise InvalidInputError(f"{_API}: a budget must be bytes or a size like '24GiB', got {type(value).__name__}.")
-    if number <= 0:
-        raise InvalidInputError(f"{_API}: a budget must be > 0, got {value!r}.")
+    if not math.isfinite(number) or number < 1:
+        raise InvalidInputError(f"{_API}: a budget must be a finite size of at least 1 byte, got {value!r}.")
     return int(number)
 
 
@@ -185,11 +187,39 @@ def _check(model_or_factory: Any, loss_fn: Any, optimizer_factory: Any, techniqu
         )
     if not callable(loss_fn):
         raise InvalidInputError(f"{_API}: loss_fn must be callable (output, targets) -> loss, got {loss_fn!r}.")
+    for name, fn, arity, what in (("optimizer_factory", optimizer_factory, 1, "one argument (the model)"),
+                                  ("loss_fn", loss_fn, 2, "two arguments (output, targets)")):
+        if not _accepts(fn, arity):
+            raise InvalidInputError(f"{_API}: {name} must accept {what}; its signature is {inspect.signature(fn)}.")
+    if isinstance(techniques, str):
+        raise InvalidInputError(f"{_API}: techniques must be a list of names, e.g. [{techniques!r}], got a str.")
     names = list(TECHNIQUES if techniques is None else techniques)
     unknown = [n for n in names if n not in TECHNIQUES]
     if unknown:
         raise InvalidInputError(f"{_API}: unknown techniques {unknown}; choose from {sorted(TECHNIQUES)}.")
     return names
+
+
+def _accepts(fn: Callable[..., Any], arity: int) -> bool:
+    """Whether ``fn`` can be called with ``arity`` positional arguments (True where the signature is unknown)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(*([None] * arity))
+    except TypeError:
+        return False
+    return True
+
+
+def _device(device: Any, tensors: list[torch.Tensor]) -> torch.device:
+    if device is None:
+        return tensors[0].device if tensors else torch.device("cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise InvalidInputError(f"{_API}: cannot read the device {device!r} ({e}); write e.g. 'cuda' or 'cpu'.") from e
 
 
 def plan(
@@ -250,7 +280,7 @@ def plan(
     limit = parse_bytes(budget)
     _check_depth(depth, model_or_factory)
     tensors = [t for t in torch.utils._pytree.tree_leaves((example_inputs, targets)) if isinstance(t, torch.Tensor)]
-    dev = torch.device(device) if device is not None else (tensors[0].device if tensors else torch.device("cpu"))
+    dev = _device(device, tensors)
     notes: list[str] = []
     names = _usable(names, dev, depth, notes)
     cost = calibrate(dev) if calibrate_time else device_cost(dev)
@@ -264,10 +294,23 @@ def plan(
             try:
                 out[combo] = _estimate(model_or_factory, example_inputs, targets, loss_fn, optimizer_factory, combo,
                                        depth)
-            except LookupError as e:  # the technique has nothing to do on this model
+            except NotApplicable as e:  # the technique has nothing to do on this model
                 notes.append(f"{'+'.join(combo)}: left out ({e})")
                 failed.update(combo if len(combo) == 1 else ())
                 continue
+            except Exception as e:
+                message = " ".join(str(e).split())
+                if combo:  # the plain step runs; this combination does not: leave it out and say why
+                    notes.append(f"{'+'.join(combo)}: left out (tracing it raised {type(e).__name__}: {message})")
+                    continue
+                if isinstance(e, MemtrimError):
+                    raise
+                # the user's own step fails: a wrong model, factory, input, loss or optimizer
+                raise InvalidInputError(
+                    f"{_API}: the plain training step failed when traced on fake tensors: {type(e).__name__}: "
+                    f"{message.rstrip('.')}. Check that model(example_inputs), loss_fn(output, targets) and "
+                    "optimizer_factory(model) run for real."
+                ) from e
             if progress is not None:
                 progress(f"{'+'.join(combo) or 'plain'}: {format_bytes(out[combo].peak_bytes)}")
         return out
@@ -310,11 +353,23 @@ def _ranked(plans: list[Plan], limit: int, dev: torch.device, cost: DeviceCost, 
 
 def _check_depth(depth: Any, model_or_factory: Any) -> None:
     if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 3
-                              or isinstance(model_or_factory, nn.Module)):
+                              or isinstance(model_or_factory, nn.Module) or not _accepts(model_or_factory, 1)):
         raise InvalidInputError(
             f"{_API}: depth must be an int >= 3 with model_or_factory a function of the number of blocks, got "
-            f"depth={depth!r} and {type(model_or_factory).__name__}."
+            f"depth={depth!r} and {_describe(model_or_factory)}."
         )
+    if depth is None and not isinstance(model_or_factory, nn.Module) and not _accepts(model_or_factory, 0):
+        raise InvalidInputError(
+            f"{_API}: a model factory must be callable with no arguments, got {_describe(model_or_factory)} (with "
+            "depth=N it is called with the number of blocks)."
+        )
+
+
+def _describe(fn: Any) -> str:
+    try:
+        return f"{type(fn).__name__} with signature {inspect.signature(fn)}"
+    except (TypeError, ValueError):
+        return type(fn).__name__
 
 
 def _usable(names: list[str], dev: torch.device, depth: int | None, notes: list[str]) -> list[str]:

@@ -166,7 +166,10 @@ def _output_hook(wrapper_ref: weakref.ref) -> Callable[..., None]:
             wrapper = wrapper_ref()
             if wrapper is None or wrapper._accumulating:
                 return
-            if wrapper._open and seen.get("serial") == wrapper._serial and wrapper._updated_in_backward:
+            task = torch._C._current_graph_task_id()  # several outputs of one pass (logits and a hidden state
+            # that feeds them) are one backward, not two; no public API tells which backward pass is running
+            if (wrapper._open and seen.get("serial") == wrapper._serial and seen.get("task") != task
+                    and wrapper._updated_in_backward):
                 wrapper._close_step()
                 raise OptimizerInBackwardError(
                     "OptimizerInBackward: expected one backward pass per training step through a graph, but a "
@@ -178,6 +181,7 @@ def _output_hook(wrapper_ref: weakref.ref) -> Callable[..., None]:
                 )
             if wrapper._open:
                 seen["serial"] = wrapper._serial
+                seen["task"] = task
 
         for tensor in tensors:
             tensor.register_hook(grad_hook)

@@ -13,6 +13,8 @@ bitwise the standard AdamW's, and ``memtrim.verify`` reports by how much (tests 
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -35,6 +37,19 @@ def _quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, numel: int) -> torch.Tensor:
     return (codes.float() * scale[:, None]).flatten()[:numel]
+
+
+def _check_options(options: dict[str, Any]) -> None:
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    betas = options["betas"]
+    if not (all(number(options[k]) and options[k] >= 0 for k in ("lr", "eps", "weight_decay"))
+            and isinstance(betas, (tuple, list)) and len(betas) == 2 and all(number(b) and 0 <= b < 1 for b in betas)):
+        raise InvalidInputError(
+            f"{_API}: expected lr, eps, weight_decay finite numbers >= 0 and betas in [0, 1) (a pair), got "
+            + ", ".join(f"{k}={v!r}" for k, v in options.items()) + "."
+        )
 
 
 class LowBitAdamW(torch.optim.Optimizer):
@@ -66,14 +81,33 @@ class LowBitAdamW(torch.optim.Optimizer):
             raise InvalidInputError(f"{_API}: bits must be 16 or 8, got {bits!r}.")
         if bits == 8 and _F8 is None:
             raise InvalidInputError(f"{_API}: bits=8 needs torch.float8_e4m3fn (torch >= 2.1); use bits=16.")
-        if not (lr >= 0 and eps >= 0 and weight_decay >= 0 and all(0 <= b < 1 for b in betas)):
-            raise InvalidInputError(f"{_API}: expected lr, eps, weight_decay >= 0 and betas in [0, 1), got "
-                                    f"lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}.")
-        if not isinstance(block_size, int) or block_size < 1:
+        _check_options({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise InvalidInputError(f"{_API}: block_size must be an int >= 1, got {block_size!r}.")
         self.bits = bits
         self.block_size = block_size
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer``'s; refuses complex parameters and bad per-group hyperparameters."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_options({k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})
+        for p in group["params"]:
+            if p.is_complex():
+                self.param_groups.pop()
+                raise InvalidInputError(f"{_API}: complex parameters are not supported (shape {tuple(p.shape)}).")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer``'s, but the moments keep their stored dtypes (bfloat16 or float8 codes and
+        float32 scales): torch's would cast them to each parameter's dtype (more memory, and bfloat16 scales)."""
+        super().load_state_dict(state_dict)
+        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        for saved_id, p in zip(saved_ids, params):
+            for key, value in state_dict["state"].get(saved_id, {}).items():
+                if isinstance(value, torch.Tensor):
+                    self.state[p][key] = value.to(device=p.device)
 
     def _load(self, state: dict[str, Any], name: str, numel: int) -> torch.Tensor:
         if self.bits == 16:

@@ -60,42 +60,83 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise InvalidInputError(
                 f"{_API}: optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, got "
-                f"{optimizer_class!r}."
+                f"{_described(optimizer_class)}."
+            )
+        if isinstance(params, torch.Tensor):
+            raise InvalidInputError(
+                f"{_API}: params must be an iterable of tensors or parameter groups (e.g. model.parameters()), got a "
+                "single tensor; pass [tensor]."
             )
         groups = list(params)
         if not groups:
             raise InvalidInputError(f"{_API}: got no parameters.")
         if not isinstance(groups[0], dict):
             groups = [{"params": groups}]
-        self.host = torch.device(host)
+        try:
+            self.host = torch.device(host)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise InvalidInputError(f"{_API}: cannot read the host device {host!r} ({e}).") from e
         self.offload_gradients = offload_gradients
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device parameter, host copy)
-        host_groups = []
-        for group in groups:
-            host_params = [self._host_copy(p) for p in group["params"]]
-            host_groups.append({**group, "params": host_params})
-        self.optimizer = optimizer_class(host_groups, **kwargs)
+        self._handles: list[Any] = []
+        self.optimizer = self._rolled_back_on_error(lambda: optimizer_class([self._host_group(g) for g in groups],
+                                                                             **kwargs))
         # Optimizer.__init__ is not called: param_groups, state and defaults are the host optimizer's own (their
         # params are the host copies; state is keyed by the device parameters)
         self._optimizer_step_pre_hooks = self.optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = self.optimizer._optimizer_step_post_hooks
-        self._handles: list[Any] = []
-        if offload_gradients:
-            me = weakref.ref(self)
-            for device_param, host_param in self._pairs:
-                if device_param.requires_grad:
-                    self._handles.append(device_param.register_post_accumulate_grad_hook(
-                        _GradToHost(me, host_param)))
+
+    def _host_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        """``group`` over host copies of its parameters (``(name, tensor)`` pairs keep their names), with the
+        gradient hooks set."""
+        if not isinstance(group, dict) or "params" not in group:
+            raise InvalidInputError(f"{_API}: a parameter group must be a dict with 'params', got {group!r}.")
+        items = group["params"]
+        items = [items] if isinstance(items, torch.Tensor) else list(items)
+        host_params: list[Any] = []
+        for item in items:
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+                host_params.append((item[0], self._host_copy(item[1])))
+            else:
+                host_params.append(self._host_copy(item))
+        return {**group, "params": host_params}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group: its parameters get host copies (and gradient hooks) like the first ones."""
+        self._rolled_back_on_error(lambda: self.optimizer.add_param_group(self._host_group(param_group)))
+
+    def _rolled_back_on_error(self, fn: Callable[[], Any]) -> Any:
+        """``fn()``; where it raises, the host copies and gradient hooks it made are undone."""
+        pairs, handles = len(self._pairs), len(self._handles)
+        try:
+            return fn()
+        except BaseException:
+            for handle in self._handles[handles:]:
+                handle.remove()
+            del self._handles[handles:], self._pairs[pairs:]
+            raise
 
     def _host_copy(self, param: torch.Tensor) -> torch.Tensor:
         if not isinstance(param, torch.Tensor):
             raise InvalidInputError(f"{_API}: parameters must be tensors, got {type(param).__name__}.")
+        if any(param is p for p, _ in self._pairs):  # a few hundred parameters in a 7B model: a scan is fine
+            raise InvalidInputError(
+                f"{_API}: a parameter appears twice (shape {tuple(param.shape)}); give each parameter once (tied "
+                "weights are one parameter: model.parameters() lists it once)."
+            )
+        if param.requires_grad and not param.is_leaf:
+            raise InvalidInputError(
+                f"{_API}: parameters must be leaf tensors (an nn.Parameter); got a tensor computed from others "
+                f"(shape {tuple(param.shape)})."
+            )
         pin = param.device.type == "cuda" and self.host.type == "cpu"
         host = torch.empty(param.shape, dtype=param.dtype, device=self.host, pin_memory=pin)
         if self.host.type != "meta":
             host.copy_(param.detach())
         host.requires_grad_(param.requires_grad)
         self._pairs.append((param, host))
+        if self.offload_gradients and param.requires_grad:
+            self._handles.append(param.register_post_accumulate_grad_hook(_GradToHost(weakref.ref(self), host)))
         return host
 
     @property
@@ -147,6 +188,12 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, torch.optim.Optimizer):
+        return f"a {type(value).__name__} instance (pass the class and its options instead)"
+    return repr(value)
 
 
 def _add_grad(host_param: torch.Tensor, grad: torch.Tensor) -> None:
