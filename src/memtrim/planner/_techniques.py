@@ -30,10 +30,9 @@ class NotApplicable(LookupError):
 class Applied:
     """A (model, optimizer) pair with techniques applied in turn, and how to undo the in-place ones."""
 
-    def __init__(self, model: nn.Module, optimizer: Any, example_inputs: Any, host: str = "cpu") -> None:
+    def __init__(self, model: nn.Module, optimizer: Any, host: str = "cpu") -> None:
         self.model = model
         self.optimizer = optimizer
-        self.example_inputs = example_inputs
         self.host = host  # where offloaded state goes: "meta" in a prediction, so it is not counted on the device
         self._undo: list[Callable[[], None]] = []
 

@@ -172,7 +172,7 @@ def trace_step(
                 f"memtrim.plan: optimizer_factory(model) must return a torch.optim.Optimizer, got "
                 f"{type(optimizer).__name__}."
             )
-        applied = Applied(model, optimizer, inputs, host="meta" if fake else "cpu")
+        applied = Applied(model, optimizer, host="meta" if fake else "cpu")
         for technique in techniques:
             notes.extend(technique.apply(applied))
         _step(applied.model, applied.optimizer, inputs, targets, loss_fn)

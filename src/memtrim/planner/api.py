@@ -8,7 +8,7 @@ import itertools
 import math
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -72,26 +72,17 @@ class Plan:
     numerics: str
     fits: bool
     notes: tuple[str, ...] = ()
-    _example_inputs: Any = field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
         """``plain`` or the techniques joined by ``+``."""
         return "+".join(self.techniques) or "plain"
 
-    def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, example_inputs: Any = None) -> tuple[
-            nn.Module, Any]:
+    def apply(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[nn.Module, Any]:
         """Apply the plan's techniques to a real ``(model, optimizer)``, in place where the technique is; returns
-        the pair to train with (the optimizer may be an :class:`~memtrim.OptimizerInBackward`).
-
-        Args:
-            example_inputs: the batch ``convert`` traces (default: the one the plan was made with).
-
-        Raises:
-            InvalidInputError: ``convert`` is in the plan and there are no real example inputs.
-        """
-        inputs = example_inputs if example_inputs is not None else self._example_inputs
-        applied = Applied(model, optimizer, inputs)
+        the pair to train with (the optimizer may be an :class:`~memtrim.OptimizerInBackward`, a
+        :class:`~memtrim.CPUOffloadOptimizer` or a :class:`~memtrim.LowBitAdamW`)."""
+        applied = Applied(model, optimizer)
         for name in self.techniques:
             TECHNIQUES[name].apply(applied)
         return applied.model, applied.optimizer
@@ -284,7 +275,6 @@ def plan(
     notes: list[str] = []
     names = _usable(names, dev, depth, notes)
     cost = calibrate(dev) if calibrate_time else device_cost(dev)
-    real_inputs = None if any(t.device.type == "meta" or _is_fake(t) for t in tensors) else example_inputs
 
     def trace(combos: list[tuple[str, ...]], failed: set[str]) -> dict[tuple[str, ...], _Estimate]:
         out = {}
@@ -321,11 +311,11 @@ def plan(
     failed: set[str] = set()
     estimates = trace([c for c in combinations(names) if not changing.intersection(c)], failed)
     base = cost.step_seconds(estimates[()].work)
-    plans = [_plan(combo, e, base, cost, limit, real_inputs) for combo, e in estimates.items()]
+    plans = [_plan(combo, e, base, cost, limit) for combo, e in estimates.items()]
     if changing and not any(p.fits for p in plans):
         notes.append(f"{', '.join(sorted(changing))}: traced because no plan with unchanged numerics fits")
         more = trace([c for c in combinations(names) if changing.intersection(c)], failed)
-        plans += [_plan(combo, e, base, cost, limit, real_inputs) for combo, e in more.items()]
+        plans += [_plan(combo, e, base, cost, limit) for combo, e in more.items()]
     elif changing:
         notes.append(f"{', '.join(sorted(changing))}: not needed (a plan with unchanged numerics fits)")
     return _ranked(plans, limit, dev, cost, notes, estimates[()].peak_bytes)
@@ -393,12 +383,6 @@ def _usable(names: list[str], dev: torch.device, depth: int | None, notes: list[
     return out
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
-
-
 @dataclass(frozen=True)
 class _Estimate:
     peak_by_category: dict[str, int]
@@ -434,8 +418,7 @@ def _estimate(model_or_factory: Any, inputs: Any, targets: Any, loss_fn: Any, op
     )
 
 
-def _plan(combo: tuple[str, ...], estimate: _Estimate, base: float, cost: DeviceCost, limit: int,
-          inputs: Any) -> Plan:
+def _plan(combo: tuple[str, ...], estimate: _Estimate, base: float, cost: DeviceCost, limit: int) -> Plan:
     numerics = max((TECHNIQUES[n].numerics for n in combo), key=_NUMERICS_ORDER.__getitem__, default="bitwise")
     return Plan(
         techniques=combo,
@@ -446,7 +429,6 @@ def _plan(combo: tuple[str, ...], estimate: _Estimate, base: float, cost: Device
         numerics=numerics,
         fits=estimate.peak_bytes <= limit,
         notes=estimate.notes,
-        _example_inputs=inputs,
     )
 
 
