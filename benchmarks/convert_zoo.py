@@ -342,13 +342,22 @@ def pattern_check(key: str, model: nn.Module, batch: dict) -> dict:
     return {"checked": True, "same_state_dict": same_keys, "equal_outputs": equal}
 
 
-def run(key: str) -> dict:
-    label, build = MODELS[key]
+def build(key: str) -> tuple[str, tuple | None, dict | None]:
+    """(label, (model, batch, library) from seed 0, None) or (label, None, the result saying the library is
+    missing)."""
+    label, make = MODELS[key]
     torch.manual_seed(0)
     try:
-        model, batch, library = build()
+        return label, make(), None
     except ImportError as e:
-        return {"model": label, "skipped": f"library missing: {e}"}
+        return label, None, {"model": label, "skipped": f"library missing: {e}"}
+
+
+def run(key: str) -> dict:
+    label, built, skipped = build(key)
+    if built is None:
+        return skipped or {}
+    model, batch, library = built
     result: dict = {"model": label, "library": library,
                     "parameters": sum(p.numel() for p in model.parameters()),
                     "batch": {k: list(v.shape) for k, v in batch.items()}}

@@ -15,7 +15,7 @@ import torch
 
 import memtrim
 from _common import machine, pin_malloc, quartiles, write
-from convert_zoo import MODELS, first_tensor, import_torchvision, version
+from convert_zoo import MODELS, build, first_tensor, import_torchvision, version
 
 
 def step(model, opt, batch) -> None:
@@ -25,12 +25,10 @@ def step(model, opt, batch) -> None:
 
 
 def run(key: str, rounds: int) -> dict:
-    label, build = MODELS[key]
-    torch.manual_seed(0)
-    try:
-        plain, batch, library = build()
-    except ImportError as e:
-        return {"model": label, "skipped": f"library missing: {e}"}
+    label, built, skipped = build(key)
+    if built is None:
+        return skipped or {}
+    plain, batch, library = built
     plain.train()
     converted = copy.deepcopy(plain)
     _, report = memtrim.convert(converted, example_inputs=batch)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._signatures import accepts
 from ..errors import InvalidInputError, MemtrimError, PlanError
 from ..measure import format_bytes, pyplot
 from ._cost import DeviceCost, calibrate, device_cost
@@ -180,7 +181,7 @@ def _check(model_or_factory: Any, loss_fn: Any, optimizer_factory: Any, techniqu
         raise InvalidInputError(f"{_API}: loss_fn must be callable (output, targets) -> loss, got {loss_fn!r}.")
     for name, fn, arity, what in (("optimizer_factory", optimizer_factory, 1, "one argument (the model)"),
                                   ("loss_fn", loss_fn, 2, "two arguments (output, targets)")):
-        if not _accepts(fn, arity):
+        if not accepts(fn, arity):
             raise InvalidInputError(f"{_API}: {name} must accept {what}; its signature is {inspect.signature(fn)}.")
     if isinstance(techniques, str):
         raise InvalidInputError(f"{_API}: techniques must be a list of names, e.g. [{techniques!r}], got a str.")
@@ -191,17 +192,6 @@ def _check(model_or_factory: Any, loss_fn: Any, optimizer_factory: Any, techniqu
     return names
 
 
-def _accepts(fn: Callable[..., Any], arity: int) -> bool:
-    """Whether ``fn`` can be called with ``arity`` positional arguments (True where the signature is unknown)."""
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return True
-    try:
-        signature.bind(*([None] * arity))
-    except TypeError:
-        return False
-    return True
 
 
 def _device(device: Any, tensors: list[torch.Tensor]) -> torch.device:
@@ -343,12 +333,12 @@ def _ranked(plans: list[Plan], limit: int, dev: torch.device, cost: DeviceCost, 
 
 def _check_depth(depth: Any, model_or_factory: Any) -> None:
     if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 3
-                              or isinstance(model_or_factory, nn.Module) or not _accepts(model_or_factory, 1)):
+                              or isinstance(model_or_factory, nn.Module) or not accepts(model_or_factory, 1)):
         raise InvalidInputError(
             f"{_API}: depth must be an int >= 3 with model_or_factory a function of the number of blocks, got "
             f"depth={depth!r} and {_describe(model_or_factory)}."
         )
-    if depth is None and not isinstance(model_or_factory, nn.Module) and not _accepts(model_or_factory, 0):
+    if depth is None and not isinstance(model_or_factory, nn.Module) and not accepts(model_or_factory, 0):
         raise InvalidInputError(
             f"{_API}: a model factory must be callable with no arguments, got {_describe(model_or_factory)} (with "
             "depth=N it is called with the number of blocks)."

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from .._signatures import accepts
 from ..errors import InvalidInputError, VerifyError
 from .compare import compare_tensors
 
@@ -248,7 +249,7 @@ def _check_arguments(make_model: Any, make_optimizer: Any, batches: Any, loss_fn
                                   ("transform", transform, 2, "two arguments (model, optimizer)")):
         if not callable(fn):
             raise InvalidInputError(f"memtrim.verify: {name} must be callable, got {type(fn).__name__}.")
-        if not _accepts(fn, arity):
+        if not accepts(fn, arity):
             verb = "be callable" if arity == 0 else "accept"
             raise InvalidInputError(
                 f"memtrim.verify: {name} must {verb} {what}; its signature is {inspect.signature(fn)}."
@@ -284,17 +285,6 @@ def _check_arguments(make_model: Any, make_optimizer: Any, batches: Any, loss_fn
     return batch_list
 
 
-def _accepts(fn: Callable, arity: int) -> bool:
-    """Whether ``fn`` can be called with ``arity`` positional arguments (True where the signature is unknown)."""
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return True
-    try:
-        signature.bind(*([None] * arity))
-    except TypeError:
-        return False
-    return True
 
 
 def _is_int(value: Any) -> bool:
