@@ -18,9 +18,10 @@ torch, and ``import torchvision`` then stops at ``torch.library.register_fake("t
 torchvision::nms does not exist"). Every timm release imports torchvision, and transformers imports it whenever it
 is installed (its model classes then fail to import). ``import_torchvision`` below defines the two op schemas that
 registration needs (no kernels: NMS is unusable; model code is untouched) and imports again, before timm or
-transformers is imported. That is for this script only. Without torchvision the ResNets still run: ``TVResNet``
-below is torchvision's ResNet structure written out (one shared ``self.relu`` called 2-3 times per block); where
-torchvision imports, the script checks it has the same state_dict and computes the same outputs.
+transformers is imported. That is for this script only. Without torchvision the ResNets still run:
+``memtrim.models.torchvision_resnet`` is torchvision's ResNet structure written out (one shared ``self.relu``
+called 2-3 times per block); where torchvision imports, the script checks it has the same state_dict and computes
+the same outputs.
 
 HF models are called as ``model(**batch)``, and ``convert`` gets the same dict. Each row also gives the bytes saved per
 rule, the issue's target where it sets one (issue 11: Llama >= 20 %, GPT-2 >= 25 %, resnet18 >= 25 %, resnet50 >= 20 %,
@@ -43,6 +44,7 @@ from torch import nn
 
 import memtrim
 from _common import machine, write
+from memtrim.models.torchvision_resnet import TorchvisionBasicBlock, TorchvisionBottleneck, TorchvisionResNet
 
 SEQ, BATCH, IMAGE = 128, 2, 64
 
@@ -79,108 +81,6 @@ def version(package: str) -> str | None:
         return None
 
 
-# ---------------------------------------------------------------------------------------------- torchvision's ResNet
-def conv3x3(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
-    return nn.Conv2d(cin, cout, kernel_size=3, stride=stride, padding=1, bias=False)
-
-
-def conv1x1(cin: int, cout: int, stride: int = 1) -> nn.Conv2d:
-    return nn.Conv2d(cin, cout, kernel_size=1, stride=stride, bias=False)
-
-
-class TVBasicBlock(nn.Module):
-    """torchvision's BasicBlock: one ``self.relu`` (in place) called twice."""
-
-    expansion = 1
-
-    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None):
-        super().__init__()
-        self.conv1 = conv3x3(inplanes, planes, stride)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = conv3x3(planes, planes)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.downsample = downsample
-        self.stride = stride
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out += identity
-        return self.relu(out)
-
-
-class TVBottleneck(nn.Module):
-    """torchvision's Bottleneck (stride on the 3x3): one ``self.relu`` (in place) called three times."""
-
-    expansion = 4
-
-    def __init__(self, inplanes: int, planes: int, stride: int = 1, downsample: nn.Module | None = None):
-        super().__init__()
-        self.conv1 = conv1x1(inplanes, planes)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = conv3x3(planes, planes, stride)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.conv3 = conv1x1(planes, planes * self.expansion)
-        self.bn3 = nn.BatchNorm2d(planes * self.expansion)
-        self.relu = nn.ReLU(inplace=True)
-        self.downsample = downsample
-        self.stride = stride
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out += identity
-        return self.relu(out)
-
-
-class TVResNet(nn.Module):
-    """torchvision's ResNet (same module names, so the same state_dict keys, and the same initialisation)."""
-
-    def __init__(self, block: type, layers: list[int], num_classes: int = 1000):
-        super().__init__()
-        self.inplanes = 64
-        self.conv1 = nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False)
-        self.bn1 = nn.BatchNorm2d(64)
-        self.relu = nn.ReLU(inplace=True)
-        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
-        self.layer1 = self._make_layer(block, 64, layers[0])
-        self.layer2 = self._make_layer(block, 128, layers[1], stride=2)
-        self.layer3 = self._make_layer(block, 256, layers[2], stride=2)
-        self.layer4 = self._make_layer(block, 512, layers[3], stride=2)
-        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
-        self.fc = nn.Linear(512 * block.expansion, num_classes)
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.constant_(m.weight, 1)
-                nn.init.constant_(m.bias, 0)
-
-    def _make_layer(self, block: type, planes: int, blocks: int, stride: int = 1) -> nn.Sequential:
-        downsample = None
-        if stride != 1 or self.inplanes != planes * block.expansion:
-            downsample = nn.Sequential(conv1x1(self.inplanes, planes * block.expansion, stride),
-                                       nn.BatchNorm2d(planes * block.expansion))
-        layers = [block(self.inplanes, planes, stride, downsample)]
-        self.inplanes = planes * block.expansion
-        layers += [block(self.inplanes, planes) for _ in range(1, blocks)]
-        return nn.Sequential(*layers)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
-
-
-# ---------------------------------------------------------------------------------------------- the models
 def tokens(vocab: int) -> dict:
     return {"input_ids": torch.randint(0, vocab, (BATCH, SEQ))}
 
@@ -248,7 +148,7 @@ def tv_model(name: str) -> Callable:
 
 def pattern_model(block: type, layers: list[int]) -> Callable:
     def build():
-        return TVResNet(block, layers, num_classes=10), {"x": images()["pixel_values"]}, "torchvision pattern"
+        return TorchvisionResNet(block, layers, num_classes=10), {"x": images()["pixel_values"]}, "torchvision pattern"
 
     return build
 
@@ -266,9 +166,9 @@ MODELS = {
     "tv_resnet18": ("torchvision resnet18 (batch 2, 64x64)", tv_model("resnet18")),
     "tv_resnet50": ("torchvision resnet50 (batch 2, 64x64)", tv_model("resnet50")),
     "pattern_resnet18": ("torchvision-pattern resnet18, written out here (batch 2, 64x64)",
-                         pattern_model(TVBasicBlock, [2, 2, 2, 2])),
+                         pattern_model(TorchvisionBasicBlock, [2, 2, 2, 2])),
     "pattern_resnet50": ("torchvision-pattern resnet50, written out here (batch 2, 64x64)",
-                         pattern_model(TVBottleneck, [3, 4, 6, 3])),
+                         pattern_model(TorchvisionBottleneck, [3, 4, 6, 3])),
 }
 PATTERN_OF = {"pattern_resnet18": "resnet18", "pattern_resnet50": "resnet50"}
 TARGETS = {"hf_llama": 0.20, "hf_gpt2": 0.25, "tv_resnet18": 0.25, "pattern_resnet18": 0.25, "tv_resnet50": 0.20,

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import memtrim
+from memtrim.models.torchvision_resnet import TorchvisionBasicBlock, TorchvisionBottleneck, TorchvisionResNet
 
 
 # ---------------------------------------------------------------------- helpers
@@ -220,93 +221,29 @@ def test_gelu_activation_feeding_a_linear(make, batch):
 
 
 # ---------------------------------------------------------------------- torchvision's ResNet pattern
-class BasicBlock(nn.Module):
-    """torchvision's BasicBlock: one ``self.relu`` (in place) called twice."""
-
-    def __init__(self, cin, cout, stride=1):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-                           if stride != 1 or cin != cout else None)
-
-    def forward(self, x):
-        identity = x
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out += identity
-        return self.relu(out)
+def _narrow_resnet(block, blocks):
+    """torchvision's ResNet structure, narrow (stem of 8 channels, stages 8-64 wide at their outputs)."""
+    planes = (8, 16, 32, 64) if block is TorchvisionBasicBlock else (4, 8, 16, 32)
+    return TorchvisionResNet(block, list(blocks), num_classes=10, planes=planes, stem=8)
 
 
-class Bottleneck(BasicBlock):
-    """torchvision's Bottleneck: one ``self.relu`` called three times."""
-
-    def __init__(self, cin, cout, stride=1):
-        super().__init__(cin, cout, stride)
-        width = cout // 4
-        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(width)
-        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(width)
-        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
-        self.bn3 = nn.BatchNorm2d(cout)
-
-    def forward(self, x):
-        identity = x
-        out = self.relu(self.bn1(self.conv1(x)))
-        out = self.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out += identity
-        return self.relu(out)
-
-
-class ResNet(nn.Module):
-    """torchvision's ResNet structure (stem conv-bn-relu-maxpool, 4 stages), narrow."""
-
-    def __init__(self, block, widths=(8, 16, 32, 64), blocks=(2, 2, 2, 2)):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 7, 2, 3, bias=False)
-        self.bn1 = nn.BatchNorm2d(8)
-        self.relu = nn.ReLU(inplace=True)
-        self.maxpool = nn.MaxPool2d(3, 2, 1)
-        cin, stages = 8, []
-        for i, (w, n) in enumerate(zip(widths, blocks)):
-            stages.append(nn.Sequential(*[block(cin if j == 0 else w, w, 2 if i and j == 0 else 1) for j in range(n)]))
-            cin = w
-        self.layer1, self.layer2, self.layer3, self.layer4 = stages
-        self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(cin, 10)
-
-    def forward(self, x):
-        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
-
-
-@pytest.mark.parametrize("block, target", [(BasicBlock, 0.25), (Bottleneck, 0.20)], ids=["resnet18", "resnet50"])
+@pytest.mark.parametrize("block, target", [(TorchvisionBasicBlock, 0.25), (TorchvisionBottleneck, 0.20)],
+                         ids=["resnet18", "resnet50"])
 def test_torchvision_resnet_pattern_shared_relu_per_call_site(block, target):
     batch = {"x": torch.randn(2, 3, 64, 64, dtype=torch.float64)}
-    blocks = (2, 2, 2, 2) if block is BasicBlock else (1, 1, 1, 1)
-    widths = (8, 16, 32, 64) if block is BasicBlock else (16, 32, 64, 128)
-    plain, converted, report = converted_pair(lambda: ResNet(block, widths, blocks), batch)
+    blocks = (2, 2, 2, 2) if block is TorchvisionBasicBlock else (1, 1, 1, 1)
+    plain, converted, report = converted_pair(lambda: _narrow_resnet(block, blocks), batch)
     per_site = [c for c in report.changes if c.rule == "batchnorm_relu_call_site"]
     # bn1 fused with call 0 of the shared relu (and bn2 with call 1 in a Bottleneck); the call after the residual
     # addition stays a ReLU
     expected = [f"layer{i}.{j}.relu#{k}" for i in range(1, 5) for j in range(blocks[i - 1])
-                for k in range(1 if block is BasicBlock else 2)]
+                for k in range(1 if block is TorchvisionBasicBlock else 2)]
     assert [c.modules[1] for c in per_site] == expected, str(report)
     assert type(converted.layer1[0].relu) is memtrim.techniques.recompute.PassThroughReLU
     assert any(c.rule == "checkpoint_pointwise" and c.modules == ("maxpool",) for c in report.changes)
     assert report.fraction_saved >= target, str(report)
     assert_equal_training(plain, converted, batch)
-    ResNet(block, widths, blocks).double().load_state_dict(converted.state_dict())
+    _narrow_resnet(block, blocks).double().load_state_dict(converted.state_dict())
 
 
 # ---------------------------------------------------------------------- timm ConvNeXt (LayerNorm2d, channels-last Mlp)
