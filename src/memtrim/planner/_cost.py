@@ -8,6 +8,7 @@ the plain step traced the same way, so only the balance of F and B matters, not 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,12 +53,12 @@ def device_cost(device: str | torch.device) -> DeviceCost:
     return _DEFAULTS.get(kind, _DEFAULTS["cuda"])
 
 
-def _time(fn: object, repeats: int, sync: object) -> float:
+def _time(fn: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()  # type: ignore[operator]
-        sync()  # type: ignore[operator]
+        fn()
+        sync()
         best = min(best, time.perf_counter() - start)
     return best
 

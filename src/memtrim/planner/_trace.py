@@ -149,7 +149,6 @@ def trace_step(
     techniques: Sequence[Technique],
     *,
     fake: bool = True,
-    device: torch.device | None = None,
 ) -> StepTrace:
     """Run the steady-state training step of ``model`` with ``techniques`` applied; see NOTE [ predicting a step ].
 
@@ -164,8 +163,7 @@ def trace_step(
             model = _fake_copy_of(model_or_factory, mode)
     with mode if mode is not None else contextlib.nullcontext():
         if model is None:
-            with device if device is not None else contextlib.nullcontext():
-                model = _build(model_or_factory)
+            model = _build(model_or_factory)
         optimizer = optimizer_factory(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidInputError(
