@@ -79,3 +79,54 @@ def test_parameters_saved_before_any_op_reads_them():
     assert live["activations"] == 2 * x.nbytes + 2 * 8 * 16 * 4
     assert live["parameters"] == sum(p.nbytes for p in (*ln.parameters(), *fc.parameters()))
     del out
+
+
+class _Shared(torch.nn.Module):
+    """A module registered under two names, a parameter tied between two modules, a buffer shared likewise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(4, 4)
+        self.inner = torch.nn.Sequential(torch.nn.Linear(4, 4), self.first)  # `first` again, as inner.1
+        self.tied = torch.nn.Linear(4, 4, bias=False)
+        self.tied.weight = self.inner[0].weight
+        self.norm = torch.nn.BatchNorm1d(4)
+        self.again = self.norm
+
+    def forward(self, x):
+        return self.again(self.tied(self.inner(x)))
+
+
+class _RenamedParameters(_Shared):
+    """Overrides named_parameters, as FSDP does to clean its names: the tracker must ask it, not walk by hand."""
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield "renamed." + name, param
+
+
+@pytest.mark.parametrize("cls", [_Shared, _RenamedParameters])
+def test_entry_walk_names_as_named_modules_and_named_parameters(cls):
+    """The tracker walks the model by hand at entry (issue 10, item 14: cheaper than named_modules); what it
+    finds must be what named_modules / named_parameters(remove_duplicate=False) say: a module registered twice
+    has its first name, a tied parameter belongs to the first module it is registered in, a shared buffer and
+    parameter are counted once."""
+    torch.manual_seed(0)
+    model = cls()
+    model(torch.randn(3, 4)).sum().backward()
+    root = type(model).__name__
+    first_module_name = {}
+    for name, module in model.named_modules():
+        first_module_name.setdefault(id(module), name or root)
+    first_owner = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first_owner.setdefault(id(param), name.rpartition(".")[0] or root)
+    with memtrim.track(model) as tracker:
+        model(torch.randn(3, 4)).sum().backward()
+    assert tracker._names == first_module_name
+    assert tracker._param_module == first_owner
+    modules_in_backward = {e.module for e in tracker.report().timeline if e.phase == "backward" and e.module}
+    assert "inner.1" not in modules_in_backward and "first" in modules_in_backward
+    start = tracker.report().timeline[0].by_category
+    assert start["parameters"] == sum(p.nbytes for p in model.parameters())
+    assert start["buffers"] == sum(b.nbytes for b in model.buffers())

@@ -25,7 +25,6 @@ report is asked for, by replaying the event list, so a storage's category can be
 from __future__ import annotations
 
 import bisect
-import functools
 import threading
 import weakref
 from collections.abc import Iterable
@@ -33,7 +32,6 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..errors import InvalidInputError, MemtrimStateError
 from . import hooks
@@ -57,19 +55,23 @@ _METADATA_OPS = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.
 _START, _ALLOC, _FREE, _RESIZE, _HOLD = "start", "alloc", "free", "resize", "hold"
 
 
-class _Record:
-    """One storage's life (no reference to the storage itself)."""
+class _Record(weakref.ref):
+    """One storage's life: a weak reference to the storage, whose callback tells the tracker that owns the record
+    (held weakly too, so a finished tracker is freed as soon as its user drops it) that the storage died.
 
-    __slots__ = ("device", "nbytes", "birth_category", "category", "holds", "alive", "wref")
+    Made by :meth:`Tracker._new_record`, which sets the fields: one object per storage, and no Python ``__init__``,
+    because a record is made for nearly every op's output.
+    """
 
-    def __init__(self, device: str, nbytes: int, category: str) -> None:
-        self.device = device
-        self.nbytes = nbytes
-        self.birth_category = category
-        self.category = category
-        self.holds = 0
-        self.alive = True
-        self.wref: weakref.ref | None = None
+    __slots__ = ("device", "nbytes", "birth_category", "category", "holds", "alive", "key", "owner")
+    device: str
+    nbytes: int
+    birth_category: str
+    category: str
+    holds: int
+    alive: bool
+    key: int  # id() of the storage while it lives
+    owner: weakref.ref[Tracker]
 
     def effective(self, category: str, holds: int) -> str:
         if category in _IDENTITY:
@@ -87,7 +89,8 @@ class _Mode(TorchDispatchMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         # runs for every op: tensors_in inlined for the usual flat argument tuple
-        if func in _METADATA_OPS:
+        info = _OPS.get(id(func)) or _op_info(func)
+        if info[2] is _METADATA:
             return func(*args, **(kwargs or {}))
         tracker = self.tracker
         inputs: list[torch.Tensor] = []
@@ -100,8 +103,8 @@ class _Mode(TorchDispatchMode):
             _collect(kwargs, inputs)
         else:
             kwargs = {}
-        name = _OP_NAMES.get(func) or _op_name(func)
-        seen = tracker._op_start(func, name, inputs)
+        name = info[1]
+        seen = tracker._op_start(info[2], name, inputs)
         try:
             out = func(*args, **kwargs)
         finally:
@@ -131,11 +134,14 @@ class Tracker:
             )
         self._model_ref = weakref.ref(model) if model is not None else None
         self._optimizer_refs: list[weakref.ref] = [weakref.ref(optimizer)] if optimizer is not None else []
+        self._owner = weakref.ref(self)  # what each record holds, rather than the tracker itself
         self._records: dict[int, _Record] = {}  # id(live storage) -> record
         self._events: list[tuple] = []  # (kind, record, value, op, phase, module)
         self._start_records: list[_Record] = []
-        self._params: WeakIdKeyDictionary = WeakIdKeyDictionary()  # every parameter seen -> None
-        self._unhooked: list[weakref.ref[torch.Tensor]] = []  # parameters whose gradient hook waits for backward
+        # every parameter seen: id -> weak reference. An entry whose parameter died is stale (its id may be reused),
+        # so a lookup checks ``ref() is param``; a WeakIdKeyDictionary costs about ten Python calls per insertion.
+        self._params: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._unhooked: list[int] = []  # ids (keys of _params) of parameters whose gradient hook waits for backward
         # Looked up on every module call / every gradient accumulation, so keyed by id() (a WeakIdKeyDictionary
         # lookup costs eight Python calls); they name the model's own modules and parameters, alive with it.
         self._names: dict[int, str] = {}  # id(module) -> qualified name
@@ -204,8 +210,6 @@ class Tracker:
         self._stop_allocator()
         self._active = False
         self._finished = True
-        for record in self._records.values():
-            record.wref = None  # no callbacks after the tracker has finished
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
@@ -327,38 +331,89 @@ class Tracker:
     def _scan_model_and_optimizers(self, initial: bool = False) -> None:
         model = self._model_ref() if self._model_ref is not None else None
         if model is not None and initial:
-            for name, module in model.named_modules():
-                self._names[id(module)] = name or type(module).__name__
-            for name, param in model.named_parameters(remove_duplicate=False):
-                self._watch_param(param, name.rpartition(".")[0] or type(model).__name__)
-            for buffer in model.buffers():
-                self._include(buffer, "buffers")
+            self._scan_model(model)
         for ref in self._optimizer_refs:
             optimizer = ref()
             if optimizer is not None:
                 self._scan_optimizer(optimizer)
-        for param in list(self._params.keys()):
-            if not initial:
-                self._include(param, "parameters")  # `param.data = ...` gives it a new storage
-            if param.grad is not None:
-                self._include(param.grad, "gradients")
+        for ref in list(self._params.values()):
+            param = ref()
+            if param is None:
+                continue
+            if not initial and not self._known_as(param, "parameters"):  # `param.data = ...`: a new storage
+                self._include(param, "parameters")
+            grad = param.grad
+            if grad is not None and not self._known_as(grad, "gradients"):
+                self._include(grad, "gradients")
+
+    def _known_as(self, tensor: torch.Tensor, category: str) -> bool:
+        """Whether ``tensor``'s storage has a record of ``category`` and its current size (the cheap check that
+        lets a rescan skip what it already knows)."""
+        if tensor.layout is not torch.strided:
+            return False
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return False
+        record = self._records.get(id(storage))
+        return record is not None and record.category == category and record.nbytes == storage.nbytes()
+
+    def _scan_model(self, model: torch.nn.Module) -> None:
+        """The model's modules' names, its parameters (each with the first module it is registered in) and its
+        buffers. What ``named_modules`` and ``named_parameters(remove_duplicate=False)`` give, walked once by hand:
+        their generators cost several Python calls per module, and a 1000-layer model's entry paid 17 ms for them.
+        A model that overrides them (FSDP cleans its names) is asked through them."""
+        root_name = type(model).__name__
+        if (type(model).named_modules is not torch.nn.Module.named_modules
+                or type(model).named_parameters is not torch.nn.Module.named_parameters):
+            for name, module in model.named_modules():
+                self._names[id(module)] = name or root_name
+            for name, param in model.named_parameters(remove_duplicate=False):
+                self._watch_param(param, name.rpartition(".")[0] or root_name)
+            for buffer in model.buffers():
+                self._include(buffer, "buffers")
+            return
+        names = self._names
+        buffers = {}
+        stack: list[tuple[str, torch.nn.Module]] = [("", model)]
+        while stack:  # pre-order, children in registration order: named_modules' order
+            prefix, module = stack.pop()
+            if id(module) not in names:
+                names[id(module)] = prefix or root_name
+            owner = prefix or root_name
+            for registered in module._parameters.values():
+                if registered is not None:
+                    self._watch_param(registered, owner)
+            for kept in module._buffers.values():
+                if kept is not None:
+                    buffers[id(kept)] = kept
+            children = [(f"{prefix}.{name}" if prefix else name, child)
+                        for name, child in module._modules.items() if child is not None]
+            stack.extend(reversed(children))
+        for buffer in buffers.values():
+            self._include(buffer, "buffers")
 
     def _watch_param(self, param: torch.Tensor, module_name: str | None = None) -> None:
-        if param in self._params:
+        key = id(param)
+        known = self._params.get(key)
+        if known is not None and known() is param:
             return
-        self._params[param] = None
+        self._params[key] = weakref.ref(param)
         if module_name is not None:
-            self._param_module[id(param)] = module_name
-        self._include(param, "parameters")
+            self._param_module[key] = module_name
+        elif known is not None:  # the id of a parameter that died: its module's name is not this one's
+            self._param_module.pop(key, None)
+        self._include_one(param, "parameters")
         if param.requires_grad:
-            self._unhooked.append(weakref.ref(param))
+            self._unhooked.append(key)
 
     def _hook_gradients(self) -> None:
         """Backward has started: from now on, each gradient autograd accumulates is labelled when it lands.
         Registered once per parameter, at the first backward, so that a tracker that never sees a backward (an
         inference loop) does not pay for it."""
-        for ref in self._unhooked:
-            param = ref()
+        for key in self._unhooked:
+            ref = self._params.get(key)
+            param = ref() if ref is not None else None
             if param is not None and param.requires_grad and param.grad_fn is None:
                 self._hook_handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
         self._unhooked.clear()
@@ -407,11 +462,29 @@ class Tracker:
 
     def _include(self, tensor: torch.Tensor, category: str) -> None:
         """Account ``tensor``'s storage under ``category`` from its birth (or from the start)."""
-        for t in (tensor,) if type(tensor) in _PLAIN_TENSORS else tensors_in(tensor):
-            record = self._see(t, category, existed=True)
-            if record is not None and record.category != category and _PRIORITY[category] <= _PRIORITY[record.category]:
-                record.birth_category = category
-                record.category = category
+        if type(tensor) in _PLAIN_TENSORS:
+            self._include_one(tensor, category)
+        else:
+            for t in tensors_in(tensor):
+                self._include_one(t, category)
+
+    def _include_one(self, tensor: torch.Tensor, category: str) -> None:
+        # _see, inlined: every parameter passes here at entry
+        if tensor.layout is not _STRIDED:
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        record = self._records.get(id(storage))
+        if record is None:
+            self._new_record(storage, tensor, category, True)
+            return
+        if record.nbytes != storage.nbytes():
+            self.on_storage_resized(storage)
+        if record.category != category and _PRIORITY[category] <= _PRIORITY[record.category]:
+            record.birth_category = category
+            record.category = category
 
     def _reconcile(self) -> None:
         if self._finished:
@@ -436,22 +509,29 @@ class Tracker:
         return record
 
     def _new_record(self, storage: torch.UntypedStorage, tensor: torch.Tensor, category: str, existed: bool) -> _Record:
-        record = _Record(_device_name(tensor), storage.nbytes(), category)
-        key = id(storage)
-        record.wref = weakref.ref(storage, functools.partial(self._storage_died, key, record))
+        record = _Record(storage, _storage_died)
+        record.device = "cpu" if tensor.is_cpu else str(tensor.device)
+        record.nbytes = nbytes = storage.nbytes()
+        record.birth_category = record.category = category
+        record.holds = 0
+        record.alive = True
+        record.key = key = id(storage)
+        record.owner = self._owner
         self._records[key] = record
         if existed:
             self._start_records.append(record)
+        elif self._op is not None:
+            self._events.append((_ALLOC, record, nbytes, self._op, self._phase, self._module))
         else:
-            self._event(_ALLOC, record, record.nbytes)
+            self._event(_ALLOC, record, nbytes)
         return record
 
-    def _storage_died(self, key: int, record: _Record, ref: object = None) -> None:
+    def _storage_died(self, record: _Record) -> None:
         if not self._active or not record.alive:
             return
         record.alive = False
-        if self._records.get(key) is record:
-            del self._records[key]
+        if self._records.get(record.key) is record:
+            del self._records[record.key]
         self._event(_FREE, record, record.nbytes)
 
     def on_storage_resized(self, storage: torch.UntypedStorage) -> None:
@@ -468,15 +548,17 @@ class Tracker:
         self._events.append((kind, record, value, self._op, phase, module))
 
     # ------------------------------------------------------------------ ops
-    def _op_start(self, func: Any, name: str, inputs: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, _Record]]:
+    def _op_start(self, kind: str, name: str, inputs: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, _Record]]:
         """Record the op's inputs (storages that existed before are counted from the start) and its context;
-        returns the inputs' (storage, record) pairs, for _op_end."""
+        returns, for an op that writes its inputs (``kind`` from _op_info), their (storage, record) pairs for
+        _op_end to check for resizes."""
         self._op = name
         seen = []
-        if func not in _FRESH_OPS:  # torch.tensor(...) hands its new tensor to lift_fresh: born now, not before
+        if kind is not _FRESH:  # torch.tensor(...) hands its new tensor to lift_fresh: born now, not before
             records = self._records
+            writes = kind is _WRITES
             for tensor in inputs:
-                if tensor.layout is not torch.strided:
+                if tensor.layout is not _STRIDED:
                     continue
                 try:
                     storage = tensor.untyped_storage()
@@ -487,7 +569,8 @@ class Tracker:
                     record = self._new_record(storage, tensor, self._existing_category(tensor), True)
                 elif record.nbytes != storage.nbytes():
                     self.on_storage_resized(storage)
-                seen.append((storage, record))
+                if writes:
+                    seen.append((storage, record))
         self._phase, self._module = self._context(inputs)
         if self._unhooked and self._phase == "backward":
             self._hook_gradients()
@@ -496,11 +579,18 @@ class Tracker:
     def _op_end(self, name: str, seen: list[tuple[torch.UntypedStorage, _Record]], out: Any) -> None:
         self._op = name
         try:
-            if type(out) is torch.Tensor:
-                self._see(out, "temporaries", existed=False)
-            else:
-                for tensor in tensors_in(out):
-                    self._see(tensor, "temporaries", existed=False)
+            for tensor in (out,) if type(out) is torch.Tensor else tensors_in(out):
+                if tensor.layout is not _STRIDED:
+                    continue
+                try:
+                    storage = tensor.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+                record = self._records.get(id(storage))
+                if record is None:
+                    self._new_record(storage, tensor, "temporaries", False)
+                elif record.nbytes != storage.nbytes():
+                    self.on_storage_resized(storage)
             for storage, record in seen:  # resize_ and friends change an input's storage
                 if record.nbytes != storage.nbytes():
                     self.on_storage_resized(storage)
@@ -514,14 +604,16 @@ class Tracker:
         return "other"
 
     def _context(self, inputs: list[torch.Tensor] | None = None) -> tuple[str, str | None]:
-        if torch._C._current_graph_task_id() != -1:
+        if _graph_task_id() != -1:
             return "backward", self._backward_module()
         if self._optimizer_depth > 0:
             return "optimizer", None
         if self._module_stack:
             return "forward", self._module_stack[-1]
-        if inputs and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-            return "forward", None
+        if inputs and _grad_enabled():
+            for tensor in inputs:
+                if tensor.requires_grad:
+                    return "forward", None
         return "other", None
 
     # ------------------------------------------------------------------ autograd holds
@@ -697,27 +789,53 @@ class _InputsHook:
         return (_InputsHook, ())
 
 
+_STRIDED = torch.strided
+
+
+def _storage_died(record: _Record) -> None:
+    """A record's callback: its storage died."""
+    tracker = record.owner()
+    if tracker is not None:
+        tracker._storage_died(record)
+
+
 def _device_name(tensor: torch.Tensor) -> str:
     return "cpu" if tensor.is_cpu else str(tensor.device)
 
 
 # the next autograd sequence number of this thread, without creating a node
 _peek_sequence_nr = torch._C._autograd._get_sequence_nr
+# looked up on every op
+_graph_task_id = torch._C._current_graph_task_id
+_grad_enabled = torch.is_grad_enabled
 
 
-_OP_NAMES: dict[Any, str] = {}
+# what the dispatch mode needs to know of an op, looked up once per op: id(op) -> (op, name, kind). Keyed by id
+# because OpOverload's __hash__ is a Python function; the op itself is kept in the value, so its id stays its own.
+_OPS: dict[int, tuple[Any, str, str]] = {}
+_METADATA, _FRESH, _WRITES, _READS = "metadata", "fresh", "writes", "reads"
 
 
-def _op_name(func: Any) -> str:
-    name = _OP_NAMES.get(func)
-    if name is None:
-        packet = getattr(func, "overloadpacket", None)
-        if packet is not None:
-            name = f"{getattr(func, 'namespace', 'aten')}.{packet.__name__}"
-        else:
-            name = getattr(func, "__name__", None) or str(func)
-        _OP_NAMES[func] = name
-    return name
+def _op_info(func: Any) -> tuple[Any, str, str]:
+    """(op, its name, its kind): ``metadata`` (makes no storage, passed through), ``fresh`` (torch.tensor's
+    lift_fresh: its input is born now), ``writes`` (may write, and so resize, an argument: in-place and out= ops,
+    by their schema) or ``reads``."""
+    packet = getattr(func, "overloadpacket", None)
+    if packet is not None:
+        name = f"{getattr(func, 'namespace', 'aten')}.{packet.__name__}"
+    else:
+        name = getattr(func, "__name__", None) or str(func)
+    schema = getattr(func, "_schema", None)
+    if func in _METADATA_OPS:
+        kind = _METADATA
+    elif func in _FRESH_OPS:
+        kind = _FRESH
+    elif schema is None or any(arg.alias_info is not None and arg.alias_info.is_write for arg in schema.arguments):
+        kind = _WRITES
+    else:
+        kind = _READS
+    info = _OPS[id(func)] = (func, name, kind)
+    return info
 
 
 def _fold_allocator_peaks(device: torch.device) -> None:
