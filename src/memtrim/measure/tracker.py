@@ -469,19 +469,9 @@ class Tracker:
                 self._include_one(t, category)
 
     def _include_one(self, tensor: torch.Tensor, category: str) -> None:
-        # _see, inlined: every parameter passes here at entry
-        if tensor.layout is not _STRIDED:
-            return
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return
-        record = self._records.get(id(storage))
+        record = self._see(tensor, category, existed=True)
         if record is None:
-            self._new_record(storage, tensor, category, True)
             return
-        if record.nbytes != storage.nbytes():
-            self.on_storage_resized(storage)
         if record.category != category and _PRIORITY[category] <= _PRIORITY[record.category]:
             record.birth_category = category
             record.category = category
@@ -580,17 +570,7 @@ class Tracker:
         self._op = name
         try:
             for tensor in (out,) if type(out) is torch.Tensor else tensors_in(out):
-                if tensor.layout is not _STRIDED:
-                    continue
-                try:
-                    storage = tensor.untyped_storage()
-                except (RuntimeError, NotImplementedError):
-                    continue
-                record = self._records.get(id(storage))
-                if record is None:
-                    self._new_record(storage, tensor, "temporaries", False)
-                elif record.nbytes != storage.nbytes():
-                    self.on_storage_resized(storage)
+                self._see(tensor, "temporaries", existed=False)
             for storage, record in seen:  # resize_ and friends change an input's storage
                 if record.nbytes != storage.nbytes():
                     self.on_storage_resized(storage)
