@@ -234,6 +234,56 @@ def test_pointwise_module_keeps_only_its_input():
         assert_bitwise(run(model, X), run(plain, X))
 
 
+class CountingNewGELU(NewGELU):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, input):
+        self.calls += 1
+        return super().forward(input)
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_checkpointed_activation_and_its_consumer_share_one_recompute(create_graph):
+    """NOTE [ one recompute for a checkpointed activation and its consumers ]: checkpointed and rebuilt for fc2, the
+    activation runs twice per step (forward, then once in backward for both), not three times; gradients bitwise
+    (with a gradient penalty: to rounding); the bytes held are the input's alone, as before."""
+    torch.manual_seed(0)
+    plain = MLP(CountingNewGELU(), consumer="conv1d")
+    converted = copy.deepcopy(plain)
+    R.checkpoint_call(converted.act)
+    act_to_consumer(converted)
+    converted.act.calls = 0
+    got, want = run(converted, X, create_graph), run(plain, X, create_graph)
+    if create_graph:
+        # the penalty's second-order terms reach fc1's output through the recomputed forward, not the original one:
+        # the same terms summed in another order, so equal to float32 rounding (torch's default tolerances), not bitwise
+        torch.testing.assert_close(got, want)
+    else:
+        assert_bitwise(got, want)
+    if not create_graph:  # (a gradient penalty runs backward twice, each rebuilding: counted by plain rules)
+        assert converted.act.calls == 2
+    assert held(converted, X) == INTER
+
+
+def test_shared_recompute_without_the_consumer_in_backward():
+    """A backward that never reaches the consumer (gradients of the activation's output alone): the activation's
+    backward recomputes by itself, bitwise."""
+    torch.manual_seed(0)
+    plain = MLP(NewGELU(), consumer="conv1d")
+    converted = copy.deepcopy(plain)
+    R.checkpoint_call(converted.act)
+    act_to_consumer(converted)
+    grads = []
+    for model in (plain, converted):
+        leaf = X.clone().requires_grad_()
+        a = model.act(model.fc1(leaf))
+        grads.append(torch.autograd.grad(a.square().sum(), [leaf, *model.fc1.parameters()]))
+    for g, h in zip(*grads):
+        assert torch.equal(g, h)
+
+
 def test_checkpoint_call_under_an_outer_checkpoint_and_removal():
     torch.manual_seed(0)
     plain = MLP(NewGELU())

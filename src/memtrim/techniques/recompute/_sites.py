@@ -56,6 +56,8 @@ LIMITS: dict[str, tuple[str, ...]] = {
     ),
     "checkpoint_call": (
         "the module's forward runs again in backward (torch.utils.checkpoint, non-reentrant, RNG state preserved)",
+        "when its output is also rebuilt for a consumer, one recompute serves both (bitwise); double backward through "
+        "it then agrees to rounding, not bitwise",
         "steps aside under torch.compile and torch.func",
     ),
     "batchnorm_relu": (
@@ -204,6 +206,16 @@ def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None =
         A :class:`Handle`. Marking alone saves nothing: the consumers that keep the output need
         :func:`keep_recipes_in`.
     """
+    wrapper = module.__dict__.get("forward")
+    if isinstance(wrapper, _Checkpointed) and fn is None and next(module.parameters(), None) is None:
+        # checkpointed too: one recompute serves both (NOTE [ one recompute for a checkpointed activation and its
+        # consumers ])
+        wrapper.recipe_owner = _name(module, owner)
+
+        def unshare() -> None:
+            wrapper.recipe_owner = None
+
+        return Handle(unshare)
     hooks = _OutputRecipe(module, fn, owner)
     pre = module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
     post = module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True)
@@ -313,17 +325,88 @@ def recompute_gated_mlp(mlp: nn.Module, *, gate: str = "gate_proj", up: str = "u
 # ---------------------------------------------------------------------- pointwise modules: checkpoint the call
 class _Checkpointed:
     """An instance ``forward`` that runs the class's (or the previous instance) forward under non-reentrant
-    checkpoint."""
+    checkpoint; or, once :func:`recompute_output` also marks the module's output (``recipe_owner`` set), under
+    :class:`_SharedRecompute`, so that backward runs the forward once for both (NOTE [ one recompute for a
+    checkpointed activation and its consumers ])."""
 
     def __init__(self, module: nn.Module, inner: Callable[..., Any] | None) -> None:
         self.module, self.inner = module, inner
+        self.recipe_owner: str | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fn = self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
         if not _active() or not any(isinstance(a, torch.Tensor) and a.requires_grad
                                     for a in (*args, *kwargs.values())):
             return fn(*args, **kwargs)
+        if self.recipe_owner is not None and not kwargs and all(isinstance(a, torch.Tensor) for a in args):
+            cell = _Graph(fn)
+            output = _SharedRecompute.apply(cell, *args)
+            if isinstance(output, torch.Tensor):
+                register(output, cell.rebuild, [entry_of(a) or a for a in args], owner=self.recipe_owner)
+            return output
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+# NOTE [ one recompute for a checkpointed activation and its consumers ]
+# A pointwise module made of several ops (HF NewGELUActivation: pow, mul, add, tanh...) is checkpointed (it keeps
+# only its input) and its output is also a recipe for its consumer (the next Linear keeps the input instead). In
+# backward the consumer comes first and rebuilds the output; then the activation's own backward needs the forward's
+# intermediates. Done separately, the forward runs twice in backward. Instead the consumer's rebuild runs the
+# forward with grad on detached inputs and leaves that graph in a per-call cell, and the activation's backward
+# differentiates it (running the forward itself only when no rebuild came first). Same ops on the same values: the
+# gradients are those of the checkpointed call, bitwise. With create_graph=True the backward runs the forward on
+# the saved inputs themselves (so the gradient has a history) and drops any graph the cell holds. Only for modules
+# without parameters and with no randomness (recompute_output's contract): the Function has no parameter inputs.
+class _Graph:
+    """One call's forward, and the graph a consumer's rebuild made of it until the call's backward takes it."""
+
+    __slots__ = ("fn", "graph")
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self.graph: tuple[list[torch.Tensor], torch.Tensor] | None = None
+
+    def run(self, inputs: tuple[torch.Tensor, ...]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        leaves = [t.detach().requires_grad_(t.is_floating_point() or t.is_complex()) for t in inputs]
+        with torch.enable_grad():
+            return leaves, self.fn(*leaves)
+
+    def rebuild(self, *sources: torch.Tensor) -> torch.Tensor:
+        """The recipe's function: the output, keeping its graph for the call's backward."""
+        self.graph = self.run(sources)
+        return self.graph[1].detach()
+
+    def take(self) -> tuple[list[torch.Tensor], torch.Tensor] | None:
+        graph, self.graph = self.graph, None
+        return graph
+
+
+class _SharedRecompute(torch.autograd.Function):
+    """A parameterless pointwise call that keeps its inputs and differentiates a recomputed forward in backward (NOTE
+    [ one recompute for a checkpointed activation and its consumers ])."""
+
+    @staticmethod
+    def forward(ctx: Any, cell: _Graph, *inputs: torch.Tensor) -> Any:
+        ctx.cell = cell
+        ctx.save_for_backward(*inputs)
+        return cell.fn(*inputs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        inputs = ctx.saved_tensors
+        graph = ctx.cell.take()
+        if torch.is_grad_enabled():  # create_graph=True: a gradient with a history, through the inputs' own
+            with torch.enable_grad():
+                leaves, output = list(inputs), ctx.cell.fn(*inputs)
+        else:
+            leaves, output = graph if graph is not None else ctx.cell.run(inputs)
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
+        found = torch.autograd.grad(output, [leaves[i] for i in wanted], grad, allow_unused=True,
+                                    create_graph=torch.is_grad_enabled())
+        grads: list[torch.Tensor | None] = [None] * len(inputs)
+        for i, g in zip(wanted, found):
+            grads[i] = g
+        return (None, *grads)
 
 
 def checkpoint_call(module: nn.Module) -> Handle:
