@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import memtrim
 from _common import RESULTS, machine, pin_malloc, quartiles, write
 from memtrim.models import SmallGPT
-from memtrim.models.gpt import Block
+from memtrim.models.gpt import Block, CausalSelfAttention
 
 BUDGETS = (1.0, 0.5, 0.2, 0.0)
 
@@ -43,6 +43,16 @@ def eager_variants(base):
                                                                          "save_attention"), ("per block", None)):
         model = copy.deepcopy(base)
         memtrim.checkpoint_modules(model, Block, policy=policy)
+        out[label] = model
+    # memtrim's other levers beside checkpointing: convert alone (norms keep their output, GELU rebuilt for its
+    # consumer), then with each attention module checkpointed (keeping the fused attention's output, or nothing)
+    x = torch.randint(0, base.config.vocab_size, (1, base.config.seq_len))
+    for label, policy in (("convert", False), ("convert + attention (save_attention)", "save_attention"),
+                          ("convert + attention (per module)", None)):
+        model = copy.deepcopy(base)
+        memtrim.convert(model, example_inputs=(x,))
+        if policy is not False:
+            memtrim.checkpoint_modules(model, CausalSelfAttention, policy=policy)
         out[label] = model
     return out
 

@@ -1,5 +1,7 @@
 """Step time of memtrim.convert on the real model libraries of benchmarks/convert_zoo.py: each model and its converted
 copy train (forward, backward, AdamW step) in interleaved rounds; the median of the per-round ratios, with quartiles.
+Beside the times, a count that needs no clock: the ops one step runs and the bytes their outputs write, plain and
+converted (the recompute work convert adds).
 
 Reproduce:  zoovenv/bin/python benchmarks/convert_zoo_time.py [--rounds 15] [--only NAME ...]
             (the venv that convert_zoo.py's docstring sets up; run on an otherwise idle machine)
@@ -12,16 +14,41 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import memtrim
 from _common import machine, pin_malloc, quartiles, write
 from convert_zoo import MODELS, build, first_tensor, import_torchvision, version
+from memtrim.measure.hooks import tensors_in
 
 
 def step(model, opt, batch) -> None:
     opt.zero_grad(set_to_none=True)
     first_tensor(model(**batch)).float().square().mean().backward()
     opt.step()
+
+
+class _OpBytes(TorchDispatchMode):
+    """Counts the ops a step runs and the bytes their outputs write: the recompute work convert adds, without a
+    clock (deterministic, unlike the times)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        self.bytes += sum(t.nbytes for t in tensors_in(out))
+        return out
+
+
+def work(model, opt, batch) -> tuple[int, int]:
+    """(ops, bytes their outputs write) of one step."""
+    counter = _OpBytes()
+    with counter:
+        step(model, opt, batch)
+    return counter.ops, counter.bytes
 
 
 def run(key: str, rounds: int) -> dict:
@@ -36,6 +63,7 @@ def run(key: str, rounds: int) -> dict:
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     for k in models:
         step(models[k], opts[k], batch)
+    ops = {k: work(models[k], opts[k], batch) for k in models}
     start = time.perf_counter()
     step(plain, opts["plain"], batch)
     repeats = max(2, int(0.2 / (time.perf_counter() - start)))
@@ -50,7 +78,10 @@ def run(key: str, rounds: int) -> dict:
     return {"model": label, "library": library, "changes": len(report.changes),
             "step_ms_plain": 1e3 * statistics.median(times["plain"]),
             "step_time_ratio_median": statistics.median(ratios), "step_time_ratio_quartiles": quartiles(ratios),
-            "step_time_ratio_range": [ratios[0], ratios[-1]], "repeats_per_round": repeats}
+            "step_time_ratio_range": [ratios[0], ratios[-1]], "repeats_per_round": repeats,
+            "ops_per_step": {k: v[0] for k, v in ops.items()},
+            "bytes_written_per_step": {k: v[1] for k, v in ops.items()},
+            "bytes_written_ratio": ops["converted"][1] / ops["plain"][1]}
 
 
 def main() -> None:
@@ -66,7 +97,7 @@ def main() -> None:
         if "step_time_ratio_median" in r:
             q = r["step_time_ratio_quartiles"]
             print(f"{r['model']}: {r['step_ms_plain']:.1f} ms, converted {r['step_time_ratio_median']:.3f}x "
-                  f"({q[0]:.3f}-{q[1]:.3f})")
+                  f"({q[0]:.3f}-{q[1]:.3f}); ops write {r['bytes_written_ratio']:.3f}x the bytes")
         else:
             print(f"{r['model']}: {r['skipped']}")
     environment = {"torch": torch.__version__, "transformers": version("transformers"), "timm": version("timm"),
