@@ -80,6 +80,7 @@ def test_a_user_factory_that_raises_or_is_not_callable_exits_2_naming_this_comma
 
 @pytest.mark.parametrize("techniques, message", [
     ("selective,checkpoint", "do not combine"),
+    ("state_8bit,state_4bit", "do not combine"),
     ("offload_state", "offload_state was not traced: offload_state: left out; on cpu"),  # was a StopIteration
 ])
 def test_profile_of_a_combination_that_cannot_be_traced_exits_2(techniques, message, capsys):

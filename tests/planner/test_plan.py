@@ -31,7 +31,8 @@ def _batch(seed=0):
     return torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
 
 
-@pytest.mark.parametrize("combo", [(), ("checkpoint", "in_backward_each"), ("selective", "in_backward")])
+@pytest.mark.parametrize("combo", [(), ("checkpoint", "in_backward_each"), ("selective", "in_backward"),
+                                   ("checkpoint", "state_4bit", "in_backward_each")])
 def test_predicted_peak_equals_the_measured_peak_byte_for_byte(combo):
     x, y = _batch()
     techniques = [TECHNIQUES[n] for n in combo]
@@ -101,8 +102,27 @@ def test_no_plan_fits_raises_with_the_closest_plan():
         memtrim.plan(_gpt(), x, _gpt_loss, _adamw, targets=y, budget=1024)
     # nothing with unchanged numerics fits, so the low-bit states are traced too: every CPU combination is there
     assert info.value.plans is not None and len(info.value.plans.rejected) == len(combinations(
-        ["selective", "checkpoint", "in_backward", "in_backward_each", "state_bf16", "state_8bit"]))
+        ["selective", "checkpoint", "in_backward", "in_backward_each", "state_bf16", "state_8bit", "state_4bit"]))
     assert any("traced because no plan with unchanged numerics fits" in n for n in info.value.plans.notes)
+
+
+def test_a_budget_only_4bit_state_fits_plans_state_4bit():
+    x, y = _batch()
+    # the techniques of the lowest peaks (the full set takes twice as long to trace)
+    techniques = ["checkpoint", "in_backward_each", "state_bf16", "state_8bit", "state_4bit"]
+    with pytest.raises(PlanError) as info:  # nothing fits 1 B: every combination traced, low-bit states included
+        memtrim.plan(_gpt(), x, _gpt_loss, _adamw, targets=y, budget=1, techniques=techniques)
+    assert info.value.plans is not None
+    peaks = {p.techniques: p.peak_bytes for p in info.value.plans.rejected}
+    others = min(peak for combo, peak in peaks.items() if "state_4bit" not in combo)  # bfloat16, float8 included
+    assert min(peaks.values()) < others
+    plans = memtrim.plan(_gpt(), x, _gpt_loss, _adamw, targets=y, budget=others - 1, techniques=techniques)
+    assert len(plans) >= 1 and all("state_4bit" in p.techniques and p.numerics == "changed" for p in plans)
+    assert plans.best.peak_bytes == peaks[plans.best.techniques] < others
+    model = _gpt()
+    model, optimizer = plans.best.apply(model, _adamw(model))
+    inner = optimizer.optimizer if isinstance(optimizer, memtrim.OptimizerInBackward) else optimizer
+    assert isinstance(inner, memtrim.LowBitAdamW) and inner.bits == 4
 
 
 def test_parse_bytes():

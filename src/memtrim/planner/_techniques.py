@@ -110,6 +110,9 @@ def _offload_state(applied: Applied) -> list[str]:
     return [f"{type(optimizer).__name__} state and gradients in host memory"]
 
 
+_STATE_FORMAT = {16: "bfloat16", 8: "blockwise float8", 4: "blockwise 4-bit codes"}
+
+
 def _low_bit(bits: int) -> Callable[[Applied], list[str]]:
     def apply(applied: Applied) -> list[str]:
         optimizer = applied.optimizer
@@ -119,7 +122,7 @@ def _low_bit(bits: int) -> Callable[[Applied], list[str]]:
             raise NotApplicable("low-bit state replaces AdamW (or Adam without weight decay), without amsgrad")
         groups = [{k: g[k] for k in ("params", "lr", "betas", "eps", "weight_decay")} for g in optimizer.param_groups]
         applied.optimizer = LowBitAdamW(groups, bits=bits)
-        return [f"AdamW state in {'bfloat16' if bits == 16 else 'blockwise float8'}"]
+        return [f"AdamW state in {_STATE_FORMAT[bits]}"]
 
     return apply
 
@@ -141,6 +144,8 @@ TECHNIQUES: dict[str, Technique] = {
                   "(CPUOffloadOptimizer; the host's kernels round differently from a GPU's)", _offload_state),
         Technique("state_bf16", "changed", "AdamW's moments in bfloat16 (LowBitAdamW(bits=16))", _low_bit(16)),
         Technique("state_8bit", "changed", "AdamW's moments in blockwise float8 (LowBitAdamW(bits=8))", _low_bit(8)),
+        Technique("state_4bit", "changed", "AdamW's moments in blockwise 4-bit codes (LowBitAdamW(bits=4))",
+                  _low_bit(4)),
         Technique("in_backward", "bitwise", "the optimizer step fused into backward (OptimizerInBackward)",
                   _in_backward()),
         Technique("in_backward_each", "bitwise", "the step fused into backward, one parameter at a time as soon "
@@ -151,6 +156,6 @@ TECHNIQUES: dict[str, Technique] = {
 """Every technique a plan can use, by name, in the order they are applied."""
 
 EXCLUSIVE = (frozenset({"selective", "checkpoint"}), frozenset({"in_backward", "in_backward_each", "offload_state"}),
-             frozenset({"state_bf16", "state_8bit"}))
+             frozenset({"state_bf16", "state_8bit", "state_4bit"}))
 """Techniques that do not combine (one checkpointing policy per block, one way of stepping the optimizer, one
 state precision)."""

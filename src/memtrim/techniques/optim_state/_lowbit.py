@@ -4,11 +4,28 @@ NOTE [ low-bit optimizer state ]
 AdamW keeps two moments per parameter, ``m`` and ``v``, in the parameter's dtype: twice the parameters' bytes, the
 largest piece of a full fine-tune. ``LowBitAdamW(bits=16)`` keeps both in bfloat16; ``bits=8`` keeps each in
 float8 (e4m3) with one float32 scale per ``block_size`` values (each block's largest magnitude maps to float8's
-largest, 448), like the blockwise 8-bit optimizers of bitsandbytes and torchao. ``v`` is kept as ``sqrt(v)``, which
-halves its exponent range, so a block's small second moments stay representable. Every step dequantizes a
-parameter's moments to float32, runs AdamW's update there (decoupled weight decay, bias correction, as
-``torch.optim.AdamW`` with ``amsgrad=False``), and quantizes them again. This changes the numerics: training is not
-bitwise the standard AdamW's, and ``memtrim.verify`` reports by how much (tests measure it on a small model).
+largest, 448), like the blockwise 8-bit optimizers of bitsandbytes and torchao; ``bits=4`` keeps each in 4-bit codes,
+two to a byte, with one float32 scale per ``block_size`` (default 128, as torchao's 4-bit AdamW) values: a block's
+value is its scale times one of 16 levels. ``v`` is kept as ``sqrt(v)``, which halves its exponent range, so a
+block's small second moments stay representable. The 4-bit levels:
+
+- ``m`` (signed): a sign bit and eight magnitudes, 0, 0.05, 0.12, 0.22, 0.35, 0.5, 0.72 and 1, spaced more finely
+  near zero where most of a block's values lie (torchao uses a dynamic-exponent map for the same reason). Zero is
+  exact, rounding is symmetric in the sign, and a value is off by at most 0.14 of its block's largest magnitude.
+- ``sqrt(v)`` (unsigned): 0, 1/15, ..., 1, but only an exact zero is coded 0; a nonzero value rounds to 1/15 at
+  least. A second moment rounded to zero would make the update ``m / eps`` (the "zero-point problem" of Li et al.,
+  *Memory Efficient Optimizers with 4-bit States*, 2023, which torchao avoids by leaving zero out of its map); an
+  exact zero (a parameter that never had a gradient) has ``m == 0`` as well. Off by at most 1/15 of the block's
+  largest value (1/30 from 1/30 up).
+
+Rounding to nearest is deterministic (as torchao's): an ``m`` at 0 whose new gradient term, ``(1 - beta1) * grad``,
+stays under half the first level (2.5% of its block's largest ``m``) is rounded back to 0 at every step, so that
+element does not move until its gradient grows; this is where 4 bits differ most from AdamW (the tests measure it).
+
+Every step dequantizes a parameter's moments to float32, runs AdamW's update there (decoupled weight decay, bias
+correction, as ``torch.optim.AdamW`` with ``amsgrad=False``), and quantizes them again. This changes the numerics:
+training is not bitwise the standard AdamW's, and ``memtrim.verify`` reports by how much (tests measure it on a small
+model).
 """
 
 from __future__ import annotations
@@ -16,7 +33,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,6 +42,7 @@ from ...errors import InvalidInputError
 _API = "memtrim.LowBitAdamW"
 _F8 = getattr(torch, "float8_e4m3fn", None)
 _F8_MAX = 448.0
+_BLOCK_SIZE = {8: 256, 4: 128}
 
 
 def _quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,6 +55,64 @@ def _quantize(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, numel: int) -> torch.Tensor:
     return (codes.float() * scale[:, None]).flatten()[:numel]
+
+
+class _Levels(NamedTuple):
+    """A 4-bit map (NOTE [ low-bit optimizer state ]): ``magnitudes`` ascending from 0 to 1; a signed map spends one
+    bit on the sign (code ``8 | i`` is ``-magnitudes[i]``); ``zero_exact_only``: only 0 itself rounds to 0."""
+
+    magnitudes: tuple[float, ...]
+    signed: bool
+    zero_exact_only: bool
+
+    def values(self, device: torch.device) -> torch.Tensor:
+        """What each of the 16 codes stands for, in units of its block's scale."""
+        mags = torch.tensor(self.magnitudes, dtype=torch.float32, device=device)
+        return torch.cat((mags, -mags)) if self.signed else mags
+
+    def bounds(self, device: torch.device) -> torch.Tensor:
+        """The magnitudes where rounding goes from one level to the next (``torch.bucketize``'s boundaries)."""
+        mids = [(a + b) / 2 for a, b in zip(self.magnitudes, self.magnitudes[1:])]
+        return torch.tensor([0.0, *mids[1:]] if self.zero_exact_only else mids, dtype=torch.float32, device=device)
+
+
+_M_LEVELS = _Levels((0.0, 0.05, 0.12, 0.22, 0.35, 0.5, 0.72, 1.0), signed=True, zero_exact_only=False)
+_SQRT_V_LEVELS = _Levels(tuple(k / 15 for k in range(16)), signed=False, zero_exact_only=True)
+_LEVELS = {"exp_avg": _M_LEVELS, "exp_avg_sq_sqrt": _SQRT_V_LEVELS}
+
+
+def _codes_4bit(x: torch.Tensor, block: int, levels: _Levels) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``x`` (flat, n values) → (int32 codes (n,), float32 scales (ceil(n / block),), each block's largest
+    magnitude). Its float temporaries end with the call."""
+    n = x.numel()
+    blocks = torch.nn.functional.pad(x, (0, (-n) % block)).view(-1, block)  # a copy, divided in place
+    low, high = torch.aminmax(blocks, dim=1)
+    scale = torch.maximum(high, low.neg()).clamp_min(1e-30)
+    normed = blocks.div_(scale[:, None]).view(-1)[:n]
+    negative = normed.signbit() if levels.signed else None
+    codes = torch.bucketize(normed.abs_(), levels.bounds(x.device), out_int32=True)
+    return codes if negative is None else codes.add_(negative, alpha=8), scale
+
+
+def _quantize_4bit(x: torch.Tensor, block: int, levels: _Levels) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 ``x`` (flat, n values) → (uint8 codes (ceil(n / 2),), two a byte, the even index in the low four
+    bits; float32 scales (ceil(n / block),))."""
+    codes, scale = _codes_4bit(x, block, levels)
+    packed = codes[0::2].to(torch.uint8)
+    packed[: codes.numel() // 2].bitwise_or_(codes[1::2].to(torch.uint8).bitwise_left_shift_(4))
+    return packed, scale
+
+
+def _dequantize_4bit(codes: torch.Tensor, scale: torch.Tensor, numel: int, block: int, levels: _Levels) -> torch.Tensor:
+    level = levels.values(codes.device)
+    # byte b stands for (level[b & 15], level[b >> 4])
+    by_byte = torch.stack((level.repeat(16), level.repeat_interleave(16)), dim=1)
+    values = by_byte.index_select(0, codes.int()).view(-1)  # 2 * ceil(n / 2) values, scaled in place
+    full = numel // block * block
+    values[:full].view(-1, block).mul_(scale[: numel // block, None])
+    if numel % block:
+        values[full:].mul_(scale[-1])
+    return values[:numel]
 
 
 def _check_options(options: dict[str, Any]) -> None:
@@ -53,17 +129,22 @@ def _check_options(options: dict[str, Any]) -> None:
 
 
 class LowBitAdamW(torch.optim.Optimizer):
-    """AdamW with its moments in bfloat16 (``bits=16``) or blockwise float8 (``bits=8``): a half or a quarter of the
-    state's bytes for float32 parameters (see NOTE [ low-bit optimizer state ]).
+    """AdamW with its moments in bfloat16 (``bits=16``), blockwise float8 (``bits=8``) or blockwise 4-bit codes
+    (``bits=4``): a half, a quarter or an eighth (plus the scales) of the state's bytes for float32 parameters (see
+    NOTE [ low-bit optimizer state ]).
 
     Args:
         params: parameters or parameter groups, as for ``torch.optim.AdamW``.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
-        bits: 16 or 8.
-        block_size: values per float32 scale (``bits=8``).
+        bits: 16, 8 or 4.
+        block_size: values per float32 scale (``bits=8``: default 256; ``bits=4``: default 128).
 
     Raises:
-        InvalidInputError: ``bits`` not 16 or 8, a bad hyperparameter, or float8 missing from this torch.
+        InvalidInputError: ``bits`` not 16, 8 or 4, a bad hyperparameter, or float8 missing from this torch.
+
+    Example::
+
+        optimizer = memtrim.LowBitAdamW(model.parameters(), lr=1e-3, bits=4)
     """
 
     def __init__(
@@ -75,13 +156,15 @@ class LowBitAdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         bits: int = 8,
-        block_size: int = 256,
+        block_size: int | None = None,
     ) -> None:
-        if bits not in (16, 8):
-            raise InvalidInputError(f"{_API}: bits must be 16 or 8, got {bits!r}.")
+        if bits not in (16, 8, 4):
+            raise InvalidInputError(f"{_API}: bits must be 16, 8 or 4, got {bits!r}.")
         if bits == 8 and _F8 is None:
             raise InvalidInputError(f"{_API}: bits=8 needs torch.float8_e4m3fn (torch >= 2.1); use bits=16.")
         _check_options({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        if block_size is None:
+            block_size = _BLOCK_SIZE.get(bits, 1)
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise InvalidInputError(f"{_API}: block_size must be an int >= 1, got {block_size!r}.")
         self.bits = bits
@@ -99,24 +182,53 @@ class LowBitAdamW(torch.optim.Optimizer):
                 raise InvalidInputError(f"{_API}: complex parameters are not supported (shape {tuple(p.shape)}).")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As ``torch.optim.Optimizer``'s, but the moments keep their stored dtypes (bfloat16 or float8 codes and
-        float32 scales): torch's would cast them to each parameter's dtype (more memory, and bfloat16 scales)."""
+        """As ``torch.optim.Optimizer``'s, but the moments keep their stored dtypes (bfloat16, float8 or uint8 codes
+        and float32 scales): torch's would cast them to each parameter's dtype (more memory, and bfloat16 scales).
+
+        Raises:
+            InvalidInputError: a moment whose dtype or size is not this optimizer's ``bits`` and ``block_size``.
+        """
+        saved_ids = list(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        params = list(itertools.chain.from_iterable(g["params"] for g in self.param_groups))
+        for saved_id, p in zip(saved_ids, params):  # before loading: a refused state leaves this optimizer as it was
+            self._check_loaded(state_dict["state"].get(saved_id, {}), p.numel())
         super().load_state_dict(state_dict)
-        saved_ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
-        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
         for saved_id, p in zip(saved_ids, params):
             for key, value in state_dict["state"].get(saved_id, {}).items():
                 if isinstance(value, torch.Tensor):
                     self.state[p][key] = value.to(device=p.device)
 
+    def _check_loaded(self, state: dict[str, Any], numel: int) -> None:
+        # a state saved with other bits or another block_size would be read as wrong numbers, silently
+        if not state:
+            return
+        blocks = -(-numel // self.block_size)
+        codes = {16: (torch.bfloat16, numel), 8: (_F8, blocks * self.block_size), 4: (torch.uint8, -(-numel // 2))}
+        expected: list[tuple[str, Any, int]] = [(n, *codes[self.bits]) for n in ("exp_avg", "exp_avg_sq_sqrt")]
+        if self.bits != 16:
+            expected += [(n + "_scale", torch.float32, blocks) for n in ("exp_avg", "exp_avg_sq_sqrt")]
+        for name, dtype, size in expected:
+            found = state.get(name)
+            if not isinstance(found, torch.Tensor) or (found.dtype, found.numel()) != (dtype, size):
+                what = "missing" if not isinstance(found, torch.Tensor) else f"{found.dtype} of {found.numel()}"
+                raise InvalidInputError(
+                    f"{_API}: load_state_dict expected {name} as {dtype} of {size} values for bits={self.bits}, "
+                    f"block_size={self.block_size}, found {what}; load it into a LowBitAdamW with the bits and "
+                    "block_size it was saved with."
+                )
+
     def _load(self, state: dict[str, Any], name: str, numel: int) -> torch.Tensor:
         if self.bits == 16:
             return state[name].float().flatten()
+        if self.bits == 4:
+            return _dequantize_4bit(state[name], state[name + "_scale"], numel, self.block_size, _LEVELS[name])
         return _dequantize(state[name], state[name + "_scale"], numel)
 
     def _store(self, state: dict[str, Any], name: str, value: torch.Tensor, shape: torch.Size) -> None:
         if self.bits == 16:
             state[name] = value.to(torch.bfloat16).view(shape)
+        elif self.bits == 4:
+            state[name], state[name + "_scale"] = _quantize_4bit(value, self.block_size, _LEVELS[name])
         else:
             state[name], state[name + "_scale"] = _quantize(value, self.block_size)
 
