@@ -1,9 +1,12 @@
 """memtrim.plan: predictions on fake tensors equal the tracker's measurement of the real step, byte for byte; the
 chosen plan fits and trains bitwise like the standard loop; bad input and impossible budgets raise."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import DataDependentOutputException
 
 import memtrim
 from memtrim.errors import InvalidInputError, PlanError
@@ -233,3 +236,56 @@ def test_a_combination_whose_trace_raises_is_left_out_with_a_note_and_the_rest_i
     for p in plans.all:
         measured = trace_step(_gpt(), x, y, _gpt_loss, wrapped, [TECHNIQUES[n] for n in p.techniques], fake=False)
         assert measured.report.peak_bytes == p.peak_bytes
+
+
+class _ReadsItsInput(torch.nn.Module):
+    """Branches on a value of its input, as HF's mask code does: a fake trace must take the real run's branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 32)
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, x):
+        h = self.embed(x)
+        if bool((x[:, -1] < 32).all()):  # with the batch below: true in the real run; the other branch keeps more
+            return self.head(h)
+        return self.head(h.repeat(1, 4, 1))[:, : x.shape[1]]
+
+
+class _ReadsItsWeight(_ReadsItsInput):
+    def forward(self, x):
+        return self.head(self.embed(x)) if bool(self.head.weight.sum() > 0) else self.head(self.embed(x) * 2)
+
+
+def test_a_forward_reading_its_input_takes_the_real_branch_and_is_exact():
+    x = torch.randint(0, 32, (2, 16))
+    predicted = trace_step(_ReadsItsInput(), x, x, _gpt_loss, _adamw, []).report
+    measured = trace_step(_ReadsItsInput(), x, x, _gpt_loss, _adamw, [], fake=False).report
+    assert predicted.peak_bytes == measured.peak_bytes
+    # a value that needs the weights has none in a fake trace: it raises rather than guess a branch
+    with pytest.raises(DataDependentOutputException):
+        trace_step(_ReadsItsWeight(), x, x, _gpt_loss, _adamw, [])
+
+
+def test_hf_llama_plans_equal_the_measured_peaks_byte_for_byte():
+    # HF's mask code treats a fake tensor as tracing unless the trace knows its value: without the values it built
+    # the causal mask the real run skips, and SDPA kept a float copy per layer (NOTE [ known values ])
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128, use_cache=False)
+    factory = functools.partial(transformers.LlamaForCausalLM, config)
+    ids = torch.randint(0, 128, (2, 32))
+    batch = {"input_ids": ids, "labels": ids}
+
+    def loss(out, _):
+        return out.loss
+
+    checks = transformers.utils.import_utils.is_fake_tensor
+    plans = memtrim.plan(factory, batch, loss, _adamw, budget=1 << 40,
+                         techniques=["selective", "checkpoint", "in_backward_each"])
+    assert transformers.utils.import_utils.is_fake_tensor is checks  # answered differently only during a trace
+    assert len(plans.all) >= 4
+    for p in plans.all:
+        measured = trace_step(factory, batch, None, loss, _adamw, [TECHNIQUES[n] for n in p.techniques], fake=False)
+        assert (p.techniques, p.peak_bytes) == (p.techniques, measured.report.peak_bytes)

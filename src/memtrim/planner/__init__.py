@@ -1,7 +1,7 @@
 """The planner: which of memtrim's techniques make a training step fit a memory budget, and at what cost.
 
-``memtrim.plan`` traces the step once per combination of techniques on fake tensors (nothing is allocated) through
-memtrim's own tracker, and ranks the combinations that fit by a FLOP-and-bytes time model.
+``memtrim.plan`` traces the step once per combination of techniques on fake tensors (no weight or activation is
+allocated) through memtrim's own tracker, and ranks the combinations that fit by a FLOP-and-bytes time model.
 """
 
 from ._cost import DeviceCost, calibrate, device_cost

@@ -6,15 +6,17 @@ A prediction builds the model inside ``FakeTensorMode`` (from a factory, or as a
 ``FakeCopyMode``: no weight is copied), makes fake copies of the example batch, applies the techniques exactly as
 :meth:`Plan.apply` does, runs one warm-up step (the optimizer creates its state) and then one tracked step. Fake
 tensors on the CPU device take the same kernels and the same storages as real CPU tensors, so the tracker's peak
-is the measured peak, byte for byte (``benchmarks/plan_accuracy.py`` checks it). The step is the standard loop:
-``zero_grad(set_to_none=True)``, forward, loss, backward, ``step()``.
+is the measured peak, byte for byte (``benchmarks/plan_accuracy.py`` checks it). Where model code reads a tensor's
+value (``bool``, ``item``) or asks whether it is fake (HF transformers' ``is_tracing``), the trace knows the values
+that do not depend on the weights and answers as the real run would (NOTE [ known values ] in ``_values.py``). The
+step is the standard loop: ``zero_grad(set_to_none=True)``, forward, loss, backward, ``step()``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import astuple, dataclass
 from typing import Any
 
@@ -27,6 +29,7 @@ from ..errors import InvalidInputError
 from ..measure import Category, MemoryReport, track
 from ..measure.hooks import tensors_in
 from ._techniques import Applied, Technique
+from ._values import KnownValues, reading_values
 
 
 @dataclass(frozen=True)
@@ -111,21 +114,38 @@ def _fake_mode() -> Any:
     return FakeTensorMode(allow_non_fake_inputs=False)
 
 
-def _fake_copy(mode: Any, value: Any) -> Any:
+@contextlib.contextmanager
+def _faking(mode: Any, values: KnownValues) -> Iterator[None]:
+    """``FakeTensorMode`` with the values it can know (NOTE [ known values ]); nothing for a real run."""
+    if mode is None:
+        yield
+        return
+    with mode, values, reading_values(values):
+        yield
+
+
+def _fake(mode: Any, values: KnownValues, t: torch.Tensor) -> torch.Tensor:
+    fake = mode.from_tensor(t)
+    values.add(fake, t)
+    return fake
+
+
+def _fake_copy(mode: Any, values: KnownValues, value: Any) -> Any:
     def one(t: Any) -> Any:
-        return mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+        return _fake(mode, values, t) if isinstance(t, torch.Tensor) else t
 
     return torch.utils._pytree.tree_map(one, value)
 
 
-def _fake_copy_of(model: nn.Module, mode: Any) -> nn.Module:
+def _fake_copy_of(model: nn.Module, mode: Any, values: KnownValues) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are fake (the memo hands them to deepcopy: no weight is
-    copied). Made outside the mode, which refuses real tensors."""
+    copied), the buffers with their values (NOTE [ known values ]). Made outside the mode, which refuses real
+    tensors."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(mode.from_tensor(p), requires_grad=p.requires_grad)
     for b in model.buffers():
-        memo[id(b)] = mode.from_tensor(b)
+        memo[id(b)] = _fake(mode, values, b)
     return copy.deepcopy(model, memo)
 
 
@@ -155,13 +175,14 @@ def trace_step(
     ``fake=False`` measures it for real instead (on a copy of the model, or a new one from the factory).
     """
     mode = _fake_mode() if fake else None
+    values = KnownValues()
     model = None
     notes: list[str] = []
     if mode is not None:
-        inputs, targets = _fake_copy(mode, (inputs, targets))
+        inputs, targets = _fake_copy(mode, values, (inputs, targets))
         if isinstance(model_or_factory, nn.Module):
-            model = _fake_copy_of(model_or_factory, mode)
-    with mode if mode is not None else contextlib.nullcontext():
+            model = _fake_copy_of(model_or_factory, mode, values)
+    with _faking(mode, values):
         if model is None:
             model = _build(model_or_factory)
         optimizer = optimizer_factory(model)

@@ -226,7 +226,7 @@ def plan(
     byte on the CPU.
 
     Args:
-        model_or_factory: a module (copied as fake tensors: nothing is allocated) or a function that builds one
+        model_or_factory: a module (copied as fake tensors: no weight is allocated) or a function that builds one
             (called under ``FakeTensorMode``: a model larger than the machine plans fine).
         example_inputs: what the model is called with: a tensor, a tuple of arguments, or a dict (``model(**batch)``).
         loss_fn: ``loss_fn(output, targets)`` → scalar loss (HF: ``lambda out, _: out.loss``).

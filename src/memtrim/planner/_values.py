@@ -1,0 +1,151 @@
+"""The values of a fake trace's small tensors, computed for real beside it, so that model code reading a value takes
+the branch the real run takes.
+
+NOTE [ known values ]
+A fake tensor has no data: ``bool(t)`` or ``t.item()`` on one raises, and libraries that must not read values under
+tracing ask "is this tensor fake?" and take a tracing branch instead. HF transformers does: ``is_tracing(tensor)``
+is true for a ``FakeTensor``, so ``find_packed_sequence_indices`` cannot see that ``position_ids`` hold one
+sequence and keeps a packed-sequence mask, ``create_causal_mask`` then builds the 4-D mask that the real run skips
+(it relies on SDPA's ``is_causal``), and SDPA saves a float copy of that mask per layer for backward: an HF Llama
+was over-predicted by exactly those copies (1,048,576 B of 95,765,924 B in ``benchmarks/plan_accuracy.py``).
+
+:class:`KnownValues` sits just above ``FakeTensorMode`` and gives a fake tensor a value wherever one can be
+computed without the weights' data: the example batch and a copied model's buffers (given by the caller), the
+outputs of ops with no tensor argument (``arange``, ``ones``...), and the outputs of every op whose tensor arguments
+all have values. The op runs for real on those values (on the CPU whatever the fake device, Python dispatch and
+autocast off), after the fake op, and only when each output's storage is at most ``LIMIT`` bytes: a trace allocates
+position ids and masks, never a tensor the size of a weight matrix or an activation. An op that draws random
+numbers gives no value (running it would also move the caller's generator). An op that writes an argument with
+something it cannot compute (another argument has no value) makes that argument's value stale, with every view of
+it (they share the value's storage). An op that fails on the values leaves its outputs without one.
+
+An op that returns no tensor (``aten._local_scalar_dense``, behind ``bool`` and ``item``) is answered from the
+values when all its tensor arguments have one; otherwise it goes to ``FakeTensorMode``, which raises as before.
+:func:`reading_values` then makes transformers' ``is_fake_tensor`` (the test inside its ``is_tracing``) false for a
+fake tensor with a value, only while a trace runs: transformers reads the value and takes the eager branch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._mode_utils import no_dispatch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
+
+LIMIT = 16 * 2**20
+"""The largest storage, in bytes, whose value a trace computes."""
+
+
+def _small(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() <= LIMIT
+
+
+_OPS: dict[Any, tuple[bool, bool, bool]] = {}  # op -> (deterministic, returns no tensor, writes an argument)
+
+
+def _op_facts(func: Any) -> tuple[bool, bool, bool]:
+    if not isinstance(func, torch._ops.OpOverload):  # a higher-order op: no value, and no write it can see
+        facts = (False, False, False)
+    else:
+        schema = func._schema
+        facts = (torch.Tag.nondeterministic_seeded not in func.tags,
+                 not any("Tensor" in str(r.type) for r in schema.returns), schema.is_mutable)
+    _OPS[func] = facts
+    return facts
+
+
+class KnownValues(TorchDispatchMode):
+    """Tracks values of fake tensors; see NOTE [ known values ]. Enter it inside ``FakeTensorMode``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # fake tensor -> its value (a real CPU tensor)
+        self._stale: set[StorageWeakRef] = set()  # value storages an op overwrote with what it could not compute
+
+    def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        """Give ``fake`` the value of ``real`` (copied), when it is small enough."""
+        if _small(real):
+            self._values[fake] = real.detach().to("cpu", copy=True)
+
+    def value(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The value of ``t``: itself when it is a plain real tensor, None for a fake tensor whose value is not known
+        or a tensor subclass."""
+        if type(t) is torch.Tensor:
+            return t
+        v = self._values.get(t) if isinstance(t, torch._subclasses.FakeTensor) else None
+        if v is None or (self._stale and StorageWeakRef(v.untyped_storage()) in self._stale):
+            return None
+        return v
+
+    def _run(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        def cpu(key: str, value: Any) -> Any:
+            return torch.device("cpu") if key == "device" else False if key == "pin_memory" else value
+
+        args, kwargs = tree_map_only(torch.Tensor, self.value, (args, kwargs))
+        with no_dispatch(), torch.autocast("cpu", enabled=False):
+            return func(*args, **{k: cpu(k, v) for k, v in kwargs.items()})
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        deterministic, scalar, mutable = _OPS.get(func) or _op_facts(func)
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        knowable = deterministic and all(self.value(t) is not None for t in tensors)
+        try:
+            out = func(*args, **kwargs)
+        except DataDependentOutputException:
+            if knowable and scalar and tensors:
+                with contextlib.suppress(Exception):
+                    return self._run(func, args, kwargs)  # a scalar read from the values, as the real run reads it
+            raise
+        fakes = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if knowable and (fakes or mutable) and all(_small(t) for t in fakes):
+            try:
+                reals = [t for t in tree_leaves(self._run(func, args, kwargs)) if isinstance(t, torch.Tensor)]
+            except Exception:
+                reals = []
+            if len(reals) == len(fakes) and all(r.shape == f.shape for r, f in zip(reals, fakes)):
+                for fake, real in zip(fakes, reals):
+                    self._values[fake] = real
+                return out
+        if mutable:
+            self._written(func, args, kwargs)
+        return out
+
+    def _written(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Make stale the values of the arguments ``func`` wrote without a value computed for them."""
+        for i, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            given = kwargs.get(argument.name) if argument.kwarg_only or i >= len(args) else args[i]
+            for t in tree_leaves(given):
+                v = self.value(t) if isinstance(t, torch._subclasses.FakeTensor) else None
+                if v is not None:
+                    self._stale.add(StorageWeakRef(v.untyped_storage()))
+
+
+@contextlib.contextmanager
+def reading_values(values: KnownValues) -> Iterator[None]:
+    """While inside, transformers (when imported) reads a fake tensor that has a value instead of treating it as
+    tracing; see NOTE [ known values ]. Restored on exit; nothing happens without transformers."""
+    module = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(module, "is_fake_tensor", None)
+    if original is None:
+        yield
+        return
+
+    def is_fake_tensor(x: Any) -> bool:
+        return bool(original(x)) and values.value(x) is None
+
+    module.is_fake_tensor = is_fake_tensor  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        module.is_fake_tensor = original  # type: ignore[union-attr]
