@@ -140,12 +140,20 @@ def current() -> tuple[Tracker, ...]:
     autograd carries into the threads that run a backward), outermost first."""
     if not _active:
         return ()
+    depth = _stack_depth()
+    if depth == 1:  # the usual case, on every module call: one mode, a tracker's or not
+        tracker = getattr(_stack_at(0), MODE_ATTRIBUTE, None)
+        return (tracker,) if tracker is not None else ()
     found = []
-    for i in range(torch._C._len_torch_dispatch_stack()):
-        tracker = getattr(torch._C._get_dispatch_stack_at(i), MODE_ATTRIBUTE, None)
+    for i in range(depth):
+        tracker = getattr(_stack_at(i), MODE_ATTRIBUTE, None)
         if tracker is not None:
             found.append(tracker)
     return tuple(found)
+
+
+_stack_depth = torch._C._len_torch_dispatch_stack
+_stack_at = torch._C._get_dispatch_stack_at
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:

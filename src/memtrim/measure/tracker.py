@@ -336,27 +336,22 @@ class Tracker:
             optimizer = ref()
             if optimizer is not None:
                 self._scan_optimizer(optimizer)
-        for ref in list(self._params.values()):
+        records = self._records
+        for ref in list(self._params.values()):  # every parameter: kept cheap (one lookup each)
             param = ref()
             if param is None:
                 continue
-            if not initial and not self._known_as(param, "parameters"):  # `param.data = ...`: a new storage
-                self._include(param, "parameters")
+            if not initial:  # `param.data = ...` gives it a new storage
+                storage = _storage_of(param)
+                record = records.get(id(storage)) if storage is not None else None
+                if record is None or record.category != "parameters" or record.nbytes != storage.nbytes():
+                    self._include(param, "parameters")
             grad = param.grad
-            if grad is not None and not self._known_as(grad, "gradients"):
-                self._include(grad, "gradients")
-
-    def _known_as(self, tensor: torch.Tensor, category: str) -> bool:
-        """Whether ``tensor``'s storage has a record of ``category`` and its current size (the cheap check that
-        lets a rescan skip what it already knows)."""
-        if tensor.layout is not torch.strided:
-            return False
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return False
-        record = self._records.get(id(storage))
-        return record is not None and record.category == category and record.nbytes == storage.nbytes()
+            if grad is not None:
+                storage = _storage_of(grad)
+                record = records.get(id(storage)) if storage is not None else None
+                if record is None or record.category != "gradients" or record.nbytes != storage.nbytes():
+                    self._include(grad, "gradients")
 
     def _scan_model(self, model: torch.nn.Module) -> None:
         """The model's modules' names, its parameters (each with the first module it is registered in) and its
@@ -403,7 +398,11 @@ class Tracker:
             self._param_module[key] = module_name
         elif known is not None:  # the id of a parameter that died: its module's name is not this one's
             self._param_module.pop(key, None)
-        self._include_one(param, "parameters")
+        storage = _storage_of(param)  # at entry, once per parameter: a new record made directly
+        if storage is not None and id(storage) not in self._records:
+            self._new_record(storage, param, "parameters", True)
+        else:
+            self._include_one(param, "parameters")
         if param.requires_grad:
             self._unhooked.append(key)
 
@@ -485,11 +484,8 @@ class Tracker:
     def _see(self, tensor: torch.Tensor, category: str | None, existed: bool) -> _Record | None:
         """The record of ``tensor``'s storage; a new storage gets one (``category`` None: decide from the
         tensor), born now or, if ``existed``, counted from the start."""
-        if tensor.layout is not torch.strided:
-            return None
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):
+        storage = _storage_of(tensor)
+        if storage is None:
             return None
         record = self._records.get(id(storage))
         if record is None:
@@ -770,6 +766,16 @@ class _InputsHook:
 
 
 _STRIDED = torch.strided
+
+
+def _storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    """``tensor``'s storage, or None for a tensor without one the tracker can count (sparse, some subclasses)."""
+    if tensor.layout is not _STRIDED:
+        return None
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _storage_died(record: _Record) -> None:
