@@ -344,13 +344,15 @@ class Tracker:
             if not initial:  # `param.data = ...` gives it a new storage
                 storage = _storage_of(param)
                 record = records.get(id(storage)) if storage is not None else None
-                if record is None or record.category != "parameters" or record.nbytes != storage.nbytes():
+                if (storage is None or record is None or record.category != "parameters"
+                        or record.nbytes != storage.nbytes()):
                     self._include(param, "parameters")
             grad = param.grad
             if grad is not None:
                 storage = _storage_of(grad)
                 record = records.get(id(storage)) if storage is not None else None
-                if record is None or record.category != "gradients" or record.nbytes != storage.nbytes():
+                if (storage is None or record is None or record.category != "gradients"
+                        or record.nbytes != storage.nbytes()):
                     self._include(grad, "gradients")
 
     def _scan_model(self, model: torch.nn.Module) -> None:
