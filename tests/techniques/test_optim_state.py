@@ -2,13 +2,14 @@
 as soon as they are ready, accumulation, schedulers, param groups, state_dict both ways, bad input."""
 
 import copy
+import pickle
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import memtrim
-from memtrim.errors import InvalidInputError
+from memtrim.errors import InvalidInputError, MemtrimError
 from memtrim.models import GPTConfig, SmallGPT
 from memtrim.techniques.optim_state import _lowbit
 
@@ -314,3 +315,17 @@ def test_low_bit_load_state_dict_refuses_a_state_saved_with_other_bits_or_block_
             other.load_state_dict(copy.deepcopy(saved))
         assert not other.state  # left as it was
     memtrim.LowBitAdamW(model.parameters(), bits=4, block_size=128).load_state_dict(copy.deepcopy(saved))
+
+
+@pytest.mark.parametrize("build", ["in_backward", "cpu_offload"])
+@pytest.mark.parametrize("copier", [copy.deepcopy, pickle.dumps])
+def test_wrappers_refuse_copies_with_a_message(build, copier):
+    """A copy of a wrapper would hold copies of the parameters without the hooks that train them: refused with a
+    MemtrimError saying what to do (was an AttributeError from inside deepcopy for CPUOffloadOptimizer)."""
+    model = torch.nn.Linear(4, 4)
+    if build == "in_backward":
+        opt = memtrim.OptimizerInBackward(torch.optim.AdamW(model.parameters()))
+    else:
+        opt = memtrim.CPUOffloadOptimizer(model.parameters())
+    with pytest.raises(MemtrimError, match="state_dict"):
+        copier(opt)

@@ -66,7 +66,7 @@ from typing import Any, NoReturn, cast
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ...errors import InvalidInputError, MemtrimError, MemtrimStateError, OptimizerInBackwardError
+from ...errors import InvalidInputError, MemtrimStateError, OptimizerInBackwardError
 from ...measure import hooks as measure_hooks
 from .wrapping import WrappedOptimizerView
 
@@ -384,9 +384,6 @@ class OptimizerInBackward(WrappedOptimizerView):
 
     def __repr__(self) -> str:
         return f"OptimizerInBackward({self.optimizer!r}, buckets={len(self._buckets)})"
-
-    def __getstate__(self) -> Any:
-        raise MemtrimError("OptimizerInBackward cannot be pickled; save opt.state_dict() instead.")
 
     # ------------------------------------------------------------------ the training loop
     def zero_grad(self, set_to_none: bool = True) -> None:

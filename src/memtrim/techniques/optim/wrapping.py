@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from ...errors import MemtrimError
+
 
 class WrappedOptimizerView(torch.optim.Optimizer):
     """Base of memtrim's optimizer wrappers (``OptimizerInBackward``, ``CPUOffloadOptimizer``): ``param_groups``
@@ -28,3 +30,11 @@ class WrappedOptimizerView(torch.optim.Optimizer):
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]  # read-only: the wrapped optimizer's own
         """The wrapped optimizer's ``defaults``."""
         return self.optimizer.defaults
+
+    def __getstate__(self) -> Any:
+        name = type(self).__name__
+        raise MemtrimError(
+            f"{name} cannot be pickled or copied (copy.deepcopy): its hooks belong to the parameters it was built "
+            f"with, so a copy would not train its own. Save opt.state_dict(), build a new {name} around the copied "
+            "model's parameters and load the state into it."
+        )
