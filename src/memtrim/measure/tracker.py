@@ -336,24 +336,23 @@ class Tracker:
             optimizer = ref()
             if optimizer is not None:
                 self._scan_optimizer(optimizer)
-        records = self._records
-        for ref in list(self._params.values()):  # every parameter: kept cheap (one lookup each)
+        for ref in list(self._params.values()):
             param = ref()
             if param is None:
                 continue
-            if not initial:  # `param.data = ...` gives it a new storage
-                storage = _storage_of(param)
-                record = records.get(id(storage)) if storage is not None else None
-                if (storage is None or record is None or record.category != "parameters"
-                        or record.nbytes != storage.nbytes()):
-                    self._include(param, "parameters")
+            if not initial and not self._known_as(param, "parameters"):  # `param.data = ...`: a new storage
+                self._include(param, "parameters")
             grad = param.grad
-            if grad is not None:
-                storage = _storage_of(grad)
-                record = records.get(id(storage)) if storage is not None else None
-                if (storage is None or record is None or record.category != "gradients"
-                        or record.nbytes != storage.nbytes()):
-                    self._include(grad, "gradients")
+            if grad is not None and not self._known_as(grad, "gradients"):
+                self._include(grad, "gradients")
+
+    def _known_as(self, tensor: torch.Tensor, category: str) -> bool:
+        """Whether ``tensor``'s storage has a record of ``category`` at its current size (what lets a rescan skip
+        what it knows with one lookup)."""
+        storage = _storage_of(tensor)
+        record = self._records.get(id(storage)) if storage is not None else None
+        return (storage is not None and record is not None and record.category == category
+                and record.nbytes == storage.nbytes())
 
     def _scan_model(self, model: torch.nn.Module) -> None:
         """The model's modules' names, its parameters (each with the first module it is registered in) and its
@@ -546,11 +545,8 @@ class Tracker:
             records = self._records
             writes = kind is _WRITES
             for tensor in inputs:
-                if tensor.layout is not _STRIDED:
-                    continue
-                try:
-                    storage = tensor.untyped_storage()
-                except (RuntimeError, NotImplementedError):
+                storage = _storage_of(tensor)
+                if storage is None:
                     continue
                 record = records.get(id(storage))
                 if record is None:
