@@ -242,10 +242,10 @@ def pattern_check(key: str, model: nn.Module, batch: dict) -> dict:
     return {"checked": True, "same_state_dict": same_keys, "equal_outputs": equal}
 
 
-def build(key: str) -> tuple[str, tuple | None, dict | None]:
+def build(key: str, models: dict | None = None) -> tuple[str, tuple | None, dict | None]:
     """(label, (model, batch, library) from seed 0, None) or (label, None, the result saying the library is
-    missing)."""
-    label, make = MODELS[key]
+    missing); ``models`` defaults to MODELS."""
+    label, make = (models or MODELS)[key]
     torch.manual_seed(0)
     try:
         return label, make(), None
