@@ -61,6 +61,69 @@ def test_gradients_leave_the_device_as_soon_as_ready_and_accumulate_on_the_host(
     assert set(opt.state) == set(model.parameters())  # keyed by the device parameters, as a plain optimizer's
 
 
+@pytest.mark.parametrize("how", ["clip_grad_norm_ list", "clip_grad_norm_ generator", "clip_grad_value_"])
+def test_the_users_own_clipping_clips_the_offloaded_gradients_as_the_standard_loop_does(how):
+    """torch's clip_grad_norm_(model.parameters()) once found no gradient on the device (they wait on the host),
+    returned 0.0 and clipped nothing: training diverged silently from the standard loop."""
+    def clip(model):
+        if how == "clip_grad_value_":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+            return None
+        params = model.parameters() if how.endswith("generator") else list(model.parameters())
+        return torch.nn.utils.clip_grad_norm_(params, 0.05)
+
+    model = _gpt()
+    plain = copy.deepcopy(model)
+    opt = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.SGD, lr=0.5, momentum=0.9)
+    ref = torch.optim.SGD(plain.parameters(), lr=0.5, momentum=0.9)
+    batches = _batches(6)
+    for i in range(0, 6, 2):  # accumulation over two micro-batches, then the user's clip, then the step
+        for m, o in ((model, opt), (plain, ref)):
+            o.zero_grad()
+            for x, y in batches[i:i + 2]:
+                _loss(m(x), y).backward()
+        norms = clip(model), clip(plain)
+        if how != "clip_grad_value_":
+            assert norms[1] > 0.05 and torch.equal(norms[0], norms[1])  # clipping changes this step
+        opt.step()
+        ref.step()
+        for a, b in zip(model.parameters(), plain.parameters()):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_model_zero_grad_clears_the_offloaded_gradients_as_the_standard_loop_does(set_to_none):
+    """model.zero_grad() found no device gradient to clear (they wait on the host), so every step used the sum of
+    all the steps' gradients: silently not the standard loop."""
+    model = _gpt()
+    plain = copy.deepcopy(model)
+    opt = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.SGD, lr=0.5)
+    ref = torch.optim.SGD(plain.parameters(), lr=0.5)
+    for x, y in _batches(3):
+        for m, o in ((model, opt), (plain, ref)):
+            m.zero_grad(set_to_none=set_to_none)
+            _loss(m(x), y).backward()
+            o.step()
+        for a, b in zip(model.parameters(), plain.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_a_norm_of_no_gradients_while_they_wait_on_the_host_raises_and_remove_restores_torchs_clipping():
+    model = _gpt()
+    opt = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    x, y = _batches(1)[0]
+    _loss(model(x), y).backward()
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
+        with pytest.raises(InvalidInputError, match=r"get_total_norm: got no gradients, but .* host memory"):
+            torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    opt.step()
+    opt.zero_grad()
+    opt.remove()  # no more offloading: gradients stay on the device and torch clips them there
+    _loss(model(x), y).backward()
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9) > 0
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_scheduler_param_groups_and_state_dict_round_trip():
     model = _gpt()
     plain = copy.deepcopy(model)

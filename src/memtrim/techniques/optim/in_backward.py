@@ -68,6 +68,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ...errors import InvalidInputError, MemtrimStateError, OptimizerInBackwardError
 from ...measure import hooks as measure_hooks
+from .held_elsewhere import holder_of, holders_with_gradients
 from .wrapping import WrappedOptimizerView
 
 __all__ = ["OptimizerInBackward", "OptimizerInBackwardError"]
@@ -294,7 +295,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._init_step_state()
         raw = getattr(type(optimizer).step, "__wrapped__", None)  # the step without hooks and profiler records
         self._raw_step = raw if raw is not None else type(optimizer).step
-        _install_clip_guard()
+        install_clip_guard()
         _WRAPPERS.add(self)
         self._build_buckets()
         self._serial = 0  # counts zero_grad() calls: which open step a graph was built in
@@ -1259,6 +1260,11 @@ def _check_clip(parameters: Any, name: str, option: str) -> Any:
         wrapper = owner() if owner is not None else None
         if wrapper is not None and wrapper._open and param.grad is None and id(param) in wrapper._stepped:
             raise _clip_error(name, option)
+    if any(holder_of(p) is not None for p in params):  # NOTE [ gradients held elsewhere ]: clip where they are
+        moved = [p if (holder := holder_of(p)) is None else holder for p in params]
+        if isinstance(parameters, torch.Tensor):
+            return moved[0]
+        return (p for p in moved) if isinstance(parameters, types.GeneratorType) else moved
     return parameters
 
 
@@ -1288,6 +1294,13 @@ def _check_total_norm(tensors: Any, name: str, option: str) -> Any:
         for wrapper in list(_WRAPPERS):
             if wrapper._open and wrapper._updated_in_backward and wrapper._thread == thread:
                 raise _clip_error(name, option)
+        if holders_with_gradients():
+            raise InvalidInputError(
+                f"torch.nn.utils.{name}: got no gradients, but gradients of this model wait in host memory "
+                "(memtrim.CPUOffloadOptimizer moves each one there as soon as it is ready), so the norm would be "
+                "0.0. Pass the parameters to clip_grad_norm_(model.parameters(), max_norm) (it clips the host "
+                f"copies in their place), or the host copies' gradients: [h.grad for h in opt.host_parameters()]."
+            )
     return tensors
 
 
@@ -1321,7 +1334,9 @@ def _guarded(inner: Callable, name: str, option: str, argument: str) -> Callable
     return guarded
 
 
-def _install_clip_guard() -> None:
+def install_clip_guard() -> None:
+    """Put the guard into torch.nn.utils' clipping functions (once; see the comment above ``_WRAPPERS``). Called by
+    every wrapper whose gradients torch's clipping would not find where it looks (this one, CPUOffloadOptimizer)."""
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
 

@@ -10,8 +10,10 @@ to the device parameters stay valid). The host copies are made in the parameters
 optimizer's arithmetic on the host's kernels. Where host and device are one (a CPU model), that is the same
 arithmetic as the standard loop, bitwise (tests); on a GPU it is the CPU kernel's rounding (``numerics="tolerance"``).
 ``param_groups``, ``state`` and ``state_dict`` are the host optimizer's, so LR schedulers work on this object.
-Gradient accumulation works (hooks add into the host gradient); clipping by norm must use ``clip_grad_norm_`` on
-``host_parameters()`` after backward.
+Gradient accumulation works (hooks add into the host gradient). ``torch.nn.utils.clip_grad_norm_`` (and
+``clip_grad_value_``) on the device parameters clips their host copies' gradients in their place, and
+``model.zero_grad()`` clears them, as in the standard loop (NOTE [ gradients held elsewhere ] in
+memtrim/techniques/optim/held_elsewhere.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any
 import torch
 
 from ...errors import InvalidInputError
+from ..optim.held_elsewhere import hold_gradient_elsewhere
+from ..optim.in_backward import install_clip_guard
 from ..optim.wrapping import WrappedOptimizerView
 
 _API = "memtrim.CPUOffloadOptimizer"
@@ -113,6 +117,8 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         except BaseException:
             for handle in self._handles[handles:]:
                 handle.remove()
+            for device_param, _ in self._pairs[pairs:]:
+                hold_gradient_elsewhere(device_param, None)
             del self._handles[handles:], self._pairs[pairs:]
             raise
 
@@ -137,6 +143,8 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         self._pairs.append((param, host))
         if self.offload_gradients and param.requires_grad:
             self._handles.append(param.register_post_accumulate_grad_hook(_GradToHost(weakref.ref(self), host)))
+            hold_gradient_elsewhere(param, host)  # torch's clipping and model.zero_grad() reach it there
+            install_clip_guard()
         return host
 
     @property
@@ -188,6 +196,8 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for device_param, _ in self._pairs:
+            hold_gradient_elsewhere(device_param, None)
 
 
 def _described(value: Any) -> str:

@@ -1,0 +1,74 @@
+"""Gradients that a wrapper keeps in another tensor's ``.grad`` (``CPUOffloadOptimizer``: its host copies).
+
+NOTE [ gradients held elsewhere ]
+A wrapper that moves each gradient off its parameter as soon as autograd accumulates it registers the parameter
+here with the tensor now holding its gradient (:func:`hold_gradient_elsewhere`). The standard loop's own calls then
+reach the gradient where it is, as they reach ``param.grad`` without the wrapper:
+
+* ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` on the parameters clip the holders in their place (the
+  clip guard of :mod:`memtrim.techniques.optim.in_backward` asks :func:`holder_of`): the same norm over the same
+  values, scaling the gradients the step will use. Without it they found no gradient, returned 0.0 and clipped
+  nothing.
+* ``model.zero_grad()`` clears the holders of the model's parameters too (``nn.Module.zero_grad`` is wrapped while
+  any parameter is registered). Without it the device gradients it would clear were already gone, the host ones
+  stayed, and the next step used the sum of every step's gradients.
+
+Not seen: a hand-written ``param.grad = None`` (no hook exists for it): use ``opt.zero_grad()`` or
+``model.zero_grad()`` with such a wrapper.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["hold_gradient_elsewhere", "holder_of", "holders_with_gradients"]
+
+_HOLDERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> the tensor whose .grad is its gradient
+_original_zero_grad: Any = None
+
+
+def hold_gradient_elsewhere(param: torch.Tensor, holder: torch.Tensor | None) -> None:
+    """From now on ``param``'s gradient lands in ``holder.grad`` (``holder`` None: on ``param`` again). See
+    NOTE [ gradients held elsewhere ]."""
+    if holder is None:
+        _HOLDERS.pop(param, None)
+        return
+    _HOLDERS[param] = holder
+    _install_zero_grad_guard()
+
+
+def holder_of(param: Any) -> torch.Tensor | None:
+    """The tensor holding ``param``'s gradient in its place (None where ``param`` holds its own, or has one now)."""
+    if not _HOLDERS or not isinstance(param, torch.Tensor) or param.grad is not None:
+        return None
+    return _HOLDERS.get(param)
+
+
+def holders_with_gradients() -> bool:
+    """Whether some registered parameter's gradient waits in its holder now."""
+    return any(holder.grad is not None and param.grad is None for param, holder in list(_HOLDERS.items()))
+
+
+def _install_zero_grad_guard() -> None:
+    global _original_zero_grad
+    if _original_zero_grad is not None:
+        return
+    _original_zero_grad = original = torch.nn.Module.zero_grad
+
+    def zero_grad(self: torch.nn.Module, set_to_none: bool = True) -> None:
+        original(self, set_to_none)
+        if not _HOLDERS:
+            return
+        for param in self.parameters():
+            holder = _HOLDERS.get(param)
+            if holder is not None and holder.grad is not None:
+                if set_to_none:
+                    holder.grad = None
+                else:
+                    holder.grad.detach_().zero_()  # as nn.Module.zero_grad does to a gradient it keeps
+
+    zero_grad.__doc__ = original.__doc__
+    torch.nn.Module.zero_grad = zero_grad  # type: ignore[method-assign]
