@@ -188,6 +188,26 @@ def test_a_cuda_plan_made_on_a_cpu_machine_can_put_optimizer_state_on_the_host()
         assert any("traced with CPU kernels" in n for n in plans.notes)
 
 
+def test_a_cuda_plan_made_on_a_cpu_machine_can_offload_activations_and_a_cpu_plan_says_why_not():
+    torch.manual_seed(0)
+    model = SmallGPT(GPTConfig(n_layer=2, d_model=64, n_head=4, seq_len=64, vocab_size=64))
+    x = y = torch.randint(0, 64, (16, 64))  # the MLP's (16, 64, 256) float32 tensors: 1 MiB, offloading's threshold
+    plans = memtrim.plan(model, x, _gpt_loss, _adamw, targets=y, budget=1 << 40, device="cuda",
+                         techniques=["checkpoint", "offload"])
+    by = {p.techniques: p for p in plans.all}
+    assert set(by) == {(), ("checkpoint",), ("offload",), ("checkpoint", "offload")}
+    plain, off = by[()], by[("offload",)]
+    assert off.numerics == "bitwise" and off.time_ratio > 1  # the copies out and back cost time
+    # each block's two 1 MiB MLP tensors (fc's output, kept by GELU, and GELU's, kept by proj) wait on the host; the
+    # peak is in the last block's backward, whose own are back on the device: the first block's two are what it saves
+    assert off.peak_bytes == plain.peak_bytes - 2 * (1 << 20)
+    assert by[("checkpoint", "offload")].peak_bytes <= by[("checkpoint",)].peak_bytes
+    on_cpu = memtrim.plan(model, x, _gpt_loss, _adamw, targets=y, budget=1 << 40, device="cpu",
+                          techniques=["checkpoint", "offload"])
+    assert {p.techniques for p in on_cpu.all} == {(), ("checkpoint",)}
+    assert any(n.startswith("offload: left out; on cpu host memory is the device's") for n in on_cpu.notes)
+
+
 class _DictOut(torch.nn.Module):
     def __init__(self):
         super().__init__()

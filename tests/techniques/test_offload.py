@@ -89,3 +89,33 @@ def test_the_copy_out_copy_back_path_is_bitwise(dropout):
     assert hooks.offloaded_bytes > 0
     for (name, a), b in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+def test_a_prediction_on_fake_tensors_moves_what_autograd_keeps_to_meta_and_back_in_backward():
+    """memtrim.plan predicts offloading on fake CPU tensors standing in for an accelerator's: saved tensors wait on
+    "meta" (no allocation), so the device holds no activation between forward and backward, and backward gets copies."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+        x = torch.randn(32, 64)
+        for min_bytes in (0, 1 << 30):
+            with memtrim.track(model) as tracker:
+                doubled = x * 2  # the first Linear's saved input: a tensor made inside, so a copy frees it
+                before = tracker.live_bytes("cpu")
+                with memtrim.OffloadActivations(min_bytes=min_bytes, include_cpu=True, host="meta") as hooks:
+                    out = model(doubled)
+                    del doubled
+                left = tracker.live_bytes("cpu") - before  # what the forward leaves on the device
+                waiting = tracker.live_bytes("meta")
+                out.sum().backward()
+            output, relu, first_input = 32 * 64 * 4, 32 * 256 * 4, 32 * 64 * 4
+            if min_bytes == 0:  # ReLU's output is saved twice (by the ReLU and by the second Linear): two copies
+                moved = 2 * relu + first_input
+                assert (left, waiting, hooks.offloaded_bytes) == (output - first_input, moved, moved)
+            else:  # nothing is that large: all stays on the device
+                assert (left, waiting, hooks.offloaded_bytes) == (output + relu, 0, 0)
+            assert all(p.grad is not None and p.grad.device.type == "cpu" for p in model.parameters())
+            model.zero_grad()
+    with pytest.raises(InvalidInputError, match="host must be 'cpu'"):
+        memtrim.OffloadActivations(host="cuda")

@@ -392,3 +392,119 @@ def test_wrappers_refuse_copies_with_a_message(build, copier):
         opt = memtrim.CPUOffloadOptimizer(model.parameters())
     with pytest.raises(MemtrimError, match="state_dict"):
         copier(opt)
+
+
+def test_parameters_changed_outside_the_optimizer_are_stepped_from_their_new_values():
+    """A resumed run builds the optimizer, then loads the model's checkpoint: the step updated the stale host copies and
+    wrote them back over the loaded weights, silently (so did torch.nn.init or a clamp under no_grad after building)."""
+    model, plain = _gpt(), _gpt()
+    opt = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    torch.manual_seed(5)
+    checkpoint = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    for m in (model, plain):
+        m.load_state_dict(checkpoint)
+    for x, y in _batches(3):
+        for m, o in ((model, opt), (plain, ref)):
+            o.zero_grad()
+            _loss(m(x), y).backward()
+            o.step()
+            with torch.no_grad():
+                m.head.weight.clamp_(-0.05, 0.05)
+        for a, b in zip(model.parameters(), plain.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_a_parameter_converted_after_building_raises():
+    model = _gpt()
+    opt = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=False)
+    model.double()
+    x, y = _batches(1)[0]
+    _loss(model(x), y).backward()
+    with pytest.raises(MemtrimError, match=r"changed from torch.float32 .* to torch.float64 .* Build the optimizer"):
+        opt.step()
+
+
+@pytest.mark.parametrize("case", ["frozen when built", "offload_gradients=False"])
+def test_model_zero_grad_clears_every_gradient_that_reached_the_host(case):
+    """A gradient that reached the host at step() (a parameter frozen when the wrapper was built, or
+    offload_gradients=False) was not cleared by model.zero_grad(): the next step used the sum of both."""
+    model = _gpt()
+    plain = copy.deepcopy(model)
+    if case == "frozen when built":
+        model.head.requires_grad_(False)
+    opt = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.SGD, lr=0.5,
+                                      offload_gradients=case != "offload_gradients=False")
+    ref = torch.optim.SGD(plain.parameters(), lr=0.5)
+    model.head.requires_grad_(True)
+    for x, y in _batches(3):
+        for m, o in ((model, opt), (plain, ref)):
+            m.zero_grad()
+            _loss(m(x), y).backward()
+            o.step()
+        for a, b in zip(model.parameters(), plain.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_gradients_kept_on_the_device_reach_grad_scaler_and_clipping_through_param_groups():
+    """offload_gradients=False: GradScaler.unscale_(opt) and a clip over opt.param_groups read the host copies, which
+    had no gradient yet (torch's "No inf checks were recorded" assertion; a clip that clipped nothing)."""
+    model = _gpt()
+    plain = copy.deepcopy(model)
+    opt = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, offload_gradients=False)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    for x, y in _batches(3):
+        norms = []
+        for m, o, scaler in ((model, opt, scalers[0]), (plain, ref, scalers[1])):
+            o.zero_grad()
+            scaler.scale(_loss(m(x), y)).backward()
+            scaler.unscale_(o)
+            norms.append(torch.nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], 0.05))
+            scaler.step(o)
+            scaler.update()
+        assert norms[1] > 0.05 and torch.equal(norms[0], norms[1])
+        for a, b in zip(model.parameters(), plain.parameters()):
+            assert torch.equal(a, b)
+
+
+def _plan(*techniques):
+    from memtrim.planner.api import Plan
+    return Plan(techniques, 0, {}, "optimizer", 1.0, "bitwise", True)
+
+
+def test_plan_offload_state_goes_on_from_the_optimizers_state_and_refuses_a_scheduler_built_on_it():
+    """apply() replaced a stepped AdamW by a CPUOffloadOptimizer with no state (moments and step count from zero), and a
+    scheduler built on the old one went on scheduling it: both silently not the standard loop."""
+    model, plain = _gpt(), _gpt()
+    opt, ref = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    batches = _batches(4)
+    for i, (x, y) in enumerate(batches):
+        if i == 2:
+            model, opt = _plan("offload_state").apply(model, opt)
+        for m, o in ((model, opt), (plain, ref)):
+            o.zero_grad()
+            _loss(m(x), y).backward()
+            o.step()
+        for a, b in zip(model.parameters(), plain.parameters()):
+            assert torch.equal(a, b)
+    opt.remove()
+    model = _gpt()
+    opt = torch.optim.AdamW(model.parameters())
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+    for technique in ("offload_state", "state_8bit"):
+        with pytest.raises(MemtrimError, match=r"an LR scheduler was built on it .* then build the scheduler"):
+            _plan(technique).apply(model, opt)
+
+
+@pytest.mark.parametrize("case", ["maximize", "stepped"])
+def test_plan_low_bit_state_refuses_what_it_would_drop(case):
+    model = _gpt()
+    opt = torch.optim.AdamW(model.parameters(), maximize=case == "maximize")
+    if case == "stepped":
+        x, y = _batches(1)[0]
+        _loss(model(x), y).backward()
+        opt.step()
+    match = "without amsgrad or maximize" if case == "maximize" else "has state already"
+    with pytest.raises(MemtrimError, match=match):
+        _plan("checkpoint", "state_4bit").apply(model, opt)

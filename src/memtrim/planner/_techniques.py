@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import MemtrimStateError
 from ..techniques.checkpoint import checkpoint_modules
 from ..techniques.offload import offload_module
 from ..techniques.optim import OptimizerInBackward
@@ -102,11 +103,25 @@ def _in_backward(**options: Any) -> Callable[[Applied], list[str]]:
     return apply
 
 
+def _check_replaceable(optimizer: torch.optim.Optimizer, technique: str) -> None:
+    """A technique that trains with a new optimizer in place of ``optimizer`` cannot take over an LR scheduler built
+    on it: the scheduler would go on setting the old one's learning rates, silently unused."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):  # torch's LRScheduler marks the step it wraps
+        raise MemtrimStateError(
+            f"memtrim.Plan.apply: {technique} trains with a new optimizer in place of this "
+            f"{type(optimizer).__name__}, but an LR scheduler was built on it and would go on scheduling the old one. "
+            "Apply the plan first, then build the scheduler on the optimizer apply() returns."
+        )
+
+
 def _offload_state(applied: Applied) -> list[str]:
     optimizer = applied.optimizer
+    _check_replaceable(optimizer, "offload_state")
     groups = [dict(group) for group in optimizer.param_groups]  # every option of each group, with its params
     applied.optimizer = CPUOffloadOptimizer(groups, type(optimizer), host=applied.host)
     applied._undo.append(applied.optimizer.remove)
+    if optimizer.state:  # an optimizer that has stepped (or loaded a checkpoint) goes on from its state
+        applied.optimizer.load_state_dict(optimizer.state_dict())
     return [f"{type(optimizer).__name__} state and gradients in host memory"]
 
 
@@ -117,9 +132,17 @@ def _low_bit(bits: int) -> Callable[[Applied], list[str]]:
     def apply(applied: Applied) -> list[str]:
         optimizer = applied.optimizer
         if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam) or any(
-                g.get("amsgrad") or (type(optimizer) is torch.optim.Adam and g["weight_decay"])
+                g.get("amsgrad") or g.get("maximize") or (type(optimizer) is torch.optim.Adam and g["weight_decay"])
                 for g in optimizer.param_groups):
-            raise NotApplicable("low-bit state replaces AdamW (or Adam without weight decay), without amsgrad")
+            raise NotApplicable("low-bit state replaces AdamW (or Adam without weight decay), without amsgrad or "
+                                "maximize")
+        _check_replaceable(optimizer, f"state_{bits}bit" if bits != 16 else "state_bf16")
+        if optimizer.state:
+            raise MemtrimStateError(
+                f"memtrim.Plan.apply: the low-bit state replaces this {type(optimizer).__name__}, which has state "
+                "already (it has stepped, or loaded a checkpoint) that LowBitAdamW would start again from zero. "
+                "Apply the plan to the optimizer before training."
+            )
         groups = [{k: g[k] for k in ("params", "lr", "betas", "eps", "weight_decay")} for g in optimizer.param_groups]
         applied.optimizer = LowBitAdamW(groups, bits=bits)
         return [f"AdamW state in {_STATE_FORMAT[bits]}"]
@@ -128,7 +151,10 @@ def _low_bit(bits: int) -> Callable[[Applied], list[str]]:
 
 
 def _offload(applied: Applied) -> list[str]:
-    handle = offload_module(applied.model)
+    if applied.host == "meta":  # a prediction, traced on this machine's device for an accelerator target
+        handle = offload_module(applied.model, include_cpu=True, host="meta")
+    else:
+        handle = offload_module(applied.model)
     applied._undo.append(handle.remove)
     return [handle.note]
 

@@ -58,8 +58,10 @@ class StepTrace:
 
 
 class _CostMode(TorchDispatchMode):
-    """Counts floating-point operations (torch's own flop formulas) and bytes read and written by every op, apart
-    for ops on ``host`` (in a prediction the offloaded state's fake device) and copies between host and device."""
+    """Counts floating-point operations (torch's own flop formulas) and bytes read and written by every op but views,
+    apart for ops on ``host`` (in a prediction the offloaded state's fake device) and copies between host and device.
+    Views are left out: they move nothing, and hooks that alias a saved tensor (the tracker's) would otherwise count
+    as traffic that a plan whose own hooks replace them (offloading) seems to save."""
 
     def __init__(self, host: str) -> None:
         super().__init__()
@@ -69,6 +71,8 @@ class _CostMode(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if getattr(func, "is_view", False):  # a view (t, transpose, detach...) moves no data and does no work
+            return out
         tensors = [t for t in (*tensors_in((args, kwargs)), *tensors_in(out)) if t.layout is torch.strided]
         on_host = [t.device.type == self.host for t in tensors]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)

@@ -84,8 +84,18 @@ class Plan:
         the pair to train with (the optimizer may be an :class:`~memtrim.OptimizerInBackward`, a
         :class:`~memtrim.CPUOffloadOptimizer` or a :class:`~memtrim.LowBitAdamW`)."""
         applied = Applied(model, optimizer)
-        for name in self.techniques:
-            TECHNIQUES[name].apply(applied)
+        try:
+            for name in self.techniques:
+                try:
+                    TECHNIQUES[name].apply(applied)
+                except NotApplicable as e:
+                    raise InvalidInputError(
+                        f"{_API}: Plan.apply: {name} does not apply to this model and optimizer ({e}); plan with the "
+                        "model and optimizer you train with."
+                    ) from None
+        except BaseException:
+            applied.undo()  # the techniques applied before the one that failed: the model is as it was given
+            raise
         return applied.model, applied.optimizer
 
 
@@ -363,13 +373,10 @@ def _usable(names: list[str], dev: torch.device, depth: int | None, notes: list[
     if depth is not None:
         notes.append(f"peaks extrapolated linearly from traces with 2 and 3 blocks to {depth} blocks")
     out = list(names)
-    if "offload" in out:
-        out.remove("offload")
-        notes.append("offload: left out; the planner does not model offloaded activations yet: apply "
-                     "memtrim.offload_module by hand")
-    if "offload_state" in out and dev.type in ("cpu", "meta"):
-        out.remove("offload_state")
-        notes.append(f"offload_state: left out; on {dev.type} host memory is the device's")
+    for name in ("offload", "offload_state"):
+        if name in out and dev.type in ("cpu", "meta"):
+            out.remove(name)
+            notes.append(f"{name}: left out; on {dev.type} host memory is the device's")
     return out
 
 

@@ -5,10 +5,13 @@ Between forward and backward, autograd keeps the tensors each op saved. ``Offloa
 ``torch.autograd.graph.saved_tensors_hooks`` subclass, as torchtune's ``OffloadActivations``) packs every saved
 tensor that lives on an accelerator and is at least ``min_bytes`` into host memory, and unpacks it back onto its
 device when backward needs it. The copy is exact, so training is bitwise the same. Parameters (and any leaf that
-requires grad) are never copied: they stay on the device anyway. On CUDA the device-to-host copy runs on a side
-stream into pinned memory, ordered after the op that made the tensor; ``record_stream`` keeps the device block
-from reuse until the copy is done, and the copy back waits for that copy's event. On a machine without an
-accelerator host memory is device memory: nothing is moved and ``OffloadHandle.note`` says so.
+requires grad), and views of them (``nn.Linear`` saves ``weight.t()``), are never copied: they stay on the device
+anyway. A tensor saved by two ops (ReLU's output, kept by the ReLU and by the next Linear) is copied twice. On
+CUDA the device-to-host copy runs on a side stream into pinned memory, ordered after the op that made the tensor;
+``record_stream`` keeps the device block from reuse until the copy is done, and the copy back waits for that copy's
+event. On a machine without an accelerator host memory is device memory: nothing is moved and
+``OffloadHandle.note`` says so. ``memtrim.plan`` predicts offloading on fake tensors with ``host="meta"``: the copies
+are made (on no memory) and counted, and the device's bytes are what remain.
 Like torch's ``save_on_cpu``, the hooks see only what ``save_for_backward`` keeps, not attributes a custom Function
 sets on ``ctx``. ``torch.func`` transforms and a compiled backward refuse saved-tensor hooks: offload outside them.
 """
@@ -39,6 +42,13 @@ class _Offloaded:
         self.event = event
 
 
+def _views_a_parameter(tensor: torch.Tensor) -> bool:
+    """A view of a parameter (``nn.Linear`` saves ``weight.t()``): it stays on the device with the parameter, so a host
+    copy would free nothing and add a device copy in backward."""
+    base = tensor._base
+    return base is not None and (isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad))
+
+
 class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """Context manager: tensors autograd saves inside it wait in host memory until backward.
 
@@ -47,6 +57,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         pin_memory: copy into pinned host memory (faster, asynchronous copies); ignored without an accelerator.
         include_cpu: copy CPU tensors too (into new CPU tensors: no saving, the same copy-out/copy-back path; for
             checking that path on a machine without an accelerator).
+        host: where saved tensors wait: ``"cpu"`` (the default), or ``"meta"`` for a prediction that allocates
+            nothing (``memtrim.plan`` traces a step on fake tensors; the tensors then have no values to keep).
 
     Attributes:
         offloaded_bytes: bytes moved to the host since the context was made.
@@ -58,9 +70,18 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         loss.backward()   # outside the context is fine: unpacking needs no hooks
     """
 
-    def __init__(self, *, min_bytes: int = 1 << 20, pin_memory: bool = True, include_cpu: bool = False) -> None:
+    def __init__(self, *, min_bytes: int = 1 << 20, pin_memory: bool = True, include_cpu: bool = False,
+                 host: str | torch.device = "cpu") -> None:
         if not isinstance(min_bytes, int) or isinstance(min_bytes, bool) or min_bytes < 0:
             raise InvalidInputError(f"memtrim.OffloadActivations: min_bytes must be an int >= 0, got {min_bytes!r}.")
+        try:
+            self.host = torch.device(host)
+        except (RuntimeError, TypeError, ValueError) as e:
+            raise InvalidInputError(f"memtrim.OffloadActivations: cannot read the host device {host!r} ({e}).") from e
+        if self.host.type not in ("cpu", "meta"):
+            raise InvalidInputError(
+                f"memtrim.OffloadActivations: host must be 'cpu' (or 'meta' for a prediction), got {host!r}."
+            )
         self.min_bytes = min_bytes
         self.pin_memory = pin_memory
         self.include_cpu = include_cpu
@@ -80,9 +101,13 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             or tensor.layout is not torch.strided
             or (tensor.is_leaf and tensor.requires_grad)
             or isinstance(tensor, nn.Parameter)
+            or _views_a_parameter(tensor)
             or tensor.numel() * tensor.element_size() < self.min_bytes
         ):
             return tensor
+        if self.host.type == "meta":  # a prediction: the copy out (and back, in _unpack) is what it counts
+            self.offloaded_bytes += tensor.numel() * tensor.element_size()
+            return _Offloaded(tensor.to("meta"), device, None)
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin_memory and device.type == "cuda")
         event = None
         if device.type == "cuda":
@@ -116,6 +141,7 @@ class OffloadHandle:
     min_bytes: int
     note: str
     _model: nn.Module | None = field(default=None, repr=False)
+    _options: dict[str, Any] = field(default_factory=dict, repr=False)  # OffloadActivations' other options
 
     def remove(self) -> None:
         """Undo: the model's forward no longer offloads (a second call does nothing)."""
@@ -128,17 +154,20 @@ class OffloadHandle:
 
 def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     handle: OffloadHandle = self.__dict__[_MARK]
-    with OffloadActivations(min_bytes=handle.min_bytes):
+    with OffloadActivations(min_bytes=handle.min_bytes, **handle._options):
         return type(self).forward(self, *args, **kwargs)
 
 
-def offload_module(model: nn.Module, *, min_bytes: int = 1 << 20) -> OffloadHandle:
+def offload_module(model: nn.Module, *, min_bytes: int = 1 << 20, include_cpu: bool = False,
+                   host: str | torch.device = "cpu") -> OffloadHandle:
     """Offload what ``model``'s forward saves for backward to host memory (NOTE [ offloading saved tensors ]), in
     place; bitwise the same training.
 
     Args:
         model: the module whose forward is wrapped (its parameters are never copied).
         min_bytes: saved tensors smaller than this stay on the device.
+        include_cpu, host: as :class:`OffloadActivations`' (a model on the CPU standing in for an accelerator's,
+            tensors waiting on ``"meta"``: how ``memtrim.plan`` predicts offloading on fake tensors).
 
     Returns:
         An :class:`OffloadHandle`; ``note`` says what will happen on this model's device (nothing on a CPU model).
@@ -149,7 +178,7 @@ def offload_module(model: nn.Module, *, min_bytes: int = 1 << 20) -> OffloadHand
     """
     if not isinstance(model, nn.Module):
         raise InvalidInputError(f"{_API}: model must be a torch.nn.Module, got {type(model).__name__}.")
-    OffloadActivations(min_bytes=min_bytes)  # validates
+    OffloadActivations(min_bytes=min_bytes, include_cpu=include_cpu, host=host)  # validates
     if _MARK in model.__dict__ or "forward" in model.__dict__:
         raise MemtrimStateError(
             f"{_API}: the model already has a forward set on the instance (offloaded or checkpointed already). "
@@ -158,10 +187,11 @@ def offload_module(model: nn.Module, *, min_bytes: int = 1 << 20) -> OffloadHand
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     note = (
         f"saved tensors of at least {min_bytes} B go to pinned host memory"
-        if device.type not in ("cpu", "meta")
+        if device.type not in ("cpu", "meta") or include_cpu
         else "the model is on the host already (no accelerator): nothing is moved and nothing is saved"
     )
-    handle = OffloadHandle(min_bytes=min_bytes, note=note, _model=model)
+    handle = OffloadHandle(min_bytes=min_bytes, note=note, _model=model,
+                           _options={"include_cpu": include_cpu, "host": host})
     model.forward = types.MethodType(_offloaded_forward, model)
     model.__dict__[_MARK] = handle
     return handle

@@ -13,7 +13,21 @@ arithmetic as the standard loop, bitwise (tests); on a GPU it is the CPU kernel'
 Gradient accumulation works (hooks add into the host gradient). ``torch.nn.utils.clip_grad_norm_`` (and
 ``clip_grad_value_``) on the device parameters clips their host copies' gradients in their place, and
 ``model.zero_grad()`` clears them, as in the standard loop (NOTE [ gradients held elsewhere ] in
-memtrim/techniques/optim/held_elsewhere.py).
+memtrim/techniques/optim/held_elsewhere.py); so for every parameter, also one frozen when the wrapper was built (its
+gradient reaches the host at ``step()``) and with ``offload_gradients=False``.
+
+The device parameters may change outside the optimizer between steps, as they may in the standard loop:
+``model.load_state_dict(...)`` after building the optimizer (a resumed run), ``torch.nn.init``, a clamp under
+``torch.no_grad()``. ``step()`` sees it in the parameter's version counter (or its storage, for ``p.data = t``) and
+copies the parameter to its host copy before stepping; without that the step updated the stale host copy and wrote
+it back over the change. An in-place change through ``p.data`` (``p.data.clamp_(...)``) bumps no counter torch
+keeps and is not seen: write it under ``torch.no_grad()`` on ``p`` itself. A parameter whose dtype or shape changed
+(``model.to(torch.bfloat16)`` after building the optimizer) raises: build the optimizer after converting the model.
+
+With ``offload_gradients=False`` the gradients wait on the device, but code that reads them through
+``opt.param_groups`` (``GradScaler.unscale_(opt)``, ``clip_grad_norm_`` over the groups' params, a grad-norm log)
+reads the host copies: reading ``param_groups`` moves the waiting gradients there first. Without it the scaler
+found no gradient (torch's "No inf checks were recorded" assertion) and such a clip clipped nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ...errors import InvalidInputError
+from ...errors import InvalidInputError, MemtrimStateError
 from ..optim.held_elsewhere import hold_gradient_elsewhere
 from ..optim.in_backward import install_clip_guard
 from ..optim.wrapping import WrappedOptimizerView
@@ -82,6 +96,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
             raise InvalidInputError(f"{_API}: cannot read the host device {host!r} ({e}).") from e
         self.offload_gradients = offload_gradients
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device parameter, host copy)
+        self._synced: dict[int, tuple[int, int]] = {}  # id(device parameter) -> its (version, data_ptr) as copied
         self._handles: list[Any] = []
         self.optimizer = self._rolled_back_on_error(lambda: optimizer_class([self._host_group(g) for g in groups],
                                                                              **kwargs))
@@ -137,15 +152,38 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
             )
         pin = param.device.type == "cuda" and self.host.type == "cpu"
         host = torch.empty(param.shape, dtype=param.dtype, device=self.host, pin_memory=pin)
-        if self.host.type != "meta":
+        if self.host.type != "meta":  # a prediction (fake parameters): nothing to copy, no storage to follow
             host.copy_(param.detach())
+            self._synced[id(param)] = _version(param)
         host.requires_grad_(param.requires_grad)
         self._pairs.append((param, host))
         if self.offload_gradients and param.requires_grad:
             self._handles.append(param.register_post_accumulate_grad_hook(_GradToHost(weakref.ref(self), host)))
-            hold_gradient_elsewhere(param, host)  # torch's clipping and model.zero_grad() reach it there
-            install_clip_guard()
+        # every gradient ends on the host (at step() where no hook moved it): torch's clipping and
+        # model.zero_grad() reach it there
+        hold_gradient_elsewhere(param, host)
+        install_clip_guard()
         return host
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The host optimizer's ``param_groups`` (read and set through to it); their params are the host copies, so
+        gradients still on the device move to them first (NOTE [ offloaded optimizer state ])."""
+        if not self.offload_gradients:
+            self._gradients_to_host()
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @torch.no_grad()
+    def _gradients_to_host(self) -> None:
+        for device_param, host_param in getattr(self, "_pairs", ()):
+            if device_param.grad is not None:
+                _check_unchanged_layout(device_param, host_param)
+                _add_grad(host_param, device_param.grad)
+                device_param.grad = None
 
     @property
     def state(self) -> Any:  # type: ignore[override]  # read-only: the host optimizer's, keyed by device params
@@ -165,13 +203,15 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         if any(p.device.type == "cuda" for p, _ in self._pairs):
             torch.cuda.synchronize()  # gradients copied to the host asynchronously have arrived
         for device_param, host_param in self._pairs:
-            if device_param.grad is not None:
-                _add_grad(host_param, device_param.grad)
-                device_param.grad = None
+            _check_unchanged_layout(device_param, host_param)
+            if self.host.type != "meta" and _version(device_param) != self._synced[id(device_param)]:
+                host_param.copy_(device_param)  # changed outside the optimizer (NOTE [ offloaded optimizer state ])
+        self._gradients_to_host()
         self.optimizer.step()
         if self.host.type != "meta":  # a prediction keeps the state on meta: nothing to copy back
             for device_param, host_param in self._pairs:
                 device_param.copy_(host_param, non_blocking=True)
+                self._synced[id(device_param)] = _version(device_param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients on the host and on the device."""
@@ -206,6 +246,20 @@ def _described(value: Any) -> str:
     return repr(value)
 
 
+def _version(param: torch.Tensor) -> tuple[int, int]:
+    """What changes when ``param`` is written in place (its version counter) or given new data (``p.data = t``)."""
+    return param._version, param.data_ptr()
+
+
+def _check_unchanged_layout(device_param: torch.Tensor, host_param: torch.Tensor) -> None:
+    if (device_param.dtype, device_param.shape) != (host_param.dtype, host_param.shape):
+        raise MemtrimStateError(
+            f"{_API}: a parameter changed from {host_param.dtype} {tuple(host_param.shape)} to {device_param.dtype} "
+            f"{tuple(device_param.shape)} after the optimizer was built (model.to(dtype) or a new p.data?); its host "
+            "copy and state are of the old one. Build the optimizer after converting the model."
+        )
+
+
 def _add_grad(host_param: torch.Tensor, grad: torch.Tensor) -> None:
     moved = grad.to(host_param.device, non_blocking=grad.device.type == "cuda")
     if host_param.grad is None:
@@ -226,6 +280,7 @@ class _GradToHost:
     def __call__(self, param: torch.Tensor) -> None:
         if self.owner() is None or param.grad is None:
             return
+        _check_unchanged_layout(param, self.host_param)
         with torch.no_grad():
             _add_grad(self.host_param, param.grad)
         param.grad = None
