@@ -3,10 +3,14 @@ steady-state AdamW step predicted on fake tensors vs measured by memtrim's track
 sweep (the chosen plan always fits when measured, and is never slower at a larger budget) and, for the HF Llama-7B
 plan, the time it takes and the depth extrapolation's error against full traces.
 
-Reproduce:  zoovenv/bin/python benchmarks/plan_accuracy.py --hf --parts accuracy,sweep
-            zoovenv/bin/python benchmarks/plan_accuracy.py --parts llama      (Llama-7B, timed: on an idle machine)
-            (zoovenv: the venv of benchmarks/convert_zoo.py, for transformers; without --hf and llama,
-            .venv/bin/python runs the small GPT, the ResNet-style CNN and the MobileNet-like net)
+Reproduce:  hfvenv/bin/python benchmarks/plan_accuracy.py --hf --parts accuracy,sweep
+            hfvenv/bin/python benchmarks/plan_accuracy.py --parts llama      (Llama-7B, timed: on an idle machine)
+            (hfvenv: CPU torch, transformers and memtrim, without torchvision, which transformers imports when it is
+            installed and which does not import beside CPU torch 2.13:
+                python3 -m venv hfvenv && hfvenv/bin/pip install torch==2.13.0 transformers && hfvenv/bin/pip
+                install -e .
+            without --hf and llama, .venv/bin/python runs the small GPT, the ResNet-style CNN and the MobileNet-like
+            net)
 Writes benchmarks/results/plan_accuracy_cpu.json. Memory only: no timings but the planner's own wall time.
 """
 
