@@ -110,8 +110,8 @@ def test_a_prediction_on_fake_tensors_moves_what_autograd_keeps_to_meta_and_back
                 waiting = tracker.live_bytes("meta")
                 out.sum().backward()
             output, relu, first_input = 32 * 64 * 4, 32 * 256 * 4, 32 * 64 * 4
-            if min_bytes == 0:  # ReLU's output is saved twice (by the ReLU and by the second Linear): two copies
-                moved = 2 * relu + first_input
+            if min_bytes == 0:  # ReLU's output is saved twice (by the ReLU and by the second Linear), copied once
+                moved = relu + first_input
                 assert (left, waiting, hooks.offloaded_bytes) == (output - first_input, moved, moved)
             else:  # nothing is that large: all stays on the device
                 assert (left, waiting, hooks.offloaded_bytes) == (output + relu, 0, 0)
@@ -119,3 +119,26 @@ def test_a_prediction_on_fake_tensors_moves_what_autograd_keeps_to_meta_and_back
             model.zero_grad()
     with pytest.raises(InvalidInputError, match="host must be 'cpu'"):
         memtrim.OffloadActivations(host="cuda")
+
+
+def test_a_tensor_saved_by_two_ops_is_copied_once_unless_changed_in_between():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    with memtrim.OffloadActivations(min_bytes=0, include_cpu=True) as hooks:
+        out = model(x)
+    # the batch (kept by the first Linear) and ReLU's output (kept by the ReLU and by the second Linear): once each
+    assert hooks.offloaded_bytes == x.nbytes + 4 * 16 * 4
+    out.sum().backward()
+    plain(x).sum().backward()
+    for a, b in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    a = torch.randn(4, 8, requires_grad=True)
+    with memtrim.OffloadActivations(min_bytes=0, include_cpu=True) as hooks:
+        t = a * 1
+        outputs = [t.sin()]  # keeps t (while its output's graph lives)
+        outputs.append(t.cos())  # keeps the same t: no second copy
+        t.add_(1)  # new values in the same storage and view
+        outputs.append(t.sin())  # keeps the changed t: a copy of its own
+    assert hooks.offloaded_bytes == 2 * t.nbytes and len(outputs) == 3

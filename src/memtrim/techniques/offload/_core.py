@@ -6,7 +6,8 @@ Between forward and backward, autograd keeps the tensors each op saved. ``Offloa
 tensor that lives on an accelerator and is at least ``min_bytes`` into host memory, and unpacks it back onto its
 device when backward needs it. The copy is exact, so training is bitwise the same. Parameters (and any leaf that
 requires grad), and views of them (``nn.Linear`` saves ``weight.t()``), are never copied: they stay on the device
-anyway. A tensor saved by two ops (ReLU's output, kept by the ReLU and by the next Linear) is copied twice. On
+anyway. A tensor saved by two ops (ReLU's output, kept by the ReLU and by the next Linear) is copied once: the same
+storage, view and version give the copy made already (a weak table: autograd's saved slots own the copies). On
 CUDA the device-to-host copy runs on a side stream into pinned memory, ordered after the op that made the tensor;
 ``record_stream`` keeps the device block from reuse until the copy is done, and the copy back waits for that copy's
 event. On a machine without an accelerator host memory is device memory: nothing is moved and
@@ -19,6 +20,7 @@ sets on ``ctx``. ``torch.func`` transforms and a compiled backward refuse saved-
 from __future__ import annotations
 
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +36,7 @@ _MARK = "_memtrim_offloaded"
 class _Offloaded:
     """A saved tensor waiting in host memory."""
 
-    __slots__ = ("host", "device", "event")
+    __slots__ = ("host", "device", "event", "__weakref__")
 
     def __init__(self, host: torch.Tensor, device: torch.device, event: Any) -> None:
         self.host = host
@@ -87,11 +89,18 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self.include_cpu = include_cpu
         self.offloaded_bytes = 0
         self._streams: dict[torch.device, Any] = {}
+        # a tensor saved by two ops (ReLU's output, by the ReLU and the next Linear) is copied once: its view and
+        # version -> (a weak reference to its storage, the version, the copy, held weakly: autograd holds it)
+        self._copies: dict[tuple[Any, ...], tuple[weakref.ref, int, weakref.ref]] = {}
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> OffloadActivations:  # type: ignore[override]  # torch's returns None
         super().__enter__()
         return self
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._copies.clear()  # what one block saved; a context entered again starts a new table
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         device = tensor.device
@@ -105,6 +114,18 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             or tensor.numel() * tensor.element_size() < self.min_bytes
         ):
             return tensor
+        storage = tensor.untyped_storage()
+        key = (id(storage), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        known = self._copies.get(key)
+        if known is not None and known[0]() is storage and known[1] == tensor._version:
+            copy = known[2]()
+            if copy is not None:  # the same values, copied already
+                return copy
+        packed = self._copy_out(tensor, device)
+        self._copies[key] = (weakref.ref(storage), tensor._version, weakref.ref(packed))
+        return packed
+
+    def _copy_out(self, tensor: torch.Tensor, device: torch.device) -> _Offloaded:
         if self.host.type == "meta":  # a prediction: the copy out (and back, in _unpack) is what it counts
             self.offloaded_bytes += tensor.numel() * tensor.element_size()
             return _Offloaded(tensor.to("meta"), device, None)
