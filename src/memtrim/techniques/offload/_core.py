@@ -7,7 +7,11 @@ tensor that lives on an accelerator and is at least ``min_bytes`` into host memo
 device when backward needs it. The copy is exact, so training is bitwise the same. Parameters (and any leaf that
 requires grad), and views of them (``nn.Linear`` saves ``weight.t()``), are never copied: they stay on the device
 anyway. A tensor saved by two ops (ReLU's output, kept by the ReLU and by the next Linear) is copied once: the same
-storage, view and version give the copy made already (a weak table: autograd's saved slots own the copies). On
+storage, view (conjugate and negative bits included) and version give the copy made already (a weak table:
+autograd's saved slots own the copies). A copy keeps the tensor's strides where it is dense (channels_last, a
+transpose): backward kernels choose by layout. Autograd skips its in-place check for hooked saved tensors, so
+``_unpack`` repeats it (``check_saved_version``) on what stays in place, on a copy whose tensor is alive, and on a
+copy whose tensor a later save found changed: what raises without offloading raises with it. On
 CUDA the device-to-host copy runs on a side stream into pinned memory, ordered after the op that made the tensor;
 ``record_stream`` keeps the device block from reuse until the copy is done, and the copy back waits for that copy's
 event. On a machine without an accelerator host memory is device memory: nothing is moved and
@@ -28,20 +32,37 @@ import torch
 from torch import nn
 
 from ...errors import InvalidInputError, MemtrimStateError
+from ...measure.hooks import check_saved_version
 
 _API = "memtrim.offload_module"
 _MARK = "_memtrim_offloaded"
 
 
 class _Offloaded:
-    """A saved tensor waiting in host memory."""
+    """A saved tensor waiting in host memory, with what autograd's in-place check needs: the version it was saved at
+    and a weak reference to the tensor (``version`` is None once a later save saw it changed in place)."""
 
-    __slots__ = ("host", "device", "event", "__weakref__")
+    __slots__ = ("host", "device", "event", "version", "tensor_ref", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, event: Any) -> None:
+    def __init__(self, host: torch.Tensor, device: torch.device, event: Any, tensor: torch.Tensor) -> None:
         self.host = host
         self.device = device
         self.event = event
+        self.version: int | None = tensor._version
+        self.tensor_ref = weakref.ref(tensor)
+
+
+class _Kept:
+    """A saved tensor left where it is: a detached alias (no cycle through its grad_fn) and its version."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor.detach()
+        self.version = tensor._version
+
+
+_WHO = "memtrim.OffloadActivations"
 
 
 def _views_a_parameter(tensor: torch.Tensor) -> bool:
@@ -113,14 +134,17 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             or _views_a_parameter(tensor)
             or tensor.numel() * tensor.element_size() < self.min_bytes
         ):
-            return tensor
+            return _Kept(tensor)  # autograd skips its in-place check under hooks: _unpack repeats it
         storage = tensor.untyped_storage()
-        key = (id(storage), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        key = (id(storage), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
+               tensor.is_conj(), tensor.is_neg())  # x.conj() is x's storage and view, with other values
         known = self._copies.get(key)
-        if known is not None and known[0]() is storage and known[1] == tensor._version:
+        if known is not None and known[0]() is storage:
             copy = known[2]()
-            if copy is not None:  # the same values, copied already
+            if copy is not None and known[1] == tensor._version:  # the same values, copied already
                 return copy
+            if copy is not None and _same_tensor(copy.tensor_ref(), tensor):
+                copy.version = None  # changed in place since it was saved: backward through it must raise
         packed = self._copy_out(tensor, device)
         self._copies[key] = (weakref.ref(storage), tensor._version, weakref.ref(packed))
         return packed
@@ -128,8 +152,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def _copy_out(self, tensor: torch.Tensor, device: torch.device) -> _Offloaded:
         if self.host.type == "meta":  # a prediction: the copy out (and back, in _unpack) is what it counts
             self.offloaded_bytes += tensor.numel() * tensor.element_size()
-            return _Offloaded(tensor.to("meta"), device, None)
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.pin_memory and device.type == "cuda")
+            return _Offloaded(tensor.to("meta"), device, None, tensor)
+        # the tensor's strides where it is dense (channels_last, a transpose): backward kernels pick their algorithm
+        # by layout, so a contiguous copy could change the gradients' bits
+        strides = torch.empty_like(tensor, device="meta").stride()
+        host = torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype,
+                                   pin_memory=self.pin_memory and device.type == "cuda")
         event = None
         if device.type == "cuda":
             stream = self._streams.get(device)
@@ -144,15 +172,32 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         else:
             host.copy_(tensor)
         self.offloaded_bytes += host.numel() * host.element_size()
-        return _Offloaded(host, device, event)
+        return _Offloaded(host, device, event, tensor)
 
     @staticmethod
     def _unpack(packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Offloaded):
-            return packed
+        if isinstance(packed, _Kept):
+            check_saved_version(packed.tensor, packed.version, _WHO)
+            return packed.tensor
+        tensor = packed.tensor_ref()
+        if packed.version is None:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation "
+                f"after {_WHO} copied it for backward. ({_WHO} repeats autograd's own check under its saved-tensor "
+                "hooks; the same code fails without memtrim.)"
+            )
+        if tensor is not None:
+            check_saved_version(tensor, packed.version, _WHO)
         if packed.event is not None:
             torch.cuda.current_stream(packed.device).wait_event(packed.event)
         return packed.host.to(packed.device, non_blocking=packed.host.is_pinned())
+
+
+def _same_tensor(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share a version counter: the same tensor, or views of the same base."""
+    if a is None:
+        return False
+    return a is b or (a if a._base is None else a._base) is (b if b._base is None else b._base)
 
 
 @dataclass

@@ -19,6 +19,7 @@ Not seen: a hand-written ``param.grad = None`` (no hook exists for it): use ``op
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -58,6 +59,7 @@ def _install_zero_grad_guard() -> None:
         return
     _original_zero_grad = original = torch.nn.Module.zero_grad
 
+    @functools.wraps(original)
     def zero_grad(self: torch.nn.Module, set_to_none: bool = True) -> None:
         original(self, set_to_none)
         if not _HOLDERS:
@@ -70,5 +72,4 @@ def _install_zero_grad_guard() -> None:
                 else:
                     holder.grad.detach_().zero_()  # as nn.Module.zero_grad does to a gradient it keeps
 
-    zero_grad.__doc__ = original.__doc__
     torch.nn.Module.zero_grad = zero_grad  # type: ignore[method-assign]
