@@ -39,6 +39,9 @@ def hold_gradient_elsewhere(param: torch.Tensor, holder: torch.Tensor | None) ->
         return
     _HOLDERS[param] = holder
     _install_zero_grad_guard()
+    from .in_backward import install_clip_guard  # in_backward's clip guard asks holder_of (it imports this module)
+
+    install_clip_guard()
 
 
 def holder_of(param: Any) -> torch.Tensor | None:

@@ -1336,7 +1336,8 @@ def _guarded(inner: Callable, name: str, option: str, argument: str) -> Callable
 
 def install_clip_guard() -> None:
     """Put the guard into torch.nn.utils' clipping functions (once; see the comment above ``_WRAPPERS``). Called by
-    every wrapper whose gradients torch's clipping would not find where it looks (this one, CPUOffloadOptimizer)."""
+    this wrapper and by ``held_elsewhere.hold_gradient_elsewhere``: wherever torch's clipping would not find the
+    gradients where it looks."""
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
 

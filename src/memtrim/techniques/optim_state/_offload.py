@@ -40,7 +40,6 @@ import torch
 
 from ...errors import InvalidInputError, MemtrimStateError
 from ..optim.held_elsewhere import hold_gradient_elsewhere
-from ..optim.in_backward import install_clip_guard
 from ..optim.wrapping import WrappedOptimizerView
 
 _API = "memtrim.CPUOffloadOptimizer"
@@ -162,7 +161,6 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         # every gradient ends on the host (at step() where no hook moved it): torch's clipping and
         # model.zero_grad() reach it there
         hold_gradient_elsewhere(param, host)
-        install_clip_guard()
         return host
 
     @property
