@@ -526,7 +526,7 @@ class Tracker:
 
     def _new_record(self, storage: torch.UntypedStorage, tensor: torch.Tensor, category: str, existed: bool) -> _Record:
         record = _Record(storage, _storage_died)
-        record.device = "cpu" if tensor.is_cpu else str(tensor.device)
+        record.device = _device_name(tensor)
         record.nbytes = nbytes = storage.nbytes()
         record.birth_category = record.category = category
         record.holds = 0
