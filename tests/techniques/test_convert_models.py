@@ -240,7 +240,10 @@ def test_torchvision_resnet_pattern_shared_relu_per_call_site(block, target):
                 for k in range(1 if block is TorchvisionBasicBlock else 2)]
     assert [c.modules[1] for c in per_site] == expected, str(report)
     assert type(converted.layer1[0].relu) is memtrim.techniques.recompute.PassThroughReLU
-    assert any(c.rule == "checkpoint_pointwise" and c.modules == ("maxpool",) for c in report.changes)
+    # the stem's pool (8 channels, 16x16 out of 32x32) keeps one-byte window offsets for its int64 indices
+    (pool,) = [c for c in report.changes if c.modules == ("maxpool",)]
+    assert pool.rule == "max_pool_offsets" and type(converted.maxpool) is memtrim.nn.MaxPool2d
+    assert pool.bytes_saved == 2 * 8 * 16 * 16 * (8 - 1)
     assert report.fraction_saved >= target, str(report)
     assert_equal_training(plain, converted, batch)
     _narrow_resnet(block, blocks).double().load_state_dict(converted.state_dict())

@@ -10,8 +10,12 @@ Matched on traced evidence (NOTE [ convert's evidence ]), never on class names:
   other call sites stay exactly torch's.
 * ``gated_mlp``: ``down(act(gate(x)) * up(x))`` in one call (Llama, Mistral, Qwen): ``act(g)`` and the product are
   rebuilt from ``g`` and ``u``, which stay kept.
+* ``max_pool_offsets``: torch's own ``nn.MaxPool2d`` becomes ``memtrim.nn.MaxPool2d``, which keeps each window's
+  argmax as a one-byte offset instead of an int64 index (NOTE [ compact max-pool indices ]): seven eighths of the
+  indices saved, without running the pool again.
 * ``checkpoint_pointwise``: a leaf call whose ops are pointwise in one input (HF ``NewGELUActivation``) or a max
-  pool (its int64 indices), keeping more than its input: the call is recomputed in backward (checkpoint).
+  pool in another module (its int64 indices), keeping more than its input: the call is recomputed in backward
+  (checkpoint).
 * ``activation_consumer``: an activation call (one pointwise input-keeping op, any class: HF ``ACT2FN``, timm's,
   torch's) whose output is kept only by later call sites (a Linear, HF ``Conv1D``, a convolution, a parent's
   ``F.linear`` or ``*``): the output is marked as the activation of its input and those sites keep the recipe.
@@ -27,6 +31,8 @@ from collections.abc import Iterator
 from torch import nn
 
 from ..norms import BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d
+from ..pooling import LIMITS as POOL_LIMITS
+from ..pooling import MaxPool2d, compactable, offset_dtype
 from ..recompute import (
     LIMITS,
     PassThroughReLU,
@@ -199,6 +205,45 @@ def gated_mlp(ctx: Context) -> Iterator[Candidate]:
                         limits=LIMITS["recompute_gated_mlp"], apply=apply)
 
 
+# ---------------------------------------------------------------------- max pools: compact indices, or checkpoint
+def _kept_inside(trace: ModelTrace, site: CallSite) -> int:
+    """Bytes that the calls of ``site``'s module make and keep for backward, other than their outputs."""
+    inner = 0
+    for s in trace.sites_of(site.path):
+        for key, record in trace.storages.items():
+            if (record.producer is not None and s.first_op <= record.producer < s.last_op
+                    and key not in s.outputs and record.holders
+                    and all(s.index in h.stack for h in record.holders)):
+                inner += record.nbytes
+    return inner
+
+
+@register_rule("max_pool_offsets")
+def max_pool_offsets(ctx: Context) -> Iterator[Candidate]:
+    """torch's own ``nn.MaxPool2d`` keeping int64 indices: swapped to ``memtrim.nn.MaxPool2d``, which keeps each
+    window's argmax as a small offset instead (NOTE [ compact max-pool indices ]). Other modules that pool are left to
+    ``checkpoint_pointwise``."""
+    done: set[int] = set()
+    for trace, site in ctx.undecided_sites(done):
+        module = site.module
+        if not trace.leaf(site) or not compactable(module):
+            continue
+        done.add(id(module))
+        if any(ctx.op_names(s) != ["max_pool2d_with_indices"] for s in trace.sites_of(site.path)):
+            continue
+        inner = _kept_inside(trace, site)  # the int64 indices of every call
+        if inner <= 0:
+            continue
+
+        def apply(module: nn.Module = module) -> Undo:
+            return class_swap(module, MaxPool2d)
+
+        size = offset_dtype(module).itemsize  # an offset per output element stays kept where the index was
+        yield Candidate((site.path,), type(module).__name__, f"memtrim.nn.MaxPool2d ({size}-byte window offsets)",
+                        reason="a max pool keeps int64 indices", targets=(module,),
+                        expected_bytes=inner - inner // 8 * size, limits=POOL_LIMITS, apply=apply)
+
+
 # ---------------------------------------------------------------------- pointwise modules and pools: checkpoint
 @register_rule("checkpoint_pointwise")
 def checkpoint_pointwise(ctx: Context) -> Iterator[Candidate]:
@@ -218,13 +263,7 @@ def checkpoint_pointwise(ctx: Context) -> Iterator[Candidate]:
             continue
         if any(ctx.op_names(s) != names for s in trace.sites_of(site.path)):
             continue
-        inner = 0
-        for s in trace.sites_of(site.path):
-            for key, record in trace.storages.items():
-                if (record.producer is not None and s.first_op <= record.producer < s.last_op
-                        and key not in s.outputs and record.holders
-                        and all(s.index in h.stack for h in record.holders)):
-                    inner += record.nbytes
+        inner = _kept_inside(trace, site)
         if inner <= 0:
             continue
         hooks = ctx.user_hooks(module)

@@ -1,0 +1,131 @@
+"""Max pooling that keeps each window's argmax as a one-byte offset instead of an int64 index.
+
+NOTE [ compact max-pool indices ]
+torch's 2-D max pool keeps its input and an int64 index per output element (the flat position ``h * W + w`` of the
+window's maximum in the input plane) for backward: with a 3x3 window the indices take twice the output's float32
+bytes. The position is always one of the ``kH * kW`` window cells, so an offset in the window identifies it: one
+byte for windows up to 256 cells. The forward runs torch's own kernel, then encodes
+
+    offset = inverse[index - base]          base[oh, ow] = (oh * sH - pH) * W + (ow * sW - pW)
+
+(``index - base`` is ``i * dH * W + j * dW`` for the window cell (i, j), and ``inverse`` maps it back to
+``i * kW + j``); backward decodes ``index = deltas[offset] + base`` with ``deltas[i * kW + j] = i * dH * W + j * dW``
+and calls torch's own backward kernel with it. Two cells of one window may give the same ``index - base`` only when
+they are the same input position (a kernel wider than the input), so the round trip is exact and the gradients are
+bitwise torch's. Encoding is two passes over the output's int64 indices and decoding three, where the alternative
+that keeps no indices at all (recompute the pool in backward) runs the whole pool again, a window's worth of reads
+per output element. The tables are a few small ops per call, never cached (a tracker or a fake-tensor mode sees
+them as any op's). Double backward works (the backward is torch's differentiable op). Under torch.compile and
+torch.func, with grad off or with an input that needs no gradient, the pool is torch's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeGuard
+
+import torch
+from torch import nn
+from torch.nn.modules.utils import _pair
+
+from ..guards import plain_only
+
+__all__ = ["LIMITS", "MaxPool2d", "compactable", "max_pool2d", "offset_dtype"]
+
+LIMITS = (
+    "the window's argmax is kept as its cell in the window (one byte up to 256 cells) and decoded in backward "
+    "(bitwise); double backward exact",
+    "steps aside under torch.compile and torch.func",
+)
+"""What convert's report says about a compact max pool (``Change.limits``)."""
+
+_aten = torch.ops.aten
+
+
+def _dtype(cells: int) -> torch.dtype:
+    return torch.uint8 if cells <= 256 else torch.int16 if cells <= 2 ** 15 else torch.int32
+
+
+def offset_dtype(module: nn.MaxPool2d) -> torch.dtype:
+    """The dtype of the offsets ``module`` keeps once compact: uint8 for windows up to 256 cells."""
+    kernel = _pair(module.kernel_size)
+    return _dtype(kernel[0] * kernel[1])
+
+
+def _grid(rows: int, cols: int, row_step: int, col_step: int, width: int, start: tuple[int, int],
+          device: torch.device) -> torch.Tensor:
+    """``(start[0] + i * row_step) * width + start[1] + j * col_step`` for i < rows, j < cols: flat positions in a
+    plane ``width`` wide."""
+    r = (torch.arange(rows, device=device) * row_step + start[0]) * width
+    c = torch.arange(cols, device=device) * col_step + start[1]
+    return r.view(-1, 1) + c.view(1, -1)
+
+
+def _tables(in_hw: tuple[int, int], out_hw: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int],
+            padding: tuple[int, int], dilation: tuple[int, int],
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(base, inverse, deltas) of NOTE [ compact max-pool indices ] for one geometry: built on the device at each
+    call (a few small ops, no host copy), never cached, so a tracker or fake-tensor mode sees them as any op's."""
+    width = in_hw[1]
+    base = _grid(*out_hw, *stride, width, (-padding[0], -padding[1]), device)
+    deltas = _grid(*kernel, *dilation, width, (0, 0), device).flatten()
+    dtype = _dtype(deltas.numel())
+    inverse = torch.zeros(kernel[0] * dilation[0] * width + kernel[1] * dilation[1], dtype=dtype, device=device)
+    inverse[deltas] = torch.arange(deltas.numel(), device=device).to(dtype)
+    return base, inverse, deltas
+
+
+class _CompactMaxPool2d(torch.autograd.Function):
+    """torch's max_pool2d_with_indices forward and backward; the indices kept as window offsets in between."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, kernel: tuple[int, int], stride: tuple[int, int],
+                padding: tuple[int, int], dilation: tuple[int, int], ceil_mode: bool) -> torch.Tensor:
+        out, index = _aten.max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil_mode)
+        geometry = ((x.shape[-2], x.shape[-1]), (out.shape[-2], out.shape[-1]), kernel, stride, padding, dilation,
+                    x.device)
+        base, inverse, _ = _tables(*geometry)
+        offsets = torch.take(inverse, index - base)
+        ctx.save_for_backward(x, offsets)
+        ctx.geometry, ctx.ceil_mode = geometry, ceil_mode
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, offsets = ctx.saved_tensors
+        base, _, deltas = _tables(*ctx.geometry)
+        index = torch.index_select(deltas, 0, offsets.flatten().int()).view(offsets.shape) + base
+        _, _, kernel, stride, padding, dilation, _ = ctx.geometry
+        grad_x = _aten.max_pool2d_with_indices_backward(grad, x, kernel, stride, padding, dilation, ctx.ceil_mode,
+                                                        index)
+        return grad_x, None, None, None, None, None
+
+
+def max_pool2d(x: torch.Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
+               ceil_mode: bool = False, return_indices: bool = False) -> Any:
+    """``torch.nn.functional.max_pool2d`` keeping one byte per output element for backward instead of eight (NOTE
+    [ compact max-pool indices ]); the same output and bitwise the same gradients. Torch's own op where nothing is
+    kept (grad off, ``x`` needs no gradient), with ``return_indices=True`` (the caller keeps the indices then) and
+    under torch.compile and torch.func."""
+    stride = kernel_size if stride is None or stride == [] else stride  # torch's default, and nn.MaxPool2d's
+    if return_indices or not (torch.is_grad_enabled() and x.requires_grad) or plain_only():
+        return nn.functional.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
+                                        return_indices=return_indices)  # type: ignore[call-overload]
+    pairs = [tuple(_pair(v)) for v in (kernel_size, stride, padding, dilation)]
+    return _CompactMaxPool2d.apply(x, *pairs, bool(ceil_mode))
+
+
+class MaxPool2d(nn.MaxPool2d):
+    """``nn.MaxPool2d`` keeping one byte per output element for backward instead of an int64 index (NOTE [ compact
+    max-pool indices ]): the same output and bitwise the same gradients; torch's own forward with
+    ``return_indices=True`` (the caller keeps the indices then)."""
+
+    def forward(self, input: torch.Tensor) -> Any:
+        """The pooled ``input`` (and its indices with ``return_indices=True``, by torch's forward)."""
+        return max_pool2d(input, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
+                          self.return_indices)
+
+
+def compactable(module: nn.Module) -> TypeGuard[nn.MaxPool2d]:
+    """Whether ``module`` is exactly an ``nn.MaxPool2d`` (torch's class and forward) not returning its indices: the
+    pools :func:`memtrim.convert` swaps to :class:`MaxPool2d`."""
+    return type(module) is nn.MaxPool2d and "forward" not in module.__dict__ and not module.return_indices

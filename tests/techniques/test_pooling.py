@@ -1,0 +1,141 @@
+"""Compact max-pool indices (NOTE [ compact max-pool indices ]): torch's output and gradients bitwise, one byte kept per
+output element where torch keeps eight, torch's own op wherever nothing is kept."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import memtrim
+from memtrim.functional import max_pool2d
+
+# (input shape, kernel, stride, padding, dilation, ceil_mode)
+GEOMETRIES = [
+    ((2, 3, 17, 17), 3, 2, 1, 1, False),  # the ResNet stem's pool
+    ((2, 3, 16, 16), 2, 2, 0, 1, False),
+    ((1, 2, 13, 11), (3, 2), (2, 1), (1, 0), (2, 3), True),  # non-square, dilated, ceil mode
+    ((1, 2, 2, 2), 3, 1, 1, 1, False),  # a window wider than the input: two cells, one input position
+    ((3, 9, 9), 3, 3, 0, 1, True),  # unbatched
+    ((1, 1, 20, 20), 17, 1, 8, 1, False),  # 289 cells: int16 offsets
+]
+
+
+def _pair(x: torch.Tensor, geometry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output, gradient) of torch's pool and of memtrim's on the same input and upstream gradient."""
+    _, kernel, stride, padding, dilation, ceil = geometry
+    results = []
+    for pool in (nn.functional.max_pool2d, max_pool2d):
+        leaf = x.detach().clone().requires_grad_()
+        out = pool(leaf * 1, kernel, stride, padding, dilation, ceil_mode=ceil)
+        upstream = torch.arange(out.numel(), dtype=x.dtype).view(out.shape).sin()
+        out.backward(upstream)
+        results += [out, leaf.grad]
+    return tuple(results)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g[0])) + f"_k{g[1]}")
+def test_output_and_gradient_are_torchs_bitwise(geometry):
+    torch.manual_seed(0)
+    x = torch.randn(geometry[0])
+    x.view(-1)[::5] = 0.5  # ties inside windows: torch's kernel picks the first, decoded back the same
+    x.view(-1)[3] = float("-inf")
+    plain_out, plain_grad, out, grad = _pair(x, geometry)
+    assert torch.equal(out, plain_out)
+    assert torch.equal(grad, plain_grad)
+
+
+def test_channels_last_and_float64_are_bitwise():
+    x = torch.randn(2, 4, 15, 15, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    plain_out, plain_grad, out, grad = _pair(x, ((), 3, 2, 1, 1, False))
+    assert torch.equal(out, plain_out) and torch.equal(grad, plain_grad)
+
+
+def _saved_bytes(fn, x: torch.Tensor) -> list[tuple[str, int]]:
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fn(x)
+    return sorted((str(t.dtype), t.nbytes) for t in saved)
+
+
+def test_keeps_one_byte_per_output_element_where_torch_keeps_eight():
+    x = torch.randn(2, 8, 32, 32, requires_grad=True)
+    outputs = 2 * 8 * 16 * 16
+    plain = _saved_bytes(lambda t: nn.functional.max_pool2d(t, 3, 2, 1), x)
+    compact = _saved_bytes(lambda t: max_pool2d(t, 3, 2, 1), x)
+    assert plain == sorted([("torch.float32", x.nbytes), ("torch.int64", 8 * outputs)])
+    assert compact == sorted([("torch.float32", x.nbytes), ("torch.uint8", outputs)])
+
+
+def test_double_backward_is_torchs():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    results = []
+    for pool in (nn.functional.max_pool2d, max_pool2d):
+        leaf = x.clone().requires_grad_()
+        (g,) = torch.autograd.grad(pool(leaf * leaf, 3, 2, 1).square().sum(), leaf, create_graph=True)
+        (gg,) = torch.autograd.grad(g.sin().sum(), leaf)
+        results.append((g.detach(), gg))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_torchs_own_op_where_nothing_is_kept():
+    x = torch.randn(1, 2, 8, 8)
+    assert max_pool2d(x, 2).grad_fn is None
+    with torch.no_grad():
+        assert max_pool2d(x.requires_grad_(), 2).grad_fn is None
+    grad = torch.func.grad(lambda t: max_pool2d(t, 3, 2, 1).square().sum())(x.detach())
+    expected = torch.func.grad(lambda t: nn.functional.max_pool2d(t, 3, 2, 1).square().sum())(x.detach())
+    assert torch.equal(grad, expected)
+
+
+def test_in_place_change_of_the_input_raises_as_torch_does():
+    x = torch.randn(1, 2, 8, 8, requires_grad=True)
+    y = x * 1
+    out = max_pool2d(y, 2)
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_module_form_is_torchs_pool_and_copies():
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 9, 9)
+    pool = memtrim.nn.MaxPool2d(3, 2, 1)
+    for clone in (pool, copy.deepcopy(pool), pickle.loads(pickle.dumps(pool))):
+        leaf = x.clone().requires_grad_()
+        out = clone(leaf)
+        assert type(out.grad_fn).__name__ == "_CompactMaxPool2dBackward"
+        out.backward(torch.ones_like(out))
+        expected = x.clone().requires_grad_()
+        nn.MaxPool2d(3, 2, 1)(expected).sum().backward()
+        assert torch.equal(leaf.grad, expected.grad)
+    # with return_indices the caller keeps the indices: torch's forward, its (output, indices) pair
+    out, indices = memtrim.nn.MaxPool2d(3, 2, 1, return_indices=True)(x)
+    assert torch.equal(indices, nn.functional.max_pool2d(x, 3, 2, 1, return_indices=True)[1])
+
+
+def test_convert_swaps_only_torchs_own_max_pool():
+    class OwnForward(nn.MaxPool2d):
+        def forward(self, input):
+            return nn.functional.max_pool2d(input, self.kernel_size)
+
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.MaxPool2d(2), nn.Conv2d(4, 4, 3), OwnForward(2), nn.Flatten())
+    model, report = memtrim.convert(model, example_inputs=torch.randn(2, 1, 20, 20))
+    assert type(model[1]) is memtrim.nn.MaxPool2d
+    # a pool with its own forward is recomputed in backward instead (torch's checkpoint of the call)
+    assert type(model[3]) is OwnForward
+    assert [(c.modules, c.rule) for c in report.changes] == [(("1",), "max_pool_offsets"),
+                                                             (("3",), "checkpoint_pointwise")]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("geometry", GEOMETRIES[:3], ids=["stem", "k2", "dilated"])
+def test_on_cuda_output_and_gradient_are_torchs_bitwise(geometry):
+    torch.manual_seed(0)
+    plain_out, plain_grad, out, grad = _pair(torch.randn(geometry[0], device="cuda"), geometry)
+    assert torch.equal(out, plain_out) and torch.equal(grad, plain_grad)
