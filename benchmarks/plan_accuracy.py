@@ -9,8 +9,8 @@ Reproduce:  hfvenv/bin/python benchmarks/plan_accuracy.py --hf --parts accuracy,
             installed and which does not import beside CPU torch 2.13:
                 python3 -m venv hfvenv && hfvenv/bin/pip install torch==2.13.0 transformers && hfvenv/bin/pip
                 install -e .
-            without --hf and llama, .venv/bin/python runs the small GPT, the ResNet-style CNN and the MobileNet-like
-            net)
+            without --hf and llama, .venv/bin/python runs the small GPT (also converted by memtrim.convert), the
+            ResNet-style CNN and the MobileNet-like net)
 Writes benchmarks/results/plan_accuracy_cpu.json. Memory only: no timings but the planner's own wall time.
 """
 
@@ -43,6 +43,20 @@ def _hf_loss(out, _):
     return out.loss
 
 
+def _converted_gpt(tokens: torch.Tensor) -> torch.nn.Module:
+    """The small GPT after memtrim.convert, its norms trained-looking (4 features per LayerNorm with a tiny gamma and
+    a large beta keep their input): a model passed itself, whose norm weights the trace knows (NOTE [ known
+    values ])."""
+    torch.manual_seed(0)
+    model = SmallGPT(GPTConfig(n_layer=4, d_model=256, n_head=4, seq_len=128))
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight[:4] = 1e-4
+                module.bias[:4] = 2.0
+    return memtrim.convert(model, example_inputs=(tokens,))[0]
+
+
 def workloads(hf: bool) -> dict:
     torch.manual_seed(0)
     tokens = torch.randint(0, 256, (8, 128))
@@ -55,6 +69,8 @@ def workloads(hf: bool) -> dict:
         "MobileNet-like conv net with BatchNorm (batch 8, 64x64)": (
             MobileNetLike, torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,)), F.cross_entropy),
     }
+    out["small GPT converted by memtrim.convert, trained-looking norms (passed itself)"] = (
+        _converted_gpt(tokens), tokens, tokens, _gpt_loss)
     if hf:
         from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -309,3 +309,39 @@ def test_hf_llama_plans_equal_the_measured_peaks_byte_for_byte():
     for p in plans.all:
         measured = trace_step(factory, batch, None, loss, _adamw, [TECHNIQUES[n] for n in p.techniques], fake=False)
         assert (p.techniques, p.peak_bytes) == (p.techniques, measured.report.peak_bytes)
+
+
+def _converted_gpt_with_trained_norms():
+    # trained-looking norms: a few features with a tiny gamma and a large beta keep their input (NOTE [ when a norm
+    # keeps its input ]), so the trace must know how many from the weights
+    model = _gpt()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight[:3] = 1e-4
+                module.bias[:3] = 2.0
+    x, _ = _batch()
+    model, report = memtrim.convert(model, example_inputs=(x,))
+    assert any(isinstance(m, memtrim.nn.LayerNorm) for m in model.modules()), str(report)
+    return model
+
+
+@pytest.mark.parametrize("combo", [(), ("checkpoint",), ("selective", "in_backward")])
+def test_a_converted_model_plans_byte_for_byte(combo):
+    # its norms choose per feature from gamma and beta: a fake trace of the model itself knows those values
+    model = _converted_gpt_with_trained_norms()
+    kept = memtrim.techniques.norms._kernels.keep_input_features
+    assert all(kept(m.weight, m.bias).numel() == 3 for m in model.modules() if isinstance(m, memtrim.nn.LayerNorm))
+    x, y = _batch()
+    techniques = [TECHNIQUES[n] for n in combo]
+    predicted = trace_step(model, x, y, _gpt_loss, _adamw, techniques).report
+    measured = trace_step(model, x, y, _gpt_loss, _adamw, techniques, fake=False).report
+    assert dict(predicted.peak_by_category) == dict(measured.peak_by_category)
+    unconverted = trace_step(_gpt(), x, y, _gpt_loss, _adamw, techniques).report
+    assert predicted.peak_bytes != unconverted.peak_bytes  # the converted norms were traced as converted
+
+
+def test_a_factory_of_a_converted_model_raises_naming_the_values_it_lacks():
+    x, y = _batch()
+    with pytest.raises(InvalidInputError, match="reads values that a fake trace does not have.*Pass the model itself"):
+        memtrim.plan(_converted_gpt_with_trained_norms, x, _gpt_loss, _adamw, targets=y, budget=1 << 40)

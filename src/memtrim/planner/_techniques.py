@@ -1,9 +1,9 @@
 """The techniques a plan can combine: each applies memtrim's own technique to a (model, optimizer) pair.
 
 Every technique here keeps training bitwise equal to the standard loop, but ``offload_state`` (the host's kernels:
-``tolerance``) and the low-bit states (``changed``). ``memtrim.convert`` is not among them yet:
-its rebuilt norms choose per feature from the weight values, which fake tensors do not have (NOTE [ predicting a
-step ]); convert a model first and plan the converted model.
+``tolerance``) and the low-bit states (``changed``). ``memtrim.convert`` is not among them yet: convert a model
+first and plan the converted model itself (its norms choose per feature from gamma and beta, whose values a trace
+of a given model knows: NOTE [ known values ]).
 """
 
 from __future__ import annotations

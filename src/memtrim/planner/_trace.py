@@ -143,11 +143,13 @@ def _fake_copy(mode: Any, values: KnownValues, value: Any) -> Any:
 
 def _fake_copy_of(model: nn.Module, mode: Any, values: KnownValues) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are fake (the memo hands them to deepcopy: no weight is
-    copied), the buffers with their values (NOTE [ known values ]). Made outside the mode, which refuses real
-    tensors."""
+    copied), the buffers and the vector parameters with their values (NOTE [ known values ]). Made outside the mode,
+    which refuses real tensors."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
         memo[id(p)] = nn.Parameter(mode.from_tensor(p), requires_grad=p.requires_grad)
+        if p.dim() <= 1:  # norm weights and biases: decisions made from them see the values as given
+            values.add(memo[id(p)], p, pinned=True)
     for b in model.buffers():
         memo[id(b)] = _fake(mode, values, b)
     return copy.deepcopy(model, memo)

@@ -10,14 +10,18 @@ sequence and keeps a packed-sequence mask, ``create_causal_mask`` then builds th
 was over-predicted by exactly those copies (1,048,576 B of 95,765,924 B in ``benchmarks/plan_accuracy.py``).
 
 :class:`KnownValues` sits just above ``FakeTensorMode`` and gives a fake tensor a value wherever one can be
-computed without the weights' data: the example batch and a copied model's buffers (given by the caller), the
-outputs of ops with no tensor argument (``arange``, ``ones``...), and the outputs of every op whose tensor arguments
-all have values. The op runs for real on those values (on the CPU whatever the fake device, Python dispatch and
-autocast off), after the fake op, and only when each output's storage is at most ``LIMIT`` bytes: a trace allocates
-position ids and masks, never a tensor the size of a weight matrix or an activation. An op that draws random
-numbers gives no value (running it would also move the caller's generator). An op that writes an argument with
-something it cannot compute (another argument has no value) makes that argument's value stale, with every view of
-it (they share the value's storage). An op that fails on the values leaves its outputs without one.
+computed without the weights' data: the example batch and a copied model's buffers and vector parameters (given by
+the caller), the outputs of ops with no tensor argument (``arange``, ``ones``...), and the outputs of every op whose
+tensor arguments all have values. The op runs for real on those values (on the CPU whatever the fake device, Python
+dispatch and autocast off), after the fake op, and only when each output's storage is at most ``LIMIT`` bytes: a
+trace allocates position ids and masks, never a tensor the size of a weight matrix or an activation. An op that
+draws random numbers gives no value (running it would also move the caller's generator). An op that writes an
+argument with something it cannot compute (another argument has no value) makes that argument's value stale, with
+every view of it (they share the value's storage), but for a *pinned* value: a copied model's vector parameters
+(norm weights and biases) keep their values through the optimizer's gradient steps, so that code deciding from them
+(memtrim's converted norms choose per feature which keep their input, NOTE [ when a norm keeps its input ]) decides
+as on the weights as given. An op whose output shape depends on values (``nonzero``) gets fake outputs of the
+shapes its values give. An op that fails on the values leaves its outputs without one.
 
 An op that returns no tensor (``aten._local_scalar_dense``, behind ``bool`` and ``item``) is answered from the
 values when all its tensor arguments have one; otherwise it goes to ``FakeTensorMode``, which raises as before.
@@ -33,7 +37,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -69,11 +73,16 @@ class KnownValues(TorchDispatchMode):
         super().__init__()
         self._values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # fake tensor -> its value (a real CPU tensor)
         self._stale: set[StorageWeakRef] = set()  # value storages an op overwrote with what it could not compute
+        self._pinned: set[StorageWeakRef] = set()  # value storages that writes without a value leave as they are
 
-    def add(self, fake: torch.Tensor, real: torch.Tensor) -> None:
-        """Give ``fake`` the value of ``real`` (copied), when it is small enough."""
-        if _small(real):
-            self._values[fake] = real.detach().to("cpu", copy=True)
+    def add(self, fake: torch.Tensor, real: torch.Tensor, *, pinned: bool = False) -> None:
+        """Give ``fake`` the value of ``real`` (copied), when it is small enough. ``pinned``: an op that writes
+        ``fake`` with something it cannot compute leaves the value as it was instead of dropping it (a parameter's
+        value as given, through the optimizer's steps: NOTE [ known values ])."""
+        if _small(real) and not real.is_meta and not isinstance(real, torch._subclasses.FakeTensor):  # no data
+            value = self._values[fake] = real.detach().to("cpu", copy=True)
+            if pinned:
+                self._pinned.add(StorageWeakRef(value.untyped_storage()))
 
     def value(self, t: torch.Tensor) -> torch.Tensor | None:
         """The value of ``t``: itself when it is a plain real tensor, None for a fake tensor whose value is not known
@@ -105,6 +114,10 @@ class KnownValues(TorchDispatchMode):
                 with contextlib.suppress(Exception):
                     return self._run(func, args, kwargs)  # a scalar read from the values, as the real run reads it
             raise
+        except DynamicOutputShapeException:  # nonzero and the like: the shape the values give
+            if not (knowable and tensors):
+                raise
+            return self._shaped_by_values(func, args, kwargs, tensors[0].device)
         fakes = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if knowable and (fakes or mutable) and all(_small(t) for t in fakes):
             try:
@@ -119,6 +132,18 @@ class KnownValues(TorchDispatchMode):
             self._written(func, args, kwargs)
         return out
 
+    def _shaped_by_values(self, func: Any, args: Any, kwargs: dict[str, Any], device: torch.device) -> Any:
+        """An op whose output shape depends on its arguments' values, run on the values: fake outputs of the real
+        outputs' shapes (made by the fake mode below), each with its value."""
+        real = self._run(func, args, kwargs)
+
+        def fake(r: torch.Tensor) -> torch.Tensor:
+            t = torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=device)
+            self._values[t] = r
+            return t
+
+        return tree_map_only(torch.Tensor, fake, real)
+
     def _written(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Make stale the values of the arguments ``func`` wrote without a value computed for them."""
         for i, argument in enumerate(func._schema.arguments):
@@ -127,7 +152,7 @@ class KnownValues(TorchDispatchMode):
             given = kwargs.get(argument.name) if argument.kwarg_only or i >= len(args) else args[i]
             for t in tree_leaves(given):
                 v = self.value(t) if isinstance(t, torch._subclasses.FakeTensor) else None
-                if v is not None:
+                if v is not None and StorageWeakRef(v.untyped_storage()) not in self._pinned:
                     self._stale.add(StorageWeakRef(v.untyped_storage()))
 
 

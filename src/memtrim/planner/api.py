@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from .._signatures import accepts
 from ..errors import InvalidInputError, MemtrimError, PlanError
@@ -295,6 +296,13 @@ def plan(
                     continue
                 if isinstance(e, MemtrimError):
                     raise
+                if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)):
+                    raise InvalidInputError(
+                        f"{_API}: the training step reads values that a fake trace does not have ({message}). A "
+                        "trace knows the example batch, buffers and, for a model passed itself (not a factory), its "
+                        "vector parameters (memtrim.convert's norms decide from those); not a weight matrix, nor "
+                        "anything a factory initialised. Pass the model itself, or plan the model before converting."
+                    ) from e
                 # the user's own step fails: a wrong model, factory, input, loss or optimizer
                 raise InvalidInputError(
                     f"{_API}: the plain training step failed when traced on fake tensors: {type(e).__name__}: "

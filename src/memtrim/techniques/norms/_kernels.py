@@ -24,8 +24,11 @@ _CONSTANTS: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = Or
 
 
 def zeros_and_ones(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeros and ones shaped like ``like``, kept for the :data:`CACHE_SIZE` most recently used shapes."""
-    key = (tuple(like.shape), like.dtype, like.device)
+    """Zeros and ones shaped like ``like``, kept for the :data:`CACHE_SIZE` most recently used shapes. A fake
+    ``like`` (a planner's trace) gets its fake mode's own: a fake tensor must never reach a real run, nor another
+    trace's mode (an entry holds its mode, so the mode's ``id`` is not reused while the entry lives)."""
+    mode = getattr(like, "fake_mode", None)
+    key = (tuple(like.shape), like.dtype, like.device, None if mode is None else id(mode))
     found = _CONSTANTS.get(key)
     if found is None:
         found = _CONSTANTS[key] = (torch.zeros_like(like), torch.ones_like(like))
