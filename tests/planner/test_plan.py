@@ -345,3 +345,15 @@ def test_a_factory_of_a_converted_model_raises_naming_the_values_it_lacks():
     x, y = _batch()
     with pytest.raises(InvalidInputError, match="reads values that a fake trace does not have.*Pass the model itself"):
         memtrim.plan(_converted_gpt_with_trained_norms, x, _gpt_loss, _adamw, targets=y, budget=1 << 40)
+
+
+def test_a_converted_batchnorm_elu_raises_saying_it_decides_from_activations():
+    # its kept channels depend on the output's values (NOTE [ when a norm keeps its input ]): no trace has them
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 1, 12, 12), torch.randint(0, 10, (4,))
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ELU(),
+                                torch.nn.Conv2d(4, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 8 * 8, 10))
+    model, report = memtrim.convert(model, example_inputs=(x,))
+    assert report.changes, str(report)
+    with pytest.raises(InvalidInputError, match="BatchNorm\\+ELU decides from its output"):
+        memtrim.plan(model, x, F.cross_entropy, _adamw, targets=y, budget=1 << 40, techniques=[])

@@ -300,8 +300,10 @@ def plan(
                     raise InvalidInputError(
                         f"{_API}: the training step reads values that a fake trace does not have ({message}). A "
                         "trace knows the example batch, buffers and, for a model passed itself (not a factory), its "
-                        "vector parameters (memtrim.convert's norms decide from those); not a weight matrix, nor "
-                        "anything a factory initialised. Pass the model itself, or plan the model before converting."
+                        "vector parameters (memtrim.convert's LayerNorm, RMSNorm and BatchNorm+LeakyReLU decide "
+                        "from those); not a weight matrix, anything a factory initialised, nor activations "
+                        "(memtrim's BatchNorm+ELU decides from its output). Pass the model itself, or plan the "
+                        "model before converting it."
                     ) from e
                 # the user's own step fails: a wrong model, factory, input, loss or optimizer
                 raise InvalidInputError(
