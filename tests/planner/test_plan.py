@@ -357,3 +357,51 @@ def test_a_converted_batchnorm_elu_raises_saying_it_decides_from_activations():
     assert report.changes, str(report)
     with pytest.raises(InvalidInputError, match="BatchNorm\\+ELU decides from its output"):
         memtrim.plan(model, x, F.cross_entropy, _adamw, targets=y, budget=1 << 40, techniques=[])
+
+
+class _BranchesOnScale(torch.nn.Module):
+    def __init__(self, trainable: bool):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 64)
+        self.scale = torch.nn.Parameter(torch.tensor([1e-4]), requires_grad=trainable)
+
+    def forward(self, x):
+        h = self.embed(x)
+        return self.head(h * self.scale if self.scale.item() > 0 else h - self.scale)
+
+
+def test_a_branch_on_a_parameter_the_step_moves_raises_and_a_frozen_one_is_exact():
+    # the trace knows a vector parameter as given; after the optimizer's step (values unknown) the real run may take
+    # the other branch (one AdamW step moves 1e-4 across 0), so reading it raises instead of guessing
+    x = torch.randint(0, 32, (2, 16))
+    with pytest.raises(DataDependentOutputException):
+        trace_step(_BranchesOnScale(True), x, x, _gpt_loss, _adamw, [])
+    predicted = trace_step(_BranchesOnScale(False), x, x, _gpt_loss, _adamw, []).report
+    measured = trace_step(_BranchesOnScale(False), x, x, _gpt_loss, _adamw, [], fake=False).report
+    assert predicted.peak_bytes == measured.peak_bytes
+
+
+def test_a_converted_models_plan_says_its_norms_decided_from_the_weights_as_given():
+    x, y = _batch()
+    trace = trace_step(_converted_gpt_with_trained_norms(), x, y, _gpt_loss, _adamw, [])
+    assert any("shape decisions made from vector parameters as given" in n for n in trace.notes), trace.notes
+    assert not any("as given" in n for n in trace_step(_gpt(), x, y, _gpt_loss, _adamw, []).notes)
+
+
+def test_plans_traced_in_worker_processes_are_the_ones_traced_in_turn():
+    import sys
+    import threading
+
+    x, y = _batch()
+    names = ["selective", "checkpoint", "in_backward", "in_backward_each"]
+
+    def rows(plans):
+        return [(p.techniques, p.peak_bytes, p.peak_phase, dict(p.peak_by_category), p.time_ratio, p.notes, p.fits)
+                for p in plans.all]
+
+    in_turn = memtrim.plan(_gpt, x, _gpt_loss, _adamw, targets=y, budget=1 << 40, techniques=names, workers=1)
+    side_by_side = memtrim.plan(_gpt, x, _gpt_loss, _adamw, targets=y, budget=1 << 40, techniques=names, workers=2)
+    assert rows(side_by_side) == rows(in_turn) and len(rows(in_turn)) == 9
+    forked = "traced in 2 worker processes" in side_by_side.notes
+    assert forked == (sys.platform.startswith("linux") and threading.active_count() == 1)
+    assert [n for n in side_by_side.notes if "worker" not in n] == in_turn.notes

@@ -48,6 +48,33 @@ def test_output_and_gradient_are_torchs_bitwise(geometry):
     assert torch.equal(grad, plain_grad)
 
 
+@pytest.mark.parametrize("arguments", [((3,), (2,), (1,)), (3, ()), ([3, 2], [2], 0)],
+                         ids=["one-element tuples", "empty stride", "lists"])
+def test_arguments_are_read_as_torch_reads_them(arguments):
+    x = torch.randn(1, 2, 9, 9)
+    for pool in (nn.functional.max_pool2d, max_pool2d):
+        leaf = x.clone().requires_grad_()
+        out = pool(leaf, *arguments)
+        out.square().sum().backward()
+        if pool is nn.functional.max_pool2d:
+            expected = (out, leaf.grad)
+    assert torch.equal(out, expected[0]) and torch.equal(leaf.grad, expected[1])
+
+
+def test_forward_mode_ad_runs_torchs_own_ops():
+    # a custom autograd.Function has no jvp: under forward AD the modules are torch's own (as under torch.func)
+    import torch.autograd.forward_ad as fwad
+
+    x, tangent = torch.randn(1, 2, 9, 9), torch.randn(1, 2, 9, 9)
+    for module, reference in ((memtrim.nn.MaxPool2d(3, 2, 1), nn.MaxPool2d(3, 2, 1)),
+                              (memtrim.nn.LayerNorm(9), nn.LayerNorm(9))):
+        results = []
+        for m in (module, reference):
+            with fwad.dual_level():
+                results.append(fwad.unpack_dual(m(fwad.make_dual(x, tangent))).tangent)
+        assert torch.equal(results[0], results[1])
+
+
 def test_channels_last_and_float64_are_bitwise():
     x = torch.randn(2, 4, 15, 15, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
     plain_out, plain_grad, out, grad = _pair(x, ((), 3, 2, 1, 1, False))

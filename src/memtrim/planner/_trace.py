@@ -209,4 +209,8 @@ def trace_step(
                 _step(applied.model, applied.optimizer, inputs, targets, loss_fn)
         report = tracker.report()
         applied.undo()
+    if values.approximate_decisions:
+        notes.append(f"{values.approximate_decisions} shape decisions made from vector parameters as given (memtrim's "
+                     "converted norms): the optimizer's steps can move a feature across the bound and the real step "
+                     "then keeps one column more or fewer (NOTE [ when a norm keeps its input ])")
     return StepTrace(report=report, work=Work(*cost.counts), notes=tuple(notes))

@@ -18,10 +18,13 @@ trace allocates position ids and masks, never a tensor the size of a weight matr
 draws random numbers gives no value (running it would also move the caller's generator). An op that writes an
 argument with something it cannot compute (another argument has no value) makes that argument's value stale, with
 every view of it (they share the value's storage), but for a *pinned* value: a copied model's vector parameters
-(norm weights and biases) keep their values through the optimizer's gradient steps, so that code deciding from them
-(memtrim's converted norms choose per feature which keep their input, NOTE [ when a norm keeps its input ]) decides
-as on the weights as given. An op whose output shape depends on values (``nonzero``) gets fake outputs of the
-shapes its values give. An op that fails on the values leaves its outputs without one.
+(norm weights and biases) keep their values as given through the optimizer's gradient steps. Such a value has then
+*drifted* from the real run's, and so has every value computed from it: an op whose output shape depends on values
+(``nonzero``: memtrim's converted norms choosing per feature which keep their input, NOTE [ when a norm keeps its
+input ]) still gets fake outputs of the shapes its values give, counted in ``approximate_decisions`` (the plan's
+notes say the step may decide a feature near the bound differently), but a scalar read (``bool``, ``item``: the
+model's own branch) of a drifted value raises as a fake tensor does: a branch is never guessed. An op that fails on
+the values leaves its outputs without one.
 
 An op that returns no tensor (``aten._local_scalar_dense``, behind ``bool`` and ``item``) is answered from the
 values when all its tensor arguments have one; otherwise it goes to ``FakeTensorMode``, which raises as before.
@@ -74,6 +77,9 @@ class KnownValues(TorchDispatchMode):
         self._values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # fake tensor -> its value (a real CPU tensor)
         self._stale: set[StorageWeakRef] = set()  # value storages an op overwrote with what it could not compute
         self._pinned: set[StorageWeakRef] = set()  # value storages that writes without a value leave as they are
+        # pinned values such a write has been to, and every value computed from them: read by a shape decision only
+        self._drifted: set[StorageWeakRef] = set()
+        self.approximate_decisions = 0  # shapes decided from drifted values (NOTE [ known values ])
 
     def add(self, fake: torch.Tensor, real: torch.Tensor, *, pinned: bool = False) -> None:
         """Give ``fake`` the value of ``real`` (copied), when it is small enough. ``pinned``: an op that writes
@@ -107,17 +113,19 @@ class KnownValues(TorchDispatchMode):
         deterministic, scalar, mutable = _OPS.get(func) or _op_facts(func)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         knowable = deterministic and all(self.value(t) is not None for t in tensors)
+        drifted = knowable and self._drifted_in(tensors)
         try:
             out = func(*args, **kwargs)
         except DataDependentOutputException:
-            if knowable and scalar and tensors:
+            if knowable and scalar and tensors and not drifted:  # a drifted value is never a branch's answer
                 with contextlib.suppress(Exception):
                     return self._run(func, args, kwargs)  # a scalar read from the values, as the real run reads it
             raise
         except DynamicOutputShapeException:  # nonzero and the like: the shape the values give
             if not (knowable and tensors):
                 raise
-            return self._shaped_by_values(func, args, kwargs, tensors[0].device)
+            self.approximate_decisions += drifted
+            return self._shaped_by_values(func, args, kwargs, tensors[0].device, drifted)
         fakes = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if knowable and (fakes or mutable) and all(_small(t) for t in fakes):
             try:
@@ -126,20 +134,32 @@ class KnownValues(TorchDispatchMode):
                 reals = []
             if len(reals) == len(fakes) and all(r.shape == f.shape for r, f in zip(reals, fakes)):
                 for fake, real in zip(fakes, reals):
-                    self._values[fake] = real
+                    self._keep(fake, real, drifted)
                 return out
         if mutable:
             self._written(func, args, kwargs)
         return out
 
-    def _shaped_by_values(self, func: Any, args: Any, kwargs: dict[str, Any], device: torch.device) -> Any:
+    def _keep(self, fake: torch.Tensor, real: torch.Tensor, drifted: bool) -> None:
+        self._values[fake] = real
+        if drifted:
+            self._drifted.add(StorageWeakRef(real.untyped_storage()))
+
+    def _drifted_in(self, tensors: list[torch.Tensor]) -> bool:
+        if not self._drifted:
+            return False
+        values = [self.value(t) for t in tensors]
+        return any(v is not None and StorageWeakRef(v.untyped_storage()) in self._drifted for v in values)
+
+    def _shaped_by_values(self, func: Any, args: Any, kwargs: dict[str, Any], device: torch.device,
+                          drifted: bool) -> Any:
         """An op whose output shape depends on its arguments' values, run on the values: fake outputs of the real
         outputs' shapes (made by the fake mode below), each with its value."""
         real = self._run(func, args, kwargs)
 
         def fake(r: torch.Tensor) -> torch.Tensor:
             t = torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, device=device)
-            self._values[t] = r
+            self._keep(t, r, drifted)
             return t
 
         return tree_map_only(torch.Tensor, fake, real)
@@ -152,8 +172,9 @@ class KnownValues(TorchDispatchMode):
             given = kwargs.get(argument.name) if argument.kwarg_only or i >= len(args) else args[i]
             for t in tree_leaves(given):
                 v = self.value(t) if isinstance(t, torch._subclasses.FakeTensor) else None
-                if v is not None and StorageWeakRef(v.untyped_storage()) not in self._pinned:
-                    self._stale.add(StorageWeakRef(v.untyped_storage()))
+                if v is not None:
+                    key = StorageWeakRef(v.untyped_storage())
+                    (self._drifted if key in self._pinned else self._stale).add(key)
 
 
 @contextlib.contextmanager

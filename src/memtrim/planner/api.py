@@ -21,6 +21,7 @@ from ..measure import format_bytes, pyplot
 from ._cost import DeviceCost, calibrate, device_cost
 from ._techniques import EXCLUSIVE, TECHNIQUES, Applied, NotApplicable, Technique
 from ._trace import StepTrace, Work, trace_step
+from ._workers import Failed, Tracer, default_workers
 
 _API = "memtrim.plan"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -227,6 +228,7 @@ def plan(
     calibrate_time: bool = False,
     depth: int | None = None,
     progress: Callable[[str], None] | None = None,
+    workers: int | None = None,
 ) -> Plans:
     """Rank the combinations of memtrim's techniques that make one training step fit ``budget``: unchanged numerics
     first, then the fastest by the time model (NOTE [ numerics first ]).
@@ -253,6 +255,9 @@ def plan(
             extrapolated linearly to ``depth`` (exact where the peak sits at the same place in every block; the
             notes say it is an extrapolation, ``benchmarks/plan_llama.py`` measures the error against full traces).
         progress: called with a line per traced plan.
+        workers: processes tracing plans side by side (default: the CPUs this process may use, at most 8; 1 traces
+            them in turn here). Forked, and only where forking is safe (NOTE [ tracing plans in parallel ]); the
+            plans are the same either way.
 
     Returns:
         :class:`Plans`, the best fitting plan first; ``Plans.rejected`` the rest.
@@ -277,58 +282,73 @@ def plan(
     names = _usable(names, dev, depth, notes)
     cost = calibrate(dev) if calibrate_time else device_cost(dev)
 
+    def estimate(combo: tuple[str, ...]) -> _Estimate:
+        return _estimate(model_or_factory, example_inputs, targets, loss_fn, optimizer_factory, combo, depth)
+
+    def traced(combo: tuple[str, ...], e: _Estimate) -> None:
+        if progress is not None:
+            progress(f"{'+'.join(combo) or 'plain'}: {format_bytes(e.peak_bytes)}")
+
     def trace(combos: list[tuple[str, ...]], failed: set[str]) -> dict[tuple[str, ...], _Estimate]:
+        # one technique at a time first: one that has nothing to do on this model leaves out every combination
+        # with it (NotApplicable)
         out = {}
-        for combo in combos:
-            if failed.intersection(combo):
-                continue
-            try:
-                out[combo] = _estimate(model_or_factory, example_inputs, targets, loss_fn, optimizer_factory, combo,
-                                       depth)
-            except NotApplicable as e:  # the technique has nothing to do on this model
-                notes.append(f"{'+'.join(combo)}: left out ({e})")
-                failed.update(combo if len(combo) == 1 else ())
-                continue
-            except Exception as e:
-                message = " ".join(str(e).split())
-                if combo:  # the plain step runs; this combination does not: leave it out and say why
-                    notes.append(f"{'+'.join(combo)}: left out (tracing it raised {type(e).__name__}: {message})")
+        for wave in ([c for c in combos if len(c) == 1], [c for c in combos if len(c) > 1]):
+            for combo, outcome in tracer.map(c for c in wave if not failed.intersection(c)):
+                if isinstance(outcome, Failed):
+                    if outcome.not_applicable:  # the technique has nothing to do on this model
+                        notes.append(f"{'+'.join(combo)}: left out ({outcome.message})")
+                        failed.update(combo if len(combo) == 1 else ())
+                    else:  # the plain step runs; this combination does not: leave it out and say why
+                        notes.append(f"{'+'.join(combo)}: left out (tracing it raised {outcome.kind}: "
+                                     f"{outcome.message})")
                     continue
-                if isinstance(e, MemtrimError):
-                    raise
-                if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)):
-                    raise InvalidInputError(
-                        f"{_API}: the training step reads values that a fake trace does not have ({message}). A "
-                        "trace knows the example batch, buffers and, for a model passed itself (not a factory), its "
-                        "vector parameters (memtrim.convert's LayerNorm, RMSNorm and BatchNorm+LeakyReLU decide "
-                        "from those); not a weight matrix, anything a factory initialised, nor activations "
-                        "(memtrim's BatchNorm+ELU decides from its output). Pass the model itself, or plan the "
-                        "model before converting it."
-                    ) from e
-                # the user's own step fails: a wrong model, factory, input, loss or optimizer
-                raise InvalidInputError(
-                    f"{_API}: the plain training step failed when traced on fake tensors: {type(e).__name__}: "
-                    f"{message.rstrip('.')}. Check that model(example_inputs), loss_fn(output, targets) and "
-                    "optimizer_factory(model) run for real."
-                ) from e
-            if progress is not None:
-                progress(f"{'+'.join(combo) or 'plain'}: {format_bytes(out[combo].peak_bytes)}")
+                out[combo] = outcome
+                traced(combo, outcome)
         return out
 
     # NOTE [ numerics first ]: a technique that changes the numbers (low-bit state) is planned only when nothing that
     # keeps them fits; among fitting plans the ranking is numerics class, then predicted time, then peak
     changing = {n for n in names if TECHNIQUES[n].numerics == "changed"}
     failed: set[str] = set()
-    estimates = trace([c for c in combinations(names) if not changing.intersection(c)], failed)
-    base = cost.step_seconds(estimates[()].work)
-    plans = [_plan(combo, e, base, cost, limit) for combo, e in estimates.items()]
-    if changing and not any(p.fits for p in plans):
-        notes.append(f"{', '.join(sorted(changing))}: traced because no plan with unchanged numerics fits")
-        more = trace([c for c in combinations(names) if changing.intersection(c)], failed)
-        plans += [_plan(combo, e, base, cost, limit) for combo, e in more.items()]
-    elif changing:
-        notes.append(f"{', '.join(sorted(changing))}: not needed (a plan with unchanged numerics fits)")
+    exact = [c for c in combinations(names) if not changing.intersection(c)]
+    with Tracer(estimate, default_workers() if workers is None else workers, len(exact) - 1) as tracer:
+        if tracer.parallel:
+            notes.append(f"traced in {tracer.workers} worker processes")
+        estimates: dict[tuple[str, ...], _Estimate] = {(): _plain(estimate)}  # here: the user's own error raised as is
+        traced((), estimates[()])
+        estimates.update(trace(exact[1:], failed))
+        base = cost.step_seconds(estimates[()].work)
+        plans = [_plan(combo, e, base, cost, limit) for combo, e in estimates.items()]
+        if changing and not any(p.fits for p in plans):
+            notes.append(f"{', '.join(sorted(changing))}: traced because no plan with unchanged numerics fits")
+            more = trace([c for c in combinations(names) if changing.intersection(c)], failed)
+            plans += [_plan(combo, e, base, cost, limit) for combo, e in more.items()]
+        elif changing:
+            notes.append(f"{', '.join(sorted(changing))}: not needed (a plan with unchanged numerics fits)")
     return _ranked(plans, limit, dev, cost, notes, estimates[()].peak_bytes)
+
+
+def _plain(estimate: Callable[[tuple[str, ...]], _Estimate]) -> _Estimate:
+    """The plain step's estimate; its failure is the user's model, input, loss or optimizer, said as such."""
+    try:
+        return estimate(())
+    except MemtrimError:
+        raise
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:
+        raise InvalidInputError(
+            f"{_API}: the training step reads values that a fake trace does not have ({' '.join(str(e).split())}). "
+            "A trace knows the example batch, buffers and, for a model passed itself (not a factory), its vector "
+            "parameters (memtrim.convert's LayerNorm, RMSNorm and BatchNorm+LeakyReLU decide from those); not a "
+            "weight matrix, anything a factory initialised, nor activations (memtrim's BatchNorm+ELU decides from "
+            "its output). Pass the model itself, or plan the model before converting it."
+        ) from e
+    except Exception as e:
+        raise InvalidInputError(
+            f"{_API}: the plain training step failed when traced on fake tensors: {type(e).__name__}: "
+            f"{' '.join(str(e).split()).rstrip('.')}. Check that model(example_inputs), loss_fn(output, targets) "
+            "and optimizer_factory(model) run for real."
+        ) from e
 
 
 _NUMERICS_ORDER = {"bitwise": 0, "tolerance": 1, "changed": 2}

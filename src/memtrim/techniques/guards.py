@@ -27,11 +27,17 @@ def _functorch_active() -> bool:
     return bool(active()) if active is not None else False
 
 
+def _forward_ad_active() -> bool:
+    level = getattr(torch.autograd.forward_ad, "_current_level", -1)  # >= 0 inside forward_ad.dual_level()
+    return isinstance(level, int) and level >= 0
+
+
 def plain_only() -> bool:
     """True under ``torch.compile`` (saved-tensor hooks and data-dependent shapes do not trace; the compiler plans its
-    own memory) and under ``torch.func`` transforms (a custom autograd.Function needs rules they do not have): the
-    modules then run as torch's own ops, exactly the unconverted model."""
-    return torch.compiler.is_compiling() or _functorch_active()
+    own memory), under ``torch.func`` transforms and in forward-mode AD (``torch.autograd.forward_ad``: a custom
+    autograd.Function needs rules they do not have): the modules then run as torch's own ops, exactly the
+    unconverted model."""
+    return torch.compiler.is_compiling() or _functorch_active() or _forward_ad_active()
 
 
 def autocasting(x: torch.Tensor) -> bool:

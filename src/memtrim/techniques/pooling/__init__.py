@@ -25,7 +25,6 @@ from typing import Any, TypeGuard
 
 import torch
 from torch import nn
-from torch.nn.modules.utils import _pair
 
 from ..guards import plain_only
 
@@ -45,9 +44,16 @@ def _dtype(cells: int) -> torch.dtype:
     return torch.uint8 if cells <= 256 else torch.int16 if cells <= 2 ** 15 else torch.int32
 
 
+def _two(value: Any) -> tuple[int, int]:
+    """A pooling argument as torch reads it: an int or a one-element sequence for both dimensions, or two."""
+    if isinstance(value, (tuple, list, torch.Size)):
+        return (int(value[0]), int(value[0])) if len(value) == 1 else (int(value[0]), int(value[1]))
+    return int(value), int(value)
+
+
 def offset_dtype(module: nn.MaxPool2d) -> torch.dtype:
     """The dtype of the offsets ``module`` keeps once compact: uint8 for windows up to 256 cells."""
-    kernel = _pair(module.kernel_size)
+    kernel = _two(module.kernel_size)
     return _dtype(kernel[0] * kernel[1])
 
 
@@ -106,12 +112,12 @@ def max_pool2d(x: torch.Tensor, kernel_size: Any, stride: Any = None, padding: A
     [ compact max-pool indices ]); the same output and bitwise the same gradients. Torch's own op where nothing is
     kept (grad off, ``x`` needs no gradient), with ``return_indices=True`` (the caller keeps the indices then) and
     under torch.compile and torch.func."""
-    stride = kernel_size if stride is None or stride == [] else stride  # torch's default, and nn.MaxPool2d's
     if return_indices or not (torch.is_grad_enabled() and x.requires_grad) or plain_only():
         return nn.functional.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
                                         return_indices=return_indices)  # type: ignore[call-overload]
-    pairs = [tuple(_pair(v)) for v in (kernel_size, stride, padding, dilation)]
-    return _CompactMaxPool2d.apply(x, *pairs, bool(ceil_mode))
+    if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0):  # torch's default
+        stride = kernel_size
+    return _CompactMaxPool2d.apply(x, *(_two(v) for v in (kernel_size, stride, padding, dilation)), bool(ceil_mode))
 
 
 class MaxPool2d(nn.MaxPool2d):
