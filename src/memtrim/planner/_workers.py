@@ -10,8 +10,10 @@ The workers are forked: the model, its factory, the loss and the optimizer facto
 that do not pickle, and a forked child inherits them. Only the combination (a tuple of names) goes to a worker, and
 only the estimate (dicts, ints, strings) or the failure's kind and message comes back. Forking is used only where it
 is safe: on Linux, with CUDA not initialised in this process (a forked child cannot use it), and with no other
-Python thread running (a lock held by another thread at the fork stays held in the child). Elsewhere, with
-``workers=1``, or for two plans or fewer, the plans are traced in turn in this process. Workers run torch on one
+Python thread running (a lock held by another thread at the fork stays held in the child), in a process allowed
+children (not a daemon). Elsewhere, with ``workers=1``, or for two plans or fewer, the plans are traced in turn in
+this process; and if a worker dies (killed for memory, a crash in a kernel) the remaining plans are traced in turn
+here too, as they would have been without workers. Workers run torch on one
 thread (the values a trace computes are small, and ATen then never enters OpenMP in the child), which is why the
 warning Python 3.12 gives for a fork beside torch's idle OpenMP threads is silenced.
 """
@@ -24,6 +26,8 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import torch
@@ -58,7 +62,8 @@ def default_workers() -> int:
 
 def _fork_is_safe() -> bool:
     return (sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
-            and not torch.cuda.is_initialized() and threading.active_count() == 1)
+            and not torch.cuda.is_initialized() and threading.active_count() == 1
+            and not multiprocessing.current_process().daemon)  # a daemon process may not have children
 
 
 def _start_worker() -> None:
@@ -84,14 +89,19 @@ class Tracer:
 
     def __init__(self, estimate: Callable[[Combo], Any], workers: int, expected: int) -> None:
         self.estimate = estimate
-        self._pool: Any = None
+        self._pool: ProcessPoolExecutor | None = None
         self.workers = min(workers, expected)
         if self.workers > 1 and expected > 2 and _fork_is_safe():
             _JOB["estimate"] = estimate
             try:
                 with warnings.catch_warnings():  # Python >= 3.12 warns of torch's own idle OpenMP threads
                     warnings.simplefilter("ignore", DeprecationWarning)
-                    self._pool = multiprocessing.get_context("fork").Pool(self.workers, _start_worker)
+                    pool = ProcessPoolExecutor(self.workers, multiprocessing.get_context("fork"),
+                                               initializer=_start_worker)
+                    pool.submit(int).result()  # forks every worker now, before this process starts any thread
+                self._pool = pool
+            except (OSError, RuntimeError, BrokenProcessPool):  # no process to be had: trace in turn
+                self._pool = None
             finally:
                 _JOB.clear()  # the children have their copy; the parent keeps no reference to the model
 
@@ -101,19 +111,27 @@ class Tracer:
         return self._pool is not None
 
     def map(self, combos: Iterable[Combo]) -> Iterator[tuple[Combo, Any]]:
-        """``(combo, estimate or Failed)`` for each combination, in the order given."""
-        combos = list(combos)
-        if self._pool is None:
-            for combo in combos:
-                yield _outcome(self.estimate, combo)
-            return
-        yield from self._pool.imap(_trace, combos)
+        """``(combo, estimate or Failed)`` for each combination, in the order given. A worker that dies (killed for
+        memory, a crash in a kernel) stops the workers, and the rest is traced here in turn, as without them."""
+        pending = list(combos)
+        if self._pool is not None:
+            try:
+                for outcome in self._pool.map(_trace, pending):
+                    pending.pop(0)
+                    yield outcome
+            except BrokenProcessPool:
+                self.close()
+        for combo in pending:
+            yield _outcome(self.estimate, combo)
+
+    def close(self) -> None:
+        """Stop the workers (idempotent)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
 
     def __enter__(self) -> Tracer:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+        self.close()
