@@ -166,3 +166,12 @@ def test_on_cuda_output_and_gradient_are_torchs_bitwise(geometry):
     torch.manual_seed(0)
     plain_out, plain_grad, out, grad = _pair(torch.randn(geometry[0], device="cuda"), geometry)
     assert torch.equal(out, plain_out) and torch.equal(grad, plain_grad)
+
+
+def test_compiles_as_one_graph_of_torchs_pool():
+    x = torch.randn(1, 2, 9, 9, requires_grad=True)
+    compiled = torch.compile(memtrim.nn.MaxPool2d(3, 2, 1), backend="eager", fullgraph=True)  # a break raises
+    out = compiled(x)
+    (grad,) = torch.autograd.grad(out.sum(), x)
+    expected = nn.functional.max_pool2d(x, 3, 2, 1)
+    assert torch.equal(out, expected) and torch.equal(grad, torch.autograd.grad(expected.sum(), x)[0])
