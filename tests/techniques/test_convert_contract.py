@@ -615,3 +615,17 @@ def test_a_batch_of_one_through_batchnorm_names_the_training_mode_trace():
     with pytest.raises(memtrim.InvalidInputError, match="training-mode forward.*batch of at least 2"):
         memtrim.convert(model, example_inputs=torch.randn(1, 4))
     assert not model.training  # left as it was
+
+
+def test_forward_mode_ad_through_a_converted_model_gives_torchs_tangents():
+    # the converted modules' forward is torch's own ops (custom autograd.Functions, which have no jvp, step aside
+    # inside forward_ad.dual_level(): tests/techniques/test_pooling.py), so forward AD sees torch's tangents
+    import torch.autograd.forward_ad as fwad
+
+    model, converted, x = shared_relu_model()
+    tangent = torch.randn_like(x)
+    tangents = []
+    for m in (model, converted):
+        with fwad.dual_level():
+            tangents.append(fwad.unpack_dual(m(fwad.make_dual(x, tangent))).tangent)
+    assert torch.equal(tangents[1], tangents[0])
