@@ -5,12 +5,11 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 
 from memtrim.planner._techniques import NotApplicable
-from memtrim.planner._workers import Failed, Tracer
+from memtrim.planner._workers import Failed, Tracer, fork_is_safe
 
 PARENT = os.getpid()
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers are forked only on Linux")
@@ -18,15 +17,15 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="wo
 
 @pytest.fixture
 def one_thread():
-    """Workers are forked only with no other Python thread: earlier tests in this process may have left one (tqdm's
-    monitor, a test's own threads), so these tests then run in a fresh interpreter instead."""
-    if threading.active_count() != 1:
+    """Workers are forked only with no other Python thread: an earlier test in this process may have left one, so
+    these tests then run in a fresh interpreter instead."""
+    if not fork_is_safe():
         pytest.skip("another thread runs here: run by test_in_a_fresh_interpreter")
 
 
 def test_in_a_fresh_interpreter():
     # the tests below, in a process with one thread whatever ran before in this one
-    if threading.active_count() == 1:
+    if fork_is_safe():
         pytest.skip("ran here directly")
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
                             capture_output=True, text=True, timeout=300)

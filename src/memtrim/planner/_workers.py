@@ -10,7 +10,8 @@ The workers are forked: the model, its factory, the loss and the optimizer facto
 that do not pickle, and a forked child inherits them. Only the combination (a tuple of names) goes to a worker, and
 only the estimate (dicts, ints, strings) or the failure's kind and message comes back. Forking is used only where it
 is safe: on Linux, with CUDA not initialised in this process (a forked child cannot use it), and with no other
-Python thread running (a lock held by another thread at the fork stays held in the child), in a process allowed
+Python thread running (a lock held by another thread at the fork stays held in the child; tqdm's monitor thread
+excepted, whose lock a child never takes), in a process allowed
 children (not a daemon). Elsewhere, with ``workers=1``, or for two plans or fewer, the plans are traced in turn in
 this process; and if a worker dies (killed for memory, a crash in a kernel) the remaining plans are traced in turn
 here too, as they would have been without workers. Workers run torch on one
@@ -34,7 +35,7 @@ import torch
 
 from ._techniques import NotApplicable
 
-__all__ = ["Failed", "Tracer", "default_workers"]
+__all__ = ["Failed", "Tracer", "default_workers", "fork_is_safe"]
 
 Combo = tuple[str, ...]
 
@@ -60,9 +61,15 @@ def default_workers() -> int:
     return max(1, min(8, available))
 
 
-def _fork_is_safe() -> bool:
+def _other_threads() -> int:
+    # tqdm's monitor wakes every few seconds to look at its bars; a child never draws one, so it may hold its lock
+    return sum(1 for t in threading.enumerate() if t is not threading.main_thread() and type(t).__name__ != "TMonitor")
+
+
+def fork_is_safe() -> bool:
+    """Whether :class:`Tracer` may fork workers here (NOTE [ tracing plans in parallel ])."""
     return (sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
-            and not torch.cuda.is_initialized() and threading.active_count() == 1
+            and not torch.cuda.is_initialized() and _other_threads() == 0
             and not multiprocessing.current_process().daemon)  # a daemon process may not have children
 
 
@@ -91,7 +98,7 @@ class Tracer:
         self.estimate = estimate
         self._pool: ProcessPoolExecutor | None = None
         self.workers = min(workers, expected)
-        if self.workers > 1 and expected > 2 and _fork_is_safe():
+        if self.workers > 1 and expected > 2 and fork_is_safe():
             _JOB["estimate"] = estimate
             try:
                 with warnings.catch_warnings():  # Python >= 3.12 warns of torch's own idle OpenMP threads
