@@ -376,6 +376,8 @@ def test_a_branch_on_a_parameter_the_step_moves_raises_and_a_frozen_one_is_exact
     x = torch.randint(0, 32, (2, 16))
     with pytest.raises(DataDependentOutputException):
         trace_step(_BranchesOnScale(True), x, x, _gpt_loss, _adamw, [])
+    with pytest.raises(InvalidInputError, match="a branch on one after the optimizer's step has moved it"):
+        memtrim.plan(_BranchesOnScale(True), x, _gpt_loss, _adamw, targets=x, budget=1 << 40, techniques=[])
     predicted = trace_step(_BranchesOnScale(False), x, x, _gpt_loss, _adamw, []).report
     measured = trace_step(_BranchesOnScale(False), x, x, _gpt_loss, _adamw, [], fake=False).report
     assert predicted.peak_bytes == measured.peak_bytes

@@ -339,9 +339,10 @@ def _plain(estimate: Callable[[tuple[str, ...]], _Estimate]) -> _Estimate:
         raise InvalidInputError(
             f"{_API}: the training step reads values that a fake trace does not have ({' '.join(str(e).split())}). "
             "A trace knows the example batch, buffers and, for a model passed itself (not a factory), its vector "
-            "parameters (memtrim.convert's LayerNorm, RMSNorm and BatchNorm+LeakyReLU decide from those); not a "
-            "weight matrix, anything a factory initialised, nor activations (memtrim's BatchNorm+ELU decides from "
-            "its output). Pass the model itself, or plan the model before converting it."
+            "parameters as given (memtrim.convert's LayerNorm, RMSNorm and BatchNorm+LeakyReLU decide from those), "
+            "but not a branch on one after the optimizer's step has moved it, a weight matrix, anything a factory "
+            "initialised, nor activations (memtrim's BatchNorm+ELU decides from its output). Pass the model itself, "
+            "or plan the model before converting it."
         ) from e
     except Exception as e:
         raise InvalidInputError(
