@@ -23,6 +23,12 @@ def _loss(out, y):
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
+def _assert_same_parameters(model, plain):
+    """Every parameter of ``model`` bitwise the one of the plain run's ``plain``."""
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
 def _batches(n=4):
     g = torch.Generator().manual_seed(1)
     return [(torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)) for _ in range(n)]
@@ -56,8 +62,7 @@ def test_gradients_leave_the_device_as_soon_as_ready_and_accumulate_on_the_host(
         assert torch.equal(h.grad, p.grad)
     opt.step()
     ref.step()
-    for a, b in zip(model.parameters(), plain.parameters()):
-        assert torch.equal(a, b)
+    _assert_same_parameters(model, plain)
     assert set(opt.state) == set(model.parameters())  # keyed by the device parameters, as a plain optimizer's
 
 
@@ -87,8 +92,7 @@ def test_the_users_own_clipping_clips_the_offloaded_gradients_as_the_standard_lo
             assert norms[1] > 0.05 and torch.equal(norms[0], norms[1])  # clipping changes this step
         opt.step()
         ref.step()
-        for a, b in zip(model.parameters(), plain.parameters()):
-            assert torch.equal(a, b)
+        _assert_same_parameters(model, plain)
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
@@ -104,8 +108,7 @@ def test_model_zero_grad_clears_the_offloaded_gradients_as_the_standard_loop_doe
             m.zero_grad(set_to_none=set_to_none)
             _loss(m(x), y).backward()
             o.step()
-        for a, b in zip(model.parameters(), plain.parameters()):
-            assert torch.equal(a, b)
+        _assert_same_parameters(model, plain)
 
 
 def test_a_norm_of_no_gradients_while_they_wait_on_the_host_raises_and_remove_restores_torchs_clipping():
@@ -139,8 +142,7 @@ def test_scheduler_param_groups_and_state_dict_round_trip():
             o.step()
             s.step()
     assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref.param_groups]
-    for a, b in zip(model.parameters(), plain.parameters()):
-        assert torch.equal(a, b)
+    _assert_same_parameters(model, plain)
     again = torch.optim.AdamW(groups(copy.deepcopy(plain)))
     again.load_state_dict(opt.state_dict())  # loads into the plain optimizer
     assert torch.equal(again.state_dict()["state"][0]["exp_avg"], ref.state_dict()["state"][0]["exp_avg"])
@@ -309,7 +311,7 @@ def test_add_param_group_named_parameters_offload_and_stay_bitwise():
     opt.zero_grad()
     _steps(model, opt, _batches(3))
     _steps(plain, ref, _batches(3))
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))
+    _assert_same_parameters(model, plain)
     named, plain = _gpt(), _gpt()  # torch optimizers take named_parameters(); so does the wrapper
     opt = memtrim.CPUOffloadOptimizer(named.named_parameters(), torch.optim.AdamW, lr=1e-3)
     _steps(named, opt, _batches(3))
@@ -411,8 +413,7 @@ def test_parameters_changed_outside_the_optimizer_are_stepped_from_their_new_val
             o.step()
             with torch.no_grad():
                 m.head.weight.clamp_(-0.05, 0.05)
-        for a, b in zip(model.parameters(), plain.parameters()):
-            assert torch.equal(a, b)
+        _assert_same_parameters(model, plain)
 
 
 def test_a_parameter_converted_after_building_raises():
@@ -442,8 +443,7 @@ def test_model_zero_grad_clears_every_gradient_that_reached_the_host(case):
             m.zero_grad()
             _loss(m(x), y).backward()
             o.step()
-        for a, b in zip(model.parameters(), plain.parameters()):
-            assert torch.equal(a, b)
+        _assert_same_parameters(model, plain)
 
 
 def test_gradients_kept_on_the_device_reach_grad_scaler_and_clipping_through_param_groups():
@@ -464,8 +464,7 @@ def test_gradients_kept_on_the_device_reach_grad_scaler_and_clipping_through_par
             scaler.step(o)
             scaler.update()
         assert norms[1] > 0.05 and torch.equal(norms[0], norms[1])
-        for a, b in zip(model.parameters(), plain.parameters()):
-            assert torch.equal(a, b)
+        _assert_same_parameters(model, plain)
 
 
 def _plan(*techniques):
@@ -486,8 +485,7 @@ def test_plan_offload_state_goes_on_from_the_optimizers_state_and_refuses_a_sche
             o.zero_grad()
             _loss(m(x), y).backward()
             o.step()
-        for a, b in zip(model.parameters(), plain.parameters()):
-            assert torch.equal(a, b)
+        _assert_same_parameters(model, plain)
     opt.remove()
     model = _gpt()
     opt = torch.optim.AdamW(model.parameters())
