@@ -68,16 +68,20 @@ def _grid(rows: int, cols: int, row_step: int, col_step: int, width: int, start:
 
 def _tables(in_hw: tuple[int, int], out_hw: tuple[int, int], kernel: tuple[int, int], stride: tuple[int, int],
             padding: tuple[int, int], dilation: tuple[int, int],
-            device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(base, inverse, deltas) of NOTE [ compact max-pool indices ] for one geometry: built on the device at each
-    call (a few small ops, no host copy), never cached, so a tracker or fake-tensor mode sees them as any op's."""
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base, deltas) of NOTE [ compact max-pool indices ] for one geometry: built on the device at each call (a few
+    small ops, no host copy), never cached, so a tracker or fake-tensor mode sees them as any op's."""
     width = in_hw[1]
     base = _grid(*out_hw, *stride, width, (-padding[0], -padding[1]), device)
-    deltas = _grid(*kernel, *dilation, width, (0, 0), device).flatten()
+    return base, _grid(*kernel, *dilation, width, (0, 0), device).flatten()
+
+
+def _inverse(deltas: torch.Tensor, kernel: tuple[int, int], dilation: tuple[int, int], width: int) -> torch.Tensor:
+    """``inverse[deltas[k]] = k``: the window cell of ``index - base`` (NOTE [ compact max-pool indices ])."""
     dtype = _dtype(deltas.numel())
-    inverse = torch.zeros(kernel[0] * dilation[0] * width + kernel[1] * dilation[1], dtype=dtype, device=device)
-    inverse[deltas] = torch.arange(deltas.numel(), device=device).to(dtype)
-    return base, inverse, deltas
+    inverse = torch.zeros(kernel[0] * dilation[0] * width + kernel[1] * dilation[1], dtype=dtype, device=deltas.device)
+    inverse[deltas] = torch.arange(deltas.numel(), device=deltas.device).to(dtype)
+    return inverse
 
 
 class _CompactMaxPool2d(torch.autograd.Function):
@@ -89,8 +93,8 @@ class _CompactMaxPool2d(torch.autograd.Function):
         out, index = _aten.max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil_mode)
         geometry = ((x.shape[-2], x.shape[-1]), (out.shape[-2], out.shape[-1]), kernel, stride, padding, dilation,
                     x.device)
-        base, inverse, _ = _tables(*geometry)
-        offsets = torch.take(inverse, index - base)
+        base, deltas = _tables(*geometry)
+        offsets = torch.take(_inverse(deltas, kernel, dilation, x.shape[-1]), index - base)
         ctx.save_for_backward(x, offsets)
         ctx.geometry, ctx.ceil_mode = geometry, ceil_mode
         return out
@@ -98,7 +102,7 @@ class _CompactMaxPool2d(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, offsets = ctx.saved_tensors
-        base, _, deltas = _tables(*ctx.geometry)
+        base, deltas = _tables(*ctx.geometry)
         index = torch.index_select(deltas, 0, offsets.flatten().int()).view(offsets.shape) + base
         _, _, kernel, stride, padding, dilation, _ = ctx.geometry
         grad_x = _aten.max_pool2d_with_indices_backward(grad, x, kernel, stride, padding, dilation, ctx.ceil_mode,
