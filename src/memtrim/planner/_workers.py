@@ -11,12 +11,11 @@ that do not pickle, and a forked child inherits them. Only the combination (a tu
 only the estimate (dicts, ints, strings) or the failure's kind and message comes back. Forking is used only where it
 is safe: on Linux, with CUDA not initialised in this process (a forked child cannot use it), and with no other
 Python thread running (a lock held by another thread at the fork stays held in the child; tqdm's monitor thread
-excepted, whose lock a child never takes), in a process allowed
-children (not a daemon). Elsewhere, with ``workers=1``, or for two plans or fewer, the plans are traced in turn in
-this process; and if a worker dies (killed for memory, a crash in a kernel) the remaining plans are traced in turn
-here too, as they would have been without workers. Workers run torch on one
-thread (the values a trace computes are small, and ATen then never enters OpenMP in the child), which is why the
-warning Python 3.12 gives for a fork beside torch's idle OpenMP threads is silenced.
+excepted, whose lock a child never takes), in a process allowed children (not a daemon). Elsewhere, with
+``workers=1``, or for two plans or fewer, the plans are traced in turn in this process; and if a worker dies (killed
+for memory, a crash in a kernel) the remaining plans are traced in turn here too, as they would have been without
+workers. Workers run torch on one thread (the values a trace computes are small, and ATen then never enters OpenMP
+in the child), which is why the warning Python 3.12 gives for a fork beside torch's idle OpenMP threads is silenced.
 """
 
 from __future__ import annotations
