@@ -43,12 +43,27 @@ def _hf_loss(out, _):
     return out.loss
 
 
-def _converted_gpt(tokens: torch.Tensor) -> torch.nn.Module:
-    """The small GPT after memtrim.convert, its norms trained-looking (4 features per LayerNorm with a tiny gamma and
-    a large beta keep their input): a model passed itself, whose norm weights the trace knows (NOTE [ known
-    values ])."""
+def _small_gpt() -> SmallGPT:
     torch.manual_seed(0)
-    model = SmallGPT(GPTConfig(n_layer=4, d_model=256, n_head=4, seq_len=128))
+    return SmallGPT(GPTConfig(n_layer=4, d_model=256, n_head=4, seq_len=128))
+
+
+def _converted_gpt(tokens: torch.Tensor) -> torch.nn.Module:
+    """The small GPT after memtrim.convert (its LayerNorms stay torch's, their outputs rebuilt for the Linears)."""
+    return memtrim.convert(_small_gpt(), example_inputs=(tokens,))[0]
+
+
+def _keep_output_gpt(tokens: torch.Tensor) -> torch.nn.Module:
+    """The small GPT built with memtrim.nn.LayerNorm (keeps its output), its norms trained-looking (4 features per
+    LayerNorm with a tiny gamma and a large beta keep their input), then converted: a model passed itself, whose norm
+    weights the trace knows (NOTE [ known values ])."""
+    model = _small_gpt()
+    for parent in list(model.modules()):
+        for name, module in list(parent.named_children()):
+            if type(module) is torch.nn.LayerNorm:
+                lean = memtrim.nn.LayerNorm(module.normalized_shape, eps=module.eps)
+                lean.load_state_dict(module.state_dict())
+                setattr(parent, name, lean)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.LayerNorm):
@@ -69,8 +84,9 @@ def workloads(hf: bool) -> dict:
         "MobileNet-like conv net with BatchNorm (batch 8, 64x64)": (
             MobileNetLike, torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,)), F.cross_entropy),
     }
-    out["small GPT converted by memtrim.convert, trained-looking norms (passed itself)"] = (
-        _converted_gpt(tokens), tokens, tokens, _gpt_loss)
+    out["small GPT converted by memtrim.convert (passed itself)"] = (_converted_gpt(tokens), tokens, tokens, _gpt_loss)
+    out["small GPT with memtrim.nn.LayerNorm, trained-looking norms, converted (passed itself)"] = (
+        _keep_output_gpt(tokens), tokens, tokens, _gpt_loss)
     if hf:
         from transformers import LlamaConfig, LlamaForCausalLM
 

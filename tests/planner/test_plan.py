@@ -312,9 +312,16 @@ def test_hf_llama_plans_equal_the_measured_peaks_byte_for_byte():
 
 
 def _converted_gpt_with_trained_norms():
-    # trained-looking norms: a few features with a tiny gamma and a large beta keep their input (NOTE [ when a norm
+    # memtrim's keep-output LayerNorms (convert leaves torch's LayerNorms torch's here, NOTE [ recompute rules ]), with
+    # trained-looking weights: a few features with a tiny gamma and a large beta keep their input (NOTE [ when a norm
     # keeps its input ]), so the trace must know how many from the weights
     model = _gpt()
+    for parent in list(model.modules()):
+        for name, module in list(parent.named_children()):
+            if type(module) is torch.nn.LayerNorm:
+                lean = memtrim.nn.LayerNorm(module.normalized_shape, eps=module.eps)
+                lean.load_state_dict(module.state_dict())
+                setattr(parent, name, lean)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.LayerNorm):

@@ -351,7 +351,9 @@ def test_gradient_penalty_through_a_rebuilt_norm_names_the_module(norm):
     torch.manual_seed(0)
     first = {"layer": nn.LayerNorm(8), "bn_leaky": nn.BatchNorm1d(8), "bn_relu": nn.BatchNorm1d(8),
              "rms": nn.RMSNorm(8) if hasattr(nn, "RMSNorm") else nn.LayerNorm(8)}[norm]
-    second = {"bn_leaky": nn.LeakyReLU(0.1), "bn_relu": nn.ReLU()}.get(norm, nn.Identity())
+    # a LayerNorm read by a Linear alone stays torch's (recomputed for it, test below): before a GELU + Linear pair it
+    # keeps its output
+    second = {"bn_leaky": nn.LeakyReLU(0.1), "bn_relu": nn.ReLU(), "layer": nn.GELU()}.get(norm, nn.Identity())
     model = nn.Sequential(nn.Linear(6, 8), first, second, nn.Linear(8, 2)).double()
     x = torch.randn(5, 6, dtype=torch.float64)
     converted, report = memtrim.convert(model, example_inputs=x)
@@ -364,6 +366,17 @@ def test_gradient_penalty_through_a_rebuilt_norm_names_the_module(norm):
     assert "module_filter" in str(error.value)
     # a plain backward still works
     converted(leaf).sum().backward()
+
+
+def test_a_layer_norm_recomputed_for_its_consumer_is_torchs_own_even_through_a_gradient_penalty():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=torch.randn(5, 6))
+    assert [(c.modules, c.bytes_saved) for c in report.changes] == [(("1",), 5 * 8 * 4)]  # the output the Linear kept
+    assert type(converted[1]) is nn.LayerNorm and "double backward exact" in report.changes[0].limits[0]
+    x = torch.randn(5, 6)
+    for a, b in zip(penalty_step(converted, x), penalty_step(model, x)):
+        assert torch.equal(a, b)
 
 
 def test_torch_func_grad_and_vmap_on_a_converted_model():

@@ -4,6 +4,8 @@
   BatchNorm -> ReLU becomes ``BatchNormReLU`` with recipe hooks on the modules that keep the ReLU output.
 * ``activation_linear``: GELU / SiLU / Mish / Hardswish -> Linear becomes :class:`Absorbed` + ``ActLinear``.
 * ``relu_linear``: reports ReLU -> Linear (nothing to save: both keep the same storage).
+* ``layer_norm_consumer`` (recompute_rules.py): a LayerNorm whose output only later call sites keep stays torch's;
+  they keep a recipe.
 * ``keep_output``: single torch modules that keep their input where their output serves (LeakyReLU, ELU, ...,
   LayerNorm, RMSNorm) become their ``memtrim.nn`` forms.
 * ``norm_by_behaviour``: a LayerNorm or RMSNorm in another library's spelling, recognised by its traced ops

@@ -7,7 +7,9 @@ of ``F.layer_norm``); one whose ops are ``pow, mean, add, rsqrt, mul, mul`` with
 of the module is an RMSNorm (HF ``LlamaRMSNorm`` and its copies in Mistral/Qwen/..., timm's ``RmsNorm``). Either
 becomes a norm that keeps its output (NOTE [ norms that keep their output ] in norms/keep_output.py) when its
 output is kept by a later op anyway (else it would save nothing) and it computes in its input's dtype (an upcast,
-as in a bfloat16 Llama, would make the output a rounded copy of what backward needs: precision guard).
+as in a bfloat16 Llama, would make the output a rounded copy of what backward needs: precision guard). A LayerNorm
+whose output only later call sites keep is decided before, by ``layer_norm_consumer`` (NOTE [ recompute rules ]):
+it stays torch's own, bitwise.
 
 The change is a class swap to a subclass of the module's own class made once per class (parameters, buffers, hooks,
 attribute names and state_dict keys unchanged; a state_dict loads into the unconverted class). The LayerNorm form

@@ -3,6 +3,14 @@
 NOTE [ recompute rules ]
 Matched on traced evidence (NOTE [ convert's evidence ]), never on class names:
 
+* ``layer_norm_consumer`` (before ``keep_output``): a call site whose compute op is one ``native_layer_norm`` (any
+  class), which keeps its input, and whose output is kept only by later call sites (a Linear, HF ``Conv1D``, a
+  convolution, a parent's ``F.linear``): the norm stays torch's own and those sites keep the recipe (the norm of
+  its input, rebuilt by the module's own forward, with its weight and bias version-checked like autograd's). It
+  saves what the keep-output LayerNorm saves there, with torch's kernels in backward, so training stays bitwise
+  (double backward included). Where the output is kept otherwise (by the parent's own code, or by a module an
+  earlier rule changed), the keep-output rules decide. Under autocast nothing is marked: autocast runs the norm in
+  float32 and a rebuild outside it would not.
 * ``batchnorm_relu_call_site``: a ``relu`` op whose input is a BatchNorm's output, read by nothing before it: the
   BatchNorm becomes ``BatchNormReLU`` (keeps its input; the ReLU output is a recipe) and the modules that keep the
   ReLU output run as recipe-honouring scopes. A ReLU module called at several sites (torchvision's ``self.relu``)
@@ -42,6 +50,7 @@ from ..recompute import (
     recompute_output,
 )
 from .evidence import CallSite, ModelTrace, Op
+from .norms import _innermost
 from .rules import Candidate, Context, Undo, chain, class_swap, label, register_rule
 
 __all__: list[str] = []
@@ -94,6 +103,62 @@ def _install_consumers(modules: list[nn.Module]) -> Undo:
         if m.__dict__.get("_memtrim_consumer_scope") is None:
             undos.append(keep_recipes_in(m).remove)
     return chain(*undos)
+
+
+# ---------------------------------------------------------------------- LayerNorm -> input-keeping consumers
+_LAYER_NORM = ["native_layer_norm"]
+
+
+def _consumers_of_outputs(ctx: Context, trace: ModelTrace, sites: list[CallSite]) -> tuple[list[nn.Module], int]:
+    """The later call sites that keep the outputs of ``sites`` and the bytes they keep, or ``([], 0)`` when one
+    output is kept otherwise (by its parent's own code) or one call keeps no input to rebuild from."""
+    consumers: list[nn.Module] = []
+    expected = 0
+    for s in sites:
+        acts = [k for k in s.inputs if trace.storages[k].kind != "parameter"]
+        if len(s.outputs) != 1 or len(acts) != 1:
+            return [], 0
+        if not any(s.index in h.stack for h in trace.storages[acts[0]].holders):
+            return [], 0  # the norm does not keep its input here: nothing to rebuild from
+        found = _holder_modules(ctx, s.outputs[0], s)
+        if found is None or not ctx.free(*found):
+            return [], 0
+        if found:
+            consumers += [m for m in found if m not in consumers]
+            expected += trace.storages[s.outputs[0]].nbytes
+    return consumers, expected
+
+
+@register_rule("layer_norm_consumer", before="keep_output")
+def layer_norm_consumer(ctx: Context) -> Iterator[Candidate]:
+    """A LayerNorm (one ``native_layer_norm``, any class) whose output is kept only by later call sites: they keep a
+    recipe (the norm of its input, which the norm keeps anyway) and the norm stays torch's own, so training stays
+    bitwise. Otherwise the keep-output rules decide."""
+    done: set[int] = set()
+    for trace, site in ctx.undecided_sites(done):
+        module = site.module
+        if ctx.op_names(site) != _LAYER_NORM or not _innermost(trace, site):
+            continue
+        done.add(id(module))
+        sites = trace.sites_of(site.path)
+        if (any(ctx.op_names(s) != _LAYER_NORM for s in sites) or ctx.user_hooks(module) or ctx.edited(site.path)
+                or any(o.name == "_to_copy" for s in sites for o in trace.ops_in(s, compute_only=False))):
+            continue
+        consumers, expected = _consumers_of_outputs(ctx, trace, sites)
+        if not consumers:
+            continue
+        names = [n for n, m in ctx.modules.items() if any(m is c for c in consumers)]
+        owner = label((site.path,), "a recomputed LayerNorm")
+
+        def apply(module: nn.Module = module, consumers: list = consumers, owner: str = owner) -> Undo:
+            return chain(recompute_output(module, owner=owner, parameters=True, under_autocast=False).remove,
+                         _install_consumers(consumers))
+
+        yield Candidate((site.path,), type(module).__name__,
+                        f"torch's LayerNorm, recomputed for {', '.join(n or '<model>' for n in names[:3])}"
+                        + (f" and {len(names) - 3} more" if len(names) > 3 else ""),
+                        reason="a LayerNorm whose output is kept only by later call sites, its input by itself",
+                        targets=(module,), expected_bytes=expected, limits=LIMITS["recompute_norm"], apply=apply)
 
 
 # ---------------------------------------------------------------------- BatchNorm + ReLU per call site

@@ -17,7 +17,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from ..guards import plain_only
+from ..guards import autocasting, plain_only
 from ._core import (
     enter_consumer_scope,
     entry_of,
@@ -49,6 +49,10 @@ LIMITS: dict[str, tuple[str, ...]] = {
     "recompute_output": (
         "the activation's output is rebuilt in backward by its own forward (bitwise); double backward exact",
         "steps aside under torch.compile and torch.func",
+    ),
+    "recompute_norm": (
+        "the norm's output is rebuilt in backward by its own forward (bitwise); double backward exact",
+        "saves nothing under autocast and steps aside under torch.compile and torch.func",
     ),
     "recompute_gated_mlp": (
         "act(gate) and act(gate) * up are rebuilt in backward by the same ops (bitwise); double backward exact",
@@ -117,8 +121,10 @@ def keep_recipes_in(module: nn.Module) -> Handle:
 class _OutputRecipe:
     """Forward hooks of :func:`recompute_output`: a producer scope around the call, the output marked at its end."""
 
-    def __init__(self, module: nn.Module, fn: Callable[..., torch.Tensor] | None, owner: str | None) -> None:
+    def __init__(self, module: nn.Module, fn: Callable[..., torch.Tensor] | None, owner: str | None,
+                 parameters: bool = False, under_autocast: bool = True) -> None:
         self.module, self.fn, self.owner = module, fn, owner
+        self.parameters, self.under_autocast = parameters, under_autocast
         self._local = threading.local()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -140,7 +146,7 @@ class _OutputRecipe:
         if plain_only():  # torch.compile must trace none of this
             return
         scope = None
-        if _active():
+        if _active() and (self.under_autocast or not _autocast_on(args, kwargs)):
             scope = producing()
             scope.__enter__()
         self._scopes().append(scope)
@@ -166,14 +172,21 @@ class _OutputRecipe:
         if not positions:
             return
         sources = [flat[i] for i in positions]
+        if self.parameters:  # sources too, ignored by the rebuild: their versions are checked like autograd's
+            sources += [p for p in self.module.parameters(recurse=False)]
         fn = self.fn if self.fn is not None else _call_with(self.module, args, kwargs, positions)
         resolved = [entry_of(s) or s for s in sources]
         register(output, fn, resolved, owner=_name(self.module, self.owner))
 
 
+def _autocast_on(args: tuple, kwargs: dict) -> bool:
+    x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    return x is not None and autocasting(x)
+
+
 def _call_with(module: nn.Module, args: tuple, kwargs: dict, positions: list[int]) -> Callable[..., torch.Tensor]:
     """``module.forward`` on the call's arguments with the tensors replaced by the rebuild's sources (constants and
-    keyword names as in the call)."""
+    keyword names as in the call; sources past the call's tensors are ignored)."""
     n_args = len(args)
     constants = [None if isinstance(a, torch.Tensor) else a for a in (*args, *kwargs.values())]
     names = list(kwargs)
@@ -188,7 +201,7 @@ def _call_with(module: nn.Module, args: tuple, kwargs: dict, positions: list[int
 
 
 def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None = None, *,
-                     owner: str | None = None) -> Handle:
+                     owner: str | None = None, parameters: bool = False, under_autocast: bool = True) -> Handle:
     """Mark ``module``'s output, after each call, as recomputable from its tensor arguments.
 
     The default rebuild is the module's own forward on the same arguments, so it is bitwise for any activation
@@ -201,6 +214,10 @@ def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None =
             inputs are kept for backward anyway (GELU, SiLU, ... keep their input).
         fn: the rebuild, called with the call's tensor arguments; default: the module's forward.
         owner: how errors name the module (default: its ``memtrim_owner`` label or class name).
+        parameters: the module's own parameters are sources too (a LayerNorm's weight and bias): one changed in
+            place between forward and backward raises autograd's error instead of rebuilding another output.
+        under_autocast: False leaves calls under autocast unmarked (a norm that autocast runs in float32 would
+            rebuild, without autocast, in its input's dtype).
 
     Returns:
         A :class:`Handle`. Marking alone saves nothing: the consumers that keep the output need
@@ -216,7 +233,7 @@ def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None =
             wrapper.recipe_owner = None
 
         return Handle(unshare)
-    hooks = _OutputRecipe(module, fn, owner)
+    hooks = _OutputRecipe(module, fn, owner, parameters, under_autocast)
     pre = module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
     post = module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True)
     return Handle(pre.remove, post.remove)
