@@ -1,12 +1,14 @@
 """checkpoint_modules: bitwise equal to plain training (dropout replayed, BatchNorm statistics updated once), its
 compositions with convert, ReversibleSequential and OptimizerInBackward, its activation bytes, and its errors."""
 
+import collections
 import copy
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import memtrim
@@ -290,6 +292,48 @@ def test_activation_bytes_plain_selective_per_block():
     assert selective == 3 * (11 * block_input + lse) + outside
     # save_attention keeps, per block, the fused attention's output (B, T, d_model) and its logsumexp (B, H, T)
     assert activation_bytes("save_attention") == per_block + 3 * (block_input + 4 * 4 * 32 * 4)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_converted_then_mlps_checkpointed_keeps_the_norms_recipe_and_recomputes_only_fc():
+    # convert leaves ln2 torch's, its output rebuilt for fc; once the MLP is checkpointed, torch saves the MLP's input
+    # for the recomputation, and that save keeps the recipe too (ln2's input, kept by ln2 anyway). Inside the region
+    # the converted GELU + Linear runs as torch's ops, so the recomputation stops before the MLP's last matmul.
+    def held_and_backward_ops(model, x):
+        with memtrim.track(model) as t:
+            loss = lm_loss(model(x), x)
+            held = t.live_by_category()["activations"]
+        with _Ops() as ops:
+            loss.backward()
+        return held, ops.counts
+
+    torch.manual_seed(0)
+    plain = SmallGPT(GPTConfig(vocab_size=64, seq_len=32, n_layer=3, d_model=64, n_head=4))
+    x = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
+    converted = copy.deepcopy(plain)
+    memtrim.convert(converted, example_inputs=(x,))
+    both = copy.deepcopy(converted)
+    memtrim.checkpoint_modules(both, ["blocks.0.mlp", "blocks.2.mlp"])
+    held_converted, ops_converted = held_and_backward_ops(converted, x)
+    held_both, ops_both = held_and_backward_ops(both, x)
+    fc_output = 4 * 32 * 4 * 64 * 4  # (B, T, 4 d_model) float32: all that each checkpointed MLP drops
+    assert held_both == held_converted - 2 * fc_output
+    assert ops_both["addmm"] == ops_converted["addmm"] + 2  # fc again, not the MLP's proj
+    assert ops_both["gelu"] == ops_converted["gelu"]  # the region's GELU replaces the converted pair's rebuild
+    outs_a, grads_a = train(plain, gpt_batches(seed=3), lm_loss, make_opt=lambda m: torch.optim.AdamW(m.parameters()))
+    outs_b, grads_b = train(both, gpt_batches(seed=3), lm_loss, make_opt=lambda m: torch.optim.AdamW(m.parameters()))
+    assert_same(outs_a, outs_b)
+    assert_same(grads_a, grads_b)
+    assert_models_same(plain, both)
 
 
 def test_bad_input():

@@ -2,7 +2,8 @@
 
 Shared by the lean activations (``activations/``), the norms that keep less (``norms/``), the recipes
 (``recompute/``) and convert's rules: the modules run as torch's own ops under ``torch.compile`` and ``torch.func``
-(:func:`plain_only`) and, for the rebuilt norms and ActLinear, under autocast (:func:`autocasting`); an in-place
+(:func:`plain_only`) and, for the rebuilt norms and ActLinear, under autocast (:func:`autocasting`) and inside a
+checkpointed region (:func:`in_checkpoint`; recipe consumer scopes stand aside there too); an in-place
 change of a kept tensor and a double backward through a rebuilt norm raise a :class:`ConvertError` naming the module
 (:func:`owner`) and saying what to do.
 """
@@ -18,7 +19,9 @@ from torch import nn
 
 from ..errors import ConvertError
 
-__all__ = ["autocasting", "inplace_error", "no_double_backward", "owner", "plain_only", "saved_tensors"]
+__all__ = [
+    "autocasting", "in_checkpoint", "inplace_error", "no_double_backward", "owner", "plain_only", "saved_tensors",
+]
 
 
 # ---------------------------------------------------------------------- where the modules step aside
@@ -38,6 +41,18 @@ def plain_only() -> bool:
     autograd.Function needs rules they do not have): the modules then run as torch's own ops, exactly the
     unconverted model."""
     return torch.compiler.is_compiling() or _functorch_active() or _forward_ad_active()
+
+
+def in_checkpoint() -> bool:
+    """True inside a ``torch.utils.checkpoint`` region: its forward, whose saves are dropped, or its recomputation in
+    backward. ActLinear and the keep-output norms run as torch's own ops there (the same in both, so torch's check
+    that they save the same tensors holds): keeping less of what is dropped anyway gains nothing, and torch's own ops
+    let the recomputation stop early, before the region's last matmul, once backward has what it needs.
+
+    A private torch call, as in ``recompute._core._active_hooks``: torch has no public API that reads the active
+    saved-tensor hooks."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint"
 
 
 def autocasting(x: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import InvalidInputError
-from ..guards import autocasting, owner, plain_only, saved_tensors
+from ..guards import autocasting, in_checkpoint, owner, plain_only, saved_tensors
 from .functional import differentiable_grad
 
 __all__ = ["ActLinear"]
@@ -98,6 +98,6 @@ class ActLinear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``linear(activation(input))``, keeping only ``input`` for backward (the activation is recomputed)."""
-        if not torch.is_grad_enabled() or plain_only() or autocasting(input):
+        if not torch.is_grad_enabled() or plain_only() or autocasting(input) or in_checkpoint():
             return F.linear(_ACT[self.activation][0](input), self.weight, self.bias)
         return _ActLinearFunction.apply(input, self.weight, self.bias, self.activation, owner(self))

@@ -8,6 +8,13 @@ preserve_rng_state=True)``. The module object, its name, parameters, buffers, ho
 as they were; ``CheckpointHandle.remove()`` deletes the instance attribute again. Without grad mode it runs the
 forward plainly.
 
+With convert: torch saves the module's inputs for the recomputation through the saved-tensor hooks, and
+``_checkpointed_forward`` makes that save a recipe consumer scope, so an input that convert rebuilds anyway (a
+LayerNorm's output, whose input the norm keeps) keeps its recipe, not itself. Inside the region, recipe scopes,
+ActLinear and the keep-output norms run as torch's own ops (``guards.in_checkpoint``): everything there is dropped
+until backward, and torch's ops let the recomputation stop early (a checkpointed MLP recomputes fc and its
+activation, not its last matmul).
+
 Buffers: torch's recomputation reruns the forward as it is, so a BatchNorm in training mode updates its running
 statistics (and ``num_batches_tracked``) a second time in backward. So each checkpointed call snapshots the
 subtree's buffers before its forward (a clone per buffer, kept as long as the call's graph: BatchNorm's are 2C+1
@@ -38,6 +45,7 @@ from torch import nn
 
 from ...errors import InvalidInputError, MemtrimStateError
 from ...measure.hooks import hold_for_backward
+from ..recompute import recipes_honoured
 
 _API = "memtrim.checkpoint_modules"
 _MARK = "_memtrim_checkpointed"  # instance attribute: the CheckpointHandle
@@ -253,8 +261,9 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
     handle: CheckpointHandle = self.__dict__[_MARK]
-    return tuc.checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=_context_fn(self, handle._selective), **kwargs)
+    with recipes_honoured():  # torch saves the inputs for the recomputation: a recomputable one keeps its recipe
+        return tuc.checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True,
+                              context_fn=_context_fn(self, handle._selective), **kwargs)
 
 
 def checkpoint_modules(model: nn.Module, modules: ModuleSelector, *, policy: Policy = None) -> CheckpointHandle:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..guards import autocasting, no_double_backward, owner, plain_only, saved_tensors
+from ..guards import autocasting, in_checkpoint, no_double_backward, owner, plain_only, saved_tensors
 from ._kernels import keep_input_features, zeros_and_ones
 
 __all__ = ["LayerNorm", "NormKeepOutput", "RMSNorm"]
@@ -103,8 +103,8 @@ class LayerNorm(nn.LayerNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``nn.LayerNorm``'s forward, keeping the output for backward (torch's own forward where nothing needs
-        a gradient, under autocast, ``torch.compile`` or ``torch.func``)."""
-        if (not torch.is_grad_enabled() or plain_only() or autocasting(input)
+        a gradient, under autocast, ``torch.compile``, ``torch.func`` or inside a checkpointed region)."""
+        if (not torch.is_grad_enabled() or plain_only() or in_checkpoint() or autocasting(input)
                 or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))):
             return super().forward(input)
         return NormKeepOutput.apply(input, self.weight, self.bias, tuple(self.normalized_shape), self.eps, False,
@@ -120,9 +120,9 @@ class RMSNorm(nn.RMSNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``nn.RMSNorm``'s forward, keeping the output for backward (torch's own forward where nothing needs
-        a gradient, under autocast, ``torch.compile`` or ``torch.func``)."""
+        a gradient, under autocast, ``torch.compile``, ``torch.func`` or inside a checkpointed region)."""
         eps = self.eps if self.eps is not None else torch.finfo(input.dtype).eps
-        if (not torch.is_grad_enabled() or plain_only() or autocasting(input)
+        if (not torch.is_grad_enabled() or plain_only() or in_checkpoint() or autocasting(input)
                 or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))):
             return super().forward(input)
         return NormKeepOutput.apply(input, self.weight, None, tuple(self.normalized_shape), eps, True,

@@ -47,7 +47,7 @@ import torch
 
 from ...errors import ConvertError
 from ...measure.hooks import check_saved_version, hold_for_backward
-from ..guards import plain_only
+from ..guards import in_checkpoint, plain_only
 
 __all__ = [
     "Recipe", "enter_consumer_scope", "entry_of", "exit_consumer_scope", "is_recomputable", "mark_recomputable",
@@ -404,7 +404,10 @@ def enter_consumer_scope() -> None:
         return
     top = _active_hooks()
     hooks = None
-    if torch.is_grad_enabled() and (top is None or not hasattr(top[0], _MARK)):
+    # inside a checkpointed region a scope stands aside (in_checkpoint): the region's forward would keep a recipe
+    # for a tensor made outside it (its sources: several saves) where the recomputation, which does not rerun that
+    # producer, saves the tensor itself, and torch requires both to save the same tensors
+    if torch.is_grad_enabled() and not in_checkpoint() and (top is None or not hasattr(top[0], _MARK)):
         hooks = torch.autograd.graph.saved_tensors_hooks(_consumer_pack(_outer_of(top)), _unpack)
         hooks.__enter__()
     _scopes().append(hooks)
