@@ -54,6 +54,12 @@ def eager_variants(base):
         if policy is not False:
             memtrim.checkpoint_modules(model, CausalSelfAttention, policy=policy)
         out[label] = model
+    # convert, then the MLPs of the first k blocks checkpointed: each recomputes its first Linear and GELU (4 d wide)
+    for k in (2, 3):
+        model = copy.deepcopy(base)
+        memtrim.convert(model, example_inputs=(x,))
+        memtrim.checkpoint_modules(model, [f"blocks.{i}.mlp" for i in range(k)])
+        out[f"convert + MLPs of {k} blocks"] = model
     return out
 
 
