@@ -97,6 +97,12 @@ def _holder_modules(ctx: Context, key: int, site: CallSite) -> list[nn.Module] |
     return found
 
 
+def _keeps_output(trace: ModelTrace, sites: list[CallSite]) -> bool:
+    """Whether an op inside one of ``sites`` keeps the site's output for backward (a tanh, a sigmoid): the producer
+    then needs a producer scope (``recompute_output(keeps_output=True)``)."""
+    return any(s.index in h.stack for s in sites for k in s.outputs for h in trace.storages[k].holders)
+
+
 def _install_consumers(modules: list[nn.Module]) -> Undo:
     undos = []
     for m in modules:
@@ -151,7 +157,8 @@ def layer_norm_consumer(ctx: Context) -> Iterator[Candidate]:
         owner = label((site.path,), "a recomputed LayerNorm")
 
         def apply(module: nn.Module = module, consumers: list = consumers, owner: str = owner) -> Undo:
-            return chain(recompute_output(module, owner=owner, parameters=True, under_autocast=False).remove,
+            return chain(recompute_output(module, owner=owner, parameters=True, under_autocast=False,
+                                          keeps_output=False).remove,  # native_layer_norm keeps its input
                          _install_consumers(consumers))
 
         yield Candidate((site.path,), type(module).__name__,
@@ -398,9 +405,12 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
             continue
         names = [n for n, m in ctx.modules.items() if any(m is c for c in consumers)]
         owner = label((site.path,), "a recomputed activation")
+        keeps = _keeps_output(trace, sites)
 
-        def apply(module: nn.Module = module, consumers: list = consumers, owner: str = owner) -> Undo:
-            return chain(recompute_output(module, owner=owner).remove, _install_consumers(consumers))
+        def apply(module: nn.Module = module, consumers: list = consumers, owner: str = owner,
+                  keeps: bool = keeps) -> Undo:
+            return chain(recompute_output(module, owner=owner, keeps_output=keeps).remove,
+                         _install_consumers(consumers))
 
         yield Candidate((site.path,), type(module).__name__,
                         f"recomputed for {', '.join(n or '<model>' for n in names[:3])}"

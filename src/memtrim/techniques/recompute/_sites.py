@@ -118,13 +118,20 @@ def keep_recipes_in(module: nn.Module) -> Handle:
 
 
 # ---------------------------------------------------------------------- producers
+_NO_SCOPE = object()  # a call whose output is marked, with no producer scope around it (keeps_output=False)
+
+
 class _OutputRecipe:
-    """Forward hooks of :func:`recompute_output`: a producer scope around the call, the output marked at its end."""
+    """Forward hooks of :func:`recompute_output`: a producer scope around the call (where the producer's own backward
+    keeps its output), the output marked at its end."""
+
+    # class-level defaults: hooks pickled before these options existed load with them
+    parameters, under_autocast, keeps_output = False, True, True
 
     def __init__(self, module: nn.Module, fn: Callable[..., torch.Tensor] | None, owner: str | None,
-                 parameters: bool = False, under_autocast: bool = True) -> None:
+                 parameters: bool = False, under_autocast: bool = True, keeps_output: bool = True) -> None:
         self.module, self.fn, self.owner = module, fn, owner
-        self.parameters, self.under_autocast = parameters, under_autocast
+        self.parameters, self.under_autocast, self.keeps_output = parameters, under_autocast, keeps_output
         self._local = threading.local()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -136,7 +143,7 @@ class _OutputRecipe:
         self.__dict__.update(state)
         self._local = threading.local()
 
-    def _scopes(self) -> list[producing | None]:
+    def _scopes(self) -> list[Any]:
         scopes = getattr(self._local, "scopes", None)
         if scopes is None:
             scopes = self._local.scopes = []
@@ -145,10 +152,13 @@ class _OutputRecipe:
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if plain_only():  # torch.compile must trace none of this
             return
-        scope = None
+        scope: Any = None
         if _active() and (self.under_autocast or not _autocast_on(args, kwargs)):
-            scope = producing()
-            scope.__enter__()
+            if self.keeps_output:
+                scope = producing()
+                scope.__enter__()
+            else:
+                scope = _NO_SCOPE
         self._scopes().append(scope)
 
     def post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -162,7 +172,8 @@ class _OutputRecipe:
             if isinstance(output, torch.Tensor):
                 self.mark(output, args, kwargs)
         finally:
-            scope.__exit__(None, None, None)
+            if scope is not _NO_SCOPE:
+                scope.__exit__(None, None, None)
 
     def mark(self, output: torch.Tensor, args: tuple, kwargs: dict) -> None:
         flat = list(args) + list(kwargs.values())
@@ -171,11 +182,10 @@ class _OutputRecipe:
         positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
         if not positions:
             return
-        sources = [flat[i] for i in positions]
+        resolved: list[Any] = [entry_of(flat[i]) or flat[i] for i in positions]
         if self.parameters:  # sources too, ignored by the rebuild: their versions are checked like autograd's
-            sources += [p for p in self.module.parameters(recurse=False)]
+            resolved += self.module.parameters(recurse=False)
         fn = self.fn if self.fn is not None else _call_with(self.module, args, kwargs, positions)
-        resolved = [entry_of(s) or s for s in sources]
         register(output, fn, resolved, owner=_name(self.module, self.owner))
 
 
@@ -201,7 +211,8 @@ def _call_with(module: nn.Module, args: tuple, kwargs: dict, positions: list[int
 
 
 def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None = None, *,
-                     owner: str | None = None, parameters: bool = False, under_autocast: bool = True) -> Handle:
+                     owner: str | None = None, parameters: bool = False, under_autocast: bool = True,
+                     keeps_output: bool = True) -> Handle:
     """Mark ``module``'s output, after each call, as recomputable from its tensor arguments.
 
     The default rebuild is the module's own forward on the same arguments, so it is bitwise for any activation
@@ -216,6 +227,9 @@ def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None =
         owner: how errors name the module (default: its ``memtrim_owner`` label or class name).
         parameters: the module's own parameters are sources too (a LayerNorm's weight and bias): one changed in
             place between forward and backward raises autograd's error instead of rebuilding another output.
+        keeps_output: False when the module's own backward does not keep its output (LayerNorm, GELU, SiLU keep
+            their input): its saves then pass straight on, without a producer scope deciding them at the call's end
+            (less Python per call). Where it does keep it, False would leave the output kept: correct, no saving.
         under_autocast: False leaves calls under autocast unmarked (a norm that autocast runs in float32 would
             rebuild, without autocast, in its input's dtype).
 
@@ -233,7 +247,7 @@ def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None =
             wrapper.recipe_owner = None
 
         return Handle(unshare)
-    hooks = _OutputRecipe(module, fn, owner, parameters, under_autocast)
+    hooks = _OutputRecipe(module, fn, owner, parameters, under_autocast, keeps_output)
     pre = module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
     post = module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True)
     return Handle(pre.remove, post.remove)
