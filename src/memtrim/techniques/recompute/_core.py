@@ -224,7 +224,9 @@ def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Ite
     resolved: list[torch.Tensor | _Entry] = []
     for source in sources:
         if isinstance(source, torch.Tensor):
-            if source.untyped_storage().data_ptr() == storage.data_ptr() and storage.nbytes() > 0:
+            # the same storage (compared as torch's StorageWeakRef does: fake tensors, as a plan traces them, all
+            # have data pointer 0)
+            if source.untyped_storage()._cdata == storage._cdata and storage.nbytes() > 0:
                 return None  # an in-place producer: its input is gone
             source = source.detach()
         resolved.append(source)
