@@ -36,16 +36,21 @@ def step(model, opt, batch) -> None:
 
 class _OpBytes(TorchDispatchMode):
     """Counts the ops a step runs and the bytes their outputs write: the recompute work convert adds, without a
-    clock (deterministic, unlike the times)."""
+    clock (deterministic, unlike the times). Views and other outputs that alias an input (``detach``, ``t``,
+    ``_unsafe_view``) write nothing and count 0 B; in-place and ``out=`` ops count what they write."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = self.bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         self.ops += 1
-        self.bytes += sum(t.nbytes for t in tensors_in(out))
+        if not func.is_view:
+            aliased = (set() if func._schema.is_mutable
+                       else {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))})
+            self.bytes += sum(t.nbytes for t in tensors_in(out) if t.untyped_storage()._cdata not in aliased)
         return out
 
 

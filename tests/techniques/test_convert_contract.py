@@ -379,6 +379,58 @@ def test_a_layer_norm_recomputed_for_its_consumer_is_torchs_own_even_through_a_g
         assert torch.equal(a, b)
 
 
+class _Probe(nn.Module):
+    """A frozen backbone's first token through a norm (or an activation) into a trained head: linear probing."""
+
+    def __init__(self, middle):
+        super().__init__()
+        self.backbone, self.middle, self.head = nn.Linear(16, 16), middle, nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.middle(self.backbone(x)[:, 0]))
+
+
+@pytest.mark.parametrize("middle", ["layer_norm", "gelu"])
+def test_frozen_after_convert_keeps_what_torch_keeps_and_allows_what_torch_allows(middle):
+    # frozen after convert: torch's norm (or GELU) keeps nothing and the head keeps the small (B, d) output; a recipe
+    # would keep the backbone's whole (B, T, d) output alive, and raise when that buffer is reused before backward
+    torch.manual_seed(0)
+    x = torch.randn(4, 32, 16)
+    plain = _Probe(nn.LayerNorm(16) if middle == "layer_norm" else nn.GELU())
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
+    assert report.changes, str(report)
+    held = []
+    for model in (plain, converted):
+        model.backbone.requires_grad_(False)
+        model.middle.requires_grad_(False)
+        buffer = x.clone()
+        with memtrim.track(model) as tracker:
+            loss = model(buffer).square().sum()
+            held.append(tracker.live_by_category()["activations"])
+        buffer.add_(1.0)  # the loader refills its buffer before backward: torch allows it here
+        loss.backward()
+    assert held[1] == held[0] <= 4 * 16 * 4 + 4 * 4 * 4  # the head's (B, d) input, the loss's (B, 4) output
+    assert torch.equal(plain.head.weight.grad, converted.head.weight.grad)
+
+
+def test_a_norm_changed_between_forward_and_backward_rebuilds_as_the_forward_ran_or_raises():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    converted, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=torch.randn(5, 6))
+    x = torch.randn(5, 6)
+    grads = []
+    for model in (plain, converted):  # a parameter replaced (assignment, load_state_dict(assign=True)): torch's
+        loss = model(x).square().sum()  # Linear kept the forward's norm output; the rebuild uses the forward's weight
+        model[1].weight = nn.Parameter(model[1].weight.detach() * 2)
+        loss.backward()
+        grads.append(model[2].weight.grad)
+    assert torch.equal(*grads)
+    loss = converted(x).square().sum()
+    converted[1].eps = 0.1  # a setting changed: no rebuild can give the forward's output, so it raises
+    with pytest.raises(memtrim.ConvertError, match=r"'1'.*eps: 1e-05 -> 0.1"):
+        loss.backward()
+
+
 def test_torch_func_grad_and_vmap_on_a_converted_model():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8),

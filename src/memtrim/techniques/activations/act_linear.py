@@ -98,6 +98,8 @@ class ActLinear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``linear(activation(input))``, keeping only ``input`` for backward (the activation is recomputed)."""
-        if not torch.is_grad_enabled() or plain_only() or autocasting(input) or in_checkpoint():
+        # an input that needs no gradient: torch's activation keeps nothing there and its Linear the output, as here
+        if (not torch.is_grad_enabled() or not input.requires_grad or plain_only() or autocasting(input)
+                or in_checkpoint()):
             return F.linear(_ACT[self.activation][0](input), self.weight, self.bias)
         return _ActLinearFunction.apply(input, self.weight, self.bias, self.activation, owner(self))

@@ -17,6 +17,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from ...errors import ConvertError
 from ..guards import autocasting, plain_only
 from ._core import (
     enter_consumer_scope,
@@ -176,6 +177,8 @@ class _OutputRecipe:
                 scope.__exit__(None, None, None)
 
     def mark(self, output: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        if not output.requires_grad:  # the producer keeps nothing (a frozen norm on a frozen input): a recipe would
+            return                    # make its consumers keep its input where torch keeps nothing
         flat = list(args) + list(kwargs.values())
         if not flat or any(isinstance(a, (list, tuple, dict)) for a in flat):
             return  # only flat tensor/constant arguments
@@ -183,10 +186,13 @@ class _OutputRecipe:
         if not positions:
             return
         resolved: list[Any] = [entry_of(flat[i]) or flat[i] for i in positions]
-        if self.parameters:  # sources too, ignored by the rebuild: their versions are checked like autograd's
-            resolved += self.module.parameters(recurse=False)
-        fn = self.fn if self.fn is not None else _call_with(self.module, args, kwargs, positions)
-        register(output, fn, resolved, owner=_name(self.module, self.owner))
+        owner = _name(self.module, self.owner)
+        params: list[tuple[str, torch.Tensor]] = []
+        if self.parameters:  # sources too: version-checked like autograd's, and what the rebuild reads
+            params = list(self.module.named_parameters(recurse=False))
+            resolved += [p for _, p in params]
+        fn = self.fn if self.fn is not None else _call_with(self.module, args, kwargs, positions, params, owner)
+        register(output, fn, resolved, owner=owner)
 
 
 def _autocast_on(args: tuple, kwargs: dict) -> bool:
@@ -194,20 +200,48 @@ def _autocast_on(args: tuple, kwargs: dict) -> bool:
     return x is not None and autocasting(x)
 
 
-def _call_with(module: nn.Module, args: tuple, kwargs: dict, positions: list[int]) -> Callable[..., torch.Tensor]:
+def _call_with(module: nn.Module, args: tuple, kwargs: dict, positions: list[int],
+               params: list[tuple[str, torch.Tensor]] | None = None, owner: str = "") -> Callable[..., torch.Tensor]:
     """``module.forward`` on the call's arguments with the tensors replaced by the rebuild's sources (constants and
-    keyword names as in the call; sources past the call's tensors are ignored)."""
+    keyword names as in the call). With ``params`` (the module's own parameters, sources after the call's tensors),
+    the rebuild reads the module as the forward did: the parameters it had then (a parameter replaced since, by
+    assignment or ``load_state_dict(assign=True)``, is swapped back for the call with ``torch.func.functional_call``)
+    and, if its settings (``eps``, ...) changed since, it raises instead of rebuilding another output."""
     n_args = len(args)
     constants = [None if isinstance(a, torch.Tensor) else a for a in (*args, *kwargs.values())]
     names = list(kwargs)
+    n_call = len(positions)
+    settings = _settings(module) if params else None
 
     def rebuild(*tensors: torch.Tensor) -> torch.Tensor:
         flat = list(constants)
         for i, t in zip(positions, tensors):
             flat[i] = t
-        return module.forward(*flat[:n_args], **dict(zip(names, flat[n_args:])))
+        call_args, call_kwargs = flat[:n_args], dict(zip(names, flat[n_args:]))
+        if not params:
+            return module.forward(*call_args, **call_kwargs)
+        now = _settings(module)
+        if now != settings:
+            changed = sorted(k for k in {*now, *(settings or {})} if now.get(k) != (settings or {}).get(k))
+            raise ConvertError(
+                f"memtrim: {owner} rebuilds its output in backward from its input, and its settings changed since the "
+                f"forward ({', '.join(f'{k}: {(settings or {}).get(k)!r} -> {now.get(k)!r}' for k in changed)}); "
+                "torch would use the forward's output. To fix: change the module after backward, or leave it out of "
+                "memtrim.convert (module_filter)."
+            )
+        if all(getattr(module, name, None) is p for name, p in params):
+            return module.forward(*call_args, **call_kwargs)
+        forward_params = {name: t for (name, _), t in zip(params, tensors[n_call:])}
+        return torch.func.functional_call(module, forward_params, tuple(call_args), call_kwargs)
 
     return rebuild
+
+
+def _settings(module: nn.Module) -> dict[str, Any]:
+    """A module's plain settings (``eps``, ``normalized_shape``, ...: public numbers, strings and tuples of them in
+    its ``__dict__``; ``training`` left out)."""
+    return {k: v for k, v in module.__dict__.items()
+            if not k.startswith("_") and k != "training" and isinstance(v, (bool, int, float, str, tuple))}
 
 
 def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None = None, *,
