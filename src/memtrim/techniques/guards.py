@@ -25,9 +25,11 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------- where the modules step aside
+_FUNCTORCH_ACTIVE = getattr(torch._C, "_are_functorch_transforms_active", None)  # looked up once: a per-op path
+
+
 def _functorch_active() -> bool:
-    active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    return bool(active()) if active is not None else False
+    return bool(_FUNCTORCH_ACTIVE()) if _FUNCTORCH_ACTIVE is not None else False
 
 
 def _forward_ad_active() -> bool:

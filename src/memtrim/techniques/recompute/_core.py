@@ -223,7 +223,9 @@ def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Ite
     storage = tensor.untyped_storage()
     resolved: list[torch.Tensor | _Entry] = []
     for source in sources:
-        if isinstance(source, torch.Tensor):
+        if isinstance(source, torch.nn.Parameter):  # never a producer's output: no in-place check needed
+            source = source.detach()
+        elif isinstance(source, torch.Tensor):
             # the same storage (compared as torch's StorageWeakRef does: fake tensors, as a plan traces them, all
             # have data pointer 0)
             if source.untyped_storage()._cdata == storage._cdata and storage.nbytes() > 0:

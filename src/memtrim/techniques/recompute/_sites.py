@@ -128,11 +128,15 @@ class _OutputRecipe:
 
     # class-level defaults: hooks pickled before these options existed load with them
     parameters, under_autocast, keeps_output = False, True, True
+    setting_names: tuple[str, ...] = ()
 
     def __init__(self, module: nn.Module, fn: Callable[..., torch.Tensor] | None, owner: str | None,
                  parameters: bool = False, under_autocast: bool = True, keeps_output: bool = True) -> None:
         self.module, self.fn, self.owner = module, fn, owner
         self.parameters, self.under_autocast, self.keeps_output = parameters, under_autocast, keeps_output
+        if parameters:  # the module's plain settings (eps, normalized_shape, ...), read at each call and rebuild
+            self.setting_names = tuple(k for k, v in module.__dict__.items() if not k.startswith("_")
+                                       and k != "training" and isinstance(v, (bool, int, float, str, tuple)))
         self._local = threading.local()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -191,7 +195,8 @@ class _OutputRecipe:
         if self.parameters:  # sources too: version-checked like autograd's, and what the rebuild reads
             params = list(self.module.named_parameters(recurse=False))
             resolved += [p for _, p in params]
-        fn = self.fn if self.fn is not None else _call_with(self.module, args, kwargs, positions, params, owner)
+        fn = (self.fn if self.fn is not None
+              else _call_with(self.module, args, kwargs, positions, params, owner, self.setting_names))
         register(output, fn, resolved, owner=owner)
 
 
@@ -201,7 +206,8 @@ def _autocast_on(args: tuple, kwargs: dict) -> bool:
 
 
 def _call_with(module: nn.Module, args: tuple, kwargs: dict, positions: list[int],
-               params: list[tuple[str, torch.Tensor]] | None = None, owner: str = "") -> Callable[..., torch.Tensor]:
+               params: list[tuple[str, torch.Tensor]] | None = None, owner: str = "",
+               setting_names: tuple[str, ...] = ()) -> Callable[..., torch.Tensor]:
     """``module.forward`` on the call's arguments with the tensors replaced by the rebuild's sources (constants and
     keyword names as in the call). With ``params`` (the module's own parameters, sources after the call's tensors),
     the rebuild reads the module as the forward did: the parameters it had then (a parameter replaced since, by
@@ -211,7 +217,7 @@ def _call_with(module: nn.Module, args: tuple, kwargs: dict, positions: list[int
     constants = [None if isinstance(a, torch.Tensor) else a for a in (*args, *kwargs.values())]
     names = list(kwargs)
     n_call = len(positions)
-    settings = _settings(module) if params else None
+    settings = _settings(module, setting_names) if params else None
 
     def rebuild(*tensors: torch.Tensor) -> torch.Tensor:
         flat = list(constants)
@@ -220,12 +226,13 @@ def _call_with(module: nn.Module, args: tuple, kwargs: dict, positions: list[int
         call_args, call_kwargs = flat[:n_args], dict(zip(names, flat[n_args:]))
         if not params:
             return module.forward(*call_args, **call_kwargs)
-        now = _settings(module)
+        now = _settings(module, setting_names)
         if now != settings:
-            changed = sorted(k for k in {*now, *(settings or {})} if now.get(k) != (settings or {}).get(k))
+            before = settings or ()
+            changed = [(k, a, b) for k, a, b in zip(setting_names, before, now) if a != b]
             raise ConvertError(
                 f"memtrim: {owner} rebuilds its output in backward from its input, and its settings changed since the "
-                f"forward ({', '.join(f'{k}: {(settings or {}).get(k)!r} -> {now.get(k)!r}' for k in changed)}); "
+                f"forward ({', '.join(f'{k}: {a!r} -> {b!r}' for k, a, b in changed)}); "
                 "torch would use the forward's output. To fix: change the module after backward, or leave it out of "
                 "memtrim.convert (module_filter)."
             )
@@ -237,11 +244,11 @@ def _call_with(module: nn.Module, args: tuple, kwargs: dict, positions: list[int
     return rebuild
 
 
-def _settings(module: nn.Module) -> dict[str, Any]:
-    """A module's plain settings (``eps``, ``normalized_shape``, ...: public numbers, strings and tuples of them in
-    its ``__dict__``; ``training`` left out)."""
-    return {k: v for k, v in module.__dict__.items()
-            if not k.startswith("_") and k != "training" and isinstance(v, (bool, int, float, str, tuple))}
+def _settings(module: nn.Module, names: tuple[str, ...]) -> tuple[Any, ...]:
+    """The values of a module's plain settings ``names`` (``eps``, ``normalized_shape``, ...: the public numbers,
+    strings and tuples of them its ``__dict__`` held when the recipe was installed; ``training`` left out)."""
+    found = module.__dict__
+    return tuple(found.get(k) for k in names)
 
 
 def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None = None, *,
