@@ -2,8 +2,9 @@
 
 Every technique here keeps training bitwise equal to the standard loop, but ``offload_state`` (the host's kernels:
 ``tolerance``) and the low-bit states (``changed``). ``memtrim.convert`` is not among them yet: convert a model
-first and plan the converted model itself (its norms choose per feature from gamma and beta, whose values a trace
-of a given model knows: NOTE [ known values ]).
+first and plan the converted model itself (its LayerNorms rebuilt for their Linears need no values; norms that keep
+their output choose per feature from gamma and beta, whose values a trace of a given model knows: NOTE [ known
+values ]).
 """
 
 from __future__ import annotations

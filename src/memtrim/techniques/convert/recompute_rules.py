@@ -103,6 +103,12 @@ def _keeps_output(trace: ModelTrace, sites: list[CallSite]) -> bool:
     return any(s.index in h.stack for s in sites for k in s.outputs for h in trace.storages[k].holders)
 
 
+def _recomputed_for(ctx: Context, consumers: list[nn.Module]) -> str:
+    """``"recomputed for a, b, c and N more"``: the consumers' names, for the report."""
+    names = [n or "<model>" for n, m in ctx.modules.items() if any(m is c for c in consumers)]
+    return f"recomputed for {', '.join(names[:3])}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
 def _install_consumers(modules: list[nn.Module]) -> Undo:
     undos = []
     for m in modules:
@@ -153,7 +159,6 @@ def layer_norm_consumer(ctx: Context) -> Iterator[Candidate]:
         consumers, expected = _consumers_of_outputs(ctx, trace, sites)
         if not consumers:
             continue
-        names = [n for n, m in ctx.modules.items() if any(m is c for c in consumers)]
         owner = label((site.path,), "a recomputed LayerNorm")
 
         def apply(module: nn.Module = module, consumers: list = consumers, owner: str = owner) -> Undo:
@@ -161,9 +166,7 @@ def layer_norm_consumer(ctx: Context) -> Iterator[Candidate]:
                                           keeps_output=False).remove,  # native_layer_norm keeps its input
                          _install_consumers(consumers))
 
-        yield Candidate((site.path,), type(module).__name__,
-                        f"torch's LayerNorm, recomputed for {', '.join(n or '<model>' for n in names[:3])}"
-                        + (f" and {len(names) - 3} more" if len(names) > 3 else ""),
+        yield Candidate((site.path,), type(module).__name__, f"torch's LayerNorm, {_recomputed_for(ctx, consumers)}",
                         reason="a LayerNorm whose output is kept only by later call sites, its input by itself",
                         targets=(module,), expected_bytes=expected, limits=LIMITS["recompute_norm"], apply=apply)
 
@@ -403,7 +406,6 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
             yield Candidate((site.path,), reason=f"{type(module).__name__} has {', '.join(hooks)}: they would see a "
                                                  "rebuilt output", skip=True)
             continue
-        names = [n for n, m in ctx.modules.items() if any(m is c for c in consumers)]
         owner = label((site.path,), "a recomputed activation")
         keeps = _keeps_output(trace, sites)
 
@@ -412,9 +414,7 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
             return chain(recompute_output(module, owner=owner, keeps_output=keeps).remove,
                          _install_consumers(consumers))
 
-        yield Candidate((site.path,), type(module).__name__,
-                        f"recomputed for {', '.join(n or '<model>' for n in names[:3])}"
-                        + (f" and {len(names) - 3} more" if len(names) > 3 else ""),
+        yield Candidate((site.path,), type(module).__name__, _recomputed_for(ctx, consumers),
                         reason="its output is kept only by later call sites, its input by itself",
                         targets=(module,), expected_bytes=expected, limits=LIMITS["recompute_output"], apply=apply,
                         stacks_on=("checkpoint_pointwise",))

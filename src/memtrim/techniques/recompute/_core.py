@@ -47,23 +47,12 @@ import torch
 
 from ...errors import ConvertError
 from ...measure.hooks import check_saved_version, hold_for_backward
-from ..guards import in_checkpoint, plain_only
+from ..guards import active_saved_tensors_hooks, in_checkpoint, plain_only
 
 __all__ = [
     "Recipe", "enter_consumer_scope", "entry_of", "exit_consumer_scope", "is_recomputable", "mark_recomputable",
     "producing", "recipe_of", "recipes_honoured", "register",
 ]
-
-
-def _active_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
-    """The (pack, unpack) saved-tensor hooks active on this thread, or None.
-
-    A private torch call, kept on purpose: torch has no public API that reads the active hooks (entering a
-    ``saved_tensors_hooks`` replaces them, and ``disable_saved_tensors_hooks`` forbids them), and the recipe scopes
-    must chain to them so that what they pass through still reaches memtrim's tracker or an outer checkpoint
-    (NOTE [ recipes at consumer call sites ]). torch's own compiler reads them the same way
-    (``torch._functorch._aot_autograd.utils.top_saved_tensors_hooks``)."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 _MARK = "_memtrim_recompute_hooks"  # attribute on our pack functions: "these hooks are memtrim's recompute hooks"
@@ -406,7 +395,7 @@ def enter_consumer_scope() -> None:
     Every call must be matched by :func:`exit_consumer_scope`."""
     if plain_only():  # before anything else: torch.compile must trace none of this
         return
-    top = _active_hooks()
+    top = active_saved_tensors_hooks()
     hooks = None
     # inside a checkpointed region a scope stands aside (in_checkpoint): the region's forward would keep a recipe
     # for a tensor made outside it (its sources: several saves) where the recomputation, which does not rerun that
@@ -470,7 +459,7 @@ class producing(torch.autograd.graph.saved_tensors_hooks):
         self.active = torch.is_grad_enabled() and not plain_only()
         if not self.active:
             return self
-        self.outer = outer = _outer_of(_active_hooks())
+        self.outer = outer = _outer_of(active_saved_tensors_hooks())
         pending = self.pending
 
         def pack(tensor: torch.Tensor) -> _Pending:
