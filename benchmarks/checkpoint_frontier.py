@@ -103,12 +103,18 @@ def main():
     times: dict[str, list[float]] = {k: [] for k in models}
     for k in models:
         step(models[k], opts[k], x)
+    rerun = fc_rerun(base, x)
+    fc_times: list[float] = []
     for _ in range(args.rounds):
         for k in models:
             start = time.perf_counter()
             for _ in range(3):
                 step(models[k], opts[k], x)
             times[k].append((time.perf_counter() - start) / 3)
+        start = time.perf_counter()
+        for _ in range(3):
+            rerun()
+        fc_times.append((time.perf_counter() - start) / 3)
     rows = {}
     for k in models:
         r = sorted(a / b for a, b in zip(times[k], times["plain"]))
@@ -117,9 +123,44 @@ def main():
                    "step_ms": 1e3 * statistics.median(times[k])}
         print(f"{k}: {held[k]:,} B ({rows[k]['fewer']:.0%} fewer), {rows[k]['step_time_ratio_median']:.3f}x")
     plot(rows)
+    fc_output_bytes = x.numel() * base.blocks[0].mlp.fc.out_features * 4  # float32 (B*T, 4 d)
+    floor = rerun_floor(rows, held, fc_times, times["plain"], fc_output_bytes)
+    print(f"the MLP's first matmul: {floor['fc_rerun_ratio_median']:.3f} of a plain step; a plan 50 % below plain "
+          f"beyond convert reruns at least {floor['fc_matmuls_for_half']:.2f} of them: "
+          f"{floor['convert_plus_reruns_for_half']:.3f}x")
     print("wrote", write("checkpoint_frontier_cpu.json", {"machine": machine(), "rounds": args.rounds,
                                                           "workload": "small GPT, 4 layers, d=256, seq 128, batch 8, "
-                                                          "AdamW", "results": rows}))
+                                                          "AdamW", "results": rows, "rerun_floor": floor}))
+
+
+def fc_rerun(base, x):
+    """The matmul a checkpointed MLP runs again in backward (its first Linear on ln2's output), on the benchmark's
+    shapes: what each further 4 MiB dropped beyond convert costs."""
+    fc = copy.deepcopy(base.blocks[0].mlp.fc)
+    h = torch.randn(x.numel(), base.config.d_model)
+
+    def rerun():
+        with torch.no_grad():
+            F.linear(h, fc.weight, fc.bias)
+
+    return rerun
+
+
+def rerun_floor(rows, held, fc_times, plain_times, fc_output_bytes):
+    """The least a plan with half of plain's activations can cost beyond convert, measured in the same rounds.
+
+    Past convert, every tensor a block keeps takes a matmul (or the attention) to make again: q/k/v, the attention's
+    output, the MLP's first Linear's output, and the residual stream (a sum with a projection's output). Every matmul
+    of this model reads d_model-wide rows, so whichever it is, it writes 4 bytes per 2 * d_model FLOPs: dropping B
+    bytes means rerunning at least B / fc_output_bytes of the MLP's first matmul (4 MiB output here). The one
+    exception, block 0's input (the embedding sum, 1 MiB, rebuildable by two lookups), no memtrim technique drops."""
+    ratios = sorted(a / b for a, b in zip(fc_times, plain_times))
+    fc_ratio = statistics.median(ratios)
+    missing = held["convert"] - held["plain"] / 2
+    reruns = max(0.0, missing / fc_output_bytes)
+    return {"fc_rerun_ms": 1e3 * statistics.median(fc_times), "fc_rerun_ratio_median": fc_ratio,
+            "bytes_beyond_convert_for_half": missing, "fc_matmuls_for_half": reruns,
+            "convert_plus_reruns_for_half": rows["convert"]["step_time_ratio_median"] + reruns * fc_ratio}
 
 
 def plot(rows):

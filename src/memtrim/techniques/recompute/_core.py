@@ -63,7 +63,10 @@ class Recipe:
     and the rebuilt tensor while a backward needs it."""
 
     __slots__ = ("fn", "owner", "shape", "stride", "dtype", "device", "double_backward", "tag", "cache", "live",
-                 "done", "lock", "__weakref__")
+                 "done", "__weakref__")
+    # one lock for every recipe's cache and counts (a lock per recipe was measurable Python per call; rebuilds are
+    # short and nest, hence re-entrant)
+    lock = threading.RLock()
 
     def __init__(self, fn: Callable[..., torch.Tensor], tensor: torch.Tensor, owner: str, double_backward: bool,
                  tag: str | None) -> None:
@@ -72,7 +75,6 @@ class Recipe:
         self.cache: torch.Tensor | None = None
         self.live = 0  # handles alive
         self.done: set[int] = set()  # handles unpacked since the cache was built
-        self.lock = threading.RLock()
 
     def _rebuild(self, sources: list[torch.Tensor]) -> torch.Tensor:
         with torch.no_grad():
@@ -204,10 +206,11 @@ def entry_of(tensor: torch.Tensor) -> _Entry | None:
 
 def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Iterable[torch.Tensor | _Entry], *,
              owner: str, double_backward: bool = True, holds: Iterable[torch.Tensor] = (),
-             tag: str | None = None) -> _Entry | None:
+             tag: str | None = None, checked: bool = False) -> _Entry | None:
     """:func:`mark_recomputable` with sources already resolved (a source may be an entry from :func:`entry_of`,
-    kept alive by the caller after its tensor died). Returns the entry, or None if nothing was registered."""
-    if not torch.is_grad_enabled() or plain_only() or not _whole(tensor):
+    kept alive by the caller after its tensor died). Returns the entry, or None if nothing was registered.
+    ``checked``: the caller has just seen grad mode on and :func:`plain_only` false (a hook's fast path)."""
+    if (not checked and (not torch.is_grad_enabled() or plain_only())) or not _whole(tensor):
         return None
     storage = tensor.untyped_storage()
     resolved: list[torch.Tensor | _Entry] = []
@@ -227,7 +230,7 @@ def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Ite
     entry.versions = tuple(s._version if isinstance(s, torch.Tensor) else -1 for s in resolved)
     entry.version = tensor._version
     entry.tensor_ref = weakref.ref(tensor)
-    entry.holds = tuple(t.detach() for t in holds)
+    entry.holds = tuple(t.detach() for t in holds) if holds else ()
     for held in entry.holds:
         hold_for_backward(held, entry.recipe)
     key = id(storage)

@@ -119,9 +119,6 @@ def keep_recipes_in(module: nn.Module) -> Handle:
 
 
 # ---------------------------------------------------------------------- producers
-_NO_SCOPE = object()  # a call whose output is marked, with no producer scope around it (keeps_output=False)
-
-
 class _OutputRecipe:
     """Forward hooks of :func:`recompute_output`: a producer scope around the call (where the producer's own backward
     keeps its output), the output marked at its end."""
@@ -157,13 +154,10 @@ class _OutputRecipe:
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if plain_only():  # torch.compile must trace none of this
             return
-        scope: Any = None
+        scope: producing | None = None
         if _active() and (self.under_autocast or not _autocast_on(args, kwargs)):
-            if self.keeps_output:
-                scope = producing()
-                scope.__enter__()
-            else:
-                scope = _NO_SCOPE
+            scope = producing()
+            scope.__enter__()
         self._scopes().append(scope)
 
     def post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -177,27 +171,39 @@ class _OutputRecipe:
             if isinstance(output, torch.Tensor):
                 self.mark(output, args, kwargs)
         finally:
-            if scope is not _NO_SCOPE:
-                scope.__exit__(None, None, None)
+            scope.__exit__(None, None, None)
+
+    def post_alone(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """The only hook where no producer scope is needed (``keeps_output=False``): everything is decided at the
+        call's end (grad mode and autocast do not change inside a module's forward). One hook, fewer checks: this
+        runs at every call of every converted norm and activation."""
+        if (not isinstance(output, torch.Tensor) or not output.requires_grad or not torch.is_grad_enabled()
+                or plain_only() or (not self.under_autocast and _autocast_on(args, kwargs))):
+            return
+        self.mark(output, args, kwargs)
 
     def mark(self, output: torch.Tensor, args: tuple, kwargs: dict) -> None:
         if not output.requires_grad:  # the producer keeps nothing (a frozen norm on a frozen input): a recipe would
             return                    # make its consumers keep its input where torch keeps nothing
-        flat = list(args) + list(kwargs.values())
-        if not flat or any(isinstance(a, (list, tuple, dict)) for a in flat):
-            return  # only flat tensor/constant arguments
-        positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
-        if not positions:
-            return
-        resolved: list[Any] = [entry_of(flat[i]) or flat[i] for i in positions]
+        if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):  # the usual call: module(x)
+            positions = [0]
+            resolved: list[Any] = [entry_of(args[0]) or args[0]]
+        else:
+            flat = list(args) + list(kwargs.values())
+            if not flat or any(isinstance(a, (list, tuple, dict)) for a in flat):
+                return  # only flat tensor/constant arguments
+            positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
+            if not positions:
+                return
+            resolved = [entry_of(flat[i]) or flat[i] for i in positions]
         owner = _name(self.module, self.owner)
         params: list[tuple[str, torch.Tensor]] = []
         if self.parameters:  # sources too: version-checked like autograd's, and what the rebuild reads
-            params = list(self.module.named_parameters(recurse=False))
+            params = [(k, p) for k, p in self.module._parameters.items() if p is not None]
             resolved += [p for _, p in params]
         fn = (self.fn if self.fn is not None
               else _call_with(self.module, args, kwargs, positions, params, owner, self.setting_names))
-        register(output, fn, resolved, owner=owner)
+        register(output, fn, resolved, owner=owner, checked=True)
 
 
 def _autocast_on(args: tuple, kwargs: dict) -> bool:
@@ -289,6 +295,8 @@ def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None =
 
         return Handle(unshare)
     hooks = _OutputRecipe(module, fn, owner, parameters, under_autocast, keeps_output)
+    if not keeps_output:  # nothing to open before the call: one hook
+        return Handle(module.register_forward_hook(hooks.post_alone, with_kwargs=True).remove)
     pre = module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
     post = module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True)
     return Handle(pre.remove, post.remove)
