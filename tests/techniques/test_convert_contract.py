@@ -503,6 +503,60 @@ def test_report_lists_each_change_limits():
     assert "double backward" in str(report)
 
 
+# keep-output activations: memtrim computes the derivative from the output. Where that is torch's own arithmetic
+# (a mask times the gradient) training stays bitwise; elsewhere the change must say it is not (Change.bitwise, and
+# a limit naming the rounding), never look like the bitwise ones
+ACTIVATIONS_FROM_OUTPUT = {"LeakyReLU": (lambda: nn.LeakyReLU(0.1), True), "Hardtanh": (nn.Hardtanh, True),
+                           "ReLU6": (nn.ReLU6, True), "ELU": (nn.ELU, False), "CELU": (lambda: nn.CELU(0.7), False),
+                           "SELU": (nn.SELU, False), "Softplus": (nn.Softplus, False),
+                           "Hardsigmoid": (nn.Hardsigmoid, False)}
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS_FROM_OUTPUT))
+def test_keep_output_activation_says_whether_it_is_bitwise(name):
+    make, expected = ACTIVATIONS_FROM_OUTPUT[name]
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(64, 64), make(), nn.Linear(64, 8))
+    converted = copy.deepcopy(plain)
+    x = 3 * torch.randn(512, 64)  # both sides of every kink, and the saturated regions
+    _, report = memtrim.convert(converted, example_inputs=(x,))
+    (change,) = report.changes
+    assert change.after == f"memtrim.nn.{name}"
+    grad = torch.randn(512, 8)
+    a = torch.autograd.grad(plain(x), plain[0].weight, grad)[0]
+    b = torch.autograd.grad(converted(x), converted[0].weight, grad)[0]
+    assert change.bitwise is expected is torch.equal(a, b) is report.bitwise
+    assert any("rounding" in limit for limit in change.limits) is not expected
+    assert ("not bitwise" in str(report)) is not expected
+    # within float32 rounding of torch's gradient (measured 1.2e-7 to 1.8e-7 of its largest entry)
+    assert (a - b).abs().max() <= 1e-6 * a.abs().max()
+
+
+def test_in_place_activation_before_a_convolution_is_reported_with_the_fix():
+    # timm builds activations in place: nothing is left to rebuild the output from, and the report says so (it once
+    # said "SiLU feeds Conv2d, not a Linear", though convolutions are supported) and how to let convert do it
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SiLU(inplace=True), nn.Conv2d(4, 4, 3))
+    x = torch.randn(2, 3, 8, 8)
+    _, report = memtrim.convert(copy.deepcopy(model), example_inputs=(x,))
+    assert not report.changes
+    (skip,) = report.skipped
+    assert skip.modules == ("1",) and "runs in place" in skip.reason and "inplace=False" in skip.reason
+    model[1].inplace = False  # what the reason says to do
+    _, report = memtrim.convert(model, example_inputs=(x,))
+    assert [c.modules for c in report.changes] == [("1",)] and report.bytes_saved == 2 * 4 * 6 * 6 * 4
+
+
+def test_batchnorm_relu_and_keep_output_norm_report_rounding():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8))
+    _, report = memtrim.convert(model, example_inputs=torch.randn(4, 8))
+    assert [c.bitwise for c in report.changes] == [False] and not report.bitwise
+    assert "agree to rounding" in report.changes[0].limits[0]
+    model = nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8), nn.Linear(8, 8))  # an RMSNorm keeps its output instead
+    _, report = memtrim.convert(model, example_inputs=torch.randn(4, 8))
+    assert [(c.after, c.bitwise) for c in report.changes] == [("memtrim.nn.RMSNorm", False)]
+    assert "to rounding, not bitwise" in report.changes[0].limits[0]
+
+
 def test_loss_of_a_converted_model_unchanged_by_the_fixes():
     # the float32 forward of every converted module is torch's own kernel: outputs stay bitwise
     torch.manual_seed(0)

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import memtrim
@@ -247,6 +248,53 @@ def test_torchvision_resnet_pattern_shared_relu_per_call_site(block, target):
     assert report.fraction_saved >= target, str(report)
     assert_equal_training(plain, converted, batch)
     _narrow_resnet(block, blocks).double().load_state_dict(converted.state_dict())
+
+
+# ---------------------------------------------------------------------- timm's BatchNormAct2d (regnet, repvgg, ...)
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's ``layers/norm_act.py`` pattern, written out: a BatchNorm2d whose own forward applies ``drop`` and
+    ``act`` after the norm (timm's ConvNormAct holds one; regnet, repvgg, efficientnet and cspnet build them)."""
+
+    def __init__(self, channels, act=nn.ReLU, residual=False):
+        super().__init__(channels)
+        self.drop = nn.Identity()
+        self.act = act(inplace=True)
+        self.residual = residual
+
+    def forward(self, x):
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        y = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, self.training, factor,
+                         self.eps)
+        return self.act(self.drop(y + x if self.residual else y))
+
+
+def conv_norm_act_net(**options):
+    return nn.Sequential(nn.Conv2d(3, 8, 3), BatchNormAct2d(8, **options), nn.Conv2d(8, 8, 3),
+                         BatchNormAct2d(8, **options), nn.Conv2d(8, 4, 3))
+
+
+def test_timm_batchnorm_act_module_with_relu_is_fused():
+    batch = {"input": torch.randn(4, 3, 12, 12, dtype=torch.float64)}
+    plain, converted, report = converted_pair(conv_norm_act_net, batch)
+    assert [(c.modules, c.after, c.bitwise) for c in report.changes] == [
+        (("1",), "memtrim.nn.BatchNormReLU2d", False), (("3",), "memtrim.nn.BatchNormReLU2d", False)], str(report)
+    # each ReLU output (4 x 8 x 10 x 10, then 4 x 8 x 8 x 8 float64) is no longer kept by the next convolution;
+    # each recipe holds its per-channel scale and shift (2 x 8 float64)
+    assert report.bytes_saved == 8 * 4 * 8 * (10 * 10 + 8 * 8) - 2 * (2 * 8 * 8)
+    assert_equal_training(plain, converted, batch)
+    conv_norm_act_net().double().load_state_dict(converted.state_dict())
+
+
+@pytest.mark.parametrize("options, why", [({"act": nn.SiLU}, "runs silu after the norm"),
+                                          ({"residual": True}, "runs add, relu after the norm")])
+def test_timm_batchnorm_act_module_left_alone_says_why(options, why):
+    _, report = memtrim.convert(conv_norm_act_net(**options), example_inputs=torch.randn(4, 3, 12, 12))
+    assert not [c for c in report.changes if c.rule == "batchnorm_act_module"]
+    reasons = [s.reason for s in report.skipped if s.rule == "batchnorm_act_module"]
+    assert len(reasons) == 2 and all(why in r for r in reasons), str(report)
 
 
 # ---------------------------------------------------------------------- timm ConvNeXt (LayerNorm2d, channels-last Mlp)

@@ -144,7 +144,8 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
                     continue
                 current = after
             ctx.claimed.update((id(t), rule.name) for t in cand.targets)
-            changes.append(Change(cand.modules, cand.before, cand.after, saved, cand.limits, rule.name))
+            changes.append(Change(cand.modules, cand.before, cand.after, saved, cand.limits, rule.name,
+                                  cand.bitwise))
     notes = []
     if not given:
         notes.append("no example_inputs: pairs " + ("proven from the torch.fx graph" if evidence is not None else

@@ -32,15 +32,21 @@ from ..norms import (
     LayerNorm,
     RMSNorm,
 )
-from ..recompute import keep_recipes_in
+from ..recompute import LIMITS, keep_recipes_in
 from .rules import Candidate, Context, Undo, chain, class_swap, label, register_rule
 
-__all__ = ["Absorbed", "KEEP_OUTPUT_FORMS", "NO_AUTOCAST", "NO_DOUBLE_BACKWARD"]
+__all__ = ["Absorbed", "FROM_OUTPUT", "KEEP_OUTPUT_FORMS", "NO_AUTOCAST", "NO_DOUBLE_BACKWARD", "REBUILT_INPUT"]
 
+BN_RELU_ROUNDING = LIMITS["batchnorm_relu"][0]  # the ReLU output rebuilt from the BatchNorm's input: rounding
 NO_DOUBLE_BACKWARD = "no double backward (a backward through its gradient raises ConvertError)"
 """The limit a change states (``Change.limits``) when its module rebuilds a tensor it has no second derivative for."""
 NO_AUTOCAST = "saves nothing under autocast (runs as torch's own ops there)"
 """The limit a change states (``Change.limits``) when its module runs as torch's own ops under autocast."""
+REBUILT_INPUT = ("its input is rebuilt from its output in backward: gradients agree with torch's to rounding, "
+                 "not bitwise")
+"""The limit of a norm (or BatchNorm + activation) that keeps its output and rebuilds its input (not bitwise)."""
+FROM_OUTPUT = "its gradient is computed from its output: agrees with torch's to rounding, not bitwise"
+"""The limit of an activation whose derivative memtrim computes from the output by another formula than torch's."""
 
 KEEP_OUTPUT_FORMS: dict[type, type] = {
     nn.LeakyReLU: lean.LeakyReLU, nn.ELU: lean.ELU, nn.CELU: lean.CELU, nn.SELU: lean.SELU,
@@ -55,6 +61,11 @@ _BN_ACT: dict[type[nn.Module], type[nn.Module]] = {
 _BN_RELU: dict[type[nn.Module], type[nn.Module]] = {
     nn.BatchNorm1d: BatchNormReLU1d, nn.BatchNorm2d: BatchNormReLU2d, nn.BatchNorm3d: BatchNormReLU3d}
 _ACT_LINEAR = {nn.GELU: None, nn.SiLU: "silu", nn.Mish: "mish", nn.Hardswish: "hardswish"}
+# keep-output activations whose gradient from the output is torch's own arithmetic: a mask times the incoming gradient
+# (LeakyReLU's slope, Hardtanh, ReLU6), or torch's own formula from the output (Sigmoid, Tanh). The others (ELU,
+# CELU, SELU, Softplus, Hardsigmoid, whose torch backward multiplies by float32 1/6 even in float64) round otherwise:
+# measured in tests/techniques/test_convert_contract.py
+_BITWISE_FROM_OUTPUT = frozenset({lean.LeakyReLU, lean.Hardtanh, lean.ReLU6, lean.Sigmoid, lean.Tanh})
 
 
 class Absorbed(nn.Identity):
@@ -138,14 +149,14 @@ def batchnorm_activation(ctx: Context) -> Iterator[Candidate]:
             target = _BN_RELU[type(bn)]
             readers = [ctx.modules[r] for r in ctx.evidence.keepers(act_name) if r in ctx.modules]  # type: ignore[union-attr]
             apply = _fuse_bn_relu(bn, act, readers, target, label(pair, f"memtrim.nn.{target.__name__}"))
-            limits: tuple[str, ...] = (NO_DOUBLE_BACKWARD,)
+            limits: tuple[str, ...] = (BN_RELU_ROUNDING, NO_DOUBLE_BACKWARD)
         else:
             target = _BN_ACT[type(bn)]
             apply = _fuse_bn(bn, act, target, spec, label(pair, f"memtrim.nn.{target.__name__}"))  # type: ignore[arg-type]
-            limits = (NO_DOUBLE_BACKWARD, NO_AUTOCAST)
+            limits = (REBUILT_INPUT, NO_DOUBLE_BACKWARD, NO_AUTOCAST)
         yield Candidate(pair, f"{type(bn).__name__} + {type(act).__name__}", f"memtrim.nn.{target.__name__}",
                         reason="the BatchNorm's output is read by the activation alone", targets=(bn, act),
-                        limits=limits, apply=apply)
+                        limits=limits, bitwise=False, apply=apply)
 
 
 def _fuse_bn(bn: nn.Module, act: nn.Module, target: type, spec: tuple[str, float], owner: str):  # noqa: ANN202
@@ -194,8 +205,7 @@ def activation_linear(ctx: Context) -> Iterator[Candidate]:
             continue
         lin_name, linear = found
         pair = (name, lin_name)
-        if type(linear) is not nn.Linear:
-            yield Candidate(pair, reason=f"{type(act).__name__} feeds {type(linear).__name__}, not a Linear", skip=True)
+        if type(linear) is not nn.Linear:  # other consumers (convolutions, HF Conv1D, ...): activation_consumer decides
             continue
         activation = _act_name(act)
         if activation is None:
@@ -254,12 +264,15 @@ def keep_output(ctx: Context) -> Iterator[Candidate]:
         if target in (lean.ReLU, lean.LeakyReLU, lean.Hardtanh, lean.ReLU6, lean.Hardsigmoid):
             attrs["save"] = "output"
         norm = target in (LayerNorm, RMSNorm)
+        limits: tuple[str, ...] = ()
         if norm:
             attrs["gamma_threshold"] = 0.0  # the error bound decides
+            limits = (REBUILT_INPUT, NO_DOUBLE_BACKWARD, NO_AUTOCAST)
+        elif target not in _BITWISE_FROM_OUTPUT:
+            limits = (FROM_OUTPUT,)
         yield Candidate((name,), type(module).__name__, f"memtrim.nn.{target.__name__}",
-                        reason="keeps its output instead of its input", targets=(module,),
-                        limits=(NO_DOUBLE_BACKWARD, NO_AUTOCAST) if norm else (),
-                        apply=partial(class_swap, module, target, **attrs))
+                        reason="keeps its output instead of its input", targets=(module,), limits=limits,
+                        bitwise=not limits, apply=partial(class_swap, module, target, **attrs))
 
 
 from . import norms as _norms  # noqa: E402,F401  (registers norm_by_behaviour after keep_output)

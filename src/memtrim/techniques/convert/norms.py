@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..guards import autocasting, in_checkpoint, owner, plain_only
 from ..norms import NormKeepOutput
-from .builtin import KEEP_OUTPUT_FORMS, NO_AUTOCAST, NO_DOUBLE_BACKWARD
+from .builtin import KEEP_OUTPUT_FORMS, NO_AUTOCAST, NO_DOUBLE_BACKWARD, REBUILT_INPUT
 from .evidence import CallSite, ModelTrace
 from .rules import Candidate, Context, class_swap, label, register_rule
 
@@ -198,5 +198,5 @@ def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
         what = "LayerNorm" if kind == "layer" else "RMSNorm"
         yield Candidate((site.path,), type(module).__name__, f"memtrim keep-output {what} ({target.__name__})",
                         reason=f"traced ops are a {what}; its output is kept after it anyway", targets=(module,),
-                        expected_bytes=expected, limits=(NO_DOUBLE_BACKWARD, NO_AUTOCAST),
-                        apply=partial(class_swap, module, target, **attrs))
+                        expected_bytes=expected, limits=(REBUILT_INPUT, NO_DOUBLE_BACKWARD, NO_AUTOCAST),
+                        bitwise=False, apply=partial(class_swap, module, target, **attrs))

@@ -219,7 +219,8 @@ def batchnorm_relu_call_site(ctx: Context) -> Iterator[Candidate]:
         yield Candidate(where, f"{type(bn).__name__} + ReLU (call {relu_site.call} of {relu_site.path})",
                         f"memtrim.nn.{target.__name__} + PassThroughReLU",
                         reason="this call of the ReLU reads the BatchNorm's output first", targets=(bn,),
-                        expected_bytes=trace.storages[z].nbytes, limits=LIMITS["batchnorm_relu"], apply=apply)
+                        expected_bytes=trace.storages[z].nbytes, limits=LIMITS["batchnorm_relu"], bitwise=False,
+                        apply=apply)
 
 
 # ---------------------------------------------------------------------- gated MLP
@@ -235,6 +236,69 @@ def _child_of(trace: ModelTrace, parent: CallSite, key: int) -> CallSite | None:
 
 def _relative(parent: str, child: str) -> str:
     return child[len(parent) + 1:] if parent else child
+
+
+@register_rule("batchnorm_act_module", before="activation_linear")
+def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
+    """A BatchNorm subclass whose own forward applies the activation after the norm (timm's ``BatchNormAct2d``, in
+    ``ConvNormAct``): with a ReLU, fused as ``BatchNormReLU`` (the modules that keep its output keep the recipe);
+    with another activation, left alone and reported."""
+    trace = ctx.trace
+    if trace is None:
+        return
+    for name, bn in ctx.modules.items():
+        base = next((k for k in _BN_RELU if isinstance(bn, k)), None)
+        if base is None or type(bn) in _BN_RELU or not ctx.free(bn) or not trace.sites_of(name):
+            continue
+        sites = trace.sites_of(name)
+        ops = [[o for o in trace.ops_in(s) if not _bookkeeping(o, trace)] for s in sites]
+        names = {tuple(ctx_name(o) for o in site_ops) for site_ops in ops}
+        if names == {("native_batch_norm",)}:
+            yield Candidate((name,), reason=f"{type(bn).__name__} runs no activation after the norm here (nothing "
+                                            "to fuse it with)", skip=True)
+            continue
+        if names != {("native_batch_norm", "relu")}:
+            after = sorted({ctx_name(o) for site_ops in ops for o in site_ops} - {"native_batch_norm"})
+            yield Candidate((name,), reason=f"{type(bn).__name__} runs {', '.join(after)} after the norm: only a "
+                                            "ReLU is fused with it (BatchNormReLU)", skip=True)
+            continue
+        hooks = ctx.user_hooks(bn)
+        if hooks:
+            yield Candidate((name,), reason=f"{name} has {', '.join(hooks)}: they would see the fused module's "
+                                            "values", skip=True)
+            continue
+        norm, relu = ops[0]
+        if len(sites) != 1 or relu.inputs[:1] != norm.outputs[:1] or sites[0].outputs != relu.outputs:
+            yield Candidate((name,), reason=f"{name} runs more than once or returns more than the ReLU's output",
+                            skip=True)
+            continue
+        consumers = _holder_modules(ctx, sites[0].outputs[0], sites[0])
+        if consumers is None:
+            yield Candidate((name,), reason="the ReLU output is kept by its parent's own code", skip=True)
+            continue
+        target = _BN_RELU[base]
+        owner = label((name,), f"memtrim.nn.{target.__name__}")
+
+        def apply(bn: nn.Module = bn, consumers: list = consumers, target: type = target, owner: str = owner) -> Undo:
+            return chain(class_swap(bn, target, memtrim_owner=owner), _install_consumers(consumers))
+
+        yield Candidate((name,), f"{type(bn).__name__} (BatchNorm + ReLU)", f"memtrim.nn.{target.__name__}",
+                        reason="its forward is a BatchNorm and a ReLU", targets=(bn,),
+                        expected_bytes=trace.storages[sites[0].outputs[0]].nbytes if consumers else 0,
+                        limits=LIMITS["batchnorm_relu"], bitwise=False, apply=apply)
+
+
+def ctx_name(op: Op) -> str:
+    """``op``'s name with an in-place ``op_`` written as ``op`` (as :meth:`Context.op_names`)."""
+    return op.name.rstrip("_") if not op.name.startswith("_") else op.name
+
+
+def _bookkeeping(op: Op, trace: ModelTrace) -> bool:
+    """Whether ``op`` is a BatchNorm's bookkeeping: ``num_batches_tracked += 1`` (an in-place add on a buffer) or the
+    empty reserve torch makes (no inputs)."""
+    if op.name == "add_":
+        return bool(op.writes) and all(trace.storages[k].kind == "buffer" for k in op.writes)
+    return op.name == "empty" and not op.inputs
 
 
 @register_rule("gated_mlp")
@@ -364,6 +428,12 @@ def _activation_like(ctx: Context, site: CallSite) -> bool:
     return len(names) >= 2 and set(names) <= _POINTWISE
 
 
+_IN_PLACE = ("{} runs in place (inplace=True, as timm and torchvision build theirs): its output overwrote its input, "
+             "so nothing is left to rebuild the output from. To let convert rebuild it for the layers that keep it, "
+             "set inplace=False on such activations before convert (for m in model.modules(): if getattr(m, "
+             "'inplace', False) is True: m.inplace = False), where nothing else reads the activation's input after it")
+
+
 @register_rule("activation_consumer")
 def activation_consumer(ctx: Context) -> Iterator[Candidate]:
     """An activation's output kept only by later call sites (Linear, Conv1D, conv, a parent's matmul): they keep a
@@ -376,9 +446,12 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
         done.add(id(module))
         sites = trace.sites_of(site.path)
         acts = [k for k in site.inputs if trace.storages[k].kind != "parameter"]
-        if (len(acts) != 1 or len(site.outputs) != 1 or site.outputs[0] in site.inputs
-                or any(o.name.endswith("_") and not o.name.startswith("_") for o in trace.ops_in(site))
-                or any(o.name in _RANDOM for o in trace.ops_in(site))):
+        if len(acts) != 1 or len(site.outputs) != 1 or any(o.name in _RANDOM for o in trace.ops_in(site)):
+            continue
+        if (site.outputs[0] in site.inputs
+                or any(o.name.endswith("_") and not o.name.startswith("_") for o in trace.ops_in(site))):
+            if any(trace.storages[s.outputs[0]].holders for s in sites if s.outputs):  # something to save
+                yield Candidate((site.path,), reason=_IN_PLACE.format(type(module).__name__), skip=True)
             continue
         consumers: list[nn.Module] = []
         expected = 0

@@ -13,7 +13,9 @@ __all__ = ["Change", "ConversionReport", "Skipped"]
 class Change:
     """One module, pair or call site converted, with the activation bytes it saved on the example inputs (None
     without example inputs), and what the converted module no longer supports (``limits``; empty where it does
-    everything torch's does). ``rule`` names the registered rule that made it."""
+    everything torch's does). ``rule`` names the registered rule that made it. ``bitwise``: training with the
+    change gives torch's gradients bit for bit; False where they agree to rounding (a tensor rebuilt from another,
+    or a gradient computed from the output: its ``limits`` say which)."""
 
     modules: tuple[str, ...]
     before: str
@@ -21,6 +23,7 @@ class Change:
     bytes_saved: int | None
     limits: tuple[str, ...] = ()
     rule: str = ""
+    bitwise: bool = True
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,11 @@ class ConversionReport:
         if self.bytes_saved is None or not self.activation_bytes_before:
             return None
         return self.bytes_saved / self.activation_bytes_before
+
+    @property
+    def bitwise(self) -> bool:
+        """Whether every change keeps training bitwise torch's (``Change.bitwise``)."""
+        return all(c.bitwise for c in self.changes)
 
     def by_rule(self) -> dict[str, int]:
         """Bytes saved per rule (changes with measured bytes only)."""

@@ -46,6 +46,8 @@ class Candidate:
         targets: the modules the change touches: module_filter, hooks and claims are checked on them.
         expected_bytes: what the evidence says it saves (None: unknown); ``<= 0`` is skipped unapplied.
         limits: what the converted module does not support (copied to the report).
+        bitwise: whether training with the change is bitwise torch's; False where gradients agree to rounding (a
+            tensor rebuilt from another: the limits then say so).
         apply: does the change and returns its undo.
         stacks_on: rules whose changed modules this change may change further (a checkpointed activation can
             still have its output recomputed for its consumers).
@@ -59,6 +61,7 @@ class Candidate:
     targets: tuple[nn.Module, ...] = ()
     expected_bytes: int | None = None
     limits: tuple[str, ...] = ()
+    bitwise: bool = True
     apply: Callable[[], Undo] | None = None
     stacks_on: tuple[str, ...] = ()
 
