@@ -136,6 +136,18 @@ def timm_model(name: str, **kwargs) -> Callable:
     return build
 
 
+def not_in_place(build: Callable) -> Callable:
+    """The model of ``build`` with its in-place activations made out of place (what convert's report asks for)."""
+    def built():
+        model, batch, library = build()
+        for module in model.modules():
+            if getattr(module, "inplace", False) is True:
+                module.inplace = False
+        return model, batch, library
+
+    return built
+
+
 def tv_model(name: str) -> Callable:
     def build():
         torchvision, note = import_torchvision()
@@ -163,6 +175,12 @@ MODELS = {
     "timm_convnext_atto_linear": ("timm convnext_atto, conv_mlp=False (channels-last LayerNorm + Linear MLP as in "
                                   "convnext_tiny; batch 2, 64x64)", timm_model("convnext_atto", conv_mlp=False)),
     "timm_resnet18": ("timm resnet18 (separate act modules, batch 2, 64x64)", timm_model("resnet18")),
+    "timm_regnetx_002": ("timm regnetx_002 (BatchNormAct2d: a BatchNorm and its ReLU in one module; batch 2, 64x64)",
+                         timm_model("regnetx_002")),
+    "timm_efficientnet_b0": ("timm efficientnet_b0 (BatchNormAct2d + SiLU, in place as timm builds them; batch 2, "
+                             "64x64)", timm_model("efficientnet_b0")),
+    "timm_efficientnet_b0_out_of_place": ("timm efficientnet_b0, activations set inplace=False first (as the report "
+                                          "asks; batch 2, 64x64)", not_in_place(timm_model("efficientnet_b0"))),
     "tv_resnet18": ("torchvision resnet18 (batch 2, 64x64)", tv_model("resnet18")),
     "tv_resnet50": ("torchvision resnet50 (batch 2, 64x64)", tv_model("resnet50")),
     "pattern_resnet18": ("torchvision-pattern resnet18, written out here (batch 2, 64x64)",
