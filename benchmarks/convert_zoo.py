@@ -137,7 +137,8 @@ def timm_model(name: str, **kwargs) -> Callable:
 
 
 def not_in_place(build: Callable) -> Callable:
-    """The model of ``build`` with its in-place activations made out of place (what convert's report asks for)."""
+    """The model of ``build`` with its in-place activations made out of place by hand (convert does it itself
+    where the outputs stay the same: the row shows both start from the same bytes)."""
     def built():
         model, batch, library = build()
         for module in model.modules():
@@ -179,8 +180,9 @@ MODELS = {
                          timm_model("regnetx_002")),
     "timm_efficientnet_b0": ("timm efficientnet_b0 (BatchNormAct2d + SiLU, in place as timm builds them; batch 2, "
                              "64x64)", timm_model("efficientnet_b0")),
-    "timm_efficientnet_b0_out_of_place": ("timm efficientnet_b0, activations set inplace=False first (as the report "
-                                          "asks; batch 2, 64x64)", not_in_place(timm_model("efficientnet_b0"))),
+    "timm_efficientnet_b0_out_of_place": ("timm efficientnet_b0, activations set inplace=False by hand first (the "
+                                          "same bytes before convert; batch 2, 64x64)",
+                                          not_in_place(timm_model("efficientnet_b0"))),
     "tv_resnet18": ("torchvision resnet18 (batch 2, 64x64)", tv_model("resnet18")),
     "tv_resnet50": ("torchvision resnet50 (batch 2, 64x64)", tv_model("resnet50")),
     "pattern_resnet18": ("torchvision-pattern resnet18, written out here (batch 2, 64x64)",

@@ -532,18 +532,53 @@ def test_keep_output_activation_says_whether_it_is_bitwise(name):
     assert (a - b).abs().max() <= 1e-6 * a.abs().max()
 
 
-def test_in_place_activation_before_a_convolution_is_reported_with_the_fix():
-    # timm builds activations in place: nothing is left to rebuild the output from, and the report says so (it once
-    # said "SiLU feeds Conv2d, not a Linear", though convolutions are supported) and how to let convert do it
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SiLU(inplace=True), nn.Conv2d(4, 4, 3))
+def test_in_place_activation_is_made_out_of_place_and_rebuilt():
+    # timm builds activations in place: nothing is left to rebuild the output from, so convert makes them out of
+    # place (the same bytes for torch's autograd) and rebuilds the output for the convolution that keeps it
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SiLU(inplace=True), nn.Conv2d(4, 4, 3))
+    converted = copy.deepcopy(plain)
     x = torch.randn(2, 3, 8, 8)
-    _, report = memtrim.convert(copy.deepcopy(model), example_inputs=(x,))
-    assert not report.changes
+    _, report = memtrim.convert(converted, example_inputs=(x,))
+    (change,) = report.changes
+    assert change.modules == ("1",) and change.before == "SiLU (in place)" and change.bitwise
+    assert converted[1].inplace is False and report.bytes_saved == 2 * 4 * 6 * 6 * 4
+    assert_same(grads_of(plain, x), grads_of(converted, x))
+
+
+class ReadsInputAfterAct(nn.Module):
+    """The in-place idiom whose result is read through the input's own name: out of place it would differ."""
+
+    def __init__(self, inplace_attribute=True):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3)
+        self.act = nn.SiLU(inplace=True) if inplace_attribute else InPlaceSiLU()
+
+    def forward(self, x):
+        h = self.conv1(x)
+        self.act(h)
+        return self.conv2(h)
+
+
+class InPlaceSiLU(nn.Module):
+    def forward(self, x):
+        return F.silu(x, inplace=True)
+
+
+def test_in_place_activation_left_in_place_where_its_input_is_read_after():
+    torch.manual_seed(0)
+    plain = ReadsInputAfterAct()
+    converted = copy.deepcopy(plain)
+    x = torch.randn(2, 3, 8, 8)
+    _, report = memtrim.convert(converted, example_inputs=(x,))
+    assert not report.changes and converted.act.inplace is True
     (skip,) = report.skipped
-    assert skip.modules == ("1",) and "runs in place" in skip.reason and "inplace=False" in skip.reason
-    model[1].inplace = False  # what the reason says to do
-    _, report = memtrim.convert(model, example_inputs=(x,))
-    assert [c.modules for c in report.changes] == [("1",)] and report.bytes_saved == 2 * 4 * 6 * 6 * 4
+    assert skip.modules == ("act",) and "changed the model's outputs" in skip.reason
+    assert_same(grads_of(plain, x), grads_of(converted, x))
+    # an in-place activation with no inplace switch: left alone, and the report says why and what to do
+    _, report = memtrim.convert(ReadsInputAfterAct(inplace_attribute=False), example_inputs=(x,))
+    (skip,) = report.skipped
+    assert not report.changes and "runs in place" in skip.reason and "inplace=False" in skip.reason
 
 
 def test_batchnorm_relu_and_keep_output_norm_report_rounding():

@@ -108,6 +108,7 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
     ctx = Context(model, evidence, dict(model.named_modules()), aliases, measured=given)
     measure = (lambda: activation_bytes(model, args, kwargs)) if given else None
     before = current = measure() if measure is not None else None
+    reference: list[torch.Tensor] | None = None  # the forward's outputs before any change (same_outputs checks)
     changes: list[Change] = []
     skipped: list[Skipped] = []
     for rule in registered_rules():
@@ -126,6 +127,12 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
                                        rule.name))
                 continue
             assert cand.apply is not None, f"rule {rule.name} yielded a change without apply"
+            if cand.same_outputs and measure is None:
+                skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} is checked on example_inputs, "
+                                                     "and none were given: not applied", rule.name))
+                continue
+            if cand.same_outputs and reference is None:  # every change so far keeps them
+                reference = forward_outputs(model, args, kwargs)
             undo = cand.apply()
             saved = None
             if measure is not None:
@@ -136,6 +143,14 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
                     skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} failed on the example "
                                                          f"inputs ({type(e).__name__}: {e}): not applied", rule.name))
                     continue
+                if cand.same_outputs:
+                    assert reference is not None
+                    if not _bitwise_same(reference, forward_outputs(model, args, kwargs)):
+                        undo()
+                        skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} changed the model's "
+                                                             "outputs on the example inputs (something reads the "
+                                                             "activation's input after it): not applied", rule.name))
+                        continue
                 saved = current - after  # type: ignore[operator]
                 if saved <= 0:
                     undo()
@@ -171,6 +186,21 @@ def _cuda_devices(model: nn.Module, inputs: Any) -> list[int]:
     found = {t.device.index or 0 for t in (*model.parameters(), *model.buffers(), *tensors_in(inputs))
              if t.device.type == "cuda"}
     return sorted(found)
+
+
+def forward_outputs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors a training-mode forward of ``model`` returns on the example inputs (dropout drawn from a fixed
+    seed; buffers restored after), detached."""
+    args, kwargs = fresh_inputs(args, kwargs)
+    with buffers_kept(model), torch.random.fork_rng(devices=_cuda_devices(model, (args, kwargs))):
+        model.train()
+        torch.manual_seed(0)
+        return [t.detach() for t in tensors_in(model(*args, **kwargs))]
+
+
+def _bitwise_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+                                    for x, y in zip(a, b))
 
 
 def activation_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

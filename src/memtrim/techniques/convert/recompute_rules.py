@@ -428,6 +428,16 @@ def _activation_like(ctx: Context, site: CallSite) -> bool:
     return len(names) >= 2 and set(names) <= _POINTWISE
 
 
+def _out_of_place(module: nn.Module) -> Undo:
+    """Set ``module.inplace = False`` (NOTE [ in-place activations made out of place ]); the undo sets it back."""
+    setattr(module, "inplace", False)  # noqa: B010  (an attribute of some activation classes, not of Module)
+
+    def undo() -> None:
+        setattr(module, "inplace", True)  # noqa: B010
+
+    return undo
+
+
 _IN_PLACE = ("{} runs in place (inplace=True, as timm and torchvision build theirs): its output overwrote its input, "
              "so nothing is left to rebuild the output from. To let convert rebuild it for the layers that keep it, "
              "set inplace=False on such activations before convert (for m in model.modules(): if getattr(m, "
@@ -448,8 +458,9 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
         acts = [k for k in site.inputs if trace.storages[k].kind != "parameter"]
         if len(acts) != 1 or len(site.outputs) != 1 or any(o.name in _RANDOM for o in trace.ops_in(site)):
             continue
-        if (site.outputs[0] in site.inputs
-                or any(o.name.endswith("_") and not o.name.startswith("_") for o in trace.ops_in(site))):
+        in_place = (site.outputs[0] in site.inputs
+                    or any(o.name.endswith("_") and not o.name.startswith("_") for o in trace.ops_in(site)))
+        if in_place and getattr(module, "inplace", None) is not True:  # no switch to turn it out of place
             if any(trace.storages[s.outputs[0]].holders for s in sites if s.outputs):  # something to save
                 yield Candidate((site.path,), reason=_IN_PLACE.format(type(module).__name__), skip=True)
             continue
@@ -483,11 +494,19 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
         keeps = _keeps_output(trace, sites)
 
         def apply(module: nn.Module = module, consumers: list = consumers, owner: str = owner,
-                  keeps: bool = keeps) -> Undo:
-            return chain(recompute_output(module, owner=owner, keeps_output=keeps).remove,
+                  keeps: bool = keeps, in_place: bool = in_place) -> Undo:
+            undos = [_out_of_place(module)] if in_place else []
+            return chain(*undos, recompute_output(module, owner=owner, keeps_output=keeps).remove,
                          _install_consumers(consumers))
 
-        yield Candidate((site.path,), type(module).__name__, _recomputed_for(ctx, consumers),
+        # NOTE [ in-place activations made out of place ]: an activation run in place (timm and torchvision build
+        # them so) overwrites its input, leaving nothing to rebuild its output from; torch's in-place autograd
+        # keeps a copy of that input anyway, so out of place it keeps the same bytes and computes the same values.
+        # What the trace cannot show is whether the parent reads the input after the call through its own name
+        # (`act(x); return conv(x)`), where out of place it would read the values before the activation: convert
+        # runs the example inputs once more and keeps the change only if every output is bitwise the same
+        yield Candidate((site.path,), type(module).__name__ + (" (in place)" if in_place else ""),
+                        ("made out of place, " if in_place else "") + _recomputed_for(ctx, consumers),
                         reason="its output is kept only by later call sites, its input by itself",
                         targets=(module,), expected_bytes=expected, limits=LIMITS["recompute_output"], apply=apply,
-                        stacks_on=("checkpoint_pointwise",))
+                        stacks_on=("checkpoint_pointwise",), same_outputs=in_place)
