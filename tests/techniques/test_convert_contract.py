@@ -565,6 +565,39 @@ class InPlaceSiLU(nn.Module):
         return F.silu(x, inplace=True)
 
 
+class InPlaceSideRead(nn.Module):
+    """The activation's input read after it by the parent, where the outputs do not show it: a running statistic
+    (a buffer) or a straight-through term (the gradients)."""
+
+    def __init__(self, straight_through):
+        super().__init__()
+        self.l1, self.act, self.l2 = nn.Linear(16, 16), nn.SiLU(inplace=True), nn.Linear(16, 5)
+        self.straight_through = straight_through
+        self.register_buffer("feature_mean", torch.zeros(16))
+
+    def forward(self, x):
+        h = self.l1(x)
+        y = self.act(h)
+        if self.straight_through:
+            return self.l2(y) + (h - h.detach()).sum(1, keepdim=True)
+        with torch.no_grad():
+            self.feature_mean.mul_(0.9).add_(0.1 * h.mean(0))
+        return self.l2(y)
+
+
+@pytest.mark.parametrize("straight_through", [False, True], ids=["buffer", "gradient"])
+def test_in_place_activation_read_after_only_by_a_buffer_or_a_gradient_stays(straight_through):
+    torch.manual_seed(0)
+    plain = InPlaceSideRead(straight_through)
+    converted = copy.deepcopy(plain)
+    x = torch.randn(4, 16)
+    _, report = memtrim.convert(converted, example_inputs=(x,))
+    assert not report.changes and converted.act.inplace is True, str(report)
+    assert any("outputs, buffers or gradients" in s.reason for s in report.skipped), str(report)
+    assert_same(grads_of(plain, x), grads_of(converted, x))
+    assert torch.equal(plain.feature_mean, converted.feature_mean)
+
+
 def test_in_place_activation_left_in_place_where_its_input_is_read_after():
     torch.manual_seed(0)
     plain = ReadsInputAfterAct()

@@ -276,7 +276,15 @@ def conv_norm_act_net(**options):
                          BatchNormAct2d(8, **options), nn.Conv2d(8, 4, 3))
 
 
-def test_timm_batchnorm_act_module_with_relu_is_fused():
+@pytest.fixture
+def known_batchnorm_act(monkeypatch):
+    """This file's written-out BatchNormAct2d counts as timm's (its forward is timm's, line for line)."""
+    from memtrim.techniques.convert import recompute_rules
+
+    monkeypatch.setattr(recompute_rules, "KNOWN_BATCHNORM_ACT", [(__name__, "BatchNormAct2d")])
+
+
+def test_timm_batchnorm_act_module_with_relu_is_fused(known_batchnorm_act):
     batch = {"input": torch.randn(4, 3, 12, 12, dtype=torch.float64)}
     plain, converted, report = converted_pair(conv_norm_act_net, batch)
     assert [(c.modules, c.after, c.bitwise) for c in report.changes] == [
@@ -288,13 +296,41 @@ def test_timm_batchnorm_act_module_with_relu_is_fused():
     conv_norm_act_net().double().load_state_dict(converted.state_dict())
 
 
-@pytest.mark.parametrize("options, why", [({"act": nn.SiLU}, "runs silu after the norm"),
+@pytest.mark.parametrize("options, why", [({"act": nn.SiLU}, "applies SiLU after Identity"),
                                           ({"residual": True}, "runs add, relu after the norm")])
-def test_timm_batchnorm_act_module_left_alone_says_why(options, why):
+def test_timm_batchnorm_act_module_left_alone_says_why(options, why, known_batchnorm_act):
     _, report = memtrim.convert(conv_norm_act_net(**options), example_inputs=torch.randn(4, 3, 12, 12))
     assert not [c for c in report.changes if c.rule == "batchnorm_act_module"]
     reasons = [s.reason for s in report.skipped if s.rule == "batchnorm_act_module"]
     assert len(reasons) == 2 and all(why in r for r in reasons), str(report)
+
+
+def test_batchnorm_subclass_of_unknown_forward_is_left_alone():
+    # a subclass's forward may use its own eps, momentum, arguments or side effects, which a class swap would drop:
+    # only exact known classes (timm's BatchNormAct2d) are fused
+    model = conv_norm_act_net()
+    _, report = memtrim.convert(model, example_inputs=torch.randn(4, 3, 12, 12))
+    assert not report.changes and type(model[1]) is BatchNormAct2d
+    reasons = [s.reason for s in report.skipped if s.rule == "batchnorm_act_module"]
+    assert len(reasons) == 2 and all("BatchNorm subclass with its own forward" in r for r in reasons), str(report)
+
+
+def test_timm_batchnorm_act_module_with_cumulative_momentum_is_fused(known_batchnorm_act):
+    # momentum=None reads float(num_batches_tracked) in the forward: bookkeeping, as in torch's own BatchNorm
+    batch = {"input": torch.randn(4, 3, 12, 12, dtype=torch.float64)}
+
+    def make():
+        model = conv_norm_act_net()
+        for m in model.modules():
+            if isinstance(m, BatchNormAct2d):
+                m.momentum = None
+        return model
+
+    plain, converted, report = converted_pair(make, batch)
+    assert [c.rule for c in report.changes] == ["batchnorm_act_module"] * 2, str(report)
+    assert_equal_training(plain, converted, batch)
+    for a, b in zip(plain.buffers(), converted.buffers()):
+        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------- timm ConvNeXt (LayerNorm2d, channels-last Mlp)

@@ -132,7 +132,13 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
                                                      "and none were given: not applied", rule.name))
                 continue
             if cand.same_outputs and reference is None:  # every change so far keeps them
-                reference = forward_outputs(model, args, kwargs)
+                try:
+                    reference = step_effects(model, args, kwargs)
+                except Exception as e:  # the model's own step fails (autograd's in-place check): nothing to match
+                    skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} is checked against a training "
+                                                         f"step on the example inputs, which failed ({type(e).__name__}"
+                                                         f": {e}): not applied", rule.name))
+                    continue
             undo = cand.apply()
             saved = None
             if measure is not None:
@@ -145,11 +151,12 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
                     continue
                 if cand.same_outputs:
                     assert reference is not None
-                    if not _bitwise_same(reference, forward_outputs(model, args, kwargs)):
+                    if not _bitwise_same(reference, step_effects(model, args, kwargs)):
                         undo()
                         skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} changed the model's "
-                                                             "outputs on the example inputs (something reads the "
-                                                             "activation's input after it): not applied", rule.name))
+                                                             "outputs, buffers or gradients on the example inputs "
+                                                             "(something reads the activation's input after it): not "
+                                                             "applied", rule.name))
                         continue
                 saved = current - after  # type: ignore[operator]
                 if saved <= 0:
@@ -188,14 +195,23 @@ def _cuda_devices(model: nn.Module, inputs: Any) -> list[int]:
     return sorted(found)
 
 
-def forward_outputs(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors a training-mode forward of ``model`` returns on the example inputs (dropout drawn from a fixed
-    seed; buffers restored after), detached."""
+def step_effects(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """What a training step of ``model`` on the example inputs makes: the forward's outputs, every buffer after it
+    and every trainable parameter's gradient of a fixed random weighting of the outputs (dropout and the weights
+    drawn from fixed seeds; buffers restored after, ``.grad`` left alone), detached."""
     args, kwargs = fresh_inputs(args, kwargs)
+    params = [p for p in model.parameters() if p.requires_grad]
     with buffers_kept(model), torch.random.fork_rng(devices=_cuda_devices(model, (args, kwargs))):
         model.train()
         torch.manual_seed(0)
-        return [t.detach() for t in tensors_in(model(*args, **kwargs))]
+        outputs = tensors_in(model(*args, **kwargs))
+        found = [t.detach().clone() for t in (*outputs, *model.buffers())]
+        differentiable = [t for t in outputs if t.requires_grad]
+        if differentiable and params:
+            weights = [torch.randn_like(t) if t.is_floating_point() else torch.ones_like(t) for t in differentiable]
+            grads = torch.autograd.grad(differentiable, params, weights, allow_unused=True)
+            found += [g if g is not None else torch.zeros(0) for g in grads]
+    return found
 
 
 def _bitwise_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

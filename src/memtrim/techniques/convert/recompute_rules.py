@@ -34,6 +34,7 @@ newly holds); convert measures each change anyway and undoes one that saves noth
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 from torch import nn
@@ -238,17 +239,44 @@ def _relative(parent: str, child: str) -> str:
     return child[len(parent) + 1:] if parent else child
 
 
+KNOWN_BATCHNORM_ACT: list[tuple[str, str]] = [("timm.layers.norm_act", "BatchNormAct2d")]
+"""BatchNorm subclasses whose forward is known to be torch's BatchNorm (with the module's own settings), ``drop``,
+then ``act``: (module, class name), looked up in ``sys.modules`` (memtrim never imports them). Exact classes only:
+a subclass's forward may do anything."""
+
+
+def _known_batchnorm_act(module: nn.Module) -> bool:
+    for where, name in KNOWN_BATCHNORM_ACT:
+        found = getattr(sys.modules.get(where), name, None)
+        if found is not None and type(module) is found:
+            return True
+    return False
+
+
 @register_rule("batchnorm_act_module", before="activation_linear")
 def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
-    """A BatchNorm subclass whose own forward applies the activation after the norm (timm's ``BatchNormAct2d``, in
-    ``ConvNormAct``): with a ReLU, fused as ``BatchNormReLU`` (the modules that keep its output keep the recipe);
-    with another activation, left alone and reported."""
+    """timm's ``BatchNormAct2d`` (in ``ConvNormAct``: torch's BatchNorm, then ``drop``, then ``act`` in its own
+    forward): with a ReLU, fused as ``BatchNormReLU`` (the modules that keep its output keep the recipe); with another
+    activation, left alone and reported. Other BatchNorm subclasses are left alone and reported: their forward may
+    use other settings, arguments or side effects, which a class swap would drop."""
     trace = ctx.trace
     if trace is None:
         return
     for name, bn in ctx.modules.items():
         base = next((k for k in _BN_RELU if isinstance(bn, k)), None)
         if base is None or type(bn) in _BN_RELU or not ctx.free(bn) or not trace.sites_of(name):
+            continue
+        if not _known_batchnorm_act(bn):
+            yield Candidate((name,), reason=f"{type(bn).__name__} is a BatchNorm subclass with its own forward, which "
+                                            "convert does not know computes torch's BatchNorm with the module's "
+                                            "settings (known: " + ", ".join(f"{w}.{n}" for w, n in KNOWN_BATCHNORM_ACT)
+                                            + ")", skip=True)
+            continue
+        if type(getattr(bn, "act", None)) not in (nn.ReLU, nn.Identity) or type(getattr(bn, "drop", None)) is not \
+                nn.Identity:
+            yield Candidate((name,), reason=f"{type(bn).__name__} applies {type(getattr(bn, 'act', None)).__name__} "
+                                            f"after {type(getattr(bn, 'drop', None)).__name__}: only ReLU after no "
+                                            "dropout is fused with it (BatchNormReLU)", skip=True)
             continue
         sites = trace.sites_of(name)
         ops = [[o for o in trace.ops_in(s) if not _bookkeeping(o, trace)] for s in sites]
@@ -294,10 +322,12 @@ def ctx_name(op: Op) -> str:
 
 
 def _bookkeeping(op: Op, trace: ModelTrace) -> bool:
-    """Whether ``op`` is a BatchNorm's bookkeeping: ``num_batches_tracked += 1`` (an in-place add on a buffer) or the
-    empty reserve torch makes (no inputs)."""
+    """Whether ``op`` is a BatchNorm's bookkeeping: ``num_batches_tracked += 1`` (an in-place add on a buffer),
+    reading it (``float(num_batches_tracked)`` for ``momentum=None``) or the empty reserve torch makes."""
     if op.name == "add_":
         return bool(op.writes) and all(trace.storages[k].kind == "buffer" for k in op.writes)
+    if op.name == "_local_scalar_dense":
+        return all(trace.storages[k].kind == "buffer" for k in op.inputs)
     return op.name == "empty" and not op.inputs
 
 
@@ -503,8 +533,10 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
         # them so) overwrites its input, leaving nothing to rebuild its output from; torch's in-place autograd
         # keeps a copy of that input anyway, so out of place it keeps the same bytes and computes the same values.
         # What the trace cannot show is whether the parent reads the input after the call through its own name
-        # (`act(x); return conv(x)`), where out of place it would read the values before the activation: convert
-        # runs the example inputs once more and keeps the change only if every output is bitwise the same
+        # (`act(x); return conv(x)`, a running statistic of `x`, a straight-through `x - x.detach()`), where out of
+        # place it would read the values before the activation: convert runs a training step on the example inputs
+        # before and after and keeps the change only if the outputs, the buffers and every parameter's gradient are
+        # bitwise the same
         yield Candidate((site.path,), type(module).__name__ + (" (in place)" if in_place else ""),
                         ("made out of place, " if in_place else "") + _recomputed_for(ctx, consumers),
                         reason="its output is kept only by later call sites, its input by itself",

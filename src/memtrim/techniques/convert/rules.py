@@ -48,9 +48,9 @@ class Candidate:
         limits: what the converted module does not support (copied to the report).
         bitwise: whether training with the change is bitwise torch's; False where gradients agree to rounding (a
             tensor rebuilt from another: the limits then say so).
-        same_outputs: the evidence cannot show the change leaves the forward's values alone (an in-place
-            activation made out of place); convert runs the example inputs after it and undoes it unless every
-            output is bitwise the same.
+        same_outputs: the evidence cannot show the change leaves the training step alone (an in-place
+            activation made out of place); convert runs a step on the example inputs before and after it and undoes
+            it unless the outputs, the buffers and every parameter's gradient are bitwise the same.
         apply: does the change and returns its undo.
         stacks_on: rules whose changed modules this change may change further (a checkpointed activation can
             still have its output recomputed for its consumers).
