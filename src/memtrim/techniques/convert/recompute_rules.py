@@ -52,7 +52,7 @@ from ..recompute import (
 )
 from .evidence import CallSite, ModelTrace, Op
 from .norms import _innermost
-from .rules import Candidate, Context, Undo, chain, class_swap, label, register_rule
+from .rules import Candidate, Context, Undo, chain, class_swap, label, op_name, register_rule
 
 __all__: list[str] = []
 
@@ -280,13 +280,13 @@ def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
             continue
         sites = trace.sites_of(name)
         ops = [[o for o in trace.ops_in(s) if not _bookkeeping(o, trace)] for s in sites]
-        names = {tuple(ctx_name(o) for o in site_ops) for site_ops in ops}
+        names = {tuple(op_name(o) for o in site_ops) for site_ops in ops}
         if names == {("native_batch_norm",)}:
             yield Candidate((name,), reason=f"{type(bn).__name__} runs no activation after the norm here (nothing "
                                             "to fuse it with)", skip=True)
             continue
         if names != {("native_batch_norm", "relu")}:
-            after = sorted({ctx_name(o) for site_ops in ops for o in site_ops} - {"native_batch_norm"})
+            after = sorted({op_name(o) for site_ops in ops for o in site_ops} - {"native_batch_norm"})
             yield Candidate((name,), reason=f"{type(bn).__name__} runs {', '.join(after)} after the norm: only a "
                                             "ReLU is fused with it (BatchNormReLU)", skip=True)
             continue
@@ -314,11 +314,6 @@ def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
                         reason="its forward is a BatchNorm and a ReLU", targets=(bn,),
                         expected_bytes=trace.storages[sites[0].outputs[0]].nbytes if consumers else 0,
                         limits=LIMITS["batchnorm_relu"], bitwise=False, apply=apply)
-
-
-def ctx_name(op: Op) -> str:
-    """``op``'s name with an in-place ``op_`` written as ``op`` (as :meth:`Context.op_names`)."""
-    return op.name.rstrip("_") if not op.name.startswith("_") else op.name
 
 
 def _bookkeeping(op: Op, trace: ModelTrace) -> bool:

@@ -26,9 +26,9 @@ from typing import Any
 from torch import nn
 
 from ...errors import InvalidInputError
-from .evidence import CallSite, ModelTrace
+from .evidence import CallSite, ModelTrace, Op
 
-__all__ = ["Candidate", "Context", "Rule", "register_rule", "registered_rules", "unregister_rule"]
+__all__ = ["Candidate", "Context", "Rule", "op_name", "register_rule", "registered_rules", "unregister_rule"]
 
 
 Undo = Callable[[], None]
@@ -68,6 +68,11 @@ class Candidate:
     same_outputs: bool = False
     apply: Callable[[], Undo] | None = None
     stacks_on: tuple[str, ...] = ()
+
+
+def op_name(op: Op) -> str:
+    """``op``'s name with an in-place ``op_`` written as ``op`` (``relu_`` -> ``relu``; ``_softmax`` stays)."""
+    return op.name.rstrip("_") if not op.name.startswith("_") else op.name
 
 
 @dataclass
@@ -111,7 +116,7 @@ class Context:
     def op_names(self, site: CallSite) -> list[str]:
         """The compute ops of ``site`` (views and dtype copies left out), ``op_`` written as ``op``."""
         assert self.evidence is not None
-        return [o.name.rstrip("_") if not o.name.startswith("_") else o.name for o in self.evidence.ops_in(site)]
+        return [op_name(o) for o in self.evidence.ops_in(site)]
 
     def free(self, *modules: nn.Module, stacks_on: tuple[str, ...] = ()) -> bool:
         """None of ``modules`` was changed by an earlier candidate (except by the rules in ``stacks_on``)."""
