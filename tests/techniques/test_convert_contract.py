@@ -598,6 +598,27 @@ def test_in_place_activation_read_after_only_by_a_buffer_or_a_gradient_stays(str
     assert torch.equal(plain.feature_mean, converted.feature_mean)
 
 
+class InPlaceThenZeroed(nn.Module):
+    """The model's own training step fails (its activation's output, kept by l2, is zeroed before backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.act, self.l2 = nn.Linear(8, 8), nn.SiLU(inplace=True), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.l1(x)
+        out = self.l2(self.act(h))
+        h.zero_()
+        return out
+
+
+def test_in_place_activation_left_alone_where_the_models_own_step_fails():
+    model = InPlaceThenZeroed()
+    _, report = memtrim.convert(model, example_inputs=torch.randn(2, 8))
+    assert not report.changes and model.act.inplace is True
+    assert any("which failed (RuntimeError" in s.reason for s in report.skipped), str(report)
+
+
 def test_in_place_activation_left_in_place_where_its_input_is_read_after():
     torch.manual_seed(0)
     plain = ReadsInputAfterAct()

@@ -108,7 +108,7 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
     ctx = Context(model, evidence, dict(model.named_modules()), aliases, measured=given)
     measure = (lambda: activation_bytes(model, args, kwargs)) if given else None
     before = current = measure() if measure is not None else None
-    reference: list[torch.Tensor] | None = None  # the forward's outputs before any change (same_outputs checks)
+    reference: list[torch.Tensor] | None = None  # a training step's outputs, buffers, gradients (same_outputs)
     changes: list[Change] = []
     skipped: list[Skipped] = []
     for rule in registered_rules():
@@ -151,7 +151,11 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
                     continue
                 if cand.same_outputs:
                     assert reference is not None
-                    if not _bitwise_same(reference, step_effects(model, args, kwargs)):
+                    try:
+                        same = _bitwise_same(reference, step_effects(model, args, kwargs))
+                    except Exception:  # the changed model's step fails where the model's own did not
+                        same = False
+                    if not same:
                         undo()
                         skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} changed the model's "
                                                              "outputs, buffers or gradients on the example inputs "
