@@ -26,7 +26,8 @@ NOTE [ how convert decides ]
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -199,15 +200,24 @@ def _cuda_devices(model: nn.Module, inputs: Any) -> list[int]:
     return sorted(found)
 
 
+@contextlib.contextmanager
+def _example_forward(model: nn.Module, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """Fresh copies of the example inputs, for a training-mode forward whose dropout is drawn from a fixed seed and
+    whose buffer updates are undone after."""
+    args, kwargs = fresh_inputs(args, kwargs)
+    with buffers_kept(model), torch.random.fork_rng(devices=_cuda_devices(model, (args, kwargs))):
+        model.train()
+        torch.manual_seed(0)
+        yield args, kwargs
+
+
 def step_effects(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """What a training step of ``model`` on the example inputs makes: the forward's outputs, every buffer after it
     and every trainable parameter's gradient of a fixed random weighting of the outputs (dropout and the weights
     drawn from fixed seeds; buffers restored after, ``.grad`` left alone), detached."""
-    args, kwargs = fresh_inputs(args, kwargs)
     params = [p for p in model.parameters() if p.requires_grad]
-    with buffers_kept(model), torch.random.fork_rng(devices=_cuda_devices(model, (args, kwargs))):
-        model.train()
-        torch.manual_seed(0)
+    with _example_forward(model, args, kwargs) as (args, kwargs):
         outputs = tensors_in(model(*args, **kwargs))
         found = [t.detach().clone() for t in (*outputs, *model.buffers())]
         differentiable = [t for t in outputs if t.requires_grad]
@@ -226,10 +236,7 @@ def _bitwise_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 def activation_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     """Activation bytes autograd keeps after one training-mode forward of ``model(*args, **kwargs)`` (tracker's
     "activations"); buffers restored after, parameters never copied, dropout drawn from a fixed seed."""
-    args, kwargs = fresh_inputs(args, kwargs)
-    with buffers_kept(model), torch.random.fork_rng(devices=_cuda_devices(model, (args, kwargs))):
-        model.train()
-        torch.manual_seed(0)
+    with _example_forward(model, args, kwargs) as (args, kwargs):
         with track(model) as tracker:
             out = model(*args, **kwargs)
             held = tracker.live_by_category()["activations"]

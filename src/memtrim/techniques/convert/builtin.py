@@ -37,7 +37,6 @@ from .rules import Candidate, Context, Undo, chain, class_swap, label, register_
 
 __all__ = ["Absorbed", "FROM_OUTPUT", "KEEP_OUTPUT_FORMS", "NO_AUTOCAST", "NO_DOUBLE_BACKWARD", "REBUILT_INPUT"]
 
-BN_RELU_ROUNDING = LIMITS["batchnorm_relu"][0]  # the ReLU output rebuilt from the BatchNorm's input: rounding
 NO_DOUBLE_BACKWARD = "no double backward (a backward through its gradient raises ConvertError)"
 """The limit a change states (``Change.limits``) when its module rebuilds a tensor it has no second derivative for."""
 NO_AUTOCAST = "saves nothing under autocast (runs as torch's own ops there)"
@@ -149,7 +148,7 @@ def batchnorm_activation(ctx: Context) -> Iterator[Candidate]:
             target = _BN_RELU[type(bn)]
             readers = [ctx.modules[r] for r in ctx.evidence.keepers(act_name) if r in ctx.modules]  # type: ignore[union-attr]
             apply = _fuse_bn_relu(bn, act, readers, target, label(pair, f"memtrim.nn.{target.__name__}"))
-            limits: tuple[str, ...] = (BN_RELU_ROUNDING, NO_DOUBLE_BACKWARD)
+            limits: tuple[str, ...] = LIMITS["batchnorm_relu"]
         else:
             target = _BN_ACT[type(bn)]
             apply = _fuse_bn(bn, act, target, spec, label(pair, f"memtrim.nn.{target.__name__}"))  # type: ignore[arg-type]

@@ -463,10 +463,10 @@ def _out_of_place(module: nn.Module) -> Undo:
     return undo
 
 
-_IN_PLACE = ("{} runs in place (inplace=True, as timm and torchvision build theirs): its output overwrote its input, "
-             "so nothing is left to rebuild the output from. To let convert rebuild it for the layers that keep it, "
-             "set inplace=False on such activations before convert (for m in model.modules(): if getattr(m, "
-             "'inplace', False) is True: m.inplace = False), where nothing else reads the activation's input after it")
+_IN_PLACE = ("{} runs in place with no inplace switch convert could turn off: its output overwrote its input, so "
+             "nothing is left to rebuild the output from. To let convert rebuild it for the layers that keep it, "
+             "make its forward run out of place (inplace=False), where nothing else reads the activation's input "
+             "after it")
 
 
 @register_rule("activation_consumer")

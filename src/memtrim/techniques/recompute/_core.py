@@ -206,11 +206,10 @@ def entry_of(tensor: torch.Tensor) -> _Entry | None:
 
 def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Iterable[torch.Tensor | _Entry], *,
              owner: str, double_backward: bool = True, holds: Iterable[torch.Tensor] = (),
-             tag: str | None = None, checked: bool = False) -> _Entry | None:
+             tag: str | None = None) -> _Entry | None:
     """:func:`mark_recomputable` with sources already resolved (a source may be an entry from :func:`entry_of`,
-    kept alive by the caller after its tensor died). Returns the entry, or None if nothing was registered.
-    ``checked``: the caller has just seen grad mode on and :func:`plain_only` false (a hook's fast path)."""
-    if (not checked and (not torch.is_grad_enabled() or plain_only())) or not _whole(tensor):
+    kept alive by the caller after its tensor died). Returns the entry, or None if nothing was registered."""
+    if not torch.is_grad_enabled() or plain_only() or not _whole(tensor):
         return None
     storage = tensor.untyped_storage()
     resolved: list[torch.Tensor | _Entry] = []

@@ -177,8 +177,8 @@ class _OutputRecipe:
         """The only hook where no producer scope is needed (``keeps_output=False``): everything is decided at the
         call's end (grad mode and autocast do not change inside a module's forward). One hook, fewer checks: this
         runs at every call of every converted norm and activation."""
-        if (not isinstance(output, torch.Tensor) or not output.requires_grad or not torch.is_grad_enabled()
-                or plain_only() or (not self.under_autocast and _autocast_on(args, kwargs))):
+        if (not isinstance(output, torch.Tensor) or not torch.is_grad_enabled() or plain_only()
+                or (not self.under_autocast and _autocast_on(args, kwargs))):
             return
         self.mark(output, args, kwargs)
 
@@ -203,7 +203,7 @@ class _OutputRecipe:
             resolved += [p for _, p in params]
         fn = (self.fn if self.fn is not None
               else _call_with(self.module, args, kwargs, positions, params, owner, self.setting_names))
-        register(output, fn, resolved, owner=owner, checked=True)
+        register(output, fn, resolved, owner=owner)
 
 
 def _autocast_on(args: tuple, kwargs: dict) -> bool:
