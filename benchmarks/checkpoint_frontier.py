@@ -54,12 +54,17 @@ def eager_variants(base):
         if policy is not False:
             memtrim.checkpoint_modules(model, CausalSelfAttention, policy=policy)
         out[label] = model
-    # convert, then the MLPs of the first k blocks checkpointed: each recomputes its first Linear and GELU (4 d wide)
+    # convert, then the MLPs of the first k blocks checkpointed (each recomputes its first Linear and GELU, 4 d wide),
+    # or only their first Linears' outputs rebuilt for the GELU (recompute_modules: one matmul each, no checkpoint)
     for k in (2, 3):
         model = copy.deepcopy(base)
         memtrim.convert(model, example_inputs=(x,))
         memtrim.checkpoint_modules(model, [f"blocks.{i}.mlp" for i in range(k)])
         out[f"convert + MLPs of {k} blocks"] = model
+        model = copy.deepcopy(base)
+        memtrim.convert(model, example_inputs=(x,))
+        memtrim.recompute_modules(model, [f"blocks.{i}.mlp.fc" for i in range(k)], example_inputs=(x,))
+        out[f"convert + fc of {k} blocks recomputed"] = model
     return out
 
 
@@ -153,7 +158,7 @@ def rerun_floor(rows, held, fc_times, plain_times, fc_output_bytes):
     output, the MLP's first Linear's output, and the residual stream (a sum with a projection's output). Every matmul
     of this model reads d_model-wide rows, so whichever it is, it writes 4 bytes per 2 * d_model FLOPs: dropping B
     bytes means rerunning at least B / fc_output_bytes of the MLP's first matmul (4 MiB output here). The one
-    exception, block 0's input (the embedding sum, 1 MiB, rebuildable by two lookups), no memtrim technique drops."""
+    exception, block 0's input (the embedding sum, 1 MiB, rebuilt by two lookups), convert drops already."""
     ratios = sorted(a / b for a, b in zip(fc_times, plain_times))
     fc_ratio = statistics.median(ratios)
     missing = held["convert"] - held["plain"] / 2

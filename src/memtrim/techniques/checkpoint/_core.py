@@ -99,12 +99,13 @@ class CheckpointHandle:
         return len(self.names)
 
 
-def _select(model: nn.Module, modules: ModuleSelector) -> list[tuple[str, nn.Module]]:
+def _select(model: nn.Module, modules: ModuleSelector, api: str = _API) -> list[tuple[str, nn.Module]]:
+    """The chosen submodules as ``(name, module)``; ``api`` names the caller in errors."""
     named = list(model.named_modules())
     if isinstance(modules, type):
         if not issubclass(modules, nn.Module):
             raise InvalidInputError(
-                f"{_API}: modules must be a predicate (name, module) -> bool, a list of names or an nn.Module "
+                f"{api}: modules must be a predicate (name, module) -> bool, a list of names or an nn.Module "
                 f"subclass; got the class {modules.__qualname__}. Pass e.g. the decoder block's class."
             )
         cls = modules
@@ -119,25 +120,25 @@ def _select(model: nn.Module, modules: ModuleSelector) -> list[tuple[str, nn.Mod
         missing = [n for n in names if not isinstance(n, str) or n not in table]
         if missing:
             raise InvalidInputError(
-                f"{_API}: expected names of submodules of the model; found {missing!r}, which it does not have "
+                f"{api}: expected names of submodules of the model; found {missing!r}, which it does not have "
                 f"(it has e.g. {[n for n, _ in named[1:6]]!r}). Use names from model.named_modules()."
             )
         chosen = [(n, table[n]) for n in dict.fromkeys(names)]
         what = "the list of names is empty"
     else:
         raise InvalidInputError(
-            f"{_API}: modules must be a predicate (name, module) -> bool, a list of names or an nn.Module "
+            f"{api}: modules must be a predicate (name, module) -> bool, a list of names or an nn.Module "
             f"subclass; got {type(modules).__name__}. Wrap a single name in a list."
         )
     if not chosen:
-        raise InvalidInputError(f"{_API}: expected at least one module to checkpoint, but {what}. "
+        raise InvalidInputError(f"{api}: expected at least one module, but {what}. "
                                 "Check the selector against model.named_modules().")
     nested = [(a, b) for a, ma in chosen for b, mb in chosen
               if a != b and any(m is mb for m in ma.modules())]
     if nested:
         outer, inner = nested[0]
         raise InvalidInputError(
-            f"{_API}: expected disjoint modules; found {inner!r} inside {outer!r}, which would be recomputed "
+            f"{api}: expected disjoint modules; found {inner!r} inside {outer!r}, which would be recomputed "
             "twice. Choose one of them."
         )
     return chosen

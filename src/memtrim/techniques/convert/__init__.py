@@ -9,9 +9,10 @@ from .builtin import Absorbed
 from .evidence import CallSite, Holder, ModelTrace, Op, Storage
 from .report import Change, ConversionReport, Skipped
 from .rules import Candidate, Context, Rule, register_rule, registered_rules, unregister_rule
+from .selective import RecomputeHandle, recompute_modules
 
 __all__ = [
     "Absorbed", "CallSite", "Candidate", "Change", "Context", "ConversionReport", "ConvertError", "Holder",
-    "ModelTrace", "Op", "Rule", "Skipped", "Storage", "convert", "register_rule", "registered_rules",
-    "unregister_rule",
+    "ModelTrace", "Op", "RecomputeHandle", "Rule", "Skipped", "Storage", "convert", "recompute_modules",
+    "register_rule", "registered_rules", "unregister_rule",
 ]

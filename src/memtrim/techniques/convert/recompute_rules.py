@@ -49,10 +49,11 @@ from ..recompute import (
     keep_recipes_in,
     recompute_gated_mlp,
     recompute_output,
+    recompute_sum,
 )
 from .evidence import CallSite, ModelTrace, Op
 from .norms import _innermost
-from .rules import Candidate, Context, Undo, chain, class_swap, label, op_name, register_rule
+from .rules import Candidate, Context, Undo, chain, class_swap, label, op_name, register_rule, registered_rules
 
 __all__: list[str] = []
 
@@ -537,3 +538,63 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
                         reason="its output is kept only by later call sites, its input by itself",
                         targets=(module,), expected_bytes=expected, limits=LIMITS["recompute_output"], apply=apply,
                         stacks_on=("checkpoint_pointwise",), same_outputs=in_place)
+
+
+# ---------------------------------------------------------------------- embedding lookups and their sum
+def _embedding_sums(ctx: Context, trace: ModelTrace) -> dict[int, list[CallSite]]:
+    """Storage -> the embedding lookups it is the sum of (``a + b``, ``(a + b) + c``, ``s += c``, or one lookup's
+    output itself): lookups are leaf calls whose one compute op is ``embedding`` (any class, no hooks); a storage
+    any other op changes in place is dropped."""
+    sums: dict[int, list[CallSite]] = {}
+    for site in trace.sites:
+        if (trace.leaf(site) and len(site.outputs) == 1 and ctx.op_names(site) == ["embedding"]
+                and not ctx.user_hooks(site.module)):
+            sums[site.outputs[0]] = [site]
+    if not sums:
+        return sums
+    for op in trace.ops:
+        name = op_name(op)
+        if name == "add" and len(op.inputs) == 2 and all(k in sums for k in op.inputs):
+            target = op.writes[0] if op.writes else (op.outputs[0] if len(op.outputs) == 1 else None)
+            if target is not None and (not op.writes or target == op.inputs[0]):
+                sums[target] = sums.get(target, []) + [s for k in op.inputs for s in sums[k] if k != target]
+                continue
+        for key in op.writes:
+            sums.pop(key, None)
+    return sums
+
+
+@register_rule("embedding_sum")
+def embedding_sum(ctx: Context) -> Iterator[Candidate]:
+    """Embedding lookups, or their sum (token + position embeddings), kept by later call sites (the first norm keeps
+    its input): they keep the lookups' indices instead, and backward rebuilds the sum by the same lookups and
+    additions (bitwise)."""
+    trace = ctx.trace
+    if trace is None:
+        return
+    # the consumers (a norm an earlier rule changed, still keeping its input) are targets too, for module_filter
+    everything = tuple(rule.name for rule in registered_rules())
+    for key, lookups in _embedding_sums(ctx, trace).items():
+        holders = trace.storages[key].holders
+        if not holders or trace.storages[key].kind != "activation":
+            continue
+        sites = [trace.sites[h.site] if h.site is not None else None for h in holders]
+        names = tuple(dict.fromkeys(s.path for s in lookups))
+        if any(s is None or not trace.leaf(s) or s.index in {lk.index for lk in lookups} for s in sites):
+            where = next((s.path for s in sites if s is not None and not trace.leaf(s)), "the top-level forward")
+            yield Candidate(names, reason=f"the embeddings' {'sum' if len(lookups) > 1 else 'output'} is kept by "
+                                          f"{where}'s own code, not by a module it calls", skip=True)
+            continue
+        consumers = list(dict.fromkeys(s.module for s in sites if s is not None))
+        producers = list(dict.fromkeys(s.module for s in lookups))
+        what = "Embedding sum" if len(lookups) > 1 else "Embedding output"
+        owner = label(names, "a recomputed embedding sum")
+
+        def apply(producers: list = producers, consumers: list = consumers, owner: str = owner) -> Undo:
+            return chain(recompute_sum(consumers, producers, owner=owner).remove, _install_consumers(consumers))
+
+        yield Candidate(names, what, f"rebuilt from the indices, {_recomputed_for(ctx, consumers)}",
+                        reason=f"{'a sum of embedding lookups' if len(lookups) > 1 else 'an embedding lookup'} "
+                               "kept only by later call sites",
+                        targets=(*producers, *consumers), expected_bytes=trace.storages[key].nbytes,
+                        limits=LIMITS["recompute_sum"], apply=apply, stacks_on=everything)

@@ -19,10 +19,11 @@ from ._sites import (
     keep_recipes_in,
     recompute_gated_mlp,
     recompute_output,
+    recompute_sum,
 )
 
 __all__ = [
     "LIMITS", "ConvertError", "Handle", "PassThroughReLU", "Recipe", "checkpoint_call", "is_recomputable",
     "keep_recipes_in", "mark_recomputable", "producing", "recipe_of", "recipes_honoured", "recompute_gated_mlp",
-    "recompute_output",
+    "recompute_output", "recompute_sum",
 ]

@@ -30,7 +30,7 @@ from ._core import (
 
 __all__ = [
     "LIMITS", "Handle", "PassThroughReLU", "checkpoint_call", "keep_recipes_in", "recompute_gated_mlp",
-    "recompute_output",
+    "recompute_output", "recompute_sum",
 ]
 
 
@@ -57,6 +57,10 @@ LIMITS: dict[str, tuple[str, ...]] = {
     ),
     "recompute_gated_mlp": (
         "act(gate) and act(gate) * up are rebuilt in backward by the same ops (bitwise); double backward exact",
+        "steps aside under torch.compile and torch.func",
+    ),
+    "recompute_sum": (
+        "the lookups and their sum are rebuilt in backward by the same ops (bitwise); double backward exact",
         "steps aside under torch.compile and torch.func",
     ),
     "checkpoint_call": (
@@ -400,6 +404,106 @@ def recompute_gated_mlp(mlp: nn.Module, *, gate: str = "gate_proj", up: str = "u
         mlp.register_forward_hook(hooks.exit, always_call=True),
     )
     return Handle(marks.remove, *(h.remove for h in removable))
+
+
+# ---------------------------------------------------------------------- a sum of recomputable outputs
+def _sum_tree(node: Any, leaves: dict[int, int], depth: int = 0) -> int | tuple | None:
+    """``node``'s graph as a tree of additions over ``leaves`` (a grad_fn's sequence number -> leaf index): an int
+    for a leaf, ``(left, right)`` for ``left + right``; None if anything else (another op, ``alpha != 1``, an input
+    without a graph) is in it."""
+    if node is None or depth > 8:
+        return None
+    leaf = leaves.get(node._sequence_nr())
+    if leaf is not None:
+        return leaf
+    if node.name() != "AddBackward0" or node._saved_alpha != 1:
+        return None
+    (left, _), (right, _) = node.next_functions
+    a, b = _sum_tree(left, leaves, depth + 1), _sum_tree(right, leaves, depth + 1)
+    return None if a is None or b is None else (a, b)
+
+
+def _evaluate(tree: int | tuple, *sources: torch.Tensor) -> torch.Tensor:
+    if isinstance(tree, int):
+        return sources[tree]
+    return _evaluate(tree[0], *sources) + _evaluate(tree[1], *sources)
+
+
+class _Sum:
+    """Forward hooks of :func:`recompute_sum`: each producer's last marked output on this thread (held until the
+    consumer's call, so an in-place change of it before the sum is seen), and the consumer's pre-hook."""
+
+    def __init__(self, owner: str, n_producers: int) -> None:
+        self.owner, self.n_producers = owner, n_producers
+        self._local = threading.local()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"owner": self.owner, "n_producers": self.n_producers}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["owner"], state["n_producers"])  # type: ignore[misc]
+
+    def _made(self) -> list[Any]:
+        made = getattr(self._local, "made", None)
+        if made is None:
+            made = self._local.made = [None] * self.n_producers
+        return made
+
+    def producer_done(self, index: int, module: nn.Module, args: Any, output: Any) -> None:
+        if plain_only():
+            return
+        made = self._made()
+        made[index] = None
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None and _active():
+            entry = entry_of(output)  # marked by recompute_output's hook, which runs first
+            if entry is not None:
+                made[index] = (output, entry, output.grad_fn._sequence_nr())
+
+    def consumer_pre(self, module: nn.Module, args: tuple) -> None:
+        if plain_only():
+            return
+        made = self._made()
+        found = [m for m in made if m is not None]
+        made[:] = [None] * self.n_producers  # nothing outlives the call
+        if not found or not args or not isinstance(args[0], torch.Tensor) or not _active():
+            return
+        x = args[0]
+        if x.grad_fn is None or entry_of(x) is not None:
+            return  # no graph, or a producer's output itself (already marked)
+        # a producer's output changed in place since (its version moved) is no leaf: the sum is kept as usual
+        alive = [(e, node) for t, e, node in found if t._version == e.version]
+        tree = _sum_tree(x.grad_fn, {node: i for i, (_, node) in enumerate(alive)})
+        if tree is not None:
+            register(x, functools.partial(_evaluate, tree), [e for e, _ in alive], owner=self.owner)
+
+
+def recompute_sum(consumers: list[nn.Module], producers: list[nn.Module], *, owner: str) -> Handle:
+    """Mark a consumer's first argument, when it is a sum of the ``producers``' outputs in this forward (``a + b``,
+    ``(a + b) + c``, ``s += c``; nothing else between), as that sum: rebuilt in backward by the same additions, in
+    the same order, of the producers' rebuilt outputs (bitwise). GPT-style token + position embeddings kept by the
+    first norm.
+
+    Per call, the argument's grad_fn graph decides: only additions (``alpha`` 1) whose leaves are the producers'
+    outputs, unchanged since they were made; anything else is kept as usual.
+
+    Args:
+        consumers: the modules whose first argument is the sum (each needs :func:`keep_recipes_in` to keep the
+            recipe).
+        producers: modules whose outputs :func:`recompute_output` marks (installed here too, for a pure forward of
+            tensor arguments and parameters: an embedding lookup).
+        owner: how errors name the sum.
+
+    Returns:
+        A :class:`Handle`.
+    """
+    hooks = _Sum(owner, len(producers))
+    removers: list[Callable[[], Any]] = []
+    for i, producer in enumerate(producers):
+        removers.append(recompute_output(producer, owner=f"{owner}: {_name(producer, None)}", parameters=True,
+                                         keeps_output=False).remove)
+        removers.append(producer.register_forward_hook(functools.partial(hooks.producer_done, i)).remove)
+    removers += [consumer.register_forward_pre_hook(hooks.consumer_pre).remove for consumer in consumers]
+    return Handle(*removers)
 
 
 # ---------------------------------------------------------------------- pointwise modules: checkpoint the call

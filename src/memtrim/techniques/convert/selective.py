@@ -1,0 +1,158 @@
+"""``memtrim.recompute_modules``: chosen modules' outputs rebuilt in backward for the layers that keep them.
+
+NOTE [ recomputing chosen outputs ]
+Checkpointing a module reruns its forward in backward through ``torch.utils.checkpoint``; for one matmul whose
+output only the next layer keeps (an MLP's first Linear, kept by its activation), the same saving needs less: the
+consumers keep a recipe (``techniques/recompute``), and backward runs the module's own forward once on the input it
+keeps anyway. The choice is the user's (each costs a forward of the module in backward); what is checked, on a
+traced forward of the example inputs (NOTE [ convert's evidence ]), is that the rebuild is the same tensor: the
+module calls no other module, draws no random numbers, writes no buffer or parameter, returns one tensor that is
+not a view of its input and that nothing changes in place after, and has no hooks of the user's (the rebuild
+runs ``forward`` alone). Its parameters and plain settings are version-checked like autograd's. Anything else
+raises, naming the module and what to use instead. Under torch.compile, torch.func and autocast-free no-grad
+forwards nothing is marked (the recipes step aside).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...errors import InvalidInputError
+from ..checkpoint._core import ModuleSelector, _select
+from ..recompute import recompute_output
+from .api import activation_bytes
+from .evidence import collect, split_inputs
+from .recompute_rules import _RANDOM, _holder_modules, _install_consumers, _keeps_output
+from .rules import Context, chain, op_name
+
+__all__ = ["RecomputeHandle", "recompute_modules"]
+
+_API = "memtrim.recompute_modules"
+
+
+@dataclass
+class RecomputeHandle:
+    """What :func:`recompute_modules` did: the ``names`` of the modules whose outputs are rebuilt, the
+    ``bytes_saved`` measured on the example inputs, and ``remove()`` to undo it."""
+
+    names: list[str]
+    bytes_saved: int
+    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def remove(self) -> None:
+        """Undo: the modules' outputs are kept again (a second call does nothing)."""
+        while self._undo:
+            self._undo.pop()()
+
+
+def recompute_modules(model: nn.Module, modules: ModuleSelector, *,
+                      example_inputs: torch.Tensor | tuple[Any, ...] | dict[str, Any],
+                      example_kwargs: dict[str, Any] | None = None) -> RecomputeHandle:
+    """Rebuild the chosen modules' outputs in backward, for the later layers that keep them, instead of keeping them.
+
+    Each costs one more forward of the module in backward; training is bitwise the same (the module's own forward,
+    on the input it keeps anyway). Composes with :func:`memtrim.convert` (call it after: an input convert rebuilds is
+    rebuilt in turn) and with checkpointing. See NOTE [ recomputing chosen outputs ].
+
+    Args:
+        model: the model (changed in place: hooks only; classes, parameters and state_dict unchanged).
+        modules: names from ``model.named_modules()``, a class, or a predicate ``(name, module) -> bool``; each a
+            module that calls no other (a Linear, a convolution), e.g. ``["blocks.0.mlp.fc"]``.
+        example_inputs: a tensor, a tuple of arguments or a dict of keyword arguments, as for
+            :func:`memtrim.convert`: the evidence, and what the saving is measured on.
+        example_kwargs: more keyword arguments for the example call.
+
+    Returns:
+        A :class:`RecomputeHandle` with the bytes saved (measured by the tracker).
+
+    Raises:
+        InvalidInputError: a chosen module is not a name, class or predicate match; is not called on the example
+            inputs; calls other modules, draws random numbers, writes buffers, returns several tensors or a view of
+            its input; has hooks; or its output is kept by its parent's own code, changed in place, or kept by
+            nothing (nothing to save).
+
+    Example::
+
+        memtrim.convert(model, example_inputs=(x,))
+        memtrim.recompute_modules(model, ["blocks.0.mlp.fc", "blocks.1.mlp.fc"], example_inputs=(x,))
+    """
+    if not isinstance(model, nn.Module):
+        raise InvalidInputError(f"{_API}: model must be an nn.Module, got {type(model).__name__}.")
+    chosen = _select(model, modules, _API)
+    args, kwargs = split_inputs(example_inputs, example_kwargs)
+    if not args and not kwargs:
+        raise InvalidInputError(f"{_API}: example_inputs are required (the traced evidence and the measured saving).")
+    with torch.random.fork_rng(), torch.inference_mode(False), torch.enable_grad():
+        trace = collect(model, args, kwargs)
+        aliases: dict[int, list[str]] = {}
+        for name, module in model.named_modules(remove_duplicate=False):
+            aliases.setdefault(id(module), []).append(name)
+        ctx = Context(model, trace, dict(model.named_modules()), aliases, measured=True)
+        plans = [(name, module, *_consumers(ctx, name, module)) for name, module in chosen]
+        before = activation_bytes(model, args, kwargs)
+        undo = chain(*(chain(recompute_output(module, owner=f"{name} (memtrim.recompute_modules)", parameters=True,
+                                              keeps_output=keeps).remove, _install_consumers(consumers))
+                       for name, module, consumers, keeps in plans))
+        try:
+            after = activation_bytes(model, args, kwargs)
+        except Exception:
+            undo()
+            raise
+    names = [name for name, *_ in plans]
+    if after >= before:
+        undo()
+        raise InvalidInputError(
+            f"{_API}: rebuilding {names} saves {before - after:,} B on the example inputs (measured): their inputs are "
+            "not kept otherwise, so a recipe would keep them instead. Choose modules whose input a layer keeps anyway "
+            "(a Linear keeps its own input).")
+    return RecomputeHandle(names, before - after, [undo])
+
+
+def _consumers(ctx: Context, name: str, module: nn.Module) -> tuple[list[nn.Module], bool]:
+    """The modules that keep ``module``'s output and whether its own backward keeps it too; raises where the
+    rebuild could differ from the output (NOTE [ recomputing chosen outputs ])."""
+    trace = ctx.trace
+    assert trace is not None
+    path = trace.names.get(id(module), name)
+    sites = trace.sites_of(path)
+
+    def refuse(why: str, fix: str = "Choose another module, or checkpoint it (memtrim.checkpoint_modules)") -> None:
+        raise InvalidInputError(f"{_API}: {name!r} {why}. {fix}.")
+
+    if not sites:
+        refuse("is not called by the model on the example inputs", "Choose a module the forward calls")
+    hooks = ctx.user_hooks(module)
+    if hooks:
+        refuse(f"has {', '.join(hooks)}; the rebuild runs its forward alone", "Remove the hooks or choose another "
+               "module")
+    consumers: list[nn.Module] = []
+    for site in sites:
+        if not trace.leaf(site):
+            refuse("calls other modules; recompute_modules takes modules that call none (a Linear, a convolution)",
+                   "Checkpoint a block with memtrim.checkpoint_modules")
+        ops = trace.ops_in(site, compute_only=False)
+        random = sorted({op_name(o) for o in ops if op_name(o) in _RANDOM})
+        if random:
+            refuse(f"draws random numbers ({', '.join(random)}); a rebuild would draw others",
+                   "Checkpoint it (memtrim.checkpoint_modules replays the RNG)")
+        written = {k for o in ops for k in o.writes if trace.storages[k].kind in ("buffer", "parameter", "input")}
+        if written:
+            refuse("writes a buffer, parameter or input in its forward (a running statistic); a rebuild would write "
+                   "it again")
+        if len(site.outputs) != 1 or site.outputs[0] in site.inputs:
+            refuse("does not return one tensor of its own (several outputs, or a view of its input)")
+        if ctx.edited(path):
+            refuse(ctx.edited(path) or "")
+        found = _holder_modules(ctx, site.outputs[0], site)
+        if found is None:
+            refuse("has its output kept by its parent's own code, where no recipe can reach it")
+        consumers += [m for m in found or [] if m not in consumers]
+    if not consumers and not _keeps_output(trace, sites):
+        refuse("has an output that no later layer keeps for backward: there is nothing to save",
+               "Choose a module whose output a later layer keeps (an MLP's first Linear)")
+    return consumers, _keeps_output(trace, sites)

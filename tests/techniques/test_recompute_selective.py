@@ -1,0 +1,232 @@
+"""Embedding sums rebuilt for the first norm (convert's ``embedding_sum``) and ``memtrim.recompute_modules``, against
+plain PyTorch training: bitwise, with the bytes from the tracker."""
+
+import copy
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memtrim
+from memtrim.models import SmallGPT
+from memtrim.techniques import recompute as R
+from memtrim.techniques.recompute import _core
+
+from ..helpers import activation_bytes
+
+B, T, D, V = 2, 12, 16, 32
+
+
+class Embedder(nn.Module):
+    """Token + position embeddings (GPT), + token types added in place (BERT), a norm, a Linear head."""
+
+    def __init__(self, style="gpt", dropout=0.0, alpha=1):
+        super().__init__()
+        self.style, self.alpha = style, alpha
+        self.tok = nn.Embedding(V, D)
+        self.pos = nn.Embedding(T, D)
+        self.typ = nn.Embedding(2, D)
+        self.drop = nn.Dropout(dropout)
+        self.ln = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V)
+        self.edit = False  # an in-place change of the token lookup the trace did not see
+
+    def forward(self, idx):
+        a = self.tok(idx)
+        if self.edit:
+            with torch.no_grad():
+                a.mul_(2)
+        p = self.pos(torch.arange(idx.shape[1]))
+        if self.style == "bert":
+            x = a + self.typ(torch.zeros_like(idx))
+            x += p
+        else:
+            x = torch.add(a, p, alpha=self.alpha)
+        return self.head(self.ln(self.drop(x)))
+
+
+IDX = torch.randint(0, V, (B, T))
+SUM = B * T * D * 4  # the sum, float32
+
+
+def train(model, steps=4, create_graph=False):
+    """Parameters after AdamW steps on a next-token loss (with a gradient penalty: create_graph)."""
+    torch.manual_seed(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(IDX).flatten(0, 1), IDX.flatten())
+        if create_graph:
+            grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True, allow_unused=True)
+            loss = loss + sum(g.square().sum() for g in grads if g is not None)
+        loss.backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_same_training(a, b, **kw):
+    for x, y in zip(train(a, **kw), train(b, **kw)):
+        assert torch.equal(x, y)
+
+
+def sum_changes(report):
+    return [c for c in report.changes if c.rule == "embedding_sum"]
+
+
+@pytest.mark.parametrize("style", ["gpt", "bert"])
+def test_embedding_sum_rebuilt_for_the_norm(style):
+    torch.manual_seed(0)
+    plain = Embedder(style)
+    converted = copy.deepcopy(plain)
+    _, report = memtrim.convert(converted, example_inputs=(IDX,))
+    (change,) = sum_changes(report)
+    assert change.bytes_saved == SUM and report.bitwise
+    held = activation_bytes(plain, IDX, model=plain)
+    assert activation_bytes(converted, IDX, model=converted) == held - report.bytes_saved
+    # the LayerNorm excluded: it keeps its input as torch's does
+    excluded = copy.deepcopy(plain)
+    _, report = memtrim.convert(excluded, example_inputs=(IDX,), module_filter=lambda name, m: name != "ln")
+    assert not sum_changes(report)
+    assert any(s.rule == "embedding_sum" and s.reason == "excluded by module_filter" for s in report.skipped)
+    assert_same_training(converted, plain)
+    assert_same_training(converted, plain, create_graph=True)
+
+
+def test_small_gpt_keeps_no_embedding_sum_and_trains_bitwise():
+    torch.manual_seed(0)
+    plain = SmallGPT(n_layer=2, d_model=32, n_head=2, seq_len=T, vocab_size=V)
+    plain.head.weight = plain.tok.weight  # tied, as GPT-2 ties them
+    converted = copy.deepcopy(plain)
+    _, report = memtrim.convert(converted, example_inputs=(IDX,))
+    assert [c.bytes_saved for c in sum_changes(report)] == [B * T * 32 * 4]
+    for a, b in zip(train(converted), train(plain)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["dropout", "alpha", "frozen"])
+def test_other_sums_are_kept_as_torch_keeps_them(case):
+    torch.manual_seed(0)
+    plain = Embedder(dropout=0.1 if case == "dropout" else 0.0, alpha=2 if case == "alpha" else 1)
+    if case == "frozen":
+        plain.tok.weight.requires_grad_(False)
+        plain.pos.weight.requires_grad_(False)
+    converted = copy.deepcopy(plain)
+    _, report = memtrim.convert(converted, example_inputs=(IDX,))
+    assert not sum_changes(report)  # dropout's output is kept; alpha=2 and no graph save nothing (undone)
+    assert_same_training(converted, plain)
+
+
+def test_a_lookup_changed_in_place_after_the_trace_keeps_the_sum():
+    """The runtime check: the trace saw no edit, a later forward edits the token lookup before the sum."""
+    torch.manual_seed(0)
+    plain = Embedder()
+    converted = copy.deepcopy(plain)
+    _, report = memtrim.convert(converted, example_inputs=(IDX,))
+    assert sum_changes(report)
+    plain.edit = converted.edit = True
+    assert activation_bytes(converted, IDX, model=converted) == activation_bytes(plain, IDX, model=plain) - \
+        sum(c.bytes_saved for c in report.changes if c.rule != "embedding_sum")
+    assert_same_training(converted, plain)
+
+
+def test_embedding_sum_forward_without_backward_frees_everything():
+    torch.manual_seed(0)
+    model = Embedder()
+    memtrim.convert(model, example_inputs=(IDX,))
+    with memtrim.track(model) as tracker:
+        out = model(IDX)
+        assert tracker.live_by_category()["activations"] > 0
+        del out
+        gc.collect()
+        assert tracker.live_by_category()["activations"] == 0
+    assert not _core._REGISTRY
+
+
+def test_recompute_sum_installer_alone():
+    torch.manual_seed(0)
+    plain = Embedder()
+    model = copy.deepcopy(plain)
+    handle = R.recompute_sum([model.ln], [model.tok, model.pos], owner="tok + pos")
+    scope = R.keep_recipes_in(model.ln)
+    assert activation_bytes(model, IDX, model=model) == activation_bytes(plain, IDX, model=plain) - SUM
+    assert_same_training(model, plain)
+    handle.remove()
+    scope.remove()
+    assert activation_bytes(model, IDX, model=model) == activation_bytes(plain, IDX, model=plain)
+
+
+# ---------------------------------------------------------------------- recompute_modules
+GPT = dict(n_layer=2, d_model=32, n_head=2, seq_len=T, vocab_size=V)
+
+
+def test_recompute_modules_after_convert_saves_the_mlp_hidden_bitwise():
+    torch.manual_seed(0)
+    plain = SmallGPT(**GPT)
+    model = copy.deepcopy(plain)
+    memtrim.convert(model, example_inputs=(IDX,))
+    converted = activation_bytes(model, IDX, model=model)
+    handle = memtrim.recompute_modules(model, ["blocks.0.mlp.fc", "blocks.1.mlp.fc"], example_inputs=(IDX,))
+    hidden = B * T * 4 * 32 * 4  # fc's output, float32
+    assert handle.bytes_saved == 2 * hidden
+    assert activation_bytes(model, IDX, model=model) == converted - 2 * hidden
+    assert_same_training(model, plain)
+    handle.remove()
+    assert activation_bytes(model, IDX, model=model) == converted
+
+
+def test_recompute_modules_on_a_plain_model_and_by_class():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(D, 48), nn.GELU(), nn.Linear(48, D), nn.SiLU(), nn.Linear(D, 4))
+    model = copy.deepcopy(plain)
+    x = torch.randn(5, D)
+    handle = memtrim.recompute_modules(model, lambda name, m: name in ("0", "2"), example_inputs=x)
+    assert handle.names == ["0", "2"]
+    assert handle.bytes_saved == 5 * (48 + D) * 4  # the inputs of the GELU and the SiLU
+    for a, b in zip(run_grads(model, x), run_grads(plain, x)):
+        assert torch.equal(a, b)
+
+
+def run_grads(model, x):
+    return torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+
+
+class Odd(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.block = nn.Sequential(nn.Linear(D, D), nn.GELU())
+        self.drop = nn.Dropout(0.5)
+        self.bn = nn.BatchNorm1d(D)
+        self.view = nn.Flatten(0, 0)
+        self.last = nn.Linear(D, D)
+        self.act = nn.GELU()
+
+    def forward(self, x):
+        h = self.fc(x)
+        h = self.block(h * h)  # fc's output is kept by this module's own code
+        h = self.act(self.bn(self.drop(self.view(h))))
+        return self.last(h)  # last's output is kept by nothing
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("block", "calls other modules"), ("drop", "draws random numbers"), ("bn", "writes a buffer"),
+    ("view", "not return one tensor of its own"), ("last", "nothing to save"),
+    ("nope", "expected names of submodules"),
+])
+def test_recompute_modules_refuses_what_it_cannot_rebuild(name, expected):
+    model = Odd()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(memtrim.InvalidInputError, match=expected):
+        memtrim.recompute_modules(model, [name], example_inputs=torch.randn(4, D))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # buffers untouched
+
+
+def test_recompute_modules_refuses_hooked_modules_and_missing_inputs():
+    model = nn.Sequential(nn.Linear(D, 48), nn.GELU(), nn.Linear(48, D))
+    model[0].register_forward_hook(lambda m, a, o: o * 2)
+    with pytest.raises(memtrim.InvalidInputError, match="forward hooks"):
+        memtrim.recompute_modules(model, ["0"], example_inputs=torch.randn(4, D))
+    with pytest.raises(memtrim.InvalidInputError, match="example_inputs are required"):
+        memtrim.recompute_modules(model, ["2"], example_inputs=())
