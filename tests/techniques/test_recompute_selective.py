@@ -31,19 +31,22 @@ class Embedder(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.ln = nn.LayerNorm(D)
         self.head = nn.Linear(D, V)
-        self.edit = False  # an in-place change of the token lookup the trace did not see
+        self.edit = None  # "lookup" or "sum": an in-place change under no_grad the trace did not see
 
     def forward(self, idx):
         a = self.tok(idx)
-        if self.edit:
+        if self.edit == "lookup":
             with torch.no_grad():
                 a.mul_(2)
-        p = self.pos(torch.arange(idx.shape[1]))
+        p = self.pos(torch.arange(idx.shape[1], device=idx.device))
         if self.style == "bert":
             x = a + self.typ(torch.zeros_like(idx))
             x += p
         else:
             x = torch.add(a, p, alpha=self.alpha)
+        if self.edit == "sum":
+            with torch.no_grad():
+                x.mul_(2)
         return self.head(self.ln(self.drop(x)))
 
 
@@ -51,13 +54,13 @@ IDX = torch.randint(0, V, (B, T))
 SUM = B * T * D * 4  # the sum, float32
 
 
-def train(model, steps=4, create_graph=False):
+def train(model, steps=4, create_graph=False, idx=IDX):
     """Parameters after AdamW steps on a next-token loss (with a gradient penalty: create_graph)."""
     torch.manual_seed(1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(steps):
         opt.zero_grad()
-        loss = F.cross_entropy(model(IDX).flatten(0, 1), IDX.flatten())
+        loss = F.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
         if create_graph:
             grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True, allow_unused=True)
             loss = loss + sum(g.square().sum() for g in grads if g is not None)
@@ -118,14 +121,17 @@ def test_other_sums_are_kept_as_torch_keeps_them(case):
     assert_same_training(converted, plain)
 
 
-def test_a_lookup_changed_in_place_after_the_trace_keeps_the_sum():
-    """The runtime check: the trace saw no edit, a later forward edits the token lookup before the sum."""
+@pytest.mark.parametrize("style", ["gpt", "bert"])
+@pytest.mark.parametrize("edit", ["lookup", "sum"])
+def test_an_edit_after_the_trace_keeps_the_sum(edit, style):
+    """The runtime checks: the trace saw no edit; a later forward changes the token lookup before the sum, or the
+    sum itself, in place under no_grad (its grad_fn graph stays the additions')."""
     torch.manual_seed(0)
-    plain = Embedder()
+    plain = Embedder(style)
     converted = copy.deepcopy(plain)
     _, report = memtrim.convert(converted, example_inputs=(IDX,))
     assert sum_changes(report)
-    plain.edit = converted.edit = True
+    plain.edit = converted.edit = edit
     assert activation_bytes(converted, IDX, model=converted) == activation_bytes(plain, IDX, model=plain) - \
         sum(c.bytes_saved for c in report.changes if c.rule != "embedding_sum")
     assert_same_training(converted, plain)
@@ -230,3 +236,95 @@ def test_recompute_modules_refuses_hooked_modules_and_missing_inputs():
         memtrim.recompute_modules(model, ["0"], example_inputs=torch.randn(4, D))
     with pytest.raises(memtrim.InvalidInputError, match="example_inputs are required"):
         memtrim.recompute_modules(model, ["2"], example_inputs=())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_embedding_sum_and_recomputed_modules_train_bitwise():
+    torch.manual_seed(0)
+    plain = nn.Sequential(Embedder("bert"), nn.Linear(V, 4 * V), nn.GELU(), nn.Linear(4 * V, V)).cuda()
+    model = copy.deepcopy(plain)
+    idx = IDX.cuda()
+    _, report = memtrim.convert(model, example_inputs=(idx,))
+    assert [c.bytes_saved for c in sum_changes(report)] == [SUM]
+    handle = memtrim.recompute_modules(model, ["1"], example_inputs=(idx,))
+    assert handle.bytes_saved == B * T * 4 * V * 4
+    for a, b in zip(train(model, idx=idx), train(plain, idx=idx)):
+        assert torch.equal(a, b)
+
+
+class Scaled(nn.Linear):
+    """A Linear whose forward reads a buffer and branches on ``training``."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__(n_in, n_out)
+        self.register_buffer("shift", torch.randn(n_out))
+
+    def forward(self, x):
+        out = super().forward(x) + self.shift
+        return out * 2 if self.training else out
+
+
+def scaled_mlp():
+    return nn.Sequential(Scaled(D, 48), nn.GELU(), nn.Linear(48, D))
+
+
+def test_recompute_modules_rebuilds_with_the_forwards_buffers_and_mode():
+    torch.manual_seed(0)
+    plain = scaled_mlp()
+    model = copy.deepcopy(plain)
+    x = torch.randn(5, D)
+    memtrim.recompute_modules(model, ["0"], example_inputs=x)
+    grads = []
+    for m in (model, plain):  # a buffer replaced between forward and backward: torch used the forward's output
+        loss = m(x).square().sum()
+        m[0].shift = torch.zeros(48)
+        grads.append(torch.autograd.grad(loss, list(m.parameters())))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    loss = model(x).square().sum()
+    with torch.no_grad():
+        model[0].shift.add_(1)  # changed in place: autograd's error, not another output
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*torch itself may not need it"):
+        loss.backward()
+    loss = model(x).square().sum()
+    model.eval()  # the other branch of its forward: refused, not rebuilt
+    with pytest.raises(memtrim.ConvertError, match="training: True -> False"):
+        loss.backward()
+
+
+def test_recompute_modules_leaves_a_parametrized_weight_alone():
+    """Weight dropout registered after recompute_modules: the weight is drawn at each access, so the output is
+    kept as torch keeps it."""
+    from torch.nn.utils import parametrize
+
+    class WeightDrop(nn.Module):
+        def forward(self, w):
+            return F.dropout(w, 0.5, True)
+
+    torch.manual_seed(0)
+    plain = scaled_mlp()
+    model = copy.deepcopy(plain)
+    x = torch.randn(5, D)
+    memtrim.recompute_modules(model, ["0"], example_inputs=x)
+    for m in (model, plain):
+        parametrize.register_parametrization(m[0], "weight", WeightDrop())
+    grads = []
+    for m in (model, plain):
+        torch.manual_seed(3)
+        grads.append(torch.autograd.grad(m(x).square().sum(), list(m.parameters())))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_recompute_modules_by_a_second_name_and_twice():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(D, 48), nn.GELU(), nn.Linear(48, D))
+    model.alias = model[0]
+    x = torch.randn(5, D)
+    handle = memtrim.recompute_modules(model, ["alias"], example_inputs=x)
+    assert handle.names == ["alias"] and handle.bytes_saved == 5 * 48 * 4
+    with pytest.raises(memtrim.InvalidInputError, match="recomputed already"):
+        memtrim.recompute_modules(model, ["0"], example_inputs=x)
+    handle.remove()
+    assert memtrim.recompute_modules(model, ["0", "alias"], example_inputs=x).names == ["0"]

@@ -116,14 +116,17 @@ def _select(model: nn.Module, modules: ModuleSelector, api: str = _API) -> list[
         what = "the predicate matched no submodule"
     elif isinstance(modules, Collection) and not isinstance(modules, (str, bytes)):
         names = list(modules)
-        table = dict(named)
+        table = dict(model.named_modules(remove_duplicate=False))  # a module registered twice: either name
         missing = [n for n in names if not isinstance(n, str) or n not in table]
         if missing:
             raise InvalidInputError(
                 f"{api}: expected names of submodules of the model; found {missing!r}, which it does not have "
                 f"(it has e.g. {[n for n, _ in named[1:6]]!r}). Use names from model.named_modules()."
             )
-        chosen = [(n, table[n]) for n in dict.fromkeys(names)]
+        found: dict[int, tuple[str, nn.Module]] = {}
+        for n in names:
+            found.setdefault(id(table[n]), (n, table[n]))
+        chosen = list(found.values())
         what = "the list of names is empty"
     else:
         raise InvalidInputError(

@@ -28,6 +28,13 @@ Matched on traced evidence (NOTE [ convert's evidence ]), never on class names:
   torch's) whose output is kept only by later call sites (a Linear, HF ``Conv1D``, a convolution, a parent's
   ``F.linear`` or ``*``): the output is marked as the activation of its input and those sites keep the recipe.
 
+* ``embedding_sum`` (last): an embedding lookup's output, or a sum of lookups (``tok(idx) + pos(arange)``, BERT's
+  ``a + b; x += c``; leaf calls whose one compute op is ``embedding``, any class), kept only by later leaf call sites
+  (the first norm keeps its input): they keep the indices instead, and backward reruns the lookups and additions
+  in the same order (``recompute_sum``). Per call the tensor's grad_fn graph decides: only ``alpha == 1`` additions
+  over the lookups' outputs, unchanged since; a dropout after the sum (GPT-2's ``embd_pdrop`` in training) leaves
+  nothing to rebuild. The consumers are targets too, so a module_filter excluding the norm excludes this change.
+
 Expected bytes come from the evidence (storages every holder of which the change removes, minus storages it
 newly holds); convert measures each change anyway and undoes one that saves nothing.
 """

@@ -8,9 +8,12 @@ keeps anyway. The choice is the user's (each costs a forward of the module in ba
 traced forward of the example inputs (NOTE [ convert's evidence ]), is that the rebuild is the same tensor: the
 module calls no other module, draws no random numbers, writes no buffer or parameter, returns one tensor that is
 not a view of its input and that nothing changes in place after, and has no hooks of the user's (the rebuild
-runs ``forward`` alone). Its parameters and plain settings are version-checked like autograd's. Anything else
-raises, naming the module and what to use instead. Under torch.compile, torch.func and autocast-free no-grad
-forwards nothing is marked (the recipes step aside).
+runs ``forward`` alone). Its parameters and buffers are version-checked like autograd's (one replaced is swapped
+back for the rebuild), and its plain settings and ``training`` flag must be those of the forward (else backward
+raises); a module with parametrizations is left to keep its output. Anything else raises at the call, naming the
+module and what to use instead. Under torch.compile, torch.func and no-grad forwards nothing is marked (the recipes
+step aside). What no check sees: a change made through ``.data`` (autograd's own escape hatch, which moves no
+version counter) between forward and backward.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from .rules import Context, chain, op_name
 __all__ = ["RecomputeHandle", "recompute_modules"]
 
 _API = "memtrim.recompute_modules"
+_MARK = "_memtrim_recomputed"  # instance attribute while a RecomputeHandle rebuilds the module's output
 
 
 @dataclass
@@ -96,7 +100,8 @@ def recompute_modules(model: nn.Module, modules: ModuleSelector, *,
         plans = [(name, module, *_consumers(ctx, name, module)) for name, module in chosen]
         before = activation_bytes(model, args, kwargs)
         undo = chain(*(chain(recompute_output(module, owner=f"{name} (memtrim.recompute_modules)", parameters=True,
-                                              keeps_output=keeps).remove, _install_consumers(consumers))
+                                              keeps_output=keeps, training=True).remove,
+                             _install_consumers(consumers), _flag(module))
                        for name, module, consumers, keeps in plans))
         try:
             after = activation_bytes(model, args, kwargs)
@@ -113,6 +118,12 @@ def recompute_modules(model: nn.Module, modules: ModuleSelector, *,
     return RecomputeHandle(names, before - after, [undo])
 
 
+def _flag(module: nn.Module) -> Callable[[], None]:
+    """Mark ``module`` as recomputed (a second call refuses it); returns the undo."""
+    module.__dict__[_MARK] = True
+    return lambda: module.__dict__.pop(_MARK, None)
+
+
 def _consumers(ctx: Context, name: str, module: nn.Module) -> tuple[list[nn.Module], bool]:
     """The modules that keep ``module``'s output and whether its own backward keeps it too; raises where the
     rebuild could differ from the output (NOTE [ recomputing chosen outputs ])."""
@@ -124,6 +135,8 @@ def _consumers(ctx: Context, name: str, module: nn.Module) -> tuple[list[nn.Modu
     def refuse(why: str, fix: str = "Choose another module, or checkpoint it (memtrim.checkpoint_modules)") -> None:
         raise InvalidInputError(f"{_API}: {name!r} {why}. {fix}.")
 
+    if module.__dict__.get(_MARK):
+        refuse("is recomputed already (an earlier recompute_modules)", "remove() that handle first, or leave it out")
     if not sites:
         refuse("is not called by the model on the example inputs", "Choose a module the forward calls")
     hooks = ctx.user_hooks(module)
@@ -154,5 +167,6 @@ def _consumers(ctx: Context, name: str, module: nn.Module) -> tuple[list[nn.Modu
         consumers += [m for m in found or [] if m not in consumers]
     if not consumers and not _keeps_output(trace, sites):
         refuse("has an output that no later layer keeps for backward: there is nothing to save",
-               "Choose a module whose output a later layer keeps (an MLP's first Linear)")
+               "Choose a module whose output a later layer keeps (an MLP's first Linear); a class or predicate "
+               "chooses every match, so pass names to leave this one out")
     return consumers, _keeps_output(trace, sites)

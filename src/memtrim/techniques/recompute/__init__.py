@@ -1,6 +1,6 @@
-"""Recompute instead of keep: recipes honoured at consumer call sites, a gated MLP's product rebuilt, pointwise
-modules checkpointed, a ReLU shared with fused BatchNorm+ReLU call sites. See NOTE [ recipes at consumer call
-sites ] in _core.py."""
+"""Recompute instead of keep: recipes honoured at consumer call sites, a gated MLP's product rebuilt, a sum of
+embedding lookups rebuilt, pointwise modules checkpointed, a ReLU shared with fused BatchNorm+ReLU call sites.
+See NOTE [ recipes at consumer call sites ] in _core.py."""
 
 from ...errors import ConvertError
 from ._core import (

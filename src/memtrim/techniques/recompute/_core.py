@@ -255,17 +255,18 @@ def is_recomputable(tensor: torch.Tensor, tag: str | None = None) -> bool:
 class _Kept:
     """A saved tensor passed through: packed by the hooks outside, or a detached alias with its version."""
 
-    __slots__ = ("tensor", "version", "packed", "outer", "who")
+    __slots__ = ("tensor", "version", "packed", "outer", "who", "source")
     tensor: torch.Tensor | None  # None when packed by the hooks outside
     version: int
     packed: Any
     outer: Any
     who: str
+    source: bool  # a recipe's source (kept to rebuild from), not a tensor torch keeps itself
 
 
-def _keep(tensor: torch.Tensor, outer: Any, who: str) -> _Kept:
+def _keep(tensor: torch.Tensor, outer: Any, who: str, source: bool = False) -> _Kept:
     kept = _Kept()
-    kept.outer, kept.who = outer, who
+    kept.outer, kept.who, kept.source = outer, who, source
     if outer is not None:
         kept.packed, kept.tensor, kept.version = outer[0](tensor), None, 0
     else:  # detached: no cycle through the tensor's grad_fn
@@ -277,7 +278,7 @@ def _unkeep(kept: _Kept) -> torch.Tensor:
     if kept.outer is not None:
         return kept.outer[1](kept.packed)
     assert kept.tensor is not None
-    check_saved_version(kept.tensor, kept.version, kept.who)
+    check_saved_version(kept.tensor, kept.version, kept.who, source=kept.source)
     return kept.tensor
 
 
@@ -312,7 +313,7 @@ def _handle(entry: _Entry, tensor: torch.Tensor | None, outer: Any) -> _Handle:
     handle.view = (None if tensor is None or (tensor.storage_offset() == 0 and tensor.shape == recipe.shape
                                                 and tensor.stride() == recipe.stride)
                    else (tensor.shape, tensor.stride(), tensor.storage_offset()))
-    handle.sources = tuple(_handle(s, None, outer) if isinstance(s, _Entry) else _keep(s, outer, recipe.owner)
+    handle.sources = tuple(_handle(s, None, outer) if isinstance(s, _Entry) else _keep(s, outer, recipe.owner, True)
                            for s in entry.sources)
     with recipe.lock:
         recipe.live += 1

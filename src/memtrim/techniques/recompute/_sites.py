@@ -132,12 +132,14 @@ class _OutputRecipe:
     setting_names: tuple[str, ...] = ()
 
     def __init__(self, module: nn.Module, fn: Callable[..., torch.Tensor] | None, owner: str | None,
-                 parameters: bool = False, under_autocast: bool = True, keeps_output: bool = True) -> None:
+                 parameters: bool = False, under_autocast: bool = True, keeps_output: bool = True,
+                 training: bool = False) -> None:
         self.module, self.fn, self.owner = module, fn, owner
         self.parameters, self.under_autocast, self.keeps_output = parameters, under_autocast, keeps_output
         if parameters:  # the module's plain settings (eps, normalized_shape, ...), read at each call and rebuild
             self.setting_names = tuple(k for k, v in module.__dict__.items() if not k.startswith("_")
-                                       and k != "training" and isinstance(v, (bool, int, float, str, tuple)))
+                                       and (k != "training" or training)
+                                       and isinstance(v, (bool, int, float, str, tuple)))
         self._local = threading.local()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -203,7 +205,10 @@ class _OutputRecipe:
         owner = _name(self.module, self.owner)
         params: list[tuple[str, torch.Tensor]] = []
         if self.parameters:  # sources too: version-checked like autograd's, and what the rebuild reads
-            params = [(k, p) for k, p in self.module._parameters.items() if p is not None]
+            if "parametrizations" in self.module._modules:  # a weight computed at each access (a random one:
+                return                                       # weight dropout) would not be the forward's
+            params = [(k, p) for k, p in (*self.module._parameters.items(), *self.module._buffers.items())
+                      if p is not None]
             resolved += [p for _, p in params]
         fn = (self.fn if self.fn is not None
               else _call_with(self.module, args, kwargs, positions, params, owner, self.setting_names))
@@ -263,7 +268,7 @@ def _settings(module: nn.Module, names: tuple[str, ...]) -> tuple[Any, ...]:
 
 def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None = None, *,
                      owner: str | None = None, parameters: bool = False, under_autocast: bool = True,
-                     keeps_output: bool = True) -> Handle:
+                     keeps_output: bool = True, training: bool = False) -> Handle:
     """Mark ``module``'s output, after each call, as recomputable from its tensor arguments.
 
     The default rebuild is the module's own forward on the same arguments, so it is bitwise for any activation
@@ -276,8 +281,12 @@ def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None =
             inputs are kept for backward anyway (GELU, SiLU, ... keep their input).
         fn: the rebuild, called with the call's tensor arguments; default: the module's forward.
         owner: how errors name the module (default: its ``memtrim_owner`` label or class name).
-        parameters: the module's own parameters are sources too (a LayerNorm's weight and bias): one changed in
-            place between forward and backward raises autograd's error instead of rebuilding another output.
+        parameters: the module's own parameters and buffers are sources too (a LayerNorm's weight and bias): one
+            changed in place between forward and backward raises autograd's error instead of rebuilding another
+            output, one replaced is swapped back for the rebuild, and a changed plain setting (``eps``) raises.
+            A module with parametrizations (its weight computed at each access) is not marked.
+        training: with ``parameters``, the module's ``training`` flag is a setting too (a forward that branches on
+            it: ``eval()`` between forward and backward raises instead of rebuilding the other branch).
         keeps_output: False when the module's own backward does not keep its output (LayerNorm, GELU, SiLU keep
             their input): its saves then pass straight on, without a producer scope deciding them at the call's end
             (less Python per call). Where it does keep it, False would leave the output kept: correct, no saving.
@@ -298,7 +307,7 @@ def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None =
             wrapper.recipe_owner = None
 
         return Handle(unshare)
-    hooks = _OutputRecipe(module, fn, owner, parameters, under_autocast, keeps_output)
+    hooks = _OutputRecipe(module, fn, owner, parameters, under_autocast, keeps_output, training)
     if not keeps_output:  # nothing to open before the call: one hook
         return Handle(module.register_forward_hook(hooks.post_alone, with_kwargs=True).remove)
     pre = module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
@@ -471,10 +480,16 @@ class _Sum:
         if x.grad_fn is None or entry_of(x) is not None:
             return  # no graph, or a producer's output itself (already marked)
         # a producer's output changed in place since (its version moved) is no leaf: the sum is kept as usual
-        alive = [(e, node) for t, e, node in found if t._version == e.version]
-        tree = _sum_tree(x.grad_fn, {node: i for i, (_, node) in enumerate(alive)})
-        if tree is not None:
-            register(x, functools.partial(_evaluate, tree), [e for e, _ in alive], owner=self.owner)
+        alive = [(t, e, node) for t, e, node in found if t._version == e.version]
+        tree = _sum_tree(x.grad_fn, {node: i for i, (_, _, node) in enumerate(alive)})
+        if tree is None:
+            return
+        # the graph does not show an edit of the sum under no_grad (its version moves, its grad_fn stays): the
+        # same additions of the lookups must give it, bit for bit
+        with torch.no_grad():
+            if not torch.equal(_evaluate(tree, *(t for t, _, _ in alive)), x):
+                return
+        register(x, functools.partial(_evaluate, tree), [e for _, e, _ in alive], owner=self.owner)
 
 
 def recompute_sum(consumers: list[nn.Module], producers: list[nn.Module], *, owner: str) -> Handle:
