@@ -485,10 +485,12 @@ class _Sum:
         if tree is None:
             return
         # the graph does not show an edit of the sum under no_grad (its version moves, its grad_fn stays): the
-        # same additions of the lookups must give it, bit for bit
-        with torch.no_grad():
-            if not torch.equal(_evaluate(tree, *(t for t, _, _ in alive)), x):
-                return
+        # same additions of the lookups must give it, bit for bit (fake and meta tensors, as a plan traces, have no
+        # values and train nothing: marked as real ones would be)
+        if not (x.is_meta or isinstance(x, torch._subclasses.FakeTensor)):
+            with torch.no_grad():
+                if not torch.equal(_evaluate(tree, *(t for t, _, _ in alive)), x):
+                    return
         register(x, functools.partial(_evaluate, tree), [e for _, e, _ in alive], owner=self.owner)
 
 
