@@ -93,20 +93,24 @@ def convert(
                                 "convert.")
     given = example_inputs is not None or bool(example_kwargs)
     args, kwargs = split_inputs(example_inputs, example_kwargs)
-    # tracing must not draw from the RNG; the evidence is what autograd keeps in training, so it is traced (and
-    # measured) with grad on even when convert is called under torch.no_grad() or torch.inference_mode()
+    with as_training(model, args, kwargs):
+        return _convert(model, args, kwargs, given, module_filter)
+
+
+@contextlib.contextmanager
+def as_training(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    """Tracing and measuring draw from no RNG (the global and CUDA generators are restored after), and see what
+    autograd keeps in training: grad on, even when called under torch.no_grad() or torch.inference_mode()."""
     with torch.random.fork_rng(devices=_cuda_devices(model, (args, kwargs))), torch.inference_mode(False), \
             torch.enable_grad():
-        return _convert(model, args, kwargs, given, module_filter)
+        yield
 
 
 def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], given: bool,
              module_filter: Callable[[str, nn.Module], bool] | None) -> tuple[nn.Module, ConversionReport]:
     evidence = collect(model, args, kwargs) if given else fx_evidence(model)
-    aliases: dict[int, list[str]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        aliases.setdefault(id(module), []).append(name)
-    ctx = Context(model, evidence, dict(model.named_modules()), aliases, measured=given)
+    ctx = Context.of(model, evidence, measured=given)
+    aliases = ctx.aliases
     measure = (lambda: activation_bytes(model, args, kwargs)) if given else None
     before = current = measure() if measure is not None else None
     reference: list[torch.Tensor] | None = None  # a training step's outputs, buffers, gradients (same_outputs)

@@ -86,6 +86,14 @@ class Context:
     claimed: dict[int, str] = field(default_factory=dict)  # id() of modules already changed -> the rule
     measured: bool = False  # savings are measured (example inputs given)
 
+    @classmethod
+    def of(cls, model: nn.Module, evidence: ModelTrace | None, measured: bool) -> Context:
+        """The context of ``model`` before any change: its modules under their first names, every name of each."""
+        aliases: dict[int, list[str]] = {}
+        for name, module in model.named_modules(remove_duplicate=False):
+            aliases.setdefault(id(module), []).append(name)
+        return cls(model, evidence, dict(model.named_modules()), aliases, measured=measured)
+
     @property
     def traced(self) -> bool:
         """Whether the evidence is a traced forward (with what autograd saved), not an fx graph or nothing."""

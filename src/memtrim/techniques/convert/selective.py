@@ -28,7 +28,7 @@ from torch import nn
 from ...errors import InvalidInputError
 from ..checkpoint._core import ModuleSelector, _select
 from ..recompute import recompute_output
-from .api import activation_bytes
+from .api import activation_bytes, as_training
 from .evidence import collect, split_inputs
 from .recompute_rules import _RANDOM, _holder_modules, _install_consumers, _keeps_output
 from .rules import Context, chain, op_name
@@ -91,12 +91,8 @@ def recompute_modules(model: nn.Module, modules: ModuleSelector, *,
     args, kwargs = split_inputs(example_inputs, example_kwargs)
     if not args and not kwargs:
         raise InvalidInputError(f"{_API}: example_inputs are required (the traced evidence and the measured saving).")
-    with torch.random.fork_rng(), torch.inference_mode(False), torch.enable_grad():
-        trace = collect(model, args, kwargs)
-        aliases: dict[int, list[str]] = {}
-        for name, module in model.named_modules(remove_duplicate=False):
-            aliases.setdefault(id(module), []).append(name)
-        ctx = Context(model, trace, dict(model.named_modules()), aliases, measured=True)
+    with as_training(model, args, kwargs):
+        ctx = Context.of(model, collect(model, args, kwargs), measured=True)
         plans = [(name, module, *_consumers(ctx, name, module)) for name, module in chosen]
         before = activation_bytes(model, args, kwargs)
         undo = chain(*(chain(recompute_output(module, owner=f"{name} (memtrim.recompute_modules)", parameters=True,
