@@ -328,3 +328,50 @@ def test_recompute_modules_by_a_second_name_and_twice():
         memtrim.recompute_modules(model, ["0"], example_inputs=x)
     handle.remove()
     assert memtrim.recompute_modules(model, ["0", "alias"], example_inputs=x).names == ["0"]
+
+
+@pytest.mark.parametrize("where", ["embedding", "norm", "chosen", "global"])
+def test_a_hook_that_runs_before_memtrims_leaves_the_output_kept(where):
+    """A forward hook registered after memtrim with prepend=True (or a global one) runs before memtrim's and may
+    return another output than forward's: that output is kept as torch keeps it, not rebuilt by forward."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(Embedder(), nn.Linear(V, 48), nn.GELU(), nn.Linear(48, V))
+    model = copy.deepcopy(plain)
+    memtrim.convert(model, example_inputs=(IDX,))
+    memtrim.recompute_modules(model, ["1"], example_inputs=(IDX,))
+    removers = []
+    if where == "global":
+        hook = torch.nn.modules.module.register_module_forward_hook(
+            lambda mod, args, out: out * 1.5 if type(mod) is nn.LayerNorm else None)
+        removers.append(hook.remove)
+    else:
+        for m in (model, plain):
+            target = {"embedding": m[0].tok, "norm": m[0].ln, "chosen": m[1]}[where]
+            removers.append(target.register_forward_hook(lambda mod, args, out: out * 1.5, prepend=True).remove)
+    try:
+        assert_same_training(model, plain)
+    finally:
+        for remove in removers:
+            remove()
+
+
+def test_recompute_modules_refuses_a_rebuild_after_the_modules_state_changed():
+    class Gain(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * self._gain * self.scale
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Gain(D, 48), nn.GELU(), nn.Linear(48, D))
+    model[0]._gain, model[0].scale = 2.0, torch.full((48,), 0.5)  # a private number, a tensor that is no buffer
+    x = torch.randn(5, D)
+    memtrim.recompute_modules(model, ["0"], example_inputs=x)
+    for change, expected in ((lambda g: setattr(g, "_gain", 3.0), "_gain: 2.0 -> 3.0"),
+                             (lambda g: g.scale.mul_(2), "scale: a tensor at version 0 -> a tensor at version 1"),
+                             (lambda g: setattr(g, "scale", torch.ones(48)), "scale: a tensor"),
+                             (lambda g: setattr(g, "extra", 1), "extra: unset -> 1")):
+        model[0]._gain, model[0].scale = 2.0, torch.full((48,), 0.5)
+        model[0].__dict__.pop("extra", None)
+        loss = model(x).square().sum()
+        change(model[0])
+        with pytest.raises(memtrim.ConvertError, match=expected):
+            loss.backward()

@@ -20,9 +20,18 @@ from torch import nn
 from ..errors import ConvertError
 
 __all__ = [
-    "active_saved_tensors_hooks", "autocasting", "in_checkpoint", "inplace_error", "no_double_backward", "owner",
-    "plain_only", "saved_tensors",
+    "active_saved_tensors_hooks", "autocasting", "in_checkpoint", "inplace_error", "memtrims", "no_double_backward",
+    "owner", "plain_only", "saved_tensors",
 ]
+
+
+def memtrims(hook: Any) -> bool:
+    """Whether ``hook`` is one of memtrim's own (a function, bound method or partial of one defined in memtrim)."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    found = getattr(hook, "__self__", None)
+    where = type(found).__module__ if found is not None else getattr(hook, "__module__", "") or ""
+    return where == "memtrim" or where.startswith("memtrim.")
 
 
 # ---------------------------------------------------------------------- where the modules step aside

@@ -26,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from ...errors import InvalidInputError
+from ..guards import memtrims
 from .evidence import CallSite, ModelTrace, Op
 
 __all__ = ["Candidate", "Context", "Rule", "op_name", "register_rule", "registered_rules", "unregister_rule"]
@@ -135,7 +136,7 @@ class Context:
         kinds = []
         for attr, kind in (("_forward_pre_hooks", "forward pre-hooks"), ("_forward_hooks", "forward hooks"),
                            ("_backward_pre_hooks", "backward pre-hooks"), ("_backward_hooks", "backward hooks")):
-            if any(not _memtrims(hook) for hook in (getattr(module, attr, None) or {}).values()):
+            if any(not memtrims(hook) for hook in (getattr(module, attr, None) or {}).values()):
                 kinds.append(kind)
         return kinds
 
@@ -148,13 +149,6 @@ class Context:
             return None
         return (f"its output is changed in place after its forward (in {writer or 'the top-level forward'}); "
                 "keeping the output for backward would break, as torch's module keeps its input")
-
-
-def _memtrims(hook: Any) -> bool:
-    """Whether ``hook`` is one of memtrim's own (a function or bound method defined in memtrim)."""
-    owner = getattr(hook, "__self__", None)
-    where = type(owner).__module__ if owner is not None else getattr(hook, "__module__", "") or ""
-    return where == "memtrim" or where.startswith("memtrim.")
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,15 @@ keeps anyway. The choice is the user's (each costs a forward of the module in ba
 traced forward of the example inputs (NOTE [ convert's evidence ]), is that the rebuild is the same tensor: the
 module calls no other module, draws no random numbers, writes no buffer or parameter, returns one tensor that is
 not a view of its input and that nothing changes in place after, and has no hooks of the user's (the rebuild
-runs ``forward`` alone). Its parameters and buffers are version-checked like autograd's (one replaced is swapped
-back for the rebuild), and its plain settings and ``training`` flag must be those of the forward (else backward
-raises); a module with parametrizations is left to keep its output. Anything else raises at the call, naming the
-module and what to use instead. Under torch.compile, torch.func and no-grad forwards nothing is marked (the recipes
-step aside). What no check sees: a change made through ``.data`` (autograd's own escape hatch, which moves no
-version counter) between forward and backward.
+runs ``forward`` alone). Anything else raises at the call, naming the module and what to use instead.
+
+At each call: its parameters and buffers are version-checked like autograd's (one replaced is swapped back for the
+rebuild), and everything else in its ``__dict__`` (``training``, plain and private attributes, tensors that are
+not buffers) must be as the forward read it, else backward raises. A module with parametrizations, or with a
+forward hook that runs before memtrim's (``prepend=True``, a global one), keeps its output as torch does. Under
+torch.compile, torch.func and no-grad forwards nothing is marked (the recipes step aside). What no check sees: a
+change through ``.data`` (autograd's own escape hatch, which moves no version counter), or inside a mutable object
+the module holds (a list it appends to).
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ def recompute_modules(model: nn.Module, modules: ModuleSelector, *,
         plans = [(name, module, *_consumers(ctx, name, module)) for name, module in chosen]
         before = activation_bytes(model, args, kwargs)
         undo = chain(*(chain(recompute_output(module, owner=f"{name} (memtrim.recompute_modules)", parameters=True,
-                                              keeps_output=keeps, training=True).remove,
+                                              keeps_output=keeps, strict=True).remove,
                              _install_consumers(consumers), _flag(module))
                        for name, module, consumers, keeps in plans))
         try:

@@ -18,7 +18,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from ...errors import ConvertError
-from ..guards import autocasting, plain_only
+from ..guards import autocasting, memtrims, plain_only
 from ._core import (
     enter_consumer_scope,
     entry_of,
@@ -128,18 +128,19 @@ class _OutputRecipe:
     keeps its output), the output marked at its end."""
 
     # class-level defaults: hooks pickled before these options existed load with them
-    parameters, under_autocast, keeps_output = False, True, True
+    parameters, under_autocast, keeps_output, strict = False, True, True, False
     setting_names: tuple[str, ...] = ()
+    hook_id: int | None = None  # the id of the hook that marks: a forward hook before it could change the output
 
     def __init__(self, module: nn.Module, fn: Callable[..., torch.Tensor] | None, owner: str | None,
                  parameters: bool = False, under_autocast: bool = True, keeps_output: bool = True,
-                 training: bool = False) -> None:
+                 strict: bool = False) -> None:
         self.module, self.fn, self.owner = module, fn, owner
         self.parameters, self.under_autocast, self.keeps_output = parameters, under_autocast, keeps_output
+        self.strict = strict
         if parameters:  # the module's plain settings (eps, normalized_shape, ...), read at each call and rebuild
             self.setting_names = tuple(k for k, v in module.__dict__.items() if not k.startswith("_")
-                                       and (k != "training" or training)
-                                       and isinstance(v, (bool, int, float, str, tuple)))
+                                       and k != "training" and isinstance(v, (bool, int, float, str, tuple)))
         self._local = threading.local()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -191,6 +192,8 @@ class _OutputRecipe:
     def mark(self, output: torch.Tensor, args: tuple, kwargs: dict) -> None:
         if not output.requires_grad:  # the producer keeps nothing (a frozen norm on a frozen input): a recipe would
             return                    # make its consumers keep its input where torch keeps nothing
+        if self.hook_id is not None and _hook_before(self.module, self.hook_id):
+            return  # a user's hook ran first (prepend=True, or a global one): the output may not be forward's
         if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):  # the usual call: module(x)
             positions = [0]
             resolved: list[Any] = [entry_of(args[0]) or args[0]]
@@ -211,8 +214,41 @@ class _OutputRecipe:
                       if p is not None]
             resolved += [p for _, p in params]
         fn = (self.fn if self.fn is not None
-              else _call_with(self.module, args, kwargs, positions, params, owner, self.setting_names))
+              else _call_with(self.module, args, kwargs, positions, params, owner, self.setting_names, self.strict))
         register(output, fn, resolved, owner=owner)
+
+
+def _hook_before(module: nn.Module, hook_id: int) -> bool:
+    """Whether a forward hook not memtrim's runs before the one ``hook_id`` names (torch runs the global ones first,
+    then the module's in order; ``prepend=True`` puts a hook first): it may return another output than
+    ``forward``'s."""
+    for key, hook in (*torch.nn.modules.module._global_forward_hooks.items(), *module._forward_hooks.items()):
+        if key == hook_id:
+            return False
+        if not memtrims(hook):
+            return True
+    return False
+
+
+_MODULE_SLOTS = frozenset(nn.Module().__dict__) - {"training"}
+"""What ``nn.Module.__init__`` puts in every module's ``__dict__`` (parameters, buffers, submodules, hook tables):
+checked apart or not read by ``forward``; ``training`` is left in."""
+
+
+def _state(module: nn.Module) -> dict[str, Any]:
+    """Everything else a module's ``forward`` may read from its ``__dict__``: tensors by identity and version,
+    numbers, strings and tuples of them by value, any other object by identity."""
+    found: dict[str, Any] = {}
+    for k, v in module.__dict__.items():
+        if k in _MODULE_SLOTS or k.startswith("_memtrim"):
+            continue
+        if isinstance(v, torch.Tensor):
+            found[k] = ("tensor", id(v), v._version)
+        elif isinstance(v, (bool, int, float, str, tuple, type(None))):
+            found[k] = v
+        else:
+            found[k] = ("object", id(v))
+    return found
 
 
 def _autocast_on(args: tuple, kwargs: dict) -> bool:
@@ -222,17 +258,22 @@ def _autocast_on(args: tuple, kwargs: dict) -> bool:
 
 def _call_with(module: nn.Module, args: tuple, kwargs: dict, positions: list[int],
                params: list[tuple[str, torch.Tensor]] | None = None, owner: str = "",
-               setting_names: tuple[str, ...] = ()) -> Callable[..., torch.Tensor]:
+               setting_names: tuple[str, ...] = (), strict: bool = False) -> Callable[..., torch.Tensor]:
     """``module.forward`` on the call's arguments with the tensors replaced by the rebuild's sources (constants and
     keyword names as in the call). With ``params`` (the module's own parameters, sources after the call's tensors),
     the rebuild reads the module as the forward did: the parameters it had then (a parameter replaced since, by
     assignment or ``load_state_dict(assign=True)``, is swapped back for the call with ``torch.func.functional_call``)
-    and, if its settings (``eps``, ...) changed since, it raises instead of rebuilding another output."""
+    and, if its settings (``eps``, ...; with ``strict`` everything else in its ``__dict__``, ``training`` included)
+    changed since, it raises instead of rebuilding another output."""
     n_args = len(args)
     constants = [None if isinstance(a, torch.Tensor) else a for a in (*args, *kwargs.values())]
     names = list(kwargs)
     n_call = len(positions)
-    settings = _settings(module, setting_names) if params else None
+
+    def snapshot() -> dict[str, Any]:
+        return _state(module) if strict else dict(zip(setting_names, _settings(module, setting_names)))
+
+    settings = snapshot() if params else {}
 
     def rebuild(*tensors: torch.Tensor) -> torch.Tensor:
         flat = list(constants)
@@ -241,15 +282,15 @@ def _call_with(module: nn.Module, args: tuple, kwargs: dict, positions: list[int
         call_args, call_kwargs = flat[:n_args], dict(zip(names, flat[n_args:]))
         if not params:
             return module.forward(*call_args, **call_kwargs)
-        now = _settings(module, setting_names)
-        if now != settings:
-            before = settings or ()
-            changed = [(k, a, b) for k, a, b in zip(setting_names, before, now) if a != b]
+        now = snapshot()
+        changed = [k for k in {**settings, **now} if not _same(settings.get(k, _UNSET), now.get(k, _UNSET))]
+        if changed:
+            what = ", ".join(f"{k}: {_shown(settings.get(k, _UNSET))} -> {_shown(now.get(k, _UNSET))}" for k in changed)
             raise ConvertError(
                 f"memtrim: {owner} rebuilds its output in backward from its input, and its settings changed since the "
-                f"forward ({', '.join(f'{k}: {a!r} -> {b!r}' for k, a, b in changed)}); "
+                f"forward ({what}); "
                 "torch would use the forward's output. To fix: change the module after backward, or leave it out of "
-                "memtrim.convert (module_filter)."
+                "memtrim (module_filter, or remove() the handle)."
             )
         if all(getattr(module, name, None) is p for name, p in params):
             return module.forward(*call_args, **call_kwargs)
@@ -257,6 +298,23 @@ def _call_with(module: nn.Module, args: tuple, kwargs: dict, positions: list[int
         return torch.func.functional_call(module, forward_params, tuple(call_args), call_kwargs)
 
     return rebuild
+
+
+_UNSET = ("unset",)
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b or a == b
+
+
+def _shown(value: Any) -> str:
+    if value is _UNSET:
+        return "unset"
+    if isinstance(value, tuple) and value[:1] == ("tensor",):
+        return f"a tensor at version {value[2]}"
+    if isinstance(value, tuple) and value[:1] == ("object",):
+        return "an object"
+    return repr(value)
 
 
 def _settings(module: nn.Module, names: tuple[str, ...]) -> tuple[Any, ...]:
@@ -268,7 +326,7 @@ def _settings(module: nn.Module, names: tuple[str, ...]) -> tuple[Any, ...]:
 
 def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None = None, *,
                      owner: str | None = None, parameters: bool = False, under_autocast: bool = True,
-                     keeps_output: bool = True, training: bool = False) -> Handle:
+                     keeps_output: bool = True, strict: bool = False) -> Handle:
     """Mark ``module``'s output, after each call, as recomputable from its tensor arguments.
 
     The default rebuild is the module's own forward on the same arguments, so it is bitwise for any activation
@@ -285,8 +343,10 @@ def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None =
             changed in place between forward and backward raises autograd's error instead of rebuilding another
             output, one replaced is swapped back for the rebuild, and a changed plain setting (``eps``) raises.
             A module with parametrizations (its weight computed at each access) is not marked.
-        training: with ``parameters``, the module's ``training`` flag is a setting too (a forward that branches on
-            it: ``eval()`` between forward and backward raises instead of rebuilding the other branch).
+        strict: with ``parameters``, everything else in the module's ``__dict__`` is a setting too (its ``training``
+            flag, plain and private attributes, tensors that are not buffers: by identity and version), read at each
+            call: any of them changed before backward raises instead of rebuilding another output. For modules
+            memtrim does not know (``recompute_modules``).
         keeps_output: False when the module's own backward does not keep its output (LayerNorm, GELU, SiLU keep
             their input): its saves then pass straight on, without a producer scope deciding them at the call's end
             (less Python per call). Where it does keep it, False would leave the output kept: correct, no saving.
@@ -307,11 +367,14 @@ def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None =
             wrapper.recipe_owner = None
 
         return Handle(unshare)
-    hooks = _OutputRecipe(module, fn, owner, parameters, under_autocast, keeps_output, training)
+    hooks = _OutputRecipe(module, fn, owner, parameters, under_autocast, keeps_output, strict)
     if not keeps_output:  # nothing to open before the call: one hook
-        return Handle(module.register_forward_hook(hooks.post_alone, with_kwargs=True).remove)
+        post = module.register_forward_hook(hooks.post_alone, with_kwargs=True)
+        hooks.hook_id = post.id
+        return Handle(post.remove)
     pre = module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
     post = module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True)
+    hooks.hook_id = post.id
     return Handle(pre.remove, post.remove)
 
 
