@@ -375,3 +375,23 @@ def test_recompute_modules_refuses_a_rebuild_after_the_modules_state_changed():
         change(model[0])
         with pytest.raises(memtrim.ConvertError, match=expected):
             loss.backward()
+
+
+def test_recompute_modules_refuses_an_output_a_recipe_keeps_as_its_source():
+    class Gated(nn.Module):  # Llama's MLP: convert keeps gate's and up's outputs as the product's sources
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj = nn.Linear(D, 48, bias=False), nn.Linear(D, 48, bias=False)
+            self.down_proj, self.act_fn = nn.Linear(48, D, bias=False), nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    model = nn.Sequential(nn.Linear(D, D), Gated())
+    x = torch.randn(5, D)
+    _, report = memtrim.convert(model, example_inputs=x)
+    assert any(c.rule == "gated_mlp" for c in report.changes)
+    held = activation_bytes(model, x, model=model)
+    with pytest.raises(memtrim.InvalidInputError, match="saves 0 B .*a recipe convert installed keeps one"):
+        memtrim.recompute_modules(model, ["1.up_proj"], example_inputs=x)
+    assert activation_bytes(model, x, model=model) == held  # undone
