@@ -564,7 +564,8 @@ def recompute_sum(consumers: list[nn.Module], producers: list[nn.Module], *, own
     first norm.
 
     Per call, the argument's grad_fn graph decides: only additions (``alpha`` 1) whose leaves are the producers'
-    outputs, unchanged since they were made; anything else is kept as usual.
+    outputs, unchanged since they were made, and adding those outputs again must give the argument bit for bit (an
+    edit of the sum under no_grad keeps the graph); anything else is kept as usual.
 
     Args:
         consumers: the modules whose first argument is the sum (each needs :func:`keep_recipes_in` to keep the
