@@ -377,21 +377,38 @@ def test_recompute_modules_refuses_a_rebuild_after_the_modules_state_changed():
             loss.backward()
 
 
-def test_recompute_modules_refuses_an_output_a_recipe_keeps_as_its_source():
-    class Gated(nn.Module):  # Llama's MLP: convert keeps gate's and up's outputs as the product's sources
-        def __init__(self):
-            super().__init__()
-            self.gate_proj, self.up_proj = nn.Linear(D, 48, bias=False), nn.Linear(D, 48, bias=False)
-            self.down_proj, self.act_fn = nn.Linear(48, D, bias=False), nn.SiLU()
+class Gated(nn.Module):
+    """Llama's MLP: convert keeps gate's and up's outputs, as the SiLU's input and the product's sources."""
 
-        def forward(self, x):
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(D, 48, bias=False), nn.Linear(D, 48, bias=False)
+        self.down_proj, self.act_fn = nn.Linear(48, D, bias=False), nn.SiLU()
 
-    model = nn.Sequential(nn.Linear(D, D), Gated())
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def test_recompute_modules_after_convert_rebuilds_the_gated_mlps_up_projection():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(D, D), Gated())
+    model = copy.deepcopy(plain)
     x = torch.randn(5, D)
     _, report = memtrim.convert(model, example_inputs=x)
     assert any(c.rule == "gated_mlp" for c in report.changes)
     held = activation_bytes(model, x, model=model)
-    with pytest.raises(memtrim.InvalidInputError, match="saves 0 B .*a recipe convert installed keeps one"):
-        memtrim.recompute_modules(model, ["1.up_proj"], example_inputs=x)
+    handle = memtrim.recompute_modules(model, ["1.up_proj"], example_inputs=x)
+    assert handle.bytes_saved == 5 * 48 * 4  # up's output: the product's recipe keeps up's input instead
+    assert activation_bytes(model, x, model=model) == held - 5 * 48 * 4
+    for a, b in zip(run_grads(model, x), run_grads(plain, x)):
+        assert torch.equal(a, b)
+
+
+def test_recompute_modules_refuses_a_rebuild_that_saves_nothing():
+    model = nn.Sequential(nn.Linear(D, D), nn.Linear(D, D), nn.GELU(), nn.Linear(D, D))
+    model[1].requires_grad_(False)  # a frozen Linear keeps no input: a recipe would keep it in the output's place
+    x = torch.randn(5, D)
+    held = activation_bytes(model, x, model=model)
+    with pytest.raises(memtrim.InvalidInputError, match="saves 0 B .*inputs would be kept in their place"):
+        memtrim.recompute_modules(model, ["1"], example_inputs=x)
     assert activation_bytes(model, x, model=model) == held  # undone

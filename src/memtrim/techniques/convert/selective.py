@@ -112,9 +112,9 @@ def recompute_modules(model: nn.Module, modules: ModuleSelector, *,
         undo()
         raise InvalidInputError(
             f"{_API}: rebuilding {names} saves {before - after:,} B on the example inputs (measured): their outputs "
-            "stay kept otherwise (a recipe convert installed keeps one as its source: Llama's up_proj for the gated "
-            "MLP), or their inputs would be kept in their place. Choose modules whose output only later layers keep "
-            "and whose input a layer keeps anyway (a Linear keeps its own input).")
+            "stay kept otherwise, or their inputs would be kept in their place (a frozen Linear keeps no input). "
+            "Choose modules whose output only later layers keep and whose input a layer keeps anyway (a trainable "
+            "Linear keeps its own input).")
     return RecomputeHandle(names, before - after, [undo])
 
 

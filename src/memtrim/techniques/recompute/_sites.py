@@ -440,10 +440,11 @@ class _GatedMLP:
         if node is None or node.name() != "MulBackward0":
             return
         inputs = [n._sequence_nr() if n is not None else None for n, _ in node.next_functions]
+        up = entry_of(u[0]) or u[0]  # up's output rebuilt too (memtrim.recompute_modules): a nested recipe
         if inputs == [a[1], u[1]]:
-            sources: list[Any] = [a[0], u[0]]
+            sources: list[Any] = [a[0], up]
         elif inputs == [u[1], a[1]]:
-            sources = [u[0], a[0]]
+            sources = [up, a[0]]
         else:
             return  # not act(gate(x)) * up(x) in this call: m is kept as usual
         register(m, _mul, sources, owner=self.owner)
