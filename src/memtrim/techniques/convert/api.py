@@ -37,6 +37,7 @@ from torch.nn.parameter import is_lazy
 from ...errors import InvalidInputError
 from ...measure import track
 from ...measure.hooks import tensors_in
+from ...proof.compare import bitwise_equal
 from . import builtin as _builtin  # noqa: F401  (registers the built-in rules)
 from .evidence import buffers_kept, collect, fresh_inputs, fx_evidence, split_inputs
 from .report import Change, ConversionReport, Skipped
@@ -233,8 +234,7 @@ def step_effects(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def _bitwise_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
-                                    for x, y in zip(a, b))
+    return len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b))
 
 
 def activation_bytes(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

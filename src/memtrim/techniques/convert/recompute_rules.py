@@ -78,6 +78,11 @@ _RANDOM = frozenset({"bernoulli", "native_dropout", "rand", "randn", "rand_like"
                      "normal", "randint", "multinomial"})
 
 
+def _random_ops(trace: ModelTrace, site: CallSite) -> list[str]:
+    """The ops of ``site`` that draw random numbers (in place or not: ``bernoulli_`` is ``bernoulli``)."""
+    return sorted({op_name(o) for o in trace.ops_in(site, compute_only=False)} & _RANDOM)
+
+
 def _owned(trace: ModelTrace, ops: list[Op], inputs: set[int]) -> bool:
     """Every tensor an op of ``ops`` reads is one of ``inputs`` or made by an earlier op of ``ops`` (or a scalar)."""
     made = set(inputs)
@@ -489,7 +494,7 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
         done.add(id(module))
         sites = trace.sites_of(site.path)
         acts = [k for k in site.inputs if trace.storages[k].kind != "parameter"]
-        if len(acts) != 1 or len(site.outputs) != 1 or any(o.name in _RANDOM for o in trace.ops_in(site)):
+        if len(acts) != 1 or len(site.outputs) != 1 or _random_ops(trace, site):
             continue
         in_place = (site.outputs[0] in site.inputs
                     or any(o.name.endswith("_") and not o.name.startswith("_") for o in trace.ops_in(site)))

@@ -33,8 +33,8 @@ from ..checkpoint._core import ModuleSelector, _select
 from ..recompute import recompute_output
 from .api import activation_bytes, as_training
 from .evidence import collect, split_inputs
-from .recompute_rules import _RANDOM, _holder_modules, _install_consumers, _keeps_output
-from .rules import Context, chain, op_name
+from .recompute_rules import _holder_modules, _install_consumers, _keeps_output, _random_ops
+from .rules import Context, chain
 
 __all__ = ["RecomputeHandle", "recompute_modules"]
 
@@ -148,12 +148,12 @@ def _consumers(ctx: Context, name: str, module: nn.Module) -> tuple[list[nn.Modu
         if not trace.leaf(site):
             refuse("calls other modules; recompute_modules takes modules that call none (a Linear, a convolution)",
                    "Checkpoint a block with memtrim.checkpoint_modules")
-        ops = trace.ops_in(site, compute_only=False)
-        random = sorted({op_name(o) for o in ops if op_name(o) in _RANDOM})
+        random = _random_ops(trace, site)
         if random:
             refuse(f"draws random numbers ({', '.join(random)}); a rebuild would draw others",
                    "Checkpoint it (memtrim.checkpoint_modules replays the RNG)")
-        written = {k for o in ops for k in o.writes if trace.storages[k].kind in ("buffer", "parameter", "input")}
+        written = {k for o in trace.ops_in(site, compute_only=False) for k in o.writes
+                   if trace.storages[k].kind in ("buffer", "parameter", "input")}
         if written:
             refuse("writes a buffer, parameter or input in its forward (a running statistic); a rebuild would write "
                    "it again")

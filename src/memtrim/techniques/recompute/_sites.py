@@ -18,6 +18,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from ...errors import ConvertError
+from ...proof.compare import bitwise_equal
 from ..guards import autocasting, memtrims, plain_only
 from ._core import (
     enter_consumer_scope,
@@ -553,7 +554,7 @@ class _Sum:
         # values and train nothing: marked as real ones would be)
         if not (x.is_meta or isinstance(x, torch._subclasses.FakeTensor)):
             with torch.no_grad():
-                if not torch.equal(_evaluate(tree, *(t for t, _, _ in alive)), x):
+                if not bitwise_equal(_evaluate(tree, *(t for t, _, _ in alive)), x):
                     return
         register(x, functools.partial(_evaluate, tree), [e for _, e, _ in alive], owner=self.owner)
 
