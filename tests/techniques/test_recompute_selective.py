@@ -412,3 +412,37 @@ def test_recompute_modules_refuses_a_rebuild_that_saves_nothing():
     with pytest.raises(memtrim.InvalidInputError, match="saves 0 B .*inputs would be kept in their place"):
         memtrim.recompute_modules(model, ["1"], example_inputs=x)
     assert activation_bytes(model, x, model=model) == held  # undone
+
+
+def test_recompute_modules_under_autocast_keeps_the_output_and_trains_as_torch():
+    # autocast picks the Linear's dtype (bfloat16) and keeps its own casts: a rebuild without the forward's autocast
+    # state made a float32 tensor (ConvertError in backward); the call under autocast now keeps its output
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(D, 48), nn.GELU(), nn.Linear(48, D))
+    model = copy.deepcopy(plain)
+    x = torch.randn(5, D)
+    memtrim.recompute_modules(model, ["0"], example_inputs=x)
+    grads = []
+    for m in (plain, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(x).float().square().mean()
+        grads.append(torch.autograd.grad(loss, list(m.parameters())))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    for a, b in zip(run_grads(model, x), run_grads(plain, x)):  # and outside autocast it still rebuilds
+        assert torch.equal(a, b)
+
+
+def test_recompute_modules_convert_and_checkpoint_of_the_gated_mlp_compose():
+    # inside a checkpointed region the SiLU's producer scope used to pack gate's recipe sources (2 saves) where the
+    # recomputation saved gate's output itself (1): torch's CheckpointError in backward
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(D, D), nn.LayerNorm(D), Gated())
+    model = copy.deepcopy(plain)
+    x = torch.randn(5, D)
+    memtrim.convert(model, example_inputs=x)
+    memtrim.recompute_modules(model, ["2.gate_proj"], example_inputs=x)
+    memtrim.checkpoint_modules(model, ["2"])
+    for _ in range(2):  # twice: nothing left over from the first backward
+        for a, b in zip(run_grads(model, x), run_grads(plain, x)):
+            assert torch.equal(a, b)

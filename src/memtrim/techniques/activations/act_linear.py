@@ -5,7 +5,9 @@ In ``Linear -> GELU -> Linear`` torch keeps the GELU input ``h`` (for GELU's bac
 (for the second Linear's weight gradient). :class:`ActLinear` computes ``Linear(act(h))`` keeping only ``h``; its
 backward recomputes ``a = act(h)`` (one cheap pointwise op) for the weight gradient. The recomputed ``a`` is
 bitwise the forward's, and the backward uses torch's own kernels, so gradients are bitwise those of the pair. The
-backward is written in differentiable torch ops on the kept inputs, so double backward works too. Under autocast it
+backward is written in differentiable torch ops on the kept inputs, so double backward works too; its second-order
+gradients differentiate those ops rather than torch's own double backward of the pair, so they agree to rounding,
+not bitwise (convert's report says so). Under autocast it
 runs as torch's Linear(act(h)).
 """
 

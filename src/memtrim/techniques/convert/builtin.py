@@ -41,6 +41,9 @@ NO_DOUBLE_BACKWARD = "no double backward (a backward through its gradient raises
 """The limit a change states (``Change.limits``) when its module rebuilds a tensor it has no second derivative for."""
 NO_AUTOCAST = "saves nothing under autocast (runs as torch's own ops there)"
 """The limit a change states (``Change.limits``) when its module runs as torch's own ops under autocast."""
+ACT_LINEAR_SECOND_ORDER = ("gradients bitwise; a double backward (create_graph=True) differentiates ActLinear's own "
+                           "backward ops, so second-order gradients agree with torch's to rounding, not bitwise")
+"""The limit of ActLinear (activation + Linear keeping the pre-activation)."""
 REBUILT_INPUT = ("its input is rebuilt from its output in backward: gradients agree with torch's to rounding, "
                  "not bitwise")
 """The limit of a norm (or BatchNorm + activation) that keeps its output and rebuilds its input (not bitwise)."""
@@ -218,7 +221,7 @@ def activation_linear(ctx: Context) -> Iterator[Candidate]:
 
         yield Candidate(pair, f"{type(act).__name__} + Linear", "memtrim.nn.ActLinear",
                         reason="the activation's output is read by the Linear alone", targets=(act, linear),
-                        limits=(NO_AUTOCAST,), apply=apply)
+                        limits=(ACT_LINEAR_SECOND_ORDER, NO_AUTOCAST), apply=apply)
 
 
 @register_rule("relu_linear")

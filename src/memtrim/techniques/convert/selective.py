@@ -13,7 +13,9 @@ runs ``forward`` alone). Anything else raises at the call, naming the module and
 At each call: its parameters and buffers are version-checked like autograd's (one replaced is swapped back for the
 rebuild), and everything else in its ``__dict__`` (``training``, plain and private attributes, tensors that are
 not buffers) must be as the forward read it, else backward raises. A module with parametrizations, or with a
-forward hook that runs before memtrim's (``prepend=True``, a global one), keeps its output as torch does. Under
+forward hook that runs before memtrim's (``prepend=True``, a global one), keeps its output as torch does, and so does
+a call under autocast (autocast picks the module's dtype and keeps its own casts: a rebuild would need the forward's
+autocast state, and the input it reads is not what autograd keeps there). Under
 torch.compile, torch.func and no-grad forwards nothing is marked (the recipes step aside). What no check sees: a
 change through ``.data`` (autograd's own escape hatch, which moves no version counter), or inside a mutable object
 the module holds (a list it appends to).
@@ -99,7 +101,7 @@ def recompute_modules(model: nn.Module, modules: ModuleSelector, *,
         plans = [(name, module, *_consumers(ctx, name, module)) for name, module in chosen]
         before = activation_bytes(model, args, kwargs)
         undo = chain(*(chain(recompute_output(module, owner=f"{name} (memtrim.recompute_modules)", parameters=True,
-                                              keeps_output=keeps, strict=True).remove,
+                                              keeps_output=keeps, strict=True, under_autocast=False).remove,
                              _install_consumers(consumers), _flag(module))
                        for name, module, consumers, keeps in plans))
         try:

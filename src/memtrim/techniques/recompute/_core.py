@@ -459,7 +459,9 @@ class producing(torch.autograd.graph.saved_tensors_hooks):
         self.active = False
 
     def __enter__(self) -> producing:  # type: ignore[override]
-        self.active = torch.is_grad_enabled() and not plain_only()
+        # inside a checkpointed region a producer scope stands aside like a consumer scope (in_checkpoint): its
+        # handles would pack a recipe's sources where the recomputation, whose marks differ, saves the tensor itself
+        self.active = torch.is_grad_enabled() and not plain_only() and not in_checkpoint()
         if not self.active:
             return self
         self.outer = outer = _outer_of(active_saved_tensors_hooks())
