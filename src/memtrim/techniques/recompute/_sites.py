@@ -62,6 +62,9 @@ LIMITS: dict[str, tuple[str, ...]] = {
     ),
     "recompute_sum": (
         "the lookups and their sum are rebuilt in backward by the same ops (bitwise); double backward exact",
+        "the rebuild reads the embedding weights: one changed in place between forward and backward raises "
+        "autograd's in-place error (torch's lookup keeps only the indices and would not), and a change through "
+        "`.data` is not seen",
         "steps aside under torch.compile and torch.func",
     ),
     "checkpoint_call": (
@@ -131,6 +134,7 @@ class _OutputRecipe:
     # class-level defaults: hooks pickled before these options existed load with them
     parameters, under_autocast, keeps_output, strict = False, True, True, False
     setting_names: tuple[str, ...] = ()
+    installed: tuple[Any, ...] | None = None  # the settings' values at install: the ones the rule's evidence saw
     hook_id: int | None = None  # the id of the hook that marks: a forward hook before it could change the output
 
     def __init__(self, module: nn.Module, fn: Callable[..., torch.Tensor] | None, owner: str | None,
@@ -141,7 +145,9 @@ class _OutputRecipe:
         self.strict = strict
         if parameters:  # the module's plain settings (eps, normalized_shape, ...), read at each call and rebuild
             self.setting_names = tuple(k for k, v in module.__dict__.items() if not k.startswith("_")
-                                       and k != "training" and isinstance(v, (bool, int, float, str, tuple)))
+                                       and k != "training" and isinstance(v, (bool, int, float, str, tuple,
+                                                                              type(None))))
+            self.installed = _settings(module, self.setting_names)
         self._local = threading.local()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -211,6 +217,10 @@ class _OutputRecipe:
         if self.parameters:  # sources too: version-checked like autograd's, and what the rebuild reads
             if "parametrizations" in self.module._modules:  # a weight computed at each access (a random one:
                 return                                       # weight dropout) would not be the forward's
+            if self.installed is not None and _settings(self.module, self.setting_names) != self.installed:
+                # a setting changed since the rule looked (an Embedding given max_norm, whose forward then writes its
+                # weight): the evidence no longer holds, so the output is kept as torch keeps it
+                return
             params = [(k, p) for k, p in (*self.module._parameters.items(), *self.module._buffers.items())
                       if p is not None]
             resolved += [p for _, p in params]
