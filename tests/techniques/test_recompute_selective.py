@@ -498,3 +498,24 @@ def test_recipe_sources_that_are_parameters_stay_on_the_device_under_offloading(
     assert moved["plain"] - moved["converted"] >= SUM
     for a, b in zip(plain.parameters(), converted.parameters()):
         assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """BART's word embedding: the lookup times a scale (1.0 included)."""
+
+    def forward(self, input):
+        return super().forward(input) * 1.0
+
+
+def test_a_lookup_that_computes_more_is_reported_not_silently_kept():
+    # BART's scaled word embedding and learned positions were neither converted nor listed in the report
+    torch.manual_seed(0)
+    model = Embedder("gpt")
+    model.tok = ScaledEmbedding(V, D)
+    _, report = memtrim.convert(model, example_inputs=(IDX,))
+    assert not sum_changes(report)
+    (line,) = [s for s in report.skipped if s.modules == ("tok",)]
+    assert "computes more than a lookup (embedding, mul)" in line.reason
+    _, plain_report = memtrim.convert(Embedder("gpt"), example_inputs=(IDX,))  # plain lookups: converted, no such line
+    assert sum_changes(plain_report)
+    assert not [s for s in plain_report.skipped if "computes more than a lookup" in s.reason]

@@ -610,3 +610,23 @@ def embedding_sum(ctx: Context) -> Iterator[Candidate]:
                                "kept only by later call sites",
                         targets=(*producers, *consumers), expected_bytes=trace.storages[key].nbytes,
                         limits=LIMITS["recompute_sum"], apply=apply, stacks_on=everything)
+    yield from _other_lookups(ctx, trace)
+
+
+def _other_lookups(ctx: Context, trace: ModelTrace) -> Iterator[Candidate]:
+    """Skip lines for embedding modules that compute more than the lookup (BART's scaled word embedding: a ``mul``
+    after it; its learned positions: an ``add`` on the ids before it) whose output, or a sum of it, later call sites
+    keep: ``embedding_sum`` rebuilds lookups alone, so these stay kept, and the report says why."""
+    kept = {k for k, st in trace.storages.items() if st.kind == "activation" and st.holders}
+    # a storage added into a kept sum (``a + b``, ``(a + b) + c``, ``s += c``) counts as kept: ops run in order, so
+    # walking them backwards sees each sum before its parts
+    for op in reversed(trace.ops):
+        if op_name(op) == "add" and len(op.inputs) == 2 and any(t in kept for t in (op.writes or op.outputs)[:1]):
+            kept.update(op.inputs)
+    for site in trace.sites:
+        names = ctx.op_names(site) if trace.leaf(site) else []
+        if "embedding" in names and names != ["embedding"] and len(site.outputs) == 1 and site.outputs[0] in kept:
+            yield Candidate((site.path,), reason=f"{type(site.module).__name__} computes more than a lookup "
+                                                 f"({', '.join(names)}): embedding_sum rebuilds plain lookups only, so "
+                                                 "its output (or the sum it feeds) is kept as torch keeps it",
+                            skip=True)
