@@ -306,3 +306,29 @@ def test_measuring_copies_no_parameter():
     finally:
         torch.Tensor.clone = original
     assert 64 * 64 not in clones
+
+
+def test_a_second_convert_says_the_modules_were_converted_and_converts_only_new_ones():
+    # the second report used to give misleading reasons ("LayerNorm -> ... saves -65,536 B", "a norm convert has no
+    # rule for") for modules the first convert changed
+    torch.manual_seed(0)
+    plain = gpt()
+    model = copy.deepcopy(plain)
+    x = batches("gpt", 1)[0][0]
+    _, first = memtrim.convert(model, example_inputs=(x,))
+    assert first.changes
+    for again in (model, copy.deepcopy(model)):  # a copy keeps the mark
+        _, second = memtrim.convert(again, example_inputs=(x,))
+        assert not second.changes and second.bytes_saved == 0
+        changed = {name for c in first.changes for name in c.modules}
+        earlier = [s for s in second.skipped if s.reason.startswith("changed by an earlier memtrim.convert")]
+        assert earlier and len({s.modules for s in earlier}) == len(earlier)  # once each
+        assert all(s in earlier for s in second.skipped if changed & set(s.modules))
+        assert any("earlier memtrim.convert" in note for note in second.notes)
+    grads_plain = torch.autograd.grad(lm_loss(plain(x), x), list(plain.parameters()))
+    for a, b in zip(torch.autograd.grad(lm_loss(model(x), x), list(model.parameters())), grads_plain):
+        assert torch.equal(a, b)
+    # a block added after the first convert is converted by the second
+    model.blocks.append(copy.deepcopy(plain.blocks[0]))
+    _, third = memtrim.convert(model, example_inputs=(x,))
+    assert third.changes and all(name.startswith("blocks.2.") for c in third.changes for name in c.modules)

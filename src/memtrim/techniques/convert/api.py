@@ -117,8 +117,14 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
     reference: list[torch.Tensor] | None = None  # a training step's outputs, buffers, gradients (same_outputs)
     changes: list[Change] = []
     skipped: list[Skipped] = []
+    earlier = _converted_earlier(model)
     for rule in registered_rules():
         for cand in rule.match(ctx):
+            done = earlier.intersection(_touched(cand, ctx))
+            if done:  # a second convert: say so, not what the rules make of a converted module
+                if not any(s.modules == cand.modules and s.reason == _EARLIER for s in skipped):
+                    skipped.append(Skipped(cand.modules, _EARLIER, rule.name))
+                continue
             if cand.skip:
                 skipped.append(Skipped(cand.modules, cand.reason, rule.name))
                 continue
@@ -176,14 +182,33 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
                     continue
                 current = after
             ctx.claimed.update((id(t), rule.name) for t in cand.targets)
+            for target in cand.targets:
+                target.__dict__[_CONVERTED] = rule.name
             changes.append(Change(cand.modules, cand.before, cand.after, saved, cand.limits, rule.name,
                                   cand.bitwise))
     notes = []
+    if earlier:
+        notes.append(f"{len(earlier)} modules were changed by an earlier memtrim.convert and are left as they are")
     if not given:
         notes.append("no example_inputs: pairs " + ("proven from the torch.fx graph" if evidence is not None else
                                                      "skipped (the model does not trace with torch.fx)")
                      + "; savings not measured; in-place changes of outputs found only at backward")
     return model, ConversionReport(changes, skipped, before, current, notes)
+
+
+_CONVERTED = "_memtrim_converted"  # instance attribute of every module a change touched: the rule's name
+_EARLIER = "changed by an earlier memtrim.convert: left as it is"
+
+
+def _converted_earlier(model: nn.Module) -> set[int]:
+    """The ids of ``model``'s modules an earlier :func:`convert` changed (copies and pickles keep the mark)."""
+    return {id(m) for m in model.modules() if _CONVERTED in m.__dict__}
+
+
+def _touched(cand: Candidate, ctx: Context) -> set[int]:
+    """The ids of the modules a candidate names or targets (a call site ``path#k`` names its module)."""
+    named = (ctx.modules.get(name.split("#")[0]) for name in cand.modules)
+    return {id(m) for m in (*cand.targets, *named) if m is not None}
 
 
 def _excluded(cand: Candidate, aliases: dict[int, list[str]],
