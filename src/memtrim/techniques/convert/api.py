@@ -120,8 +120,7 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
     earlier = _converted_earlier(model)
     for rule in registered_rules():
         for cand in rule.match(ctx):
-            done = earlier.intersection(_touched(cand, ctx))
-            if done:  # a second convert: say so, not what the rules make of a converted module
+            if earlier.intersection(_touched(cand, ctx)):  # a second convert: say so, not what rules make of it
                 if not any(s.modules == cand.modules and s.reason == _EARLIER for s in skipped):
                     skipped.append(Skipped(cand.modules, _EARLIER, rule.name))
                 continue

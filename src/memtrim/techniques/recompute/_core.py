@@ -214,12 +214,9 @@ def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Ite
     storage = tensor.untyped_storage()
     resolved: list[torch.Tensor | _Entry] = []
     for source in sources:
-        if isinstance(source, torch.nn.Parameter):
-            # never a producer's output: no in-place check needed; kept as the Parameter itself, so that saved-tensor
-            # hooks outside (memtrim.OffloadActivations) see a parameter and leave it where it is, as they do with
-            # the parameters torch's own ops save
-            pass
-        elif isinstance(source, torch.Tensor):
+        # a Parameter is kept as itself: never a producer's output (no in-place check needed), and saved-tensor hooks
+        # outside (memtrim.OffloadActivations) then see a parameter and leave it where it is, as with torch's own saves
+        if isinstance(source, torch.Tensor) and not isinstance(source, torch.nn.Parameter):
             # the same storage (compared as torch's StorageWeakRef does: fake tensors, as a plan traces them, all
             # have data pointer 0)
             if source.untyped_storage()._cdata == storage._cdata and storage.nbytes() > 0:
