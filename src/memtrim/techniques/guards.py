@@ -79,7 +79,13 @@ def autocasting(x: torch.Tensor) -> bool:
     """Whether autocast is on for ``x``'s device type. The rebuilt norms and ActLinear then run as torch's own ops:
     autocast picks each op's dtype (LayerNorm in float32, Linear in the low precision), and an output kept in bfloat16
     would rebuild xhat with bfloat16's rounding where torch's backward reads the input in float32."""
+    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():  # the usual case, without building a device object
+        return False
     return torch.is_autocast_enabled(x.device.type)
+
+
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # a per-call path: looked up once (private; the
+                                                                    # public per-device check follows it either way)
 
 
 # ---------------------------------------------------------------------- clear errors instead of torch's

@@ -77,7 +77,10 @@ class Recipe:
         self.done: set[int] = set()  # handles unpacked since the cache was built
 
     def _rebuild(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        with torch.no_grad():
+        if torch.is_grad_enabled():  # a backward with create_graph=True (a plain backward runs with grad off)
+            with torch.no_grad():
+                t = self.fn(*sources)
+        else:
             t = self.fn(*sources)
         if not isinstance(t, torch.Tensor) or t.shape != self.shape or t.dtype != self.dtype or t.device != self.device:
             found = (f"{type(t).__name__} {tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
@@ -206,10 +209,13 @@ def entry_of(tensor: torch.Tensor) -> _Entry | None:
 
 def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Iterable[torch.Tensor | _Entry], *,
              owner: str, double_backward: bool = True, holds: Iterable[torch.Tensor] = (),
-             tag: str | None = None) -> _Entry | None:
+             tag: str | None = None, checked: bool = False) -> _Entry | None:
     """:func:`mark_recomputable` with sources already resolved (a source may be an entry from :func:`entry_of`,
-    kept alive by the caller after its tensor died). Returns the entry, or None if nothing was registered."""
-    if not torch.is_grad_enabled() or plain_only() or not _whole(tensor):
+    kept alive by the caller after its tensor died). Returns the entry, or None if nothing was registered.
+    ``checked``: the caller has just checked grad mode and :func:`plain_only` (a per-call path)."""
+    if not checked and (not torch.is_grad_enabled() or plain_only()):
+        return None
+    if not _whole(tensor):
         return None
     storage = tensor.untyped_storage()
     resolved: list[torch.Tensor | _Entry] = []
@@ -226,7 +232,7 @@ def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Ite
     entry = _Entry()
     entry.recipe = Recipe(fn, tensor, owner, double_backward, tag)
     entry.sources = tuple(resolved)
-    entry.versions = tuple(s._version if isinstance(s, torch.Tensor) else -1 for s in resolved)
+    entry.versions = tuple([s._version if isinstance(s, torch.Tensor) else -1 for s in resolved])
     entry.version = tensor._version
     entry.tensor_ref = weakref.ref(tensor)
     entry.holds = tuple(t.detach() for t in holds) if holds else ()
@@ -383,6 +389,8 @@ def _consumer_pack(outer: Any) -> Callable[[torch.Tensor], Any]:
     return pack
 
 
+_ALONE = torch.autograd.graph.saved_tensors_hooks(_consumer_pack(None), _unpack)  # a consumer scope's hooks with none
+                                                                                  # outside: entered by every such scope
 _local = threading.local()  # .scopes: per-thread stack of the hooks each consumer scope entered (None: none)
 
 
@@ -403,8 +411,10 @@ def enter_consumer_scope() -> None:
     # inside a checkpointed region a scope stands aside (in_checkpoint): the region's forward would keep a recipe
     # for a tensor made outside it (its sources: several saves) where the recomputation, which does not rerun that
     # producer, saves the tensor itself, and torch requires both to save the same tensors
-    if torch.is_grad_enabled() and not in_checkpoint() and (top is None or not hasattr(top[0], _MARK)):
-        hooks = torch.autograd.graph.saved_tensors_hooks(_consumer_pack(_outer_of(top)), _unpack)
+    if torch.is_grad_enabled() and (top is None or (not hasattr(top[0], _MARK) and not in_checkpoint())):
+        # with no hooks outside (the usual case) one shared pair serves every scope: it holds no state
+        hooks = _ALONE if top is None else torch.autograd.graph.saved_tensors_hooks(_consumer_pack(_outer_of(top)),
+                                                                                   _unpack)
         hooks.__enter__()
     _scopes().append(hooks)
 

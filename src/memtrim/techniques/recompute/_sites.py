@@ -182,7 +182,7 @@ class _OutputRecipe:
         if scope is None:
             return
         try:
-            if isinstance(output, torch.Tensor):
+            if isinstance(output, torch.Tensor) and torch.is_grad_enabled():
                 self.mark(output, args, kwargs)
         finally:
             scope.__exit__(None, None, None)
@@ -197,12 +197,16 @@ class _OutputRecipe:
         self.mark(output, args, kwargs)
 
     def mark(self, output: torch.Tensor, args: tuple, kwargs: dict) -> None:
+        """Register ``output`` as rebuilt from the call's tensors (callers have checked grad mode and plain_only)."""
+        # NOTE: this runs at every call of every converted norm and activation: its Python is a measurable part of
+        # a small model's step (benchmarks/convert_overhead.py), so the usual call takes the short paths
         if not output.requires_grad:  # the producer keeps nothing (a frozen norm on a frozen input): a recipe would
             return                    # make its consumers keep its input where torch keeps nothing
-        if self.hook_id is not None and _hook_before(self.module, self.hook_id):
+        module = self.module
+        if self.hook_id is not None and _hook_before(module, self.hook_id):
             return  # a user's hook ran first (prepend=True, or a global one): the output may not be forward's
         if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):  # the usual call: module(x)
-            positions = [0]
+            positions = _FIRST
             resolved: list[Any] = [entry_of(args[0]) or args[0]]
         else:
             flat = list(args) + list(kwargs.values())
@@ -212,28 +216,39 @@ class _OutputRecipe:
             if not positions:
                 return
             resolved = [entry_of(flat[i]) or flat[i] for i in positions]
-        owner = _name(self.module, self.owner)
+        owner = _name(module, self.owner)
         params: list[tuple[str, torch.Tensor]] = []
         if self.parameters:  # sources too: version-checked like autograd's, and what the rebuild reads
-            if "parametrizations" in self.module._modules:  # a weight computed at each access (a random one:
-                return                                       # weight dropout) would not be the forward's
-            if self.installed is not None and _settings(self.module, self.setting_names) != self.installed:
+            if "parametrizations" in module._modules:  # a weight computed at each access (a random one: weight
+                return                                  # dropout) would not be the forward's
+            settings = _settings(module, self.setting_names)
+            if self.installed is not None and settings != self.installed:
                 # a setting changed since the rule looked (an Embedding given max_norm, whose forward then writes its
                 # weight): the evidence no longer holds, so the output is kept as torch keeps it
                 return
-            params = [(k, p) for k, p in (*self.module._parameters.items(), *self.module._buffers.items())
-                      if p is not None]
+            params = [(k, p) for k, p in (*module._parameters.items(), *module._buffers.items()) if p is not None]
             resolved += [p for _, p in params]
-        fn = (self.fn if self.fn is not None
-              else _call_with(self.module, args, kwargs, positions, params, owner, self.setting_names, self.strict))
-        register(output, fn, resolved, owner=owner)
+        if self.fn is not None:
+            register(output, self.fn, resolved, owner=owner, checked=True)
+            return
+        rebuild = _Rebuild(module, args, kwargs, positions, owner)
+        if params:
+            rebuild.params, rebuild.setting_names, rebuild.strict = params, self.setting_names, self.strict
+            rebuild.settings = _state(module) if self.strict else settings
+        register(output, rebuild, resolved, owner=owner, checked=True)
+
+
+_FIRST = [0]  # the tensor positions of the usual call, module(x) (read only)
 
 
 def _hook_before(module: nn.Module, hook_id: int) -> bool:
     """Whether a forward hook not memtrim's runs before the one ``hook_id`` names (torch runs the global ones first,
     then the module's in order; ``prepend=True`` puts a hook first): it may return another output than
     ``forward``'s."""
-    for key, hook in (*torch.nn.modules.module._global_forward_hooks.items(), *module._forward_hooks.items()):
+    global_hooks = torch.nn.modules.module._global_forward_hooks
+    if not global_hooks and next(iter(module._forward_hooks), None) == hook_id:  # the usual case: ours comes first
+        return False
+    for key, hook in (*global_hooks.items(), *module._forward_hooks.items()):
         if key == hook_id:
             return False
         if not memtrims(hook):
@@ -263,52 +278,69 @@ def _state(module: nn.Module) -> dict[str, Any]:
 
 
 def _autocast_on(args: tuple, kwargs: dict) -> bool:
-    x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    x = args[0] if args and isinstance(args[0], torch.Tensor) else next(
+        (a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     return x is not None and autocasting(x)
 
 
-def _call_with(module: nn.Module, args: tuple, kwargs: dict, positions: list[int],
-               params: list[tuple[str, torch.Tensor]] | None = None, owner: str = "",
-               setting_names: tuple[str, ...] = (), strict: bool = False) -> Callable[..., torch.Tensor]:
-    """``module.forward`` on the call's arguments with the tensors replaced by the rebuild's sources (constants and
-    keyword names as in the call). With ``params`` (the module's own parameters, sources after the call's tensors),
-    the rebuild reads the module as the forward did: the parameters it had then (a parameter replaced since, by
-    assignment or ``load_state_dict(assign=True)``, is swapped back for the call with ``torch.func.functional_call``)
-    and, if its settings (``eps``, ...; with ``strict`` everything else in its ``__dict__``, ``training`` included)
-    changed since, it raises instead of rebuilding another output."""
-    n_args = len(args)
-    constants = [None if isinstance(a, torch.Tensor) else a for a in (*args, *kwargs.values())]
-    names = list(kwargs)
-    n_call = len(positions)
+class _Rebuild:
+    """A producer call's rebuild: ``module.forward`` on the call's arguments with the tensors replaced by the
+    rebuild's sources (constants and keyword names as in the call). With ``params`` (the module's own parameters,
+    sources after the call's tensors), the rebuild reads the module as the forward did: the parameters it had then (a
+    parameter replaced since, by assignment or ``load_state_dict(assign=True)``, is swapped back for the call with
+    ``torch.func.functional_call``) and, if its settings (``eps``, ...; with ``strict`` everything else in its
+    ``__dict__``, ``training`` included) changed since, it raises instead of rebuilding another output.
 
-    def snapshot() -> dict[str, Any]:
-        return _state(module) if strict else dict(zip(setting_names, _settings(module, setting_names)))
+    An object with slots, not a closure: one is made at every producer call."""
 
-    settings = snapshot() if params else {}
+    __slots__ = ("module", "args", "names", "positions", "owner", "params", "setting_names", "strict", "settings")
 
-    def rebuild(*tensors: torch.Tensor) -> torch.Tensor:
-        flat = list(constants)
-        for i, t in zip(positions, tensors):
-            flat[i] = t
-        call_args, call_kwargs = flat[:n_args], dict(zip(names, flat[n_args:]))
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict, positions: list[int], owner: str) -> None:
+        self.module, self.positions, self.owner = module, positions, owner
+        # the call's arguments with its tensors left out (None), then its keyword arguments' values in order
+        self.args: tuple[Any, ...] | None = (None if positions is _FIRST else
+                                             tuple(None if isinstance(a, torch.Tensor) else a
+                                                   for a in (*args, *kwargs.values())))
+        self.names: tuple[str, ...] = tuple(kwargs)
+        self.params: list[tuple[str, torch.Tensor]] = []
+        self.setting_names: tuple[str, ...] = ()
+        self.strict = False
+        self.settings: Any = None  # the settings at the call (a tuple of setting_names' values; strict: a dict)
+
+    def __call__(self, *tensors: torch.Tensor) -> torch.Tensor:
+        module = self.module
+        if self.args is None:  # module(x)
+            call_args: Any = tensors[:1]
+            call_kwargs: dict[str, Any] = {}
+        else:
+            flat = list(self.args)
+            for i, t in zip(self.positions, tensors):
+                flat[i] = t
+            n_args = len(flat) - len(self.names)
+            call_args, call_kwargs = flat[:n_args], dict(zip(self.names, flat[n_args:]))
+        params = self.params
         if not params:
             return module.forward(*call_args, **call_kwargs)
-        now = snapshot()
-        changed = [k for k in {**settings, **now} if not _same(settings.get(k, _UNSET), now.get(k, _UNSET))]
-        if changed:
-            what = ", ".join(f"{k}: {_shown(settings.get(k, _UNSET))} -> {_shown(now.get(k, _UNSET))}" for k in changed)
-            raise ConvertError(
-                f"memtrim: {owner} rebuilds its output in backward from its input, and its settings changed since the "
-                f"forward ({what}); "
-                "torch would use the forward's output. To fix: change the module after backward, or leave it out of "
-                "memtrim (module_filter, or remove() the handle)."
-            )
-        if all(getattr(module, name, None) is p for name, p in params):
+        now = _state(module) if self.strict else _settings(module, self.setting_names)
+        if now != self.settings:  # (==: identity or equality, item by item)
+            self._changed(now)
+        found, buffers = module._parameters, module._buffers
+        if all((found[name] if name in found else buffers.get(name)) is p for name, p in params):
             return module.forward(*call_args, **call_kwargs)
-        forward_params = {name: t for (name, _), t in zip(params, tensors[n_call:])}
+        forward_params = {name: t for (name, _), t in zip(params, tensors[len(self.positions):])}
         return torch.func.functional_call(module, forward_params, tuple(call_args), call_kwargs)
 
-    return rebuild
+    def _changed(self, now: Any) -> None:
+        before = self.settings if self.strict else dict(zip(self.setting_names, self.settings))
+        now = now if self.strict else dict(zip(self.setting_names, now))
+        changed = [k for k in {**before, **now} if not _same(before.get(k, _UNSET), now.get(k, _UNSET))]
+        if changed:
+            what = ", ".join(f"{k}: {_shown(before.get(k, _UNSET))} -> {_shown(now.get(k, _UNSET))}" for k in changed)
+            raise ConvertError(
+                f"memtrim: {self.owner} rebuilds its output in backward from its input, and its settings changed "
+                f"since the forward ({what}); torch would use the forward's output. To fix: change the module after "
+                "backward, or leave it out of memtrim (module_filter, or remove() the handle)."
+            )
 
 
 _UNSET = ("unset",)

@@ -1,0 +1,95 @@
+"""memtrim.convert's fixed cost per converted call site: the Python of its hooks (mark the producer's output, open and
+close the consumer's scope, pack and unpack what it keeps, call the rebuild), measured where the tensors are so small
+that the kernels cost next to nothing. This is what makes convert's step time worse at small model sizes than at the
+widths people train (benchmarks/convert_zoo_time.py); it does not grow with the tensors.
+
+Reproduce:  .venv/bin/python benchmarks/convert_overhead.py [--rounds 41]   (on an otherwise idle machine)
+Writes benchmarks/results/convert_overhead_cpu.json.
+
+Two stacks of 20 blocks, batch 4, width 16, one thread: ``LayerNorm -> Linear`` (the norm's output rebuilt for the
+Linear, rule ``layer_norm_consumer``) and ``Linear -> GELU -> Linear`` (the GELU's output rebuilt for the second
+Linear). Each round times 20 calls of forward, and of forward + backward, for the plain and the converted stack in turn
+(NOTE [ interleaved timing rounds ] in _common.py); the figure is the difference of the two stacks' fastest rounds
+divided by the 20 call sites, in microseconds. The rebuild in backward (a LayerNorm or GELU on a 4x16 tensor) is part
+of it.
+"""
+
+import argparse
+import copy
+import time
+
+import torch
+from torch import nn
+
+import memtrim
+from _common import machine, pin_malloc, write
+
+BLOCKS, BATCH, WIDTH = 20, 4, 16
+
+
+class NormLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.norm(x))
+
+
+class GeluMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def per_site(block: type[nn.Module], rounds: int) -> dict:
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[block() for _ in range(BLOCKS)])
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    converted = copy.deepcopy(plain)
+    _, report = memtrim.convert(converted, example_inputs=x)
+    assert len(report.changes) == BLOCKS, report  # one change per block, or the figure is not per site
+
+    def forward(m: nn.Module) -> None:
+        m(x)
+
+    def step(m: nn.Module) -> None:
+        m(x).sum().backward()
+
+    result: dict = {"block": block.__name__, "rule": report.changes[0].rule}
+    for name, fn in (("forward", forward), ("forward_backward", step)):
+        best = {"plain": float("inf"), "converted": float("inf")}
+        for m in (plain, converted):
+            for _ in range(20):
+                fn(m)
+        for _ in range(rounds):
+            for key, m in (("plain", plain), ("converted", converted)):
+                start = time.perf_counter()
+                for _ in range(20):
+                    fn(m)
+                best[key] = min(best[key], (time.perf_counter() - start) / 20)
+        result[name] = {"plain_us": 1e6 * best["plain"], "converted_us": 1e6 * best["converted"],
+                        "per_site_us": 1e6 * (best["converted"] - best["plain"]) / BLOCKS}
+    return result
+
+
+def main() -> None:
+    pin_malloc()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=41)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = [per_site(block, args.rounds) for block in (NormLinear, GeluMLP)]
+    for r in results:
+        print(f"{r['block']} ({r['rule']}): forward +{r['forward']['per_site_us']:.0f} us, "
+              f"forward + backward +{r['forward_backward']['per_site_us']:.0f} us per converted call site")
+    print("wrote", write("convert_overhead_cpu.json", {"machine": machine(), "memtrim_source": memtrim.__file__,
+                                                        "rounds": args.rounds, "blocks": BLOCKS, "batch": BATCH,
+                                                        "width": WIDTH, "results": results}))
+
+
+if __name__ == "__main__":
+    main()
