@@ -510,3 +510,57 @@ def test_mark_refuses_what_it_cannot_rebuild():
     assert R.mark_recomputable(a, torch.relu, h, owner="ok") and R.is_recomputable(a)
     a.add_(1)
     assert not R.is_recomputable(a)  # changed since it was marked
+
+
+class ScaledNorm(nn.Module):
+    """A norm taking keyword and constant arguments, as HF forwards do (``norm(hidden_states=x, scale=...)``)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+        self.eps = 1e-5
+
+    def forward(self, x, scale=1.0, shift=None):
+        y = F.layer_norm(x, x.shape[-1:], self.weight * scale, None, self.eps)
+        return y if shift is None else y + shift
+
+
+class NormThenLinear(nn.Module):
+    def __init__(self, call):
+        super().__init__()
+        self.norm, self.fc, self.call = ScaledNorm(), nn.Linear(16, 16), call
+
+    def forward(self, x):
+        return self.fc(self.call(self.norm, x))
+
+
+NORM_CALLS = {
+    "positional": lambda norm, x: norm(x),
+    "constant": lambda norm, x: norm(x, 3.0),
+    "keywords": lambda norm, x: norm(x=x, scale=0.5),
+    "tensor keyword": lambda norm, x: norm(x, shift=x[..., :1] * 2, scale=2.0),
+}
+
+
+@pytest.mark.parametrize("call", NORM_CALLS.values(), ids=NORM_CALLS.keys())
+def test_producer_called_with_keywords_and_constants_rebuilds_the_same_call(call):
+    # the rebuild reruns the call with its constants and keyword names, the tensors swapped for the kept sources
+    torch.manual_seed(0)
+    plain = NormThenLinear(call).double()
+    converted = copy.deepcopy(plain)
+    R.recompute_output(converted.norm, parameters=True, keeps_output=False)
+    R.keep_recipes_in(converted.fc)
+    x = X.double()
+    assert_bitwise(run(converted, x), run(plain, x))
+    assert held(converted, X.double()) < held(plain, X.double())  # the norm's output was not kept by the Linear
+
+
+def test_producer_setting_changed_before_backward_raises_naming_it_for_a_keyword_call():
+    torch.manual_seed(0)
+    model = NormThenLinear(NORM_CALLS["keywords"])
+    R.recompute_output(model.norm, owner="blocks.0.norm", parameters=True, keeps_output=False)
+    R.keep_recipes_in(model.fc)
+    loss = model(X.clone().requires_grad_()).square().sum()
+    model.norm.eps = 0.1
+    with pytest.raises(memtrim.ConvertError, match=r"blocks\.0\.norm .*settings changed.*eps: 1e-05 -> 0\.1"):
+        loss.backward()
