@@ -454,3 +454,80 @@ def test_memtrim_verify_bitwise(workload, policy, fused):
 
     report = memtrim.verify(make, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), batches, loss_fn, transform)
     assert report.bitwise, str(report)
+
+
+# ---------------------------------------------------------------------- a layer that writes a key/value cache
+class Cache:
+    """HF's ``transformers.Cache`` as far as a layer sees it: ``update`` appends this call's keys and returns all."""
+
+
+class DynamicCache(Cache):
+    def __init__(self):
+        self.keys = []
+
+    def update(self, k):
+        self.keys.append(k)
+        return torch.cat(self.keys, dim=1)
+
+    def read(self, k):
+        return torch.cat([*self.keys, k], dim=1)
+
+
+class CachingAttention(nn.Module):
+    """Attention over every key in the cache, as an HF decoder layer does in training when ``use_cache=True``."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x, past_key_values=None):
+        if past_key_values is None:
+            k = self.k(x)
+        elif getattr(self, "_can_checkpoint_with_cache", False):  # reads the cache, writes nothing
+            k = past_key_values.read(self.k(x))
+        else:
+            k = past_key_values.update(self.k(x))
+        scores = self.q(x) @ k.transpose(1, 2)
+        return scores.softmax(-1) @ self.v(x[:, :1]).expand(-1, k.shape[1], -1)
+
+
+class CachingModel(nn.Module):
+    def __init__(self, read_only=False):
+        super().__init__()
+        self.layer, self.head = CachingAttention(), nn.Linear(8, 1)
+        if read_only:  # an HF layer that only reads the cache says so
+            self.layer._can_checkpoint_with_cache = True
+
+    def forward(self, x, use_cache=True, positional=False):
+        cache = DynamicCache() if use_cache else None
+        if cache is not None:
+            cache.keys.append(torch.ones(x.shape[0], 2, x.shape[2]))  # a prefix
+        if positional:
+            return self.head(self.layer(x, cache)).sum()
+        return self.head(self.layer(x, past_key_values=cache)).sum()
+
+
+@pytest.mark.parametrize("positional", [False, True])
+def test_a_layer_writing_a_cache_raises_naming_it_and_what_to_do(positional):
+    # the recomputation in backward would append to the cache again: torch failed with a shape error in backward
+    torch.manual_seed(0)
+    model = CachingModel()
+    memtrim.checkpoint_modules(model, ["layer"])
+    x = torch.randn(2, 5, 8)
+    with pytest.raises(InvalidInputError, match=r"'layer' was called with a key/value cache .*use_cache=False"):
+        model(x, positional=positional)
+    with torch.no_grad():  # nothing is recomputed without grad: the cache is allowed
+        model(x, positional=positional)
+
+
+def test_without_a_cache_or_with_a_read_only_one_trains_as_plain():
+    torch.manual_seed(0)
+    for read_only, use_cache in ((False, False), (True, True)):
+        plain = CachingModel(read_only)
+        model = copy.deepcopy(plain)
+        memtrim.checkpoint_modules(model, ["layer"])
+        x = torch.randn(2, 5, 8)
+        plain(x, use_cache=use_cache).backward()
+        model(x, use_cache=use_cache).backward()
+        for p, q in zip(plain.parameters(), model.parameters()):
+            assert torch.equal(p.grad, q.grad)

@@ -258,6 +258,29 @@ def _context_fn(module: nn.Module, selective: Callable[[], tuple[Any, Any]] | No
     return contexts
 
 
+_CACHE_NAMES = ("past_key_values", "past_key_value", "layer_past")  # HF's names for a layer's key/value cache
+
+
+def _is_cache(value: Any) -> bool:
+    """An HF key/value cache object (``transformers.Cache`` and its subclasses: DynamicCache, ...), without importing
+    transformers."""
+    return any(c.__name__ == "Cache" for c in type(value).__mro__[1:]) or type(value).__name__ == "Cache"
+
+
+def _cache_argument(module: nn.Module, args: tuple, kwargs: dict) -> str | None:
+    """The argument through which ``module``'s forward would write a key/value cache, or None. HF layers that only
+    read the cache say so (``_can_checkpoint_with_cache``), as HF's own checkpointing honours."""
+    if getattr(module, "_can_checkpoint_with_cache", False):
+        return None
+    for name, value in kwargs.items():
+        if value is not None and (name in _CACHE_NAMES or _is_cache(value)):
+            return f"{name}={type(value).__name__}"
+    for i, value in enumerate(args):
+        if _is_cache(value):
+            return f"argument {i} ({type(value).__name__})"
+    return None
+
+
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Bound to the module with ``types.MethodType``, so that ``copy.deepcopy`` of the model binds it to the copy
     (a closure over the module would keep calling the original)."""
@@ -265,6 +288,17 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
     handle: CheckpointHandle = self.__dict__[_MARK]
+    cache = _cache_argument(self, args, kwargs)
+    if cache is not None:
+        # the recomputation in backward would write the cache a second time: torch then fails on a shape it did not
+        # expect, or the layer reads entries its forward did not see
+        name = next((n for n, m in zip(handle.names, handle._modules) if m is self), type(self).__name__)
+        raise InvalidInputError(
+            f"{_API}: {name!r} was called with a key/value cache ({cache}) while gradients are on; its forward writes "
+            "the cache, and the recomputation in backward would write it a second time. Expected no cache while "
+            "training. To fix: pass use_cache=False to the model's call, or set model.config.use_cache = False "
+            "(HF's gradient_checkpointing_enable() drops the cache for its own checkpointing the same way)."
+        )
     with recipes_honoured():  # torch saves the inputs for the recomputation: a recomputable one keeps its recipe
         return tuc.checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True,
                               context_fn=_context_fn(self, handle._selective), **kwargs)
@@ -291,7 +325,9 @@ def checkpoint_modules(model: nn.Module, modules: ModuleSelector, *, policy: Pol
 
     Raises:
         InvalidInputError: ``model`` is not a module, the selector matches nothing, names are unknown, chosen
-            modules nest, or ``policy`` is unknown.
+            modules nest, or ``policy`` is unknown; and at a call with gradients on, a chosen module given a
+            key/value cache it writes (HF's ``past_key_values`` with ``use_cache=True``: the recomputation would
+            write it twice; pass ``use_cache=False`` while training).
         MemtrimStateError: a chosen module is checkpointed already.
 
     Example:
