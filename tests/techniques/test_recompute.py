@@ -564,3 +564,43 @@ def test_producer_setting_changed_before_backward_raises_naming_it_for_a_keyword
     model.norm.eps = 0.1
     with pytest.raises(memtrim.ConvertError, match=r"blocks\.0\.norm .*settings changed.*eps: 1e-05 -> 0\.1"):
         loss.backward()
+
+
+class CacheWritingAttention(nn.Module):
+    """A leaf attention (its own weights, no submodules) that appends its keys to the cache it is given."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.wq, self.wk, self.wv = (nn.Parameter(torch.randn(d, d) * 0.3) for _ in range(3))
+
+    def forward(self, x, past_key_values=None):
+        k = x @ self.wk
+        if past_key_values is not None:
+            k = past_key_values.update(k)
+        v = (x @ self.wv).repeat(1, k.shape[1] // x.shape[1], 1)
+        return ((x @ self.wq) @ k.transpose(1, 2)).softmax(-1) @ v
+
+
+class AttentionThenLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.out = CacheWritingAttention(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        from .test_checkpoint import DynamicCache
+
+        return self.out(self.attn(x, past_key_values=DynamicCache()))
+
+
+def test_a_producer_given_an_object_it_changes_keeps_its_output():
+    # the rebuild passes the call's non-tensor arguments again: a cache would get the keys a second time and the
+    # rebuilt output would differ (7.6e-6 here before: silently different gradients); such a call keeps its output
+    torch.manual_seed(0)
+    plain = AttentionThenLinear()
+    converted = copy.deepcopy(plain)
+    R.recompute_output(converted.attn, parameters=True, strict=True)
+    R.keep_recipes_in(converted.out)
+    x = torch.randn(2, 5, 8)
+    assert_bitwise(run(converted, x), run(plain, x))
+    with pytest.raises(memtrim.InvalidInputError, match="key/value cache"):  # and recompute_modules says why
+        memtrim.recompute_modules(copy.deepcopy(plain), ["attn"], example_inputs=x)

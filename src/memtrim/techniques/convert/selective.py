@@ -114,9 +114,11 @@ def recompute_modules(model: nn.Module, modules: ModuleSelector, *,
         undo()
         raise InvalidInputError(
             f"{_API}: rebuilding {names} saves {before - after:,} B on the example inputs (measured): their outputs "
-            "stay kept otherwise, or their inputs would be kept in their place (a frozen Linear keeps no input). "
-            "Choose modules whose output only later layers keep and whose input a layer keeps anyway (a trainable "
-            "Linear keeps its own input).")
+            "stay kept otherwise, or their inputs would be kept in their place (a frozen Linear keeps no input), or "
+            "their calls pass an argument other than tensors and plain constants (an object such as a key/value "
+            "cache, which the rebuild would pass again). Choose modules whose output only later layers keep and "
+            "whose input a layer keeps anyway (a trainable Linear keeps its own input), called with tensors and "
+            "plain constants.")
     return RecomputeHandle(names, before - after, [undo])
 
 

@@ -8,6 +8,7 @@ per-thread state only.
 
 from __future__ import annotations
 
+import enum
 import functools
 import threading
 from collections.abc import Callable
@@ -210,8 +211,10 @@ class _OutputRecipe:
             resolved: list[Any] = [entry_of(args[0]) or args[0]]
         else:
             flat = list(args) + list(kwargs.values())
-            if not flat or any(isinstance(a, (list, tuple, dict)) for a in flat):
-                return  # only flat tensor/constant arguments
+            if not flat or not all(isinstance(a, torch.Tensor) or _plain(a) for a in flat):
+                # only tensors and plain constants: the rebuild passes the call's other arguments again, and an
+                # object the forward changes (a key/value cache it appends to) would be changed a second time
+                return
             positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
             if not positions:
                 return
@@ -239,6 +242,12 @@ class _OutputRecipe:
 
 
 _FIRST = [0]  # the tensor positions of the usual call, module(x) (read only)
+_PLAIN = (bool, int, float, complex, str, torch.dtype, torch.device, torch.layout, torch.memory_format, enum.Enum)
+
+
+def _plain(value: Any) -> bool:
+    """A constant a forward cannot change: None, a number, a string, a dtype, device or enum member."""
+    return value is None or isinstance(value, _PLAIN)
 
 
 def _hook_before(module: nn.Module, hook_id: int) -> bool:
@@ -379,7 +388,9 @@ def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None =
 
     Args:
         module: a producer whose forward is a pure function of its tensor arguments (no RNG, no side effects), whose
-            inputs are kept for backward anyway (GELU, SiLU, ... keep their input).
+            inputs are kept for backward anyway (GELU, SiLU, ... keep their input). A call that also passes anything
+            but plain constants (None, numbers, strings, dtypes, devices, enum members: a list, or an object such as
+            a key/value cache the forward appends to) keeps its output as usual.
         fn: the rebuild, called with the call's tensor arguments; default: the module's forward.
         owner: how errors name the module (default: its ``memtrim_owner`` label or class name).
         parameters: the module's own parameters and buffers are sources too (a LayerNorm's weight and bias): one
