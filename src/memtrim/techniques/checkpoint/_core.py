@@ -264,7 +264,7 @@ _CACHE_NAMES = ("past_key_values", "past_key_value", "layer_past")  # HF's names
 def _is_cache(value: Any) -> bool:
     """An HF key/value cache object (``transformers.Cache`` and its subclasses: DynamicCache, ...), without importing
     transformers."""
-    return any(c.__name__ == "Cache" for c in type(value).__mro__[1:]) or type(value).__name__ == "Cache"
+    return any(c.__name__ == "Cache" for c in type(value).__mro__)
 
 
 def _cache_argument(module: nn.Module, args: tuple, kwargs: dict) -> str | None:

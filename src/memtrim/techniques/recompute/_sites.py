@@ -146,8 +146,7 @@ class _OutputRecipe:
         self.strict = strict
         if parameters:  # the module's plain settings (eps, normalized_shape, ...), read at each call and rebuild
             self.setting_names = tuple(k for k, v in module.__dict__.items() if not k.startswith("_")
-                                       and k != "training" and isinstance(v, (bool, int, float, str, tuple,
-                                                                              type(None))))
+                                       and k != "training" and isinstance(v, (*_NUMBERS_AND_TEXT, tuple)))
             self.installed = _settings(module, self.setting_names)
         self._local = threading.local()
 
@@ -242,12 +241,13 @@ class _OutputRecipe:
 
 
 _FIRST = [0]  # the tensor positions of the usual call, module(x) (read only)
-_PLAIN = (bool, int, float, complex, str, torch.dtype, torch.device, torch.layout, torch.memory_format, enum.Enum)
+_NUMBERS_AND_TEXT = (bool, int, float, str, type(None))  # settings compared by value (with tuples of them)
+_PLAIN = (*_NUMBERS_AND_TEXT, complex, torch.dtype, torch.device, torch.layout, torch.memory_format, enum.Enum)
 
 
 def _plain(value: Any) -> bool:
     """A constant a forward cannot change: None, a number, a string, a dtype, device or enum member."""
-    return value is None or isinstance(value, _PLAIN)
+    return isinstance(value, _PLAIN)
 
 
 def _hook_before(module: nn.Module, hook_id: int) -> bool:
@@ -279,7 +279,7 @@ def _state(module: nn.Module) -> dict[str, Any]:
             continue
         if isinstance(v, torch.Tensor):
             found[k] = ("tensor", id(v), v._version)
-        elif isinstance(v, (bool, int, float, str, tuple, type(None))):
+        elif isinstance(v, (*_NUMBERS_AND_TEXT, tuple)):
             found[k] = v
         else:
             found[k] = ("object", id(v))
