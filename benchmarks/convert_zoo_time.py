@@ -4,8 +4,15 @@ Beside the times, a count that needs no clock: the ops one step runs and the byt
 converted (the recompute work convert adds).
 
 Reproduce:  zoovenv/bin/python benchmarks/convert_zoo_time.py [--rounds 15] [--only NAME ...] [--wide]
+                [--device cuda] [--batch-mult N]
             (the venv that convert_zoo.py's docstring sets up; run on an otherwise idle machine)
-Writes benchmarks/results/convert_zoo_time_cpu.json (--wide: convert_zoo_time_wide_cpu.json).
+Writes benchmarks/results/convert_zoo_time_<device>.json (--wide: convert_zoo_time_wide_<device>.json).
+
+On CUDA each row also gives, from the caching allocator, the bytes one training-mode forward leaves allocated and
+the step's peak (both above what was allocated before the forward), plain and converted, beside the tracker's held
+activations; and the largest parameter-gradient difference of one seeded training-mode step against the plain model,
+with the plain model against itself as the floor (cuDNN's backward kernels need not be deterministic).
+``--batch-mult N`` repeats each batch N times along its first dimension (GPU-sized batches).
 
 ``--wide`` times the same libraries' models at the widths people train (d_model 768-1024, 224x224 images), batch 1-2:
 convert's recompute work is elementwise, so its share of a step shrinks as matmuls and convolutions grow with width.
@@ -24,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memtrim
 from _common import machine, pin_malloc, quartiles, write
-from convert_zoo import MODELS, build, first_tensor, import_torchvision, version
+from convert_zoo import MODELS, build, first_tensor, held_activations, import_torchvision, version
 from memtrim.measure.hooks import tensors_in
 
 
@@ -60,6 +67,36 @@ def work(model, opt, batch) -> tuple[int, int]:
     with counter:
         step(model, opt, batch)
     return counter.ops, counter.bytes
+
+
+def train_gradients(model, batch) -> dict:
+    """Parameter gradients of one training-mode forward and backward, dropout seeded."""
+    torch.manual_seed(1)
+    model.zero_grad(set_to_none=True)
+    first_tensor(model(**batch)).float().square().mean().backward()
+    grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def max_difference(a: dict, b: dict) -> float:
+    if sorted(a) != sorted(b):
+        raise AssertionError(f"different parameters got gradients: {sorted(set(a) ^ set(b))}")
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def cuda_memory(model, opt, batch) -> dict:
+    """The allocator's bytes left allocated by one training-mode forward, and the step's peak, above the start."""
+    opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = first_tensor(model(**batch)).float().square().mean()
+    held = torch.cuda.memory_allocated() - base
+    loss.backward()
+    opt.step()
+    torch.cuda.synchronize()
+    return {"allocated_after_forward": held, "step_peak": torch.cuda.max_memory_allocated() - base}
 
 
 def hf(config_name: str, model_name: str, inputs: Callable[[], dict], **config: Any) -> Callable:
@@ -118,31 +155,47 @@ WIDE = {
 }
 
 
-def run(key: str, rounds: int, models: dict | None = None) -> dict:
+def run(key: str, rounds: int, models: dict | None = None, device: str = "cpu", batch_mult: int = 1) -> dict:
     label, built, skipped = build(key, models)
     if built is None:
         return skipped or {}
     plain, batch, library = built
-    plain.train()
+    plain.train().to(device)
+    batch = {k: v.repeat(batch_mult, *[1] * (v.dim() - 1)).to(device) for k, v in batch.items()}
     converted = copy.deepcopy(plain)
     _, report = memtrim.convert(converted, example_inputs=batch)
     models = {"plain": plain, "converted": converted}
+    checks = {}
+    if device != "cpu":
+        reference = train_gradients(plain, batch)
+        checks["gradient_max_difference"] = {"converted_vs_plain": max_difference(train_gradients(converted, batch),
+                                                                                  reference),
+                                             "plain_vs_plain": max_difference(train_gradients(plain, batch),
+                                                                              reference)}
+        checks["tracker_held_activations"] = {k: held_activations(m, batch) for k, m in models.items()}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     for k in models:
         step(models[k], opts[k], batch)
+    if device.startswith("cuda"):
+        checks["cuda_allocator"] = {k: cuda_memory(models[k], opts[k], batch) for k in models}
     ops = {k: work(models[k], opts[k], batch) for k in models}
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync()
     start = time.perf_counter()
     step(plain, opts["plain"], batch)
+    sync()
     repeats = max(2, int(0.2 / (time.perf_counter() - start)))
     times: dict[str, list[float]] = {k: [] for k in models}
     for _ in range(rounds):
         for k in models:
+            sync()
             start = time.perf_counter()
             for _ in range(repeats):
                 step(models[k], opts[k], batch)
+            sync()
             times[k].append((time.perf_counter() - start) / repeats)
     ratios = sorted(c / p for c, p in zip(times["converted"], times["plain"]))
-    return {"model": label, "library": library, "changes": len(report.changes),
+    return {"model": label, "library": library, "changes": len(report.changes), "batch_mult": batch_mult, **checks,
             "step_ms_plain": 1e3 * statistics.median(times["plain"]),
             "step_time_ratio_median": statistics.median(ratios), "step_time_ratio_quartiles": quartiles(ratios),
             "step_time_ratio_range": [ratios[0], ratios[-1]], "repeats_per_round": repeats,
@@ -157,21 +210,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--only", nargs="*", choices=sorted(set(MODELS) | set(WIDE)), default=None)
     parser.add_argument("--wide", action="store_true", help="the models at the widths people train (see above)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-mult", type=int, default=1, help="repeat each batch N times (GPU-sized batches)")
     args = parser.parse_args()
     _, tv_note = import_torchvision()
     models = WIDE if args.wide else MODELS
     results = {}
     for key in args.only or models:
-        results[key] = r = run(key, args.rounds, models)
+        results[key] = r = run(key, args.rounds, models, args.device, args.batch_mult)
         if "step_time_ratio_median" in r:
             q = r["step_time_ratio_quartiles"]
             print(f"{r['model']}: {r['step_ms_plain']:.1f} ms, converted {r['step_time_ratio_median']:.3f}x "
-                  f"({q[0]:.3f}-{q[1]:.3f}); ops write {r['bytes_written_ratio']:.3f}x the bytes")
+                  f"({q[0]:.3f}-{q[1]:.3f}); ops write {r['bytes_written_ratio']:.3f}x the bytes; "
+                  f"{ {k: r[k] for k in ('gradient_max_difference', 'cuda_allocator') if k in r} }", flush=True)
         else:
             print(f"{r['model']}: {r['skipped']}")
-    environment = {"torch": torch.__version__, "transformers": version("transformers"), "timm": version("timm"),
+    environment = {"torch": torch.__version__, "cudnn_benchmark": torch.backends.cudnn.benchmark,
+                   "float32_matmul_precision": torch.get_float32_matmul_precision(),
+                   "transformers": version("transformers"), "timm": version("timm"),
                    "torchvision": version("torchvision"), "torchvision_import": tv_note}
-    name = "convert_zoo_time_wide_cpu.json" if args.wide else "convert_zoo_time_cpu.json"
+    name = f"convert_zoo_time{'_wide' if args.wide else ''}_{args.device.split(':')[0]}.json"
     print("wrote", write(name, {"machine": machine(), "environment": environment, "rounds": args.rounds,
                                 "results": results}))
 

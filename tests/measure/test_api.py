@@ -1,11 +1,13 @@
 """op_memory, measure_step, reports, CUDA parity, and bad input."""
 
+import gc
 import json
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import memtrim
 
@@ -119,10 +121,26 @@ def test_export_snapshot_needs_cuda(tmp_path):
 def test_cuda_op_memory_relu_exact():
     x = torch.randn(10000, 10000, device="cuda")
     m = memtrim.op_memory(torch.relu, x)
-    assert m.allocated_bytes == m.allocator_allocated_bytes == 400_000_000
+    assert m.allocated_bytes == 400_000_000  # the tensor's bytes, exactly
+    # the caching allocator hands out a large tensor in 2 MiB pages, and a block whose remainder is under 1 MiB is
+    # not split: its stats count 400,556,032 B (191 pages) for these 400,000,000 (seen on an H200, torch 2.11)
+    assert m.allocator_allocated_bytes == -(-400_000_000 // 2**21) * 2**21
     del m
     m = memtrim.op_memory(torch.relu_, x)
     assert m.allocated_bytes == m.allocator_allocated_bytes == 0
+
+
+class _RequestedAtOpEnds(TorchDispatchMode):
+    """The CUDA allocator's requested bytes (what tensors asked for, before its rounding) after every op."""
+
+    def __init__(self):
+        super().__init__()
+        self.levels = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.levels.append(torch.cuda.memory_stats()["requested_bytes.all.current"])
+        return out
 
 
 @pytest.mark.cuda
@@ -130,6 +148,8 @@ def test_cuda_op_memory_relu_exact():
 def test_cuda_peak_matches_allocator(workload, tmp_path):
     from memtrim.models import SeedMLP, SmallGPT
 
+    if "requested_bytes.all.current" not in torch.cuda.memory_stats():
+        pytest.skip("this torch's CUDA allocator does not count requested bytes")
     torch.manual_seed(0)
     if workload == "mlp":
         model = SeedMLP().cuda()
@@ -144,13 +164,21 @@ def test_cuda_peak_matches_allocator(workload, tmp_path):
 
     optimizer = torch.optim.AdamW(model.parameters())
     train_step(model, optimizer, x, y, loss_fn)
-    with memtrim.track(model, optimizer) as tracker:
+    gc.collect()  # garbage of earlier tests freed during the step would lower the allocator's level below its start
+    torch.cuda.synchronize()
+    start = torch.cuda.memory_stats()["requested_bytes.all.current"]
+    at_op_ends = _RequestedAtOpEnds()
+    with memtrim.track(model, optimizer) as tracker, at_op_ends:
         train_step(model, optimizer, x, y, loss_fn)
     report = tracker.report()
     assert report.device.startswith("cuda")
     # relative to the start: the allocator also holds cuBLAS workspaces, which are no tensor storage
     tracked = report.peak_bytes - report.timeline[0].total_bytes
+    # exact where both can see: between ops, the tracker's peak is the highest level the allocator was asked for
+    assert max(at_op_ends.levels) - start == tracked
+    # the allocator's own peak is higher by its rounding, and by what kernels allocate and free inside one op (on an
+    # H200 with torch 2.11: 1,456 B for the MLP; 2,102,776 B for the GPT), which no tensor holds
     allocator = report.allocator_peak_allocated_bytes - report.allocator_start_allocated_bytes
-    assert abs(tracked - allocator) <= 0.01 * allocator
+    assert allocator >= tracked
     tracker.export_memory_snapshot(str(tmp_path / "snapshot.pickle"))
     assert (tmp_path / "snapshot.pickle").stat().st_size > 0

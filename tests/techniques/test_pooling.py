@@ -31,7 +31,7 @@ def _pair(x: torch.Tensor, geometry) -> tuple[torch.Tensor, torch.Tensor, torch.
     for pool in (nn.functional.max_pool2d, max_pool2d):
         leaf = x.detach().clone().requires_grad_()
         out = pool(leaf * 1, kernel, stride, padding, dilation, ceil_mode=ceil)
-        upstream = torch.arange(out.numel(), dtype=x.dtype).view(out.shape).sin()
+        upstream = torch.arange(out.numel(), dtype=x.dtype, device=x.device).view(out.shape).sin()
         out.backward(upstream)
         results += [out, leaf.grad]
     return tuple(results)

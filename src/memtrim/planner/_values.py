@@ -28,6 +28,12 @@ the values leaves its outputs without one.
 
 An op that returns no tensor (``aten._local_scalar_dense``, behind ``bool`` and ``item``) is answered from the
 values when all its tensor arguments have one; otherwise it goes to ``FakeTensorMode``, which raises as before.
+No fake tensor is weakly referenced: ``Module._apply`` swaps a fake parameter for its moved or cast copy (a factory
+``lambda: Model().cuda()`` or ``.to(torch.bfloat16)``), and ``torch.utils.swap_tensors`` refuses a tensor that is. So
+a value lives on its fake tensor (an attribute naming the :class:`KnownValues` that computed it), and each op's fake
+outputs are taken out of the fake mode's memo of converted tensors, which holds them weakly (``FakeTensorMode`` puts
+an op's output there when its dispatch cache misses; nothing looks an output up there again: the memo is keyed by the
+meta tensor the output was made from, which is dead by then).
 :func:`reading_values` then makes transformers' ``is_fake_tensor`` (the test inside its ``is_tracing``) false for a
 fake tensor with a value, only while a trace runs: transformers reads the value and takes the eager branch.
 """
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -45,10 +52,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
-from torch.utils.weak import WeakIdKeyDictionary
 
 LIMIT = 16 * 2**20
 """The largest storage, in bytes, whose value a trace computes."""
+
+_VALUE = "_memtrim_known_value"  # on a fake tensor: (the KnownValues that computed its value, the value)
 
 
 def _small(t: torch.Tensor) -> bool:
@@ -56,6 +64,21 @@ def _small(t: torch.Tensor) -> bool:
 
 
 _OPS: dict[Any, tuple[bool, bool, bool]] = {}  # op -> (deterministic, returns no tensor, writes an argument)
+
+
+def _forget_memo(fakes: list[torch.Tensor]) -> None:
+    """Take ``fakes``, an op's outputs, out of their fake mode's memo of converted tensors (NOTE [ known values ]):
+    the newest entries, where the op's cache miss has just put them."""
+    if not fakes or not isinstance(fakes[0], torch._subclasses.FakeTensor):
+        return
+    memo = getattr(fakes[0].fake_mode.fake_tensor_converter, "tensor_memo", None)
+    entries = getattr(memo, "data", None) if isinstance(memo, weakref.WeakValueDictionary) else None
+    ids = {id(t) for t in fakes}
+    while entries:
+        newest = next(reversed(entries))
+        if id(entries[newest]()) not in ids:
+            return
+        del entries[newest]
 
 
 def _op_facts(func: Any) -> tuple[bool, bool, bool]:
@@ -74,7 +97,6 @@ class KnownValues(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self._values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # fake tensor -> its value (a real CPU tensor)
         self._stale: set[StorageWeakRef] = set()  # value storages an op overwrote with what it could not compute
         self._pinned: set[StorageWeakRef] = set()  # value storages that writes without a value leave as they are
         # pinned values such a write has been to, and every value computed from them: read by a shape decision only
@@ -86,7 +108,8 @@ class KnownValues(TorchDispatchMode):
         ``fake`` with something it cannot compute leaves the value as it was instead of dropping it (a parameter's
         value as given, through the optimizer's steps: NOTE [ known values ])."""
         if _small(real) and not real.is_meta and not isinstance(real, torch._subclasses.FakeTensor):  # no data
-            value = self._values[fake] = real.detach().to("cpu", copy=True)
+            value = real.detach().to("cpu", copy=True)
+            setattr(fake, _VALUE, (self, value))
             if pinned:
                 self._pinned.add(StorageWeakRef(value.untyped_storage()))
 
@@ -95,7 +118,8 @@ class KnownValues(TorchDispatchMode):
         or a tensor subclass."""
         if type(t) is torch.Tensor:
             return t
-        v = self._values.get(t) if isinstance(t, torch._subclasses.FakeTensor) else None
+        entry = getattr(t, _VALUE, None) if isinstance(t, torch._subclasses.FakeTensor) else None
+        v = entry[1] if entry is not None and entry[0] is self else None
         if v is None or (self._stale and StorageWeakRef(v.untyped_storage()) in self._stale):
             return None
         return v
@@ -127,6 +151,7 @@ class KnownValues(TorchDispatchMode):
             self.approximate_decisions += drifted
             return self._shaped_by_values(func, args, kwargs, tensors[0].device, drifted)
         fakes = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        _forget_memo(fakes)
         if knowable and (fakes or mutable) and all(_small(t) for t in fakes):
             try:
                 reals = [t for t in tree_leaves(self._run(func, args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -141,7 +166,7 @@ class KnownValues(TorchDispatchMode):
         return out
 
     def _keep(self, fake: torch.Tensor, real: torch.Tensor, drifted: bool) -> None:
-        self._values[fake] = real
+        setattr(fake, _VALUE, (self, real))
         if drifted:
             self._drifted.add(StorageWeakRef(real.untyped_storage()))
 

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in one run (a lent GPU's time is short): the CUDA tests, the CUDA benchmarks,
+# then the whole suite on that machine's torch. Each part has its own time limit, so one that hangs leaves the rest.
+#
+# Reproduce (repository root, python3 with a CUDA torch and pytest; transformers, timm and torchvision for the
+# convert rows; pytest-xdist for the last part):   bash benchmarks/gpu.sh
+# Writes logs and the *_cuda.json results to $OUT (default benchmarks/results/gpu_run); the JSON files are also
+# left in benchmarks/results/, where the other results are.
+set -u
+OUT=${OUT:-$PWD/benchmarks/results/gpu_run}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+  $PY -c "import sys, torch; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
+  $PY -m pip list 2>/dev/null | grep -iE "^(torch|transformers|timm|torchvision|numpy|pytest|pytest-xdist) "
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+part() {  # part SECONDS LOG COMMAND...: run with a time limit, append to LOG, print its status and tail
+  local limit=$1 log=$2
+  shift 2
+  echo "== $* (limit ${limit}s)" >>"$log"
+  local start=$SECONDS
+  timeout "$limit" "$@" >>"$log" 2>&1
+  echo "== rc=$? after $((SECONDS - start))s: $*" | tee -a "$log"
+}
+
+part 150 "$OUT/cuda_tests.log" $PY -m pytest -m cuda -q -rA -p no:cacheprovider -p no:benchmark tests
+tail -n 25 "$OUT/cuda_tests.log"
+cd benchmarks
+part 60 "$OUT/bench.log" $PY step_memory.py --device cuda
+part 150 "$OUT/bench.log" $PY convert_zoo_time.py --wide --device cuda --batch-mult 16 --rounds 7
+grep -E "converted|rc=" "$OUT/bench.log" | tail -n 12
+cp results/*_cuda.json "$OUT/"
+cd ..
+part 150 "$OUT/full_suite.log" $PY -m pytest -q -n 14 -p no:cacheprovider -p no:benchmark tests
+tail -n 15 "$OUT/full_suite.log"
