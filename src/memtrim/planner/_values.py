@@ -56,7 +56,16 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 LIMIT = 16 * 2**20
 """The largest storage, in bytes, whose value a trace computes."""
 
-_VALUE = "_memtrim_known_value"  # on a fake tensor: (the KnownValues that computed its value, the value)
+_VALUE = "_memtrim_known_value"  # the attribute of a fake tensor that holds its _Known
+
+
+class _Known:
+    """A fake tensor's value and the :class:`KnownValues` that computed it."""
+
+    __slots__ = ("owner", "value")
+
+    def __init__(self, owner: KnownValues, value: torch.Tensor) -> None:
+        self.owner, self.value = owner, value
 
 
 def _small(t: torch.Tensor) -> bool:
@@ -109,7 +118,7 @@ class KnownValues(TorchDispatchMode):
         value as given, through the optimizer's steps: NOTE [ known values ])."""
         if _small(real) and not real.is_meta and not isinstance(real, torch._subclasses.FakeTensor):  # no data
             value = real.detach().to("cpu", copy=True)
-            setattr(fake, _VALUE, (self, value))
+            setattr(fake, _VALUE, _Known(self, value))
             if pinned:
                 self._pinned.add(StorageWeakRef(value.untyped_storage()))
 
@@ -118,8 +127,8 @@ class KnownValues(TorchDispatchMode):
         or a tensor subclass."""
         if type(t) is torch.Tensor:
             return t
-        entry = getattr(t, _VALUE, None) if isinstance(t, torch._subclasses.FakeTensor) else None
-        v = entry[1] if entry is not None and entry[0] is self else None
+        known = getattr(t, _VALUE, None) if isinstance(t, torch._subclasses.FakeTensor) else None
+        v = known.value if known is not None and known.owner is self else None
         if v is None or (self._stale and StorageWeakRef(v.untyped_storage()) in self._stale):
             return None
         return v
@@ -166,7 +175,7 @@ class KnownValues(TorchDispatchMode):
         return out
 
     def _keep(self, fake: torch.Tensor, real: torch.Tensor, drifted: bool) -> None:
-        setattr(fake, _VALUE, (self, real))
+        setattr(fake, _VALUE, _Known(self, real))
         if drifted:
             self._drifted.add(StorageWeakRef(real.untyped_storage()))
 
