@@ -4,8 +4,8 @@
 #
 # Reproduce (repository root, python3 with a CUDA torch and pytest; transformers, timm and torchvision for the
 # convert rows; pytest-xdist for the last part):   bash benchmarks/gpu.sh
-# Writes logs and the *_cuda.json results to $OUT (default benchmarks/results/gpu_run); the JSON files are also
-# left in benchmarks/results/, where the other results are.
+# Writes logs, convert_cuda_check_cuda.txt and the *_cuda.json results to $OUT (default benchmarks/results/gpu_run);
+# the JSON files are also left in benchmarks/results/, where the other results are. About 9 minutes on an H200.
 set -u
 OUT=${OUT:-$PWD/benchmarks/results/gpu_run}
 mkdir -p "$OUT"
@@ -35,7 +35,9 @@ cd benchmarks
 part 60 "$OUT/bench.log" $PY step_memory.py --device cuda
 part 150 "$OUT/bench.log" $PY convert_zoo_time.py --wide --device cuda --batch-mult 16 --rounds 7
 grep -E "converted|rc=" "$OUT/bench.log" | tail -n 12
+PROFILE=tv_resnet18 timeout 150 $PY convert_cuda_check.py >"$OUT/convert_cuda_check_cuda.txt" 2>&1
+echo "== rc=$? convert_cuda_check.py"; grep -E "claims|ms/step" "$OUT/convert_cuda_check_cuda.txt"
 cp results/*_cuda.json "$OUT/"
 cd ..
-part 150 "$OUT/full_suite.log" $PY -m pytest -q -n 14 -p no:cacheprovider -p no:benchmark tests
-tail -n 15 "$OUT/full_suite.log"
+part 240 "$OUT/full_suite.log" $PY -m pytest -v -rf -n 14 -p no:cacheprovider -p no:benchmark -m "not cuda" tests
+grep -E "FAILED|ERROR|passed|failed" "$OUT/full_suite.log" | tail -n 30
