@@ -182,3 +182,20 @@ def test_cuda_peak_matches_allocator(workload, tmp_path):
     assert allocator >= tracked
     tracker.export_memory_snapshot(str(tmp_path / "snapshot.pickle"))
     assert (tmp_path / "snapshot.pickle").stat().st_size > 0
+
+
+def test_a_finished_tracker_does_not_stop_the_model_being_moved():
+    # torch swaps a parameter for its moved copy under swap_module_params_on_conversion (always, for tensor-subclass
+    # parameters) and refuses one that is weakly referenced: a tracker kept for its report held every parameter so
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    with memtrim.track(model) as tracker:
+        model(torch.randn(3, 4)).sum().backward()
+    peak = tracker.report().peak_bytes
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.double()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    assert model[0].weight.dtype == torch.float64
+    assert tracker.report().peak_bytes == peak > 0  # the report is the tracker's, unchanged

@@ -213,6 +213,10 @@ class Tracker:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+        # a finished tracker reads no parameter again; a weak reference would stop torch from swapping one for its
+        # moved copy (``model.to()`` with swap_module_params_on_conversion, or with tensor-subclass parameters)
+        self._params.clear()
+        self._unhooked.clear()
 
     # ------------------------------------------------------------------ public queries
     def live_by_category(self, device: str | torch.device | None = None) -> dict[str, int]:
