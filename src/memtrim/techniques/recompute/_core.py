@@ -195,7 +195,7 @@ def mark_recomputable(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], *so
         nested = entry_of(source)
         resolved.append(nested if nested is not None else source)
     return register(tensor, fn, resolved, owner=owner, double_backward=double_backward, holds=holds,
-                    tag=tag) is not None
+                    tag=tag, checked=True) is not None
 
 
 def entry_of(tensor: torch.Tensor) -> _Entry | None:
@@ -222,7 +222,9 @@ def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Ite
     for source in sources:
         # a Parameter is kept as itself: never a producer's output (no in-place check needed), and saved-tensor hooks
         # outside (memtrim.OffloadActivations) then see a parameter and leave it where it is, as with torch's own saves
-        if isinstance(source, torch.Tensor) and not isinstance(source, torch.nn.Parameter):
+        # (a plain tensor first: Parameter's isinstance runs a Python metaclass check)
+        if type(source) is torch.Tensor or (isinstance(source, torch.Tensor) and
+                                            not isinstance(source, torch.nn.Parameter)):
             # the same storage (compared as torch's StorageWeakRef does: fake tensors, as a plan traces them, all
             # have data pointer 0)
             if source.untyped_storage()._cdata == storage._cdata and storage.nbytes() > 0:
@@ -235,9 +237,9 @@ def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Ite
     entry.versions = tuple([s._version if isinstance(s, torch.Tensor) else -1 for s in resolved])
     entry.version = tensor._version
     entry.tensor_ref = weakref.ref(tensor)
-    entry.holds = tuple(t.detach() for t in holds) if holds else ()
-    for held in entry.holds:
-        hold_for_backward(held, entry.recipe)
+    entry.holds = tuple([t.detach() for t in holds]) if holds else ()
+    if entry.holds:
+        hold_for_backward(entry.holds, entry.recipe)
     key = id(storage)
     entry.storage_ref = weakref.ref(storage, functools.partial(_forget, key, entry))
     with _lock:
