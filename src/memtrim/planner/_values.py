@@ -75,15 +75,16 @@ def _small(t: torch.Tensor) -> bool:
 _OPS: dict[Any, tuple[bool, bool, bool]] = {}  # op -> (deterministic, returns no tensor, writes an argument)
 
 
-def _forget_memo(fakes: list[torch.Tensor]) -> None:
+def _forget_memo(fakes: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
     """Take ``fakes``, an op's outputs, out of their fake mode's memo of converted tensors (NOTE [ known values ]):
-    the newest entries, where the op's cache miss has just put them."""
+    the newest entries, where the op's cache miss has just put them. An output that is one of the op's ``inputs``
+    (an in-place op returns its argument) is no new entry: a real tensor's conversion stays memoised."""
     if not fakes or not isinstance(fakes[0], torch._subclasses.FakeTensor):
         return
     memo = getattr(fakes[0].fake_mode.fake_tensor_converter, "tensor_memo", None)
     entries = getattr(memo, "data", None) if isinstance(memo, weakref.WeakValueDictionary) else None
-    ids = {id(t) for t in fakes}
-    while entries:
+    ids = {id(t) for t in fakes} - {id(t) for t in inputs}
+    while entries and ids:
         newest = next(reversed(entries))
         if id(entries[newest]()) not in ids:
             return
@@ -160,7 +161,7 @@ class KnownValues(TorchDispatchMode):
             self.approximate_decisions += drifted
             return self._shaped_by_values(func, args, kwargs, tensors[0].device, drifted)
         fakes = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        _forget_memo(fakes)
+        _forget_memo(fakes, tensors)
         if knowable and (fakes or mutable) and all(_small(t) for t in fakes):
             try:
                 reals = [t for t in tree_leaves(self._run(func, args, kwargs)) if isinstance(t, torch.Tensor)]
