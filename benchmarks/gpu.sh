@@ -29,8 +29,10 @@ part() {  # part SECONDS LOG COMMAND...: run with a time limit, append to LOG, p
   echo "== rc=$? after $((SECONDS - start))s: $*" | tee -a "$log"
 }
 
-part 150 "$OUT/cuda_tests.log" $PY -m pytest -m cuda -q -rA -p no:cacheprovider -p no:benchmark tests
+part 150 "$OUT/cuda_tests.log" $PY -m pytest -m cuda -q -rA -p no:cacheprovider -p no:benchmark tests  # results/cuda_tests_cuda.log
 tail -n 25 "$OUT/cuda_tests.log"
+part 60 "$OUT/bench.log" $PY benchmarks/cuda_tracker_check.py
+grep -E "^(mlp|gpt) " "$OUT/bench.log"
 cd benchmarks
 part 60 "$OUT/bench.log" $PY step_memory.py --device cuda
 part 150 "$OUT/bench.log" $PY convert_zoo_time.py --wide --device cuda --batch-mult 16 --rounds 7
