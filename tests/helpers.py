@@ -2,8 +2,9 @@
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from memtrim.models import SeedMLP
+from memtrim.models import SeedMLP, SmallGPT
 
 
 def mlp_step_setup(batch: int = 64, inplace: bool = False):
@@ -52,3 +53,34 @@ def activation_bytes(fn, *args, model=None) -> int:
         held = tracker.live_by_category()["activations"]
     del out
     return held
+
+
+def cuda_workload(name: str):
+    """(model, AdamW, inputs, targets, loss_fn) on CUDA, from seed 0: the seed MLP at batch 256 ("mlp") or the small
+    GPT, 4 layers of 256 on 8x128 tokens ("gpt"). The CUDA tracker test and benchmarks/cuda_tracker_check.py."""
+    torch.manual_seed(0)
+    if name == "mlp":
+        model = SeedMLP().cuda()
+        x, y, loss_fn = torch.randn(256, 784, device="cuda"), torch.randint(0, 10, (256,), device="cuda"), F.nll_loss
+    else:
+        model = SmallGPT(n_layer=4, d_model=256, n_head=4, seq_len=128).cuda()
+        x = y = torch.randint(0, 256, (8, 128), device="cuda")
+
+        def loss_fn(out, t):
+            return F.cross_entropy(out.flatten(0, 1), t.flatten())
+
+    return model, torch.optim.AdamW(model.parameters()), x, y, loss_fn
+
+
+class AllocatorAtOpEnds(TorchDispatchMode):
+    """After every op: (its name, the CUDA allocator's allocated bytes, its requested bytes, before its rounding)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        requested = torch.cuda.memory_stats().get("requested_bytes.all.current")
+        self.log.append((str(func), torch.cuda.memory_allocated(), requested))
+        return out

@@ -7,11 +7,10 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import memtrim
 
-from ..helpers import mlp_step_setup, param_bytes, train_step
+from ..helpers import AllocatorAtOpEnds, cuda_workload, mlp_step_setup, param_bytes, train_step
 
 
 def test_op_memory_relu_exact():
@@ -130,44 +129,17 @@ def test_cuda_op_memory_relu_exact():
     assert m.allocated_bytes == m.allocator_allocated_bytes == 0
 
 
-class _RequestedAtOpEnds(TorchDispatchMode):
-    """The CUDA allocator's requested bytes (what tensors asked for, before its rounding) after every op."""
-
-    def __init__(self):
-        super().__init__()
-        self.levels = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.levels.append(torch.cuda.memory_stats()["requested_bytes.all.current"])
-        return out
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("workload", ["mlp", "gpt"])
 def test_cuda_peak_matches_allocator(workload, tmp_path):
-    from memtrim.models import SeedMLP, SmallGPT
-
     if "requested_bytes.all.current" not in torch.cuda.memory_stats():
         pytest.skip("this torch's CUDA allocator does not count requested bytes")
-    torch.manual_seed(0)
-    if workload == "mlp":
-        model = SeedMLP().cuda()
-        x, y, loss_fn = torch.randn(256, 784, device="cuda"), torch.randint(0, 10, (256,), device="cuda"), F.nll_loss
-    else:
-        model = SmallGPT(n_layer=4, d_model=256, n_head=4, seq_len=128).cuda()
-        x = torch.randint(0, 256, (8, 128), device="cuda")
-        y = x
-
-        def loss_fn(out, t):
-            return F.cross_entropy(out.flatten(0, 1), t.flatten())
-
-    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer, x, y, loss_fn = cuda_workload(workload)
     train_step(model, optimizer, x, y, loss_fn)
     gc.collect()  # garbage of earlier tests freed during the step would lower the allocator's level below its start
     torch.cuda.synchronize()
     start = torch.cuda.memory_stats()["requested_bytes.all.current"]
-    at_op_ends = _RequestedAtOpEnds()
+    at_op_ends = AllocatorAtOpEnds()
     with memtrim.track(model, optimizer) as tracker, at_op_ends:
         train_step(model, optimizer, x, y, loss_fn)
     report = tracker.report()
@@ -175,7 +147,7 @@ def test_cuda_peak_matches_allocator(workload, tmp_path):
     # relative to the start: the allocator also holds cuBLAS workspaces, which are no tensor storage
     tracked = report.peak_bytes - report.timeline[0].total_bytes
     # exact where both can see: between ops, the tracker's peak is the highest level the allocator was asked for
-    assert max(at_op_ends.levels) - start == tracked
+    assert max(requested for _, _, requested in at_op_ends.log) - start == tracked
     # the allocator's own peak is higher by its rounding, and by what kernels allocate and free inside one op (on an
     # H200 with torch 2.11: 1,456 B for the MLP; 2,102,776 B for the GPT), which no tensor holds
     allocator = report.allocator_peak_allocated_bytes - report.allocator_start_allocated_bytes
