@@ -84,3 +84,17 @@ class AllocatorAtOpEnds(TorchDispatchMode):
         requested = torch.cuda.memory_stats().get("requested_bytes.all.current")
         self.log.append((str(func), torch.cuda.memory_allocated(), requested))
         return out
+
+
+def workers_can_fork() -> bool:
+    """Whether the planner's workers fork here and a forked child can run a backward (torch 2.11's CUDA build refuses
+    one in a child forked after a backward in this process, and the plans are then traced in turn)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from memtrim.planner._workers import _autograd_runs, fork_is_safe
+
+    if not fork_is_safe():
+        return False
+    with ProcessPoolExecutor(1, multiprocessing.get_context("fork")) as pool:
+        return pool.submit(_autograd_runs).result()

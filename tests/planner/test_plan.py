@@ -64,10 +64,23 @@ def test_a_factory_that_casts_its_model_plans_byte_for_byte(cast):
     else:
         x, y = _batch()
         factory, loss = (lambda: _gpt().to(getattr(torch, cast))), _gpt_loss
+    if cast == "double" and not _fake_attention_matches_its_kernel(torch.double):
+        pytest.xfail("this torch's fake CPU flash attention returns a float32 logsumexp for float64 (its kernel: "
+                     "float64), so the trace is that many bytes low (torch 2.11; 2.13 agrees)")
     predicted = trace_step(factory, x, y, loss, _adamw, []).report
     measured = trace_step(factory, x, y, loss, _adamw, [], fake=False).report
     assert predicted.peak_bytes == measured.peak_bytes > 0
     assert dict(predicted.peak_by_category) == dict(measured.peak_by_category)
+
+
+def _fake_attention_matches_its_kernel(dtype):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q = torch.zeros(1, 1, 2, 4, dtype=dtype)
+    attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    with FakeTensorMode() as mode:
+        fake = attention(*[mode.from_tensor(q)] * 3, 0.0, True)
+    return [t.dtype for t in fake] == [t.dtype for t in attention(q, q, q, 0.0, True)]
 
 
 def test_a_fake_prediction_allocates_no_parameter():
@@ -436,6 +449,8 @@ def test_plans_traced_in_worker_processes_are_the_ones_traced_in_turn():
 
     from memtrim.planner._workers import fork_is_safe
 
+    from ..helpers import workers_can_fork
+
     x, y = _batch()
     names = ["selective", "checkpoint", "in_backward", "in_backward_each"]
 
@@ -447,6 +462,7 @@ def test_plans_traced_in_worker_processes_are_the_ones_traced_in_turn():
     side_by_side = memtrim.plan(_gpt, x, _gpt_loss, _adamw, targets=y, budget=1 << 40, techniques=names, workers=2)
     assert rows(side_by_side) == rows(in_turn) and len(rows(in_turn)) == 9
     forked = "traced in 2 worker processes" in side_by_side.notes
-    assert forked == fork_is_safe() and (forked or not sys.platform.startswith("linux") or
-                                         threading.active_count() > 1 or torch.cuda.is_initialized())
+    assert forked == workers_can_fork() and (forked or not sys.platform.startswith("linux") or
+                                             threading.active_count() > 1 or torch.cuda.is_initialized() or
+                                             fork_is_safe())  # safe, but a forked child cannot run a backward
     assert [n for n in side_by_side.notes if "worker" not in n] == in_turn.notes

@@ -11,7 +11,8 @@ that do not pickle, and a forked child inherits them. Only the combination (a tu
 only the estimate (dicts, ints, strings) or the failure's kind and message comes back. Forking is used only where it
 is safe: on Linux, with CUDA not initialised in this process (a forked child cannot use it), and with no other
 Python thread running (a lock held by another thread at the fork stays held in the child; tqdm's monitor thread
-excepted, whose lock a child never takes), in a process allowed children (not a daemon). Elsewhere, with
+excepted, whose lock a child never takes), in a process allowed children (not a daemon). Elsewhere, where a child
+cannot run a backward (a torch whose autograd engine started its device threads before the fork refuses it), with
 ``workers=1``, or for two plans or fewer, the plans are traced in turn in this process; and if a worker dies (killed
 for memory, a crash in a kernel) the remaining plans are traced in turn here too, as they would have been without
 workers. Workers run torch on one thread (the values a trace computes are small, and ATen then never enters OpenMP
@@ -76,6 +77,18 @@ def _start_worker() -> None:
     torch.set_num_threads(1)
 
 
+def _autograd_runs() -> bool:
+    """Whether a backward runs in this (forked) process: torch builds whose autograd engine started its device
+    threads in the parent refuse every backward in a forked child ("Unable to handle autograd's threading in
+    combination with fork-based multiprocessing"; seen with torch 2.11's CUDA build after one backward, on a machine
+    without a GPU)."""
+    try:
+        torch.ones(1, requires_grad=True).sum().backward()
+    except RuntimeError:
+        return False
+    return True
+
+
 def _outcome(estimate: Callable[[Combo], Any], combo: Combo) -> tuple[Combo, Any]:
     try:
         return combo, estimate(combo)
@@ -104,8 +117,12 @@ class Tracer:
                     warnings.simplefilter("ignore", DeprecationWarning)
                     pool = ProcessPoolExecutor(self.workers, multiprocessing.get_context("fork"),
                                                initializer=_start_worker)
-                    pool.submit(int).result()  # forks every worker now, before this process starts any thread
-                self._pool = pool
+                    # forks every worker now, before this process starts any thread, and asks one for a backward
+                    runs = pool.submit(_autograd_runs).result()
+                if runs:
+                    self._pool = pool
+                else:  # the children inherited an autograd that refuses them: trace in turn here
+                    pool.shutdown(wait=True)
             except (OSError, RuntimeError, BrokenProcessPool):  # no process to be had: trace in turn
                 self._pool = None
             finally:
