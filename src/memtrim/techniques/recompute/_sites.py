@@ -653,8 +653,15 @@ class _Checkpointed:
         self.module, self.inner = module, inner
         self.recipe_owner: str | None = None
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's own forward. (Not ``forward.__get__(module)``: torch 2.11's compiler breaks the graph on a
+        descriptor's ``__get__``, 9 breaks in a converted GPT-2.)"""
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        fn = self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+        fn = self.forward
         if not _active() or not any(isinstance(a, torch.Tensor) and a.requires_grad
                                     for a in (*args, *kwargs.values())):
             return fn(*args, **kwargs)
