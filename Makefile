@@ -11,7 +11,7 @@ $(BIN)/memtrim: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev,demo]'
+	$(BIN)/python -m pip install --quiet -e '.[dev,demo,models]'
 	touch $(BIN)/memtrim
 
 demo: $(BIN)/memtrim
