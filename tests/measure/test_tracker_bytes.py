@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import memtrim
+from memtrim.measure.hooks import top_saved_tensors_hooks
 
 
 def total(tracker):
@@ -149,7 +150,7 @@ def test_leaves_no_hooks_behind_even_on_error():
         pass
     else:
         raise AssertionError("the shape error should propagate")
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert top_saved_tensors_hooks() is None
     assert "__setattr__" not in autograd_function.FunctionCtx.__dict__
     assert "resize_" not in torch.UntypedStorage.__dict__
     # and a later tracker starts clean

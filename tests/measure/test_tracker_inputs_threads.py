@@ -8,6 +8,7 @@ import torch.autograd.function as autograd_function
 import torch.nn.functional as F
 
 import memtrim
+from memtrim.measure.hooks import top_saved_tensors_hooks
 
 
 class MaskedHead(torch.nn.Module):
@@ -44,7 +45,7 @@ def test_keyword_arguments_are_inputs(call):
 
 
 def _no_hooks_left() -> None:
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert top_saved_tensors_hooks() is None
     assert "__setattr__" not in autograd_function.FunctionCtx.__dict__
     assert "resize_" not in torch.UntypedStorage.__dict__
 

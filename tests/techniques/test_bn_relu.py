@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import memtrim
+from memtrim.measure.hooks import top_saved_tensors_hooks
 
 from ..helpers import activation_bytes
 
@@ -74,7 +75,7 @@ def test_nothing_leaks_and_inplace_edits_still_raise():
         del out
         gc.collect()
         assert tracker.live_by_category()["activations"] == 0
-    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # popped after the forward
+    assert top_saved_tensors_hooks() is None  # popped after the forward
 
     class Edits(nn.Module):
         def __init__(self):

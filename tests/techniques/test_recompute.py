@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import memtrim
+from memtrim.measure.hooks import top_saved_tensors_hooks
 from memtrim.techniques import recompute as R
 from memtrim.techniques.recompute import _core
 
@@ -432,7 +433,7 @@ def test_forward_without_backward_frees_everything():
             gc.collect()
             assert tracker.live_by_category()["activations"] == 0
         assert not _core._REGISTRY
-        assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        assert top_saved_tensors_hooks() is None
 
 
 def test_outer_saved_tensor_hooks_see_the_sources():

@@ -75,6 +75,7 @@ __all__ = [
     "hold_for_backward",
     "note_gradients",
     "tensors_in",
+    "top_saved_tensors_hooks",
 ]
 
 
@@ -365,6 +366,55 @@ def _optimizer_post(optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwa
         tracker.on_optimizer_exit(optimizer)
 
 
+# ---------------------------------------------------------------------- the saved-tensor hooks on top
+# torch 2.8 added the getter; 2.4 to 2.7 have no way to read the thread's stack of saved-tensor hooks. There, memtrim
+# mirrors the stack that Python pushes and pops (``saved_tensors_hooks.__enter__``/``__exit__``, which
+# ``torch.utils.checkpoint``, ``save_on_cpu`` and memtrim itself use), per thread, by wrapping torch's two private
+# calls once, at import. A stack pushed in C++, or carried by autograd into a device thread running a backward, is not
+# seen there: what memtrim's own hooks then chain to is nothing.
+_TOP_HOOKS = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+_mirror = threading.local()
+
+
+def top_saved_tensors_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+    """The (pack, unpack) saved-tensor hooks active on this thread, or None.
+
+    A private torch call, kept on purpose: torch has no public API that reads the active hooks (entering a
+    ``saved_tensors_hooks`` replaces them, and ``disable_saved_tensors_hooks`` forbids them), and memtrim's own hooks
+    chain to them so that what they pass through still reaches an outer checkpoint or a tracker. torch's own compiler
+    reads them the same way (``torch._functorch._aot_autograd.utils.top_saved_tensors_hooks``). Before torch 2.8, the
+    mirror above."""
+    if _TOP_HOOKS is not None:
+        return _TOP_HOOKS(False)
+    stack = getattr(_mirror, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _mirror_the_stack() -> None:
+    autograd = torch._C._autograd
+    push, pop = autograd._push_saved_tensors_default_hooks, autograd._pop_saved_tensors_default_hooks
+
+    def push_mirrored(pack_hook: Callable[[torch.Tensor], Any], unpack_hook: Callable[[Any], torch.Tensor]) -> None:
+        push(pack_hook, unpack_hook)  # raises where hooks are disabled: nothing mirrored then
+        stack = getattr(_mirror, "stack", None)
+        if stack is None:
+            stack = _mirror.stack = []
+        stack.append((pack_hook, unpack_hook))
+
+    def pop_mirrored() -> None:
+        pop()
+        stack = getattr(_mirror, "stack", None)
+        if stack:
+            stack.pop()
+
+    autograd._push_saved_tensors_default_hooks = push_mirrored
+    autograd._pop_saved_tensors_default_hooks = pop_mirrored
+
+
+if _TOP_HOOKS is None:
+    _mirror_the_stack()
+
+
 def activate(tracker: Tracker) -> None:
     """Start forwarding events to ``tracker`` (called by ``Tracker.__enter__``): the process-wide hooks if it is
     the first tracker anywhere, the saved-tensor hooks if it is the first in this thread. Call from the thread
@@ -378,7 +428,7 @@ def activate(tracker: Tracker) -> None:
         trackers = _local.trackers = []
     if not trackers:
         try:
-            outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            outer = top_saved_tensors_hooks()
             torch._C._autograd._push_saved_tensors_default_hooks(*_make_pack(outer, trackers))
         except BaseException:
             _remove_active(tracker)

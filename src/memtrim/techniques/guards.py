@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from ..errors import ConvertError
+from ..measure.hooks import top_saved_tensors_hooks
 
 __all__ = [
-    "active_saved_tensors_hooks", "autocasting", "in_checkpoint", "inplace_error", "memtrims", "no_double_backward",
+    "autocasting", "in_checkpoint", "inplace_error", "memtrims", "no_double_backward",
     "owner", "plain_only", "saved_tensors",
 ]
 
@@ -55,23 +56,12 @@ def plain_only() -> bool:
     return torch.compiler.is_compiling() or _functorch_active() or _forward_ad_active()
 
 
-def active_saved_tensors_hooks() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
-    """The (pack, unpack) saved-tensor hooks active on this thread, or None.
-
-    A private torch call, kept on purpose: torch has no public API that reads the active hooks (entering a
-    ``saved_tensors_hooks`` replaces them, and ``disable_saved_tensors_hooks`` forbids them), and the recipe scopes
-    must chain to them so that what they pass through still reaches memtrim's tracker or an outer checkpoint
-    (NOTE [ recipes at consumer call sites ]). torch's own compiler reads them the same way
-    (``torch._functorch._aot_autograd.utils.top_saved_tensors_hooks``)."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
-
-
 def in_checkpoint() -> bool:
     """True inside a ``torch.utils.checkpoint`` region: its forward, whose saves are dropped, or its recomputation in
     backward. ActLinear and the keep-output norms run as torch's own ops there (the same in both, so torch's check
     that they save the same tensors holds): keeping less of what is dropped anyway gains nothing, and torch's own ops
     let the recomputation stop early, before the region's last matmul, once backward has what it needs."""
-    top = active_saved_tensors_hooks()
+    top = top_saved_tensors_hooks()
     return top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint"
 
 

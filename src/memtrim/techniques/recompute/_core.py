@@ -46,8 +46,8 @@ from typing import Any
 import torch
 
 from ...errors import ConvertError
-from ...measure.hooks import check_saved_version, hold_for_backward
-from ..guards import active_saved_tensors_hooks, in_checkpoint, plain_only
+from ...measure.hooks import check_saved_version, hold_for_backward, top_saved_tensors_hooks
+from ..guards import in_checkpoint, plain_only
 
 __all__ = [
     "Recipe", "enter_consumer_scope", "entry_of", "exit_consumer_scope", "is_recomputable", "mark_recomputable",
@@ -408,7 +408,7 @@ def enter_consumer_scope() -> None:
     Every call must be matched by :func:`exit_consumer_scope`."""
     if plain_only():  # before anything else: torch.compile must trace none of this
         return
-    top = active_saved_tensors_hooks()
+    top = top_saved_tensors_hooks()
     hooks = None
     # inside a checkpointed region a scope stands aside (in_checkpoint): the region's forward would keep a recipe
     # for a tensor made outside it (its sources: several saves) where the recomputation, which does not rerun that
@@ -476,7 +476,7 @@ class producing(torch.autograd.graph.saved_tensors_hooks):
         self.active = torch.is_grad_enabled() and not plain_only() and not in_checkpoint()
         if not self.active:
             return self
-        self.outer = outer = _outer_of(active_saved_tensors_hooks())
+        self.outer = outer = _outer_of(top_saved_tensors_hooks())
         pending = self.pending
 
         def pack(tensor: torch.Tensor) -> _Pending:
