@@ -12,8 +12,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import memtrim
-from memtrim.errors import InvalidInputError, MemtrimStateError
+from memtrim.errors import InvalidInputError, MemtrimStateError, MissingDependencyError
 from memtrim.models.gpt import Block, GPTConfig, SmallGPT
+
+SELECTIVE = hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts")  # torch >= 2.5
+
+
+def needs_selective():
+    if not SELECTIVE:
+        pytest.skip("torch < 2.5 has no selective checkpointing: policy= raises (test_policy_needs_torch_2_5)")
+
+
+@pytest.fixture(autouse=True)
+def _a_policy_needs_selective(request):
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("policy") is not None:
+        needs_selective()
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, d_model=32, n_head=4, dropout=0.1)
 
@@ -276,6 +290,7 @@ def activation_bytes(policy):
 
 
 def test_activation_bytes_plain_selective_per_block():
+    needs_selective()
     plain, selective, per_block = activation_bytes("plain"), activation_bytes("save_matmuls"), activation_bytes(None)
     block_input = 4 * 32 * 64 * 4  # one float32 (B, T, d_model) tensor per block
     outside = 2 * block_input + 4 * 32 * 2 * 4 + 32 * 8  # ln_f's input and output, its mean/rstd, positions
@@ -358,7 +373,19 @@ def test_bad_input():
     assert "forward" not in vars(model.blocks[1])  # a refused call changes nothing
 
 
+def test_policy_needs_torch_2_5(monkeypatch):
+    # torch 2.4 has no create_selective_checkpoint_contexts: a policy raises, naming what is missing and what to do,
+    # and changes nothing; whole-module checkpointing still works there
+    monkeypatch.delattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts", raising=False)
+    model = SmallGPT(CFG)
+    with pytest.raises(MissingDependencyError, match=r"^memtrim.checkpoint_modules: policy= needs .*torch >= 2.5"):
+        memtrim.checkpoint_modules(model, Block, policy="save_matmuls")
+    assert all("forward" not in vars(block) for block in model.blocks)
+    memtrim.checkpoint_modules(model, Block)
+
+
 def test_custom_policy_callable_and_ops():
+    needs_selective()
     torch.manual_seed(0)
     plain = SmallGPT(CFG)
     treated = copy.deepcopy(plain)
@@ -409,6 +436,7 @@ def test_buffers_read_before_update_and_graph_retained(policy):
 
 
 def test_deepcopy_of_a_checkpointed_model_is_checkpointed_and_independent():
+    needs_selective()
     torch.manual_seed(0)
     plain = SmallGPT(CFG)
     treated = copy.deepcopy(plain)

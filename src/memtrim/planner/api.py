@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
@@ -408,6 +409,9 @@ def _usable(names: list[str], dev: torch.device, depth: int | None, notes: list[
         if name in out and dev.type in ("cpu", "meta"):
             out.remove(name)
             notes.append(f"{name}: left out; on {dev.type} host memory is the device's")
+    if "selective" in out and not hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"):
+        out.remove("selective")
+        notes.append(f"selective: left out; torch {torch.__version__} has no selective checkpointing (torch >= 2.5)")
     return out
 
 

@@ -43,7 +43,7 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch import nn
 
-from ...errors import InvalidInputError, MemtrimStateError
+from ...errors import InvalidInputError, MemtrimStateError, MissingDependencyError
 from ...measure.hooks import hold_for_backward
 from ..recompute import recipes_honoured
 
@@ -179,6 +179,12 @@ def _policy_fn(policy: Policy) -> tuple[Callable[..., Any] | None, str | None]:
 def _selective(policy_fn: Callable[..., Any] | None) -> Callable[[], tuple[Any, Any]] | None:
     if policy_fn is None:
         return None
+    if not hasattr(tuc, "create_selective_checkpoint_contexts"):
+        raise MissingDependencyError(
+            f"{_API}: policy= needs torch.utils.checkpoint.create_selective_checkpoint_contexts, which torch "
+            f"{torch.__version__} does not have (torch >= 2.5 does). Upgrade torch, or pass policy=None to checkpoint "
+            "whole modules."
+        )
     return functools.partial(tuc.create_selective_checkpoint_contexts, policy_fn)
 
 
