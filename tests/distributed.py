@@ -25,4 +25,4 @@ def spawn(body, world=2):
     with tempfile.TemporaryDirectory() as out:
         init = "file://" + os.path.join(out, "rendezvous")
         mp.start_processes(_run_worker, args=(world, init, out, body), nprocs=world, join=True, start_method="spawn")
-        return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+        return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]

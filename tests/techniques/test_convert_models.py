@@ -189,7 +189,12 @@ def test_gpt2_compiles_without_new_graph_breaks():
     counts = []
     for model in (plain, converted):
         torch._dynamo.reset()
-        explanation = torch._dynamo.explain(model)(**ids())
+        try:
+            explanation = torch._dynamo.explain(model)(**ids())
+        except torch._dynamo.exc.TorchRuntimeError as e:
+            if model is converted:
+                raise
+            pytest.skip(f"this torch cannot compile transformers' own GPT-2 ({str(e).splitlines()[0]})")  # torch 2.4
         counts.append((explanation.graph_count, explanation.graph_break_count))
     assert counts[1] == counts[0], counts
 

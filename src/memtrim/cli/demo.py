@@ -408,7 +408,7 @@ def _largest_drift(depth: int, exact: bool, x: torch.Tensor, y: torch.Tensor, de
 
 def _swap_to_reversible(model: torch.nn.Module) -> torch.nn.Module:
     blocks = model.get_submodule("hidden")
-    model.set_submodule("hidden", memtrim.ReversibleSequential(*blocks.children()))  # the same blocks and parameters
+    model.hidden = memtrim.ReversibleSequential(*blocks.children())  # the same blocks and parameters
     return model
 
 

@@ -190,7 +190,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             check_saved_version(tensor, packed.version, _WHO)
         if packed.event is not None:
             torch.cuda.current_stream(packed.device).wait_event(packed.event)
-        return packed.host.to(packed.device, non_blocking=packed.host.is_pinned())
+        # only a copy made on a side stream can be pinned (torch 2.4's fake tensors cannot answer is_pinned)
+        return packed.host.to(packed.device, non_blocking=packed.event is not None and packed.host.is_pinned())
 
 
 def _same_tensor(a: torch.Tensor | None, b: torch.Tensor) -> bool:
