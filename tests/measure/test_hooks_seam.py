@@ -102,10 +102,11 @@ def test_before_torch_2_8_the_saved_tensor_hooks_on_top_are_mirrored():
 
     if not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"):
         pytest.skip("this torch has no getter: every test here runs on the mirror")
-    runs = [subprocess.run([sys.executable, "-c", _MIRROR_SCRIPT, how], capture_output=True, text=True, timeout=300)
-            for how in ("getter", "mirror")]
-    for run in runs:
-        assert run.returncode == 0, run.stderr
-    getter, mirror = (json.loads(run.stdout) for run in runs)
+    runs = [subprocess.Popen([sys.executable, "-c", _MIRROR_SCRIPT, how], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for how in ("getter", "mirror")]  # side by side
+    outputs = [run.communicate(timeout=300) for run in runs]
+    for run, (_, err) in zip(runs, outputs):
+        assert run.returncode == 0, err
+    getter, mirror = (json.loads(out) for out, _ in outputs)
     assert getter["changes"] and getter["saved"] > 0
     assert mirror == getter
