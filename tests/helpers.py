@@ -87,14 +87,9 @@ class AllocatorAtOpEnds(TorchDispatchMode):
 
 
 def workers_can_fork() -> bool:
-    """Whether the planner's workers fork here and a forked child can run a backward (torch 2.11's CUDA build refuses
-    one in a child forked after a backward in this process, and the plans are then traced in turn)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    """Whether the planner's workers would trace plans here: fork is safe, and a forked child can run a backward
+    (torch 2.11's CUDA build refuses one in a child forked after a backward in this process)."""
+    from memtrim.planner._workers import Tracer
 
-    from memtrim.planner._workers import _autograd_runs, fork_is_safe
-
-    if not fork_is_safe():
-        return False
-    with ProcessPoolExecutor(1, multiprocessing.get_context("fork")) as pool:
-        return pool.submit(_autograd_runs).result()
+    with Tracer(lambda combo: combo, workers=2, expected=3) as tracer:
+        return tracer.parallel

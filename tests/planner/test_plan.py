@@ -12,10 +12,11 @@ import memtrim
 from memtrim.errors import InvalidInputError, PlanError
 from memtrim.models import GPTConfig, ResNetCNN, SmallGPT
 from memtrim.planner import TECHNIQUES, combinations, parse_bytes, repeated_block, trace_step
+from memtrim.techniques.checkpoint import selective_available
 
 _CFG = GPTConfig(n_layer=2, d_model=32, n_head=4, seq_len=16, vocab_size=64)
 
-SELECTIVE = hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts")  # torch >= 2.5
+SELECTIVE = selective_available()  # torch >= 2.5
 
 
 def _available(names):

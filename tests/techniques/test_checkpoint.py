@@ -14,8 +14,9 @@ from torch.utils.checkpoint import checkpoint
 import memtrim
 from memtrim.errors import InvalidInputError, MemtrimStateError, MissingDependencyError
 from memtrim.models.gpt import Block, GPTConfig, SmallGPT
+from memtrim.techniques.checkpoint import selective_available
 
-SELECTIVE = hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts")  # torch >= 2.5
+SELECTIVE = selective_available()  # torch >= 2.5
 
 
 def needs_selective():

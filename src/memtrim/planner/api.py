@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from .._signatures import accepts
 from ..errors import InvalidInputError, MemtrimError, PlanError
 from ..measure import format_bytes, pyplot
+from ..techniques.checkpoint import selective_available
 from ._cost import DeviceCost, calibrate, device_cost
 from ._techniques import EXCLUSIVE, TECHNIQUES, Applied, NotApplicable, Technique
 from ._trace import StepTrace, Work, trace_step
@@ -409,7 +409,7 @@ def _usable(names: list[str], dev: torch.device, depth: int | None, notes: list[
         if name in out and dev.type in ("cpu", "meta"):
             out.remove(name)
             notes.append(f"{name}: left out; on {dev.type} host memory is the device's")
-    if "selective" in out and not hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts"):
+    if "selective" in out and not selective_available():
         out.remove("selective")
         notes.append(f"selective: left out; torch {torch.__version__} has no selective checkpointing (torch >= 2.5)")
     return out

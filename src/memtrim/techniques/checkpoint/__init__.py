@@ -2,6 +2,6 @@
 optionally keeping the outputs of chosen ops (selective checkpointing). See NOTE [ checkpointed forward ] in
 _core.py."""
 
-from ._core import POLICIES, CheckpointHandle, checkpoint_modules
+from ._core import POLICIES, CheckpointHandle, checkpoint_modules, selective_available
 
-__all__ = ["POLICIES", "CheckpointHandle", "checkpoint_modules"]
+__all__ = ["POLICIES", "CheckpointHandle", "checkpoint_modules", "selective_available"]

@@ -176,10 +176,15 @@ def _policy_fn(policy: Policy) -> tuple[Callable[..., Any] | None, str | None]:
     return save_listed, label
 
 
+def selective_available() -> bool:
+    """Whether this torch has selective checkpointing (``create_selective_checkpoint_contexts``: torch >= 2.5)."""
+    return hasattr(tuc, "create_selective_checkpoint_contexts")
+
+
 def _selective(policy_fn: Callable[..., Any] | None) -> Callable[[], tuple[Any, Any]] | None:
     if policy_fn is None:
         return None
-    if not hasattr(tuc, "create_selective_checkpoint_contexts"):
+    if not selective_available():
         raise MissingDependencyError(
             f"{_API}: policy= needs torch.utils.checkpoint.create_selective_checkpoint_contexts, which torch "
             f"{torch.__version__} does not have (torch >= 2.5 does). Upgrade torch, or pass policy=None to checkpoint "
