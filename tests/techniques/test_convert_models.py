@@ -262,16 +262,17 @@ def test_torchvision_resnet_pattern_shared_relu_per_call_site(block, target):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_the_resnet_pattern_trains_like_plain_in_float64():
-    # on CUDA torch's BatchNorm runs cuDNN's kernel (float64 too) and the converted one torch's native kernel, so even
-    # the forward differs by rounding there: on an H200 (torch 2.11) the ResNets of benchmarks/convert_cuda_check.py
-    # gave float64 gradients 4e-16 to 2e-13 relative from the plain ones
+    # the converted forward calls torch.batch_norm as the plain one does (cuDNN's kernel on CUDA, float64 too), and
+    # the rebuild calls it again on the same input: bitwise where that kernel is deterministic, which is not yet
+    # checked on a GPU, so the report does not claim it. (Before, the converted forward ran torch's native kernel
+    # and rebuilt with per-channel terms: on an H200, torch 2.11, float64 gradients 4e-16 to 2e-13 relative apart)
     batch = {"x": torch.randn(2, 3, 64, 64, dtype=torch.float64, device="cuda")}
     plain, converted, report = converted_pair(lambda: _narrow_resnet(TorchvisionBasicBlock, (2, 2, 2, 2)).cuda(),
                                               batch)
     assert any(c.rule == "batchnorm_relu_call_site" for c in report.changes) and not report.bitwise
     out_a, grads_a = outputs_and_grads(plain, batch)
     out_b, grads_b = outputs_and_grads(converted, batch)
-    torch.testing.assert_close(out_b, out_a, rtol=1e-12, atol=1e-12)
+    assert torch.equal(out_b, out_a)  # the same kernels on the same values
     assert sorted(grads_a) == sorted(grads_b)
     for k in grads_a:
         torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-9, atol=1e-9, msg=k)
@@ -315,10 +316,9 @@ def test_timm_batchnorm_act_module_with_relu_is_fused(known_batchnorm_act):
     batch = {"input": torch.randn(4, 3, 12, 12, dtype=torch.float64)}
     plain, converted, report = converted_pair(conv_norm_act_net, batch)
     assert [(c.modules, c.after, c.bitwise) for c in report.changes] == [
-        (("1",), "memtrim.nn.BatchNormReLU2d", False), (("3",), "memtrim.nn.BatchNormReLU2d", False)], str(report)
-    # each ReLU output (4 x 8 x 10 x 10, then 4 x 8 x 8 x 8 float64) is no longer kept by the next convolution;
-    # each recipe holds its per-channel scale and shift (2 x 8 float64)
-    assert report.bytes_saved == 8 * 4 * 8 * (10 * 10 + 8 * 8) - 2 * (2 * 8 * 8)
+        (("1",), "memtrim.nn.BatchNormReLU2d", True), (("3",), "memtrim.nn.BatchNormReLU2d", True)], str(report)
+    # each ReLU output (4 x 8 x 10 x 10, then 4 x 8 x 8 x 8 float64) is no longer kept by the next convolution
+    assert report.bytes_saved == 8 * 4 * 8 * (10 * 10 + 8 * 8)
     assert_equal_training(plain, converted, batch)
     conv_norm_act_net().double().load_state_dict(converted.state_dict())
 

@@ -32,6 +32,7 @@ from ..norms import (
     LayerNorm,
     RMSNorm,
 )
+from ..norms.bn_relu import rebuilds_bitwise
 from ..recompute import LIMITS, keep_recipes_in
 from .rules import Candidate, Context, Undo, chain, class_swap, label, register_rule
 
@@ -152,13 +153,15 @@ def batchnorm_activation(ctx: Context) -> Iterator[Candidate]:
             readers = [ctx.modules[r] for r in ctx.evidence.keepers(act_name) if r in ctx.modules]  # type: ignore[union-attr]
             apply = _fuse_bn_relu(bn, act, readers, target, label(pair, f"memtrim.nn.{target.__name__}"))
             limits: tuple[str, ...] = LIMITS["batchnorm_relu"]
+            bitwise = rebuilds_bitwise(bn)
         else:
             target = _BN_ACT[type(bn)]
             apply = _fuse_bn(bn, act, target, spec, label(pair, f"memtrim.nn.{target.__name__}"))  # type: ignore[arg-type]
             limits = (REBUILT_INPUT, NO_DOUBLE_BACKWARD, NO_AUTOCAST)
+            bitwise = False
         yield Candidate(pair, f"{type(bn).__name__} + {type(act).__name__}", f"memtrim.nn.{target.__name__}",
                         reason="the BatchNorm's output is read by the activation alone", targets=(bn, act),
-                        limits=limits, bitwise=False, apply=apply)
+                        limits=limits, bitwise=bitwise, apply=apply)
 
 
 def _fuse_bn(bn: nn.Module, act: nn.Module, target: type, spec: tuple[str, float], owner: str):  # noqa: ANN202

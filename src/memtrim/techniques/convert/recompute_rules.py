@@ -47,6 +47,7 @@ from collections.abc import Iterator
 from torch import nn
 
 from ..norms import BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d
+from ..norms.bn_relu import rebuilds_bitwise
 from ..pooling import LIMITS as POOL_LIMITS
 from ..pooling import MaxPool2d, compactable, offset_dtype
 from ..recompute import (
@@ -233,8 +234,8 @@ def batchnorm_relu_call_site(ctx: Context) -> Iterator[Candidate]:
         yield Candidate(where, f"{type(bn).__name__} + ReLU (call {relu_site.call} of {relu_site.path})",
                         f"memtrim.nn.{target.__name__} + PassThroughReLU",
                         reason="this call of the ReLU reads the BatchNorm's output first", targets=(bn,),
-                        expected_bytes=trace.storages[z].nbytes, limits=LIMITS["batchnorm_relu"], bitwise=False,
-                        apply=apply)
+                        expected_bytes=trace.storages[z].nbytes, limits=LIMITS["batchnorm_relu"],
+                        bitwise=rebuilds_bitwise(bn), apply=apply)
 
 
 # ---------------------------------------------------------------------- gated MLP
@@ -326,7 +327,7 @@ def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
         yield Candidate((name,), f"{type(bn).__name__} (BatchNorm + ReLU)", f"memtrim.nn.{target.__name__}",
                         reason="its forward is a BatchNorm and a ReLU", targets=(bn,),
                         expected_bytes=trace.storages[sites[0].outputs[0]].nbytes if consumers else 0,
-                        limits=LIMITS["batchnorm_relu"], bitwise=False, apply=apply)
+                        limits=LIMITS["batchnorm_relu"], bitwise=rebuilds_bitwise(bn), apply=apply)
 
 
 def _bookkeeping(op: Op, trace: ModelTrace) -> bool:

@@ -1,7 +1,6 @@
-"""The kernels the norms share: the fastest torch kernel for a per-channel affine map, a small cache of constant
-tensors for torch's fused normalization kernels, and the rule that decides which features keep their normalised input
-(NOTE [ when a norm keeps its input ]). Where the norms step aside and the errors they raise are in
-:mod:`memtrim.techniques.guards`."""
+"""What the norms share: a small cache of constant tensors for torch's fused normalization kernels, and the rule that
+decides which features keep their normalised input (NOTE [ when a norm keeps its input ]). Where the norms step aside
+and the errors they raise are in :mod:`memtrim.techniques.guards`."""
 
 from __future__ import annotations
 
@@ -10,10 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CACHE_SIZE", "KEEP_BOUND", "keep_input_features", "native_batch_norm", "per_channel", "zeros_and_ones"]
-
-native_batch_norm = torch.ops.aten.native_batch_norm.default
-"""torch's fused BatchNorm forward, returning (output, mean, invstd): its ``default`` overload, resolved once."""
+__all__ = ["CACHE_SIZE", "KEEP_BOUND", "keep_input_features", "zeros_and_ones"]
 
 
 # ---------------------------------------------------------------------- bounded constant cache
@@ -37,14 +33,6 @@ def zeros_and_ones(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         _CONSTANTS.move_to_end(key)
     return found
-
-
-def per_channel(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``x * scale + shift`` per channel (dimension 1), by BatchNorm's inference kernel with mean 0, variance 1 and
-    eps 0, whose per-channel terms are then exactly ``scale`` and ``shift``: on CPU two to three times as fast as a
-    broadcast ``addcmul``, and in the input's dtype."""
-    zeros, ones = zeros_and_ones(scale)
-    return native_batch_norm(x, scale, shift, zeros, ones, False, 0.0, 0.0)[0]
 
 
 # ---------------------------------------------------------------------- NOTE [ when a norm keeps its input ]

@@ -3,26 +3,30 @@
 NOTE [ BatchNorm + ReLU, recomputed ]
 ReLU's zeros lose the normalised value, so BatchNorm + ReLU cannot be inverted from its output (see
 NOTE [ inverting BatchNorm + activation ]). The other way round works: keep the BatchNorm's input ``x`` (which
-BatchNorm's backward needs anyway) and recompute the cheap pointwise ``z = relu(x * scale + shift)`` (per-channel
-``scale = gamma * invstd``, ``shift = beta - mean * scale``) wherever ``z`` is needed: in ReLU's backward (its
-mask) and in the next layers, which would otherwise keep ``z`` for their weight gradients.
+BatchNorm's backward needs anyway) and recompute ``z = relu(batch_norm(x))`` wherever ``z`` is needed: in ReLU's
+backward (its mask) and in the next layers, which would otherwise keep ``z`` for their weight gradients.
 
-The forward is torch's own BatchNorm (its native backward node keeps ``x`` and the statistics) and an in-place
-ReLU whose output is marked as a recipe (:mod:`memtrim.techniques.recompute`, NOTE [ recipes at consumer call
-sites ]): the ReLU runs in a producer scope, so its backward node keeps the recipe instead of its output, and
-:func:`memtrim.convert` runs the modules in which autograd saved the output during its traced forward as consumer
-scopes (:func:`memtrim.techniques.recompute.keep_recipes_in`): when an op there saves a tensor that is a
-BatchNormReLU output (same storage, same version), autograd keeps the recipe instead. Unpacking rebuilds ``z`` once
-per backward (BatchNorm's inference kernel, then ReLU), shared by every holder and released after the last. Every
-other saved tensor passes through unchanged (and through any saved-tensor hooks active outside, so memtrim's tracker
-still sees them), with autograd's in-place check repeated. The rebuilt ``z`` may differ from the forward's by
-rounding, so the next layer's weight gradients are not bitwise. Measured (``benchmarks/convert_cuda_check.py``): in
-float64 they agree to 1e-13 relative; in float32 on the CPU they came out equal, and on CUDA (cuDNN's BatchNorm in
-the forward, convolutions in TF32 by default) they differed from the plain model's by about as much as either
-differs from float64, the float32 step's own error. The rebuilt ``z`` has
-no graph: a backward with create_graph=True that needs it (a later layer's saved input) raises :class:`ConvertError`
-naming the module rather than return a gradient with second-order terms missing. Under torch.compile and torch.func
-the module runs as torch's BatchNorm and ReLU.
+The forward is exactly the unconverted model's: torch's ``batch_norm`` (cuDNN's kernel where torch picks it; its
+backward node keeps ``x`` and the statistics, as always), then a ReLU, here in place, whose output is marked as a
+recipe (:mod:`memtrim.techniques.recompute`, NOTE [ recipes at consumer call sites ]): marked before the ReLU, at the
+version ``relu_`` leaves, and ``relu_`` run in a consumer scope, so ReLU's backward node keeps the recipe instead of
+its output (its mask); :func:`memtrim.convert` runs the modules in
+which autograd saved the output during its traced forward as consumer scopes
+(:func:`memtrim.techniques.recompute.keep_recipes_in`): when an op there saves a tensor that is a BatchNormReLU
+output (same storage, same version), autograd keeps the recipe instead. Unpacking rebuilds ``z`` once per backward,
+shared by every holder and released after the last, by the same ``batch_norm`` call on the same input: in training
+without running statistics (the rebuild must not update them; the batch statistics, and so the output, are the
+same), in eval from the running statistics. Nothing else is computed in the forward (no per-channel terms: the
+forward of a converted ResNet launches the kernels the plain one does), and the rebuilt ``z`` is the forward's bit
+for bit where the BatchNorm kernel is deterministic: on the CPU, tested for every dtype, memory format and thread
+count (the report says bitwise there, and a double backward through it is torch's); on CUDA not yet checked on a
+GPU, so the report says not bitwise. The
+rebuild reads the weight, bias and (in eval) running statistics, so they are the recipe's sources: version-checked
+like autograd's saved tensors (a change in place between forward and backward raises autograd's error, also for
+the bias, which torch's own backward does not read; a change through ``.data`` is not seen). Every other saved
+tensor passes through unchanged (and through any saved-tensor hooks active outside, so memtrim's tracker still
+sees them), with autograd's in-place check repeated. Under torch.compile and torch.func the module runs as torch's
+BatchNorm and ReLU.
 """
 
 from __future__ import annotations
@@ -33,37 +37,52 @@ import torch
 from torch import nn
 
 from ..guards import owner, plain_only
-from ..recompute import mark_recomputable, producing
-from ._kernels import native_batch_norm, per_channel
+from ..recompute._core import enter_consumer_scope, exit_consumer_scope, mark_recomputable
 from .norm_act import batchnorm_arguments
 
-__all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d"]
+__all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d", "rebuilds_bitwise"]
 
 
-def _rebuild(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """The ReLU output from the BatchNorm's input and the per-channel terms of its forward."""
-    return torch.relu_(per_channel(x, scale, shift))
+def _rebuild(x: torch.Tensor, *tensors: torch.Tensor, layout: tuple[bool, bool, bool], training: bool, eps: float,
+             cudnn: bool) -> torch.Tensor:
+    """The ReLU output: ``batch_norm`` as the forward called it, without updating running statistics. ``tensors``
+    are the weight, bias and running statistics the forward had (``layout``: which of weight, bias and the pair of
+    running statistics there are)."""
+    found = iter(tensors)
+    weight, bias = (next(found) if layout[0] else None), (next(found) if layout[1] else None)
+    mean, var = (next(found), next(found)) if layout[2] else (None, None)
+    return torch.relu_(torch.batch_norm(x, weight, bias, mean, var, training, 0.0, eps, cudnn))
+
+
+def rebuilds_bitwise(bn: nn.Module) -> bool:
+    """Whether ``bn``'s rebuilt output is known to be its forward's bit for bit where its tensors are: on the CPU
+    (tested); CUDA's BatchNorm kernels are not yet checked (NOTE [ BatchNorm + ReLU, recomputed ])."""
+    return all(t.device.type == "cpu" for t in (*bn.parameters(recurse=False), *bn.buffers(recurse=False)))
 
 
 def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
-    """torch's own BatchNorm (its backward node keeps ``x`` and the statistics, as always), then an in-place ReLU
-    whose output is kept as a recipe. Autograd's nodes are the native ones: no Python in backward but the
-    unpacking."""
+    """torch's own BatchNorm and an in-place ReLU whose output is kept as a recipe. Autograd's nodes are the native
+    ones: no Python in backward but the unpacking. This runs at every call of every converted BatchNorm: its
+    parameters are read from their dict once (``bn.weight`` is nn.Module.__getattr__'s slow path)."""
     factor, bn_training, running_mean, running_var = batchnorm_arguments(bn, x)
-    out, mean, invstd = native_batch_norm(x, bn.weight, bn.bias, running_mean, running_var, bn_training, factor,
-                                           bn.eps)
-    if not bn_training:
-        assert running_mean is not None and running_var is not None
-        mean, invstd = running_mean, torch.rsqrt(running_var + bn.eps)
-    # per-channel terms computed now: a later in-place change of bias or running statistics must not reach them
-    scale = invstd if bn.weight is None else invstd * bn.weight.detach()
-    shift = -mean * scale if bn.bias is None else torch.addcmul(bn.bias.detach(), mean, scale, value=-1)
-    with producing():  # ReLU's own saved output becomes the recipe too
-        z = torch.relu_(out)
-        # the recipe holds x, scale and shift, never z: z's storage dies once nobody but recipes needs it
-        mark_recomputable(z, functools.partial(_rebuild, scale=scale.detach(), shift=shift.detach()), x,
-                          owner=owner(bn), double_backward=False, holds=(scale, shift), tag="relu")
-    return z
+    params, cudnn = bn._parameters, torch.backends.cudnn.enabled
+    weight, bias = params.get("weight"), params.get("bias")
+    out = torch.batch_norm(x, weight, bias, running_mean, running_var, bn_training, factor, bn.eps, cudnn)
+    # what the rebuild reads: the parameters, and in eval the running statistics (in training the batch's)
+    stats = not bn_training and running_mean is not None and running_var is not None
+    tensors = [t for t in (weight, bias, *((running_mean, running_var) if stats else ())) if t is not None]
+    rebuild = functools.partial(_rebuild, layout=(weight is not None, bias is not None, stats), training=bn_training,
+                                eps=bn.eps, cudnn=cudnn)
+    # marked before the ReLU makes it, at the version relu_ leaves: relu_'s own save (its backward's mask) then
+    # keeps the recipe too, in an ordinary consumer scope. The recipe holds x and the module's tensors, never z: z's
+    # storage dies once nobody but recipes needs it
+    if not mark_recomputable(out, rebuild, x, *tensors, owner=owner(bn), tag="relu", version=out._version + 1):
+        return torch.relu_(out)
+    enter_consumer_scope()
+    try:
+        return torch.relu_(out)
+    finally:
+        exit_consumer_scope()
 
 
 class _BatchNormReLU(nn.modules.batchnorm._BatchNorm):

@@ -133,13 +133,17 @@ def batchnorm_arguments(bn: Any, input: torch.Tensor) -> tuple[float, bool, torc
     ``batch_norm``, with its ``num_batches_tracked`` bookkeeping, unchanged; and ``batch_norm``'s own check that a
     training batch has more than one value per channel (torch raises ValueError, after counting the batch: so does
     this, as an InvalidInputError, which is a ValueError)."""
-    factor = 0.0 if bn.momentum is None else bn.momentum
-    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
-        bn.num_batches_tracked.add_(1)
-        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
-    bn_training = bn.training or (bn.running_mean is None and bn.running_var is None)
-    running_mean = bn.running_mean if not bn.training or bn.track_running_stats else None
-    running_var = bn.running_var if not bn.training or bn.track_running_stats else None
+    # buffers read from their dict once: each ``bn.running_mean`` is nn.Module.__getattr__'s slow path (about 1 us
+    # on this project's CPU machine), and this runs at every call of every converted BatchNorm
+    buffers, training, momentum = bn._buffers, bn.training, bn.momentum
+    tracked, mean, var = buffers.get("num_batches_tracked"), buffers.get("running_mean"), buffers.get("running_var")
+    factor = 0.0 if momentum is None else momentum
+    if training and bn.track_running_stats and tracked is not None:
+        tracked.add_(1)
+        factor = 1.0 / float(tracked) if momentum is None else momentum
+    bn_training = training or (mean is None and var is None)
+    running_mean = mean if not training or bn.track_running_stats else None
+    running_var = var if not training or bn.track_running_stats else None
     if bn_training:
         size = input.size()
         values = size[0]

@@ -99,10 +99,11 @@ class _Entry:
     """A live recipe in the registry: the recipe, its sources (strong, while T lives), T's version, a weak
     reference to T (for the in-place check at unpack) and to T's storage (whose death removes the entry)."""
 
-    __slots__ = ("recipe", "sources", "versions", "version", "tensor_ref", "storage_ref", "holds")
+    __slots__ = ("recipe", "sources", "versions", "flat", "version", "tensor_ref", "storage_ref", "holds")
     recipe: Recipe
     sources: tuple[torch.Tensor | _Entry, ...]
     versions: tuple[int, ...]
+    flat: bool  # no source is a nested recipe
     version: int
     tensor_ref: weakref.ref[torch.Tensor]
     storage_ref: weakref.ref[torch.UntypedStorage]
@@ -166,7 +167,7 @@ def _dense_in_some_order(tensor: torch.Tensor) -> bool:
 
 def mark_recomputable(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], *sources: torch.Tensor, owner: str,
                       double_backward: bool = True, holds: Iterable[torch.Tensor] = (),
-                      tag: str | None = None) -> bool:
+                      tag: str | None = None, version: int | None = None) -> bool:
     """Register that ``tensor == fn(*sources)``: saved copies of it made inside a consumer scope keep the sources
     instead. See NOTE [ recipes at consumer call sites ].
 
@@ -181,6 +182,9 @@ def mark_recomputable(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], *so
         holds: small extra tensors ``fn`` closes over (per-channel terms): trackers count them as kept for
             backward while the recipe lives.
         tag: a label :func:`is_recomputable` can ask for (BatchNormReLU marks its outputs ``"relu"``).
+        version: the version ``tensor`` will have when it is saved, where it is marked before the in-place op that
+            makes it (BatchNormReLU marks its BatchNorm's output ``v``, then ``relu_(v)`` saves it at ``v._version +
+            1``): that op's own save then keeps the recipe in an ordinary consumer scope. Default: its version now.
 
     Returns:
         Whether a recipe was registered: False with grad mode off, under torch.compile/torch.func, for a tensor that
@@ -190,12 +194,15 @@ def mark_recomputable(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], *so
         return False
     resolved: list[torch.Tensor | _Entry] = []
     for source in sources:
+        if type(source) is torch.nn.Parameter:  # never a marked tensor (the usual parameter: no metaclass check)
+            resolved.append(source)
+            continue
         if not isinstance(source, torch.Tensor) or source.layout is not torch.strided:
             return False
         nested = entry_of(source)
         resolved.append(nested if nested is not None else source)
     return register(tensor, fn, resolved, owner=owner, double_backward=double_backward, holds=holds,
-                    tag=tag, checked=True) is not None
+                    tag=tag, checked=True, version=version) is not None
 
 
 def entry_of(tensor: torch.Tensor) -> _Entry | None:
@@ -209,7 +216,7 @@ def entry_of(tensor: torch.Tensor) -> _Entry | None:
 
 def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Iterable[torch.Tensor | _Entry], *,
              owner: str, double_backward: bool = True, holds: Iterable[torch.Tensor] = (),
-             tag: str | None = None, checked: bool = False) -> _Entry | None:
+             tag: str | None = None, checked: bool = False, version: int | None = None) -> _Entry | None:
     """:func:`mark_recomputable` with sources already resolved (a source may be an entry from :func:`entry_of`,
     kept alive by the caller after its tensor died). Returns the entry, or None if nothing was registered.
     ``checked``: the caller has just checked grad mode and :func:`plain_only` (a per-call path)."""
@@ -222,9 +229,10 @@ def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Ite
     for source in sources:
         # a Parameter is kept as itself: never a producer's output (no in-place check needed), and saved-tensor hooks
         # outside (memtrim.OffloadActivations) then see a parameter and leave it where it is, as with torch's own saves
-        # (a plain tensor first: Parameter's isinstance runs a Python metaclass check)
-        if type(source) is torch.Tensor or (isinstance(source, torch.Tensor) and
-                                            not isinstance(source, torch.nn.Parameter)):
+        # (a plain tensor or parameter first: Parameter's isinstance runs a Python metaclass check)
+        kind = type(source)
+        if isinstance(source, torch.Tensor) and kind is not torch.nn.Parameter and (
+                kind is torch.Tensor or not isinstance(source, torch.nn.Parameter)):
             # the same storage (compared as torch's StorageWeakRef does: fake tensors, as a plan traces them, all
             # have data pointer 0)
             if source.untyped_storage()._cdata == storage._cdata and storage.nbytes() > 0:
@@ -235,7 +243,8 @@ def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Ite
     entry.recipe = Recipe(fn, tensor, owner, double_backward, tag)
     entry.sources = tuple(resolved)
     entry.versions = tuple([s._version if isinstance(s, torch.Tensor) else -1 for s in resolved])
-    entry.version = tensor._version
+    entry.flat = -1 not in entry.versions
+    entry.version = tensor._version if version is None else version
     entry.tensor_ref = weakref.ref(tensor)
     entry.holds = tuple([t.detach() for t in holds]) if holds else ()
     if entry.holds:
@@ -294,9 +303,10 @@ class _Handle:
     """What autograd keeps instead of (a view of) a marked tensor: the recipe, the view's geometry, the sources as
     packed at save time, and a weak reference to the marked tensor for the in-place check."""
 
-    __slots__ = ("recipe", "sources", "view", "version", "tensor_ref", "__weakref__")
+    __slots__ = ("recipe", "sources", "versions", "view", "version", "tensor_ref", "__weakref__")
     recipe: Recipe
-    sources: tuple[_Handle | _Kept, ...]
+    sources: tuple[_Handle | _Kept, ...] | tuple[torch.Tensor, ...]
+    versions: tuple[int, ...] | None  # set where ``sources`` are the entry's own tensors, checked against these
     view: tuple[torch.Size, tuple[int, ...], int | torch.SymInt] | None  # None: the whole marked tensor
     version: int
     tensor_ref: weakref.ref[torch.Tensor]
@@ -321,8 +331,12 @@ def _handle(entry: _Entry, tensor: torch.Tensor | None, outer: Any) -> _Handle:
     handle.view = (None if tensor is None or (tensor.storage_offset() == 0 and tensor.shape == recipe.shape
                                                 and tensor.stride() == recipe.stride)
                    else (tensor.shape, tensor.stride(), tensor.storage_offset()))
-    handle.sources = tuple(_handle(s, None, outer) if isinstance(s, _Entry) else _keep(s, outer, recipe.owner, True)
-                           for s in entry.sources)
+    if outer is None and entry.flat:  # the usual case: the entry's own detached sources, checked at unpack
+        handle.sources, handle.versions = entry.sources, entry.versions  # type: ignore[assignment]
+    else:
+        handle.sources = tuple(_handle(s, None, outer) if isinstance(s, _Entry) else
+                               _keep(s, outer, recipe.owner, True) for s in entry.sources)
+        handle.versions = None
     with recipe.lock:
         recipe.live += 1
     return handle
@@ -343,7 +357,7 @@ def _rebuilt(handle: _Handle) -> torch.Tensor:
     with recipe.lock:
         t = recipe.cache
         if t is None:
-            t = recipe.cache = recipe._rebuild([_unpack(s) for s in handle.sources])
+            t = recipe.cache = recipe._rebuild(_sources(handle))
             recipe.done.clear()
         recipe.done.add(id(handle))
         if len(recipe.done) >= recipe.live:  # every live handle has had it: let it go
@@ -353,6 +367,17 @@ def _rebuilt(handle: _Handle) -> torch.Tensor:
         return t
     shape, stride, offset = handle.view
     return t.as_strided(shape, stride, t.storage_offset() + offset)
+
+
+def _sources(handle: _Handle) -> list[torch.Tensor]:
+    """The tensors to rebuild from, unpacked and version-checked as autograd checks its saved tensors."""
+    versions = handle.versions
+    if versions is None:
+        return [_unpack(s) for s in handle.sources]
+    sources: list[torch.Tensor] = list(handle.sources)  # type: ignore[arg-type]
+    for source, version in zip(sources, versions):
+        check_saved_version(source, version, handle.recipe.owner, source=True)
+    return sources
 
 
 class _Pending:
