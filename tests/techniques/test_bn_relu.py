@@ -6,6 +6,8 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.utils.parametrize
+import torch.nn.utils.prune
 from torch import nn
 
 import memtrim
@@ -149,3 +151,57 @@ def test_under_torch_compile_it_runs_as_plain_batchnorm_relu():
     for a, b in zip(grads[1], grads[0]):
         # the saved-tensor hooks step aside under compile (they do not trace): the same compiled graph
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("how", ["prune", "parametrize"])
+def test_a_weight_pruned_or_parametrized_after_convert_is_the_one_the_forward_reads(how):
+    # pruning and parametrizations take "weight" out of the module's parameter dict and compute it at each call
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    with torch.no_grad():
+        plain[1].weight.uniform_(0.5, 2.0)
+    fused, report = memtrim.convert(copy.deepcopy(plain), example_inputs=torch.randn(6, 4))
+    assert [c.after for c in report.changes] == ["memtrim.nn.BatchNormReLU1d"]
+    for model in (plain, fused):
+        if how == "prune":
+            torch.nn.utils.prune.l1_unstructured(model[1], "weight", amount=0.5)
+        else:
+            torch.nn.utils.parametrize.register_parametrization(model[1], "weight", nn.Softplus())
+    x = torch.randn(6, 4)
+    results = [(m(x), torch.autograd.grad(m(x).square().sum(), list(m.parameters()))) for m in (plain, fused)]
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b)
+
+
+def test_an_eval_forward_then_a_training_forward_before_one_backward_is_torchs():
+    # the training forward updates the running statistics in place inside torch's kernel, without a version bump:
+    # the eval call's rebuild reads copies made at its forward
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    fused, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=torch.randn(6, 4))
+    x1, x2 = torch.randn(6, 4), torch.randn(6, 4)
+    grads = []
+    for model in (plain, fused):
+        model.eval()
+        first = model(x1)
+        model.train()
+        second = model(x2)
+        grads.append(torch.autograd.grad(first.sum() + second.sum(), list(model.parameters())))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("what", ["weight", "bias"])
+def test_under_hooks_that_keep_tensors_themselves_a_changed_parameter_still_raises(what):
+    # hooks outside (identity hooks; save_on_cpu on CPU tensors) keep the tensor itself and torch skips its own
+    # version check for them: the plain model keeps the ReLU output and trains on, so the rebuild must not read the
+    # changed parameter silently
+    fused, _ = memtrim.convert(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)),
+                               example_inputs=torch.randn(6, 4))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        loss = fused(torch.randn(6, 4)).square().sum()
+    with torch.no_grad():
+        getattr(fused[1], what).add_(0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -9,24 +9,25 @@ backward (its mask) and in the next layers, which would otherwise keep ``z`` for
 The forward is exactly the unconverted model's: torch's ``batch_norm`` (cuDNN's kernel where torch picks it; its
 backward node keeps ``x`` and the statistics, as always), then a ReLU, here in place, whose output is marked as a
 recipe (:mod:`memtrim.techniques.recompute`, NOTE [ recipes at consumer call sites ]): marked before the ReLU, at the
-version ``relu_`` leaves, and ``relu_`` run in a consumer scope, so ReLU's backward node keeps the recipe instead of
-its output (its mask); :func:`memtrim.convert` runs the modules in
-which autograd saved the output during its traced forward as consumer scopes
-(:func:`memtrim.techniques.recompute.keep_recipes_in`): when an op there saves a tensor that is a BatchNormReLU
-output (same storage, same version), autograd keeps the recipe instead. Unpacking rebuilds ``z`` once per backward,
-shared by every holder and released after the last, by the same ``batch_norm`` call on the same input: in training
-without running statistics (the rebuild must not update them; the batch statistics, and so the output, are the
-same), in eval from the running statistics. Nothing else is computed in the forward (no per-channel terms: the
-forward of a converted ResNet launches the kernels the plain one does), and the rebuilt ``z`` is the forward's bit
-for bit where the BatchNorm kernel is deterministic: on the CPU, tested for every dtype, memory format and thread
-count (the report says bitwise there, and a double backward through it is torch's); on CUDA not yet checked on a
-GPU, so the report says not bitwise. The
-rebuild reads the weight, bias and (in eval) running statistics, so they are the recipe's sources: version-checked
-like autograd's saved tensors (a change in place between forward and backward raises autograd's error, also for
-the bias, which torch's own backward does not read; a change through ``.data`` is not seen). Every other saved
-tensor passes through unchanged (and through any saved-tensor hooks active outside, so memtrim's tracker still
-sees them), with autograd's in-place check repeated. Under torch.compile and torch.func the module runs as torch's
-BatchNorm and ReLU.
+version ``relu_`` leaves, with ``relu_`` run in a consumer scope, so ReLU's backward node keeps the recipe instead of
+its output (its mask); :func:`memtrim.convert` runs the modules in which autograd saved the output during its traced
+forward as consumer scopes (:func:`memtrim.techniques.recompute.keep_recipes_in`): when an op there saves a tensor
+that is a BatchNormReLU output (same storage, same version), autograd keeps the recipe instead.
+
+Unpacking rebuilds ``z`` once per backward, shared by every holder and released after the last, by the same
+``batch_norm`` call on the same input: in training without running statistics (the rebuild must not update them; the
+batch statistics, and so the output, are the same), in eval from copies of the running statistics made at the
+forward (a training forward of the same module before the backward updates them in place, inside torch's kernel,
+without a version bump). In training the forward computes nothing else (no per-channel terms: a converted ResNet's
+forward launches the kernels the plain one does). The rebuilt ``z`` is the forward's bit for bit where the BatchNorm
+kernel is deterministic: on the CPU, tested for every dtype, memory format and thread count (the report says bitwise
+there, and a double backward through it is torch's); on CUDA not yet checked on a GPU, so the report says not
+bitwise. The rebuild reads the weight and bias as the forward read them (a pruned or parametrized weight: the one
+computed for the call), so they are the recipe's sources, version-checked like autograd's saved tensors, under
+saved-tensor hooks too: a change in place between forward and backward raises autograd's error, also for the bias,
+which torch's own backward does not read; a change through ``.data`` is not seen. Every other saved tensor passes
+through unchanged (and through any saved-tensor hooks active outside, so memtrim's tracker still sees them), with
+autograd's in-place check repeated. Under torch.compile and torch.func the module runs as torch's BatchNorm and ReLU.
 """
 
 from __future__ import annotations
@@ -66,11 +67,17 @@ def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
     parameters are read from their dict once (``bn.weight`` is nn.Module.__getattr__'s slow path)."""
     factor, bn_training, running_mean, running_var = batchnorm_arguments(bn, x)
     params, cudnn = bn._parameters, torch.backends.cudnn.enabled
-    weight, bias = params.get("weight"), params.get("bias")
+    # a weight that pruning or a parametrization computes is no entry of the dict: read as torch's forward reads it
+    weight = params["weight"] if "weight" in params else bn.weight
+    bias = params["bias"] if "bias" in params else bn.bias
     out = torch.batch_norm(x, weight, bias, running_mean, running_var, bn_training, factor, bn.eps, cudnn)
-    # what the rebuild reads: the parameters, and in eval the running statistics (in training the batch's)
+    # what the rebuild reads: the parameters, and in eval the running statistics (in training the batch's), copied:
+    # a training forward of the same module before the backward updates them in place without a version bump
     stats = not bn_training and running_mean is not None and running_var is not None
-    tensors = [t for t in (weight, bias, *((running_mean, running_var) if stats else ())) if t is not None]
+    tensors: list[torch.Tensor] = [t for t in (weight, bias) if t is not None]
+    if stats:
+        assert running_mean is not None and running_var is not None
+        tensors += [running_mean.clone(), running_var.clone()]
     rebuild = functools.partial(_rebuild, layout=(weight is not None, bias is not None, stats), training=bn_training,
                                 eps=bn.eps, cudnn=cudnn)
     # marked before the ReLU makes it, at the version relu_ leaves: relu_'s own save (its backward's mask) then

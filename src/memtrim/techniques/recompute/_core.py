@@ -272,20 +272,23 @@ def is_recomputable(tensor: torch.Tensor, tag: str | None = None) -> bool:
 class _Kept:
     """A saved tensor passed through: packed by the hooks outside, or a detached alias with its version."""
 
-    __slots__ = ("tensor", "version", "packed", "outer", "who", "source")
+    __slots__ = ("tensor", "version", "packed", "outer", "who", "source", "original")
     tensor: torch.Tensor | None  # None when packed by the hooks outside
     version: int
     packed: Any
     outer: Any
     who: str
     source: bool  # a recipe's source (kept to rebuild from), not a tensor torch keeps itself
+    original: weakref.ref[torch.Tensor] | None  # a source packed by the hooks outside: the tensor itself, while alive
 
 
 def _keep(tensor: torch.Tensor, outer: Any, who: str, source: bool = False) -> _Kept:
     kept = _Kept()
-    kept.outer, kept.who, kept.source = outer, who, source
+    kept.outer, kept.who, kept.source, kept.original = outer, who, source, None
     if outer is not None:
-        kept.packed, kept.tensor, kept.version = outer[0](tensor), None, 0
+        kept.packed, kept.tensor, kept.version = outer[0](tensor), None, tensor._version
+        if source:  # hooks outside may keep the tensor itself and check nothing (torch skips its own check for
+            kept.original = weakref.ref(tensor)  # them): a source changed in place would rebuild another tensor
     else:  # detached: no cycle through the tensor's grad_fn
         kept.packed, kept.tensor, kept.version = None, tensor.detach(), tensor._version
     return kept
@@ -293,6 +296,9 @@ def _keep(tensor: torch.Tensor, outer: Any, who: str, source: bool = False) -> _
 
 def _unkeep(kept: _Kept) -> torch.Tensor:
     if kept.outer is not None:
+        original = kept.original() if kept.original is not None else None
+        if original is not None:  # a parameter the module holds, or a source still alive
+            check_saved_version(original, kept.version, kept.who, source=True)
         return kept.outer[1](kept.packed)
     assert kept.tensor is not None
     check_saved_version(kept.tensor, kept.version, kept.who, source=kept.source)
