@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from ...errors import ConvertError
-from ...measure.hooks import check_saved_version, hold_for_backward, top_saved_tensors_hooks
+from ...measure.hooks import check_saved_version, top_saved_tensors_hooks
 from ..guards import in_checkpoint, plain_only
 
 __all__ = [
@@ -99,7 +99,7 @@ class _Entry:
     """A live recipe in the registry: the recipe, its sources (strong, while T lives), T's version, a weak
     reference to T (for the in-place check at unpack) and to T's storage (whose death removes the entry)."""
 
-    __slots__ = ("recipe", "sources", "versions", "flat", "version", "tensor_ref", "storage_ref", "holds")
+    __slots__ = ("recipe", "sources", "versions", "flat", "version", "tensor_ref", "storage_ref")
     recipe: Recipe
     sources: tuple[torch.Tensor | _Entry, ...]
     versions: tuple[int, ...]
@@ -107,7 +107,6 @@ class _Entry:
     version: int
     tensor_ref: weakref.ref[torch.Tensor]
     storage_ref: weakref.ref[torch.UntypedStorage]
-    holds: tuple[torch.Tensor, ...]
 
 
 _lock = threading.Lock()
@@ -166,21 +165,19 @@ def _dense_in_some_order(tensor: torch.Tensor) -> bool:
 
 
 def mark_recomputable(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], *sources: torch.Tensor, owner: str,
-                      double_backward: bool = True, holds: Iterable[torch.Tensor] = (),
-                      tag: str | None = None, version: int | None = None) -> bool:
+                      double_backward: bool = True, tag: str | None = None, version: int | None = None) -> bool:
     """Register that ``tensor == fn(*sources)``: saved copies of it made inside a consumer scope keep the sources
     instead. See NOTE [ recipes at consumer call sites ].
 
     Args:
         tensor: the tensor ``T`` to drop; one dense block covering its storage from offset 0.
         fn: rebuilds ``T`` from the sources, called in backward under no_grad. Deterministic, no RNG draws, no side
-            effects (no BatchNorm-in-training forward); bitwise equal to ``T`` where gradients must be bitwise.
+            effects (no BatchNorm forward that updates running statistics); bitwise equal to ``T`` where gradients
+            must be bitwise.
         sources: the tensors ``fn`` needs, kept for backward anyway (else memory moves rather than drops). A source
             that is itself marked becomes a nested recipe.
         owner: how errors name the producer (its module path).
         double_backward: False if a backward with create_graph=True must refuse (a rebuild that is not bitwise).
-        holds: small extra tensors ``fn`` closes over (per-channel terms): trackers count them as kept for
-            backward while the recipe lives.
         tag: a label :func:`is_recomputable` can ask for (BatchNormReLU marks its outputs ``"relu"``).
         version: the version ``tensor`` will have when it is saved, where it is marked before the in-place op that
             makes it (BatchNormReLU marks its BatchNorm's output ``v``, then ``relu_(v)`` saves it at ``v._version +
@@ -201,8 +198,8 @@ def mark_recomputable(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], *so
             return False
         nested = entry_of(source)
         resolved.append(nested if nested is not None else source)
-    return register(tensor, fn, resolved, owner=owner, double_backward=double_backward, holds=holds,
-                    tag=tag, checked=True, version=version) is not None
+    return register(tensor, fn, resolved, owner=owner, double_backward=double_backward, tag=tag, checked=True,
+                    version=version) is not None
 
 
 def entry_of(tensor: torch.Tensor) -> _Entry | None:
@@ -215,8 +212,8 @@ def entry_of(tensor: torch.Tensor) -> _Entry | None:
 
 
 def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Iterable[torch.Tensor | _Entry], *,
-             owner: str, double_backward: bool = True, holds: Iterable[torch.Tensor] = (),
-             tag: str | None = None, checked: bool = False, version: int | None = None) -> _Entry | None:
+             owner: str, double_backward: bool = True, tag: str | None = None, checked: bool = False,
+             version: int | None = None) -> _Entry | None:
     """:func:`mark_recomputable` with sources already resolved (a source may be an entry from :func:`entry_of`,
     kept alive by the caller after its tensor died). Returns the entry, or None if nothing was registered.
     ``checked``: the caller has just checked grad mode and :func:`plain_only` (a per-call path)."""
@@ -246,9 +243,6 @@ def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Ite
     entry.flat = -1 not in entry.versions
     entry.version = tensor._version if version is None else version
     entry.tensor_ref = weakref.ref(tensor)
-    entry.holds = tuple([t.detach() for t in holds]) if holds else ()
-    if entry.holds:
-        hold_for_backward(entry.holds, entry.recipe)
     key = id(storage)
     entry.storage_ref = weakref.ref(storage, functools.partial(_forget, key, entry))
     with _lock:
