@@ -73,13 +73,11 @@ def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
     out = torch.batch_norm(x, weight, bias, running_mean, running_var, bn_training, factor, bn.eps, cudnn)
     # what the rebuild reads: the parameters, and in eval the running statistics (in training the batch's), copied:
     # a training forward of the same module before the backward updates them in place without a version bump
-    stats = not bn_training and running_mean is not None and running_var is not None
-    tensors: list[torch.Tensor] = [t for t in (weight, bias) if t is not None]
-    if stats:
-        assert running_mean is not None and running_var is not None
-        tensors += [running_mean.clone(), running_var.clone()]
-    rebuild = functools.partial(_rebuild, layout=(weight is not None, bias is not None, stats), training=bn_training,
-                                eps=bn.eps, cudnn=cudnn)
+    stats = ([running_mean.clone(), running_var.clone()]
+             if not bn_training and running_mean is not None and running_var is not None else [])
+    tensors = [t for t in (weight, bias) if t is not None] + stats
+    rebuild = functools.partial(_rebuild, layout=(weight is not None, bias is not None, bool(stats)),
+                                training=bn_training, eps=bn.eps, cudnn=cudnn)
     # marked before the ReLU makes it, at the version relu_ leaves: relu_'s own save (its backward's mask) then
     # keeps the recipe too, in an ordinary consumer scope. The recipe holds x and the module's tensors, never z: z's
     # storage dies once nobody but recipes needs it

@@ -23,8 +23,10 @@ unpacked (or has died). Autograd re-attaches the saved tensor's own grad_fn edge
 so when the rebuild is bitwise, a backward with create_graph=True is exact too; recipes that are not bitwise can
 refuse it (``double_backward=False``: a :class:`ConvertError` naming the owner).
 
-A producer whose own backward keeps its output (relu, sigmoid, BatchNorm+ReLU) saves ``T`` before it can be
-marked: :class:`producing` holds saves made in its scope provisionally and decides at exit, once ``T`` is marked.
+A producer whose own backward keeps its output (relu, sigmoid) saves ``T`` before it can be marked: :class:`producing`
+holds saves made in its scope provisionally and decides at exit, once ``T`` is marked. Where ``T`` is made in place
+from a tensor that exists before (BatchNormReLU's ``relu_``), marking that tensor first at the version the op leaves
+(``mark_recomputable(version=)``) does the same inside an ordinary consumer scope.
 
 In-place edits: a source changed in place after ``T`` was made is never used (the pack keeps ``T`` itself; after the
 pack, unpacking raises autograd's "modified by an inplace operation"). ``T`` changed in place after a consumer saved
