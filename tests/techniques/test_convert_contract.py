@@ -380,6 +380,36 @@ def test_a_layer_norm_recomputed_for_its_consumer_is_torchs_own_even_through_a_g
         assert torch.equal(a, b)
 
 
+class _FixedEpsNorm(nn.LayerNorm):
+    """A LayerNorm whose forward passes its own constant, not its ``eps``."""
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, 1e-3)
+
+
+def _tags_its_node(module: nn.Module) -> bool:
+    return any(type(getattr(h, "__self__", None)).__name__ == "_OpTag" for h in module._forward_hooks.values())
+
+
+def test_a_norm_or_activation_op_is_rebuilt_from_its_own_node_where_the_eps_is_known():
+    # the node keeps the op's inputs, not a LayerNorm's eps: where the traced eps is an attribute of the module it
+    # is read there at each call; where it is not (a constant in the forward), the module's forward rebuilds it
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.GELU(), nn.Conv2d(8, 8, 1), nn.Flatten(1), nn.LayerNorm(32),
+                          nn.Linear(32, 16), _FixedEpsNorm(16, eps=1e-5), nn.Linear(16, 2))
+    x = torch.randn(4, 3, 2, 2)
+    converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=(x,))
+    assert {c.modules: c.rule for c in report.changes} == {("1",): "activation_consumer",
+                                                            ("4",): "layer_norm_consumer",
+                                                            ("6",): "layer_norm_consumer"}
+    assert [_tags_its_node(m) for m in converted] == [False, True, False, False, True, False, False, False]
+    assert all(c.bytes_saved and c.bitwise for c in report.changes)
+    for model_ in (model, converted):
+        model_.zero_grad()
+        model_(x).square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), converted.parameters()))
+
+
 class _Probe(nn.Module):
     """A frozen backbone's first token through a norm (or an activation) into a trained head: linear probing."""
 
@@ -414,22 +444,24 @@ def test_frozen_after_convert_keeps_what_torch_keeps_and_allows_what_torch_allow
     assert torch.equal(plain.head.weight.grad, converted.head.weight.grad)
 
 
-def test_a_norm_changed_between_forward_and_backward_rebuilds_as_the_forward_ran_or_raises():
+def test_a_norm_changed_between_forward_and_backward_rebuilds_as_the_forward_ran():
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 3))
-    converted, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=torch.randn(5, 6))
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=torch.randn(5, 6))
+    assert [(c.modules, c.rule) for c in report.changes] == [(("1",), "layer_norm_consumer")]
     x = torch.randn(5, 6)
-    grads = []
-    for model in (plain, converted):  # a parameter replaced (assignment, load_state_dict(assign=True)): torch's
-        loss = model(x).square().sum()  # Linear kept the forward's norm output; the rebuild uses the forward's weight
-        model[1].weight = nn.Parameter(model[1].weight.detach() * 2)
-        loss.backward()
-        grads.append(model[2].weight.grad)
-    assert torch.equal(*grads)
-    loss = converted(x).square().sum()
-    converted[1].eps = 0.1  # a setting changed: no rebuild can give the forward's output, so it raises
-    with pytest.raises(memtrim.ConvertError, match=r"'1'.*eps: 1e-05 -> 0.1"):
-        loss.backward()
+    for change in ("weight", "eps"):
+        grads = []
+        for model in (copy.deepcopy(plain), copy.deepcopy(converted)):
+            loss = model(x).square().sum()
+            if change == "weight":  # a parameter replaced (assignment, load_state_dict(assign=True))
+                model[1].weight = nn.Parameter(model[1].weight.detach() * 2)
+            else:  # a setting changed: the rebuild uses the eps the forward read
+                model[1].eps = 0.1
+            loss.backward()  # torch's Linear kept the forward's norm output
+            grads.append([p.grad for p in model.parameters() if p.grad is not None])
+        assert len(grads[0]) == len(grads[1]) == (5 if change == "weight" else 6)  # the new weight has none
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), change
 
 
 def test_torch_func_grad_and_vmap_on_a_converted_model():

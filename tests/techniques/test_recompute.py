@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import memtrim
@@ -221,6 +222,185 @@ def test_rebuilt_once_per_backward_and_shared_by_every_holder():
     assert recipes[0].cache is None  # released after the last holder
 
 
+# ---------------------------------------------------------------------- 1b. rebuilt from the producer's own node
+NODE_ACTS = [nn.GELU(), nn.GELU("tanh"), nn.SiLU(), nn.Mish(), nn.Hardswish(), nn.Hardsigmoid(), nn.Softplus(2, 10),
+             nn.ELU(0.5), nn.SELU(), nn.CELU(0.7), nn.LeakyReLU(0.2), nn.Hardtanh(-2, 2), nn.ReLU6(), nn.LogSigmoid()]
+
+
+def op_output_to_consumer(model):
+    R.recompute_op_output(model.act)
+    R.keep_recipes_in(model if model.consumer == "functional" else model.fc2)
+    return model
+
+
+@pytest.mark.parametrize("consumer", ["linear", "conv1d", "functional"])
+@pytest.mark.parametrize("act", NODE_ACTS, ids=lambda a: type(a).__name__)
+def test_op_output_rebuilt_from_its_own_node_bitwise(act, consumer):
+    torch.manual_seed(0)
+    plain = MLP(copy.deepcopy(act), consumer).double()
+    converted = op_output_to_consumer(copy.deepcopy(plain))
+    x = X.double()
+    assert_bitwise(run(converted, x), run(plain, x))
+    try:
+        twice = run(plain, x, create_graph=True)
+    except RuntimeError as e:  # torch has no second derivative of hardsigmoid: the converted model says the same
+        with pytest.raises(RuntimeError, match="not implemented"):
+            run(converted, x, create_graph=True)
+        assert "not implemented" in str(e) and isinstance(act, nn.Hardsigmoid)
+    else:
+        assert_bitwise(run(converted, x, create_graph=True), twice)  # double backward exact
+    assert held(converted, x) == held(plain, x) - INTER * 2  # float64
+
+
+class NormLinear(nn.Module):
+    def __init__(self, norm, consumers=1):
+        super().__init__()
+        self.norm = norm
+        self.fcs = nn.ModuleList(nn.Linear(16, 8) for _ in range(consumers))  # q, k, v
+
+    def forward(self, x):
+        h = self.norm(x)
+        return sum(fc(h) for fc in self.fcs)
+
+
+class PreNormLinear(NormLinear):
+    """A norm after a layer (a norm without parameters on an input without grad has no node: nothing to rebuild)."""
+
+    def __init__(self, norm, consumers=1):
+        super().__init__(norm, consumers)
+        self.pre = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return super().forward(self.pre(x))
+
+
+class LayerNorm2d(nn.LayerNorm):
+    """timm's LayerNorm2d: the norm on a channels-last view, its output permuted back (a view of the op's output)."""
+
+    def forward(self, x):
+        return F.layer_norm(x.permute(0, 2, 3, 1), self.normalized_shape, self.weight, self.bias,
+                            self.eps).permute(0, 3, 1, 2)
+
+
+class VarianceEpsilonNorm(nn.Module):
+    """A LayerNorm as some libraries spell it: its eps under another name."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.rand(n) + 0.5), nn.Parameter(torch.randn(n))
+        self.variance_epsilon = 1e-3
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.variance_epsilon)
+
+
+@pytest.mark.parametrize("norm, eps", [(nn.LayerNorm(16), "eps"), (nn.LayerNorm(16, elementwise_affine=False), "eps"),
+                                       (nn.LayerNorm(16, bias=False), "eps"),
+                                       (VarianceEpsilonNorm(16), "variance_epsilon")],
+                         ids=["affine", "no-affine", "no-bias", "variance_epsilon"])
+def test_layer_norm_rebuilt_from_its_own_node_once_for_every_consumer(norm, eps):
+    torch.manual_seed(0)
+    plain = PreNormLinear(norm, consumers=3).double()
+    converted = copy.deepcopy(plain)
+    R.recompute_op_output(converted.norm, eps=eps)
+    for fc in converted.fcs:
+        R.keep_recipes_in(fc)
+    x = X.double()
+    assert_bitwise(run(converted, x), run(plain, x))
+    assert_bitwise(run(converted, x, create_graph=True), run(plain, x, create_graph=True))
+    assert held(converted, x) == held(plain, x) - 3 * 5 * 16 * 8
+
+    class Norms(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            calls.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    calls: list[str] = []
+    loss = converted(x.clone().requires_grad_()).sum()
+    with Norms():
+        loss.backward()
+    assert calls.count("native_layer_norm.default") == 1  # three consumers, one rebuild
+
+
+def test_layer_norm_eps_changed_between_forward_and_backward_rebuilds_the_forward():
+    torch.manual_seed(0)
+    plain, converted = NormLinear(nn.LayerNorm(16)), NormLinear(nn.LayerNorm(16))
+    converted.load_state_dict(plain.state_dict())
+    R.recompute_op_output(converted.norm, eps="eps")
+    R.keep_recipes_in(converted.fcs[0])
+    results = []
+    for model in (plain, converted):
+        leaf = X.clone().requires_grad_()
+        loss = model(leaf).square().sum()
+        model.norm.eps = 0.5  # torch's Linear kept the forward's output; the rebuild reads the eps the forward read
+        results.append(torch.autograd.grad(loss, [leaf, *model.parameters()]))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_view_of_a_layer_norm_output_rebuilt_at_a_1x1_conv():
+    torch.manual_seed(0)
+    plain = nn.Sequential(LayerNorm2d(8), nn.Conv2d(8, 8, 1))
+    converted = copy.deepcopy(plain)
+    R.recompute_op_output(converted[0], eps="eps")
+    R.keep_recipes_in(converted[1])
+    x = torch.randn(2, 8, 5, 5)
+    assert_bitwise(run(converted, x), run(plain, x))
+    assert held(converted, x) == held(plain, x) - 2 * 8 * 5 * 5 * 4
+
+
+def test_a_node_is_tagged_only_as_the_op_it_rebuilds():
+    x = torch.randn(3, 4, requires_grad=True)
+    norm = F.layer_norm(x, (4,))
+    assert not _core.tag_output(norm, "norm")  # a LayerNorm's node without its eps
+    assert not _core.tag_output(F.gelu(x), "gelu", eps=1e-5)  # any other op's with one
+    assert not _core.tag_output(torch.tanh(x), "tanh")  # tanh's node keeps its output, not its input
+    assert not _core.tag_output(F.gelu(x.detach()), "gelu")  # no node
+    a = F.gelu(x)
+    a.mul_(2)
+    assert not _core.tag_output(a, "gelu")  # changed in place: its node is the multiplication's
+    assert _core.tag_output(F.gelu(x), "gelu") and _core.tag_output(norm, "norm", eps=1e-5)
+
+
+def test_a_backward_after_another_freed_the_node_names_the_fix():
+    # an auxiliary loss on the norm's output backpropagated first frees the norm's node; the head's gradient alone
+    # then needs the norm's output, which torch kept and the recipe must rebuild from that node
+    torch.manual_seed(0)
+    plain = PreNormLinear(nn.LayerNorm(16))
+    converted = copy.deepcopy(plain)
+    R.recompute_op_output(converted.norm, eps="eps")
+    R.keep_recipes_in(converted.fcs[0])
+    grads = []
+    for model, retain in ((plain, False), (converted, True)):
+        h = model.norm(model.pre(X))
+        out = model.fcs[0](h)
+        h.sum().backward(retain_graph=retain)
+        grads.append(torch.autograd.grad(out.sum(), model.fcs[0].weight))
+    assert torch.equal(*grads[0], *grads[1])
+    h = converted.norm(converted.pre(X))
+    out = converted.fcs[0](h)
+    h.sum().backward()
+    with pytest.raises(memtrim.ConvertError, match=r"LayerNorm .*earlier backward.*freed.*retain_graph=True"):
+        torch.autograd.grad(out.sum(), converted.fcs[0].weight)
+
+
+def test_a_recipe_made_from_an_op_output_keeps_its_node_not_the_output():
+    # fc's output rebuilt from the norm's output, itself rebuilt from the norm's node (recompute_modules after
+    # convert): the registry recipe's source is the node, so the norm's output is not held by it
+    torch.manual_seed(0)
+    plain = NormLinear(nn.LayerNorm(16))
+    plain.act = nn.GELU()
+    plain.forward = lambda x: plain.act(plain.fcs[0](plain.norm(x)))
+    converted = copy.deepcopy(plain)
+    converted.forward = lambda x: converted.act(converted.fcs[0](converted.norm(x)))
+    R.recompute_op_output(converted.norm, eps="eps")
+    R.keep_recipes_in(converted.fcs[0])
+    R.recompute_output(converted.fcs[0], parameters=True)
+    R.keep_recipes_in(converted.act)
+    x = X.clone()
+    assert_bitwise(run(converted, x), run(plain, x))
+    assert held(converted, x) == held(plain, x) - 3 * 5 * 16 * 4 - 3 * 5 * 8 * 4  # the norm's and fc's outputs
+
+
 # ---------------------------------------------------------------------- 2. pointwise module: checkpoint the call
 def test_pointwise_module_keeps_only_its_input():
     torch.manual_seed(0)
@@ -358,12 +538,13 @@ def test_pass_through_relu_relus_anything_else():
 
 
 # ---------------------------------------------------------------------- guards
-def test_inplace_edit_of_a_source_or_of_the_tensor_raises_like_autograd():
+@pytest.mark.parametrize("install", [act_to_consumer, op_output_to_consumer], ids=["forward", "node"])
+def test_inplace_edit_of_a_source_or_of_the_tensor_raises_like_autograd(install):
     class EditsSource(MLP):
         def forward(self, x):
             h = self.fc1(x)
             y = self.fc2(self.act(h))
-            h.mul_(2)  # GELU keeps h
+            h.mul_(2)  # GELU keeps h (its node too: the node's rebuild unpacks it, with autograd's check)
             return y
 
     class EditsOutput(MLP):
@@ -374,11 +555,20 @@ def test_inplace_edit_of_a_source_or_of_the_tensor_raises_like_autograd():
             self.last = a  # checked while a is alive (see test_edit_of_a_dead_output_uses_its_value_at_save_time)
             return y + a.sum()
 
-    for cls in (EditsSource, EditsOutput):
+    class EditsOutputWithoutGrad(MLP):
+        def forward(self, x):
+            a = self.act(self.fc1(x))
+            y = self.fc2(a)
+            with torch.no_grad():
+                a.mul_(2)  # a's node stays GELU's, its version moves
+            self.last = a
+            return y
+
+    for cls in (EditsSource, EditsOutput, EditsOutputWithoutGrad):
         for convert in (False, True):
             model = cls(nn.GELU())
             if convert:
-                act_to_consumer(model)
+                install(model)
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 model(X.clone().requires_grad_()).sum().backward()
 

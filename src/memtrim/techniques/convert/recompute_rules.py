@@ -56,9 +56,11 @@ from ..recompute import (
     checkpoint_call,
     keep_recipes_in,
     recompute_gated_mlp,
+    recompute_op_output,
     recompute_output,
     recompute_sum,
 )
+from ..recompute._core import NODE_OPS
 from .evidence import CallSite, ModelTrace, Op
 from .norms import _innermost
 from .rules import Candidate, Context, Undo, chain, class_swap, label, op_name, register_rule, registered_rules
@@ -175,15 +177,32 @@ def layer_norm_consumer(ctx: Context) -> Iterator[Candidate]:
         if not consumers:
             continue
         owner = label((site.path,), "a recomputed LayerNorm")
+        eps = _eps_attribute(trace, sites, module)
 
-        def apply(module: nn.Module = module, consumers: list = consumers, owner: str = owner) -> Undo:
-            return chain(recompute_output(module, owner=owner, parameters=True, under_autocast=False,
-                                          keeps_output=False).remove,  # native_layer_norm keeps its input
-                         _install_consumers(consumers))
+        def apply(module: nn.Module = module, consumers: list = consumers, owner: str = owner,
+                  eps: str | None = eps) -> Undo:
+            if eps is not None:  # rebuilt from the norm's own autograd node (less Python per call)
+                producer = recompute_op_output(module, owner=owner, eps=eps)
+            else:  # native_layer_norm keeps its input
+                producer = recompute_output(module, owner=owner, parameters=True, under_autocast=False,
+                                            keeps_output=False)
+            return chain(producer.remove, _install_consumers(consumers))
 
         yield Candidate((site.path,), type(module).__name__, f"torch's LayerNorm, {_recomputed_for(ctx, consumers)}",
                         reason="a LayerNorm whose output is kept only by later call sites, its input by itself",
-                        targets=(module,), expected_bytes=expected, limits=LIMITS["recompute_norm"], apply=apply)
+                        targets=(module,), expected_bytes=expected,
+                        limits=LIMITS["recompute_op_norm" if eps is not None else "recompute_norm"], apply=apply)
+
+
+def _eps_attribute(trace: ModelTrace, sites: list[CallSite], module: nn.Module) -> str | None:
+    """The attribute of ``module`` that held the eps every traced call passed to ``native_layer_norm`` (``eps`` first),
+    or None: its node does not keep the eps, so a rebuild from the node reads it there at each call."""
+    found = {o.scalars[-1] for s in sites for o in trace.ops_in(s) if o.name == "native_layer_norm" and o.scalars}
+    if len(found) != 1:
+        return None
+    eps = found.pop()
+    names = [k for k, v in vars(module).items() if type(v) is float and v == eps]
+    return "eps" if "eps" in names else names[0] if len(names) == 1 else None
 
 
 # ---------------------------------------------------------------------- BatchNorm + ReLU per call site
@@ -531,12 +550,16 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
             continue
         owner = label((site.path,), "a recomputed activation")
         keeps = _keeps_output(trace, sites)
+        by_node = not keeps and all(ctx.op_names(s) == ctx.op_names(site) for s in sites) and len(
+            ctx.op_names(site)) == 1 and ctx.op_names(site)[0] in NODE_OPS
 
         def apply(module: nn.Module = module, consumers: list = consumers, owner: str = owner,
-                  keeps: bool = keeps, in_place: bool = in_place) -> Undo:
+                  keeps: bool = keeps, in_place: bool = in_place, by_node: bool = by_node) -> Undo:
             undos = [_out_of_place(module)] if in_place else []
-            return chain(*undos, recompute_output(module, owner=owner, keeps_output=keeps).remove,
-                         _install_consumers(consumers))
+            # one op whose node keeps what it reads (gelu, silu, ...): rebuilt from that node (less Python per call)
+            producer = (recompute_op_output(module, owner=owner) if by_node
+                        else recompute_output(module, owner=owner, keeps_output=keeps))
+            return chain(*undos, producer.remove, _install_consumers(consumers))
 
         # NOTE [ in-place activations made out of place ]: an activation run in place (timm and torchvision build
         # them so) overwrites its input, leaving nothing to rebuild its output from; torch's in-place autograd
@@ -549,7 +572,8 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
         yield Candidate((site.path,), type(module).__name__ + (" (in place)" if in_place else ""),
                         ("made out of place, " if in_place else "") + _recomputed_for(ctx, consumers),
                         reason="its output is kept only by later call sites, its input by itself",
-                        targets=(module,), expected_bytes=expected, limits=LIMITS["recompute_output"], apply=apply,
+                        targets=(module,), expected_bytes=expected,
+                        limits=LIMITS["recompute_op_output" if by_node else "recompute_output"], apply=apply,
                         stacks_on=("checkpoint_pointwise",), same_outputs=in_place)
 
 

@@ -18,6 +18,7 @@ from ._sites import (
     checkpoint_call,
     keep_recipes_in,
     recompute_gated_mlp,
+    recompute_op_output,
     recompute_output,
     recompute_sum,
 )
@@ -25,5 +26,5 @@ from ._sites import (
 __all__ = [
     "LIMITS", "ConvertError", "Handle", "PassThroughReLU", "Recipe", "checkpoint_call", "is_recomputable",
     "keep_recipes_in", "mark_recomputable", "producing", "recipe_of", "recipes_honoured", "recompute_gated_mlp",
-    "recompute_output", "recompute_sum",
+    "recompute_op_output", "recompute_output", "recompute_sum",
 ]

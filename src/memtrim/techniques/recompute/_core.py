@@ -23,6 +23,9 @@ unpacked (or has died). Autograd re-attaches the saved tensor's own grad_fn edge
 so when the rebuild is bitwise, a backward with create_graph=True is exact too; recipes that are not bitwise can
 refuse it (``double_backward=False``: a :class:`ConvertError` naming the owner).
 
+A producer that is one op whose autograd node saves everything the op reads (a LayerNorm, a GELU, a SiLU: NOTE
+[ recipes from the producer's autograd node ]) needs no registry entry: its node is tagged instead.
+
 A producer whose own backward keeps its output (relu, sigmoid) saves ``T`` before it can be marked: :class:`producing`
 holds saves made in its scope provisionally and decides at exit, once ``T`` is marked. Where ``T`` is made in place
 from a tensor that exists before (BatchNormReLU's ``relu_``), marking that tensor first at the version the op leaves
@@ -53,7 +56,7 @@ from ..guards import in_checkpoint, plain_only
 
 __all__ = [
     "Recipe", "enter_consumer_scope", "entry_of", "exit_consumer_scope", "is_recomputable", "mark_recomputable",
-    "producing", "recipe_of", "recipes_honoured", "register",
+    "producing", "recipe_of", "recipes_honoured", "register", "source_of", "tag_output",
 ]
 
 
@@ -103,7 +106,7 @@ class _Entry:
 
     __slots__ = ("recipe", "sources", "versions", "flat", "version", "tensor_ref", "storage_ref")
     recipe: Recipe
-    sources: tuple[torch.Tensor | _Entry, ...]
+    sources: tuple[torch.Tensor | _Entry | _NodeSource, ...]
     versions: tuple[int, ...]
     flat: bool  # no source is a nested recipe
     version: int
@@ -140,6 +143,10 @@ def _sources_unchanged(entry: _Entry) -> bool:
     for source, version in zip(entry.sources, entry.versions):
         if isinstance(source, _Entry):
             if not _sources_unchanged(source):
+                return False
+        elif isinstance(source, _NodeSource):
+            t = source.tensor_ref()
+            if t is not None and t._version != source.version:
                 return False
         elif source._version != version:
             return False
@@ -191,15 +198,14 @@ def mark_recomputable(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], *so
     """
     if not torch.is_grad_enabled() or plain_only():
         return False
-    resolved: list[torch.Tensor | _Entry] = []
+    resolved: list[torch.Tensor | _Entry | _NodeSource] = []
     for source in sources:
         if type(source) is torch.nn.Parameter:  # never a marked tensor (the usual parameter: no metaclass check)
             resolved.append(source)
             continue
         if not isinstance(source, torch.Tensor) or source.layout is not torch.strided:
             return False
-        nested = entry_of(source)
-        resolved.append(nested if nested is not None else source)
+        resolved.append(source_of(source))
     return register(tensor, fn, resolved, owner=owner, double_backward=double_backward, tag=tag, checked=True,
                     version=version) is not None
 
@@ -213,7 +219,8 @@ def entry_of(tensor: torch.Tensor) -> _Entry | None:
     return entry
 
 
-def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Iterable[torch.Tensor | _Entry], *,
+def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor],
+             sources: Iterable[torch.Tensor | _Entry | _NodeSource], *,
              owner: str, double_backward: bool = True, tag: str | None = None, checked: bool = False,
              version: int | None = None) -> _Entry | None:
     """:func:`mark_recomputable` with sources already resolved (a source may be an entry from :func:`entry_of`,
@@ -224,7 +231,7 @@ def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], sources: Ite
     if not _whole(tensor):
         return None
     storage = tensor.untyped_storage()
-    resolved: list[torch.Tensor | _Entry] = []
+    resolved: list[torch.Tensor | _Entry | _NodeSource] = []
     for source in sources:
         # a Parameter is kept as itself: never a producer's output (no in-place check needed), and saved-tensor hooks
         # outside (memtrim.OffloadActivations) then see a parameter and leave it where it is, as with torch's own saves
@@ -262,6 +269,143 @@ def is_recomputable(tensor: torch.Tensor, tag: str | None = None) -> bool:
     """Whether ``tensor`` is exactly a marked tensor, unchanged since (and, with ``tag``, marked with that tag)."""
     recipe = recipe_of(tensor)
     return recipe is not None and (tag is None or recipe.tag == tag)
+
+
+# ---------------------------------------------------------------------- recipes kept by the producer's node
+# NOTE [ recipes from the producer's autograd node ]
+# Most producers convert rebuilds are one op whose autograd node already saves every tensor and setting the op
+# reads: gelu keeps its input and ``approximate``, native_layer_norm its input, normalized_shape, weight and bias
+# (all but eps). The op run again on what its node saved is the op's own output, bitwise, so such a producer needs
+# no registry entry, no detached sources and no weak references: :func:`tag_output` puts a :class:`_NodeRecipe` in
+# the node's ``metadata`` (with the output's TensorImpl and version, and the eps of a LayerNorm, which the node does
+# not keep), and a consumer scope's pack that meets the unchanged output (or a view of it) keeps the node instead
+# (:func:`_node_handle`). In backward the rebuild reads the node's saved tensors through autograd itself: its own
+# in-place check, through whatever hooks packed them. The node outlives every consumer's unpack in one backward (a
+# node runs after everything that reads its output); the handle keeps it alive past that only with the graph.
+# About four times less Python per call than a registry recipe (benchmarks/convert_overhead.py).
+_NODE_KEY = "memtrim_recipe"
+
+
+def _node_layer_norm(node: Any, eps: float) -> torch.Tensor:
+    return torch.native_layer_norm(node._saved_input, node._saved_normalized_shape, node._saved_weight,
+                                   node._saved_bias, eps)[0]
+
+
+_NODE_REBUILDS: dict[str, Callable[[Any, Any], torch.Tensor]] = {
+    "NativeLayerNormBackward0": _node_layer_norm,
+    "GeluBackward0": lambda n, _: torch._C._nn.gelu(n._saved_self, approximate=n._saved_approximate),
+    "SiluBackward0": lambda n, _: torch._C._nn.silu(n._saved_self),
+    "MishBackward0": lambda n, _: torch._C._nn.mish(n._saved_self),
+    "HardswishBackward0": lambda n, _: torch._C._nn.hardswish(n._saved_self),
+    "HardsigmoidBackward0": lambda n, _: torch._C._nn.hardsigmoid(n._saved_self),
+    "SoftplusBackward0": lambda n, _: torch._C._nn.softplus(n._saved_self, n._saved_beta, n._saved_threshold),
+    "EluBackward0": lambda n, _: torch._C._nn.elu(n._saved_self, n._saved_alpha, n._saved_scale,
+                                                  n._saved_input_scale),
+    "CeluBackward0": lambda n, _: torch.celu(n._saved_self, n._saved_alpha),
+    "LeakyReluBackward0": lambda n, _: torch._C._nn.leaky_relu(n._saved_self, n._saved_negative_slope),
+    "HardtanhBackward0": lambda n, _: torch._C._nn.hardtanh(n._saved_self, n._saved_min_val, n._saved_max_val),
+    "LogSigmoidBackward0": lambda n, _: torch._C._nn.log_sigmoid(n._saved_self),
+}
+"""Autograd node class name -> the op run again on what the node saved (and the recipe's ``extra``: a LayerNorm's
+eps). Each is the op that made the node, so its output is the forward's, bitwise."""
+
+NODE_OPS = frozenset({"native_layer_norm", "gelu", "silu", "mish", "hardswish", "hardsigmoid", "softplus", "elu",
+                      "celu", "leaky_relu", "hardtanh", "log_sigmoid_forward"})  # log_sigmoid runs log_sigmoid_forward
+"""The aten ops (as convert's trace names them) whose nodes :data:`_NODE_REBUILDS` rebuilds from."""
+
+
+class _NodeRecipe(Recipe):
+    """A recipe kept in its node's ``metadata``: the output's TensorImpl and version at the call, ``extra``, and a
+    weak reference to the tensor the producer returned (the in-place check at unpack, while it lives: a consumer
+    may save a view made inside it, which dies at once)."""
+
+    __slots__ = ("extra", "impl", "version", "output_ref")
+    extra: Any
+    impl: int
+    version: int
+    output_ref: weakref.ref[torch.Tensor]
+
+    def _rebuild(self, sources: list[Any]) -> torch.Tensor:
+        try:
+            return super()._rebuild(sources)
+        except RuntimeError as e:
+            if "freed" not in str(e):
+                raise
+            raise ConvertError(
+                f"memtrim: {self.owner} does not keep its output; backward rebuilds it from what its autograd node "
+                "saved, and an earlier backward through that node freed it (retain_graph=False). Expected the node's "
+                "saved tensors; found them freed. To fix: pass retain_graph=True to the earlier backward, or leave "
+                "this module out of memtrim.convert (module_filter)."
+            ) from e
+
+
+class _NodeSource:
+    """A tagged node's output (or a view of it) as a saved tensor or a recipe's source: the node, the view's
+    geometry (None: the whole output), and a weak reference to the tensor with its version (the in-place check)."""
+
+    __slots__ = ("node", "recipe", "view", "tensor_ref", "version")
+    node: Any
+    recipe: _NodeRecipe
+    view: tuple[torch.Size, tuple[int, ...], int | torch.SymInt] | None
+    tensor_ref: weakref.ref[torch.Tensor]
+    version: int
+
+
+def _tagged(tensor: torch.Tensor) -> _NodeSource | None:
+    """``tensor`` as the output of a tagged node, unchanged since the node made it, or None."""
+    base = tensor._base
+    if base is None:
+        base = tensor
+    node: Any = base.grad_fn
+    if node is None or type(node).__name__ not in _NODE_REBUILDS:  # the usual tensor: no metadata made
+        return None
+    recipe = node.metadata.get(_NODE_KEY)
+    if (recipe is None or recipe.impl != base._cdata or recipe.version != base._version
+            or recipe.dtype != tensor.dtype):
+        return None
+    found = _NodeSource()
+    found.node, found.recipe, found.tensor_ref, found.version = node, recipe, recipe.output_ref, tensor._version
+    found.view = (None if (tensor.storage_offset() == 0 and tensor.shape == recipe.shape
+                           and tensor.stride() == recipe.stride)
+                  else (tensor.shape, tensor.stride(), tensor.storage_offset()))
+    return found
+
+
+def source_of(tensor: torch.Tensor) -> torch.Tensor | _Entry | _NodeSource:
+    """``tensor`` as a recipe's source: its live registry entry, its tagged node, or itself (a nested recipe keeps
+    what rebuilds it, not the tensor)."""
+    return entry_of(tensor) or _tagged(tensor) or tensor
+
+
+def tag_output(tensor: torch.Tensor, owner: str, eps: float | None = None) -> bool:
+    """Tag the autograd node that made ``tensor`` (or the tensor ``tensor`` is a view of) so that consumer scopes
+    keep the node instead of the tensor: NOTE [ recipes from the producer's autograd node ]. Callers have checked
+    :func:`plain_only`.
+
+    Args:
+        tensor: a module's output: one op's output, or a view of one (timm's ``LayerNorm2d`` permutes it back).
+        owner: how errors name the producer.
+        eps: a LayerNorm's eps, as the forward used it (its node does not keep it); None for any other op.
+
+    Returns:
+        Whether a node was tagged: False for a tensor without a node (grad mode off, nothing requiring grad), one
+        made by another op (a LayerNorm's without ``eps``, any other with it), or changed in place since (its node
+        is then the in-place op's).
+    """
+    base = tensor._base
+    if base is None:
+        base = tensor
+    node: Any = base.grad_fn
+    if node is None:
+        return False
+    rebuild = _NODE_REBUILDS.get(type(node).__name__)
+    if (rebuild is None or (rebuild is _node_layer_norm) != (eps is not None) or base.output_nr != 0
+            or base.layout is not torch.strided):
+        return False
+    recipe = _NodeRecipe(rebuild, base, owner, True, None)
+    recipe.extra, recipe.impl, recipe.version, recipe.output_ref = eps, base._cdata, base._version, weakref.ref(tensor)
+    node.metadata[_NODE_KEY] = recipe
+    return True
 
 
 # ---------------------------------------------------------------------- what autograd keeps
@@ -307,7 +451,7 @@ class _Handle:
 
     __slots__ = ("recipe", "sources", "versions", "view", "version", "tensor_ref", "__weakref__")
     recipe: Recipe
-    sources: tuple[_Handle | _Kept, ...] | tuple[torch.Tensor, ...]
+    sources: tuple[_Handle | _Kept, ...] | tuple[Any, ...]
     versions: tuple[int, ...] | None  # set where ``sources`` are the entry's own tensors, checked against these
     view: tuple[torch.Size, tuple[int, ...], int | torch.SymInt] | None  # None: the whole marked tensor
     version: int
@@ -334,14 +478,36 @@ def _handle(entry: _Entry, tensor: torch.Tensor | None, outer: Any) -> _Handle:
                                                 and tensor.stride() == recipe.stride)
                    else (tensor.shape, tensor.stride(), tensor.storage_offset()))
     if outer is None and entry.flat:  # the usual case: the entry's own detached sources, checked at unpack
-        handle.sources, handle.versions = entry.sources, entry.versions  # type: ignore[assignment]
+        handle.sources, handle.versions = entry.sources, entry.versions
     else:
         handle.sources = tuple(_handle(s, None, outer) if isinstance(s, _Entry) else
+                               _node_handle(s) if isinstance(s, _NodeSource) else
                                _keep(s, outer, recipe.owner, True) for s in entry.sources)
         handle.versions = None
     with recipe.lock:
         recipe.live += 1
     return handle
+
+
+def _node_handle(source: _NodeSource) -> _Handle:
+    recipe = source.recipe
+    handle = _Handle()
+    handle.recipe, handle.version, handle.tensor_ref, handle.view = (recipe, source.version, source.tensor_ref,
+                                                                     source.view)
+    handle.sources, handle.versions = (source.node, recipe.extra), ()  # the rebuild's arguments: none to check
+    with recipe.lock:
+        recipe.live += 1
+    return handle
+
+
+def _handle_of(tensor: torch.Tensor, outer: Any) -> _Handle | None:
+    """What a consumer scope keeps for a saved ``tensor`` that has a live recipe (a registry entry or a tagged
+    node), or None."""
+    entry = _lookup(tensor)
+    if entry is not None:
+        return _handle(entry, tensor, outer)
+    source = _tagged(tensor)
+    return None if source is None else _node_handle(source)
 
 
 def _rebuilt(handle: _Handle) -> torch.Tensor:
@@ -409,9 +575,9 @@ def _outer_of(top: Any) -> Any:
 
 def _consumer_pack(outer: Any) -> Callable[[torch.Tensor], Any]:
     def pack(tensor: torch.Tensor) -> Any:
-        entry = _lookup(tensor)
-        if entry is not None:
-            return _handle(entry, tensor, outer)
+        handle = _handle_of(tensor, outer)
+        if handle is not None:
+            return handle
         return _keep(tensor, outer, "memtrim's recompute hooks")
 
     setattr(pack, _MARK, outer)
@@ -508,7 +674,9 @@ class producing(torch.autograd.graph.saved_tensors_hooks):
 
         def pack(tensor: torch.Tensor) -> _Pending:
             held = _Pending()
-            held.tensor, held.version, held.inner = tensor.detach(), tensor._version, None
+            # the tensor itself until the exit decides (a tagged node's output is known by its grad_fn), then
+            # dropped: what stays is decided then (a detached alias, a handle)
+            held.tensor, held.version, held.inner = tensor, tensor._version, None
             pending.append(held)
             return held
 
@@ -530,8 +698,6 @@ class producing(torch.autograd.graph.saved_tensors_hooks):
                 kept = held.inner = _keep(tensor, None, "memtrim's recompute hooks")
                 kept.version = held.version
             else:
-                entry = _lookup(tensor)
-                held.inner = (_handle(entry, tensor, outer) if entry is not None
-                              else _keep(tensor, outer, "memtrim's recompute hooks"))
+                held.inner = _handle_of(tensor, outer) or _keep(tensor, outer, "memtrim's recompute hooks")
             held.tensor = None
         self.pending.clear()

@@ -28,11 +28,13 @@ from ._core import (
     is_recomputable,
     producing,
     register,
+    source_of,
+    tag_output,
 )
 
 __all__ = [
     "LIMITS", "Handle", "PassThroughReLU", "checkpoint_call", "keep_recipes_in", "recompute_gated_mlp",
-    "recompute_output", "recompute_sum",
+    "recompute_op_output", "recompute_output", "recompute_sum",
 ]
 
 
@@ -55,6 +57,20 @@ LIMITS: dict[str, tuple[str, ...]] = {
     ),
     "recompute_norm": (
         "the norm's output is rebuilt in backward by its own forward (bitwise); double backward exact",
+        "saves nothing under autocast and steps aside under torch.compile and torch.func",
+    ),
+    "recompute_op_output": (
+        "the activation's output is rebuilt in backward by the same op on what its autograd node saved (bitwise); "
+        "double backward exact",
+        "a backward that reaches a consumer after an earlier backward freed the graph (retain_graph=False) raises, "
+        "where torch alone might not: pass retain_graph=True to the earlier one",
+        "steps aside under torch.compile and torch.func",
+    ),
+    "recompute_op_norm": (
+        "the norm's output is rebuilt in backward by the same op on what its autograd node saved and the eps the "
+        "forward read (bitwise); double backward exact",
+        "a backward that reaches a consumer after an earlier backward freed the graph (retain_graph=False) raises, "
+        "where torch alone might not: pass retain_graph=True to the earlier one",
         "saves nothing under autocast and steps aside under torch.compile and torch.func",
     ),
     "recompute_gated_mlp": (
@@ -211,7 +227,7 @@ class _OutputRecipe:
             return  # a user's hook ran first (prepend=True, or a global one): the output may not be forward's
         if not kwargs and len(args) == 1 and isinstance(args[0], torch.Tensor):  # the usual call: module(x)
             positions = _FIRST
-            resolved: list[Any] = [entry_of(args[0]) or args[0]]
+            resolved: list[Any] = [source_of(args[0])]
         else:
             flat = list(args) + list(kwargs.values())
             if not flat or not all(isinstance(a, torch.Tensor) or _plain(a) for a in flat):
@@ -221,7 +237,7 @@ class _OutputRecipe:
             positions = [i for i, a in enumerate(flat) if isinstance(a, torch.Tensor)]
             if not positions:
                 return
-            resolved = [entry_of(flat[i]) or flat[i] for i in positions]
+            resolved = [source_of(flat[i]) for i in positions]
         owner = _name(module, self.owner)
         params: list[tuple[str, torch.Tensor]] = []
         if self.parameters:  # sources too: version-checked like autograd's, and what the rebuild reads
@@ -436,6 +452,48 @@ def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None =
     return Handle(pre.remove, post.remove)
 
 
+class _OpTag:
+    """The forward hook of :func:`recompute_op_output`: tags the node that made the output (one per module)."""
+
+    def __init__(self, owner: str, eps: str | None) -> None:
+        self.owner, self.eps = owner, eps
+
+    def tag(self, module: nn.Module, args: tuple, output: Any) -> None:
+        # NOTE: this runs at every call of every converted LayerNorm and activation: the short path
+        if plain_only() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+            return
+        if self.eps is None:
+            tag_output(output, self.owner)
+            return
+        eps = module.__dict__.get(self.eps)  # the forward's eps: read now, a later change does not reach the rebuild
+        if isinstance(eps, float):
+            tag_output(output, self.owner, eps)
+
+
+def recompute_op_output(module: nn.Module, *, owner: str | None = None, eps: str | None = None) -> Handle:
+    """Let the consumers of ``module``'s output rebuild it from the autograd node of the op that made it: the same
+    op on what that node saved, so bitwise (NOTE [ recipes from the producer's autograd node ] in _core.py). Less
+    Python per call than :func:`recompute_output`, and no settings to compare: the node holds the weight, bias and
+    input the forward used, and autograd checks them for in-place changes as it does for its own backward.
+
+    Args:
+        module: a module whose output is one op's output, or a view of one: a LayerNorm (``native_layer_norm``) or
+            an activation of ``NODE_OPS`` (gelu, silu, ...; any class). A call whose output another op made (or
+            changed in place) keeps it as usual.
+        owner: how errors name the module (default: its ``memtrim_owner`` label or class name).
+        eps: for a LayerNorm, the name of the module attribute its forward passes as eps (the node does not keep
+            it): read at each call. None for an activation.
+
+    Returns:
+        A :class:`Handle`; ``remove()`` uninstalls the hook. Marking alone saves nothing: the consumers that keep
+        the output need :func:`keep_recipes_in`.
+    """
+    if isinstance(module.__dict__.get("forward"), _Checkpointed):  # one recompute serves both (recompute_output)
+        return recompute_output(module, owner=owner)
+    hook = module.register_forward_hook(_OpTag(_name(module, owner), eps).tag)
+    return Handle(hook.remove)
+
+
 # ---------------------------------------------------------------------- gated MLP
 def _mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a * b
@@ -498,7 +556,7 @@ class _GatedMLP:
         if node is None or node.name() != "MulBackward0":
             return
         inputs = [n._sequence_nr() if n is not None else None for n, _ in node.next_functions]
-        up = entry_of(u[0]) or u[0]  # up's output rebuilt too (memtrim.recompute_modules): a nested recipe
+        up = source_of(u[0])  # up's output rebuilt too (memtrim.recompute_modules): a nested recipe
         if inputs == [a[1], u[1]]:
             sources: list[Any] = [a[0], up]
         elif inputs == [u[1], a[1]]:
@@ -673,7 +731,7 @@ class _Checkpointed:
             cell = _Graph(fn)
             output = _SharedRecompute.apply(cell, *args)
             if isinstance(output, torch.Tensor):
-                register(output, cell.rebuild, [entry_of(a) or a for a in args], owner=self.recipe_owner)
+                register(output, cell.rebuild, [source_of(a) for a in args], owner=self.recipe_owner)
             return output
         return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
