@@ -387,6 +387,17 @@ class _FixedEpsNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, 1e-3)
 
 
+class _TwoEpsNorm(nn.LayerNorm):
+    """A LayerNorm with two attributes holding its eps: which one its forward reads is not known from the trace."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.norm_eps = self.eps
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.norm_eps)
+
+
 def _tags_its_node(module: nn.Module) -> bool:
     return any(type(getattr(h, "__self__", None)).__name__ == "_OpTag" for h in module._forward_hooks.values())
 
@@ -396,13 +407,15 @@ def test_a_norm_or_activation_op_is_rebuilt_from_its_own_node_where_the_eps_is_k
     # is read there at each call; where it is not (a constant in the forward), the module's forward rebuilds it
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.GELU(), nn.Conv2d(8, 8, 1), nn.Flatten(1), nn.LayerNorm(32),
-                          nn.Linear(32, 16), _FixedEpsNorm(16, eps=1e-5), nn.Linear(16, 2))
+                          nn.Linear(32, 16), _FixedEpsNorm(16, eps=1e-5), nn.Linear(16, 16), _TwoEpsNorm(16),
+                          nn.Linear(16, 2))
     x = torch.randn(4, 3, 2, 2)
     converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=(x,))
     assert {c.modules: c.rule for c in report.changes} == {("1",): "activation_consumer",
                                                             ("4",): "layer_norm_consumer",
-                                                            ("6",): "layer_norm_consumer"}
-    assert [_tags_its_node(m) for m in converted] == [False, True, False, False, True, False, False, False]
+                                                            ("6",): "layer_norm_consumer",
+                                                            ("8",): "layer_norm_consumer"}
+    assert [i for i, m in enumerate(converted) if _tags_its_node(m)] == [1, 4]
     assert all(c.bytes_saved and c.bitwise for c in report.changes)
     for model_ in (model, converted):
         model_.zero_grad()

@@ -195,14 +195,15 @@ def layer_norm_consumer(ctx: Context) -> Iterator[Candidate]:
 
 
 def _eps_attribute(trace: ModelTrace, sites: list[CallSite], module: nn.Module) -> str | None:
-    """The attribute of ``module`` that held the eps every traced call passed to ``native_layer_norm`` (``eps`` first),
-    or None: its node does not keep the eps, so a rebuild from the node reads it there at each call."""
+    """The one attribute of ``module`` that held the eps every traced call passed to ``native_layer_norm``, or None
+    (none, or several: which one the forward reads is not known): its node does not keep the eps, so a rebuild from
+    the node reads it there at each call."""
     found = {o.scalars[-1] for s in sites for o in trace.ops_in(s) if o.name == "native_layer_norm" and o.scalars}
     if len(found) != 1:
         return None
     eps = found.pop()
     names = [k for k, v in vars(module).items() if type(v) is float and v == eps]
-    return "eps" if "eps" in names else names[0] if len(names) == 1 else None
+    return names[0] if len(names) == 1 else None
 
 
 # ---------------------------------------------------------------------- BatchNorm + ReLU per call site
