@@ -423,6 +423,79 @@ def test_a_norm_or_activation_op_is_rebuilt_from_its_own_node_where_the_eps_is_k
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), converted.parameters()))
 
 
+class _ModeEpsNorm(nn.LayerNorm):
+    """A LayerNorm whose eps depends on the mode: the traced eps is its attribute, an eval call's is not."""
+
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps if self.training else 0.5)
+
+
+class _MaybeNorm(nn.LayerNorm):
+    """A LayerNorm that can be switched off: it then returns its input, another norm's output."""
+
+    enabled = True
+
+    def forward(self, x):
+        return super().forward(x) if self.enabled else x
+
+
+class _ResidualNorm(nn.Module):
+    """The norm's input changed in place after the norm read it (a residual ``h += y``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm, self.b, self.c = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        h += self.b(self.norm(h))
+        return self.c(h)
+
+
+def _outside_checkpoint(model, x):  # Linear + LayerNorm checkpointed, the head that keeps the norm's output outside
+    return model[2](torch.utils.checkpoint.checkpoint(lambda t: model[1](model[0](t)), x, use_reentrant=False))
+
+
+def _under_save_on_cpu(model, x):  # hooks that keep the tensor itself: torch checks no saved tensor for changes
+    with torch.autograd.graph.save_on_cpu():
+        return model(x)
+
+
+def _second_norm_off(model, x):
+    model[2].enabled = False
+    return model(x)
+
+
+@pytest.mark.parametrize("case", ["checkpoint outside", "checkpoint_modules on the norm", "save_on_cpu",
+                                  "eps by mode", "a norm returning another's output"])
+def test_where_a_node_cannot_be_trusted_the_output_is_rebuilt_otherwise_or_kept(case):
+    # found by an adversarial pass: a rebuild from the norm's node read what a checkpoint kept (which allows one
+    # unpack), what save_on_cpu kept unchecked after an in-place edit, or used an eps the forward did not pass
+    seq = nn.Sequential
+    model, run = {
+        "checkpoint outside": (seq(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)), _outside_checkpoint),
+        "checkpoint_modules on the norm": (seq(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)), None),
+        "save_on_cpu": (_ResidualNorm(), _under_save_on_cpu),
+        "eps by mode": (seq(nn.Linear(8, 16), _ModeEpsNorm(16), nn.Linear(16, 4)),
+                        lambda m, x: m.eval()(x)),
+        "a norm returning another's output": (seq(nn.Linear(8, 16), nn.LayerNorm(16), _MaybeNorm(16, eps=0.5),
+                                                  nn.Linear(16, 4)), _second_norm_off),
+    }[case]
+    torch.manual_seed(0)
+    converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=(torch.randn(2, 8),))
+    assert report.changes and all(c.rule == "layer_norm_consumer" for c in report.changes)
+    if run is None:
+        for m in (model, converted):
+            memtrim.checkpoint_modules(m, nn.LayerNorm)
+        run = nn.Module.__call__
+    x = torch.randn(3, 8)
+    for m in (model, converted):
+        run(m, x).square().mean().backward()
+    grads = [[p.grad for p in m.parameters()] for m in (model, converted)]
+    assert [g is None for g in grads[0]] == [g is None for g in grads[1]]  # a switched-off norm gets none
+    assert all(a is None or torch.equal(a, b) for a, b in zip(*grads))
+
+
 class _Probe(nn.Module):
     """A frozen backbone's first token through a norm (or an activation) into a trained head: linear probing."""
 

@@ -194,16 +194,24 @@ def layer_norm_consumer(ctx: Context) -> Iterator[Candidate]:
                         limits=LIMITS["recompute_op_norm" if eps is not None else "recompute_norm"], apply=apply)
 
 
+KNOWN_LAYER_NORM_FORWARDS: list[tuple[str, str]] = [("torch.nn", "LayerNorm"), ("timm.layers.norm", "LayerNorm"),
+                                                     ("timm.layers.norm", "LayerNorm2d")]
+"""LayerNorm classes whose ``forward`` passes ``self.eps`` to ``F.layer_norm`` at every call and returns its output
+(or a view of it): (module, class name), looked up in ``sys.modules``. A module whose class uses one of these
+forwards (a subclass that does not override it) is rebuilt from its norm's autograd node, with ``eps`` read at each
+call; any other (an eps chosen per call, a forward that may return its input) by its own forward."""
+
+
 def _eps_attribute(trace: ModelTrace, sites: list[CallSite], module: nn.Module) -> str | None:
-    """The one attribute of ``module`` that held the eps every traced call passed to ``native_layer_norm``, or None
-    (none, or several: which one the forward reads is not known): its node does not keep the eps, so a rebuild from
-    the node reads it there at each call."""
-    found = {o.scalars[-1] for s in sites for o in trace.ops_in(s) if o.name == "native_layer_norm" and o.scalars}
-    if len(found) != 1:
+    """``"eps"`` where ``module``'s forward is known to pass its ``eps`` (KNOWN_LAYER_NORM_FORWARDS) and every traced
+    call passed that value to ``native_layer_norm``, else None: the node does not keep the eps, so a rebuild from
+    the node reads it from the module at each call."""
+    forward = type(module).forward
+    if not any(getattr(getattr(sys.modules.get(where), name, None), "forward", None) is forward
+               for where, name in KNOWN_LAYER_NORM_FORWARDS):
         return None
-    eps = found.pop()
-    names = [k for k, v in vars(module).items() if type(v) is float and v == eps]
-    return names[0] if len(names) == 1 else None
+    found = {o.scalars[-1] for s in sites for o in trace.ops_in(s) if o.name == "native_layer_norm" and o.scalars}
+    return "eps" if found == {vars(module).get("eps")} else None
 
 
 # ---------------------------------------------------------------------- BatchNorm + ReLU per call site

@@ -52,7 +52,7 @@ import torch
 
 from ...errors import ConvertError
 from ...measure.hooks import check_saved_version, top_saved_tensors_hooks
-from ..guards import in_checkpoint, plain_only
+from ..guards import in_checkpoint, memtrims, plain_only
 
 __all__ = [
     "Recipe", "enter_consumer_scope", "entry_of", "exit_consumer_scope", "is_recomputable", "mark_recomputable",
@@ -377,6 +377,20 @@ def source_of(tensor: torch.Tensor) -> torch.Tensor | _Entry | _NodeSource:
     return entry_of(tensor) or _tagged(tensor) or tensor
 
 
+def _saves_checked() -> bool:
+    """Whether what an op saves now is checked for in-place changes at unpack: by autograd (no saved-tensor hooks)
+    or by memtrim's own hooks that repeat the check (a tracker, ``OffloadActivations``; a recompute scope passes its
+    saves to the hooks below it). Not under others: a checkpoint's (which also recomputes what a node saved, once),
+    ``save_on_cpu``'s, a user's. A rebuild from a node must not read what such hooks kept: a checkpoint allows one
+    unpack per saved tensor, and unchecked saves may have changed in place where torch kept the output itself."""
+    top = top_saved_tensors_hooks()
+    while top is not None:
+        if not hasattr(top[0], _MARK):
+            return memtrims(top[0])
+        top = getattr(top[0], _MARK)
+    return True
+
+
 def tag_output(tensor: torch.Tensor, owner: str, eps: float | None = None) -> bool:
     """Tag the autograd node that made ``tensor`` (or the tensor ``tensor`` is a view of) so that consumer scopes
     keep the node instead of the tensor: NOTE [ recipes from the producer's autograd node ]. Callers have checked
@@ -389,9 +403,12 @@ def tag_output(tensor: torch.Tensor, owner: str, eps: float | None = None) -> bo
 
     Returns:
         Whether a node was tagged: False for a tensor without a node (grad mode off, nothing requiring grad), one
-        made by another op (a LayerNorm's without ``eps``, any other with it), or changed in place since (its node
-        is then the in-place op's).
+        made by another op (a LayerNorm's without ``eps``, any other with it), changed in place since (its node is
+        then the in-place op's), or made under saved-tensor hooks that skip autograd's in-place check
+        (:func:`_saves_checked`).
     """
+    if not _saves_checked():
+        return False
     base = tensor._base
     if base is None:
         base = tensor

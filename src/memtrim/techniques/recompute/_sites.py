@@ -61,14 +61,16 @@ LIMITS: dict[str, tuple[str, ...]] = {
     ),
     "recompute_op_output": (
         "the activation's output is rebuilt in backward by the same op on what its autograd node saved (bitwise); "
-        "double backward exact",
+        "double backward exact; a call under saved-tensor hooks other than memtrim's (a checkpoint, save_on_cpu) "
+        "or with a forward set on the instance keeps its output as torch does",
         "a backward that reaches a consumer after an earlier backward freed the graph (retain_graph=False) raises, "
         "where torch alone might not: pass retain_graph=True to the earlier one",
         "steps aside under torch.compile and torch.func",
     ),
     "recompute_op_norm": (
         "the norm's output is rebuilt in backward by the same op on what its autograd node saved and the eps the "
-        "forward read (bitwise); double backward exact",
+        "forward read (bitwise); double backward exact; a call under saved-tensor hooks other than memtrim's (a "
+        "checkpoint, save_on_cpu) or with a forward set on the instance keeps its output as torch does",
         "a backward that reaches a consumer after an earlier backward freed the graph (retain_graph=False) raises, "
         "where torch alone might not: pass retain_graph=True to the earlier one",
         "saves nothing under autocast and steps aside under torch.compile and torch.func",
@@ -462,6 +464,8 @@ class _OpTag:
         # NOTE: this runs at every call of every converted LayerNorm and activation: the short path
         if plain_only() or not isinstance(output, torch.Tensor) or not output.requires_grad:
             return
+        if "forward" in module.__dict__:  # a forward set on the instance (memtrim.checkpoint_modules, a user's) may
+            return                         # run the op under hooks this hook, outside it, does not see
         if self.eps is None:
             tag_output(output, self.owner)
             return
