@@ -452,6 +452,14 @@ class _ResidualNorm(nn.Module):
         return self.c(h)
 
 
+class _ResidualAct(_ResidualNorm):
+    """An activation's input changed in place after it read it: SiLU + Linear become memtrim's ActLinear."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.SiLU()
+
+
 def _outside_checkpoint(model, x):  # Linear + LayerNorm checkpointed, the head that keeps the norm's output outside
     return model[2](torch.utils.checkpoint.checkpoint(lambda t: model[1](model[0](t)), x, use_reentrant=False))
 
@@ -467,7 +475,7 @@ def _second_norm_off(model, x):
 
 
 @pytest.mark.parametrize("case", ["checkpoint outside", "checkpoint_modules on the norm", "save_on_cpu",
-                                  "eps by mode", "a norm returning another's output"])
+                                  "save_on_cpu, ActLinear", "eps by mode", "a norm returning another's output"])
 def test_where_a_node_cannot_be_trusted_the_output_is_rebuilt_otherwise_or_kept(case):
     # found by an adversarial pass: a rebuild from the norm's node read what a checkpoint kept (which allows one
     # unpack), what save_on_cpu kept unchecked after an in-place edit, or used an eps the forward did not pass
@@ -476,6 +484,7 @@ def test_where_a_node_cannot_be_trusted_the_output_is_rebuilt_otherwise_or_kept(
         "checkpoint outside": (seq(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)), _outside_checkpoint),
         "checkpoint_modules on the norm": (seq(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)), None),
         "save_on_cpu": (_ResidualNorm(), _under_save_on_cpu),
+        "save_on_cpu, ActLinear": (_ResidualAct(), _under_save_on_cpu),  # the same for ActLinear's recomputed input
         "eps by mode": (seq(nn.Linear(8, 16), _ModeEpsNorm(16), nn.Linear(16, 4)),
                         lambda m, x: m.eval()(x)),
         "a norm returning another's output": (seq(nn.Linear(8, 16), nn.LayerNorm(16), _MaybeNorm(16, eps=0.5),
@@ -483,7 +492,8 @@ def test_where_a_node_cannot_be_trusted_the_output_is_rebuilt_otherwise_or_kept(
     }[case]
     torch.manual_seed(0)
     converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=(torch.randn(2, 8),))
-    assert report.changes and all(c.rule == "layer_norm_consumer" for c in report.changes)
+    rule = "activation_linear" if case.endswith("ActLinear") else "layer_norm_consumer"
+    assert report.changes and all(c.rule == rule for c in report.changes)
     if run is None:
         for m in (model, converted):
             memtrim.checkpoint_modules(m, nn.LayerNorm)

@@ -21,8 +21,8 @@ from ..errors import ConvertError
 from ..measure.hooks import top_saved_tensors_hooks
 
 __all__ = [
-    "autocasting", "in_checkpoint", "inplace_error", "memtrims", "no_double_backward",
-    "owner", "plain_only", "saved_tensors",
+    "RECOMPUTE_HOOKS", "autocasting", "in_checkpoint", "inplace_error", "memtrims", "no_double_backward",
+    "owner", "plain_only", "saved_tensors", "saves_checked",
 ]
 
 
@@ -54,6 +54,25 @@ def plain_only() -> bool:
     autograd.Function needs rules they do not have): the modules then run as torch's own ops, exactly the
     unconverted model."""
     return torch.compiler.is_compiling() or _functorch_active() or _forward_ad_active()
+
+
+RECOMPUTE_HOOKS = "_memtrim_recompute_hooks"
+"""Attribute on memtrim's recompute pack functions: the saved-tensor hooks they pass what they keep to (or None)."""
+
+
+def saves_checked() -> bool:
+    """Whether what an op saves now is checked for in-place changes at unpack: by autograd (no saved-tensor hooks)
+    or by memtrim's own hooks that repeat the check (a tracker, ``OffloadActivations``; a recompute scope passes what
+    it keeps to the hooks below it). Not under others: a checkpoint's (which also recomputes what a node saved, and
+    allows one unpack), ``save_on_cpu``'s, a user's. What rebuilds a tensor from an op's saved inputs (a node's, or
+    ActLinear's) must not rely on those: an input changed in place would rebuild another tensor where torch kept the
+    tensor itself."""
+    top = top_saved_tensors_hooks()
+    while top is not None:
+        if not hasattr(top[0], RECOMPUTE_HOOKS):
+            return memtrims(top[0])
+        top = getattr(top[0], RECOMPUTE_HOOKS)
+    return True
 
 
 def in_checkpoint() -> bool:

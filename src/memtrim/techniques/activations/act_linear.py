@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import InvalidInputError
-from ..guards import autocasting, in_checkpoint, owner, plain_only, saved_tensors
+from ..guards import autocasting, owner, plain_only, saved_tensors, saves_checked
 from .functional import differentiable_grad
 
 __all__ = ["ActLinear"]
@@ -100,8 +100,9 @@ class ActLinear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``linear(activation(input))``, keeping only ``input`` for backward (the activation is recomputed)."""
-        # an input that needs no gradient: torch's activation keeps nothing there and its Linear the output, as here
+        # an input that needs no gradient: torch's activation keeps nothing there and its Linear the output, as here;
+        # under saved-tensor hooks that check nothing (save_on_cpu) or a checkpoint's, torch's own ops (saves_checked)
         if (not torch.is_grad_enabled() or not input.requires_grad or plain_only() or autocasting(input)
-                or in_checkpoint()):
+                or not saves_checked()):
             return F.linear(_ACT[self.activation][0](input), self.weight, self.bias)
         return _ActLinearFunction.apply(input, self.weight, self.bias, self.activation, owner(self))

@@ -52,7 +52,7 @@ import torch
 
 from ...errors import ConvertError
 from ...measure.hooks import check_saved_version, top_saved_tensors_hooks
-from ..guards import in_checkpoint, memtrims, plain_only
+from ..guards import RECOMPUTE_HOOKS, in_checkpoint, plain_only, saves_checked
 
 __all__ = [
     "Recipe", "enter_consumer_scope", "entry_of", "exit_consumer_scope", "is_recomputable", "mark_recomputable",
@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 
-_MARK = "_memtrim_recompute_hooks"  # attribute on our pack functions: "these hooks are memtrim's recompute hooks"
+_MARK = RECOMPUTE_HOOKS  # attribute on our pack functions: "these hooks are memtrim's recompute hooks"
 
 
 class Recipe:
@@ -276,13 +276,17 @@ def is_recomputable(tensor: torch.Tensor, tag: str | None = None) -> bool:
 # Most producers convert rebuilds are one op whose autograd node already saves every tensor and setting the op
 # reads: gelu keeps its input and ``approximate``, native_layer_norm its input, normalized_shape, weight and bias
 # (all but eps). The op run again on what its node saved is the op's own output, bitwise, so such a producer needs
-# no registry entry, no detached sources and no weak references: :func:`tag_output` puts a :class:`_NodeRecipe` in
-# the node's ``metadata`` (with the output's TensorImpl and version, and the eps of a LayerNorm, which the node does
-# not keep), and a consumer scope's pack that meets the unchanged output (or a view of it) keeps the node instead
-# (:func:`_node_handle`). In backward the rebuild reads the node's saved tensors through autograd itself: its own
-# in-place check, through whatever hooks packed them. The node outlives every consumer's unpack in one backward (a
-# node runs after everything that reads its output); the handle keeps it alive past that only with the graph.
-# About four times less Python per call than a registry recipe (benchmarks/convert_overhead.py).
+# no registry entry, no detached sources and no settings compared per call: :func:`tag_output` puts a
+# :class:`_NodeRecipe` in the node's ``metadata`` (with the output's TensorImpl and version, and the eps of a
+# LayerNorm, which the node does not keep), and a consumer scope's pack that meets the unchanged output (or a view
+# of it) keeps the node instead (:func:`_node_handle`). In backward the rebuild reads the node's saved tensors
+# through autograd itself: its own in-place check, through whatever hooks packed them. The node outlives every
+# consumer's unpack in one backward (a node runs after everything that reads its output); the handle keeps it alive
+# past that only with the graph.
+# A producer's Python per call is about a third of a registry recipe's; a LayerNorm rebuilt for its Linear costs
+# 99 µs per forward + backward instead of 155 (benchmarks/convert_overhead.py, on tiny tensors).
+# Where the node's saves are not checked for in-place changes, or a checkpoint kept them (:func:`saves_checked`),
+# nothing is tagged and consumers keep the output as torch does.
 _NODE_KEY = "memtrim_recipe"
 
 
@@ -377,20 +381,6 @@ def source_of(tensor: torch.Tensor) -> torch.Tensor | _Entry | _NodeSource:
     return entry_of(tensor) or _tagged(tensor) or tensor
 
 
-def _saves_checked() -> bool:
-    """Whether what an op saves now is checked for in-place changes at unpack: by autograd (no saved-tensor hooks)
-    or by memtrim's own hooks that repeat the check (a tracker, ``OffloadActivations``; a recompute scope passes its
-    saves to the hooks below it). Not under others: a checkpoint's (which also recomputes what a node saved, once),
-    ``save_on_cpu``'s, a user's. A rebuild from a node must not read what such hooks kept: a checkpoint allows one
-    unpack per saved tensor, and unchecked saves may have changed in place where torch kept the output itself."""
-    top = top_saved_tensors_hooks()
-    while top is not None:
-        if not hasattr(top[0], _MARK):
-            return memtrims(top[0])
-        top = getattr(top[0], _MARK)
-    return True
-
-
 def tag_output(tensor: torch.Tensor, owner: str, eps: float | None = None) -> bool:
     """Tag the autograd node that made ``tensor`` (or the tensor ``tensor`` is a view of) so that consumer scopes
     keep the node instead of the tensor: NOTE [ recipes from the producer's autograd node ]. Callers have checked
@@ -405,9 +395,9 @@ def tag_output(tensor: torch.Tensor, owner: str, eps: float | None = None) -> bo
         Whether a node was tagged: False for a tensor without a node (grad mode off, nothing requiring grad), one
         made by another op (a LayerNorm's without ``eps``, any other with it), changed in place since (its node is
         then the in-place op's), or made under saved-tensor hooks that skip autograd's in-place check
-        (:func:`_saves_checked`).
+        (:func:`saves_checked`).
     """
-    if not _saves_checked():
+    if not saves_checked():
         return False
     base = tensor._base
     if base is None:
