@@ -402,6 +402,19 @@ def _tags_its_node(module: nn.Module) -> bool:
     return any(type(getattr(h, "__self__", None)).__name__ == "_OpTag" for h in module._forward_hooks.values())
 
 
+def test_log_sigmoid_kept_by_a_linear_is_rebuilt_from_its_node():
+    # traced as log_sigmoid_forward, which the activation rule did not name: it was left alone
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LogSigmoid(), nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=(x,))
+    assert [(c.modules, c.bytes_saved, c.bitwise) for c in report.changes] == [(("1",), 5 * 16 * 4, True)]
+    assert _tags_its_node(converted[1])
+    for m in (model, converted):
+        m(x).square().sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), converted.parameters()))
+
+
 def test_a_norm_or_activation_op_is_rebuilt_from_its_own_node_where_the_eps_is_known():
     # the node keeps the op's inputs, not a LayerNorm's eps: where the traced eps is an attribute of the module it
     # is read there at each call; where it is not (a constant in the forward), the module's forward rebuilds it

@@ -71,7 +71,7 @@ _BN_RELU: dict[type[nn.Module], type[nn.Module]] = {
     nn.BatchNorm1d: BatchNormReLU1d, nn.BatchNorm2d: BatchNormReLU2d, nn.BatchNorm3d: BatchNormReLU3d}
 # single-input activation ops that keep their input (their output is then only kept by the consumers)
 _KEEPS_INPUT = frozenset({"gelu", "silu", "mish", "hardswish", "softplus", "elu", "leaky_relu", "hardtanh", "relu6",
-                          "hardsigmoid", "celu", "selu", "log_sigmoid"})
+                          "hardsigmoid", "celu", "selu", "log_sigmoid", "log_sigmoid_forward"})  # as the trace names it
 _POINTWISE = frozenset({
     "mul", "add", "sub", "div", "pow", "tanh", "sigmoid", "erf", "exp", "expm1", "neg", "rsub", "reciprocal",
     "sqrt", "rsqrt", "minimum", "maximum", "clamp", "clamp_min", "clamp_max", "abs", "relu", "gelu", "silu",
