@@ -77,7 +77,8 @@ def saves_checked() -> bool:
 
 def in_checkpoint() -> bool:
     """True inside a ``torch.utils.checkpoint`` region: its forward, whose saves are dropped, or its recomputation in
-    backward. ActLinear and the keep-output norms run as torch's own ops there (the same in both, so torch's check
+    backward. The keep-output norms run as torch's own ops there (ActLinear too, through :func:`saves_checked`: the
+    same in both, so torch's check
     that they save the same tensors holds): keeping less of what is dropped anyway gains nothing, and torch's own ops
     let the recomputation stop early, before the region's last matmul, once backward has what it needs."""
     top = top_saved_tensors_hooks()

@@ -50,6 +50,11 @@ class Handle:
             self._removers.pop()()
 
 
+_NODE_KEPT = ("; a call under saved-tensor hooks other than memtrim's (a checkpoint, save_on_cpu) or with a forward "
+              "set on the instance keeps its output as torch does")
+_NODE_FREED = ("a backward that reaches a consumer after an earlier backward freed the graph (retain_graph=False) "
+               "raises, where torch alone might not: pass retain_graph=True to the earlier one")
+
 LIMITS: dict[str, tuple[str, ...]] = {
     "recompute_output": (
         "the activation's output is rebuilt in backward by its own forward (bitwise); double backward exact",
@@ -61,18 +66,12 @@ LIMITS: dict[str, tuple[str, ...]] = {
     ),
     "recompute_op_output": (
         "the activation's output is rebuilt in backward by the same op on what its autograd node saved (bitwise); "
-        "double backward exact; a call under saved-tensor hooks other than memtrim's (a checkpoint, save_on_cpu) "
-        "or with a forward set on the instance keeps its output as torch does",
-        "a backward that reaches a consumer after an earlier backward freed the graph (retain_graph=False) raises, "
-        "where torch alone might not: pass retain_graph=True to the earlier one",
+        "double backward exact" + _NODE_KEPT, _NODE_FREED,
         "steps aside under torch.compile and torch.func",
     ),
     "recompute_op_norm": (
         "the norm's output is rebuilt in backward by the same op on what its autograd node saved and the eps the "
-        "forward read (bitwise); double backward exact; a call under saved-tensor hooks other than memtrim's (a "
-        "checkpoint, save_on_cpu) or with a forward set on the instance keeps its output as torch does",
-        "a backward that reaches a consumer after an earlier backward freed the graph (retain_graph=False) raises, "
-        "where torch alone might not: pass retain_graph=True to the earlier one",
+        "forward read (bitwise); double backward exact" + _NODE_KEPT, _NODE_FREED,
         "saves nothing under autocast and steps aside under torch.compile and torch.func",
     ),
     "recompute_gated_mlp": (
