@@ -91,10 +91,17 @@ class BasicBlock(nn.Module):
         return self.relu(out)
 
 
-def act_to_consumer(model):
-    R.recompute_output(model.act)
+def act_to_consumer(model, producer=R.recompute_output):
+    producer(model.act)
     R.keep_recipes_in(model if model.consumer == "functional" else model.fc2)
     return model
+
+
+def float64_pair(act, consumer, install):
+    """An MLP around ``act`` in float64, a copy with ``install`` applied, and an input."""
+    torch.manual_seed(0)
+    plain = MLP(copy.deepcopy(act), consumer).double()
+    return plain, install(copy.deepcopy(plain)), X.double()
 
 
 def fuse_block(block):
@@ -135,10 +142,7 @@ INTER = 3 * 5 * 48 * 4  # one intermediate-sized float32 tensor
 @pytest.mark.parametrize("act", [nn.GELU(), nn.GELU("tanh"), nn.SiLU(), nn.Mish(), nn.Hardswish(), NewGELU(),
                                  nn.Tanh(), nn.Sigmoid(), nn.ReLU()], ids=lambda a: type(a).__name__)
 def test_act_output_rebuilt_at_the_consumer_bitwise(act, consumer):
-    torch.manual_seed(0)
-    plain = MLP(copy.deepcopy(act), consumer).double()
-    converted = act_to_consumer(copy.deepcopy(plain))
-    x = X.double()
+    plain, converted, x = float64_pair(act, consumer, act_to_consumer)
     assert_bitwise(run(converted, x), run(plain, x))
     assert_bitwise(run(converted, x, create_graph=True), run(plain, x, create_graph=True))  # double backward exact
 
@@ -228,18 +232,13 @@ NODE_ACTS = [nn.GELU(), nn.GELU("tanh"), nn.SiLU(), nn.Mish(), nn.Hardswish(), n
 
 
 def op_output_to_consumer(model):
-    R.recompute_op_output(model.act)
-    R.keep_recipes_in(model if model.consumer == "functional" else model.fc2)
-    return model
+    return act_to_consumer(model, R.recompute_op_output)
 
 
 @pytest.mark.parametrize("consumer", ["linear", "conv1d", "functional"])
 @pytest.mark.parametrize("act", NODE_ACTS, ids=lambda a: type(a).__name__)
 def test_op_output_rebuilt_from_its_own_node_bitwise(act, consumer):
-    torch.manual_seed(0)
-    plain = MLP(copy.deepcopy(act), consumer).double()
-    converted = op_output_to_consumer(copy.deepcopy(plain))
-    x = X.double()
+    plain, converted, x = float64_pair(act, consumer, op_output_to_consumer)
     assert_bitwise(run(converted, x), run(plain, x))
     try:
         twice = run(plain, x, create_graph=True)
