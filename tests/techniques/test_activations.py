@@ -24,7 +24,7 @@ CASES = {
              lambda x: F.celu_(x, 1.3), "output", "inplace"),
     "sigmoid": (MF.sigmoid, torch.sigmoid, torch.sigmoid_, "output", "both"),
     "tanh": (MF.tanh, torch.tanh, torch.tanh_, "output", "both"),
-    "hardsigmoid": (MF.hardsigmoid, F.hardsigmoid, None, "output", "tolerance"),
+    "hardsigmoid": (MF.hardsigmoid, F.hardsigmoid, None, "output", "both"),  # but one input: test_hardsigmoid_edge
     "softplus": (lambda x, inplace=False: MF.softplus(x, 2.0), lambda x: F.softplus(x, 2.0), None,
                  "output", "tolerance"),
     # a low threshold: the output no longer says which side of it the input was on (issue 10, item 3)
@@ -82,9 +82,29 @@ def test_values_and_gradients_match_torch_float32(name):
         assert torch.equal(g, g_ref)
     else:
         # elu/selu/celu: torch's out-of-place backward uses alpha*exp(x), ours y + alpha (torch's own in-place
-        # formula); softplus: 1 - exp(-beta*y) for exp(beta*x)/(1+exp(beta*x)); hardsigmoid: grad/6 vs grad*(1/6).
-        # Each is a few float32 roundings apart.
+        # formula); softplus: 1 - exp(-beta*y) for exp(beta*x)/(1+exp(beta*x)). Each is a few float32 roundings
+        # apart.
         torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_hardsigmoid_edge(dtype):
+    # torch's backward multiplies by 1.0f / 6.0f in every dtype (float64 too), and so does memtrim's: bitwise on
+    # values spanning every region...
+    x, grad_out = data(dtype, (64, 100))
+    assert torch.equal(grad_of(MF.hardsigmoid, x, grad_out)[1], grad_of(F.hardsigmoid, x, grad_out)[1])
+    assert torch.equal(grad_of(MASKED["hardsigmoid"], x, grad_out)[1], grad_of(F.hardsigmoid, x, grad_out)[1])
+    # ...but in float32 and float64 the largest float below 3 has an output of exactly 1 (x + 3 rounds to 6), so
+    # the output cannot say the input was below 3: memtrim's gradient is 0 there, torch's grad/6 (the limit
+    # convert's report states). Half and bfloat16 are computed in float32, where x + 3 is exact. The mask, made
+    # from the input, is exact.
+    below_three = torch.nextafter(torch.tensor(3.0, dtype=dtype), torch.tensor(0.0, dtype=dtype)).reshape(1)
+    one = torch.ones(1, dtype=dtype)
+    edge = dtype in (torch.float32, torch.float64)
+    assert (F.hardsigmoid(below_three).item() == 1.0) is edge
+    assert torch.equal(grad_of(MF.hardsigmoid, below_three, one)[1],
+                       grad_of(F.hardsigmoid, below_three, one)[1]) is not edge
+    assert torch.equal(grad_of(MASKED["hardsigmoid"], below_three, one)[1], grad_of(F.hardsigmoid, below_three, one)[1])
 
 
 @pytest.mark.parametrize("name", list(MASKED))

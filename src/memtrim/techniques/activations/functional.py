@@ -15,7 +15,8 @@ NOTE [ what each activation keeps ]
 
 Backward formulas call the same aten kernels torch uses (``threshold_backward``, ``elu_backward(is_result=
 True)``, ...), so gradients are bitwise those of torch's in-place variants; where torch's out-of-place variant
-differentiates from the input instead (elu, softplus, hardsigmoid), results agree to rounding.
+differentiates from the input instead (elu, softplus), results agree to rounding. Hardsigmoid's gradient from its
+output is torch's, bitwise, except at one input (the largest float below 3: its output rounds to 1).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
 
 _SELU_ALPHA = 1.6732632423543772848170429916717
 _SELU_SCALE = 1.0507009873554804934193349852946
+_ONE_SIXTH = float(torch.tensor(1 / 6, dtype=torch.float32))  # torch's hardsigmoid backward: 1.0f / 6.0f in every dtype
 
 
 # ---------------------------------------------------------------------- bit-packed masks
@@ -79,6 +81,10 @@ class _Rule:
 
     def mask(self, y: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def input_mask(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The mask from the input, where the output cannot always give it (None: :meth:`mask` of the output)."""
+        return None
 
     def grad_from_mask(self, grad: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -198,13 +204,18 @@ class _Hardsigmoid(_Rule):
         return torch.nn.functional.hardsigmoid(x, inplace=True)
 
     def mask(self, y):
-        return (y > 0) & (y < 1)  # exactly -3 < x < 3
+        # -3 < x < 3 but for one input: y = min(max(x + 3, 0), 6) / 6, and x + 3 rounds to 6 for the largest float
+        # below 3 (a tie, to even; float32 and float64), where torch's gradient is grad/6 and this one 0
+        return (y > 0) & (y < 1)
+
+    def input_mask(self, x):
+        return (x > -3) & (x < 3)  # torch's own test
 
     def grad(self, grad, y):
         return self.grad_from_mask(grad, self.mask(y))
 
     def grad_from_mask(self, grad, mask):
-        return torch.where(mask, grad / 6, grad.new_zeros(()))
+        return torch.where(mask, grad * _ONE_SIXTH, grad.new_zeros(()))
 
 
 class _Softplus(_Rule):
@@ -289,9 +300,10 @@ class _KeepMask(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool, owner: str) -> torch.Tensor:
         ctx.owner = owner
+        mask = rule.input_mask(x)  # before an in-place forward overwrites x
         y = _run(ctx, x, rule, inplace)
         ctx.shape = y.shape
-        ctx.save_for_backward(pack_mask(rule.mask(y)))
+        ctx.save_for_backward(pack_mask(rule.mask(y) if mask is None else mask))
         return y
 
     @staticmethod

@@ -36,7 +36,8 @@ from ..norms.bn_relu import rebuilds_bitwise
 from ..recompute import LIMITS, keep_recipes_in
 from .rules import Candidate, Context, Undo, chain, class_swap, label, register_rule
 
-__all__ = ["Absorbed", "FROM_OUTPUT", "KEEP_OUTPUT_FORMS", "NO_AUTOCAST", "NO_DOUBLE_BACKWARD", "REBUILT_INPUT"]
+__all__ = ["Absorbed", "FROM_OUTPUT", "HARDSIGMOID_EDGE", "KEEP_OUTPUT_FORMS", "NO_AUTOCAST", "NO_DOUBLE_BACKWARD",
+           "REBUILT_INPUT"]
 
 NO_DOUBLE_BACKWARD = "no double backward (a backward through its gradient raises ConvertError)"
 """The limit a change states (``Change.limits``) when its module rebuilds a tensor it has no second derivative for."""
@@ -50,6 +51,10 @@ REBUILT_INPUT = ("its input is rebuilt from its output in backward: gradients ag
 """The limit of a norm (or BatchNorm + activation) that keeps its output and rebuilds its input (not bitwise)."""
 FROM_OUTPUT = "its gradient is computed from its output: agrees with torch's to rounding, not bitwise"
 """The limit of an activation whose derivative memtrim computes from the output by another formula than torch's."""
+HARDSIGMOID_EDGE = ("its gradient is computed from its output: on the CPU torch's, bitwise, except where a float32 or "
+                    "float64 input is exactly the largest float below 3 (its output rounds to 1: gradient 0 where "
+                    "torch's is grad/6); on CUDA not yet checked on a GPU; so not bitwise")
+"""The limit of memtrim's Hardsigmoid: torch's arithmetic, but its output cannot tell that one input from 3."""
 
 KEEP_OUTPUT_FORMS: dict[type, type] = {
     nn.LeakyReLU: lean.LeakyReLU, nn.ELU: lean.ELU, nn.CELU: lean.CELU, nn.SELU: lean.SELU,
@@ -66,8 +71,8 @@ _BN_RELU: dict[type[nn.Module], type[nn.Module]] = {
 _ACT_LINEAR = {nn.GELU: None, nn.SiLU: "silu", nn.Mish: "mish", nn.Hardswish: "hardswish"}
 # keep-output activations whose gradient from the output is torch's own arithmetic: a mask times the incoming gradient
 # (LeakyReLU's slope, Hardtanh, ReLU6), or torch's own formula from the output (Sigmoid, Tanh). The others (ELU,
-# CELU, SELU, Softplus, Hardsigmoid, whose torch backward multiplies by float32 1/6 even in float64) round otherwise:
-# measured in tests/techniques/test_convert_contract.py
+# CELU, SELU, Softplus) round otherwise; Hardsigmoid differs at one input (HARDSIGMOID_EDGE): measured in
+# tests/techniques/test_convert_contract.py
 _BITWISE_FROM_OUTPUT = frozenset({lean.LeakyReLU, lean.Hardtanh, lean.ReLU6, lean.Sigmoid, lean.Tanh})
 
 
@@ -273,6 +278,8 @@ def keep_output(ctx: Context) -> Iterator[Candidate]:
         if norm:
             attrs["gamma_threshold"] = 0.0  # the error bound decides
             limits = (REBUILT_INPUT, NO_DOUBLE_BACKWARD, NO_AUTOCAST)
+        elif target is lean.Hardsigmoid:
+            limits = (HARDSIGMOID_EDGE,)
         elif target not in _BITWISE_FROM_OUTPUT:
             limits = (FROM_OUTPUT,)
         yield Candidate((name,), type(module).__name__, f"memtrim.nn.{target.__name__}",
