@@ -107,6 +107,22 @@ def test_hardsigmoid_edge(dtype):
     assert torch.equal(grad_of(MASKED["hardsigmoid"], below_three, one)[1], grad_of(F.hardsigmoid, below_three, one)[1])
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_hardsigmoid_edge_on_cuda(dtype):
+    # read from torch's CUDA kernels, to be confirmed on a GPU (the report says "not yet checked" until then): the
+    # backward multiplies by 1.0f / 6.0f as on the CPU, but the forward multiplies by it too (the CPU divides by 6).
+    # float32 then has the CPU's one edge input (the largest float below 3); in float64 every input within about
+    # 1.8e-7 below 3 has an output of 1 or more, where memtrim's gradient is 0; bfloat16 has none
+    x, grad_out = (t.cuda() for t in data(dtype, (64, 100)))
+    assert torch.equal(grad_of(MF.hardsigmoid, x, grad_out)[1], grad_of(F.hardsigmoid, x, grad_out)[1])
+    three = torch.tensor(3.0, dtype=dtype)
+    below = (three - 1e-7 if dtype is torch.float64 else torch.nextafter(three, torch.zeros_like(three)))
+    below, one = below.reshape(1).cuda(), torch.ones(1, dtype=dtype, device="cuda")
+    assert torch.equal(grad_of(MF.hardsigmoid, below, one)[1],
+                       grad_of(F.hardsigmoid, below, one)[1]) is (dtype is torch.bfloat16)
+
+
 @pytest.mark.parametrize("name", list(MASKED))
 def test_masked_gradients_bitwise(name):
     x, grad_out = data()
