@@ -142,6 +142,23 @@ def test_llama_bfloat16_rmsnorm_is_left_alone_by_the_precision_guard():
     assert len(reasons) == 5 and all("precision guard" in r for r in reasons), str(report)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_llama_converted_in_float32_then_cast_trains_like_the_cast_model(dtype):
+    # found by an adversarial pass: converted in float32 (where LlamaRMSNorm's upcast does nothing), then cast, the
+    # RMSNorm form computed in the new dtype where HF's computes in float32 (bfloat16: loss differs at step 0). It
+    # now keeps its output only in the dtype convert traced and runs HF's forward in any other
+    torch.manual_seed(0)
+    plain = llama()
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=ids())
+    plain, converted = plain.to(dtype), converted.to(dtype)
+    out_a, grads_a = outputs_and_grads(plain, ids())
+    out_b, grads_b = outputs_and_grads(converted, ids())
+    assert torch.equal(out_a, out_b)
+    assert all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+    rms = [c for c in report.changes if c.rule == "norm_by_behaviour"]
+    assert len(rms) == 5 and all(any("float32 inputs" in limit for limit in c.limits) for c in rms)
+
+
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated:FutureWarning")
 def test_llama_save_load_generate_and_gradient_checkpointing(tmp_path):
     transformers = import_transformers()
@@ -257,6 +274,48 @@ def test_torchvision_resnet_pattern_shared_relu_per_call_site(block, target):
     assert report.fraction_saved >= target, str(report)
     assert_equal_training(plain, converted, batch)
     _narrow_resnet(block, blocks).double().load_state_dict(converted.state_dict())
+
+
+class _EveryForm(nn.Module):
+    """A module for each kind of change convert makes on its own: a LayerNorm and a GELU rebuilt for their Linears,
+    ELU and Tanh keeping their output, a LayerNorm with a hook (memtrim.nn.LayerNorm), an RMSNorm in Llama's
+    spelling (the keep-output form), BatchNorm + LeakyReLU fused."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.ln, self.b, self.gelu, self.c = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.GELU(), \
+            nn.Linear(16, 16)
+        self.elu, self.d, self.tanh, self.hooked = nn.ELU(), nn.Linear(16, 16), nn.Tanh(), nn.LayerNorm(16)
+        self.hooked.register_forward_hook(lambda module, args, output: None)
+        self.rms, self.e, self.bn = LlamaSpelledRMSNorm(16), nn.Linear(16, 16), nn.BatchNorm1d(16)
+        self.leaky, self.f = nn.LeakyReLU(0.1), nn.Linear(16, 2)
+
+    def forward(self, x):
+        h = self.c(self.gelu(self.b(self.ln(self.a(x)))))
+        h = self.tanh(self.d(self.elu(h)))
+        h = self.hooked(h) * h
+        h = self.e(self.rms(h)) * h
+        return self.f(self.leaky(self.bn(h)))
+
+
+@pytest.mark.parametrize("make", [_EveryForm, lambda: _narrow_resnet(TorchvisionBasicBlock, (1, 1, 1, 1))],
+                         ids=["every form", "torchvision resnet pattern"])
+def test_a_converted_model_traces_with_torch_fx_as_the_plain_one(make):
+    # found by an adversarial pass: torch.fx.symbolic_trace (and torchvision's create_feature_extractor, which uses
+    # it) raised TraceError on a converted model, whose fused and memtrim modules checked shapes in Python. Under fx
+    # every converted module runs as torch's own ops: the graph computes, and trains, as the plain model's
+    torch.manual_seed(0)
+    plain = make()
+    x = torch.randn(2, 3, 32, 32) if isinstance(plain, TorchvisionResNet) else torch.randn(4, 8)
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
+    assert len({c.rule for c in report.changes}) >= (5 if isinstance(plain, _EveryForm) else 2), str(report)
+    traced = torch.fx.symbolic_trace(converted)
+    for m in (plain, traced):
+        m.zero_grad()
+        m(x).square().mean().backward()
+    assert torch.equal(traced(x), plain(x))
+    for (name, p), q in zip(plain.named_parameters(), traced.parameters()):
+        assert torch.equal(p.grad, q.grad), name
 
 
 @pytest.mark.cuda

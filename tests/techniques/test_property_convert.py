@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import memtrim
 
 # changes whose arithmetic is torch's own, kernel for kernel: bitwise
-BITWISE = {"memtrim.nn.ActLinear", "memtrim.nn.LeakyReLU", "memtrim.nn.Hardtanh", "memtrim.nn.ReLU6",
+BITWISE = {"memtrim.nn.LeakyReLU", "memtrim.nn.Hardtanh", "memtrim.nn.ReLU6",
            "memtrim.nn.Tanh", "memtrim.nn.Sigmoid"}
 MLP_ACTS = {
     "relu": nn.ReLU, "leaky": lambda: nn.LeakyReLU(0.1), "elu": nn.ELU, "tanh": nn.Tanh, "sigmoid": nn.Sigmoid,

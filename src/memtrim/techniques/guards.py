@@ -15,14 +15,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx
 from torch import nn
 
 from ..errors import ConvertError
 from ..measure.hooks import top_saved_tensors_hooks
 
 __all__ = [
-    "RECOMPUTE_HOOKS", "autocasting", "in_checkpoint", "inplace_error", "memtrims", "no_double_backward",
-    "owner", "plain_only", "saved_tensors", "saves_checked",
+    "CONVERTED", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS", "autocasting", "fx_tracing", "in_checkpoint",
+    "inplace_error", "memtrims", "no_double_backward", "owner", "plain_only", "refuse_later_hooks", "saved_tensors",
+    "saves_checked",
 ]
 
 
@@ -48,12 +50,22 @@ def _forward_ad_active() -> bool:
     return isinstance(level, int) and level >= 0
 
 
+def fx_tracing() -> bool:
+    """True while ``torch.fx`` traces symbolically (``symbolic_trace``, torchvision's ``create_feature_extractor``):
+    inputs are proxies, with no shape or value to check. (torch's ``is_fx_tracing()`` reads the same flag, and from
+    torch 2.9 logs a warning at its first call.)"""
+    return bool(getattr(_SYMBOLIC_TRACE, "_is_fx_tracing_flag", False))
+
+
+_SYMBOLIC_TRACE = torch.fx._symbolic_trace
+
+
 def plain_only() -> bool:
     """True under ``torch.compile`` (saved-tensor hooks and data-dependent shapes do not trace; the compiler plans its
-    own memory), under ``torch.func`` transforms and in forward-mode AD (``torch.autograd.forward_ad``: a custom
-    autograd.Function needs rules they do not have): the modules then run as torch's own ops, exactly the
-    unconverted model."""
-    return torch.compiler.is_compiling() or _functorch_active() or _forward_ad_active()
+    own memory), under ``torch.func`` transforms, in forward-mode AD (``torch.autograd.forward_ad``: a custom
+    autograd.Function needs rules they do not have) and while ``torch.fx`` traces (:func:`fx_tracing`): the modules
+    then run as torch's own ops, exactly the unconverted model."""
+    return torch.compiler.is_compiling() or _functorch_active() or _forward_ad_active() or fx_tracing()
 
 
 RECOMPUTE_HOOKS = "_memtrim_recompute_hooks"
@@ -99,6 +111,34 @@ _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # a per-cal
 
 
 # ---------------------------------------------------------------------- clear errors instead of torch's
+CONVERTED = "_memtrim_converted"
+"""Instance attribute :func:`memtrim.convert` sets on every module a change touched (the rule's name); the fused
+modules' classes default it to None (a module built by hand)."""
+
+_HOOK_KINDS = {"_forward_pre_hooks": "forward pre-hooks", "_forward_hooks": "forward hooks",
+               "_backward_pre_hooks": "backward pre-hooks", "_backward_hooks": "backward hooks"}
+OUTPUT_HOOKS = ("_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+"""The hooks that see a module's output or its gradient (not its input: a pruning or spectral-norm pre-hook)."""
+INPUT_HOOKS = ("_forward_pre_hooks", "_backward_pre_hooks", "_backward_hooks")
+"""The hooks that see a module's input or its gradients (not its output)."""
+
+
+def refuse_later_hooks(module: nn.Module, fused: str, tables: tuple[str, ...]) -> None:
+    """Raise if ``module``, which convert fused with a neighbour (``fused`` says how), has hooks of the user's in
+    ``tables`` (the ones that would see a value fusion changed: a fused BatchNorm's output, already its ReLU's; the
+    input of a ReLU that is now an identity): convert leaves hooked modules alone, so they were registered after it.
+    Called at every call of a fused module: the usual case is empty dicts."""
+    found = [_HOOK_KINDS[attr] for attr in tables
+             if any(not memtrims(hook) for hook in (module.__dict__.get(attr) or {}).values())]
+    if found:
+        raise ConvertError(
+            f"memtrim: {owner(module)} was fused by memtrim.convert ({fused}), and has {' and '.join(found)} "
+            "registered after convert: they would see the fused module's values, not those of the model before "
+            f"convert. Expected no such hooks on a fused module; found {', '.join(found)}. To fix: register the hooks "
+            "before convert (it leaves hooked modules alone), or convert a copy made before the hooks."
+        )
+
+
 def owner(module: nn.Module) -> str:
     """How errors name ``module``: by its name in the model when :func:`memtrim.convert` converted it."""
     return getattr(module, "memtrim_owner", None) or f"memtrim.nn.{type(module).__name__}"

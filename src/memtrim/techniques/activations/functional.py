@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ...errors import InvalidInputError
-from ..guards import plain_only, saved_tensors
+from ..guards import fx_tracing, plain_only, saved_tensors
 
 __all__ = [
     "celu", "elu", "gelu", "hardsigmoid", "hardswish", "hardtanh", "leaky_relu", "mish", "relu", "relu6", "selu",
@@ -330,7 +330,7 @@ class _KeepInput(torch.autograd.Function):
 
 
 def _apply(name: str, x: torch.Tensor, rule: _Rule, inplace: bool, save: str, owner: str | None) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
+    if not isinstance(x, torch.Tensor) and not fx_tracing():  # (torch.fx traces with proxies)
         raise InvalidInputError(f"memtrim.functional.{name}: input must be a tensor, got {type(x).__name__}.")
     if save not in ("output", "mask"):
         raise InvalidInputError(f"memtrim.functional.{name}: save must be 'output' or 'mask', got {save!r}.")
@@ -339,7 +339,7 @@ def _apply(name: str, x: torch.Tensor, rule: _Rule, inplace: bool, save: str, ow
             f"memtrim.functional.{name}: save='mask' needs an activation whose gradient is a 0/1 (or 0/slope) "
             "function of a sign: relu, leaky_relu, hardtanh, relu6 or hardsigmoid."
         )
-    if not (torch.is_grad_enabled() and x.requires_grad) or plain_only():  # torch's own op (and its autograd)
+    if plain_only() or not (torch.is_grad_enabled() and x.requires_grad):  # torch's own op (and its autograd)
         return rule.forward_(x) if inplace else rule.forward(x)
     owner = owner or f"memtrim.functional.{name}"
     if rule.keeps == "input":

@@ -18,7 +18,7 @@ NOTE [ how convert decides ]
   in place before backward (the traced forward sees every in-place write, and such modules are skipped; without
   example inputs backward raises ``ConvertError`` naming the module). Rebuilt norms have no second derivative
   (``Change.limits``). Under torch.compile and torch.func every converted module runs as torch's own ops (no graph
-  break), and so do the rebuilt norms and ActLinear under autocast. Tracing and measuring leave the global (and
+  break), and so do the rebuilt norms under autocast. Tracing and measuring leave the global (and
   CUDA) RNG, parameters and buffers as they were, and copy no parameter.
 * Savings are measured, not estimated: the activation bytes autograd keeps after a forward on the example inputs,
   by the tracker, before and after each change. A change that saves nothing is undone and reported as skipped.
@@ -38,6 +38,7 @@ from ...errors import InvalidInputError
 from ...measure import track
 from ...measure.hooks import tensors_in
 from ...proof.compare import bitwise_equal
+from ..guards import CONVERTED
 from . import builtin as _builtin  # noqa: F401  (registers the built-in rules)
 from .evidence import buffers_kept, collect, fresh_inputs, fx_evidence, split_inputs
 from .report import Change, ConversionReport, Skipped
@@ -195,7 +196,7 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
     return model, ConversionReport(changes, skipped, before, current, notes)
 
 
-_CONVERTED = "_memtrim_converted"  # instance attribute of every module a change touched: the rule's name
+_CONVERTED = CONVERTED  # instance attribute of every module a change touched: the rule's name
 _EARLIER = "changed by an earlier memtrim.convert: left as it is"
 
 

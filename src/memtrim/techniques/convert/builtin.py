@@ -2,7 +2,6 @@
 
 * ``batchnorm_activation``: BatchNorm -> LeakyReLU / ELU becomes ``BatchNormAct`` (+ :class:`Absorbed`);
   BatchNorm -> ReLU becomes ``BatchNormReLU`` with recipe hooks on the modules that keep the ReLU output.
-* ``activation_linear``: GELU / SiLU / Mish / Hardswish -> Linear becomes :class:`Absorbed` + ``ActLinear``.
 * ``relu_linear``: reports ReLU -> Linear (nothing to save: both keep the same storage).
 * ``layer_norm_consumer`` (recompute_rules.py): a LayerNorm whose output only later call sites keep stays torch's;
   they keep a recipe.
@@ -16,12 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
 
-from ..activations import ActLinear, softplus_keeps_output
 from ..activations import modules as lean
+from ..activations import softplus_keeps_output
+from ..guards import INPUT_HOOKS, refuse_later_hooks
 from ..norms import (
     BatchNormAct1d,
     BatchNormAct2d,
@@ -36,21 +37,24 @@ from ..norms.bn_relu import rebuilds_bitwise
 from ..recompute import LIMITS, keep_recipes_in
 from .rules import Candidate, Context, Undo, chain, class_swap, label, register_rule
 
-__all__ = ["Absorbed", "FROM_OUTPUT", "HARDSIGMOID_EDGE", "KEEP_OUTPUT_FORMS", "NO_AUTOCAST", "NO_DOUBLE_BACKWARD",
-           "REBUILT_INPUT"]
+__all__ = ["Absorbed", "FROM_OUTPUT", "FUSED", "HARDSIGMOID_EDGE", "KEEP_OUTPUT_FORMS", "NO_AUTOCAST",
+           "NO_DOUBLE_BACKWARD", "REBUILT_INPUT"]
 
 NO_DOUBLE_BACKWARD = "no double backward (a backward through its gradient raises ConvertError)"
 """The limit a change states (``Change.limits``) when its module rebuilds a tensor it has no second derivative for."""
 NO_AUTOCAST = "saves nothing under autocast (runs as torch's own ops there)"
 """The limit a change states (``Change.limits``) when its module runs as torch's own ops under autocast."""
-ACT_LINEAR_SECOND_ORDER = ("gradients bitwise; a double backward (create_graph=True) differentiates ActLinear's own "
-                           "backward ops, so second-order gradients agree with torch's to rounding, not bitwise")
-"""The limit of ActLinear (activation + Linear keeping the pre-activation)."""
 REBUILT_INPUT = ("its input is rebuilt from its output in backward: gradients agree with torch's to rounding, "
                  "not bitwise")
 """The limit of a norm (or BatchNorm + activation) that keeps its output and rebuilds its input (not bitwise)."""
 FROM_OUTPUT = "its gradient is computed from its output: agrees with torch's to rounding, not bitwise"
 """The limit of an activation whose derivative memtrim computes from the output by another formula than torch's."""
+FUSED = ("fused: the BatchNorm returns its activation's output, and the activation module is an identity there; a "
+         "path the example inputs did not take that reads the BatchNorm's output apart from the activation (a "
+         "features flag, retain_grad on it) gets the activation's output (convert fuses what the example inputs "
+         "show); a hook added after convert that would see a fused value (on the BatchNorm's output, on the "
+         "activation's input, or their gradients) raises ConvertError")
+"""The limit of every BatchNorm + activation pair convert fuses into one module."""
 HARDSIGMOID_EDGE = ("its gradient is computed from its output: on the CPU torch's, bitwise, except where a float32 or "
                     "float64 input is exactly the largest float below 3 (its output rounds to 1: gradient 0 where "
                     "torch's is grad/6); on CUDA not yet checked on a GPU; so not bitwise")
@@ -68,7 +72,6 @@ _BN_ACT: dict[type[nn.Module], type[nn.Module]] = {
     nn.BatchNorm1d: BatchNormAct1d, nn.BatchNorm2d: BatchNormAct2d, nn.BatchNorm3d: BatchNormAct3d}
 _BN_RELU: dict[type[nn.Module], type[nn.Module]] = {
     nn.BatchNorm1d: BatchNormReLU1d, nn.BatchNorm2d: BatchNormReLU2d, nn.BatchNorm3d: BatchNormReLU3d}
-_ACT_LINEAR = {nn.GELU: None, nn.SiLU: "silu", nn.Mish: "mish", nn.Hardswish: "hardswish"}
 # keep-output activations whose gradient from the output is torch's own arithmetic: a mask times the incoming gradient
 # (LeakyReLU's slope, Hardtanh, ReLU6), or torch's own formula from the output (Sigmoid, Tanh). The others (ELU,
 # CELU, SELU, Softplus) round otherwise; Hardsigmoid differs at one input (HARDSIGMOID_EDGE): measured in
@@ -82,9 +85,19 @@ class Absorbed(nn.Identity):
     Its class is changed in place, like every conversion, so that each name the module is registered under, and
     each reference to it, sees the same change."""
 
+    _memtrim_converted: str | None = None  # (guards.CONVERTED) set by convert, as on every module it changed
+
     def extra_repr(self) -> str:
         """Which module now does this one's work (``absorbed into <name>``)."""
         return f"absorbed into {getattr(self, 'memtrim_absorbed_into', '?')}"
+
+    def forward(self, input: Any) -> Any:
+        """``input`` itself: its neighbour did this module's work."""
+        if self._memtrim_converted is not None and (self._forward_pre_hooks or self._backward_hooks
+                                                    or self._backward_pre_hooks):
+            into = getattr(self, "memtrim_absorbed_into", "?")
+            refuse_later_hooks(self, f"an identity whose work {into} does", INPUT_HOOKS)
+        return input
 
 
 def absorb(module: nn.Module, into: str) -> Undo:
@@ -157,12 +170,12 @@ def batchnorm_activation(ctx: Context) -> Iterator[Candidate]:
             target = _BN_RELU[type(bn)]
             readers = [ctx.modules[r] for r in ctx.evidence.keepers(act_name) if r in ctx.modules]  # type: ignore[union-attr]
             apply = _fuse_bn_relu(bn, act, readers, target, label(pair, f"memtrim.nn.{target.__name__}"))
-            limits: tuple[str, ...] = LIMITS["batchnorm_relu"]
+            limits: tuple[str, ...] = (*LIMITS["batchnorm_relu"], FUSED)
             bitwise = rebuilds_bitwise(bn)
         else:
             target = _BN_ACT[type(bn)]
             apply = _fuse_bn(bn, act, target, spec, label(pair, f"memtrim.nn.{target.__name__}"))  # type: ignore[arg-type]
-            limits = (REBUILT_INPUT, NO_DOUBLE_BACKWARD, NO_AUTOCAST)
+            limits = (REBUILT_INPUT, NO_DOUBLE_BACKWARD, NO_AUTOCAST, FUSED)
             bitwise = False
         yield Candidate(pair, f"{type(bn).__name__} + {type(act).__name__}", f"memtrim.nn.{target.__name__}",
                         reason="the BatchNorm's output is read by the activation alone", targets=(bn, act),
@@ -194,42 +207,6 @@ def _recompute_hooks(module: nn.Module) -> Undo:
     if module.__dict__.get("_memtrim_consumer_scope") is not None:
         return lambda: None
     return keep_recipes_in(module).remove
-
-
-def _act_name(act: nn.Module) -> str | None:
-    if isinstance(act, nn.GELU):
-        return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
-    return _ACT_LINEAR.get(type(act))
-
-
-@register_rule("activation_linear")
-def activation_linear(ctx: Context) -> Iterator[Candidate]:
-    """GELU / SiLU / Mish / Hardswish -> Linear: the Linear keeps the pre-activation, recomputing the activation."""
-    for name, act in ctx.modules.items():
-        if type(act) not in _ACT_LINEAR or not ctx.free(act):
-            continue
-        found = _pair(ctx, name, act, "activation + Linear")
-        if not isinstance(found, tuple):
-            if found is not None:
-                yield found
-            continue
-        lin_name, linear = found
-        pair = (name, lin_name)
-        if type(linear) is not nn.Linear:  # other consumers (convolutions, HF Conv1D, ...): activation_consumer decides
-            continue
-        activation = _act_name(act)
-        if activation is None:
-            yield Candidate(pair, reason="GELU with an unsupported approximation", skip=True)
-            continue
-        owner = label(pair, "memtrim.nn.ActLinear")
-
-        def apply(act: nn.Module = act, linear: nn.Module = linear, activation: str = activation,
-                  owner: str = owner) -> Undo:
-            return chain(class_swap(linear, ActLinear, activation=activation, memtrim_owner=owner), absorb(act, owner))
-
-        yield Candidate(pair, f"{type(act).__name__} + Linear", "memtrim.nn.ActLinear",
-                        reason="the activation's output is read by the Linear alone", targets=(act, linear),
-                        limits=(ACT_LINEAR_SECOND_ORDER, NO_AUTOCAST), apply=apply)
 
 
 @register_rule("relu_linear")

@@ -14,9 +14,10 @@ it stays torch's own, bitwise.
 The change is a class swap to a subclass of the module's own class made once per class (parameters, buffers, hooks,
 attribute names and state_dict keys unchanged; a state_dict loads into the unconverted class). The LayerNorm form
 runs the module's own forward with its ``layer_norm`` call replaced (a ``TorchFunctionMode``); the RMSNorm form
-computes ``x * rsqrt(mean(x^2) + eps) * weight`` in the same op order, so the forward is bitwise the original's. Under
-torch.compile, torch.func, autocast, without grad, or for an input in another dtype than the weight, both run the
-module's own forward.
+computes ``x * rsqrt(mean(x^2) + eps) * weight`` in the same op order, so the forward is bitwise the original's in the
+dtype convert traced (HF's RMSNorms compute any other in float32). Under torch.compile, torch.func, autocast, without
+grad, or for an input in another dtype than the weight (the RMSNorm form: than the traced one), both run the module's
+own forward.
 """
 
 from __future__ import annotations
@@ -35,9 +36,12 @@ from .builtin import KEEP_OUTPUT_FORMS, NO_AUTOCAST, NO_DOUBLE_BACKWARD, REBUILT
 from .evidence import CallSite, ModelTrace
 from .rules import Candidate, Context, class_swap, label, register_rule
 
-__all__ = ["layer_norm_form", "rms_norm_form"]
+__all__ = ["IN_TRACED_DTYPE", "layer_norm_form", "rms_norm_form"]
 
 _RMS_OPS = ["pow", "mean", "add", "rsqrt", "mul", "mul"]
+IN_TRACED_DTYPE = ("keeps its output for {} inputs, the dtype convert traced it in; after model.to() another dtype "
+                   "runs the module's own forward (which may upcast) and saves nothing: convert after casting")
+"""The limit of the RMSNorm form: its forward is the module's, bitwise, only in the dtype convert traced."""
 _LAYER_NORM_FUNCTIONS = {torch.nn.functional.layer_norm, torch.layer_norm}
 
 
@@ -88,8 +92,10 @@ def _form(base: type[nn.Module], kind: str) -> type:
             weight_name, eps = cast("tuple[str, float]", self.memtrim_rms)
             weight = getattr(self, weight_name)
             x = args[0] if args else next(iter(kwargs.values()), None)
+            # the dtype convert traced it in (where it computed in its input's dtype; HF's RMSNorms upcast any other
+            # to float32): another one, after model.to(), runs the module's own forward
             if (not isinstance(x, torch.Tensor) or _wants_plain(x, [weight]) or x.dtype != weight.dtype
-                    or len(args) + len(kwargs) != 1):
+                    or x.dtype != getattr(self, "memtrim_dtype", x.dtype) or len(args) + len(kwargs) != 1):
                 return base.forward(self, *args, **kwargs)
             return NormKeepOutput.apply(x, weight, None, tuple(weight.shape), eps, True,
                                          getattr(self, "gamma_threshold", 0.0), owner(self))
@@ -193,10 +199,13 @@ def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
             if isinstance(spec, str):
                 yield Candidate((site.path,), reason=spec, skip=True)
                 continue
-            target, attrs = rms_norm_form(type(module)), {"memtrim_rms": spec}
+            target = rms_norm_form(type(module))
+            attrs = {"memtrim_rms": spec, "memtrim_dtype": getattr(module, spec[0]).dtype}
         attrs["memtrim_owner"] = label((site.path,), f"a keep-output {type(module).__name__}")
         what = "LayerNorm" if kind == "layer" else "RMSNorm"
+        limits = (REBUILT_INPUT, NO_DOUBLE_BACKWARD, NO_AUTOCAST) + ((IN_TRACED_DTYPE.format(
+            str(attrs["memtrim_dtype"]).removeprefix("torch.")),) if kind == "rms" else ())
         yield Candidate((site.path,), type(module).__name__, f"memtrim keep-output {what} ({target.__name__})",
                         reason=f"traced ops are a {what}; its output is kept after it anyway", targets=(module,),
-                        expected_bytes=expected, limits=(REBUILT_INPUT, NO_DOUBLE_BACKWARD, NO_AUTOCAST),
+                        expected_bytes=expected, limits=limits,
                         bitwise=False, apply=partial(class_swap, module, target, **attrs))

@@ -46,6 +46,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from ..guards import CONVERTED
 from ..norms import BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d
 from ..norms.bn_relu import rebuilds_bitwise
 from ..pooling import LIMITS as POOL_LIMITS
@@ -61,6 +62,7 @@ from ..recompute import (
     recompute_sum,
 )
 from ..recompute._core import NODE_OPS
+from .builtin import FUSED
 from .evidence import CallSite, ModelTrace, Op
 from .norms import _innermost
 from .rules import Candidate, Context, Undo, chain, class_swap, label, op_name, register_rule, registered_rules
@@ -215,7 +217,7 @@ def _eps_attribute(trace: ModelTrace, sites: list[CallSite], module: nn.Module) 
 
 
 # ---------------------------------------------------------------------- BatchNorm + ReLU per call site
-@register_rule("batchnorm_relu_call_site", before="activation_linear")
+@register_rule("batchnorm_relu_call_site", before="relu_linear")
 def batchnorm_relu_call_site(ctx: Context) -> Iterator[Candidate]:
     """BatchNorm -> ReLU where the ReLU module also runs elsewhere: fused at this call site only."""
     trace = ctx.trace
@@ -255,14 +257,17 @@ def batchnorm_relu_call_site(ctx: Context) -> Iterator[Candidate]:
 
         def apply(bn: nn.Module = bn, relu: nn.Module = relu, consumers: list = consumers, target: type = target,
                   owner: str = owner) -> Undo:
-            swap = class_swap(relu, PassThroughReLU) if type(relu) is nn.ReLU else (lambda: None)
+            # (marked converted: a hook added to it later would see a fused BatchNorm's output, relu'd already, as
+            # its input, and raises; not a target, so that the other BatchNorms it follows can be fused too)
+            swap = (class_swap(relu, PassThroughReLU, **{CONVERTED: "batchnorm_relu_call_site"})
+                    if type(relu) is nn.ReLU else (lambda: None))
             return chain(class_swap(bn, target, memtrim_owner=owner, memtrim_relu_follows=True), swap,
                          _install_consumers(consumers))
 
         yield Candidate(where, f"{type(bn).__name__} + ReLU (call {relu_site.call} of {relu_site.path})",
                         f"memtrim.nn.{target.__name__} + PassThroughReLU",
                         reason="this call of the ReLU reads the BatchNorm's output first", targets=(bn,),
-                        expected_bytes=trace.storages[z].nbytes, limits=LIMITS["batchnorm_relu"],
+                        expected_bytes=trace.storages[z].nbytes, limits=(*LIMITS["batchnorm_relu"], FUSED),
                         bitwise=rebuilds_bitwise(bn), apply=apply)
 
 
@@ -295,7 +300,7 @@ def _known_batchnorm_act(module: nn.Module) -> bool:
     return False
 
 
-@register_rule("batchnorm_act_module", before="activation_linear")
+@register_rule("batchnorm_act_module", before="relu_linear")
 def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
     """timm's ``BatchNormAct2d`` (in ``ConvNormAct``: torch's BatchNorm, then ``drop``, then ``act`` in its own
     forward): with a ReLU, fused as ``BatchNormReLU`` (the modules that keep its output keep the recipe); with another

@@ -37,9 +37,9 @@ import functools
 import torch
 from torch import nn
 
-from ..guards import owner, plain_only
+from ..guards import OUTPUT_HOOKS, fx_tracing, owner, plain_only, refuse_later_hooks
 from ..recompute._core import enter_consumer_scope, exit_consumer_scope, mark_recomputable
-from .norm_act import batchnorm_arguments
+from .norm_act import batchnorm_arguments, traced_batchnorm
 
 __all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d", "rebuilds_bitwise"]
 
@@ -97,8 +97,21 @@ class _BatchNormReLU(nn.modules.batchnorm._BatchNorm):
         """The BatchNorm's repr plus the ReLU it applies."""
         return f"{super().extra_repr()}, activation=relu (recomputed from the input)"
 
+    _memtrim_converted: str | None = None  # (guards.CONVERTED) the rule's name where memtrim.convert fused the pair
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if not fx_tracing():  # a traced input has no dimensions to check
+            super()._check_input_dim(input)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``relu(batch_norm(input))``, keeping only ``input`` (torch's own ops where nothing is kept)."""
+        if self._memtrim_converted is not None and (self._forward_hooks or self._backward_hooks
+                                                    or self._backward_pre_hooks):
+            refuse_later_hooks(self, "it returns the output of the ReLU after it, which is now an identity",
+                               OUTPUT_HOOKS)
+        if fx_tracing():
+            out = traced_batchnorm(self, input)
+            return out if getattr(self, "memtrim_relu_follows", False) else torch.relu_(out)
         self._check_input_dim(input)
         if not torch.is_grad_enabled() or plain_only():  # nothing kept, or compile/torch.func: torch's own ops
             factor, bn_training, running_mean, running_var = batchnorm_arguments(self, input)

@@ -28,7 +28,16 @@ import torch
 from torch import nn
 
 from ...errors import InvalidInputError
-from ..guards import autocasting, no_double_backward, owner, plain_only, saved_tensors
+from ..guards import (
+    OUTPUT_HOOKS,
+    autocasting,
+    fx_tracing,
+    no_double_backward,
+    owner,
+    plain_only,
+    refuse_later_hooks,
+    saved_tensors,
+)
 from ._kernels import keep_input_features
 
 __all__ = ["BatchNormAct1d", "BatchNormAct2d", "BatchNormAct3d"]
@@ -127,6 +136,13 @@ class _BatchNormActFunction(torch.autograd.Function):
                 None, None, None, None, None, None, None, None, None)
 
 
+def traced_batchnorm(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor) -> torch.Tensor:
+    """``nn.BatchNorm``'s own forward, for torch.fx symbolic tracing (:func:`~memtrim.techniques.guards.fx_tracing`):
+    the input is a proxy, whose shape :func:`batchnorm_arguments` cannot check (the fused classes' ``_check_input_dim``
+    steps aside then too); the traced graph calls ``batch_norm`` as the unconverted module's would."""
+    return nn.modules.batchnorm._BatchNorm.forward(bn, input)
+
+
 def batchnorm_arguments(bn: Any, input: torch.Tensor) -> tuple[float, bool, torch.Tensor | None,
                                                                   torch.Tensor | None]:
     """The (momentum factor, training, running_mean, running_var) ``nn.BatchNorm.forward`` passes to
@@ -190,11 +206,25 @@ class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
                "elu": f"elu({self.alpha})"}[self.activation]
         return f"{super().extra_repr()}, activation={act}"
 
+    _memtrim_converted: str | None = None  # (guards.CONVERTED) the rule's name where memtrim.convert fused the pair
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if not fx_tracing():  # a traced input has no dimensions to check
+            super()._check_input_dim(input)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``activation(batch_norm(input))``, keeping only the output (torch's own ops where nothing is kept)."""
+        if self._memtrim_converted is not None and (self._forward_hooks or self._backward_hooks
+                                                    or self._backward_pre_hooks):
+            refuse_later_hooks(self, "it returns the output of the activation after it, which is now an identity",
+                               OUTPUT_HOOKS)
+        param = self.negative_slope if self.activation == "leaky_relu" else self.alpha
+        if fx_tracing():
+            out = traced_batchnorm(self, input)
+            return {"leaky_relu": lambda: nn.functional.leaky_relu_(out, param),
+                    "elu": lambda: nn.functional.elu_(out, param)}.get(self.activation, lambda: out)()
         self._check_input_dim(input)
         factor, bn_training, running_mean, running_var = batchnorm_arguments(self, input)
-        param = self.negative_slope if self.activation == "leaky_relu" else self.alpha
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or (self.weight is not None and self.weight.requires_grad)
         )

@@ -116,7 +116,7 @@ def max_pool2d(x: torch.Tensor, kernel_size: Any, stride: Any = None, padding: A
     [ compact max-pool indices ]); the same output and bitwise the same gradients. Torch's own op where nothing is
     kept (grad off, ``x`` needs no gradient), with ``return_indices=True`` (the caller keeps the indices then) and
     under torch.compile and torch.func."""
-    if return_indices or not (torch.is_grad_enabled() and x.requires_grad) or plain_only():
+    if return_indices or plain_only() or not (torch.is_grad_enabled() and x.requires_grad):
         return nn.functional.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode=ceil_mode,
                                         return_indices=return_indices)  # type: ignore[call-overload]
     if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0):  # torch's default

@@ -20,7 +20,7 @@ from torch import nn
 
 from ...errors import ConvertError
 from ...proof.compare import bitwise_equal
-from ..guards import autocasting, memtrims, plain_only
+from ..guards import INPUT_HOOKS, autocasting, memtrims, plain_only, refuse_later_hooks
 from ._core import (
     enter_consumer_scope,
     entry_of,
@@ -841,8 +841,14 @@ class PassThroughReLU(nn.ReLU):
     grad off it always relus (relu is idempotent). Swap in with ``module.__class__ = PassThroughReLU``.
     """
 
+    _memtrim_converted: str | None = None  # (guards.CONVERTED) set by convert, as on every module it changed
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input`` itself if a fused BatchNormReLU made it (relu'd already), else ``nn.ReLU``'s forward."""
+        if self._memtrim_converted is not None and (self._forward_pre_hooks or self._backward_hooks
+                                                    or self._backward_pre_hooks):
+            refuse_later_hooks(self, "where a BatchNorm's output is its input, that BatchNorm applied it already",
+                               INPUT_HOOKS)
         if _active() and is_recomputable(input, tag="relu"):
             return input
         return super().forward(input)
