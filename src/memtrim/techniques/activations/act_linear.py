@@ -7,8 +7,12 @@ backward recomputes ``a = act(h)`` (one cheap pointwise op) for the weight gradi
 bitwise the forward's, and the backward uses torch's own kernels, so gradients are bitwise those of the pair. The
 backward is written in differentiable torch ops on the kept inputs, so double backward works too; its second-order
 gradients differentiate those ops rather than torch's own double backward of the pair, so they agree to rounding,
-not bitwise (convert's report says so). Under autocast it
-runs as torch's Linear(act(h)).
+not bitwise. Under autocast it runs as torch's Linear(act(h)).
+
+A module to use by hand, where the model's code applies the activation inside the Linear's call. ``memtrim.convert``
+no longer fuses an activation module into the next Linear this way (the activation module then an identity): a path
+its example inputs did not take, a hook added later, or the Linear replaced or wrapped after it, read the
+activation's input. It leaves the activation torch's and rebuilds its output for the Linear from its node instead.
 """
 
 from __future__ import annotations
