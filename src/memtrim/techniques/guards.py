@@ -112,8 +112,8 @@ _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # a per-cal
 
 # ---------------------------------------------------------------------- clear errors instead of torch's
 CONVERTED = "_memtrim_converted"
-"""Instance attribute :func:`memtrim.convert` sets on every module a change touched (the rule's name); the fused
-modules' classes default it to None (a module built by hand)."""
+"""Instance attribute :func:`memtrim.convert` sets on every module a change touched (the rule's name); the classes
+of the fused modules default it to None (one built by hand), so that reading it at each call is a plain lookup."""
 
 _HOOK_KINDS = {"_forward_pre_hooks": "forward pre-hooks", "_forward_hooks": "forward hooks",
                "_backward_pre_hooks": "backward pre-hooks", "_backward_hooks": "backward hooks"}
@@ -127,9 +127,11 @@ def refuse_later_hooks(module: nn.Module, fused: str, tables: tuple[str, ...]) -
     """Raise if ``module``, which convert fused with a neighbour (``fused`` says how), has hooks of the user's in
     ``tables`` (the ones that would see a value fusion changed: a fused BatchNorm's output, already its ReLU's; the
     input of a ReLU that is now an identity): convert leaves hooked modules alone, so they were registered after it.
-    Called at every call of a fused module: the usual case is empty dicts."""
-    found = [_HOOK_KINDS[attr] for attr in tables
-             if any(not memtrims(hook) for hook in (module.__dict__.get(attr) or {}).values())]
+    A module convert did not change (``CONVERTED`` unset: built by hand) is left alone. Called at every call of a fused
+    module: the usual case is a class attribute and three empty dicts."""
+    if getattr(module, CONVERTED, None) is None or not any(getattr(module, attr) for attr in tables):
+        return
+    found = [_HOOK_KINDS[attr] for attr in tables if any(not memtrims(hook) for hook in getattr(module, attr).values())]
     if found:
         raise ConvertError(
             f"memtrim: {owner(module)} was fused by memtrim.convert ({fused}), and has {' and '.join(found)} "

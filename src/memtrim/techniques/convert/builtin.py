@@ -93,16 +93,13 @@ class Absorbed(nn.Identity):
 
     def forward(self, input: Any) -> Any:
         """``input`` itself: its neighbour did this module's work."""
-        if self._memtrim_converted is not None and (self._forward_pre_hooks or self._backward_hooks
-                                                    or self._backward_pre_hooks):
-            into = getattr(self, "memtrim_absorbed_into", "?")
-            refuse_later_hooks(self, f"an identity whose work {into} does", INPUT_HOOKS)
+        refuse_later_hooks(self, "this activation is an identity now: the BatchNorm before it applies it", INPUT_HOOKS)
         return input
 
 
 def absorb(module: nn.Module, into: str) -> Undo:
     """Make ``module`` an :class:`Absorbed` identity whose work ``into`` now does."""
-    return class_swap(module, Absorbed, memtrim_absorbed_into=into)
+    return class_swap(module, Absorbed, memtrim_absorbed_into=into, memtrim_owner=into)
 
 
 # ---------------------------------------------------------------------- pairs

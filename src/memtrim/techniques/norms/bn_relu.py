@@ -105,10 +105,7 @@ class _BatchNormReLU(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``relu(batch_norm(input))``, keeping only ``input`` (torch's own ops where nothing is kept)."""
-        if self._memtrim_converted is not None and (self._forward_hooks or self._backward_hooks
-                                                    or self._backward_pre_hooks):
-            refuse_later_hooks(self, "it returns the output of the ReLU after it, which is now an identity",
-                               OUTPUT_HOOKS)
+        refuse_later_hooks(self, "it returns the output of the ReLU after it, which is now an identity", OUTPUT_HOOKS)
         if fx_tracing():
             out = traced_batchnorm(self, input)
             return out if getattr(self, "memtrim_relu_follows", False) else torch.relu_(out)

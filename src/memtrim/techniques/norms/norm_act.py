@@ -214,10 +214,7 @@ class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``activation(batch_norm(input))``, keeping only the output (torch's own ops where nothing is kept)."""
-        if self._memtrim_converted is not None and (self._forward_hooks or self._backward_hooks
-                                                    or self._backward_pre_hooks):
-            refuse_later_hooks(self, "it returns the output of the activation after it, which is now an identity",
-                               OUTPUT_HOOKS)
+        refuse_later_hooks(self, "it returns its activation's output; that activation is now an identity", OUTPUT_HOOKS)
         param = self.negative_slope if self.activation == "leaky_relu" else self.alpha
         if fx_tracing():
             out = traced_batchnorm(self, input)

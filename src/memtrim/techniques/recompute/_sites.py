@@ -845,10 +845,7 @@ class PassThroughReLU(nn.ReLU):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input`` itself if a fused BatchNormReLU made it (relu'd already), else ``nn.ReLU``'s forward."""
-        if self._memtrim_converted is not None and (self._forward_pre_hooks or self._backward_hooks
-                                                    or self._backward_pre_hooks):
-            refuse_later_hooks(self, "where a BatchNorm's output is its input, that BatchNorm applied it already",
-                               INPUT_HOOKS)
+        refuse_later_hooks(self, "where its input is a fused BatchNorm's output, relu'd already", INPUT_HOOKS)
         if _active() and is_recomputable(input, tag="relu"):
             return input
         return super().forward(input)
