@@ -13,7 +13,9 @@ NOTE [ how convert decides ]
   an optimizer built before ``convert`` keeps working and a state_dict loads into the unconverted class. A module
   absorbed into its neighbour becomes an :class:`Absorbed` identity the same way, so every name it is registered
   under and every reference to it see the change.
-* Hooks: a pair is not fused when either module has forward, forward pre-, backward or backward pre-hooks.
+* Hooks: a pair is not fused when either module has forward, forward pre-, backward or backward pre-hooks; one
+  added to a fused module later, where it would see a value fusion changed, raises at the call
+  (``guards.refuse_later_hooks``).
 * What breaks a converted module, and what convert checks: an output-keeping module's output must not be changed
   in place before backward (the traced forward sees every in-place write, and such modules are skipped; without
   example inputs backward raises ``ConvertError`` naming the module). Rebuilt norms have no second derivative
