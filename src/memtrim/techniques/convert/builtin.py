@@ -52,8 +52,9 @@ FROM_OUTPUT = "its gradient is computed from its output: agrees with torch's to 
 FUSED = ("fused: the BatchNorm returns its activation's output, and the activation module is an identity there; a "
          "path the example inputs did not take that reads the BatchNorm's output apart from the activation (a "
          "features flag, retain_grad on it) gets the activation's output (convert fuses what the example inputs "
-         "show); a hook added after convert that would see a fused value (on the BatchNorm's output, on the "
-         "activation's input, or their gradients) raises ConvertError")
+         "show), and so does a global module hook or a hook on a module whose output is the BatchNorm's; a hook "
+         "added to either module after convert that would see a fused value (the BatchNorm's output, the "
+         "activation's input, or their gradients) raises ConvertError, and so does torch.fx tracing")
 """The limit of every BatchNorm + activation pair convert fuses into one module."""
 HARDSIGMOID_EDGE = ("its gradient is computed from its output: on the CPU torch's, bitwise, except where a float32 or "
                     "float64 input is exactly the largest float below 3 (its output rounds to 1: gradient 0 where "

@@ -256,10 +256,11 @@ def batchnorm_relu_call_site(ctx: Context) -> Iterator[Candidate]:
         owner = label(where, f"memtrim.nn.{target.__name__}")
 
         def apply(bn: nn.Module = bn, relu: nn.Module = relu, consumers: list = consumers, target: type = target,
-                  owner: str = owner) -> Undo:
+                  owner: str = owner, relu_path: str = relu_site.path) -> Undo:
             # (marked converted: a hook added to it later would see a fused BatchNorm's output, relu'd already, as
             # its input, and raises; not a target, so that the other BatchNorms it follows can be fused too)
-            swap = (class_swap(relu, PassThroughReLU, **{CONVERTED: "batchnorm_relu_call_site"})
+            swap = (class_swap(relu, PassThroughReLU, memtrim_owner=f"'{relu_path}'",
+                               **{CONVERTED: "batchnorm_relu_call_site"})
                     if type(relu) is nn.ReLU else (lambda: None))
             return chain(class_swap(bn, target, memtrim_owner=owner, memtrim_relu_follows=True), swap,
                          _install_consumers(consumers))

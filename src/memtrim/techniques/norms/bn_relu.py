@@ -39,7 +39,7 @@ from torch import nn
 
 from ..guards import OUTPUT_HOOKS, fx_tracing, owner, plain_only, refuse_later_hooks
 from ..recompute._core import enter_consumer_scope, exit_consumer_scope, mark_recomputable
-from .norm_act import batchnorm_arguments, traced_batchnorm
+from .norm_act import batchnorm_arguments, refuse_fx_trace
 
 __all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d", "rebuilds_bitwise"]
 
@@ -99,16 +99,11 @@ class _BatchNormReLU(nn.modules.batchnorm._BatchNorm):
 
     _memtrim_converted: str | None = None  # (guards.CONVERTED) the rule's name where memtrim.convert fused the pair
 
-    def _check_input_dim(self, input: torch.Tensor) -> None:
-        if not fx_tracing():  # a traced input has no dimensions to check
-            super()._check_input_dim(input)
-
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``relu(batch_norm(input))``, keeping only ``input`` (torch's own ops where nothing is kept)."""
         refuse_later_hooks(self, "it returns the output of the ReLU after it, which is now an identity", OUTPUT_HOOKS)
         if fx_tracing():
-            out = traced_batchnorm(self, input)
-            return out if getattr(self, "memtrim_relu_follows", False) else torch.relu_(out)
+            refuse_fx_trace(self)
         self._check_input_dim(input)
         if not torch.is_grad_enabled() or plain_only():  # nothing kept, or compile/torch.func: torch's own ops
             factor, bn_training, running_mean, running_var = batchnorm_arguments(self, input)

@@ -22,12 +22,12 @@ BatchNorm + ReLU cannot be inverted (ReLU's zeros lose ``y``); keep such pairs a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
-from ...errors import InvalidInputError
+from ...errors import ConvertError, InvalidInputError
 from ..guards import (
     OUTPUT_HOOKS,
     autocasting,
@@ -136,11 +136,17 @@ class _BatchNormActFunction(torch.autograd.Function):
                 None, None, None, None, None, None, None, None, None)
 
 
-def traced_batchnorm(bn: nn.modules.batchnorm._BatchNorm, input: torch.Tensor) -> torch.Tensor:
-    """``nn.BatchNorm``'s own forward, for torch.fx symbolic tracing (:func:`~memtrim.techniques.guards.fx_tracing`):
-    the input is a proxy, whose shape :func:`batchnorm_arguments` cannot check (the fused classes' ``_check_input_dim``
-    steps aside then too); the traced graph calls ``batch_norm`` as the unconverted module's would."""
-    return nn.modules.batchnorm._BatchNorm.forward(bn, input)
+def refuse_fx_trace(bn: nn.Module) -> NoReturn:
+    """Raise for torch.fx symbolic tracing (:func:`~memtrim.techniques.guards.fx_tracing`) of a fused BatchNorm: fx
+    keeps torch's own BatchNorm as one call, which follows ``.train()``/``.eval()``, but traces into this class, which
+    would fix its training mode in the graph and update ``num_batches_tracked`` while tracing."""
+    raise ConvertError(
+        f"memtrim: {owner(bn)} is a BatchNorm fused with its activation, which torch.fx cannot keep as one call: "
+        "traced into, its training mode and running-statistics update would be fixed in the graph (fx keeps torch's "
+        "own BatchNorm as a call that follows .train() and .eval()). Expected a model without fused BatchNorms; found "
+        f"{type(bn).__name__}. To fix: trace the model (symbolic_trace, create_feature_extractor) before "
+        "memtrim.convert and convert the traced module, or leave the BatchNorm out of convert (module_filter)."
+    )
 
 
 def batchnorm_arguments(bn: Any, input: torch.Tensor) -> tuple[float, bool, torch.Tensor | None,
@@ -208,18 +214,12 @@ class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
 
     _memtrim_converted: str | None = None  # (guards.CONVERTED) the rule's name where memtrim.convert fused the pair
 
-    def _check_input_dim(self, input: torch.Tensor) -> None:
-        if not fx_tracing():  # a traced input has no dimensions to check
-            super()._check_input_dim(input)
-
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``activation(batch_norm(input))``, keeping only the output (torch's own ops where nothing is kept)."""
         refuse_later_hooks(self, "it returns its activation's output; that activation is now an identity", OUTPUT_HOOKS)
         param = self.negative_slope if self.activation == "leaky_relu" else self.alpha
         if fx_tracing():
-            out = traced_batchnorm(self, input)
-            return {"leaky_relu": lambda: nn.functional.leaky_relu_(out, param),
-                    "elu": lambda: nn.functional.elu_(out, param)}.get(self.activation, lambda: out)()
+            refuse_fx_trace(self)
         self._check_input_dim(input)
         factor, bn_training, running_mean, running_var = batchnorm_arguments(self, input)
         needs_grad = torch.is_grad_enabled() and (
