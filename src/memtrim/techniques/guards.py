@@ -50,14 +50,14 @@ def _forward_ad_active() -> bool:
     return isinstance(level, int) and level >= 0
 
 
+_SYMBOLIC_TRACE = torch.fx._symbolic_trace
+
+
 def fx_tracing() -> bool:
     """True while ``torch.fx`` traces symbolically (``symbolic_trace``, torchvision's ``create_feature_extractor``):
     inputs are proxies, with no shape or value to check. (torch's ``is_fx_tracing()`` reads the same flag, and from
     torch 2.9 logs a warning at its first call.)"""
     return bool(getattr(_SYMBOLIC_TRACE, "_is_fx_tracing_flag", False))
-
-
-_SYMBOLIC_TRACE = torch.fx._symbolic_trace
 
 
 def plain_only() -> bool:
@@ -112,8 +112,7 @@ _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # a per-cal
 
 # ---------------------------------------------------------------------- clear errors instead of torch's
 CONVERTED = "_memtrim_converted"
-"""Instance attribute :func:`memtrim.convert` sets on every module a change touched (the rule's name); the classes
-of the fused modules default it to None (one built by hand), so that reading it at each call is a plain lookup."""
+"""Instance attribute :func:`memtrim.convert` sets on every module a change touched (the rule's name)."""
 
 _HOOK_KINDS = {"_forward_pre_hooks": "forward pre-hooks", "_forward_hooks": "forward hooks",
                "_backward_pre_hooks": "backward pre-hooks", "_backward_hooks": "backward hooks"}
@@ -128,10 +127,11 @@ def refuse_later_hooks(module: nn.Module, fused: str, tables: tuple[str, ...]) -
     ``tables`` (the ones that would see a value fusion changed: a fused BatchNorm's output, already its ReLU's; the
     input of a ReLU that is now an identity): convert leaves hooked modules alone, so they were registered after it.
     A module convert did not change (``CONVERTED`` unset: built by hand) is left alone. Called at every call of a fused
-    module: the usual case is a class attribute and three empty dicts."""
-    if getattr(module, CONVERTED, None) is None or not any(getattr(module, attr) for attr in tables):
+    module: the usual case is four dictionary lookups."""
+    state = module.__dict__
+    if state.get(CONVERTED) is None or not any(state[attr] for attr in tables):
         return
-    found = [_HOOK_KINDS[attr] for attr in tables if any(not memtrims(hook) for hook in getattr(module, attr).values())]
+    found = [_HOOK_KINDS[attr] for attr in tables if any(not memtrims(hook) for hook in state[attr].values())]
     if found:
         raise ConvertError(
             f"memtrim: {owner(module)} was fused by memtrim.convert ({fused}), and has {' and '.join(found)} "

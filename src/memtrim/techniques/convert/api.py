@@ -185,7 +185,7 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
                 current = after
             ctx.claimed.update((id(t), rule.name) for t in cand.targets)
             for target in cand.targets:
-                target.__dict__[_CONVERTED] = rule.name
+                target.__dict__[CONVERTED] = rule.name
             changes.append(Change(cand.modules, cand.before, cand.after, saved, cand.limits, rule.name,
                                   cand.bitwise))
     notes = []
@@ -198,13 +198,12 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
     return model, ConversionReport(changes, skipped, before, current, notes)
 
 
-_CONVERTED = CONVERTED  # instance attribute of every module a change touched: the rule's name
 _EARLIER = "changed by an earlier memtrim.convert: left as it is"
 
 
 def _converted_earlier(model: nn.Module) -> set[int]:
     """The ids of ``model``'s modules an earlier :func:`convert` changed (copies and pickles keep the mark)."""
-    return {id(m) for m in model.modules() if _CONVERTED in m.__dict__}
+    return {id(m) for m in model.modules() if CONVERTED in m.__dict__}
 
 
 def _touched(cand: Candidate, ctx: Context) -> set[int]:

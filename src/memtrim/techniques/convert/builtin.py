@@ -86,7 +86,6 @@ class Absorbed(nn.Identity):
     Its class is changed in place, like every conversion, so that each name the module is registered under, and
     each reference to it, sees the same change."""
 
-    _memtrim_converted: str | None = None  # (guards.CONVERTED) set by convert, as on every module it changed
 
     def extra_repr(self) -> str:
         """Which module now does this one's work (``absorbed into <name>``)."""

@@ -97,7 +97,6 @@ class _BatchNormReLU(nn.modules.batchnorm._BatchNorm):
         """The BatchNorm's repr plus the ReLU it applies."""
         return f"{super().extra_repr()}, activation=relu (recomputed from the input)"
 
-    _memtrim_converted: str | None = None  # (guards.CONVERTED) the rule's name where memtrim.convert fused the pair
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``relu(batch_norm(input))``, keeping only ``input`` (torch's own ops where nothing is kept)."""

@@ -212,16 +212,15 @@ class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
                "elu": f"elu({self.alpha})"}[self.activation]
         return f"{super().extra_repr()}, activation={act}"
 
-    _memtrim_converted: str | None = None  # (guards.CONVERTED) the rule's name where memtrim.convert fused the pair
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``activation(batch_norm(input))``, keeping only the output (torch's own ops where nothing is kept)."""
         refuse_later_hooks(self, "it returns its activation's output; that activation is now an identity", OUTPUT_HOOKS)
-        param = self.negative_slope if self.activation == "leaky_relu" else self.alpha
         if fx_tracing():
             refuse_fx_trace(self)
         self._check_input_dim(input)
         factor, bn_training, running_mean, running_var = batchnorm_arguments(self, input)
+        param = self.negative_slope if self.activation == "leaky_relu" else self.alpha
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or (self.weight is not None and self.weight.requires_grad)
         )

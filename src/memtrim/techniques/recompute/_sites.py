@@ -841,7 +841,6 @@ class PassThroughReLU(nn.ReLU):
     grad off it always relus (relu is idempotent). Swap in with ``module.__class__ = PassThroughReLU``.
     """
 
-    _memtrim_converted: str | None = None  # (guards.CONVERTED) set by convert, as on every module it changed
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input`` itself if a fused BatchNormReLU made it (relu'd already), else ``nn.ReLU``'s forward."""
