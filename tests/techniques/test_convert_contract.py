@@ -396,6 +396,22 @@ def test_convert_leaves_the_global_rng_untouched(evidence):
         assert torch.equal(a, b)
 
 
+def _queued_cuda_seeds():
+    return [call and call[0] for call in torch.cuda._lazy_seed_tracker.get_calls()]
+
+
+@pytest.mark.skipif(not hasattr(torch.cuda, "_lazy_seed_tracker") or torch.cuda.is_initialized(),
+                    reason="torch's lazy CUDA seeding is private API; CUDA already started here")
+def test_convert_queues_no_cuda_seed_for_when_cuda_starts():
+    # a seed convert drew from would stay queued for CUDA: a model moved to the GPU after convert would draw its
+    # dropout from seed 0, not from the user's seed (found on an H200: the test above, CUDA's generator reseeded)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.LeakyReLU(0.1), nn.Linear(8, 8))
+    torch.manual_seed(123)
+    queued = _queued_cuda_seeds()
+    memtrim.convert(model, example_inputs=torch.randn(4, 8))
+    assert _queued_cuda_seeds() == queued
+
+
 # ---------------------------------------------------------------------- item 7: double backward, functorch, in place
 def activations_model():
     torch.manual_seed(0)

@@ -237,9 +237,13 @@ def _example_forward(model: nn.Module, args: tuple[Any, ...],
     """Fresh copies of the example inputs, for a training-mode forward whose dropout is drawn from a fixed seed and
     whose buffer updates are undone after."""
     args, kwargs = fresh_inputs(args, kwargs)
-    with buffers_kept(model), torch.random.fork_rng(devices=_cuda_devices(model, (args, kwargs))):
+    devices = _cuda_devices(model, (args, kwargs))
+    with buffers_kept(model), torch.random.fork_rng(devices=devices):
         model.train()
-        torch.manual_seed(0)
+        # not torch.manual_seed: it seeds every CUDA device, and only these are restored after
+        torch.default_generator.manual_seed(0)
+        for index in devices:
+            torch.cuda.default_generators[index].manual_seed(0)
         yield args, kwargs
 
 
