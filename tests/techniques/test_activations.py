@@ -110,7 +110,7 @@ def test_hardsigmoid_edge(dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_hardsigmoid_edge_on_cuda(dtype):
-    # read from torch's CUDA kernels, to be confirmed on a GPU (the report says "not yet checked" until then): the
+    # read from torch's CUDA kernels and confirmed on an H200 (torch 2.11; results/cuda_tests_cuda.log): the
     # backward multiplies by 1.0f / 6.0f as on the CPU, but the forward multiplies by it too (the CPU divides by 6).
     # float32 then has the CPU's one edge input (the largest float below 3); in float64 every input within about
     # 1.8e-7 below 3 has an output of 1 or more, where memtrim's gradient is 0; bfloat16 has none

@@ -342,9 +342,10 @@ def test_torch_fx_refuses_a_fused_batchnorm_and_leaves_the_model_as_it_was():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_cuda_the_resnet_pattern_trains_like_plain_in_float64():
     # the converted forward calls torch.batch_norm as the plain one does (cuDNN's kernel on CUDA, float64 too), and
-    # the rebuild calls it again on the same input: bitwise where that kernel is deterministic, which is not yet
-    # checked on a GPU, so the report does not claim it. (Before, the converted forward ran torch's native kernel
-    # and rebuilt with per-channel terms: on an H200, torch 2.11, float64 gradients 4e-16 to 2e-13 relative apart)
+    # the rebuild calls it again on the same input: bitwise where that kernel is deterministic. Seen bitwise on an
+    # H200 (convert_cuda_check.py), but not every CUDA kernel path was checked, so the report does not claim it.
+    # (Before, the converted forward ran torch's native kernel and rebuilt with per-channel terms: on an H200, torch
+    # 2.11, float64 gradients 4e-16 to 2e-13 relative apart)
     batch = {"x": torch.randn(2, 3, 64, 64, dtype=torch.float64, device="cuda")}
     plain, converted, report = converted_pair(lambda: _narrow_resnet(TorchvisionBasicBlock, (2, 2, 2, 2)).cuda(),
                                               batch)

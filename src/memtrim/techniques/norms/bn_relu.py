@@ -16,18 +16,20 @@ that is a BatchNormReLU output (same storage, same version), autograd keeps the 
 
 Unpacking rebuilds ``z`` once per backward, shared by every holder and released after the last, by the same
 ``batch_norm`` call on the same input: in training without running statistics (the rebuild must not update them; the
-batch statistics, and so the output, are the same), in eval from copies of the running statistics made at the
-forward (a training forward of the same module before the backward updates them in place, inside torch's kernel,
-without a version bump). In training the forward computes nothing else (no per-channel terms: a converted ResNet's
-forward launches the kernels the plain one does). The rebuilt ``z`` is the forward's bit for bit where the BatchNorm
-kernel is deterministic: on the CPU, tested for every dtype, memory format and thread count (the report says bitwise
-there, and a double backward through it is torch's); on CUDA not yet checked on a GPU, so the report says not
-bitwise. The rebuild reads the weight and bias as the forward read them (a pruned or parametrized weight: the one
-computed for the call), so they are the recipe's sources, version-checked like autograd's saved tensors, under
-saved-tensor hooks too: a change in place between forward and backward raises autograd's error, also for the bias,
-which torch's own backward does not read; a change through ``.data`` is not seen. Every other saved tensor passes
-through unchanged (and through any saved-tensor hooks active outside, so memtrim's tracker still sees them), with
-autograd's in-place check repeated. Under torch.compile and torch.func the module runs as torch's BatchNorm and ReLU.
+batch statistics, and so the output, are the same), in eval from copies of the running statistics made at the forward (a
+training forward of the same module before the backward updates them in place, inside torch's kernel, without a version
+bump). In training the forward computes nothing else (no per-channel terms: a converted ResNet's forward launches the
+kernels the plain one does). The rebuilt ``z`` is the forward's bit for bit where the BatchNorm kernel is deterministic:
+on the CPU, tested for every dtype, memory format and thread count (the report says bitwise there, and a double backward
+through it is torch's); on CUDA checked on one H200 (torch 2.11, cuDNN's kernel, float32 and float64, contiguous: three
+ResNets' gradients bitwise, ``benchmarks/convert_cuda_check.py``) but not on every CUDA kernel path (channels_last, half
+precision, torch's native kernels), so the report says not bitwise there. The rebuild reads the weight and bias as the
+forward read them (a pruned or parametrized weight: the one computed for the call), so they are the recipe's sources,
+version-checked like autograd's saved tensors, under saved-tensor hooks too: a change in place between forward and
+backward raises autograd's error, also for the bias, which torch's own backward does not read; a change through
+``.data`` is not seen. Every other saved tensor passes through unchanged (and through any saved-tensor hooks active
+outside, so memtrim's tracker still sees them), with autograd's in-place check repeated. Under torch.compile and
+torch.func the module runs as torch's BatchNorm and ReLU.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def _rebuild(x: torch.Tensor, *tensors: torch.Tensor, layout: tuple[bool, bool, 
 
 def rebuilds_bitwise(bn: nn.Module) -> bool:
     """Whether ``bn``'s rebuilt output is known to be its forward's bit for bit where its tensors are: on the CPU
-    (tested); CUDA's BatchNorm kernels are not yet checked (NOTE [ BatchNorm + ReLU, recomputed ])."""
+    (tested); on CUDA only some kernel paths were checked (NOTE [ BatchNorm + ReLU, recomputed ])."""
     return all(t.device.type == "cpu" for t in (*bn.parameters(recurse=False), *bn.buffers(recurse=False)))
 
 
