@@ -1,6 +1,7 @@
 """memtrim.plan: predictions on fake tensors equal the tracker's measurement of the real step, byte for byte; the
 chosen plan fits and trains bitwise like the standard loop; bad input and impossible budgets raise."""
 
+import copy
 import functools
 
 import pytest
@@ -185,6 +186,22 @@ def test_parse_bytes():
             parse_bytes(bad)
 
 
+def test_a_factory_that_returns_or_copies_an_existing_model_is_told_to_pass_the_model():
+    # `lambda: model` and `lambda: copy.deepcopy(model)` hand the fake mode real tensors: torch's own error said to
+    # "convert all Tensors to FakeTensors first", and memtrim's wrapper to check the step runs for real (it does)
+    model = _DictOut()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = {"example_inputs": torch.randn(3, 4), "loss_fn": lambda out, y: F.cross_entropy(out["logits"], y),
+            "optimizer_factory": _adamw, "budget": "1GiB", "targets": torch.randint(0, 2, (3,))}
+    with pytest.raises(InvalidInputError, match=r"returned a model whose 'layer.weight' is a real tensor.*pass the "
+                                                r"model itself \(memtrim.plan\(model, ...\)"):
+        memtrim.plan(lambda: model, **args)
+    with pytest.raises(InvalidInputError, match=r"factory raised under FakeTensorMode.*no copy or load of existing"):
+        memtrim.plan(lambda: copy.deepcopy(model), **args)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert memtrim.plan(model, **args).best.fits  # the fix the message names
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"optimizer_factory": torch.optim.AdamW}, "optimizer_factory must be a function"),
     ({"loss_fn": 3}, "loss_fn must be callable"),
@@ -272,7 +289,7 @@ def _boom():
 @pytest.mark.parametrize("kwargs, message", [
     # a KeyError (a LookupError) in the user's loss was taken for "technique has nothing to do": a bare KeyError: ()
     ({"loss_fn": lambda out, y: F.cross_entropy(out["logit"], y)}, "plain training step failed.*KeyError"),
-    ({"model_or_factory": _boom}, "plain training step failed.*RuntimeError: the factory is broken"),
+    ({"model_or_factory": _boom}, r"factory raised under FakeTensorMode \(RuntimeError: the factory is broken\)"),
     ({"model_or_factory": lambda n: _DictOut()}, "factory must be callable with no arguments"),
     ({"model_or_factory": lambda: _DictOut(), "depth": 4}, "depth must be an int >= 3 with model_or_factory a func"),
     ({"optimizer_factory": lambda m: None}, "must return a torch.optim.Optimizer, got NoneType"),

@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, MemtrimError
 from ..measure import Category, MemoryReport, track
 from ..measure.hooks import tensors_in
 from ._techniques import Applied, Technique
@@ -155,15 +155,42 @@ def _fake_copy_of(model: nn.Module, mode: Any, values: KnownValues) -> nn.Module
     return copy.deepcopy(model, memo)
 
 
-def _build(model_or_factory: nn.Module | Callable[[], nn.Module]) -> nn.Module:
+def _build(model_or_factory: nn.Module | Callable[[], nn.Module], fake: bool) -> nn.Module:
     if isinstance(model_or_factory, nn.Module):
         return copy.deepcopy(model_or_factory)
-    model = model_or_factory()
+    if not fake:
+        model = model_or_factory()
+    else:  # a factory that copies or loads existing tensors cannot run under FakeTensorMode: said as such
+        try:
+            model = model_or_factory()
+        except MemtrimError:
+            raise
+        except Exception as e:
+            raise InvalidInputError(
+                f"memtrim.plan: the model factory raised under FakeTensorMode ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:300]}). {_FAKE_FACTORY}"
+            ) from e
     if not isinstance(model, nn.Module):
         raise InvalidInputError(
             f"memtrim.plan: the model factory must return a torch.nn.Module, got {type(model).__name__}."
         )
+    if fake:  # a real tensor would make the fake mode refuse the step in its own words
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        named = (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False))
+        real = next((name for name, t in named if not isinstance(t, FakeTensor)), None)
+        if real is not None:
+            raise InvalidInputError(
+                f"memtrim.plan: the model factory returned a model whose {real!r} is a real tensor: a model built "
+                f"before the call (`lambda: model`), or a tensor made outside the factory. {_FAKE_FACTORY}"
+            )
     return model
+
+
+_FAKE_FACTORY = ("The factory is called under FakeTensorMode, so that no weight is allocated: it must build every "
+                 "tensor itself (no copy or load of existing ones: `copy.deepcopy(model)`, `load_state_dict`). To "
+                 "fix: pass the model itself (memtrim.plan(model, ...) copies it as fake tensors), or build the "
+                 "model inside the factory.")
 
 
 def trace_step(
@@ -190,7 +217,7 @@ def trace_step(
             model = _fake_copy_of(model_or_factory, mode, values)
     with _faking(mode, values):
         if model is None:
-            model = _build(model_or_factory)
+            model = _build(model_or_factory, fake)
         optimizer = optimizer_factory(model)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InvalidInputError(
