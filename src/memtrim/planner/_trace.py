@@ -158,18 +158,15 @@ def _fake_copy_of(model: nn.Module, mode: Any, values: KnownValues) -> nn.Module
 def _build(model_or_factory: nn.Module | Callable[[], nn.Module], fake: bool) -> nn.Module:
     if isinstance(model_or_factory, nn.Module):
         return copy.deepcopy(model_or_factory)
-    if not fake:
+    try:
         model = model_or_factory()
-    else:  # a factory that copies or loads existing tensors cannot run under FakeTensorMode: said as such
-        try:
-            model = model_or_factory()
-        except MemtrimError:
+    except Exception as e:  # under FakeTensorMode, a factory that copies or loads existing tensors: said as such
+        if not fake or isinstance(e, MemtrimError):
             raise
-        except Exception as e:
-            raise InvalidInputError(
-                f"memtrim.plan: the model factory raised under FakeTensorMode ({type(e).__name__}: "
-                f"{' '.join(str(e).split())[:300]}). {_FAKE_FACTORY}"
-            ) from e
+        raise InvalidInputError(
+            f"memtrim.plan: the model factory raised under FakeTensorMode ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:300]}). {_FAKE_FACTORY}"
+        ) from e
     if not isinstance(model, nn.Module):
         raise InvalidInputError(
             f"memtrim.plan: the model factory must return a torch.nn.Module, got {type(model).__name__}."
