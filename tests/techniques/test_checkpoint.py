@@ -139,6 +139,48 @@ def test_batchnorm_statistics_updated_once_and_dropout_replayed(momentum, policy
     assert int(treated[1].bn.num_batches_tracked) == len(batches)
 
 
+class OwnGeneratorDropout(nn.Module):
+    """Dropout drawn from the module's own generator, which torch's checkpoint does not restore."""
+
+    def __init__(self, draws_again=False):
+        super().__init__()
+        self.lin, self.gen = nn.Linear(6, 6), torch.Generator().manual_seed(7)
+        self.draws_again, self.calls = draws_again, 0
+
+    def forward(self, x):
+        self.calls += 1
+        keep = torch.rand(x.shape, generator=self.gen) > 0.5
+        if self.draws_again and self.calls % 2 == 0:  # the recomputation draws once more than the forward
+            keep = keep & (torch.rand(x.shape, generator=self.gen) > 0.1)
+        return torch.tanh(self.lin(x)) * keep * 2.0
+
+
+@pytest.mark.parametrize("policy", [None, "save_matmuls"])
+def test_a_modules_own_generator_is_replayed(policy):
+    # before: recomputed with fresh draws from the module's generator, 0.036 apart after 3 steps (adversarial pass)
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 6), OwnGeneratorDropout(), nn.Linear(6, 2))
+
+    plain, treated = model(), model()
+    memtrim.checkpoint_modules(treated, OwnGeneratorDropout, policy=policy)
+    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    outs_a, grads_a = train(plain, batches, image_loss)
+    outs_b, grads_b = train(treated, batches, image_loss)
+    assert_same(outs_a, outs_b)
+    assert_same(grads_a, grads_b)
+    assert_models_same(plain, treated)
+    assert torch.equal(plain[1].gen.get_state(), treated[1].gen.get_state())  # drawn once per step, as plain
+
+
+def test_a_recomputation_that_draws_differently_raises_naming_the_module():
+    treated = nn.Sequential(nn.Linear(6, 6), OwnGeneratorDropout(draws_again=True))
+    memtrim.checkpoint_modules(treated, OwnGeneratorDropout)
+    with pytest.raises(InvalidInputError, match=r"OwnGeneratorDropout drew from an explicitly passed torch.Generator 1 "
+                                                r"time\(s\) in forward but more \(at rand\).*leave this module out"):
+        treated(torch.randn(4, 6)).sum().backward()
+
+
 class Scaled(nn.Module):
     def __init__(self):
         super().__init__()

@@ -24,6 +24,12 @@ recompute context torch enters around each recomputation (``_Recompute``), outsi
 mode, which would reject ops the forward did not run; the originals are put back in ``__exit__``, which also
 runs when torch stops a recomputation early by raising once it has what backward needs.
 
+Generators: torch's checkpoint restores the global CPU and accelerator generators for the recomputation, not a
+generator passed to an op explicitly (``torch.rand(..., generator=self.gen)``, a module's own). ``_Forward`` records
+the forward's draws from such generators and ``_Recompute`` replays them (``techniques/_generators.py``, as
+ReversibleSequential does); a recomputation that runs to its end drawing a different number of times raises
+``InvalidInputError`` naming the module.
+
 Selective: ``policy`` builds ``create_selective_checkpoint_contexts`` with a policy function; ops it
 marks ``MUST_SAVE`` keep their outputs, the rest are recomputed. Eager mode ignores the ``*_CPU_OFFLOAD`` policies.
 torch keeps those outputs in its mode's storage, not through saved-tensor hooks, so ``_Forward`` reports them to
@@ -45,6 +51,7 @@ from torch import nn
 
 from ...errors import InvalidInputError, MemtrimStateError, MissingDependencyError
 from ...measure.hooks import hold_for_backward
+from .._generators import GeneratorDraws
 from ..recompute import recipes_honoured
 
 _API = "memtrim.checkpoint_modules"
@@ -209,11 +216,13 @@ def _saved_values(obj: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
 
 class _Recompute:
     """Entered by torch around each recomputation: the subtree's buffers are fresh clones of their values before
-    the forward (entered before torch's selective mode, so the clones are no ops it sees), put back on exit."""
+    the forward (entered before torch's selective mode, so the clones are no ops it sees), put back on exit, and the
+    forward's draws from explicitly passed generators are replayed (NOTE [ checkpointed forward ])."""
 
-    def __init__(self, snapshot: list[tuple[nn.Module, str, torch.Tensor]], inner: Any) -> None:
-        self.snapshot, self.inner = snapshot, inner
-        self.swapped: list[list[tuple[nn.Module, str, torch.Tensor]]] = []
+    def __init__(self, snapshot: list[tuple[nn.Module, str, torch.Tensor]], inner: Any,
+                 draws: GeneratorDraws) -> None:
+        self.snapshot, self.inner, self.draws = snapshot, inner, draws
+        self.swapped: list[tuple[list[tuple[nn.Module, str, torch.Tensor]], GeneratorDraws]] = []
 
     def __enter__(self) -> None:
         clones: dict[int, torch.Tensor] = {}
@@ -223,37 +232,46 @@ class _Recompute:
             assert original is not None  # the snapshot lists buffers that are set
             swapped.append((sub, name, original))
             sub._buffers[name] = clones.setdefault(id(value), value.clone())
-        self.swapped.append(swapped)
+        replay = self.draws.replaying()
+        self.swapped.append((swapped, replay))
+        replay.__enter__()
         if self.inner is not None:
             self.inner.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
+        swapped, replay = self.swapped.pop()
         try:
             if self.inner is not None:
                 self.inner.__exit__(*exc)
-        finally:  # also when torch stops the recomputation early by raising
-            for sub, name, original in self.swapped.pop():
+        finally:  # also when torch stops the recomputation early by raising (then fewer draws are no error)
+            for sub, name, original in swapped:
                 sub._buffers[name] = original
+            replay.__exit__(*exc)
 
 
 class _Forward:
-    """Torch's selective forward mode, if any; on exit the outputs it kept are reported to memtrim's trackers as
-    held for backward (torch keeps them in the mode's storage, outside saved-tensor hooks)."""
+    """Records the forward's draws from explicitly passed generators, and runs torch's selective forward mode, if
+    any; on exit the outputs that mode kept are reported to memtrim's trackers as held for backward (torch keeps them
+    in the mode's storage, outside saved-tensor hooks)."""
 
     def __init__(self, inner: Any, owner: _Recompute) -> None:
         self.inner, self.owner = inner, owner
 
     def __enter__(self) -> None:
+        self.owner.draws.__enter__()
         if self.inner is not None:
             self.inner.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        if self.inner is None:
-            return
-        self.inner.__exit__(*exc)
-        kept = _saved_values(getattr(self.inner, "storage", {}), [])
-        if kept:
-            hold_for_backward(kept, self.owner)  # the owner lives as long as the checkpoint's frame
+        try:
+            if self.inner is None:
+                return
+            self.inner.__exit__(*exc)
+            kept = _saved_values(getattr(self.inner, "storage", {}), [])
+            if kept:
+                hold_for_backward(kept, self.owner)  # the owner lives as long as the checkpoint's frame
+        finally:
+            self.owner.draws.__exit__(*exc)
 
 
 def _context_fn(module: nn.Module, selective: Callable[[], tuple[Any, Any]] | None) -> Callable[[], Any]:
@@ -263,7 +281,9 @@ def _context_fn(module: nn.Module, selective: Callable[[], tuple[Any, Any]] | No
         entries = [(sub, name, snapshot[id(b)]) for sub in module.modules()
                    for name, b in sub._buffers.items() if b is not None]
         forward, recompute = selective() if selective is not None else (None, None)
-        owner = _Recompute(entries, recompute)
+        draws = GeneratorDraws(f"{_API}: {type(module).__name__}", "leave this module out of checkpoint_modules",
+                               InvalidInputError)
+        owner = _Recompute(entries, recompute, draws)
         return _Forward(forward, owner), owner
 
     return contexts
@@ -320,8 +340,10 @@ def checkpoint_modules(model: nn.Module, modules: ModuleSelector, *, policy: Pol
 
     Why: activations dominate training memory at depth; a checkpointed block keeps only its inputs between
     forward and backward (or, with ``policy``, also the outputs of the ops the policy saves) at the cost of a
-    second forward of the block in backward. Training stays bitwise equal: dropout's random numbers are replayed,
-    and BatchNorm's running statistics are updated once (see NOTE [ checkpointed forward ]).
+    second forward of the block in backward. Training stays bitwise equal: dropout's random numbers are replayed
+    (also from a module's own ``torch.Generator``), and BatchNorm's running statistics are updated once (see NOTE
+    [ checkpointed forward ]). Eager only: torch's compiler does not trace the context a checkpointed module runs
+    under.
 
     Args:
         model: the model; changed in place (names, parameters and ``state_dict`` keys unchanged).

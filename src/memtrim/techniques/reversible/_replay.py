@@ -3,7 +3,8 @@
 The random-number and autocast state are captured with ``torch.utils.checkpoint``'s own device-generic helpers
 (``get_device_states`` / ``set_device_states``, the autocast kwargs with ``cache_enabled``), for the CPU and the
 accelerator the input lives on, whatever its type; draws from explicitly passed generators are recorded by a
-torch-function mode. See NOTE [ reversible without backward inside backward ] in ``sequential.py``.
+torch-function mode (``techniques/_generators.py``). See NOTE [ reversible without backward inside backward ] in
+``sequential.py``.
 """
 
 from __future__ import annotations
@@ -16,61 +17,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from ...errors import ReversibleError
+from .._generators import GeneratorDraws
 
 # ``set_device_states(..., device_type=)`` is torch >= 2.5; torch 2.4's sets the default device type's (CUDA).
 _SET_TAKES_DEVICE_TYPE = "device_type" in inspect.signature(set_device_states).parameters
 
 
-class _GeneratorDraws(TorchFunctionMode):
-    """Records (forward) or replays (recomputation) the draws of every torch call given an explicit generator.
-
-    Recording keeps, per such call in order, the generator's state before it. Replaying sets the generator of the
-    ``k``-th such call to the ``k``-th recorded state; on exit every generator it touched is put back, latest first,
-    so each ends where the caller left it. ``strict``: the replayed computation must draw exactly as often as the
-    recorded one (a forward's recomputation); a block's ``inverse`` is replayed leniently.
-    """
-
-    def __init__(self, where: str, replay: list[torch.Tensor] | None = None, strict: bool = True) -> None:
-        super().__init__()
-        self.where, self.replay, self.strict = where, replay, strict
-        self.states: list[torch.Tensor] = []  # recorded states (forward)
-        self.restore: list[tuple[torch.Generator, torch.Tensor]] = []  # the caller's states (replay)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for value in (*args, *kwargs.values()):
-            if not isinstance(value, torch.Generator):
-                continue
-            if self.replay is None:
-                self.states.append(value.get_state())
-                continue
-            position = len(self.restore)
-            if position >= len(self.replay):
-                if self.strict:
-                    raise self._mismatch(f"more (at {getattr(func, '__name__', func)})")
-                continue
-            self.restore.append((value, value.get_state()))
-            value.set_state(self.replay[position])
-        return func(*args, **kwargs)
-
-    def __exit__(self, *exc: object) -> None:
-        for generator, state in reversed(self.restore):
-            generator.set_state(state)
-        super().__exit__(*exc)
-        if exc[0] is None and self.replay is not None and self.strict and len(self.restore) != len(self.replay):
-            raise self._mismatch(str(len(self.restore)))
-
-    def _mismatch(self, found: str) -> ReversibleError:
-        return ReversibleError(
-            f"memtrim.ReversibleSequential: {self.where} drew from an explicitly passed torch.Generator "
-            f"{len(self.replay or ())} time(s) in forward but {found} when recomputed in backward; it must compute "
-            "the same function again. Draw the same numbers in every call (no draws that depend on a call count), "
-            "or keep this module out of the reversible stack."
-        )
+def _draws(where: str, replay: list[torch.Tensor] | None = None, strict: bool = True) -> GeneratorDraws:
+    return GeneratorDraws(f"memtrim.ReversibleSequential: {where}", "keep this module out of the reversible stack",
+                          ReversibleError, replay, strict)
 
 
 def _autocast_kwargs(device_type: str) -> dict[str, Any]:
@@ -114,7 +72,7 @@ def captured(replays: dict[str, Replay], name: str, x: torch.Tensor, where: str)
     replay = replays[name] = Replay(where=where, requires_grad=x.requires_grad, cpu_rng=cpu_rng,
                                     device_type=device_type, device_ids=device_ids, device_rng=device_rng,
                                     autocast=autocast)
-    with _GeneratorDraws(where) as draws:
+    with _draws(where) as draws:
         yield
     replay.generator_states = draws.states or None
     if torch.equal(torch.get_rng_state(), cpu_rng):
@@ -150,7 +108,7 @@ def replayed(replay: Replay, strict: bool = True) -> Iterator[None]:
                 if _autocast_kwargs(device_type) != kwargs:  # else already in it
                     stack.enter_context(torch.autocast(device_type, **kwargs))
             if replay.generator_states is not None:
-                stack.enter_context(_GeneratorDraws(replay.where, replay.generator_states, strict=strict))
+                stack.enter_context(_draws(replay.where, replay.generator_states, strict))
             yield
     finally:
         if cpu_state is not None:

@@ -25,15 +25,9 @@ what they save, in the forward's order; each handle then returns its tensor and 
   nothing from is not touched at all); module buffers (BatchNorm's running statistics) are restored after it, so
   they are updated once per forward.
 * A ``torch.Generator`` passed to an op explicitly (``torch.rand(..., generator=self.gen)``, a module's own
-  generator) is not reachable from outside f or g, so a torch-function mode (:class:`_GeneratorDraws`) sees every
-  torch call in their forward and records, per call given a generator, that generator's state before the call; the
-  recomputation sets each such call's generator to its recorded state, in order, and puts every generator back
-  after, so the same numbers are drawn and backward draws nothing. Calls are matched by position, so a generator
-  shared by several functions is replayed right. A recomputation that draws from explicit generators a different
-  number of times than the forward raises :class:`ReversibleError`. A torch-function mode rather than a dispatch
-  mode: a Python generator reaches an op only through a Python call (``torch.*``, a Tensor method, ``torch.ops``),
-  which the mode sees, and it costs about a quarter of a dispatch mode per op (measured: +25 us vs +100 us per
-  call of a Linear-ReLU-Linear f on width 64). Code the mode cannot see (TorchScript) is not replayed.
+  generator) is not reachable from outside f or g: a torch-function mode records the draws of f's and g's forward and
+  replays them in the recomputation (``techniques/_generators.py``); a recomputation that draws from explicit
+  generators a different number of times than the forward raises :class:`ReversibleError`.
 * The caller's tensors are never freed or modified. If the stack output, or a block's parameter, is modified in
   place before backward, reconstruction would be wrong: that raises (version counters, as autograd's own check).
 """
