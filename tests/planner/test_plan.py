@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 import memtrim
-from memtrim.errors import InvalidInputError, PlanError
+from memtrim.errors import InvalidInputError, MemtrimStateError, PlanError
 from memtrim.models import GPTConfig, ResNetCNN, SmallGPT
 from memtrim.planner import TECHNIQUES, combinations, parse_bytes, repeated_block, trace_step
 from memtrim.techniques.checkpoint import selective_available
@@ -177,6 +177,20 @@ def test_a_budget_only_4bit_state_fits_plans_state_4bit():
     assert isinstance(inner, memtrim.LowBitAdamW) and inner.bits == 4
 
 
+def test_a_plan_applied_twice_says_to_build_the_model_again():
+    # it said "Call .remove() on the earlier handle", of a handle Plan.apply does not return
+    x, y = _batch()
+    plans = memtrim.plan(_gpt(), x, _gpt_loss, _adamw, targets=y, budget=1 << 40, techniques=["checkpoint"],
+                         workers=1)
+    chosen = next(p for p in plans.all if p.techniques == ("checkpoint",))
+    model = _gpt()
+    model, optimizer = chosen.apply(model, _adamw(model))
+    with pytest.raises(MemtrimStateError, match=r"Plan.apply: checkpoint is applied to this model or optimizer "
+                                                r"already \(.*checkpointed already\). Apply a plan once") as info:
+        chosen.apply(model, optimizer)
+    assert "remove()" not in str(info.value)
+
+
 def test_parse_bytes():
     assert parse_bytes("24GiB") == 24 * 2**30
     assert parse_bytes("1.5 GB") == 1_500_000_000
@@ -282,6 +296,9 @@ class _DictOut(torch.nn.Module):
         return {"logits": self.layer(x)}
 
 
+_OUTER = _DictOut()
+
+
 def _boom():
     raise RuntimeError("the factory is broken")
 
@@ -293,6 +310,8 @@ def _boom():
     ({"model_or_factory": lambda n: _DictOut()}, "factory must be callable with no arguments"),
     ({"model_or_factory": lambda: _DictOut(), "depth": 4}, "depth must be an int >= 3 with model_or_factory a func"),
     ({"optimizer_factory": lambda m: None}, "must return a torch.optim.Optimizer, got NoneType"),
+    # an optimizer of a model captured from outside: planned with no optimizer state, and a note blaming in_backward
+    ({"optimizer_factory": lambda m: torch.optim.AdamW(_OUTER.parameters())}, "stepping 2 parameters that are not"),
     ({"optimizer_factory": lambda: None}, "optimizer_factory must accept one argument"),
     ({"loss_fn": lambda out: out.sum()}, "loss_fn must accept two arguments"),
     ({"example_inputs": torch.randn(3, 5)}, "plain training step failed.*RuntimeError"),

@@ -146,3 +146,55 @@ def test_wrong_arguments_raise_invalid_input(kwargs, message):
         memtrim.verify(args["make_model"], args["make_optimizer"], args["batches"], args["loss_fn"],
                        args["transform"], **options)
     assert str(info.value).startswith("memtrim.verify: ")
+
+
+def test_an_optimizer_of_a_model_captured_from_outside_raises():
+    # lambda m: SGD(model.parameters()) trained neither run: a 10x learning rate compared "bitwise" (adversarial pass)
+    outer = SeedMLP()
+
+    def ten_times(model, optimizer):
+        return model, torch.optim.SGD(model.parameters(), lr=1.0)
+
+    with pytest.raises(memtrim.InvalidInputError, match=r"make_optimizer\(model\) returned an optimizer stepping 8 "
+                                                        r"of its 8 parameters that are not the model's"):
+        memtrim.verify(SeedMLP, lambda m: torch.optim.SGD(outer.parameters(), lr=0.1), batches(), F.nll_loss,
+                       ten_times)
+    # a transform's optimizer may step copies of the parameters (CPUOffloadOptimizer): one that trains nothing
+    # diverges from the baseline instead
+    report = memtrim.verify(SeedMLP, adam, batches(), F.nll_loss, lambda m, o: (m, torch.optim.SGD(outer.parameters())))
+    assert not report.ok
+
+
+def _rewinds_the_generator_after_backward(model, optimizer):
+    """A broken replay: each step's backward puts the global generator back where its forward started, so every
+    step draws the same dropout mask."""
+    def rewind_in_backward(module, args, output):
+        state = rng_before.pop()
+        output.register_hook(lambda grad: torch.set_rng_state(state))
+
+    rng_before = []
+    model.register_forward_pre_hook(lambda m, args: rng_before.append(torch.get_rng_state()))
+    model.register_forward_hook(rewind_in_backward)
+    return model, optimizer
+
+
+def test_a_step_that_leaves_the_generator_elsewhere_diverges():
+    # before: verify reseeded before every step and called this "bitwise"; the loop seeded once differs by 0.15
+    def make_model():
+        return torch.nn.Sequential(torch.nn.Linear(784, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 10),
+                                   torch.nn.LogSoftmax(dim=1))
+
+    report = memtrim.verify(make_model, adam, batches(), F.nll_loss, _rewinds_the_generator_after_backward)
+    assert not report.ok and not report.bitwise
+    assert (report.first_divergence.step, report.first_divergence.tensor) == (0, "rng:cpu")
+
+
+def test_verify_leaves_the_callers_generators_as_they_were():
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    queued = ([c and c[0] for c in torch.cuda._lazy_seed_tracker.get_calls()]
+              if hasattr(torch.cuda, "_lazy_seed_tracker") and not torch.cuda.is_initialized() else None)
+    assert memtrim.verify(SeedMLP, adam, batches(), F.nll_loss, identity).bitwise
+    assert torch.equal(torch.get_rng_state(), state)
+    if queued is not None:  # no CUDA seed queued for when CUDA starts (it would replace the caller's)
+        assert [c and c[0] for c in torch.cuda._lazy_seed_tracker.get_calls()] == queued

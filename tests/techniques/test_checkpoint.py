@@ -410,10 +410,32 @@ def test_bad_input():
         memtrim.checkpoint_modules(model, ["blocks.0", "blocks.0.mlp"])
     with pytest.raises(InvalidInputError, match=r"^memtrim.checkpoint_modules: policy must be one of .*'fast'"):
         memtrim.checkpoint_modules(model, Block, policy="fast")
+    # a module instance is callable: it was taken for the predicate and run (its own forward's TypeError)
+    with pytest.raises(InvalidInputError, match=r"got a Block instance. Pass its name in a list \(\['blocks.1'\]\)"):
+        memtrim.checkpoint_modules(model, model.blocks[1])
+    with pytest.raises(InvalidInputError, match=r"a predicate must take \(name, module\); its signature is \(m\)"):
+        memtrim.checkpoint_modules(model, lambda m: isinstance(m, Block))
     memtrim.checkpoint_modules(model, ["blocks.0"])
     with pytest.raises(MemtrimStateError, match=r"^memtrim.checkpoint_modules: .*\['blocks.0'\] checkpointed already"):
         memtrim.checkpoint_modules(model, Block)
     assert "forward" not in vars(model.blocks[1])  # a refused call changes nothing
+
+
+def test_a_module_changing_its_input_in_place_raises_in_forward_naming_it():
+    # a pre-activation block (its first op a ReLU(inplace=True)): backward failed with autograd's in-place error and
+    # memtrim's note "the same code fails without memtrim" (it trains without checkpointing)
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 6), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(6, 6)), nn.Linear(6, 2))
+
+    plain = model()
+    plain(torch.randn(4, 6)).sum().backward()
+    treated = model()
+    memtrim.checkpoint_modules(treated, ["1"])
+    with pytest.raises(InvalidInputError, match=r"'1' changed its input in place in its forward .*inplace=False"):
+        treated(torch.randn(4, 6))
+    treated[1][0].inplace = False  # the fix the message names
+    treated(torch.randn(4, 6)).sum().backward()
 
 
 def test_policy_needs_torch_2_5(monkeypatch):

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from .._signatures import not_owned
 from ..errors import InvalidInputError, MemtrimError
 from ..measure import Category, MemoryReport, track
 from ..measure.hooks import tensors_in
@@ -220,6 +221,13 @@ def trace_step(
             raise InvalidInputError(
                 f"memtrim.plan: optimizer_factory(model) must return a torch.optim.Optimizer, got "
                 f"{type(optimizer).__name__}."
+            )
+        stray = not_owned(model, optimizer, copies_allowed=True)
+        if stray:
+            raise InvalidInputError(
+                f"memtrim.plan: optimizer_factory(model) returned an optimizer stepping {len(stray)} parameters "
+                "that are not the model's: build it from the model it is given, e.g. lambda m: "
+                "torch.optim.AdamW(m.parameters()), not from a model captured from outside."
             )
         applied = Applied(model, optimizer, host="meta" if fake else "cpu")
         for technique in techniques:

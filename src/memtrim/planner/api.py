@@ -16,7 +16,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 from .._signatures import accepts
-from ..errors import InvalidInputError, MemtrimError, PlanError
+from ..errors import InvalidInputError, MemtrimError, MemtrimStateError, PlanError
 from ..measure import format_bytes, pyplot
 from ..techniques.checkpoint import selective_available
 from ._cost import DeviceCost, calibrate, device_cost
@@ -95,6 +95,13 @@ class Plan:
                     raise InvalidInputError(
                         f"{_API}: Plan.apply: {name} does not apply to this model and optimizer ({e}); plan with the "
                         "model and optimizer you train with."
+                    ) from None
+                except MemtrimStateError as e:  # its message says to undo with a handle apply does not return
+                    raise MemtrimStateError(
+                        f"{_API}: Plan.apply: {name} is applied to this model or optimizer already "
+                        f"({re.split(r'[.] (?=[A-Z])', str(e))[0]}). Apply a "
+                        "plan once, to the model and optimizer as built: build them again (a notebook cell run twice "
+                        "applies twice)."
                     ) from None
         except BaseException:
             applied.undo()  # the techniques applied before the one that failed: the model is as it was given

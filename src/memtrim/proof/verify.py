@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .._signatures import accepts
+from .._signatures import accepts, not_owned
 from ..errors import InvalidInputError, VerifyError
 from .compare import compare_tensors
 
@@ -23,7 +23,7 @@ class Divergence:
     """Where the transformed run first differed from the baseline."""
 
     step: int
-    tensor: str  # "loss", "grad:<param name>", "param:<name>" or "buffer:<name>"
+    tensor: str  # "loss", "rng:cpu" (the generator after backward), "grad:<param>", "param:<name>", "buffer:<name>"
     max_abs_error: float
     max_rel_error: float
 
@@ -128,6 +128,13 @@ def verify(
     # Over 60 lines for its docstring (Args, Returns, Raises, Example); the body is the step loop, ~40 lines.
     batch_list = _check_arguments(make_model, make_optimizer, batches, loss_fn, transform, steps, rtol, atol, seed,
                                   compare_grads)
+    # the caller's generators are left as they were (a CUDA one that starts during verify is left seeded by it)
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []):
+        return _verify(make_model, make_optimizer, batch_list, loss_fn, transform, rtol, atol, seed, compare_grads)
+
+
+def _verify(make_model: Callable, make_optimizer: Callable, batch_list: list[tuple[Any, Any]], loss_fn: Callable,
+            transform: Callable, rtol: float, atol: float, seed: int, compare_grads: bool | None) -> VerifyReport:
     base_model, base_opt, model, opt = _build_pair(make_model, make_optimizer, transform, seed)
     params = _match(base_model.named_parameters(), model.named_parameters(), "parameters")
     buffers = _match(base_model.named_buffers(), model.named_buffers(), "buffers")
@@ -140,11 +147,11 @@ def verify(
     losses: list[float] = []
     for step, (inputs, targets) in enumerate(batch_list):
         args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        base_loss = _forward_backward(base_model, base_opt, args, targets, loss_fn, seed + 1 + step)
-        loss = _forward_backward(model, opt, args, targets, loss_fn, seed + 1 + step)
+        base_loss, base_rng = _forward_backward(base_model, base_opt, args, targets, loss_fn, seed + 1 + step)
+        loss, rng = _forward_backward(model, opt, args, targets, loss_fn, seed + 1 + step)
         base_losses.append(float(base_loss))
         losses.append(float(loss))
-        if not comparison.compare(step, "loss", base_loss, loss):
+        if not comparison.compare(step, "loss", base_loss, loss) or not comparison.same_rng(step, base_rng, rng):
             break
         if compare_grads and not all(
             comparison.compare(step, f"grad:{name}", a.grad, b.grad) for name, a, b in params
@@ -173,7 +180,10 @@ def _build_pair(make_model: Callable, make_optimizer: Callable, transform: Calla
                 ) -> tuple[torch.nn.Module, Any, torch.nn.Module, Any]:
     """The baseline's (model, optimizer) and the transformed one's, each built from ``seed``; refuses any object
     the two runs would share."""
+    cuda_started = torch.cuda.is_initialized()
     base_model, base_opt = _build(make_model, make_optimizer, seed)
+    if not cuda_started and torch.cuda.is_initialized():  # CUDA started in make_model, unseeded: again, seeded
+        base_model, base_opt = _build(make_model, make_optimizer, seed)
     model, opt = _build(make_model, make_optimizer, seed)
     if model is base_model:
         raise InvalidInputError(
@@ -186,7 +196,7 @@ def _build_pair(make_model: Callable, make_optimizer: Callable, transform: Calla
             "memtrim.verify: make_optimizer returned the same optimizer object twice; build a new optimizer for "
             "the model it is given, e.g. lambda m: torch.optim.Adam(m.parameters())."
         )
-    model, opt = _check_transformed(transform(model, opt))
+    model, opt = _check_transformed(transform(model, opt))  # its optimizer may step copies (CPUOffloadOptimizer)
     if opt is base_opt:
         raise InvalidInputError(
             "memtrim.verify: transform returned the baseline's optimizer; it must return an optimizer of the "
@@ -347,7 +357,7 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int] | None:
 
 
 def _build(make_model: Callable, make_optimizer: Callable, seed: int) -> tuple[torch.nn.Module, Any]:
-    torch.manual_seed(seed)
+    _seed(seed)
     model = make_model()
     if not isinstance(model, torch.nn.Module):
         raise InvalidInputError(f"memtrim.verify: make_model returned a {type(model).__name__}, not an nn.Module.")
@@ -356,19 +366,49 @@ def _build(make_model: Callable, make_optimizer: Callable, seed: int) -> tuple[t
         raise InvalidInputError(
             f"memtrim.verify: make_optimizer must return a torch.optim.Optimizer, got {type(optimizer).__name__}."
         )
+    _check_owned(model, optimizer)
     return model, optimizer
 
 
+def _check_owned(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every parameter the optimizer steps is the model's: else a run trains something else (an optimizer built on a
+    model captured from outside trains neither run, and any transform compares equal)."""
+    stray = not_owned(model, optimizer, copies_allowed=True)
+    if stray:
+        total = sum(len(group["params"]) for group in optimizer.param_groups)
+        raise InvalidInputError(
+            f"memtrim.verify: make_optimizer(model) returned an optimizer stepping {len(stray)} of its {total} "
+            "parameters that are not the model's. "
+            "Build it from the model it is given, e.g. lambda m: torch.optim.Adam(m.parameters()), not from a "
+            "model captured from outside."
+        )
+
+
+def _seed(seed: int) -> None:
+    """``torch.manual_seed`` for the CPU and the CUDA devices started: not for CUDA not started yet, where it would
+    queue a seed that the caller's fork cannot take back."""
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
+
+
+def _rng_states() -> list[torch.Tensor]:
+    """The CPU generator's state and every started CUDA device's."""
+    started = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else range(0)
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(i) for i in started)]
+
+
 def _forward_backward(model: torch.nn.Module, optimizer: Any, args: tuple, targets: Any, loss_fn: Callable,
-                      seed: int) -> torch.Tensor:
+                      seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The step's loss and the generators' states after its backward."""
     optimizer.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
+    _seed(seed)
     loss = loss_fn(model(*args), targets)
     if _is_in_backward(optimizer):
         optimizer.backward(loss)  # its usual form: one pass, or two where clipping by norm needs them
     else:
         loss.backward()
-    return loss.detach()
+    return loss.detach(), _rng_states()
 
 
 def _optimizer_states(
@@ -410,6 +450,17 @@ class _Comparison:
         self.difference: Divergence | None = None
         self.max_abs = 0.0
         self.max_rel = 0.0
+
+    def same_rng(self, step: int, base: list[torch.Tensor], other: list[torch.Tensor]) -> bool:
+        """The generators after both runs' backward: a step that draws more, fewer or other numbers (a replay that
+        rewinds the generator) trains differently from its next step on, whatever the tolerance."""
+        for index, (a, b) in enumerate(zip(base, other)):
+            if not torch.equal(a, b):
+                found = Divergence(step, "rng:cpu" if index == 0 else f"rng:cuda:{index - 1}", math.inf, math.inf)
+                self.difference = self.difference or found
+                self.divergence = found
+                return False
+        return True
 
     def compare(self, step: int, name: str, a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         if a is None and b is None:

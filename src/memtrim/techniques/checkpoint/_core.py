@@ -40,6 +40,7 @@ torch allows one backward through a selective region (``retain_graph`` does not 
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch import nn
 
+from ..._signatures import accepts
 from ...errors import InvalidInputError, MemtrimStateError, MissingDependencyError
 from ...measure.hooks import hold_for_backward
 from .._generators import GeneratorDraws
@@ -118,7 +120,19 @@ def _select(model: nn.Module, modules: ModuleSelector, api: str = _API) -> list[
         cls = modules
         chosen = [(n, m) for n, m in named if isinstance(m, cls)]
         what = f"no submodule is an instance of {cls.__qualname__}"
+    elif isinstance(modules, nn.Module):  # callable, but no predicate: calling it would run its forward
+        name = next((n for n, m in named if m is modules), None)
+        raise InvalidInputError(
+            f"{api}: modules must be a predicate (name, module) -> bool, a list of names or an nn.Module subclass; "
+            f"got a {type(modules).__name__} instance. Pass its name in a list"
+            + (f" ([{name!r}])." if name is not None else " (it is not a submodule of this model).")
+        )
     elif callable(modules):
+        if not accepts(modules, 2):
+            raise InvalidInputError(
+                f"{api}: a predicate must take (name, module); its signature is {inspect.signature(modules)}. "
+                "Write e.g. lambda name, m: isinstance(m, Block)."
+            )
         chosen = [(n, m) for n, m in named if modules(n, m)]
         what = "the predicate matched no submodule"
     elif isinstance(modules, Collection) and not isinstance(modules, (str, bytes)):
@@ -319,20 +333,31 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
     handle: CheckpointHandle = self.__dict__[_MARK]
+    name = next((n for n, m in zip(handle.names, handle._modules) if m is self), type(self).__name__)
     cache = _cache_argument(self, args, kwargs)
     if cache is not None:
         # the recomputation in backward would write the cache a second time: torch then fails on a shape it did not
         # expect, or the layer reads entries its forward did not see
-        name = next((n for n, m in zip(handle.names, handle._modules) if m is self), type(self).__name__)
         raise InvalidInputError(
             f"{_API}: {name!r} was called with a key/value cache ({cache}) while gradients are on; its forward writes "
             "the cache, and the recomputation in backward would write it a second time. Expected no cache while "
             "training. To fix: pass use_cache=False to the model's call, or set model.config.use_cache = False "
             "(HF's gradient_checkpointing_enable() drops the cache for its own checkpointing the same way)."
         )
+    inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    versions = [t._version for t in inputs]
     with recipes_honoured():  # torch saves the inputs for the recomputation: a recomputable one keeps its recipe
-        return tuc.checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True,
-                              context_fn=_context_fn(self, handle._selective), **kwargs)
+        out = tuc.checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True,
+                             context_fn=_context_fn(self, handle._selective), **kwargs)
+    if any(t._version != v for t, v in zip(inputs, versions)):
+        # torch saved the input for the recomputation: its backward would fail with autograd's in-place error
+        raise InvalidInputError(
+            f"{_API}: {name!r} changed its input in place in its forward (a first ReLU(inplace=True), say); the "
+            "recomputation in backward needs the input as it was, so backward would fail with autograd's in-place "
+            "error. To fix: make the module's in-place op on its input out of place (inplace=False), or checkpoint "
+            "the modules after it."
+        )
+    return out
 
 
 def checkpoint_modules(model: nn.Module, modules: ModuleSelector, *, policy: Policy = None) -> CheckpointHandle:

@@ -387,8 +387,10 @@ class buffers_kept:  # noqa: N801 - a context manager read like a function
         self.model.train(self.training)
 
 
-def collect(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ModelTrace:
-    """Trace one training-mode forward of ``model(*args, **kwargs)`` (NOTE [ convert's evidence ]).
+def collect(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            api: str = "memtrim.convert") -> ModelTrace:
+    """Trace one training-mode forward of ``model(*args, **kwargs)`` (NOTE [ convert's evidence ]); ``api`` names the
+    caller in errors.
 
     Raises:
         InvalidInputError: the model fails on the example inputs.
@@ -412,14 +414,14 @@ def collect(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
                 model(*args, **kwargs)
     except Exception as e:
         hint = (
-            "convert traces a training-mode forward (what autograd keeps there), where BatchNorm needs more than one "
-            "value per channel: pass example_inputs with a batch of at least 2"
+            f"{api.removeprefix('memtrim.')} traces a training-mode forward (what autograd keeps there), where "
+            "BatchNorm needs more than one value per channel: pass example_inputs with a batch of at least 2"
             if "Expected more than 1 value per channel" in str(e) else
             "Pass a tensor, a tuple of arguments (model(*example_inputs)) or a dict of keyword arguments "
             "(model(**example_inputs))"
         )
         raise InvalidInputError(
-            f"memtrim.convert: the model failed on example_inputs ({type(e).__name__}: {e}). {hint}."
+            f"{api}: the model failed on example_inputs ({type(e).__name__}: {e}). {hint}."
         ) from e
     finally:
         for h in handles:

@@ -97,7 +97,7 @@ def recompute_modules(model: nn.Module, modules: ModuleSelector, *,
     if not args and not kwargs:
         raise InvalidInputError(f"{_API}: example_inputs are required (the traced evidence and the measured saving).")
     with as_training(model, args, kwargs):
-        ctx = Context.of(model, collect(model, args, kwargs), measured=True)
+        ctx = Context.of(model, collect(model, args, kwargs, _API), measured=True)
         plans = [(name, module, *_consumers(ctx, name, module)) for name, module in chosen]
         before = activation_bytes(model, args, kwargs)
         undo = chain(*(chain(recompute_output(module, owner=f"{name} (memtrim.recompute_modules)", parameters=True,

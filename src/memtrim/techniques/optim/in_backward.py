@@ -66,6 +66,7 @@ from typing import Any, NoReturn, cast
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..._signatures import not_owned
 from ...errors import InvalidInputError, MemtrimStateError, OptimizerInBackwardError
 from ...measure import hooks as measure_hooks
 from .held_elsewhere import holder_of, holders_with_gradients
@@ -1414,15 +1415,13 @@ def _check_model(model: Any, optimizer: torch.optim.Optimizer) -> Any:
         return None
     if not isinstance(model, torch.nn.Module):
         raise InvalidInputError(f"memtrim.OptimizerInBackward: model must be an nn.Module, got {type(model).__name__}.")
-    owned = {id(p) for p in model.parameters()}
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if id(param) not in owned:
-                raise InvalidInputError(
-                    f"memtrim.OptimizerInBackward: the optimizer holds a parameter of shape {tuple(param.shape)} "
-                    f"that the model ({type(model).__name__}) does not own. Build the optimizer from this model's "
-                    "parameters (after wrapping it in DDP, pass the DDP model)."
-                )
+    stray = not_owned(model, optimizer)
+    if stray:
+        raise InvalidInputError(
+            f"memtrim.OptimizerInBackward: the optimizer holds a parameter of shape {tuple(stray[0].shape)} that the "
+            f"model ({type(model).__name__}) does not own. Build the optimizer from this model's parameters (after "
+            "wrapping it in DDP, pass the DDP model)."
+        )
     from torch.nn.parallel import DistributedDataParallel
 
     return model if isinstance(model, DistributedDataParallel) else None
