@@ -1,4 +1,5 @@
-"""What the argument checks of several public functions share (memtrim.verify, memtrim.plan)."""
+"""What the argument handling of several public functions shares (memtrim.verify, memtrim.plan,
+memtrim.measure_step)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from .errors import InvalidInputError
 
 
 def accepts(fn: Callable[..., Any], arity: int) -> bool:
@@ -31,3 +34,23 @@ def not_owned(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
         return []
     owned = {id(p) for p in model.parameters()}
     return [p for group in optimizer.param_groups for p in group["params"] if id(p) not in owned]
+
+
+def call_model(model: torch.nn.Module, inputs: Any) -> Any:
+    """``model(inputs)``, ``model(*inputs)`` for a tuple or list, ``model(**inputs)`` for a dict."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def scalar_loss(api: str, loss: Any) -> torch.Tensor:
+    """``loss`` if it is a one-element tensor, else the error that says what ``loss_fn`` returned and what to do."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss
+    found = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+    raise InvalidInputError(
+        f"{api}: loss_fn(output, targets) must return a scalar tensor, got {found}. Reduce it (mean or sum) and "
+        "return the tensor itself (no .item(): backward needs it)."
+    )

@@ -52,6 +52,15 @@ def test_measure_step_mlp():
     assert report.device == "cpu"
 
 
+def test_measure_step_says_a_loss_that_is_not_a_scalar():
+    model = memtrim.models.SeedMLP()
+    x, y = torch.randn(4, 784), torch.randint(0, 10, (4,))
+    with pytest.raises(memtrim.InvalidInputError, match=r"^memtrim.measure_step: loss_fn\(output, targets\) must "
+                                                        r"return a scalar tensor, got a tensor of shape \(4,\)"):
+        memtrim.measure_step(model, x, y, lambda out, t: F.nll_loss(out, t, reduction="none"),
+                             torch.optim.SGD(model.parameters()))
+
+
 def test_measure_step_gpt_and_cnn():
     from memtrim.models import ResNetCNN, SmallGPT
 

@@ -137,6 +137,12 @@ def test_transform_returning_convert_s_pair_says_so():
     (dict(atol=float("nan")), r"atol must be a finite number >= 0, got nan"),
     (dict(seed=0.5), r"seed must be an int, got 0.5"),
     (dict(compare_grads="yes"), r"compare_grads must be True, False or None"),
+    # raw torch and Python errors before (plan already said these)
+    (dict(loss_fn=lambda out, y: F.nll_loss(out, y, reduction="none")),
+     r"loss_fn\(output, targets\) must return a scalar tensor, got a tensor of shape \(8,\). Reduce it"),
+    (dict(loss_fn=lambda out, y: F.nll_loss(out, y).item()), r"must return a scalar tensor, got a float.*no .item\(\)"),
+    (dict(batches=[(x.double(), y) for x, y in batches()]),
+     r"the baseline's step 0 failed \(RuntimeError: mat1 and mat2 must have the same dtype"),
 ])
 def test_wrong_arguments_raise_invalid_input(kwargs, message):
     args = dict(make_model=SeedMLP, make_optimizer=adam, batches=batches(), loss_fn=F.nll_loss, transform=identity)
@@ -198,3 +204,18 @@ def test_verify_leaves_the_callers_generators_as_they_were():
     assert torch.equal(torch.get_rng_state(), state)
     if queued is not None:  # no CUDA seed queued for when CUDA starts (it would replace the caller's)
         assert [c and c[0] for c in torch.cuda._lazy_seed_tracker.get_calls()] == queued
+
+
+class _KeywordMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = SeedMLP()
+
+    def forward(self, pixels, scale=1.0):
+        return self.mlp(pixels * scale)
+
+
+def test_a_dict_batch_is_passed_as_keyword_arguments():
+    # as convert and plan take it (model(**batch)); verify called model(batch), which failed inside the model
+    keyword = [({"pixels": x, "scale": 0.5}, y) for x, y in batches()]
+    assert memtrim.verify(_KeywordMLP, adam, keyword, F.nll_loss, identity).bitwise

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from .._signatures import scalar_loss
 from ..errors import DeviceMismatchError, InvalidInputError
 from .hooks import tensors_in
 from .report import Category, MemoryReport
@@ -109,7 +110,7 @@ def measure_step(
         tracker.label(targets, Category.INPUTS)
         for tensor in args:
             tracker.label(tensor, Category.INPUTS)
-        loss = loss_fn(model(*args), targets)
+        loss = scalar_loss("memtrim.measure_step", loss_fn(model(*args), targets))
         loss.backward()
         del loss
         optimizer.step()

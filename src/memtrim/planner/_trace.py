@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from .._signatures import not_owned
+from .._signatures import call_model, not_owned, scalar_loss
 from ..errors import InvalidInputError, MemtrimError
 from ..measure import Category, MemoryReport, track
 from ..measure.hooks import tensors_in
@@ -89,24 +89,10 @@ class _CostMode(TorchDispatchMode):
         return out
 
 
-def call_model(model: nn.Module, inputs: Any) -> Any:
-    """``model(inputs)``, ``model(*inputs)`` for a tuple or list, ``model(**inputs)`` for a dict."""
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
-
-
 def _step(model: nn.Module, optimizer: Any, inputs: Any, targets: Any, loss_fn: Callable[..., Any]) -> None:
     optimizer.zero_grad(set_to_none=True)
     out = call_model(model, inputs)
-    loss = loss_fn(out, targets)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise InvalidInputError(
-            f"memtrim.plan: loss_fn(output, targets) must return a scalar tensor, got "
-            f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}."
-        )
+    loss = scalar_loss("memtrim.plan", loss_fn(out, targets))
     del out
     loss.backward()
     del loss

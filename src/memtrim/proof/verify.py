@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from .._signatures import accepts, not_owned
-from ..errors import InvalidInputError, VerifyError
+from .._signatures import accepts, call_model, not_owned, scalar_loss
+from ..errors import InvalidInputError, MemtrimError, VerifyError
 from .compare import compare_tensors
 
 __all__ = ["Divergence", "VerifyReport", "verify"]
@@ -100,7 +100,8 @@ def verify(
         make_model: builds a new model on each call (a class or a function); called after
             ``torch.manual_seed(seed)`` for each run. The two models must share no parameter or buffer.
         make_optimizer: ``make_optimizer(model)`` builds the optimizer for that model.
-        batches: ``(inputs, targets)`` pairs (inputs a tensor or a tuple of tensors); both runs see the same.
+        batches: ``(inputs, targets)`` pairs (inputs a tensor, a tuple of positional arguments or a dict of keyword
+            arguments: ``model(**inputs)``); both runs see the same.
         loss_fn: ``loss_fn(output, targets)`` returns a scalar.
         transform: ``transform(model, optimizer)`` returns the (model, optimizer) to train instead.
         steps: how many batches to use (default: all).
@@ -146,9 +147,17 @@ def _verify(make_model: Callable, make_optimizer: Callable, batch_list: list[tup
     base_losses: list[float] = []
     losses: list[float] = []
     for step, (inputs, targets) in enumerate(batch_list):
-        args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        base_loss, base_rng = _forward_backward(base_model, base_opt, args, targets, loss_fn, seed + 1 + step)
-        loss, rng = _forward_backward(model, opt, args, targets, loss_fn, seed + 1 + step)
+        try:
+            base_loss, base_rng = _forward_backward(base_model, base_opt, inputs, targets, loss_fn, seed + 1 + step)
+        except MemtrimError:
+            raise
+        except Exception as e:  # the user's model, loss or batch, before any technique: said as such
+            raise InvalidInputError(
+                f"memtrim.verify: the baseline's step {step} failed ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:300]}). The model, loss_fn and batches must train without the transform "
+                "first."
+            ) from e
+        loss, rng = _forward_backward(model, opt, inputs, targets, loss_fn, seed + 1 + step)
         base_losses.append(float(base_loss))
         losses.append(float(loss))
         if not comparison.compare(step, "loss", base_loss, loss) or not comparison.same_rng(step, base_rng, rng):
@@ -290,7 +299,8 @@ def _check_arguments(make_model: Any, make_optimizer: Any, batches: Any, loss_fn
                      else f"a {type(batch).__name__}")
             raise InvalidInputError(
                 f"memtrim.verify: batch {i} must be an (inputs, targets) pair, got {found}. Give each batch as "
-                "(inputs, targets), with inputs a tensor or a tuple of the model's positional arguments."
+                "(inputs, targets), with inputs a tensor, a tuple of the model's positional arguments or a dict of "
+                "its keyword arguments."
             )
     return batch_list
 
@@ -398,12 +408,12 @@ def _rng_states() -> list[torch.Tensor]:
     return [torch.get_rng_state(), *(torch.cuda.get_rng_state(i) for i in started)]
 
 
-def _forward_backward(model: torch.nn.Module, optimizer: Any, args: tuple, targets: Any, loss_fn: Callable,
+def _forward_backward(model: torch.nn.Module, optimizer: Any, inputs: Any, targets: Any, loss_fn: Callable,
                       seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The step's loss and the generators' states after its backward."""
     optimizer.zero_grad(set_to_none=True)
     _seed(seed)
-    loss = loss_fn(model(*args), targets)
+    loss = scalar_loss("memtrim.verify", loss_fn(call_model(model, inputs), targets))
     if _is_in_backward(optimizer):
         optimizer.backward(loss)  # its usual form: one pass, or two where clipping by norm needs them
     else:
