@@ -86,6 +86,12 @@ class Plan:
         """Apply the plan's techniques to a real ``(model, optimizer)``, in place where the technique is; returns
         the pair to train with (the optimizer may be an :class:`~memtrim.OptimizerInBackward`, a
         :class:`~memtrim.CPUOffloadOptimizer` or a :class:`~memtrim.LowBitAdamW`)."""
+        found = _applied_already(model)
+        if found is not None:  # the techniques' own errors would say to undo with handles apply does not return
+            raise MemtrimStateError(
+                f"{_API}: Plan.apply: expected a model as built; found a plan applied already ({found}). "
+                "Apply a plan once: build the model and its optimizer again (a notebook cell run twice applies twice)."
+            )
         applied = Applied(model, optimizer)
         try:
             for name in self.techniques:
@@ -96,17 +102,20 @@ class Plan:
                         f"{_API}: Plan.apply: {name} does not apply to this model and optimizer ({e}); plan with the "
                         "model and optimizer you train with."
                     ) from None
-                except MemtrimStateError as e:  # its message says to undo with a handle apply does not return
-                    raise MemtrimStateError(
-                        f"{_API}: Plan.apply: {name} is applied to this model or optimizer already "
-                        f"({re.split(r'[.] (?=[A-Z])', str(e))[0]}). Apply a "
-                        "plan once, to the model and optimizer as built: build them again (a notebook cell run twice "
-                        "applies twice)."
-                    ) from None
         except BaseException:
             applied.undo()  # the techniques applied before the one that failed: the model is as it was given
             raise
         return applied.model, applied.optimizer
+
+
+def _applied_already(model: nn.Module) -> str | None:
+    """Which module of ``model`` a plan's checkpointing or offloading was applied to already (None if none was; an
+    optimizer of memtrim's may be the user's own choice)."""
+    for mark, what in (("_memtrim_checkpointed", "checkpointed"), ("_memtrim_offloaded", "offloaded")):
+        name = next((n for n, m in model.named_modules() if mark in m.__dict__), None)
+        if name is not None:
+            return f"{name or 'the model'!r} is {what}"
+    return None
 
 
 class Plans(Sequence[Plan]):
