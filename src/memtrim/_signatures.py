@@ -25,15 +25,15 @@ def accepts(fn: Callable[..., Any], arity: int) -> bool:
     return True
 
 
-def not_owned(model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-              copies_allowed: bool = False) -> list[torch.Tensor]:
-    """The parameters ``optimizer`` steps that are not ``model``'s (by identity): an optimizer built from a model
-    captured from outside, instead of the one a factory is given. ``copies_allowed``: none for memtrim's own
-    optimizers, which may step host copies of the parameters (``CPUOffloadOptimizer``)."""
-    if copies_allowed and type(optimizer).__module__.startswith("memtrim."):
-        return []
+def not_owned(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters ``optimizer`` trains that are not ``model``'s (by identity): an optimizer built from a model
+    captured from outside, instead of the one a factory is given. An optimizer that steps host copies of the
+    parameters (``CPUOffloadOptimizer``) names the parameters it trains with ``device_parameters()``."""
     owned = {id(p) for p in model.parameters()}
-    return [p for group in optimizer.param_groups for p in group["params"] if id(p) not in owned]
+    device_parameters = getattr(optimizer, "device_parameters", None)
+    trained = (device_parameters() if callable(device_parameters)
+               else [p for group in optimizer.param_groups for p in group["params"]])
+    return [p for p in trained if id(p) not in owned]
 
 
 def call_model(model: torch.nn.Module, inputs: Any) -> Any:

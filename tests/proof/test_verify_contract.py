@@ -165,6 +165,12 @@ def test_an_optimizer_of_a_model_captured_from_outside_raises():
                                                         r"of its 8 parameters that are not the model's"):
         memtrim.verify(SeedMLP, lambda m: torch.optim.SGD(outer.parameters(), lr=0.1), batches(), F.nll_loss,
                        ten_times)
+    for memtrims in (lambda m: memtrim.CPUOffloadOptimizer(outer.parameters(), torch.optim.SGD, lr=0.1),
+                     lambda m: memtrim.LowBitAdamW(outer.parameters())):  # host copies, or 8-bit state: still checked
+        with pytest.raises(memtrim.InvalidInputError, match="stepping 8 of its 8 parameters that are not the model's"):
+            memtrim.verify(SeedMLP, memtrims, batches(), F.nll_loss, ten_times)
+    assert memtrim.verify(SeedMLP, lambda m: memtrim.CPUOffloadOptimizer(m.parameters(), torch.optim.SGD, lr=0.1),
+                          batches(), F.nll_loss, identity, compare_grads=False).bitwise
     # a transform's optimizer may step copies of the parameters (CPUOffloadOptimizer): one that trains nothing
     # diverges from the baseline instead
     report = memtrim.verify(SeedMLP, adam, batches(), F.nll_loss, lambda m, o: (m, torch.optim.SGD(outer.parameters())))
@@ -219,3 +225,35 @@ def test_a_dict_batch_is_passed_as_keyword_arguments():
     # as convert and plan take it (model(**batch)); verify called model(batch), which failed inside the model
     keyword = [({"pixels": x, "scale": 0.5}, y) for x, y in batches()]
     assert memtrim.verify(_KeywordMLP, adam, keyword, F.nll_loss, identity).bitwise
+
+
+class _NoisySGD(torch.optim.SGD):
+    """Gradient noise: its step draws from the global generator."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.add_(torch.randn_like(p) * 1e-3)
+        return super().step()
+
+
+def test_an_optimizer_drawing_in_its_step_is_compared_from_its_own_backward():
+    # both runs' steps ran back to back: the identity diverged at param:, and OptimizerInBackward, which draws inside
+    # backward and trains bitwise as the standard loop, was reported at rng:cpu (second adversarial pass)
+    def noisy(m):
+        return _NoisySGD(m.parameters(), lr=0.1)
+
+    assert memtrim.verify(SeedMLP, noisy, batches(), F.nll_loss, identity).bitwise
+    in_backward = memtrim.verify(SeedMLP, noisy, batches(), F.nll_loss,
+                                 lambda m, o: (m, memtrim.OptimizerInBackward(o, model=m)))
+    assert in_backward.bitwise, in_backward
+
+
+def test_a_lazy_module_is_told_to_run_a_forward_first():
+    # it raised torch's ValueError from reading an uninitialized parameter's storage
+    with pytest.raises(memtrim.InvalidInputError, match=r"'0.weight' is not initialized yet \(a lazy module\).*Run one "
+                                                        "forward"):
+        memtrim.verify(lambda: torch.nn.Sequential(torch.nn.LazyLinear(10), torch.nn.LogSoftmax(dim=1)), adam,
+                       batches(), F.nll_loss, identity)

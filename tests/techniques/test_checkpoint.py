@@ -438,6 +438,28 @@ def test_a_module_changing_its_input_in_place_raises_in_forward_naming_it():
     treated(torch.randn(4, 6)).sum().backward()
 
 
+def test_an_argument_made_under_inference_mode_is_passed_as_a_copy():
+    # torch's checkpoint saves every tensor argument and cannot save an inference tensor; the plain model can use it
+    class Biased(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x, bias):
+            return torch.tanh(self.lin(x) + bias)
+
+    with torch.inference_mode():
+        bias = torch.randn(6)
+    torch.manual_seed(0)
+    plain = Biased()
+    treated = copy.deepcopy(plain)
+    memtrim.checkpoint_modules(treated, Biased)
+    x = torch.randn(4, 6)
+    plain(x, bias).sum().backward()
+    treated(x, bias).sum().backward()
+    assert_same([p.grad for p in plain.parameters()], [p.grad for p in treated.parameters()])
+
+
 def test_policy_needs_torch_2_5(monkeypatch):
     # torch 2.4 has no create_selective_checkpoint_contexts: a policy raises, naming what is missing and what to do,
     # and changes nothing; whole-module checkpointing still works there

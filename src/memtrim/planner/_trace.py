@@ -208,7 +208,7 @@ def trace_step(
                 f"memtrim.plan: optimizer_factory(model) must return a torch.optim.Optimizer, got "
                 f"{type(optimizer).__name__}."
             )
-        stray = not_owned(model, optimizer, copies_allowed=True)
+        stray = not_owned(model, optimizer)
         if stray:
             raise InvalidInputError(
                 f"memtrim.plan: optimizer_factory(model) returned an optimizer stepping {len(stray)} parameters "

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from .._signatures import accepts, call_model, not_owned, scalar_loss
 from ..errors import InvalidInputError, MemtrimError, VerifyError
@@ -23,7 +24,7 @@ class Divergence:
     """Where the transformed run first differed from the baseline."""
 
     step: int
-    tensor: str  # "loss", "rng:cpu" (the generator after backward), "grad:<param>", "param:<name>", "buffer:<name>"
+    tensor: str  # "loss", "grad:<param>", "rng:cpu" (the generator after the step), "param:<name>", "buffer:<name>"
     max_abs_error: float
     max_rel_error: float
 
@@ -160,14 +161,17 @@ def _verify(make_model: Callable, make_optimizer: Callable, batch_list: list[tup
         loss, rng = _forward_backward(model, opt, inputs, targets, loss_fn, seed + 1 + step)
         base_losses.append(float(base_loss))
         losses.append(float(loss))
-        if not comparison.compare(step, "loss", base_loss, loss) or not comparison.same_rng(step, base_rng, rng):
+        if not comparison.compare(step, "loss", base_loss, loss):
             break
         if compare_grads and not all(
             comparison.compare(step, f"grad:{name}", a.grad, b.grad) for name, a, b in params
         ):
             break
-        base_opt.step()
-        opt.step()
+        # each run's step goes on from its own backward's generators, as in a loop of its own (an optimizer may
+        # draw: gradient noise; OptimizerInBackward draws inside backward), and they must end alike
+        base_rng = _stepped(base_opt, base_rng)
+        if not comparison.same_rng(step, base_rng, _stepped(opt, rng)):
+            break
         if not _states_agree(comparison, step, params, buffers, base_opt, opt):
             break
     return VerifyReport(
@@ -371,6 +375,13 @@ def _build(make_model: Callable, make_optimizer: Callable, seed: int) -> tuple[t
     model = make_model()
     if not isinstance(model, torch.nn.Module):
         raise InvalidInputError(f"memtrim.verify: make_model returned a {type(model).__name__}, not an nn.Module.")
+    lazy = next((name for name, p in model.named_parameters() if is_lazy(p)), None)
+    if lazy is not None:
+        raise InvalidInputError(
+            f"memtrim.verify: make_model returned a model whose {lazy!r} is not initialized yet (a lazy module); the "
+            "two runs are matched and checked for sharing by their parameters. Run one forward on an example batch "
+            "inside make_model (as torch asks before building an optimizer on a lazy module)."
+        )
     optimizer = make_optimizer(model)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidInputError(
@@ -383,7 +394,7 @@ def _build(make_model: Callable, make_optimizer: Callable, seed: int) -> tuple[t
 def _check_owned(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Every parameter the optimizer steps is the model's: else a run trains something else (an optimizer built on a
     model captured from outside trains neither run, and any transform compares equal)."""
-    stray = not_owned(model, optimizer, copies_allowed=True)
+    stray = not_owned(model, optimizer)
     if stray:
         total = sum(len(group["params"]) for group in optimizer.param_groups)
         raise InvalidInputError(
@@ -406,6 +417,15 @@ def _rng_states() -> list[torch.Tensor]:
     """The CPU generator's state and every started CUDA device's."""
     started = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else range(0)
     return [torch.get_rng_state(), *(torch.cuda.get_rng_state(i) for i in started)]
+
+
+def _stepped(optimizer: Any, states: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``optimizer.step()`` from the generators' ``states``; their states after it."""
+    torch.set_rng_state(states[0])
+    for index, state in enumerate(states[1:]):
+        torch.cuda.set_rng_state(state, index)
+    optimizer.step()
+    return _rng_states()
 
 
 def _forward_backward(model: torch.nn.Module, optimizer: Any, inputs: Any, targets: Any, loss_fn: Callable,
@@ -462,7 +482,7 @@ class _Comparison:
         self.max_rel = 0.0
 
     def same_rng(self, step: int, base: list[torch.Tensor], other: list[torch.Tensor]) -> bool:
-        """The generators after both runs' backward: a step that draws more, fewer or other numbers (a replay that
+        """The generators after both runs' step: a step that draws more, fewer or other numbers (a replay that
         rewinds the generator) trains differently from its next step on, whatever the tolerance."""
         for index, (a, b) in enumerate(zip(base, other)):
             if not torch.equal(a, b):

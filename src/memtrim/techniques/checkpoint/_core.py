@@ -326,6 +326,10 @@ def _cache_argument(module: nn.Module, args: tuple, kwargs: dict) -> str | None:
     return None
 
 
+def _savable(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) and value.is_inference() else value
+
+
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """Bound to the module with ``types.MethodType``, so that ``copy.deepcopy`` of the model binds it to the copy
     (a closure over the module would keep calling the original)."""
@@ -344,6 +348,10 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             "training. To fix: pass use_cache=False to the model's call, or set model.config.use_cache = False "
             "(HF's gradient_checkpointing_enable() drops the cache for its own checkpointing the same way)."
         )
+    # torch saves every tensor argument for the recomputation, and cannot save one made under inference_mode (which
+    # the module's own ops need not save): such an argument goes in as a normal copy
+    args = tuple(_savable(a) for a in args)
+    kwargs = {k: _savable(v) for k, v in kwargs.items()}
     inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
     versions = [t._version for t in inputs]
     with recipes_honoured():  # torch saves the inputs for the recomputation: a recomputable one keeps its recipe

@@ -193,6 +193,10 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         """The host copies, in the order of the device parameters (their ``.grad`` after an offloaded backward)."""
         return [h for _, h in self._pairs]
 
+    def device_parameters(self) -> list[torch.Tensor]:
+        """The parameters it trains (the model's), in the order of their host copies."""
+        return [p for p, _ in self._pairs]
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Move any gradient still on the device to the host, step the host optimizer, copy the parameters back."""
