@@ -98,8 +98,9 @@ def verify(
     the optimizer step).
 
     Args:
-        make_model: builds a new model on each call (a class or a function); called after
-            ``torch.manual_seed(seed)`` for each run. The two models must share no parameter or buffer.
+        make_model: builds a new model on each call (a class or a function); called after seeding with ``seed``
+            for each run (the CPU generator, and CUDA's once it has started). The two models must share no parameter
+            or buffer.
         make_optimizer: ``make_optimizer(model)`` builds the optimizer for that model.
         batches: ``(inputs, targets)`` pairs (inputs a tensor, a tuple of positional arguments or a dict of keyword
             arguments: ``model(**inputs)``); both runs see the same.

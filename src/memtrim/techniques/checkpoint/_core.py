@@ -326,6 +326,11 @@ def _cache_argument(module: nn.Module, args: tuple, kwargs: dict) -> str | None:
     return None
 
 
+def _name(module: nn.Module, handle: CheckpointHandle) -> str:
+    """The module's name in the model, for errors (looked up only when one is raised)."""
+    return next((n for n, m in zip(handle.names, handle._modules) if m is module), type(module).__name__)
+
+
 def _savable(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) and value.is_inference() else value
 
@@ -337,11 +342,11 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
     handle: CheckpointHandle = self.__dict__[_MARK]
-    name = next((n for n, m in zip(handle.names, handle._modules) if m is self), type(self).__name__)
     cache = _cache_argument(self, args, kwargs)
     if cache is not None:
         # the recomputation in backward would write the cache a second time: torch then fails on a shape it did not
         # expect, or the layer reads entries its forward did not see
+        name = _name(self, handle)
         raise InvalidInputError(
             f"{_API}: {name!r} was called with a key/value cache ({cache}) while gradients are on; its forward writes "
             "the cache, and the recomputation in backward would write it a second time. Expected no cache while "
@@ -359,6 +364,7 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
                              context_fn=_context_fn(self, handle._selective), **kwargs)
     if any(t._version != v for t, v in zip(inputs, versions)):
         # torch saved the input for the recomputation: its backward would fail with autograd's in-place error
+        name = _name(self, handle)
         raise InvalidInputError(
             f"{_API}: {name!r} changed its input in place in its forward (a first ReLU(inplace=True), say); the "
             "recomputation in backward needs the input as it was, so backward would fail with autograd's in-place "
