@@ -20,7 +20,8 @@ demo: $(BIN)/memtrim
 test: $(BIN)/memtrim
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/mypy  # targets: [tool.mypy] files in pyproject.toml (src/memtrim)
-	$(BIN)/python -m pytest -q $(ARGS)
+	# one process per CPU (at most 4), torch on one thread in each: 5:09 against 6:32 in turn on 2 cores (28-11)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -n auto --maxprocesses=4 $(ARGS)
 
 lint: $(BIN)/memtrim
 	$(BIN)/ruff check src tests benchmarks

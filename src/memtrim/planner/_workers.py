@@ -98,6 +98,14 @@ def _outcome(estimate: Callable[[Combo], Any], combo: Combo) -> tuple[Combo, Any
         return combo, Failed(False, type(e).__name__, " ".join(str(e).split()))
 
 
+def _load_fake_tensors() -> None:
+    """Import what a fake trace imports, once, here: the first ``FakeTensorMode`` imports torch._dynamo and sympy
+    (about 2 s), which every forked worker would otherwise import again at its first trace. Imports start no thread."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    FakeTensorMode()
+
+
 def _trace(combo: Combo) -> tuple[Combo, Any]:
     return _outcome(_JOB["estimate"], combo)
 
@@ -112,6 +120,7 @@ class Tracer:
         self.workers = min(workers, expected)
         if self.workers > 1 and expected > 2 and fork_is_safe():
             _JOB["estimate"] = estimate
+            _load_fake_tensors()
             try:
                 with warnings.catch_warnings():  # Python >= 3.12 warns of torch's own idle OpenMP threads
                     warnings.simplefilter("ignore", DeprecationWarning)
