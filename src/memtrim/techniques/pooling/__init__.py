@@ -61,8 +61,10 @@ def _grid(rows: int, cols: int, row_step: int, col_step: int, width: int, start:
           device: torch.device) -> torch.Tensor:
     """``(start[0] + i * row_step) * width + start[1] + j * col_step`` for i < rows, j < cols: flat positions in a
     plane ``width`` wide."""
-    r = (torch.arange(rows, device=device) * row_step + start[0]) * width
-    c = torch.arange(cols, device=device) * col_step + start[1]
+    # three ops (two aranges and a broadcast add: integers, exact), not seven: they run at every call, forward and
+    # backward, and on a GPU each is a kernel launch
+    r = torch.arange(start[0] * width, (start[0] + rows * row_step) * width, row_step * width, device=device)
+    c = torch.arange(start[1], start[1] + cols * col_step, col_step, device=device)
     return r.view(-1, 1) + c.view(1, -1)
 
 
@@ -80,7 +82,7 @@ def _inverse(deltas: torch.Tensor, kernel: tuple[int, int], dilation: tuple[int,
     """``inverse[deltas[k]] = k``: the window cell of ``index - base`` (NOTE [ compact max-pool indices ])."""
     dtype = _dtype(deltas.numel())
     inverse = torch.zeros(kernel[0] * dilation[0] * width + kernel[1] * dilation[1], dtype=dtype, device=deltas.device)
-    inverse[deltas] = torch.arange(deltas.numel(), device=deltas.device).to(dtype)
+    inverse[deltas] = torch.arange(deltas.numel(), dtype=dtype, device=deltas.device)
     return inverse
 
 
