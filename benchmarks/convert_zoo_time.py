@@ -10,8 +10,9 @@ Writes benchmarks/results/convert_zoo_time_<device>.json (--wide: convert_zoo_ti
 
 On CUDA each row also gives, from the caching allocator, the bytes one training-mode forward leaves allocated and
 the step's peak (both above what was allocated before the forward), plain and converted, beside the tracker's held
-activations; and the largest parameter-gradient difference of one seeded training-mode step against the plain model,
-with the plain model against itself as the floor (cuDNN's backward kernels need not be deterministic).
+activations; the times one step makes the host wait for the GPU, and where (``host_syncs_per_step``); and the
+largest parameter-gradient difference of one seeded training-mode step against the plain model, with the plain
+model against itself as the floor (cuDNN's backward kernels need not be deterministic).
 ``--batch-mult N`` repeats each batch N times along its first dimension (GPU-sized batches).
 
 ``--wide`` times the same libraries' models at the widths people train (d_model 768-1024, 224x224 images), batch 1-2:
@@ -20,9 +21,12 @@ The memory figures are those of convert_zoo.py (a fraction of the activations, w
 """
 
 import argparse
+import collections
 import copy
+import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -83,6 +87,23 @@ def max_difference(a: dict, b: dict) -> float:
     if sorted(a) != sorted(b):
         raise AssertionError(f"different parameters got gradients: {sorted(set(a) ^ set(b))}")
     return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def host_syncs(model, opt, batch) -> dict:
+    """The times one step makes the host wait for the GPU (``torch.cuda.set_sync_debug_mode``'s warnings), and the
+    lines of Python that asked: a wait empties the queue the host keeps ahead of the GPU, which a host-bound step
+    pays in full."""
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(model, opt, batch)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    where = collections.Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught
+                                if "synchronizing" in str(w.message))
+    return {"count": sum(where.values()), "where": dict(where)}
 
 
 def cuda_memory(model, opt, batch) -> dict:
@@ -178,6 +199,7 @@ def run(key: str, rounds: int, models: dict | None = None, device: str = "cpu", 
         step(models[k], opts[k], batch)
     if device.startswith("cuda"):
         checks["cuda_allocator"] = {k: cuda_memory(models[k], opts[k], batch) for k in models}
+        checks["host_syncs_per_step"] = {k: host_syncs(models[k], opts[k], batch) for k in models}
     ops = {k: work(models[k], opts[k], batch) for k in models}
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     sync()
@@ -204,6 +226,9 @@ def run(key: str, rounds: int, models: dict | None = None, device: str = "cpu", 
             "bytes_written_ratio": ops["converted"][1] / ops["plain"][1]}
 
 
+CUDA_CHECKS = ("gradient_max_difference", "cuda_allocator", "host_syncs_per_step")
+
+
 def main() -> None:
     pin_malloc()
     parser = argparse.ArgumentParser()
@@ -222,7 +247,7 @@ def main() -> None:
             q = r["step_time_ratio_quartiles"]
             print(f"{r['model']}: {r['step_ms_plain']:.1f} ms, converted {r['step_time_ratio_median']:.3f}x "
                   f"({q[0]:.3f}-{q[1]:.3f}); ops write {r['bytes_written_ratio']:.3f}x the bytes; "
-                  f"{ {k: r[k] for k in ('gradient_max_difference', 'cuda_allocator') if k in r} }", flush=True)
+                  f"{ {k: r[k] for k in CUDA_CHECKS if k in r} }", flush=True)
         else:
             print(f"{r['model']}: {r['skipped']}")
     environment = {"torch": torch.__version__, "cudnn_benchmark": torch.backends.cudnn.benchmark,
