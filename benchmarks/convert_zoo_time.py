@@ -53,11 +53,13 @@ class _OpBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops = self.bytes = 0
+        self.names: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.ops += 1
+        self.names[str(func)] += 1
         if not func.is_view:
             aliased = (set() if func._schema.is_mutable
                        else {t.untyped_storage()._cdata for t in tensors_in((args, kwargs))})
@@ -65,12 +67,12 @@ class _OpBytes(TorchDispatchMode):
         return out
 
 
-def work(model, opt, batch) -> tuple[int, int]:
-    """(ops, bytes their outputs write) of one step."""
+def work(model, opt, batch) -> tuple[int, int, collections.Counter]:
+    """(ops, bytes their outputs write, ops by name) of one step."""
     counter = _OpBytes()
     with counter:
         step(model, opt, batch)
-    return counter.ops, counter.bytes
+    return counter.ops, counter.bytes, counter.names
 
 
 def train_gradients(model, batch) -> dict:
@@ -223,7 +225,10 @@ def run(key: str, rounds: int, models: dict | None = None, device: str = "cpu", 
             "step_time_ratio_range": [ratios[0], ratios[-1]], "repeats_per_round": repeats,
             "ops_per_step": {k: v[0] for k, v in ops.items()},
             "bytes_written_per_step": {k: v[1] for k, v in ops.items()},
-            "bytes_written_ratio": ops["converted"][1] / ops["plain"][1]}
+            "bytes_written_ratio": ops["converted"][1] / ops["plain"][1],
+            # which ops convert adds (its rebuilds, memtrim's aliases) and removes, by name
+            "ops_added": dict(ops["converted"][2] - ops["plain"][2]),
+            "ops_removed": dict(ops["plain"][2] - ops["converted"][2])}
 
 
 CUDA_CHECKS = ("gradient_max_difference", "cuda_allocator", "host_syncs_per_step")

@@ -71,8 +71,9 @@ def keep_input_features(gamma: torch.Tensor, beta: torch.Tensor | None, extra: t
     times torch's own error (NOTE [ when a norm keeps its input ] in this file). ``extra``: the ELU term s, per
     feature; ``floor``: a user's ``gamma_threshold``, below which features keep their ``xhat`` anyway."""
     g = gamma.detach().abs()
-    limit = beta.detach().abs() if beta is not None else torch.zeros_like(g)
+    # without beta the limit is 0, a scalar (a zeros tensor was one more op, on a GPU a kernel, at every call)
+    limit: torch.Tensor | float = beta.detach().abs() if beta is not None else 0.0
     if extra is not None:
-        limit = limit + extra.to(limit.dtype)
+        limit = limit + extra.to(limit.dtype if isinstance(limit, torch.Tensor) else g.dtype)
     keep = ~(g * KEEP_BOUND > limit) | (g < max(torch.finfo(g.dtype).tiny ** 0.25, floor))
     return keep.flatten().nonzero().flatten()
