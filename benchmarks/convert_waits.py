@@ -1,0 +1,114 @@
+"""What the host's waits for the GPU cost a converted Llama step: each rebuilt RMSNorm decides at every call which
+features keep their input (NOTE [ when a norm keeps its input ]), and gathering them (``nonzero``) makes the host
+wait for the GPU, once per norm per step. Three variants train in interleaved rounds, as in convert_zoo_time.py:
+plain, converted, and converted with every norm's decision made once before timing and reused (no wait). The
+reused decisions are only valid while the weights' decisions do not change; the script checks that they did not,
+after timing. The gap between the two converted variants is what the waits cost; a decision made once per forward
+for every norm (one wait) would get most of it.
+
+Reproduce (a CUDA GPU, transformers):  python benchmarks/convert_waits.py [--rounds 7] [--batch-mult 16]
+Writes benchmarks/results/convert_waits_<device>.json. On the CPU nothing waits: the variants differ by the
+decision's own ops only.
+"""
+
+import argparse
+import contextlib
+import copy
+import statistics
+import time
+
+import torch
+
+import memtrim
+from _common import machine, quartiles, write
+from convert_zoo import build
+from convert_zoo_time import WIDE, host_syncs, step
+from memtrim.techniques.norms import keep_output
+
+
+@contextlib.contextmanager
+def decisions_reused(store: dict):
+    """Every norm's keep decision, made at its first call in here and reused after (keyed by its gamma)."""
+    decide = keep_output.keep_input_features
+
+    def reused(gamma, beta, extra=None, floor=0.0):
+        key = id(gamma)
+        if key not in store:
+            store[key] = (gamma, beta, extra, floor, decide(gamma, beta, extra, floor))
+        return store[key][-1]
+
+    keep_output.keep_input_features = reused
+    try:
+        yield
+    finally:
+        keep_output.keep_input_features = decide
+
+
+def still_valid(store: dict) -> bool:
+    """Whether every reused decision is the one the weights give now."""
+    return all(torch.equal(kept, keep_output.keep_input_features(gamma, beta, extra, floor))
+               for gamma, beta, extra, floor, kept in store.values())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--batch-mult", type=int, default=16)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    label, built, skipped = build("hf_llama", WIDE)
+    if built is None:
+        print(label, skipped)
+        return
+    plain, batch, _ = built
+    plain.train().to(args.device)
+    batch = {k: v.repeat(args.batch_mult, *[1] * (v.dim() - 1)).to(args.device) for k, v in batch.items()}
+    converted = copy.deepcopy(plain)
+    memtrim.convert(converted, example_inputs=batch)
+    models = {"plain": plain, "converted": converted, "converted_decisions_reused": copy.deepcopy(converted)}
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
+    store: dict = {}
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def scope(k):
+        return decisions_reused(store) if k == "converted_decisions_reused" else contextlib.nullcontext()
+
+    for k in models:
+        with scope(k):
+            step(models[k], opts[k], batch)
+    syncs = {}
+    if cuda:
+        for k in models:
+            with scope(k):
+                syncs[k] = host_syncs(models[k], opts[k], batch)
+    sync()
+    start = time.perf_counter()
+    step(plain, opts["plain"], batch)
+    sync()
+    repeats = max(2, int(0.2 / (time.perf_counter() - start)))
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for _ in range(args.rounds):
+        for k in models:
+            with scope(k):
+                sync()
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    step(models[k], opts[k], batch)
+                sync()
+            times[k].append((time.perf_counter() - start) / repeats)
+    ratios = {k: sorted(t / p for t, p in zip(times[k], times["plain"])) for k in models if k != "plain"}
+    result = {
+        "machine": machine(), "model": label, "batch_mult": args.batch_mult, "rounds": args.rounds,
+        "repeats_per_round": repeats, "step_ms_plain": 1e3 * statistics.median(times["plain"]),
+        "step_time_ratio_median": {k: statistics.median(r) for k, r in ratios.items()},
+        "step_time_ratio_quartiles": {k: quartiles(r) for k, r in ratios.items()},
+        "host_syncs_per_step": syncs, "norms": len(store),
+        "reused_decisions_still_valid": still_valid(store),
+    }
+    print(write(f"convert_waits_{args.device.split(':')[0]}.json", result))
+    print({k: result[k] for k in ("step_ms_plain", "step_time_ratio_median", "norms", "reused_decisions_still_valid")})
+
+
+if __name__ == "__main__":
+    main()
