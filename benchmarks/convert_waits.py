@@ -15,14 +15,13 @@ import argparse
 import contextlib
 import copy
 import statistics
-import time
 
 import torch
 
 import memtrim
 from _common import machine, quartiles, write
 from convert_zoo import build
-from convert_zoo_time import WIDE, host_syncs, step
+from convert_zoo_time import WIDE, host_syncs, interleaved_times, step
 from memtrim.techniques.norms import keep_output
 
 
@@ -69,7 +68,6 @@ def main() -> None:
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     store: dict = {}
     cuda = args.device.startswith("cuda")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def scope(k):
         return decisions_reused(store) if k == "converted_decisions_reused" else contextlib.nullcontext()
@@ -82,21 +80,7 @@ def main() -> None:
         for k in models:
             with scope(k):
                 syncs[k] = host_syncs(models[k], opts[k], batch)
-    sync()
-    start = time.perf_counter()
-    step(plain, opts["plain"], batch)
-    sync()
-    repeats = max(2, int(0.2 / (time.perf_counter() - start)))
-    times: dict[str, list[float]] = {k: [] for k in models}
-    for _ in range(args.rounds):
-        for k in models:
-            with scope(k):
-                sync()
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    step(models[k], opts[k], batch)
-                sync()
-            times[k].append((time.perf_counter() - start) / repeats)
+    times, repeats = interleaved_times(models, opts, batch, args.rounds, args.device, scope)
     ratios = {k: sorted(t / p for t, p in zip(times[k], times["plain"])) for k in models if k != "plain"}
     result = {
         "machine": machine(), "model": label, "batch_mult": args.batch_mult, "rounds": args.rounds,

@@ -22,6 +22,7 @@ The memory figures are those of convert_zoo.py (a fraction of the activations, w
 
 import argparse
 import collections
+import contextlib
 import copy
 import os
 import statistics
@@ -178,6 +179,32 @@ WIDE = {
 }
 
 
+def interleaved_times(models: dict, opts: dict, batch: dict, rounds: int, device: str,
+                      scope: Callable[[str], Any] = lambda k: contextlib.nullcontext()) -> tuple[dict, int]:
+    """Seconds per step of each model (the first is the base), in ``rounds`` rounds that take the models in turn,
+    each round as many steps as 0.2 s of the base's (at least 2); ``scope(name)`` is entered around a model's steps.
+    Returns ({name: [seconds per step, one per round]}, steps per round)."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    base = next(iter(models))
+    sync()
+    start = time.perf_counter()
+    with scope(base):
+        step(models[base], opts[base], batch)
+    sync()
+    repeats = max(2, int(0.2 / (time.perf_counter() - start)))
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for _ in range(rounds):
+        for k in models:
+            with scope(k):
+                sync()
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    step(models[k], opts[k], batch)
+                sync()
+            times[k].append((time.perf_counter() - start) / repeats)
+    return times, repeats
+
+
 def run(key: str, rounds: int, models: dict | None = None, device: str = "cpu", batch_mult: int = 1) -> dict:
     label, built, skipped = build(key, models)
     if built is None:
@@ -203,21 +230,7 @@ def run(key: str, rounds: int, models: dict | None = None, device: str = "cpu", 
         checks["cuda_allocator"] = {k: cuda_memory(models[k], opts[k], batch) for k in models}
         checks["host_syncs_per_step"] = {k: host_syncs(models[k], opts[k], batch) for k in models}
     ops = {k: work(models[k], opts[k], batch) for k in models}
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    step(plain, opts["plain"], batch)
-    sync()
-    repeats = max(2, int(0.2 / (time.perf_counter() - start)))
-    times: dict[str, list[float]] = {k: [] for k in models}
-    for _ in range(rounds):
-        for k in models:
-            sync()
-            start = time.perf_counter()
-            for _ in range(repeats):
-                step(models[k], opts[k], batch)
-            sync()
-            times[k].append((time.perf_counter() - start) / repeats)
+    times, repeats = interleaved_times(models, opts, batch, rounds, device)
     ratios = sorted(c / p for c, p in zip(times["converted"], times["plain"]))
     return {"model": label, "library": library, "changes": len(report.changes), "batch_mult": batch_mult, **checks,
             "step_ms_plain": 1e3 * statistics.median(times["plain"]),
