@@ -7,6 +7,7 @@ Reproduce:  zoovenv/bin/python benchmarks/convert_zoo_time.py [--rounds 15] [--o
                 [--device cuda] [--batch-mult N]
             (the venv that convert_zoo.py's docstring sets up; run on an otherwise idle machine)
 Writes benchmarks/results/convert_zoo_time_<device>.json (--wide: convert_zoo_time_wide_<device>.json).
+``--ops-only`` counts without timing (seconds a model, any machine load): convert_zoo_ops_<device>.json.
 
 On CUDA each row also gives, from the caching allocator, the bytes one training-mode forward leaves allocated and
 the step's peak (both above what was allocated before the forward), plain and converted, beside the tracker's held
@@ -230,18 +231,20 @@ def run(key: str, rounds: int, models: dict | None = None, device: str = "cpu", 
         checks["cuda_allocator"] = {k: cuda_memory(models[k], opts[k], batch) for k in models}
         checks["host_syncs_per_step"] = {k: host_syncs(models[k], opts[k], batch) for k in models}
     ops = {k: work(models[k], opts[k], batch) for k in models}
+    counted = {"ops_per_step": {k: v[0] for k, v in ops.items()},
+               "bytes_written_per_step": {k: v[1] for k, v in ops.items()},
+               "bytes_written_ratio": ops["converted"][1] / ops["plain"][1],
+               # which ops convert adds (its rebuilds, memtrim's aliases) and removes, by name
+               "ops_added": dict(ops["converted"][2] - ops["plain"][2]),
+               "ops_removed": dict(ops["plain"][2] - ops["converted"][2])}
+    head = {"model": label, "library": library, "changes": len(report.changes), "batch_mult": batch_mult, **checks}
+    if rounds == 0:  # --ops-only
+        return {**head, **counted}
     times, repeats = interleaved_times(models, opts, batch, rounds, device)
     ratios = sorted(c / p for c, p in zip(times["converted"], times["plain"]))
-    return {"model": label, "library": library, "changes": len(report.changes), "batch_mult": batch_mult, **checks,
-            "step_ms_plain": 1e3 * statistics.median(times["plain"]),
+    return {**head, "step_ms_plain": 1e3 * statistics.median(times["plain"]),
             "step_time_ratio_median": statistics.median(ratios), "step_time_ratio_quartiles": quartiles(ratios),
-            "step_time_ratio_range": [ratios[0], ratios[-1]], "repeats_per_round": repeats,
-            "ops_per_step": {k: v[0] for k, v in ops.items()},
-            "bytes_written_per_step": {k: v[1] for k, v in ops.items()},
-            "bytes_written_ratio": ops["converted"][1] / ops["plain"][1],
-            # which ops convert adds (its rebuilds, memtrim's aliases) and removes, by name
-            "ops_added": dict(ops["converted"][2] - ops["plain"][2]),
-            "ops_removed": dict(ops["plain"][2] - ops["converted"][2])}
+            "step_time_ratio_range": [ratios[0], ratios[-1]], "repeats_per_round": repeats, **counted}
 
 
 CUDA_CHECKS = ("gradient_max_difference", "cuda_allocator", "host_syncs_per_step")
@@ -255,7 +258,11 @@ def main() -> None:
     parser.add_argument("--wide", action="store_true", help="the models at the widths people train (see above)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-mult", type=int, default=1, help="repeat each batch N times (GPU-sized batches)")
+    parser.add_argument("--ops-only", action="store_true",
+                        help="count the ops and bytes of a step, no clock (writes convert_zoo_ops_<device>.json)")
     args = parser.parse_args()
+    if args.ops_only:
+        args.rounds = 0
     _, tv_note = import_torchvision()
     models = WIDE if args.wide else MODELS
     results = {}
@@ -266,13 +273,16 @@ def main() -> None:
             print(f"{r['model']}: {r['step_ms_plain']:.1f} ms, converted {r['step_time_ratio_median']:.3f}x "
                   f"({q[0]:.3f}-{q[1]:.3f}); ops write {r['bytes_written_ratio']:.3f}x the bytes; "
                   f"{ {k: r[k] for k in CUDA_CHECKS if k in r} }", flush=True)
+        elif "ops_per_step" in r:
+            print(f"{r['model']}: ops {r['ops_per_step']}, added {r['ops_added']}", flush=True)
         else:
             print(f"{r['model']}: {r['skipped']}")
     environment = {"torch": torch.__version__, "cudnn_benchmark": torch.backends.cudnn.benchmark,
                    "float32_matmul_precision": torch.get_float32_matmul_precision(),
                    "transformers": version("transformers"), "timm": version("timm"),
                    "torchvision": version("torchvision"), "torchvision_import": tv_note}
-    name = f"convert_zoo_time{'_wide' if args.wide else ''}_{args.device.split(':')[0]}.json"
+    kind = "ops" if args.ops_only else "time"
+    name = f"convert_zoo_{kind}{'_wide' if args.wide else ''}_{args.device.split(':')[0]}.json"
     print("wrote", write(name, {"machine": machine(), "environment": environment, "rounds": args.rounds,
                                 "results": results}))
 
