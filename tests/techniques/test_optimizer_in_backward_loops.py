@@ -495,3 +495,129 @@ def test_a_model_returning_logits_and_the_hidden_state_that_feeds_them_is_one_ba
             o.step()
     for a, b in zip(model.parameters(), plain.parameters()):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------- 6 clipping order, RNG
+
+
+def decay_groups(model, lr=1e-3):
+    """nanoGPT's and HF's param groups: matrices with weight decay, vectors without. Their order is not the
+    model's, which is the order the usual ``clip_grad_norm_(model.parameters(), max_norm)`` sums in."""
+    return torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+                              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}], lr=lr)
+
+
+def layer_norm_net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 64), nn.LayerNorm(64),
+                         nn.ReLU(), nn.Linear(64, 10))
+
+
+def test_clip_grad_norm_sums_in_the_models_order_with_decay_groups():
+    a = layer_norm_net()
+    b = copy.deepcopy(a)
+    opt_a, opt_b = decay_groups(a), wrap(decay_groups(b), b, clip_grad_norm=0.5)
+    g = torch.Generator().manual_seed(1)
+    orders_differ = 0
+    for _ in range(30):
+        x, y = torch.randn(16, 32, generator=g) * 5, torch.randint(0, 10, (16,), generator=g)
+        opt_a.zero_grad()
+        F.cross_entropy(a(x), y).backward()
+        grads_in_group_order = [p.grad for group in opt_a.param_groups for p in group["params"]]
+        by_groups = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in grads_in_group_order]))
+        norm = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.5)
+        orders_differ += not torch.equal(norm, by_groups)
+        opt_a.step()
+        opt_b.zero_grad()
+        opt_b.backward(F.cross_entropy(b(x), y))
+        opt_b.step()
+        assert torch.equal(opt_b.last_total_norm, norm)
+        assert_same(a, b)
+    assert orders_differ  # the two orders round differently at some step: the test can tell them apart
+
+
+def test_clip_grad_norm_groups_mixed_dtypes_as_torch_does():
+    class Mixed(nn.Module):  # float32 and float64 layers interleaved: torch sums the norms grouped by dtype
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 16).double()
+            self.c, self.d = nn.Linear(16, 16), nn.Linear(16, 4).double()
+
+        def forward(self, x):
+            x = torch.tanh(self.b(torch.tanh(self.a(x)).double())).float()
+            return self.d(torch.tanh(self.c(x)).double())
+
+    torch.manual_seed(0)
+    a = Mixed()
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1), b, clip_grad_norm=0.1)
+    for x, y in batches(8):
+        opt_a.zero_grad()
+        F.cross_entropy(a(x), y).backward()
+        norm = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.1)
+        opt_a.step()
+        opt_b.zero_grad()
+        opt_b.backward(F.cross_entropy(b(x), y))
+        opt_b.step()
+        assert torch.equal(opt_b.last_total_norm, norm)
+        assert_same(a, b)
+
+
+def test_a_backward_that_draws_random_numbers_with_two_passes_is_bitwise():
+    # clip_grad_norm= runs backward twice; a gradient-noise hook draws in both, as one pass of the standard loop
+    a = net()
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1), b, clip_grad_norm=0.5)
+    for i, (x, y) in enumerate(batches()):
+        states = []
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            torch.manual_seed(100 + i)
+            opt.zero_grad()
+            hidden = model[1](model[0](x))
+            hidden.register_hook(lambda g: g + 0.01 * torch.randn_like(g))
+            loss = F.cross_entropy(model[2:](hidden), y)
+            if opt is opt_b:
+                opt.backward(loss)
+            else:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            states.append(torch.get_rng_state())
+        assert torch.equal(*states)  # the generator ends where one pass leaves it
+        assert_same(a, b)
+
+
+def test_a_parameter_appended_to_a_group_is_bitwise():
+    # progressive unfreezing by extending a group's list, which torch's optimizers accept
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda params: torch.optim.Adam(list(params)[4:], lr=1e-2))
+    for step, (x, y) in enumerate(batches(6)):
+        if step == 2:
+            for model, opt in ((a, opt_a), (b, opt_b)):
+                opt.param_groups[0]["params"].extend(model[2].parameters())
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            one_step(model, opt, x, y)
+            opt.step()
+        assert_same(a, b)
+    assert not torch.equal(a[2].weight, net()[2].weight)  # the appended layer trained
+
+
+def test_a_parameter_appended_to_a_group_inside_the_open_step_is_bitwise():
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda params: torch.optim.SGD(list(params)[4:], lr=0.1, momentum=0.9))
+    for step, (x, y) in enumerate(batches(4)):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            if step == 1:  # after zero_grad(), before backward
+                opt.param_groups[0]["params"].extend(model[0].parameters())
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        assert_same(a, b)
+    assert not torch.equal(a[0].weight, net()[0].weight)
+
+
+def test_wrapping_an_offloading_optimizer_names_the_fix():
+    model = net()
+    offload = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    with pytest.raises(memtrim.InvalidInputError, match=r"(?s)CPUOffloadOptimizer.*already moves"):
+        memtrim.OptimizerInBackward(offload, model=model)

@@ -136,8 +136,8 @@ def train_step(loop, step, k, models, opt, scaler, wrapped):
         if scaler is not None:
             scaler.unscale_(opt)
         params = [p for group in opt.param_groups for p in group["params"]]
-        if loop.clip and loop.clip[0] == "norm":
-            torch.nn.utils.clip_grad_norm_(params, loop.clip[1])
+        if loop.clip and loop.clip[0] == "norm":  # the usual loop's clip, over the model's parameters in order
+            torch.nn.utils.clip_grad_norm_(model.parameters(), loop.clip[1])
         elif loop.clip:
             torch.nn.utils.clip_grad_value_(params, loop.clip[1])
     if scaler is not None:

@@ -334,3 +334,65 @@ def test_couplings_pass_the_stream_split_between_them():
         counts.append((forward.cats, backward.cats))
     assert counts[0] == (6, 6)  # plain: every block concatenates its halves; backward joins the halves' gradients
     assert counts[1] == (1, 1)  # reversible: only the stack's output, and the input's gradient
+
+
+@pytest.mark.parametrize("affine", [False, True])
+@pytest.mark.parametrize("batch", [2, 4])  # 2: batch x seq = width, every matrix square; 4: not square
+def test_sequence_inputs_split_on_features_with_biased_linears(affine, batch):
+    # the reversible-transformer layout: (batch, seq, features), f and g Linear + GELU. The forward hands block 0's f
+    # a chunk view of the input and the last g a fresh tensor, the rebuild the opposite: torch's linear saves other
+    # tensors, in another order, for a 3-D input that is not contiguous
+    torch.manual_seed(0)
+    width = 32
+    make = (lambda: nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh())) if affine else (
+        lambda: nn.Sequential(nn.Linear(width, width), nn.GELU()))
+    coupling = memtrim.AffineCoupling if affine else memtrim.AdditiveCoupling
+    blocks = [coupling(make(), make(), split_dim=-1) for _ in range(3)]
+    plain = nn.Sequential(*copy.deepcopy(blocks)).double()
+    rev = memtrim.ReversibleSequential(*blocks).double()
+    x = torch.randn(batch, 16, 2 * width, dtype=torch.float64)
+    grad_out = torch.randn(batch, 16, 2 * width, dtype=torch.float64)
+    out_plain, g_plain = grads(plain, x, grad_out)
+    out_rev, g_rev = grads(rev, x, grad_out)
+    assert torch.equal(out_plain, out_rev)
+    assert_grads_close(g_rev, g_plain, rtol=1e-10, atol=1e-12)
+
+
+def test_a_recomputation_saving_other_shapes_raises():
+    class CountsCalls(nn.Module):  # saves a tensor whose shape depends on how often it ran: not a function of x
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(3))
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            saved = x[:1] if self.calls == 1 else x
+            return x * self.weight + (saved * saved).sum() * 0
+
+        def inverse(self, y):
+            return y / self.weight
+
+    rev = memtrim.ReversibleSequential(CountsCalls())
+    out = rev(torch.randn(4, 3, dtype=torch.float64, requires_grad=True))
+    with pytest.raises(memtrim.ReversibleError, match=r"(?s)block 0.*shape \(1, 3\).*shape \(4, 3\)"):
+        out.sum().backward()
+
+
+def test_spectral_norm_is_recomputed_from_the_power_iteration_the_forward_started_from():
+    # spectral_norm updates its u and v in every training forward, then uses them: the recomputation must start
+    # where the forward did, and leave them as the forward left them
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8)), nn.Tanh())  # noqa: E731
+    blocks = [memtrim.AdditiveCoupling(make(), make()) for _ in range(3)]
+    plain = nn.Sequential(*copy.deepcopy(blocks)).double()
+    rev = memtrim.ReversibleSequential(*blocks).double()
+    x = torch.randn(6, 16, dtype=torch.float64)
+    grad_out = torch.randn(6, 16, dtype=torch.float64)
+    for _ in range(2):
+        out_plain, g_plain = grads(plain, x, grad_out)
+        out_rev, g_rev = grads(rev, x, grad_out)
+        assert torch.equal(out_plain, out_rev)
+        assert_grads_close(g_rev, g_plain, rtol=1e-10, atol=1e-12)
+        for a, b in zip(plain.buffers(), rev.buffers()):
+            assert torch.equal(a, b)  # u and v advanced once per forward

@@ -47,7 +47,10 @@ NOTE [ optimizer in backward ]
   for parameter-heavy models, a higher one for activation-heavy ones (benchmarks/optimizer_in_backward_peak.py).
 * Global information (clipping by global norm, GradScaler's inf check) needs every gradient before any update:
   ``backward(loss)`` then runs two passes: the first computes the norms / inf flags and frees each gradient at
-  once, the second (same graph, retained) updates. Cost: one extra backward pass.
+  once, the second (same graph, retained) updates. Cost: one extra backward pass. The random generators are
+  restored between the passes (a backward that draws, a gradient-noise hook, draws the same numbers twice and ends
+  where one pass would), and the norms are summed as ``clip_grad_norm_(model.parameters())`` sums them: in the
+  model's order, grouped by device and dtype (torch's own grouping), so the total is bitwise the usual loop's.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, cast
 
 import torch
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..._signatures import not_owned
@@ -225,8 +229,9 @@ class OptimizerInBackward(WrappedOptimizerView):
             Adadelta, ...). It stays the source of truth: param_groups, hyperparameters, state and step hooks.
         model: the model (or its ``DistributedDataParallel`` wrapper). Optional without distributed training;
             required under DDP (memtrim registers a comm hook on it). All optimized parameters must belong to it.
-        clip_grad_norm: clip by global 2-norm, exactly as ``torch.nn.utils.clip_grad_norm_`` over the
-            optimizer's parameters in order; needs ``backward(loss)`` (two passes).
+        clip_grad_norm: clip by global 2-norm, exactly as ``torch.nn.utils.clip_grad_norm_(model.parameters(),
+            clip_grad_norm)`` (the model's order; without ``model``, the optimizer's parameters in order); needs
+            ``backward(loss)`` (two passes).
         clip_grad_value: clamp each gradient to ``[-v, v]`` before its update (no extra pass).
         scaler: a ``torch.amp.GradScaler``; an inf/NaN anywhere skips the whole update and lowers the scale.
             Call ``opt.backward(scaler.scale(loss))``, then ``scaler.step(opt)`` and ``scaler.update()``
@@ -300,6 +305,8 @@ class OptimizerInBackward(WrappedOptimizerView):
         _WRAPPERS.add(self)
         self._build_buckets()
         self._serial = 0  # counts zero_grad() calls: which open step a graph was built in
+        # the order clip_grad_norm sums the norms in (the usual loop clips model.parameters())
+        self._model = weakref.ref(model) if model is not None else None
         self._attach(model)
 
     def _init_step_state(self) -> None:
@@ -412,6 +419,7 @@ class OptimizerInBackward(WrappedOptimizerView):
                 "non-finite step) and call opt.backward(scaler.scale(loss))."
             )
         self._close_step()
+        self._sync_groups()
         if set_to_none:
             self._freed.clear()
             self._zero_pending.clear()
@@ -455,6 +463,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         held, self._held_to_step = self._held_to_step, []
         for bucket in held:
             self._step_bucket(bucket)
+        self._sync_groups()
         waiting = self._waiting_gradients()
         if waiting:
             self._apply_waiting(waiting, driven)
@@ -574,6 +583,9 @@ class OptimizerInBackward(WrappedOptimizerView):
             self._finish_deferred()
             return
         self._pass = "measure"
+        # a backward that draws random numbers (a gradient-noise hook) draws the same in both passes: the norm is
+        # measured on the gradient the update applies, and the generators end where one pass leaves them
+        rng = _rng_states()
         try:
             loss.backward(retain_graph=True, **kwargs)
             self._conclude_measure()
@@ -581,6 +593,7 @@ class OptimizerInBackward(WrappedOptimizerView):
                 self._stepped.update(self._where)  # this step is consumed: nothing may arrive for it later
                 return
             self._pass = "update"
+            _set_rng_states(rng)
             loss.backward(retain_graph=retain, **kwargs)
         finally:
             self._pass = None
@@ -743,6 +756,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._freed_bytes = 0
         self._ceiling = None
         torch.autograd.Variable._execution_engine.queue_callback(token)
+        self._sync_groups()
         if self._ddp is None and any(p.requires_grad and id(p) not in self._hooked for p in self._by_id.values()):
             # unfrozen between zero_grad() and this backward: hooked now, so that a gradient still to come in this
             # pass is updated and freed in it too (one that already arrived waits for step(), as before)
@@ -1067,12 +1081,17 @@ class OptimizerInBackward(WrappedOptimizerView):
     def _conclude_measure(self) -> None:
         if self.clip_grad_norm is None or self._found_any_inf():
             return
-        order = [p for group in self.optimizer.param_groups for p in group["params"] if id(p) in self._norms]
+        model = self._model() if self._model is not None else None
+        ordered = model.parameters() if model is not None else (
+            p for group in self.optimizer.param_groups for p in group["params"])
+        order = [p for p in ordered if id(p) in self._norms]
         if not order:
             return
+        # summed as clip_grad_norm_ sums them: grouped by device and dtype (torch's own grouping), in order within
+        norms = [self._norms[id(order[i])] for _, (_, indices) in
+                 _group_tensors_by_device_and_dtype([order], with_indices=True).items() for i in indices]
         device = order[0].device
-        norms = torch.stack([self._norms[id(p)].to(device) for p in order])
-        total = torch.linalg.vector_norm(norms, 2.0)
+        total = torch.linalg.vector_norm(torch.stack([norm.to(device) for norm in norms]), 2.0)
         self._coefficient = torch.clamp(self.clip_grad_norm / (total + 1e-6), max=1.0)
         self.last_total_norm = total
 
@@ -1099,7 +1118,25 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._scaler_found = found if self._scaler_found is None else self._scaler_found + found
         return bool(found.item())
 
+    def _groups_signature(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(map(id, group["params"])) for group in self.optimizer.param_groups)
+
+    def _sync_groups(self) -> None:
+        """Bucket and hook the parameters as ``param_groups`` lists them now: a group's list edited in place (a
+        parameter appended to unfreeze it, which torch's optimizers allow) is seen at the next ``zero_grad()``,
+        backward or ``step()``, as ``add_param_group`` is at once."""
+        if self._removed or self._signature == self._groups_signature():
+            return
+        self._build_buckets()
+        if self._ddp is None:
+            self._hook_new_params()
+        if self._open:
+            self._claim_params()
+            for bucket in self._buckets:
+                bucket.expected = sum(1 for p in bucket.params if p.requires_grad and id(p) in self._hooked)
+
     def _build_buckets(self) -> None:
+        self._signature = self._groups_signature()
         self._buckets.clear()
         self._where.clear()
         self._by_id.clear()
@@ -1202,6 +1239,17 @@ def _ddp_comm_hook(state, bucket):  # no annotations: DDP rejects any but its ow
 
         return allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group, as DDP's own
     return wrapper._ddp_hook(bucket)
+
+
+def _rng_states() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The CPU generator's state and every started CUDA device's."""
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+
+
+def _set_rng_states(states: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+    torch.set_rng_state(states[0])
+    if states[1]:
+        torch.cuda.set_rng_state_all(states[1])
 
 
 def _norm(grad: torch.Tensor) -> torch.Tensor:
@@ -1393,6 +1441,16 @@ def _check_optimizer(optimizer: Any) -> None:
         raise MemtrimStateError(
             "memtrim.OptimizerInBackward: this optimizer is already wrapped (its hooks step it inside backward). "
             "Use it as it is, or wrap the inner torch optimizer (opt.optimizer) once."
+        )
+    from ..optim_state import CPUOffloadOptimizer
+
+    if isinstance(optimizer, CPUOffloadOptimizer):
+        raise InvalidInputError(
+            "memtrim.OptimizerInBackward: expected a torch optimizer over the model's parameters, got a "
+            "memtrim.CPUOffloadOptimizer, which already moves each gradient to the host and steps there, on host "
+            "copies: stepped inside backward it would update those copies while the gradients still arrive. Use one "
+            "of the two: CPUOffloadOptimizer (offload_gradients=True, the default) keeps the optimizer state and "
+            "the gradients off the device; OptimizerInBackward frees each gradient after an update on the device."
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidInputError(

@@ -54,6 +54,22 @@ class Replay:
     device_rng: list[torch.Tensor] | None
     autocast: dict[str, dict[str, Any]] = field(default_factory=dict)  # device type -> torch.autocast kwargs
     generator_states: list[torch.Tensor] | None = None
+    layout: tuple[tuple[int, ...], int] = ((), 0)  # the input's strides and storage offset (see :func:`as_forward`)
+
+
+def as_forward(x: torch.Tensor, replay: Replay) -> torch.Tensor:
+    """``x`` (a rebuilt input, detached) laid out as the forward's input was: the same strides at the same storage
+    offset, copied into a fresh storage where its own layout differs. An op may save other tensors, in another order,
+    for another layout (torch's linear on a 3-D input that is not contiguous, as a chunk of the input is), and the
+    recomputation's saved tensors are matched to the forward's by order."""
+    stride, offset = replay.layout
+    if x.stride() == stride and x.storage_offset() == offset:
+        return x
+    extent = offset + 1 + sum((size - 1) * step for size, step in zip(x.shape, stride) if size > 0)
+    laid_out = x.new_empty(extent if x.numel() else offset).as_strided(x.shape, stride, offset)
+    with torch.no_grad():
+        laid_out.copy_(x)
+    return laid_out
 
 
 @contextmanager
@@ -71,7 +87,7 @@ def captured(replays: dict[str, Replay], name: str, x: torch.Tensor, where: str)
     cpu_rng = torch.get_rng_state()
     replay = replays[name] = Replay(where=where, requires_grad=x.requires_grad, cpu_rng=cpu_rng,
                                     device_type=device_type, device_ids=device_ids, device_rng=device_rng,
-                                    autocast=autocast)
+                                    autocast=autocast, layout=(x.stride(), int(x.storage_offset())))
     with _draws(where) as draws:
         yield
     replay.generator_states = draws.states or None

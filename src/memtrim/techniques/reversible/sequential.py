@@ -23,7 +23,11 @@ what they save, in the forward's order; each handle then returns its tensor and 
   dtype, cache_enabled, as checkpoint keeps it), are recorded in forward and restored for the recomputation, then
   the caller's states are put back (the global generator is never reseeded or advanced; a generator f or g drew
   nothing from is not touched at all); module buffers (BatchNorm's running statistics) are restored after it, so
-  they are updated once per forward.
+  they are updated once per forward. A buffer the forward both changes and reads (spectral_norm's power-iteration
+  vectors: updated, then used for the weight) must be what the forward started from when it is recomputed: each
+  block's buffers are cloned before its forward, and the clones of those whose version moved are kept (and put in
+  place for the recomputation); the others are dropped at once. BatchNorm's running statistics move inside torch's
+  kernel without a version bump: not kept (training mode does not read them).
 * A ``torch.Generator`` passed to an op explicitly (``torch.rand(..., generator=self.gen)``, a module's own
   generator) is not reachable from outside f or g: a torch-function mode records the draws of f's and g's forward and
   replays them in the recomputation (``techniques/_generators.py``); a recomputation that draws from explicit
@@ -45,7 +49,7 @@ from torch import nn
 
 from ...errors import InvalidInputError, ReversibleError
 from ...measure.hooks import hold_for_backward
-from ._replay import Replay, captured, replayed
+from ._replay import Replay, as_forward, captured, replayed
 from .coupling import AdditiveCoupling, AffineCoupling, _checked, _split
 
 __all__ = ["ReversibleSequential", "ReversibleError"]  # ReversibleError: re-exported from memtrim.errors
@@ -54,10 +58,10 @@ __all__ = ["ReversibleSequential", "ReversibleError"]  # ReversibleError: re-exp
 class _Handle:
     """What autograd keeps instead of a tensor saved inside the stack."""
 
-    __slots__ = ("frame", "block", "tensor", "__weakref__")
+    __slots__ = ("frame", "block", "tensor", "meta", "__weakref__")
 
-    def __init__(self, frame: _Frame, block: int) -> None:
-        self.frame, self.block = frame, block
+    def __init__(self, frame: _Frame, block: int, meta: tuple[torch.Size, torch.dtype]) -> None:
+        self.frame, self.block, self.meta = frame, block, meta  # meta: the saved tensor's shape and dtype
         self.tensor: torch.Tensor | None = None  # filled when backward materialises the block
 
 
@@ -151,6 +155,7 @@ class _Frame:
         self.probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (indices, values) of its input
         self.kept_inputs: dict[int, torch.Tensor] = {}  # blocks whose drift exceeded the tolerance before
         self.parameter_versions: list[list[tuple[torch.Tensor, int]]] = [[] for _ in blocks]
+        self.buffers_before: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]  # changed by forward
 
     # ------------------------------------------------------------------------------------------------ forward
 
@@ -165,7 +170,10 @@ class _Frame:
             elif self.drift.check_drift is not None:
                 self.probes[index] = _probe(_whole(h))
             self.parameter_versions[index] = [(p, p._version) for p in block.parameters()]
+            with torch.no_grad():
+                before = [(b, b._version, b.clone()) for b in block.buffers()]
             h = self._run_block(index, block, h)
+            self.buffers_before[index] = [(b, value) for b, version, value in before if b._version != version]
         x = _whole(h)
         last = len(self.blocks) - 1
         self.outputs[last] = x.detach()  # detached: no cycle through the output's grad_fn
@@ -179,7 +187,7 @@ class _Frame:
 
     def _run_block(self, index: int, block: nn.Module, x: torch.Tensor | _Halves) -> torch.Tensor | _Halves:
         def pack(tensor: torch.Tensor) -> _Handle:
-            handle = _Handle(self, index)
+            handle = _Handle(self, index, (tensor.shape, tensor.dtype))
             self.handles[index].append(weakref.ref(handle))
             return handle
 
@@ -307,6 +315,10 @@ class _Frame:
         recorded: list[torch.Tensor] = []
         saved_buffers = [(b, b.detach().clone()) for b in block.buffers()]
         try:
+            with torch.no_grad():
+                for buffer, value in self.buffers_before[index]:
+                    buffer.copy_(value)  # what the forward read (the NOTE above)
+            self.buffers_before[index] = []
             x = self._rebuild(index, block, recorded)
         finally:
             with torch.no_grad():
@@ -319,6 +331,15 @@ class _Frame:
                 f"in forward but {len(recorded)} when recomputed; its computation must not depend on anything but "
                 "its input (and the replayed random numbers)."
             )
+        for ref, tensor in zip(handles, recorded):
+            handle = ref()
+            if handle is not None and handle.meta != (tensor.shape, tensor.dtype):
+                raise ReversibleError(
+                    f"memtrim.ReversibleSequential: block {index} ({type(block).__name__}) saved a tensor of shape "
+                    f"{tuple(handle.meta[0])} ({handle.meta[1]}) in forward where its recomputation saved one of shape "
+                    f"{tuple(tensor.shape)} ({tensor.dtype}); its computation must not depend on anything but its "
+                    "input (and the replayed random numbers). Keep such a block out of the reversible stack."
+                )
         for ref, tensor in zip(handles, recorded):
             handle = ref()
             if handle is not None:
@@ -363,8 +384,9 @@ class _Frame:
         def evaluate(name: str, fn: nn.Module, half: torch.Tensor) -> torch.Tensor:
             replay = self.replays[index][name]
             # the input requires grad as it did in forward, so the ops save the same tensors
+            inp = as_forward(self._from_stream(half.detach()), replay)
             with replayed(replay), _recording(saved[name]), torch.enable_grad():
-                out = fn(self._from_stream(half.detach()).requires_grad_(replay.requires_grad))
+                out = fn(inp.requires_grad_(replay.requires_grad))
             return self._to_stream(out.detach())
 
         x1, x2 = block.uncouple(y1, y2, evaluate)
@@ -380,7 +402,7 @@ class _Frame:
 
         def scale_shift(name: str, fn: nn.Module, half: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             replay = self.replays[index][name]
-            inp = half.detach().requires_grad_(replay.requires_grad)
+            inp = as_forward(half.detach(), replay).requires_grad_(replay.requires_grad)
             with replayed(replay), _recording(saved[name]), torch.enable_grad():
                 s, t = block.scale_shift(name, fn, inp)
             evaluated[name] = (inp, s, t)
@@ -414,7 +436,7 @@ class _Frame:
         with replayed(replay, strict=False), torch.no_grad():
             x = _inverse(block)(y)
         with replayed(replay), _recording(recorded), torch.enable_grad():
-            block(x.detach().requires_grad_(replay.requires_grad))
+            block(as_forward(x.detach(), replay).requires_grad_(replay.requires_grad))
         return x.detach()
 
 
