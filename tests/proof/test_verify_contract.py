@@ -1,6 +1,7 @@
 """verify's contract at its edges (issue 10, items 11 and 12): a comparison that cannot mean anything raises a
 MemtrimError naming what was expected and what was found; OptimizerInBackward works without extra arguments."""
 
+import math
 import re
 
 import pytest
@@ -175,6 +176,26 @@ def test_an_optimizer_of_a_model_captured_from_outside_raises():
     # diverges from the baseline instead
     report = memtrim.verify(SeedMLP, adam, batches(), F.nll_loss, lambda m, o: (m, torch.optim.SGD(outer.parameters())))
     assert not report.ok
+
+
+def test_gradients_an_offloading_optimizer_keeps_on_the_host_are_compared_where_they_are():
+    # CPUOffloadOptimizer moves each gradient to its host copy: verify reported "DIVERGED at step 0, grad: inf"
+    def offload(model, optimizer):
+        return model, memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+
+    report = memtrim.verify(SeedMLP, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), batches(), F.nll_loss,
+                            offload)
+    assert report.ok and report.bitwise and report.grads_compared
+
+    def offload_doubled_gradients(model, optimizer):  # the same parameters, every gradient twice the baseline's
+        for p in model.parameters():
+            p.register_hook(lambda g: 2 * g)
+        return model, memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.SGD, lr=0.05)
+
+    report = memtrim.verify(SeedMLP, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), batches(), F.nll_loss,
+                            offload_doubled_gradients)
+    assert not report.ok and report.first_divergence.step == 0
+    assert report.first_divergence.tensor.startswith("grad:") and math.isfinite(report.first_divergence.max_abs_error)
 
 
 def _rewinds_the_generator_after_backward(model, optimizer):

@@ -476,6 +476,31 @@ def test_gradients_kept_on_the_device_reach_grad_scaler_and_clipping_through_par
         _assert_same_parameters(model, plain)
 
 
+@pytest.mark.parametrize("clip_over", ["model", "param_groups"])
+def test_accumulation_with_param_groups_read_between_micro_batches_clips_the_whole_gradient(clip_over):
+    """offload_gradients=False: reading opt.param_groups (logging the lr) between two micro-batches moved the first
+    one's gradients to the host; the second one's landed on the device, and clip_grad_norm_(model.parameters())
+    measured and clipped that part alone while step() added the unclipped host part."""
+    model = _gpt()
+    plain = copy.deepcopy(model)
+    opt = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, offload_gradients=False)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    batches = _batches(6)
+    for step in range(3):
+        norms = []
+        for m, o in ((model, opt), (plain, ref)):
+            o.zero_grad()
+            for i, (x, y) in enumerate(batches[2 * step: 2 * step + 2]):
+                (_loss(m(x), y) / 2).backward()
+                if i == 0:
+                    assert o.param_groups[0]["lr"] == 1e-2  # a log line between micro-batches
+            params = m.parameters() if clip_over == "model" else [p for g in o.param_groups for p in g["params"]]
+            norms.append(torch.nn.utils.clip_grad_norm_(params, 0.05))
+            o.step()
+        assert norms[1] > 0.05 and torch.equal(norms[0], norms[1])
+        _assert_same_parameters(model, plain)
+
+
 def _plan(*techniques):
     from memtrim.planner.api import Plan
     return Plan(techniques, 0, {}, "optimizer", 1.0, "bitwise", True)

@@ -165,7 +165,7 @@ def _verify(make_model: Callable, make_optimizer: Callable, batch_list: list[tup
         if not comparison.compare(step, "loss", base_loss, loss):
             break
         if compare_grads and not all(
-            comparison.compare(step, f"grad:{name}", a.grad, b.grad) for name, a, b in params
+            comparison.compare(step, f"grad:{name}", a.grad, _gradient(b)) for name, a, b in params
         ):
             break
         # each run's step goes on from its own backward's generators, as in a loop of its own (an optimizer may
@@ -318,6 +318,20 @@ def _is_int(value: Any) -> bool:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _gradient(param: torch.Tensor) -> torch.Tensor | None:
+    """``param``'s gradient where it is: on ``param``, or where a wrapper keeps it (CPUOffloadOptimizer's host copy;
+    NOTE [ gradients held elsewhere ]), brought to ``param``'s device."""
+    from ..techniques.optim.held_elsewhere import gather_gradient, holder_of  # here: techniques import this module
+
+    gather_gradient(param)
+    holder = holder_of(param)
+    if holder is None or holder.grad is None:
+        return param.grad
+    if param.device.type == "cuda":
+        torch.cuda.synchronize(param.device)  # the gradient was copied to the host asynchronously
+    return holder.grad.to(param.device)
 
 
 def _is_in_backward(optimizer: Any) -> bool:

@@ -13,6 +13,11 @@ reach the gradient where it is, as they reach ``param.grad`` without the wrapper
   any parameter is registered). Without it the device gradients it would clear were already gone, the host ones
   stayed, and the next step used the sum of every step's gradients.
 
+* Where a gradient is in two places (a wrapper that moves gradients only when asked, asked between two
+  micro-batches: the first part waits in the holder, the later ones accumulated on the parameter), the clip first
+  adds the parameter's part to the holder's (:func:`gather_gradient`), as the step would: it measures and clips the
+  whole gradient, not the last micro-batches'.
+
 Not seen: a hand-written ``param.grad = None`` (no hook exists for it): use ``opt.zero_grad()`` or
 ``model.zero_grad()`` with such a wrapper.
 """
@@ -25,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["hold_gradient_elsewhere", "holder_of", "holders_with_gradients"]
+__all__ = ["add_to_holder", "gather_gradient", "hold_gradient_elsewhere", "holder_of", "holders_with_gradients"]
 
 _HOLDERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> the tensor whose .grad is its gradient
 _original_zero_grad: Any = None
@@ -49,6 +54,27 @@ def holder_of(param: Any) -> torch.Tensor | None:
     if not _HOLDERS or not isinstance(param, torch.Tensor) or param.grad is not None:
         return None
     return _HOLDERS.get(param)
+
+
+def add_to_holder(holder: torch.Tensor, grad: torch.Tensor) -> None:
+    """Accumulate ``grad`` into ``holder.grad`` (moved to the holder's device), as autograd accumulates."""
+    if holder.grad is None:  # an asynchronous copy from an accelerator: read only after a synchronize (step())
+        holder.grad = grad.to(holder.device, non_blocking=grad.device.type == "cuda")
+    else:  # added at once on the host: copied synchronously (an asynchronous copy could still be in flight)
+        holder.grad.add_(grad.to(holder.device))
+
+
+@torch.no_grad()
+def gather_gradient(param: Any) -> None:
+    """Where part of ``param``'s gradient waits in its holder and part on ``param`` itself, add the part on
+    ``param`` to the holder's and free it (NOTE [ gradients held elsewhere ])."""
+    if not _HOLDERS or not isinstance(param, torch.Tensor) or param.grad is None:
+        return
+    holder = _HOLDERS.get(param)
+    if holder is None or holder.grad is None or holder.shape != param.shape or holder.dtype != param.dtype:
+        return
+    add_to_holder(holder, param.grad)
+    param.grad = None
 
 
 def holders_with_gradients() -> bool:

@@ -73,7 +73,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..._signatures import not_owned
 from ...errors import InvalidInputError, MemtrimStateError, OptimizerInBackwardError
 from ...measure import hooks as measure_hooks
-from .held_elsewhere import holder_of, holders_with_gradients
+from .held_elsewhere import gather_gradient, holder_of, holders_with_gradients
 from .wrapping import WrappedOptimizerView
 
 __all__ = ["OptimizerInBackward", "OptimizerInBackwardError"]
@@ -1309,6 +1309,8 @@ def _check_clip(parameters: Any, name: str, option: str) -> Any:
         wrapper = owner() if owner is not None else None
         if wrapper is not None and wrapper._open and param.grad is None and id(param) in wrapper._stepped:
             raise _clip_error(name, option)
+    for param in params:
+        gather_gradient(param)  # a gradient partly in its holder, partly on the parameter: all in the holder
     if any(holder_of(p) is not None for p in params):  # NOTE [ gradients held elsewhere ]: clip where they are
         moved = [p if (holder := holder_of(p)) is None else holder for p in params]
         if isinstance(parameters, torch.Tensor):

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from ...errors import InvalidInputError, MemtrimStateError
-from ..optim.held_elsewhere import hold_gradient_elsewhere
+from ..optim.held_elsewhere import add_to_holder, hold_gradient_elsewhere
 from ..optim.wrapping import WrappedOptimizerView
 
 _API = "memtrim.CPUOffloadOptimizer"
@@ -180,7 +180,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         for device_param, host_param in getattr(self, "_pairs", ()):
             if device_param.grad is not None:
                 _check_unchanged_layout(device_param, host_param)
-                _add_grad(host_param, device_param.grad)
+                add_to_holder(host_param, device_param.grad)
                 device_param.grad = None
 
     @property
@@ -262,14 +262,6 @@ def _check_unchanged_layout(device_param: torch.Tensor, host_param: torch.Tensor
         )
 
 
-def _add_grad(host_param: torch.Tensor, grad: torch.Tensor) -> None:
-    moved = grad.to(host_param.device, non_blocking=grad.device.type == "cuda")
-    if host_param.grad is None:
-        host_param.grad = moved
-    else:
-        host_param.grad.add_(moved)
-
-
 class _GradToHost:
     """A post-accumulate-grad hook: the gradient goes to the host copy and is freed on the device."""
 
@@ -284,5 +276,5 @@ class _GradToHost:
             return
         _check_unchanged_layout(param, self.host_param)
         with torch.no_grad():
-            _add_grad(self.host_param, param.grad)
+            add_to_holder(self.host_param, param.grad)
         param.grad = None
