@@ -646,3 +646,25 @@ def test_without_a_cache_or_with_a_read_only_one_trains_as_plain():
         model(x, use_cache=use_cache).backward()
         for p, q in zip(plain.parameters(), model.parameters()):
             assert torch.equal(p.grad, q.grad)
+
+
+def test_torch_save_of_a_checkpointed_model_loads_checkpointed():
+    # torch.load failed: "object has no attribute '_checkpointed_forward'" (a bound method pickles by name)
+    import io
+
+    torch.manual_seed(0)
+    plain = SmallGPT(CFG)
+    treated = copy.deepcopy(plain)
+    memtrim.checkpoint_modules(treated, Block)
+    buffer = io.BytesIO()
+    torch.save(treated, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.blocks[0].forward.__self__ is loaded.blocks[0]
+    batches = gpt_batches()
+    outs_a, grads_a = train(plain, batches, lm_loss)
+    outs_b, grads_b = train(loaded, batches, lm_loss)
+    assert_same(outs_a, outs_b)
+    assert_same(grads_a, grads_b)
+    loaded.blocks[0]._memtrim_checkpointed.remove()
+    assert "forward" not in vars(loaded.blocks[0])

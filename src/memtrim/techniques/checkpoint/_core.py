@@ -1,12 +1,12 @@
 """Per-module and selective (per-op) activation checkpointing, in place.
 
 NOTE [ checkpointed forward ]
-A chosen module's ``forward`` is replaced, on the instance, by ``_checkpointed_forward`` bound with
-``types.MethodType`` (so ``copy.deepcopy`` binds it to the copy), which calls the class's forward (or a forward
-the instance had before) through ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False,
-preserve_rng_state=True)``. The module object, its name, parameters, buffers, hooks and ``state_dict`` keys stay
-as they were; ``CheckpointHandle.remove()`` deletes the instance attribute again. Without grad mode it runs the
-forward plainly.
+A chosen module's ``forward`` is replaced, on the instance, by ``_checkpointed_forward`` bound as an
+``InstanceForward`` (a bound method that ``copy.deepcopy`` binds to the copy and ``torch.save(model)`` pickles),
+which calls the class's forward (or a forward the instance had before) through
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False, preserve_rng_state=True)``. The module object, its
+name, parameters, buffers, hooks and ``state_dict`` keys stay as they were; ``CheckpointHandle.remove()`` deletes the
+instance attribute again. Without grad mode it runs the forward plainly.
 
 With convert: torch saves the module's inputs for the recomputation through the saved-tensor hooks, and
 ``_checkpointed_forward`` makes that save a recipe consumer scope, so an input that convert rebuilds anyway (a
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import types
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -53,6 +52,7 @@ from torch import nn
 from ..._signatures import accepts
 from ...errors import InvalidInputError, MemtrimStateError, MissingDependencyError
 from ...measure.hooks import hold_for_backward
+from .._bound import InstanceForward
 from .._generators import GeneratorDraws
 from ..recompute import recipes_honoured
 
@@ -336,8 +336,8 @@ def _savable(value: Any) -> Any:
 
 
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """Bound to the module with ``types.MethodType``, so that ``copy.deepcopy`` of the model binds it to the copy
-    (a closure over the module would keep calling the original)."""
+    """Bound to the module as an ``InstanceForward``, so that ``copy.deepcopy`` of the model binds it to the copy
+    (a closure over the module would keep calling the original) and a pickled model loads."""
     inner = self.__dict__.get(_INNER) or functools.partial(type(self).forward, self)
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
@@ -422,7 +422,7 @@ def checkpoint_modules(model: nn.Module, modules: ModuleSelector, *, policy: Pol
     for _, module in chosen:
         if "forward" in module.__dict__:  # a forward set on the instance by someone else: keep and call it
             setattr(module, _INNER, module.__dict__["forward"])
-        module.forward = types.MethodType(_checkpointed_forward, module)
+        module.forward = InstanceForward(_checkpointed_forward, module)
         setattr(module, _MARK, handle)
         handle._modules.append(module)
     return handle

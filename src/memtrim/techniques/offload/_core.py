@@ -23,7 +23,6 @@ sets on ``ctx``. ``torch.func`` transforms and a compiled backward refuse saved-
 
 from __future__ import annotations
 
-import types
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +32,7 @@ from torch import nn
 
 from ...errors import InvalidInputError, MemtrimStateError
 from ...measure.hooks import check_saved_version
+from .._bound import InstanceForward
 
 _API = "memtrim.offload_module"
 _MARK = "_memtrim_offloaded"
@@ -259,6 +259,6 @@ def offload_module(model: nn.Module, *, min_bytes: int = 1 << 20, include_cpu: b
     )
     handle = OffloadHandle(min_bytes=min_bytes, note=note, _model=model,
                            _options={"include_cpu": include_cpu, "host": host})
-    model.forward = types.MethodType(_offloaded_forward, model)
+    model.forward = InstanceForward(_offloaded_forward, model)
     model.__dict__[_MARK] = handle
     return handle
