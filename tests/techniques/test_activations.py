@@ -131,6 +131,17 @@ def test_masked_gradients_bitwise(name):
     assert torch.equal(g, g_ref)
 
 
+@pytest.mark.parametrize("name", list(MASKED))
+def test_masked_gradients_at_special_values_are_torchs(name):
+    # torch's relu and hardtanh backward zero where the output is at or past a bound, so a NaN passes its gradient;
+    # the mask said "inside" only where a comparison was true, and gave 0 there
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, -1.0, 1.0, 6.0, 3.0, -3.0, 7.0])
+    grad_out = torch.linspace(1.0, 2.0, x.numel())
+    _, g = grad_of(MASKED[name], x, grad_out)
+    _, g_ref = grad_of(CASES[name][0], x, grad_out)
+    assert torch.equal(g, g_ref)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_keeps_exactly_the_tensor_it_says(name):
     # catches a technique that quietly does nothing: an output-keeping activation must keep its output's storage

@@ -103,7 +103,7 @@ class _ReLU(_Rule):
         return torch.ops.aten.threshold_backward(grad, y, 0)
 
     def mask(self, y):
-        return y > 0
+        return ~(y <= 0)  # torch's threshold_backward zeroes where y <= 0: a NaN passes its gradient
 
     def grad_from_mask(self, grad, mask):
         return torch.where(mask, grad, grad.new_zeros(()))
@@ -148,7 +148,7 @@ class _Hardtanh(_Rule):
         return torch.ops.aten.hardtanh_backward(grad, y, self.low, self.high)
 
     def mask(self, y):
-        return (y > self.low) & (y < self.high)
+        return ~((y <= self.low) | (y >= self.high))  # as torch's hardtanh_backward: a NaN passes its gradient
 
     def grad_from_mask(self, grad, mask):
         return torch.where(mask, grad, grad.new_zeros(()))
