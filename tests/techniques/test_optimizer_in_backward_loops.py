@@ -621,3 +621,18 @@ def test_wrapping_an_offloading_optimizer_names_the_fix():
     offload = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
     with pytest.raises(memtrim.InvalidInputError, match=r"(?s)CPUOffloadOptimizer.*already moves"):
         memtrim.OptimizerInBackward(offload, model=model)
+
+
+def test_two_wrappers_with_clip_grad_norm_on_one_backward_name_the_case():
+    # matrices in one optimizer, the rest in another (Muon + AdamW): the message said "call opt.backward(loss)
+    # instead of loss.backward()", which the user had done
+    model = net()
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    others = [p for p in model.parameters() if p.dim() != 2]
+    opt_a = wrap(torch.optim.SGD(matrices, lr=0.1), model, clip_grad_norm=1.0)
+    opt_b = wrap(torch.optim.AdamW(others, lr=1e-2), model, clip_grad_norm=1.0)
+    x, y = batches(1)[0]
+    opt_a.zero_grad()
+    opt_b.zero_grad()
+    with pytest.raises(Error, match=r"(?s)one wrapper with clip_grad_norm=.*one optimizer"):
+        opt_a.backward(F.cross_entropy(model(x), y))

@@ -586,6 +586,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         # a backward that draws random numbers (a gradient-noise hook) draws the same in both passes: the norm is
         # measured on the gradient the update applies, and the generators end where one pass leaves them
         rng = _rng_states()
+        _TWO_PASSES.wrapper = self
         try:
             loss.backward(retain_graph=True, **kwargs)
             self._conclude_measure()
@@ -596,6 +597,7 @@ class OptimizerInBackward(WrappedOptimizerView):
             _set_rng_states(rng)
             loss.backward(retain_graph=retain, **kwargs)
         finally:
+            _TWO_PASSES.wrapper = None
             self._pass = None
             self._norms.clear()
 
@@ -671,6 +673,16 @@ class OptimizerInBackward(WrappedOptimizerView):
             self._raise_second_gradient(param)
         if self._two_passes and self._pass is None and not self._deferred:
             self._close_step()
+            other = getattr(_TWO_PASSES, "wrapper", None)
+            if other is not None and other is not self:
+                raise OptimizerInBackwardError(
+                    "OptimizerInBackward: expected one wrapper with clip_grad_norm= or a GradScaler per backward, but "
+                    "another wrapper's opt.backward(loss) reached parameters of this one, which also needs every "
+                    "gradient first. Two wrappers cannot measure one global norm (the standard loop's "
+                    "clip_grad_norm_(model.parameters()) over both optimizers' parameters). Put the parameters in "
+                    "one optimizer (param groups for their settings) and one wrapper, or clip by value "
+                    "(clip_grad_value=), or train without OptimizerInBackward."
+                )
             raise OptimizerInBackwardError(
                 "OptimizerInBackward: clip_grad_norm and a GradScaler need every gradient before any "
                 "update; call opt.backward(loss) instead of loss.backward()."
@@ -1277,6 +1289,7 @@ def _norm(grad: torch.Tensor) -> torch.Tensor:
 # seen, but the clip_grads_with_norm_ that follows it is.
 
 _WRAPPERS: weakref.WeakSet = weakref.WeakSet()  # every live wrapper (get_total_norm's check)
+_TWO_PASSES = threading.local()  # the wrapper running opt.backward(loss)'s two passes on this thread, if any
 _CLIP_DEPTH = threading.local()  # inside a guarded clip_grad_norm_: its own _get_total_norm call is not the user's
 # torch.nn.utils.clip_grad name, the public name, the option to use instead, what the first argument holds
 _CLIP_FUNCTIONS = (
