@@ -1161,3 +1161,31 @@ def test_a_double_backward_is_bitwise_wherever_no_change_says_otherwise(act):
             assert torch.equal(a, b)
     if act in (nn.GELU, nn.SiLU):
         assert any(c.rule == "activation_consumer" for c in report.changes) and not second_order_rounds
+
+
+def test_a_keyboard_interrupt_inside_the_forward_leaves_no_hooks_behind():
+    # nn.Module runs no always_call hook after a BaseException that is no Exception (Ctrl-C in a notebook): the
+    # scopes opened by memtrim's pre-hooks stayed open, their saved-tensor hooks on the thread for good
+    from memtrim.measure.hooks import top_saved_tensors_hooks
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.SiLU(), nn.Linear(32, 32), nn.GELU(),
+                          nn.Linear(32, 32), nn.LeakyReLU(0.1), nn.Linear(32, 4))
+    plain = copy.deepcopy(model)
+    x = torch.randn(6, 8)
+    model, report = memtrim.convert(model, example_inputs=x)
+    assert report.changes
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    for module in model.modules():
+        handle = module.register_forward_pre_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            model(x)
+        handle.remove()
+    for net in (plain, model):
+        net(x).square().sum().backward()
+    assert top_saved_tensors_hooks() is None
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), name

@@ -55,8 +55,8 @@ from ...measure.hooks import check_saved_version, top_saved_tensors_hooks
 from ..guards import RECOMPUTE_HOOKS, in_checkpoint, plain_only, saves_checked
 
 __all__ = [
-    "Recipe", "enter_consumer_scope", "entry_of", "exit_consumer_scope", "is_recomputable", "mark_recomputable",
-    "producing", "recipe_of", "recipes_honoured", "register", "source_of", "tag_output",
+    "Recipe", "enter_consumer_scope", "entry_of", "exit_consumer_scope", "exit_if_on_top", "is_recomputable",
+    "mark_recomputable", "producing", "recipe_of", "recipes_honoured", "register", "source_of", "tag_output",
 ]
 
 
@@ -593,21 +593,50 @@ def _consumer_pack(outer: Any) -> Callable[[torch.Tensor], Any]:
 
 _ALONE = torch.autograd.graph.saved_tensors_hooks(_consumer_pack(None), _unpack)  # a consumer scope's hooks with none
                                                                                   # outside: entered by every such scope
-_local = threading.local()  # .scopes: per-thread stack of the hooks each consumer scope entered (None: none)
+_local = threading.local()  # .scopes: per-thread stack of (id of the scope's module or None, the hooks it entered)
 
 
-def _scopes() -> list[torch.autograd.graph.saved_tensors_hooks | None]:
+def _scopes() -> list[tuple[int | None, torch.autograd.graph.saved_tensors_hooks | None]]:
     stack = getattr(_local, "scopes", None)
     if stack is None:
         stack = _local.scopes = []
     return stack
 
 
-def enter_consumer_scope() -> None:
+def exit_if_on_top(hooks: Any) -> None:
+    """Exit ``hooks`` (saved-tensor hooks entered by a scope whose end never ran) where they are the thread's
+    innermost: exiting pops the innermost, whichever it is."""
+    top = top_saved_tensors_hooks()
+    if top is not None and top[0] is getattr(hooks, "pack_hook", None):
+        hooks.__exit__(None, None, None)
+
+
+def _close_interrupted(stack: list[tuple[int | None, Any]], key: int) -> None:
+    """A scope of the module ``key`` still open when that module starts again: its forward was interrupted by a
+    BaseException that is no Exception (KeyboardInterrupt: Ctrl-C in a notebook), after which nn.Module runs no
+    ``always_call`` hook, so the scope's end never ran and its hooks would stay on this thread. A leaf consumer (a
+    Linear) is never inside its own forward: close that scope and every scope opened after it."""
+    for depth in range(len(stack) - 1, -1, -1):
+        if stack[depth][0] == key:
+            break
+    else:
+        return
+    while len(stack) > depth:
+        hooks = stack.pop()[1]
+        if hooks is not None:
+            exit_if_on_top(hooks)
+
+
+def enter_consumer_scope(owner: object | None = None) -> None:
     """Start a consumer scope on this thread (a no-op inside another, under compile/torch.func, or with grad off).
-    Every call must be matched by :func:`exit_consumer_scope`."""
+    Every call must be matched by :func:`exit_consumer_scope`. ``owner``: the module whose forward the scope spans,
+    if any (a scope of it still open is one an interrupt left behind, and is closed first)."""
     if plain_only():  # before anything else: torch.compile must trace none of this
         return
+    stack = _scopes()
+    key = None if owner is None else id(owner)
+    if stack and key is not None:
+        _close_interrupted(stack, key)
     top = top_saved_tensors_hooks()
     hooks = None
     # inside a checkpointed region a scope stands aside (in_checkpoint): the region's forward would keep a recipe
@@ -618,7 +647,7 @@ def enter_consumer_scope() -> None:
         hooks = _ALONE if top is None else torch.autograd.graph.saved_tensors_hooks(_consumer_pack(_outer_of(top)),
                                                                                    _unpack)
         hooks.__enter__()
-    _scopes().append(hooks)
+    stack.append((key, hooks))
 
 
 def exit_consumer_scope() -> None:
@@ -626,7 +655,7 @@ def exit_consumer_scope() -> None:
     if plain_only():
         return
     stack = _scopes()
-    hooks = stack.pop() if stack else None
+    hooks = stack.pop()[1] if stack else None
     if hooks is not None:
         hooks.__exit__(None, None, None)
 

@@ -25,6 +25,7 @@ from ._core import (
     enter_consumer_scope,
     entry_of,
     exit_consumer_scope,
+    exit_if_on_top,
     is_recomputable,
     producing,
     register,
@@ -114,7 +115,7 @@ def _active() -> bool:
 
 # ---------------------------------------------------------------------- consumer scopes
 def _enter(module: nn.Module, args: Any) -> None:
-    enter_consumer_scope()
+    enter_consumer_scope(module)
 
 
 def _exit(module: nn.Module, args: Any, output: Any) -> None:
@@ -189,11 +190,16 @@ class _OutputRecipe:
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if plain_only():  # torch.compile must trace none of this
             return
+        scopes = self._scopes()
+        while scopes:  # left open by an interrupted forward (see recompute._core._close_interrupted): a norm or an
+            stale = scopes.pop()  # activation is never inside its own forward
+            if stale is not None:
+                exit_if_on_top(stale)
         scope: producing | None = None
         if _active() and (self.under_autocast or not _autocast_on(args, kwargs)):
             scope = producing()
             scope.__enter__()
-        self._scopes().append(scope)
+        scopes.append(scope)
 
     def post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         if plain_only():
@@ -525,7 +531,7 @@ class _GatedMLP:
         if plain_only():
             return
         self._state().clear()
-        enter_consumer_scope()
+        enter_consumer_scope(module)
 
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
         if plain_only():
