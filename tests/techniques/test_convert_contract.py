@@ -1189,3 +1189,22 @@ def test_a_keyboard_interrupt_inside_the_forward_leaves_no_hooks_behind():
     assert top_saved_tensors_hooks() is None
     for (name, a), b in zip(plain.named_parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, lambda: nn.LeakyReLU(0.1)])
+def test_batchnorms_rebuilt_by_class_after_convert_raise_instead_of_dropping_the_activation(act):
+    # SyncBatchNorm.convert_sync_batchnorm (the line before DDP) rebuilt a fused BatchNorm as torch's SyncBatchNorm,
+    # without the activation it had absorbed: the activation's module, an identity now, let the model compute
+    # another function, silently
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), act(), nn.Conv2d(8, 8, 3), nn.BatchNorm2d(8), act(),
+                          nn.Conv2d(8, 4, 1))
+    x = torch.randn(2, 3, 12, 12)
+    model, report = memtrim.convert(model, example_inputs=x)
+    assert any(type(m).__name__ == "Absorbed" for m in model.modules())
+    model(x).sum().backward()  # converted as it is: fine
+    synced = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    for mode, grad in (("train", True), ("eval", True), ("eval", False)):
+        getattr(synced, mode)()
+        with torch.set_grad_enabled(grad), pytest.raises(memtrim.ConvertError, match=r"(?s)SyncBatchNorm.*before"):
+            synced(x)

@@ -22,9 +22,9 @@ from ..errors import ConvertError
 from ..measure.hooks import top_saved_tensors_hooks
 
 __all__ = [
-    "CONVERTED", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS", "autocasting", "fx_tracing", "in_checkpoint",
-    "inplace_error", "memtrims", "no_double_backward", "owner", "plain_only", "refuse_later_hooks", "saved_tensors",
-    "saves_checked",
+    "CONVERTED", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS", "activated", "autocasting", "fx_tracing",
+    "in_checkpoint", "inplace_error", "mark_activated", "memtrims", "no_double_backward", "owner", "plain_only",
+    "refuse_later_hooks", "saved_tensors", "saves_checked",
 ]
 
 
@@ -50,6 +50,26 @@ def fx_tracing() -> bool:
     inputs are proxies, with no shape or value to check. (torch's ``is_fx_tracing()`` reads the same flag, and from
     torch 2.9 logs a warning at its first call.)"""
     return bool(getattr(_SYMBOLIC_TRACE, "_is_fx_tracing_flag", False))
+
+
+_ACTIVATED = "_memtrim_activated"  # on a fused BatchNorm's output: the activation after it is applied already
+
+
+def mark_activated(output: torch.Tensor) -> torch.Tensor:
+    """Mark ``output`` as a fused BatchNorm's, its activation applied: the module that was that activation, an
+    identity now (convert's ``Absorbed``), checks its input for the mark, so a BatchNorm replaced after convert by a
+    tool that rebuilds BatchNorms by class (``SyncBatchNorm.convert_sync_batchnorm``), without the activation, raises
+    instead of leaving the activation out."""
+    try:
+        setattr(output, _ACTIVATED, True)
+    except (AttributeError, TypeError):  # a tensor subclass without a __dict__: nothing checks it then
+        pass
+    return output
+
+
+def activated(input: Any) -> bool:
+    """Whether ``input`` is a fused BatchNorm's output (:func:`mark_activated`), or cannot carry the mark."""
+    return getattr(input, _ACTIVATED, False) or not hasattr(input, "__dict__")
 
 
 def plain_only() -> bool:

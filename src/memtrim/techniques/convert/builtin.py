@@ -20,9 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...errors import ConvertError
 from ..activations import modules as lean
 from ..activations import softplus_keeps_output
-from ..guards import INPUT_HOOKS, refuse_later_hooks
+from ..guards import INPUT_HOOKS, activated, plain_only, refuse_later_hooks
 from ..norms import (
     BatchNormAct1d,
     BatchNormAct2d,
@@ -95,6 +96,15 @@ class Absorbed(nn.Identity):
     def forward(self, input: Any) -> Any:
         """``input`` itself: its neighbour did this module's work."""
         refuse_later_hooks(self, "this activation is an identity now: the BatchNorm before it applies it", INPUT_HOOKS)
+        if not activated(input) and not plain_only():
+            into = getattr(self, "memtrim_absorbed_into", "?")
+            raise ConvertError(
+                f"memtrim.convert: expected the output of {into}, which applies this activation since convert, but "
+                f"this module (an identity now) got another tensor: {into} was replaced after convert (torch's "
+                "SyncBatchNorm.convert_sync_batchnorm, timm's freeze_batch_norm_2d and other tools that rebuild "
+                "BatchNorms by class make torch's BatchNorm, without the activation), or the module is called on "
+                "something else. Run such tools before memtrim.convert, or leave the pair out (module_filter)."
+            )
         return input
 
 

@@ -39,7 +39,7 @@ import functools
 import torch
 from torch import nn
 
-from ..guards import OUTPUT_HOOKS, fx_tracing, owner, plain_only, refuse_later_hooks
+from ..guards import OUTPUT_HOOKS, fx_tracing, mark_activated, owner, plain_only, refuse_later_hooks
 from ..recompute._core import enter_consumer_scope, exit_consumer_scope, mark_recomputable
 from .norm_act import batchnorm_arguments, refuse_fx_trace
 
@@ -106,14 +106,17 @@ class _BatchNormReLU(nn.modules.batchnorm._BatchNorm):
         if fx_tracing():
             refuse_fx_trace(self)
         self._check_input_dim(input)
-        if not torch.is_grad_enabled() or plain_only():  # nothing kept, or compile/torch.func: torch's own ops
+        plain = plain_only()
+        if not torch.is_grad_enabled() or plain:  # nothing kept, or compile/torch.func: torch's own ops
             factor, bn_training, running_mean, running_var = batchnorm_arguments(self, input)
             out = nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias, bn_training,
                                            factor, self.eps)
             # fused at one call of a shared ReLU (convert's batchnorm_relu_call_site): that PassThroughReLU relus
             # it there, as in the unconverted model (relu'd twice in place, autograd's check would refuse it)
-            return out if getattr(self, "memtrim_relu_follows", False) else torch.relu_(out)
-        return _batchnorm_relu(self, input)
+            if getattr(self, "memtrim_relu_follows", False):
+                return out
+            return torch.relu_(out) if plain else mark_activated(torch.relu_(out))
+        return mark_activated(_batchnorm_relu(self, input))
 
 
 class BatchNormReLU1d(_BatchNormReLU, nn.BatchNorm1d):

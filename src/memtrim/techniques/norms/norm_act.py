@@ -32,6 +32,7 @@ from ..guards import (
     OUTPUT_HOOKS,
     autocasting,
     fx_tracing,
+    mark_activated,
     no_double_backward,
     owner,
     plain_only,
@@ -228,15 +229,15 @@ class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
             out = nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                            bn_training, factor, self.eps)
             if self.activation == "leaky_relu":
-                return nn.functional.leaky_relu_(out, param)
-            if self.activation == "elu":
-                return nn.functional.elu_(out, param)
-            return out
+                out = nn.functional.leaky_relu_(out, param)
+            elif self.activation == "elu":
+                out = nn.functional.elu_(out, param)
+            return out if plain_only() else mark_activated(out)
         if not bn_training and (running_mean is None or running_var is None):
             raise InvalidInputError(f"memtrim.nn.{type(self).__name__}: eval mode needs running statistics.")
-        return _BatchNormActFunction.apply(input, self.weight, self.bias, running_mean, running_var, bn_training,
-                                           factor, self.eps, self.activation, param, self.gamma_threshold,
-                                           owner(self))
+        return mark_activated(_BatchNormActFunction.apply(
+            input, self.weight, self.bias, running_mean, running_var, bn_training, factor, self.eps, self.activation,
+            param, self.gamma_threshold, owner(self)))
 
 
 class BatchNormAct1d(_BatchNormAct, nn.BatchNorm1d):
