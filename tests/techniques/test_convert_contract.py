@@ -1208,3 +1208,71 @@ def test_batchnorms_rebuilt_by_class_after_convert_raise_instead_of_dropping_the
         getattr(synced, mode)()
         with torch.set_grad_enabled(grad), pytest.raises(memtrim.ConvertError, match=r"(?s)SyncBatchNorm.*before"):
             synced(x)
+
+
+def test_every_modules_training_mode_is_kept():
+    # convert traced in training mode and then called model.train(mode): a frozen BatchNorm (model.train() then
+    # bn.eval(), as fine-tuning and detection do) trained its running statistics again, and MC dropout was switched off
+    from memtrim.models.torchvision_resnet import TorchvisionBasicBlock, TorchvisionResNet
+
+    torch.manual_seed(0)
+    model = TorchvisionResNet(TorchvisionBasicBlock, [1, 1, 1, 1], num_classes=10, planes=(4, 8, 8, 8), stem=4)
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.eval()
+    plain = copy.deepcopy(model)
+    before = [m.training for m in model.modules()]
+    x = torch.randn(2, 3, 32, 32)
+    model, report = memtrim.convert(model, example_inputs=x)
+    assert report.changes
+    assert [m.training for m in model.modules()] == before
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, model)]
+    for _ in range(2):
+        for net, opt in zip((plain, model), opts):
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
+    for (name, a), b in zip(plain.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+    mc = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Dropout(0.5), nn.Linear(16, 4)).eval()
+    mc[2].train()  # Monte Carlo dropout
+    mc, _ = memtrim.convert(mc, example_inputs=torch.randn(4, 8))
+    assert [m.training for m in mc.modules()] == [False, False, False, True, False]
+
+
+def test_convert_leaves_the_models_own_generator_and_pythons_random_where_they_were():
+    # a model drawing its dropout from its own torch.Generator trained with other masks after convert (which runs the
+    # forward to trace and measure), even where convert changed nothing
+    import random
+
+    import numpy as np
+
+    class OwnGenerator(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.ln, self.fc2 = nn.Linear(8, 32), nn.LayerNorm(32), nn.Linear(32, 2)
+            self.gen = torch.Generator().manual_seed(1234)
+
+        def forward(self, x):
+            h = self.ln(self.fc1(x))
+            if self.training:
+                h = h * (torch.rand(h.shape, generator=self.gen) > 0.3) / 0.7
+                h = h * (1 + 0 * random.random() + 0 * float(np.random.rand()))  # draws from both
+            return self.fc2(F.gelu(h))
+
+    torch.manual_seed(0)
+    plain = OwnGenerator()
+    model = copy.deepcopy(plain)
+    random.seed(3)
+    np.random.seed(3)
+    model, _ = memtrim.convert(model, example_inputs=torch.randn(4, 8))
+    assert torch.equal(model.gen.get_state(), plain.gen.get_state())
+    assert random.random() == random.Random(3).random()
+    assert float(np.random.rand()) == float(np.random.RandomState(3).rand())
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 0, 1])
+    for net in (plain, model):
+        F.cross_entropy(net(x), y).backward()
+    for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), name

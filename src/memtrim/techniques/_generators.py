@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import MemtrimError
 
-__all__ = ["GeneratorDraws"]
+__all__ = ["GeneratorDraws", "GeneratorsKept"]
 
 
 class GeneratorDraws(TorchFunctionMode):
@@ -73,3 +73,27 @@ class GeneratorDraws(TorchFunctionMode):
             f"but {found} when recomputed in backward; it must compute the same function again. Draw the same numbers "
             f"in every call (no draws that depend on a call count), or {self.advice}."
         )
+
+
+class GeneratorsKept(TorchFunctionMode):
+    """Every ``torch.Generator`` passed to a torch call inside is put back on exit to its state before its first such
+    call: :func:`memtrim.convert`'s traces and measurements run the model's forward, and must leave a model's own
+    generator (``torch.rand(..., generator=self.gen)``) where it was, as they leave the global ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Generator) and id(value) not in self.first:
+                self.first[id(value)] = (value, value.get_state())
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            for generator, state in self.first.values():
+                generator.set_state(state)

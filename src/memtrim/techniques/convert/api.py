@@ -29,6 +29,8 @@ NOTE [ how convert decides ]
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,6 +42,7 @@ from ...errors import InvalidInputError
 from ...measure import track
 from ...measure.hooks import tensors_in
 from ...proof.compare import bitwise_equal
+from .._generators import GeneratorsKept
 from ..guards import CONVERTED
 from . import builtin as _builtin  # noqa: F401  (registers the built-in rules)
 from .evidence import buffers_kept, collect, fresh_inputs, fx_evidence, split_inputs
@@ -103,11 +106,20 @@ def convert(
 
 @contextlib.contextmanager
 def as_training(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
-    """Tracing and measuring draw from no RNG (the global and CUDA generators are restored after), and see what
-    autograd keeps in training: grad on, even when called under torch.no_grad() or torch.inference_mode()."""
-    with torch.random.fork_rng(devices=_cuda_devices(model, (args, kwargs))), torch.inference_mode(False), \
-            torch.enable_grad():
-        yield
+    """Tracing and measuring draw from no RNG (the global and CUDA generators, every torch.Generator the model passes
+    to a torch call, Python's ``random`` and NumPy's global generator are restored after), and see what autograd keeps
+    in training: grad on, even when called under torch.no_grad() or torch.inference_mode()."""
+    numpy = sys.modules.get("numpy")  # imported by the user's code, or not at all
+    python_state = random.getstate()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    try:
+        with torch.random.fork_rng(devices=_cuda_devices(model, (args, kwargs))), torch.inference_mode(False), \
+                torch.enable_grad(), GeneratorsKept():
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)
 
 
 def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], given: bool,

@@ -357,8 +357,9 @@ class _ParametersWritten(TorchDispatchMode):
 
 
 class buffers_kept:  # noqa: N801 - a context manager read like a function
-    """Snapshot ``model``'s buffers and restore them on exit, with its training mode. Parameters (and buffers) are
-    restored too where the forward changes them: written in place (copied on the first write, see
+    """Snapshot ``model``'s buffers and restore them on exit, with every module's training mode (a frozen BatchNorm
+    in a training model, dropout kept on in an evaluating one: ``model.train(mode)`` alone set them all). Parameters
+    (and buffers) are restored too where the forward changes them: written in place (copied on the first write, see
     :class:`_ParametersWritten`), their ``.data`` replaced, or the module attribute reassigned."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -366,6 +367,7 @@ class buffers_kept:  # noqa: N801 - a context manager read like a function
 
     def __enter__(self) -> None:
         self.training = self.model.training
+        self.modes = [(m, m.training) for m in self.model.modules()]
         self.buffers = [(b, b.clone()) for b in self.model.buffers()]
         # (lazy parameters are left alone: the forward materialises them, as it would without convert)
         self.slots = [(slots, name, t, t.data) for m in self.model.modules()
@@ -384,7 +386,9 @@ class buffers_kept:  # noqa: N801 - a context manager read like a function
             self.written.restore()
             for b, saved in self.buffers:
                 b.copy_(saved)
-        self.model.train(self.training)
+        self.model.train(self.training)  # a module's own train() runs, as it did before (it may do more)
+        for module, mode in self.modes:
+            module.training = mode
 
 
 def collect(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
