@@ -15,7 +15,9 @@ class Change:
     without example inputs), and what the converted module no longer supports (``limits``; empty where it does
     everything torch's does). ``rule`` names the registered rule that made it. ``bitwise``: training with the
     change gives torch's gradients bit for bit; False where they agree to rounding (a tensor rebuilt from another,
-    or a gradient computed from the output: its ``limits`` say which)."""
+    or a gradient computed from the output: its ``limits`` say which). It speaks of first derivatives (``backward()``
+    of a loss); where a second derivative (a gradient penalty, ``create_graph=True``) agrees to rounding only, or is
+    refused, ``limits`` says so."""
 
     modules: tuple[str, ...]
     before: str
