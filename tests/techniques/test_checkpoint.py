@@ -3,6 +3,7 @@ compositions with convert, ReversibleSequential and OptimizerInBackward, its act
 
 import collections
 import copy
+import io
 
 import pytest
 import torch
@@ -522,13 +523,24 @@ def test_buffers_read_before_update_and_graph_retained(policy):
     assert_models_same(plain, treated)
 
 
-def test_deepcopy_of_a_checkpointed_model_is_checkpointed_and_independent():
-    needs_selective()
+def _pickled(model):
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("copier, policy", [(copy.deepcopy, "save_matmuls"), (_pickled, None)])
+def test_a_copy_of_a_checkpointed_model_is_checkpointed_and_independent(copier, policy):
+    # torch.load of a torch.save(model) failed: "object has no attribute '_checkpointed_forward'" (a bound method
+    # pickles by name)
+    if policy is not None:
+        needs_selective()
     torch.manual_seed(0)
     plain = SmallGPT(CFG)
     treated = copy.deepcopy(plain)
-    memtrim.checkpoint_modules(treated, Block, policy="save_matmuls")
-    copied = copy.deepcopy(treated)
+    memtrim.checkpoint_modules(treated, Block, policy=policy)
+    copied = copier(treated)
     assert copied.blocks[0].forward.__self__ is copied.blocks[0]
     batches = gpt_batches()
     outs_a, grads_a = train(plain, batches, lm_loss)
@@ -646,25 +658,3 @@ def test_without_a_cache_or_with_a_read_only_one_trains_as_plain():
         model(x, use_cache=use_cache).backward()
         for p, q in zip(plain.parameters(), model.parameters()):
             assert torch.equal(p.grad, q.grad)
-
-
-def test_torch_save_of_a_checkpointed_model_loads_checkpointed():
-    # torch.load failed: "object has no attribute '_checkpointed_forward'" (a bound method pickles by name)
-    import io
-
-    torch.manual_seed(0)
-    plain = SmallGPT(CFG)
-    treated = copy.deepcopy(plain)
-    memtrim.checkpoint_modules(treated, Block)
-    buffer = io.BytesIO()
-    torch.save(treated, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    assert loaded.blocks[0].forward.__self__ is loaded.blocks[0]
-    batches = gpt_batches()
-    outs_a, grads_a = train(plain, batches, lm_loss)
-    outs_b, grads_b = train(loaded, batches, lm_loss)
-    assert_same(outs_a, outs_b)
-    assert_same(grads_a, grads_b)
-    loaded.blocks[0]._memtrim_checkpointed.remove()
-    assert "forward" not in vars(loaded.blocks[0])

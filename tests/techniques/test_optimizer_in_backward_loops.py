@@ -61,6 +61,16 @@ def one_step(model, opt, x, y):
     F.cross_entropy(model(x), y).backward()
 
 
+def backward_clipped(loss, model, opt, wrapped, max_norm):
+    """``wrapped.backward(loss)`` where ``opt`` is the wrapper (built with ``clip_grad_norm=max_norm``), else the usual
+    ``loss.backward()`` and ``clip_grad_norm_(model.parameters(), max_norm)``."""
+    if opt is wrapped:
+        opt.backward(loss)
+    else:
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
 def updated_in_backward(make_optimizer, **options):
     """``net()`` and its wrapped ``make_optimizer(params)`` after one batch's backward in an open step: the
     parameters were updated inside it and their gradients freed."""
@@ -275,12 +285,7 @@ def test_users_hook_registered_after_zero_grad_with_two_passes():
             if opt is opt_b and i == 0:
                 for p in b.parameters():
                     p.register_post_accumulate_grad_hook(halve)
-            loss = 10 * F.cross_entropy(model(x), y)
-            if opt is opt_b:
-                opt.backward(loss)
-            else:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            backward_clipped(10 * F.cross_entropy(model(x), y), model, opt, opt_b, 0.1)
             opt.step()
     assert_same(a, b, moved_from=net())
 
@@ -513,6 +518,23 @@ def layer_norm_net(seed=0):
                          nn.ReLU(), nn.Linear(64, 10))
 
 
+def clipped_steps(a, opt_a, b, opt_b, x, y, max_norm):
+    """One step of the usual loop (``clip_grad_norm_(a.parameters(), max_norm)``) and one of the wrapper built with
+    ``clip_grad_norm=max_norm``; checks that the wrapper measured the same norm, bit for bit, and trained the same.
+    Returns the norm and the usual loop's gradients before clipping (by parameter id)."""
+    opt_a.zero_grad()
+    F.cross_entropy(a(x), y).backward()
+    grads = {id(p): p.grad.clone() for p in a.parameters()}
+    norm = torch.nn.utils.clip_grad_norm_(a.parameters(), max_norm)
+    opt_a.step()
+    opt_b.zero_grad()
+    opt_b.backward(F.cross_entropy(b(x), y))
+    opt_b.step()
+    assert torch.equal(opt_b.last_total_norm, norm)
+    assert_same(a, b)
+    return norm, grads
+
+
 def test_clip_grad_norm_sums_in_the_models_order_with_decay_groups():
     a = layer_norm_net()
     b = copy.deepcopy(a)
@@ -521,18 +543,10 @@ def test_clip_grad_norm_sums_in_the_models_order_with_decay_groups():
     orders_differ = 0
     for _ in range(30):
         x, y = torch.randn(16, 32, generator=g) * 5, torch.randint(0, 10, (16,), generator=g)
-        opt_a.zero_grad()
-        F.cross_entropy(a(x), y).backward()
-        grads_in_group_order = [p.grad for group in opt_a.param_groups for p in group["params"]]
-        by_groups = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in grads_in_group_order]))
-        norm = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.5)
+        norm, grads = clipped_steps(a, opt_a, b, opt_b, x, y, 0.5)
+        in_group_order = [grads[id(p)] for group in opt_a.param_groups for p in group["params"]]
+        by_groups = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in in_group_order]))
         orders_differ += not torch.equal(norm, by_groups)
-        opt_a.step()
-        opt_b.zero_grad()
-        opt_b.backward(F.cross_entropy(b(x), y))
-        opt_b.step()
-        assert torch.equal(opt_b.last_total_norm, norm)
-        assert_same(a, b)
     assert orders_differ  # the two orders round differently at some step: the test can tell them apart
 
 
@@ -553,15 +567,7 @@ def test_clip_grad_norm_groups_mixed_dtypes_as_torch_does():
     opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
     opt_b = wrap(torch.optim.SGD(b.parameters(), lr=0.1), b, clip_grad_norm=0.1)
     for x, y in batches(8):
-        opt_a.zero_grad()
-        F.cross_entropy(a(x), y).backward()
-        norm = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.1)
-        opt_a.step()
-        opt_b.zero_grad()
-        opt_b.backward(F.cross_entropy(b(x), y))
-        opt_b.step()
-        assert torch.equal(opt_b.last_total_norm, norm)
-        assert_same(a, b)
+        clipped_steps(a, opt_a, b, opt_b, x, y, 0.1)
 
 
 def test_a_backward_that_draws_random_numbers_with_two_passes_is_bitwise():
@@ -577,12 +583,7 @@ def test_a_backward_that_draws_random_numbers_with_two_passes_is_bitwise():
             opt.zero_grad()
             hidden = model[1](model[0](x))
             hidden.register_hook(lambda g: g + 0.01 * torch.randn_like(g))
-            loss = F.cross_entropy(model[2:](hidden), y)
-            if opt is opt_b:
-                opt.backward(loss)
-            else:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            backward_clipped(F.cross_entropy(model[2:](hidden), y), model, opt, opt_b, 0.5)
             opt.step()
             states.append(torch.get_rng_state())
         assert torch.equal(*states)  # the generator ends where one pass leaves it
