@@ -96,7 +96,7 @@ class Absorbed(nn.Identity):
     def forward(self, input: Any) -> Any:
         """``input`` itself: its neighbour did this module's work."""
         refuse_later_hooks(self, "this activation is an identity now: the BatchNorm before it applies it", INPUT_HOOKS)
-        if not activated(input) and not plain_only():
+        if not plain_only() and not activated(input):  # plain_only() first: torch.compile must not trace the check
             into = getattr(self, "memtrim_absorbed_into", "?")
             raise ConvertError(
                 f"memtrim.convert: expected the output of {into}, which applies this activation since convert, but "
