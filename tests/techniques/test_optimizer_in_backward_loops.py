@@ -630,10 +630,49 @@ def test_two_wrappers_with_clip_grad_norm_on_one_backward_name_the_case():
     model = net()
     matrices = [p for p in model.parameters() if p.dim() == 2]
     others = [p for p in model.parameters() if p.dim() != 2]
-    opt_a = wrap(torch.optim.SGD(matrices, lr=0.1), model, clip_grad_norm=1.0)
-    opt_b = wrap(torch.optim.AdamW(others, lr=1e-2), model, clip_grad_norm=1.0)
+    # without model= (with it, each wrapper refuses the other's parameters first: test_clip_grad_norm_with_model_
+    # parameters_outside_the_optimizer_names_the_fix)
+    opt_a = memtrim.OptimizerInBackward(torch.optim.SGD(matrices, lr=0.1), clip_grad_norm=1.0)
+    opt_b = memtrim.OptimizerInBackward(torch.optim.AdamW(others, lr=1e-2), clip_grad_norm=1.0)
     x, y = batches(1)[0]
     opt_a.zero_grad()
     opt_b.zero_grad()
     with pytest.raises(Error, match=r"(?s)one wrapper with clip_grad_norm=.*one optimizer"):
         opt_a.backward(F.cross_entropy(model(x), y))
+
+
+def test_leaves_outside_the_optimizer_get_one_gradient_from_the_two_passes():
+    # opt.backward(loss) ran backward twice: a parameter another optimizer trains, and an input that requires grad,
+    # got the gradient twice (2x the standard loop's)
+    a = net()
+    b = copy.deepcopy(a)
+    opt_a = torch.optim.SGD(a[4].parameters(), lr=0.1)
+    opt_b = memtrim.OptimizerInBackward(torch.optim.SGD(b[4].parameters(), lr=0.1), clip_grad_norm=0.5)
+    others = [torch.optim.SGD(list(m[0].parameters()) + list(m[2].parameters()), lr=0.1) for m in (a, b)]
+    for x, y in batches():
+        inputs = []
+        for model, opt, other in ((a, opt_a, others[0]), (b, opt_b, others[1])):
+            opt.zero_grad()
+            other.zero_grad()
+            leaf = x.clone().requires_grad_()
+            loss = F.cross_entropy(model(leaf), y)
+            if opt is opt_b:
+                opt.backward(loss)
+            else:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model[4].parameters(), 0.5)
+            opt.step()
+            other.step()
+            inputs.append(leaf.grad)
+        assert torch.equal(*inputs)
+        assert_same(a, b)
+
+
+def test_clip_grad_norm_with_model_parameters_outside_the_optimizer_names_the_fix():
+    # clip_grad_norm_(model.parameters()) measures every gradient; the wrapper measured its own parameters only
+    model = net()
+    opt = wrap(torch.optim.SGD(model[4].parameters(), lr=0.1), model, clip_grad_norm=0.5)
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    with pytest.raises(Error, match=r"(?s)4 parameter\(s\).*not in this optimizer.*requires_grad_\(False\)"):
+        opt.backward(F.cross_entropy(model(x), y))

@@ -582,24 +582,50 @@ class OptimizerInBackward(WrappedOptimizerView):
                 self._deferred = False
             self._finish_deferred()
             return
+        self._check_clip_covers_the_model()
         self._pass = "measure"
         # a backward that draws random numbers (a gradient-noise hook) draws the same in both passes: the norm is
         # measured on the gradient the update applies, and the generators end where one pass leaves them
         rng = _rng_states()
         _TWO_PASSES.wrapper = self
+        # the measuring pass reaches this optimizer's parameters only: any other leaf (a parameter another
+        # optimizer trains, an input that requires grad) gets its gradient once, from the updating pass
+        given = kwargs.pop("inputs", None)
+        own = [p for p in self._by_id.values() if p.requires_grad and (
+            given is None or any(p is q for q in ([given] if isinstance(given, torch.Tensor) else given)))]
         try:
-            loss.backward(retain_graph=True, **kwargs)
+            if own:
+                loss.backward(retain_graph=True, inputs=own, **kwargs)
             self._conclude_measure()
             if self._skip_update():
                 self._stepped.update(self._where)  # this step is consumed: nothing may arrive for it later
                 return
             self._pass = "update"
             _set_rng_states(rng)
-            loss.backward(retain_graph=retain, **kwargs)
+            loss.backward(retain_graph=retain, **kwargs) if given is None else loss.backward(
+                retain_graph=retain, inputs=given, **kwargs)
         finally:
             _TWO_PASSES.wrapper = None
             self._pass = None
             self._norms.clear()
+
+    def _check_clip_covers_the_model(self) -> None:
+        """``clip_grad_norm_(model.parameters())`` measures every gradient of the model; this wrapper measures (and
+        scales) its own optimizer's only."""
+        model = self._model() if self._model is not None else None
+        if self.clip_grad_norm is None or model is None:
+            return
+        outside = [p for p in model.parameters() if p.requires_grad and id(p) not in self._by_id]
+        if outside:
+            self._close_step()
+            raise OptimizerInBackwardError(
+                f"OptimizerInBackward.backward: clip_grad_norm= clips as clip_grad_norm_(model.parameters()) does, but "
+                f"{len(outside)} parameter(s) of the model (the first of shape {tuple(outside[0].shape)}) require grad "
+                "and are not in this optimizer: their gradients would count in that norm and be scaled by it, and "
+                "this wrapper cannot. Set requires_grad_(False) on parameters nobody trains, put every trained "
+                "parameter in this one optimizer (param groups for their settings), or build the wrapper without "
+                "model= (it then clips its own parameters only, as clip_grad_norm_(opt.param_groups' params))."
+            )
 
     def remove(self) -> None:
         """Remove memtrim's hooks: the wrapped optimizer then works as usual (``step()`` applies ``.grad``)."""
