@@ -396,3 +396,21 @@ def test_spectral_norm_is_recomputed_from_the_power_iteration_the_forward_starte
         assert_grads_close(g_rev, g_plain, rtol=1e-10, atol=1e-12)
         for a, b in zip(plain.buffers(), rev.buffers()):
             assert torch.equal(a, b)  # u and v advanced once per forward
+
+
+def test_an_expanded_input_split_on_features():
+    # learned tokens broadcast over the batch (tok.expand(batch, seq, d)): rebuilding the first block's input with the
+    # forward's strides copied into memory every batch index shares ("more than one element ... single memory
+    # location")
+    torch.manual_seed(0)
+    blocks = [memtrim.AdditiveCoupling(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)), split_dim=-1)
+              for _ in range(2)]
+    plain = nn.Sequential(*copy.deepcopy(blocks)).double()
+    rev = memtrim.ReversibleSequential(*blocks).double()
+    tok = torch.randn(1, 5, 8, dtype=torch.float64)
+    grads = []
+    for model in (plain, rev):
+        leaf = tok.clone().requires_grad_()
+        model(leaf.expand(3, 5, 8)).square().sum().backward()
+        grads.append([leaf.grad, *(p.grad for p in model.parameters())])
+    assert_grads_close(grads[1], grads[0], rtol=1e-10, atol=1e-12)

@@ -61,15 +61,19 @@ def mark_activated(output: torch.Tensor) -> torch.Tensor:
     tool that rebuilds BatchNorms by class (``SyncBatchNorm.convert_sync_batchnorm``), without the activation, raises
     instead of leaving the activation out."""
     try:
-        setattr(output, _ACTIVATED, True)
+        setattr(output, _ACTIVATED, output._version)  # a change in place since would move the version
     except (AttributeError, TypeError):  # a tensor subclass without a __dict__: nothing checks it then
         pass
     return output
 
 
-def activated(input: Any) -> bool:
-    """Whether ``input`` is a fused BatchNorm's output (:func:`mark_activated`), or cannot carry the mark."""
-    return getattr(input, _ACTIVATED, False) or not hasattr(input, "__dict__")
+def activated(input: Any) -> bool | None:
+    """True: ``input`` is a fused BatchNorm's output as it made it (:func:`mark_activated`), or cannot carry the mark;
+    False: it is, changed in place since; None: it is not."""
+    mark = getattr(input, _ACTIVATED, None)
+    if mark is None:
+        return None if hasattr(input, "__dict__") else True
+    return mark == input._version
 
 
 def plain_only() -> bool:

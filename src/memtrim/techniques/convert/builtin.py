@@ -96,21 +96,32 @@ class Absorbed(nn.Identity):
     def forward(self, input: Any) -> Any:
         """``input`` itself: its neighbour did this module's work."""
         refuse_later_hooks(self, "this activation is an identity now: the BatchNorm before it applies it", INPUT_HOOKS)
-        if not plain_only() and not activated(input):  # plain_only() first: torch.compile must not trace the check
-            into = getattr(self, "memtrim_absorbed_into", "?")
-            raise ConvertError(
-                f"memtrim.convert: expected the output of {into}, which applies this activation since convert, but "
-                f"this module (an identity now) got another tensor: {into} was replaced after convert (torch's "
-                "SyncBatchNorm.convert_sync_batchnorm, timm's freeze_batch_norm_2d and other tools that rebuild "
-                "BatchNorms by class make torch's BatchNorm, without the activation), or the module is called on "
-                "something else. Run such tools before memtrim.convert, or leave the pair out (module_filter)."
-            )
-        return input
+        relu = getattr(self, "memtrim_relu", False)
+        if plain_only():  # torch.compile must trace no check: a ReLU applied again is the ReLU once
+            return torch.relu(input) if relu else input
+        state = activated(input)
+        if state is True:
+            return input
+        if relu and state is None:  # not its BatchNorm's output: this module's own ReLU, as before convert
+            return torch.relu(input)
+        into = getattr(self, "memtrim_absorbed_into", "?")
+        found = ("its BatchNorm's output, changed in place since (a path the traced forward did not take)"
+                 if state is False else "another tensor")
+        raise ConvertError(
+            f"memtrim.convert: expected the output of {into}, which applies this activation since convert, but this "
+            f"module (an identity now) got {found}: {into} was replaced after convert (torch's "
+            "SyncBatchNorm.convert_sync_batchnorm, timm's freeze_batch_norm_2d and other tools that rebuild BatchNorms "
+            "by class make torch's BatchNorm, without the activation), compiled apart from it, or the module is "
+            "called on something else. Run such tools before memtrim.convert, compile the whole model, or leave the "
+            "pair out (module_filter)."
+        )
 
 
-def absorb(module: nn.Module, into: str) -> Undo:
-    """Make ``module`` an :class:`Absorbed` identity whose work ``into`` now does."""
-    return class_swap(module, Absorbed, memtrim_absorbed_into=into, memtrim_owner=into)
+def absorb(module: nn.Module, into: str, idempotent: bool = False) -> Undo:
+    """Make ``module`` an :class:`Absorbed` identity whose work ``into`` now does. ``idempotent``: the activation is
+    a ReLU (applied twice, it is applied once), which this module can then apply to an input ``into`` did not make."""
+    return class_swap(module, Absorbed, memtrim_absorbed_into=into, memtrim_owner=into,
+                      memtrim_relu=idempotent)
 
 
 # ---------------------------------------------------------------------- pairs
@@ -202,7 +213,7 @@ def _fuse_bn(bn: nn.Module, act: nn.Module, target: type, spec: tuple[str, float
 
 def _fuse_bn_relu(bn: nn.Module, relu: nn.Module, readers: list[nn.Module], target: type, owner: str):  # noqa: ANN202
     def apply() -> Undo:
-        undos = [class_swap(bn, target, memtrim_owner=owner), absorb(relu, owner)]
+        undos = [class_swap(bn, target, memtrim_owner=owner), absorb(relu, owner, idempotent=True)]
         for reader in readers:  # the modules that would keep the ReLU output keep a recipe instead
             undos.append(_recompute_hooks(reader))
         return chain(*undos)

@@ -66,10 +66,16 @@ def as_forward(x: torch.Tensor, replay: Replay) -> torch.Tensor:
     if x.stride() == stride and x.storage_offset() == offset:
         return x
     extent = offset + 1 + sum((size - 1) * step for size, step in zip(x.shape, stride) if size > 0)
-    laid_out = x.new_empty(extent if x.numel() else offset).as_strided(x.shape, stride, offset)
+    storage = x.new_empty(extent if x.numel() else offset)
+    # an expanded input (stride 0: one row read for every index of that dimension) is written from its first row
+    # along such dimensions: the rows were one in forward, and their rebuilds the same arithmetic on the same values
+    first = x
+    for dim, (size, step) in enumerate(zip(x.shape, stride)):
+        if step == 0 and size > 1:
+            first = first.narrow(dim, 0, 1)
     with torch.no_grad():
-        laid_out.copy_(x)
-    return laid_out
+        storage.as_strided(first.shape, stride, offset).copy_(first)
+    return storage.as_strided(x.shape, stride, offset)
 
 
 @contextmanager
