@@ -56,10 +56,10 @@ _ACTIVATED = "_memtrim_activated"  # on a fused BatchNorm's output: the activati
 
 
 def mark_activated(output: torch.Tensor) -> torch.Tensor:
-    """Mark ``output`` as a fused BatchNorm's, its activation applied: the module that was that activation, an
-    identity now (convert's ``Absorbed``), checks its input for the mark, so a BatchNorm replaced after convert by a
-    tool that rebuilds BatchNorms by class (``SyncBatchNorm.convert_sync_batchnorm``), without the activation, raises
-    instead of leaving the activation out."""
+    """Mark ``output`` as a fused BatchNorm's, its activation applied, at its version now: the module that was that
+    activation, an identity now (convert's ``Absorbed``), checks its input for the mark. A BatchNorm replaced after
+    convert by a tool that rebuilds BatchNorms by class (``SyncBatchNorm.convert_sync_batchnorm``), without the
+    activation, then gets it applied again (a ReLU) or raises, instead of leaving the activation out."""
     try:
         setattr(output, _ACTIVATED, output._version)  # a change in place since would move the version
     except (AttributeError, TypeError):  # a tensor subclass without a __dict__: nothing checks it then

@@ -50,7 +50,10 @@ NOTE [ optimizer in backward ]
   once, the second (same graph, retained) updates. Cost: one extra backward pass. The random generators are
   restored between the passes (a backward that draws, a gradient-noise hook, draws the same numbers twice and ends
   where one pass would), and the norms are summed as ``clip_grad_norm_(model.parameters())`` sums them: in the
-  model's order, grouped by device and dtype (torch's own grouping), so the total is bitwise the usual loop's.
+  model's order, grouped by device and dtype (torch's own grouping), so the total is bitwise the usual loop's. The
+  first pass reaches the wrapper's own parameters only (``backward(inputs=...)``): any other leaf (a parameter another
+  optimizer trains, an input that requires grad) gets its gradient once, from the second. With ``model=``, a model
+  parameter that requires grad outside the optimizer is refused under clipping (the usual clip would count it).
 """
 
 from __future__ import annotations
