@@ -587,9 +587,6 @@ class OptimizerInBackward(WrappedOptimizerView):
             return
         self._check_clip_covers_the_model()
         self._pass = "measure"
-        # a backward that draws random numbers (a gradient-noise hook) draws the same in both passes: the norm is
-        # measured on the gradient the update applies, and the generators end where one pass leaves them
-        rng = _rng_states()
         _TWO_PASSES.wrapper = self
         # the measuring pass reaches this optimizer's parameters only: any other leaf (a parameter another
         # optimizer trains, an input that requires grad) gets its gradient once, from the updating pass
@@ -597,16 +594,18 @@ class OptimizerInBackward(WrappedOptimizerView):
         own = [p for p in self._by_id.values() if p.requires_grad and (
             given is None or any(p is q for q in ([given] if isinstance(given, torch.Tensor) else given)))]
         try:
-            if own:
-                loss.backward(retain_graph=True, inputs=own, **kwargs)
+            # a backward that draws random numbers (a gradient-noise hook) draws the same in both passes: the norm is
+            # measured on the gradient the update applies, and the generators end where one pass leaves them
+            cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+            with torch.random.fork_rng(devices=cuda):
+                if own:
+                    loss.backward(retain_graph=True, inputs=own, **kwargs)
             self._conclude_measure()
             if self._skip_update():
                 self._stepped.update(self._where)  # this step is consumed: nothing may arrive for it later
                 return
             self._pass = "update"
-            _set_rng_states(rng)
-            loss.backward(retain_graph=retain, **kwargs) if given is None else loss.backward(
-                retain_graph=retain, inputs=given, **kwargs)
+            loss.backward(retain_graph=retain, **({} if given is None else {"inputs": given}), **kwargs)
         finally:
             _TWO_PASSES.wrapper = None
             self._pass = None
@@ -1280,17 +1279,6 @@ def _ddp_comm_hook(state, bucket):  # no annotations: DDP rejects any but its ow
 
         return allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group, as DDP's own
     return wrapper._ddp_hook(bucket)
-
-
-def _rng_states() -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The CPU generator's state and every started CUDA device's."""
-    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
-
-
-def _set_rng_states(states: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
-    torch.set_rng_state(states[0])
-    if states[1]:
-        torch.cuda.set_rng_state_all(states[1])
 
 
 def _norm(grad: torch.Tensor) -> torch.Tensor:
