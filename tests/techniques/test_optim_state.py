@@ -455,13 +455,20 @@ def test_model_zero_grad_clears_every_gradient_that_reached_the_host(case):
         _assert_same_parameters(model, plain)
 
 
-def test_gradients_kept_on_the_device_reach_grad_scaler_and_clipping_through_param_groups():
+@pytest.mark.parametrize("case", ["offload_gradients=False", "frozen when built"])
+def test_gradients_kept_on_the_device_reach_grad_scaler_and_clipping_through_param_groups(case):
     """offload_gradients=False: GradScaler.unscale_(opt) and a clip over opt.param_groups read the host copies, which
-    had no gradient yet (torch's "No inf checks were recorded" assertion; a clip that clipped nothing)."""
+    had no gradient yet (torch's "No inf checks were recorded" assertion; a clip that clipped nothing). A parameter
+    frozen when the wrapper was built and unfrozen before a backward (no hook moved its gradient) was the same: the
+    scaler left its gradient scaled (the step moved it 1024 times too far) and the clip left it out."""
     model = _gpt()
     plain = copy.deepcopy(model)
-    opt = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, offload_gradients=False)
+    if case == "frozen when built":
+        model.head.requires_grad_(False)
+    opt = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3,
+                                      offload_gradients=case == "frozen when built")
     ref = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    model.head.requires_grad_(True)  # unfrozen after the wrapper was built, before the first backward
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
     for x, y in _batches(3):
         norms = []
@@ -474,6 +481,35 @@ def test_gradients_kept_on_the_device_reach_grad_scaler_and_clipping_through_par
             scaler.update()
         assert norms[1] > 0.05 and torch.equal(norms[0], norms[1])
         _assert_same_parameters(model, plain)
+
+
+def test_a_parameter_unfrozen_after_building_gets_its_gradient_offloaded_from_the_next_step():
+    model = _gpt()
+    model.head.requires_grad_(False)
+    opt = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    model.head.requires_grad_(True)
+    x, y = _batches(1)[0]
+    _loss(model(x), y).backward()
+    assert model.head.weight.grad is not None  # no hook yet: it waits on the device until read or stepped
+    opt.step()
+    opt.zero_grad()
+    _loss(model(x), y).backward()
+    assert all(p.grad is None for p in model.parameters())  # every gradient went to the host in backward
+    assert all(h.grad is not None for h in opt.host_parameters())
+
+
+def test_low_bit_refused_param_group_is_not_kept():
+    """A refused group stayed in param_groups: a caller that caught the error stepped it (lr=-1: gradient ascent)."""
+    a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = memtrim.LowBitAdamW([a], lr=1e-2)
+    for group in ({"params": [b], "lr": -1.0},
+                  {"params": [torch.nn.Parameter(torch.ones(4, dtype=torch.complex64))]}):
+        with pytest.raises(InvalidInputError):
+            opt.add_param_group(group)
+        assert len(opt.param_groups) == 1
+    (a.sum() + b.sum()).backward()
+    opt.step()
+    assert torch.equal(b.detach(), torch.ones(4))
 
 
 @pytest.mark.parametrize("clip_over", ["model", "param_groups"])

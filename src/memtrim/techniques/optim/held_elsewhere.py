@@ -30,10 +30,12 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["add_to_holder", "gather_gradient", "hold_gradient_elsewhere", "holder_of", "holders_with_gradients"]
+__all__ = ["add_to_holder", "gather_gradient", "hold_gradient_elsewhere", "holder_of", "holders_with_gradients",
+           "wait_for_copies"]
 
 _HOLDERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> the tensor whose .grad is its gradient
 _original_zero_grad: Any = None
+_IN_FLIGHT: set[torch.device] = set()  # devices with an asynchronous copy to a holder not waited for yet
 
 
 def hold_gradient_elsewhere(param: torch.Tensor, holder: torch.Tensor | None) -> None:
@@ -53,15 +55,28 @@ def holder_of(param: Any) -> torch.Tensor | None:
     """The tensor holding ``param``'s gradient in its place (None where ``param`` holds its own, or has one now)."""
     if not _HOLDERS or not isinstance(param, torch.Tensor) or param.grad is not None:
         return None
-    return _HOLDERS.get(param)
+    holder = _HOLDERS.get(param)
+    if holder is not None:
+        wait_for_copies()  # the caller reads its gradient
+    return holder
 
 
 def add_to_holder(holder: torch.Tensor, grad: torch.Tensor) -> None:
     """Accumulate ``grad`` into ``holder.grad`` (moved to the holder's device), as autograd accumulates."""
-    if holder.grad is None:  # an asynchronous copy from an accelerator: read only after a synchronize (step())
-        holder.grad = grad.to(holder.device, non_blocking=grad.device.type == "cuda")
+    if holder.grad is None:  # an asynchronous copy from an accelerator: read only after wait_for_copies()
+        asynchronous = grad.device.type == "cuda" and holder.device.type == "cpu"
+        holder.grad = grad.to(holder.device, non_blocking=asynchronous)
+        if asynchronous:
+            _IN_FLIGHT.add(grad.device)
     else:  # added at once on the host: copied synchronously (an asynchronous copy could still be in flight)
         holder.grad.add_(grad.to(holder.device))
+
+
+def wait_for_copies() -> None:
+    """Block until every asynchronous copy :func:`add_to_holder` started has arrived: a host gradient read before
+    would be read while the copy may still write it. Every reader of the holders calls this first."""
+    while _IN_FLIGHT:
+        torch.cuda.synchronize(_IN_FLIGHT.pop())
 
 
 @torch.no_grad()
@@ -73,6 +88,7 @@ def gather_gradient(param: Any) -> None:
     holder = _HOLDERS.get(param)
     if holder is None or holder.grad is None or holder.shape != param.shape or holder.dtype != param.dtype:
         return
+    wait_for_copies()
     add_to_holder(holder, param.grad)
     param.grad = None
 
@@ -93,6 +109,7 @@ def _install_zero_grad_guard() -> None:
         original(self, set_to_none)
         if not _HOLDERS:
             return
+        wait_for_copies()  # no copy may land in a gradient after it was cleared
         for param in self.parameters():
             holder = _HOLDERS.get(param)
             if holder is not None and holder.grad is not None:

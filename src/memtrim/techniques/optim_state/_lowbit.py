@@ -175,11 +175,14 @@ class LowBitAdamW(torch.optim.Optimizer):
         """As ``torch.optim.Optimizer``'s; refuses complex parameters and bad per-group hyperparameters."""
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        _check_options({k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})
-        for p in group["params"]:
-            if p.is_complex():
-                self.param_groups.pop()
-                raise InvalidInputError(f"{_API}: complex parameters are not supported (shape {tuple(p.shape)}).")
+        try:  # a refused group is not kept: a caller that catches the error must not step it
+            _check_options({k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})
+            for p in group["params"]:
+                if p.is_complex():
+                    raise InvalidInputError(f"{_API}: complex parameters are not supported (shape {tuple(p.shape)}).")
+        except InvalidInputError:
+            self.param_groups.pop()
+            raise
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer``'s, but the moments keep their stored dtypes (bfloat16, float8 or uint8 codes

@@ -14,7 +14,10 @@ Gradient accumulation works (hooks add into the host gradient). ``torch.nn.utils
 ``clip_grad_value_``) on the device parameters clips their host copies' gradients in their place, and
 ``model.zero_grad()`` clears them, as in the standard loop (NOTE [ gradients held elsewhere ] in
 memtrim/techniques/optim/held_elsewhere.py); so for every parameter, also one frozen when the wrapper was built (its
-gradient reaches the host at ``step()``) and with ``offload_gradients=False``.
+gradient reaches the host when ``param_groups`` is read or at ``step()``, and in backward from the next ``step()``
+or ``zero_grad()`` on, when the parameter gets its hook) and with ``offload_gradients=False``. On CUDA the first
+gradient of a step is copied to the host asynchronously: every reader of the host gradients (``step()``,
+``param_groups``, the clip, ``zero_grad``) waits for the copies first.
 
 The device parameters may change outside the optimizer between steps, as they may in the standard loop:
 ``model.load_state_dict(...)`` after building the optimizer (a resumed run), ``torch.nn.init``, a clamp under
@@ -39,7 +42,7 @@ from typing import Any
 import torch
 
 from ...errors import InvalidInputError, MemtrimStateError
-from ..optim.held_elsewhere import add_to_holder, hold_gradient_elsewhere
+from ..optim.held_elsewhere import add_to_holder, hold_gradient_elsewhere, wait_for_copies
 from ..optim.wrapping import WrappedOptimizerView
 
 _API = "memtrim.CPUOffloadOptimizer"
@@ -97,6 +100,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device parameter, host copy)
         self._synced: dict[int, tuple[int, int]] = {}  # id(device parameter) -> its (version, data_ptr) as copied
         self._handles: list[Any] = []
+        self._hooked: set[int] = set()  # ids of the device parameters with a gradient hook
         self.optimizer = self._rolled_back_on_error(lambda: optimizer_class([self._host_group(g) for g in groups],
                                                                              **kwargs))
         # Optimizer.__init__ is not called: param_groups, state and defaults are the host optimizer's own (their
@@ -133,6 +137,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
                 handle.remove()
             for device_param, _ in self._pairs[pairs:]:
                 hold_gradient_elsewhere(device_param, None)
+                self._hooked.discard(id(device_param))
             del self._handles[handles:], self._pairs[pairs:]
             raise
 
@@ -157,18 +162,32 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         host.requires_grad_(param.requires_grad)
         self._pairs.append((param, host))
         if self.offload_gradients and param.requires_grad:
-            self._handles.append(param.register_post_accumulate_grad_hook(_GradToHost(weakref.ref(self), host)))
+            self._hook(param, host)
         # every gradient ends on the host (at step() where no hook moved it): torch's clipping and
         # model.zero_grad() reach it there
         hold_gradient_elsewhere(param, host)
         return host
 
+    def _hook(self, param: torch.Tensor, host: torch.Tensor) -> None:
+        self._handles.append(param.register_post_accumulate_grad_hook(_GradToHost(weakref.ref(self), host)))
+        self._hooked.add(id(param))
+
+    def _hook_unfrozen(self) -> None:
+        """Gradient hooks for the parameters frozen when the wrapper was built and trained since (their gradients
+        reach the host in backward from now on, as the others' do)."""
+        if not self.offload_gradients or self.host.type == "meta":
+            return
+        for device_param, host_param in self._pairs:
+            if device_param.requires_grad and id(device_param) not in self._hooked:
+                host_param.requires_grad_(True)
+                self._hook(device_param, host_param)
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The host optimizer's ``param_groups`` (read and set through to it); their params are the host copies, so
-        gradients still on the device move to them first (NOTE [ offloaded optimizer state ])."""
-        if not self.offload_gradients:
-            self._gradients_to_host()
+        gradients still on the device move to them first (NOTE [ offloaded optimizer state ]): all of them with
+        ``offload_gradients=False``, those of parameters unfrozen since the last step otherwise."""
+        self._gradients_to_host()
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -177,6 +196,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
 
     @torch.no_grad()
     def _gradients_to_host(self) -> None:
+        wait_for_copies()  # gradients copied to the host asynchronously are read after this
         for device_param, host_param in getattr(self, "_pairs", ()):
             if device_param.grad is not None:
                 _check_unchanged_layout(device_param, host_param)
@@ -202,8 +222,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         """Move any gradient still on the device to the host, step the host optimizer, copy the parameters back."""
         if closure is not None:
             raise InvalidInputError(f"{_API}.step: closures are not supported (the step runs on host copies).")
-        if any(p.device.type == "cuda" for p, _ in self._pairs):
-            torch.cuda.synchronize()  # gradients copied to the host asynchronously have arrived
+        wait_for_copies()  # gradients copied to the host asynchronously have arrived
         for device_param, host_param in self._pairs:
             _check_unchanged_layout(device_param, host_param)
             if self.host.type != "meta" and _version(device_param) != self._synced[id(device_param)]:
@@ -214,9 +233,12 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
             for device_param, host_param in self._pairs:
                 device_param.copy_(host_param, non_blocking=True)
                 self._synced[id(device_param)] = _version(device_param)
+        self._hook_unfrozen()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients on the host and on the device."""
+        wait_for_copies()  # no copy may land in a gradient after it was cleared
+        self._hook_unfrozen()
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for device_param, _ in self._pairs:
             if device_param.grad is not None:
@@ -238,6 +260,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._hooked.clear()
         for device_param, _ in self._pairs:
             hold_gradient_elsewhere(device_param, None)
 
