@@ -171,6 +171,26 @@ def test_a_saved_tensor_changed_in_place_raises_as_without_offloading(min_bytes)
             step(True, change)
 
 
+def test_a_tensor_changed_in_place_then_saved_through_another_view_raises_after_it_died():
+    """sigmoid keeps its output a; a.mul_(2); fc2 keeps a view of a: torch raises in backward. Offloaded, a had died
+    by backward (nothing to read its version from) and its copy trained silently with the values before the change."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(8, 8), torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            a = torch.sigmoid(self.fc1(x))
+            a.mul_(2.0)
+            return self.fc2(a[:, :4])
+
+    for offload in (False, True):
+        with memtrim.OffloadActivations(min_bytes=0, include_cpu=True) if offload else contextlib.nullcontext():
+            loss = Block()(torch.randn(3, 8)).sum()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
 def test_a_conjugate_view_is_not_the_copy_of_the_tensor_it_views():
     # x.conj() has x's storage, offset, shape, stride and version, and other values
     def grads(offload):

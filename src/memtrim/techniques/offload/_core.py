@@ -11,7 +11,9 @@ storage, view (conjugate and negative bits included) and version give the copy m
 autograd's saved slots own the copies). A copy keeps the tensor's strides where it is dense (channels_last, a
 transpose): backward kernels choose by layout. Autograd skips its in-place check for hooked saved tensors, so
 ``_unpack`` repeats it (``check_saved_version``) on what stays in place, on a copy whose tensor is alive, and on a
-copy whose tensor a later save found changed: what raises without offloading raises with it. On
+copy whose tensor a later save of the same storage, through any view, found changed (the tensor alive then): what
+raises without offloading raises with it. Not seen: a change in place after the tensor's last save once the tensor has
+died (nothing of it is left to read the version from: a view would keep its storage on the device). On
 CUDA the device-to-host copy runs on a side stream into pinned memory, ordered after the op that made the tensor;
 ``record_stream`` keeps the device block from reuse until the copy is done, and the copy back waits for that copy's
 event. On a machine without an accelerator host memory is device memory: nothing is moved and
@@ -113,6 +115,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         # a tensor saved by two ops (ReLU's output, by the ReLU and the next Linear) is copied once: its view and
         # version -> (a weak reference to its storage, the version, the copy, held weakly: autograd holds it)
         self._copies: dict[tuple[Any, ...], tuple[weakref.ref, int, weakref.ref]] = {}
+        # every copy of a storage, through any view: id(storage) -> (a weak reference to it, weak references to the
+        # copies), for the in-place check of a later save of the same storage
+        self._by_storage: dict[int, tuple[weakref.ref, list[weakref.ref]]] = {}
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> OffloadActivations:  # type: ignore[override]  # torch's returns None
@@ -122,6 +127,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         self._copies.clear()  # what one block saved; a context entered again starts a new table
+        self._by_storage.clear()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         device = tensor.device
@@ -136,17 +142,28 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         ):
             return _Kept(tensor)  # autograd skips its in-place check under hooks: _unpack repeats it
         storage = tensor.untyped_storage()
+        version = tensor._version
+        earlier = self._by_storage.get(id(storage))
+        if earlier is not None and earlier[0]() is storage:
+            # a copy of this storage, through any view, whose tensor is alive and shares this one's version counter
+            # but was saved at another version: changed in place since, so backward through it must raise
+            for ref in earlier[1]:
+                copy = ref()
+                if (copy is not None and copy.version is not None and copy.version != version
+                        and _same_tensor(copy.tensor_ref(), tensor)):
+                    copy.version = None
+        else:
+            earlier = self._by_storage[id(storage)] = (weakref.ref(storage), [])
         key = (id(storage), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
                tensor.is_conj(), tensor.is_neg())  # x.conj() is x's storage and view, with other values
         known = self._copies.get(key)
         if known is not None and known[0]() is storage:
             copy = known[2]()
-            if copy is not None and known[1] == tensor._version:  # the same values, copied already
+            if copy is not None and known[1] == version:  # the same values, copied already
                 return copy
-            if copy is not None and _same_tensor(copy.tensor_ref(), tensor):
-                copy.version = None  # changed in place since it was saved: backward through it must raise
         packed = self._copy_out(tensor, device)
-        self._copies[key] = (weakref.ref(storage), tensor._version, weakref.ref(packed))
+        self._copies[key] = (weakref.ref(storage), version, weakref.ref(packed))
+        earlier[1].append(weakref.ref(packed))
         return packed
 
     def _copy_out(self, tensor: torch.Tensor, device: torch.device) -> _Offloaded:
