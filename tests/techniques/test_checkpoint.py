@@ -523,6 +523,115 @@ def test_buffers_read_before_update_and_graph_retained(policy):
     assert_models_same(plain, treated)
 
 
+class MaskedMix(nn.Module):
+    """A GPT-2-style block with a large constant buffer (a causal mask, 256 KiB) and, optionally, a large buffer it
+    updates in place (a running centre of 16,384 values: 64 KiB)."""
+
+    def __init__(self, updates=False):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("mask", torch.tril(torch.ones(256, 256)))
+        self.updates = updates
+        if updates:
+            self.register_buffer("centre", torch.zeros(1024, 16))
+
+    def forward(self, x):
+        t = x.shape[1]
+        y = torch.softmax(x @ x.transpose(1, 2) + (self.mask[:t, :t] - 1) * 1e4, -1) @ self.lin(x)
+        if self.updates:
+            y = y - self.centre[:t]
+            with torch.no_grad():
+                self.centre[:t].mul_(0.5).add_(y.mean(0), alpha=0.5)
+        return y
+
+
+def test_a_large_buffer_the_forward_only_reads_is_not_cloned_until_backward():
+    """Every checkpointed call kept a clone of every buffer until backward: six blocks with a 256 KiB causal mask each
+    raised the step's peak by six masks over plain training. Only one clone lives now, while one block's forward
+    runs."""
+    def peak(checkpointed):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[MaskedMix() for _ in range(6)])
+        if checkpointed:
+            memtrim.checkpoint_modules(model, MaskedMix)
+        x = torch.randn(2, 8, 16)
+        return memtrim.measure_step(model, x, torch.zeros(2, 8, 16), F.mse_loss,
+                                    torch.optim.SGD(model.parameters(), lr=0.1)).peak_bytes
+
+    mask = 256 * 256 * 4
+    assert peak(True) <= peak(False) + mask
+
+
+def test_a_large_buffer_written_in_place_keeps_its_clone_and_one_changed_after_forward_raises():
+    torch.manual_seed(0)
+    plain = nn.Sequential(MaskedMix(updates=True), MaskedMix(updates=True))
+    treated = copy.deepcopy(plain)
+    memtrim.checkpoint_modules(treated, MaskedMix)
+    x = torch.randn(2, 8, 16)
+    for model in (plain, treated):
+        for _ in range(2):
+            model(x).square().sum().backward()
+    assert_same([p.grad for p in plain.parameters()], [p.grad for p in treated.parameters()])
+    assert_models_same(plain, treated)  # the centres were updated once a step, from the values the forward read
+
+    loss = treated(x).square().sum()
+    with torch.no_grad():
+        treated[0].mask.mul_(2)  # read in place by the recomputation: it would read other values
+    with pytest.raises(InvalidInputError, match="'0''s buffer 'mask'.*changed after the checkpointed forward"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("policy", [None, "save_matmuls"])
+def test_an_evaluation_pass_between_forward_and_backward_does_not_change_the_recomputation(policy):
+    """model.eval() and a no_grad validation pass between the training forward and backward: the recomputation ran in
+    eval mode (BatchNorm on its running statistics) and torch failed on the saved tensors' metadata."""
+    def grads(checkpointed):
+        model = cnn()
+        if checkpointed:
+            memtrim.checkpoint_modules(model, ConvBlock, policy=policy)
+        x, validation = image_batches(2)
+        loss = model(x).square().mean()
+        model.eval()
+        with torch.no_grad():
+            model(validation)
+        loss.backward()
+        assert not model.training  # the flags are the user's again after backward
+        model.train()
+        return [p.grad for p in model.parameters()], model
+
+    (a, plain), (b, treated) = grads(False), grads(True)
+    assert_same(a, b)
+    assert_models_same(plain, treated)
+
+
+def test_selective_under_autocast_with_a_module_called_twice_names_the_cause_and_the_fix():
+    """torch's selective checkpoint failed in backward with "_to_copy ... not found in storage" and no cause: the
+    second call's weight casts came from autocast's cache in the forward and were made again in the recomputation."""
+    needs_selective()
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block, self.head = nn.Sequential(nn.Linear(8, 8), nn.GELU()), nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.head(self.block(self.block(x)))
+
+    def grads(checkpointed, cache_enabled):
+        torch.manual_seed(0)
+        model = Twice()
+        if checkpointed:
+            memtrim.checkpoint_modules(model, ["block"], policy="save_matmuls")
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache_enabled):
+            loss = model(torch.randn(4, 8)).float().square().mean()
+        loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    with pytest.raises(InvalidInputError, match=r"of 'block' .*more than once.*cache_enabled=False.*policy=None"):
+        grads(True, cache_enabled=True)
+    assert_same(grads(True, cache_enabled=False), grads(False, cache_enabled=False))  # the fix it names
+
+
 def _pickled(model):
     buffer = io.BytesIO()
     torch.save(model, buffer)
