@@ -4,7 +4,7 @@ that the kernels cost next to nothing. This is what makes convert's step time wo
 widths people train (benchmarks/convert_zoo_time.py); it does not grow with the tensors.
 
 Reproduce:  .venv/bin/python benchmarks/convert_overhead.py [--rounds 41]   (on an otherwise idle machine)
-Writes benchmarks/results/convert_overhead_cpu.json.
+Writes benchmarks/results/convert_overhead_cpu.json (``--calls-only``: convert_overhead_calls_cpu.json).
 
 Three stacks of 20 blocks, one thread: ``LayerNorm -> Linear`` (the norm's output rebuilt for the Linear, rule
 ``layer_norm_consumer``) and ``Linear -> GELU -> Linear`` (the GELU's output rebuilt for the second Linear), batch 4,
@@ -13,11 +13,15 @@ block's convolution, rule ``batchnorm_activation``) on 2x4x6x6. Each round times
 forward + backward, for the plain and the converted stack in turn (NOTE [ interleaved timing rounds ] in _common.py);
 the figure is the difference of the two stacks' fastest rounds
 divided by the converted call sites, in microseconds. The rebuild in backward (a LayerNorm, GELU or BatchNorm + ReLU
-on a tiny tensor) is part of it.
+on a tiny tensor) is part of it. Beside the times, a count that needs no clock: the Python calls (functions, builtins
+and methods, as cProfile counts them) per converted call site, converted minus plain (``--calls-only`` gives only
+those, in seconds, on any machine load).
 """
 
 import argparse
 import copy
+import cProfile
+import pstats
 import time
 
 import torch
@@ -75,8 +79,9 @@ def per_site(block: type[nn.Module], rounds: int) -> dict:
     def step(m: nn.Module) -> None:
         m(x).sum().backward()
 
-    result: dict = {"block": block.__name__, "rule": report.changes[0].rule, "sites": sites}
-    for name, fn in (("forward", forward), ("forward_backward", step)):
+    result: dict = {"block": block.__name__, "rule": report.changes[0].rule, "sites": sites,
+                    "python_calls_per_site": python_calls(plain, converted, x, sites)}
+    for name, fn in (("forward", forward), ("forward_backward", step)) if rounds else ():
         best = {"plain": float("inf"), "converted": float("inf")}
         for m in (plain, converted):
             for _ in range(20):
@@ -92,19 +97,45 @@ def per_site(block: type[nn.Module], rounds: int) -> dict:
     return result
 
 
+def python_calls(plain: nn.Module, converted: nn.Module, x: torch.Tensor, sites: int) -> dict:
+    """Python calls (functions, builtins and methods, as cProfile counts them) per converted call site, converted
+    minus plain, in forward and in forward + backward: a count that does not move with the machine's load."""
+    counts = {}
+    for name, backward in (("forward", False), ("forward_backward", True)):
+        per_step = {}
+        for key, m in (("plain", plain), ("converted", converted)):
+            for _ in range(5):
+                (m(x).sum().backward() if backward else m(x))
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(20):
+                (m(x).sum().backward() if backward else m(x))
+            profile.disable()
+            per_step[key] = pstats.Stats(profile).total_calls / 20
+        counts[name] = (per_step["converted"] - per_step["plain"]) / sites
+    return counts
+
+
 def main() -> None:
     pin_malloc()
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=41)
+    parser.add_argument("--calls-only", action="store_true",
+                        help="count the Python calls per site, no clock (writes convert_overhead_calls_cpu.json)")
     args = parser.parse_args()
+    if args.calls_only:
+        args.rounds = 0
     torch.set_num_threads(1)
     results = [per_site(block, args.rounds) for block in (NormLinear, GeluMLP, ConvBnReLU)]
     for r in results:
-        print(f"{r['block']} ({r['rule']}): forward +{r['forward']['per_site_us']:.0f} us, "
-              f"forward + backward +{r['forward_backward']['per_site_us']:.0f} us per converted call site")
-    print("wrote", write("convert_overhead_cpu.json", {"machine": machine(), "memtrim_source": memtrim.__file__,
-                                                        "rounds": args.rounds, "blocks": BLOCKS, "batch": BATCH,
-                                                        "width": WIDTH, "results": results}))
+        calls = r["python_calls_per_site"]
+        times = (f"forward +{r['forward']['per_site_us']:.0f} us, forward + backward "
+                 f"+{r['forward_backward']['per_site_us']:.0f} us per converted call site; " if args.rounds else "")
+        print(f"{r['block']} ({r['rule']}): {times}+{calls['forward']:.1f} / +{calls['forward_backward']:.1f} "
+              "Python calls")
+    name = "convert_overhead_calls_cpu.json" if args.calls_only else "convert_overhead_cpu.json"
+    print("wrote", write(name, {"machine": machine(), "memtrim_source": memtrim.__file__, "rounds": args.rounds,
+                                "blocks": BLOCKS, "batch": BATCH, "width": WIDTH, "results": results}))
 
 
 if __name__ == "__main__":

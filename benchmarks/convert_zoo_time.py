@@ -11,7 +11,9 @@ Writes benchmarks/results/convert_zoo_time_<device>.json (--wide: convert_zoo_ti
 
 On CUDA each row also gives, from the caching allocator, the bytes one training-mode forward leaves allocated and
 the step's peak (both above what was allocated before the forward), plain and converted, beside the tracker's held
-activations; the times one step makes the host wait for the GPU, and where (``host_syncs_per_step``); and the
+activations; the times one step makes the host wait for the GPU, and where (``host_syncs_per_step``); the host's
+milliseconds in forward, backward and the optimizer step, each phase started on an empty queue
+(``host_ms_by_phase``: which phase convert's extra time is in where the GPU waits on the host); and the
 largest parameter-gradient difference of one seeded training-mode step against the plain model, with the plain
 model against itself as the floor (cuDNN's backward kernels need not be deterministic).
 ``--batch-mult N`` repeats each batch N times along its first dimension (GPU-sized batches).
@@ -108,6 +110,28 @@ def host_syncs(model, opt, batch) -> dict:
     where = collections.Counter(f"{os.path.relpath(w.filename)}:{w.lineno}" for w in caught
                                 if "synchronizing" in str(w.message))
     return {"count": sum(where.values()), "where": dict(where)}
+
+
+def host_ms_by_phase(model, opt, batch, steps: int = 10) -> dict:
+    """The host's milliseconds per step in forward, backward and the optimizer step, each timed without waiting for
+    the GPU, with a wait after every step (each phase starts with an empty queue): on a GPU that waits on the CPU
+    this says which phase convert's extra time is in. Forward is this thread's Python and launches; backward is
+    autograd's device thread (memtrim's unpack hooks and the rebuilds' launches run there) while this one waits."""
+    spent = {"forward": 0.0, "backward": 0.0, "optimizer_step": 0.0}
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = first_tensor(model(**batch)).float().square().mean()
+        middle = time.perf_counter()
+        loss.backward()
+        end = time.perf_counter()
+        opt.step()
+        spent["forward"] += middle - start
+        spent["backward"] += end - middle
+        spent["optimizer_step"] += time.perf_counter() - end
+        torch.cuda.synchronize()
+    return {k: 1e3 * v / steps for k, v in spent.items()}
 
 
 def cuda_memory(model, opt, batch) -> dict:
@@ -230,6 +254,7 @@ def run(key: str, rounds: int, models: dict | None = None, device: str = "cpu", 
     if device.startswith("cuda"):
         checks["cuda_allocator"] = {k: cuda_memory(models[k], opts[k], batch) for k in models}
         checks["host_syncs_per_step"] = {k: host_syncs(models[k], opts[k], batch) for k in models}
+        checks["host_ms_by_phase"] = {k: host_ms_by_phase(models[k], opts[k], batch) for k in models}
     ops = {k: work(models[k], opts[k], batch) for k in models}
     counted = {"ops_per_step": {k: v[0] for k, v in ops.items()},
                "bytes_written_per_step": {k: v[1] for k, v in ops.items()},
@@ -247,7 +272,7 @@ def run(key: str, rounds: int, models: dict | None = None, device: str = "cpu", 
             "step_time_ratio_range": [ratios[0], ratios[-1]], "repeats_per_round": repeats, **counted}
 
 
-CUDA_CHECKS = ("gradient_max_difference", "cuda_allocator", "host_syncs_per_step")
+CUDA_CHECKS = ("gradient_max_difference", "cuda_allocator", "host_syncs_per_step", "host_ms_by_phase")
 
 
 def main() -> None:

@@ -147,9 +147,12 @@ def refuse_later_hooks(module: nn.Module, fused: str, tables: tuple[str, ...]) -
     ``tables`` (the ones that would see a value fusion changed: a fused BatchNorm's output, already its ReLU's; the
     input of a ReLU that is now an identity): convert leaves hooked modules alone, so they were registered after it.
     A module convert did not change (``CONVERTED`` unset: built by hand) is left alone. Called at every call of a fused
-    module: the usual case is four dictionary lookups."""
+    module: the usual case is four dictionary lookups. ``tables``: :data:`OUTPUT_HOOKS` or :data:`INPUT_HOOKS`."""
     state = module.__dict__
-    if state.get(CONVERTED) is None or not any(state[attr] for attr in tables):
+    if state.get(CONVERTED) is None:
+        return
+    first, second, third = tables  # the three tables of OUTPUT_HOOKS or INPUT_HOOKS, unrolled: no generator per call
+    if not (state[first] or state[second] or state[third]):
         return
     found = [_HOOK_KINDS[attr] for attr in tables if any(not memtrims(hook) for hook in state[attr].values())]
     if found:

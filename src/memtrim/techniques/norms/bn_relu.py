@@ -83,13 +83,15 @@ def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
     # marked before the ReLU makes it, at the version relu_ leaves: relu_'s own save (its backward's mask) then
     # keeps the recipe too, in an ordinary consumer scope. The recipe holds x and the module's tensors, never z: z's
     # storage dies once nobody but recipes needs it
-    if not mark_recomputable(out, rebuild, x, *tensors, owner=owner(bn), tag="relu", version=out._version + 1):
+    # (the caller has checked grad mode and plain_only)
+    if not mark_recomputable(out, rebuild, x, *tensors, owner=owner(bn), tag="relu", version=out._version + 1,
+                             checked=True):
         return torch.relu_(out)
-    enter_consumer_scope()
+    enter_consumer_scope(checked=True)
     try:
         return torch.relu_(out)
     finally:
-        exit_consumer_scope()
+        exit_consumer_scope(checked=True)
 
 
 class _BatchNormReLU(nn.modules.batchnorm._BatchNorm):

@@ -159,8 +159,10 @@ def batchnorm_arguments(bn: Any, input: torch.Tensor) -> tuple[float, bool, torc
     # buffers read from their dict once: each ``bn.running_mean`` is nn.Module.__getattr__'s slow path (about 1 us
     # on this project's CPU machine), and this runs at every call of every converted BatchNorm
     buffers, training, momentum = bn._buffers, bn.training, bn.momentum
-    tracked, mean, var = (buffers[k] if k in buffers else getattr(bn, k, None)
-                          for k in ("num_batches_tracked", "running_mean", "running_var"))
+    tracked = buffers["num_batches_tracked"] if "num_batches_tracked" in buffers else getattr(
+        bn, "num_batches_tracked", None)
+    mean = buffers["running_mean"] if "running_mean" in buffers else getattr(bn, "running_mean", None)
+    var = buffers["running_var"] if "running_var" in buffers else getattr(bn, "running_var", None)
     factor = 0.0 if momentum is None else momentum
     if training and bn.track_running_stats and tracked is not None:
         tracked.add_(1)

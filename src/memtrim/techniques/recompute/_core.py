@@ -14,7 +14,8 @@ passes through our pack hook:
   each packed through the saved-tensor hooks active *outside* our scope (memtrim's tracker counts them, a
   checkpoint drops and recomputes them) or, with no hooks outside, kept as detached aliases with their version;
   a source that is itself a live recipe becomes a nested handle;
-* anything else passes to the hooks outside unchanged (or is kept as a detached alias), and ``unpack`` repeats
+* anything else passes to the hooks outside unchanged (or is kept as a detached alias; a parameter as itself, as
+  autograd keeps a saved leaf), and ``unpack`` repeats
   autograd's in-place version check, which autograd skips for hooked tensors.
 
 In backward the first handle unpacked rebuilds ``T = fn(*sources)`` under no_grad and caches it on the recipe;
@@ -140,6 +141,11 @@ def _lookup(tensor: torch.Tensor) -> _Entry | None:
 
 def _sources_unchanged(entry: _Entry) -> bool:
     """No source (nor a nested recipe's source) was changed in place since ``T`` was made from it."""
+    if entry.flat:  # the usual entry: every source a tensor, compared with its version (no type test per source)
+        for source, version in zip(entry.sources, entry.versions):
+            if source._version != version:  # type: ignore[union-attr]
+                return False
+        return True
     for source, version in zip(entry.sources, entry.versions):
         if isinstance(source, _Entry):
             if not _sources_unchanged(source):
@@ -174,7 +180,8 @@ def _dense_in_some_order(tensor: torch.Tensor) -> bool:
 
 
 def mark_recomputable(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], *sources: torch.Tensor, owner: str,
-                      double_backward: bool = True, tag: str | None = None, version: int | None = None) -> bool:
+                      double_backward: bool = True, tag: str | None = None, version: int | None = None,
+                      checked: bool = False) -> bool:
     """Register that ``tensor == fn(*sources)``: saved copies of it made inside a consumer scope keep the sources
     instead. See NOTE [ recipes at consumer call sites ].
 
@@ -191,12 +198,13 @@ def mark_recomputable(tensor: torch.Tensor, fn: Callable[..., torch.Tensor], *so
         version: the version ``tensor`` will have when it is saved, where it is marked before the in-place op that
             makes it (BatchNormReLU marks its BatchNorm's output ``v``, then ``relu_(v)`` saves it at ``v._version +
             1``): that op's own save then keeps the recipe in an ordinary consumer scope. Default: its version now.
+        checked: the caller has just checked grad mode and :func:`plain_only` (a per-call path).
 
     Returns:
         Whether a recipe was registered: False with grad mode off, under torch.compile/torch.func, for a tensor that
         is not one whole storage, or one sharing a storage with a source (an in-place producer).
     """
-    if not torch.is_grad_enabled() or plain_only():
+    if not checked and (not torch.is_grad_enabled() or plain_only()):
         return False
     resolved: list[torch.Tensor | _Entry | _NodeSource] = []
     for source in sources:
@@ -436,6 +444,8 @@ def _keep(tensor: torch.Tensor, outer: Any, who: str, source: bool = False) -> _
         kept.packed, kept.tensor, kept.version = outer[0](tensor), None, tensor._version
         if source:  # hooks outside may keep the tensor itself and check nothing (torch skips its own check for
             kept.original = weakref.ref(tensor)  # them): a source changed in place would rebuild another tensor
+    elif type(tensor) is torch.nn.Parameter:  # a leaf has no grad_fn to make a cycle through: kept as itself, as
+        kept.packed, kept.tensor, kept.version = None, tensor, tensor._version  # autograd keeps a saved leaf
     else:  # detached: no cycle through the tensor's grad_fn
         kept.packed, kept.tensor, kept.version = None, tensor.detach(), tensor._version
     return kept
@@ -627,11 +637,12 @@ def _close_interrupted(stack: list[tuple[int | None, Any]], key: int) -> None:
             exit_if_on_top(hooks)
 
 
-def enter_consumer_scope(owner: object | None = None) -> None:
+def enter_consumer_scope(owner: object | None = None, checked: bool = False) -> None:
     """Start a consumer scope on this thread (a no-op inside another, under compile/torch.func, or with grad off).
-    Every call must be matched by :func:`exit_consumer_scope`. ``owner``: the module whose forward the scope spans,
-    if any (a scope of it still open is one an interrupt left behind, and is closed first)."""
-    if plain_only():  # before anything else: torch.compile must trace none of this
+    Every call must be matched by :func:`exit_consumer_scope` (with the same ``checked``). ``owner``: the module whose
+    forward the scope spans, if any (a scope of it still open is one an interrupt left behind, and is closed first).
+    ``checked``: the caller has just found :func:`plain_only` false (a per-call path)."""
+    if not checked and plain_only():  # before anything else: torch.compile must trace none of this
         return
     stack = _scopes()
     key = None if owner is None else id(owner)
@@ -650,9 +661,9 @@ def enter_consumer_scope(owner: object | None = None) -> None:
     stack.append((key, hooks))
 
 
-def exit_consumer_scope() -> None:
+def exit_consumer_scope(checked: bool = False) -> None:
     """End the consumer scope the matching :func:`enter_consumer_scope` started on this thread."""
-    if plain_only():
+    if not checked and plain_only():
         return
     stack = _scopes()
     hooks = stack.pop()[1] if stack else None
