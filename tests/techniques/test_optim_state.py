@@ -122,9 +122,12 @@ def test_a_norm_of_no_gradients_while_they_wait_on_the_host_raises_and_remove_re
     opt.step()
     opt.zero_grad()
     opt.remove()  # no more offloading: gradients stay on the device and torch clips them there
-    _loss(model(x), y).backward()
-    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9) > 0
-    assert all(p.grad is not None for p in model.parameters())
+    for _ in range(2):  # also after a step and a zero_grad (which hook parameters unfrozen since, before remove())
+        _loss(model(x), y).backward()
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9) > 0
+        assert all(p.grad is not None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
 
 
 def test_scheduler_param_groups_and_state_dict_round_trip():

@@ -175,7 +175,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
     def _hook_unfrozen(self) -> None:
         """Gradient hooks for the parameters frozen when the wrapper was built and trained since (their gradients
         reach the host in backward from now on, as the others' do)."""
-        if not self.offload_gradients or self.host.type == "meta":
+        if not self.offload_gradients or self.host.type == "meta" or getattr(self, "_removed", False):
             return
         for device_param, host_param in self._pairs:
             if device_param.requires_grad and id(device_param) not in self._hooked:
@@ -261,6 +261,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
             handle.remove()
         self._handles.clear()
         self._hooked.clear()
+        self._removed = True  # no hooks again at a later step() or zero_grad()
         for device_param, _ in self._pairs:
             hold_gradient_elsewhere(device_param, None)
 
