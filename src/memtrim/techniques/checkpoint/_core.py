@@ -19,13 +19,10 @@ Buffers: torch's recomputation reruns the forward as it is, so a BatchNorm in tr
 statistics (and ``num_batches_tracked``) a second time in backward. So each checkpointed call snapshots the
 subtree's buffers before its forward (a clone per buffer), and every recomputation runs on fresh clones of that
 snapshot: it reads what the forward read, so its outputs are bitwise the forward's, and its writes go to clones that
-are dropped. At the end of the forward the clones of large buffers (64 KiB or more) it did not write (the same tensor
-at the same version: a causal mask) are dropped, and the recomputation reads those buffers in place; the other clones
-(BatchNorm's 2C+1 numbers) are kept as long as the call's graph. torch's batch-norm kernels update the running
-statistics in place without moving their version counter, so those (a BatchNorm's or InstanceNorm's, or any buffer
-named ``running_mean``/``running_var``) keep their clones whatever their size. A buffer read in place that is changed
-before the recomputation (in place or replaced) raises ``InvalidInputError`` there, naming it: the recomputation
-would read other values. The swap is done by the
+are dropped. The snapshot is kept as long as the call's graph, large buffers the forward only reads (a causal mask)
+included: which buffers a forward writes cannot be told from their version counters (torch's batch-norm kernels
+update the running statistics without moving it, and so does a write through ``.data``, as an EMA codebook's), and a
+recomputation that read a buffer changed since would give other gradients. The swap is done by the
 recompute context torch enters around each recomputation (``_Recompute``), outside torch's selective dispatch
 mode, which would reject ops the forward did not run; the originals are put back in ``__exit__``, which also
 runs when torch stops a recomputation early by raising once it has what backward needs.
@@ -244,30 +241,13 @@ def _saved_values(obj: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
     return found
 
 
-_SMALL_BUFFER = 64 * 1024
-"""Buffers under this many bytes keep their clone until backward whatever the forward did: a clone costs next to
-nothing there, and they include running statistics a custom module passes to ``F.batch_norm`` under its own names."""
-_RUNNING_STATISTICS = ("running_mean", "running_var")
-
-
-def _read_in_place(module: nn.Module, name: str, buffer: torch.Tensor, version: int) -> bool:
-    """Whether the recomputation may read ``buffer`` itself: it is large, still at the version it had before the
-    forward, and none that torch's batch-norm kernels update in place without moving the version counter (the
-    running statistics of a BatchNorm or InstanceNorm: by module, or by name)."""
-    return (buffer._version == version and buffer.numel() * buffer.element_size() >= _SMALL_BUFFER
-            and name not in _RUNNING_STATISTICS and not isinstance(module, nn.modules.batchnorm._NormBase))
-
-
 class _Recompute:
     """Entered by torch around each recomputation: the subtree's buffers are fresh clones of their values before
     the forward (entered before torch's selective mode, so the clones are no ops it sees), put back on exit, and the
-    forward's draws from explicitly passed generators are replayed (NOTE [ checkpointed forward ]).
+    forward's draws from explicitly passed generators are replayed (NOTE [ checkpointed forward ])."""
 
-    ``snapshot``: (module, buffer name, the buffer at the forward's start, its version then, its clone); once the
-    forward has run, :meth:`settle` drops the clones of buffers it did not write (None: the buffer itself serves)."""
-
-    def __init__(self, snapshot: list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor | None]], inner: Any,
-                 draws: GeneratorDraws, module: nn.Module) -> None:
+    def __init__(self, snapshot: list[tuple[nn.Module, str, torch.Tensor]], inner: Any, draws: GeneratorDraws,
+                 module: nn.Module) -> None:
         self.snapshot, self.inner, self.draws, self.module = snapshot, inner, draws, module
         # every submodule's training flag in the forward: an evaluation pass between the forward and backward
         # (model.eval(), then no_grad) leaves them off, and the recomputation must run as the forward ran
@@ -280,34 +260,14 @@ class _Recompute:
         handle = self.module.__dict__.get(_MARK)
         return repr(_name(self.module, handle)) if handle is not None else type(self.module).__name__
 
-    def settle(self) -> None:
-        """At the end of the forward: a large buffer the forward did not write (the same tensor, at the same
-        version) is its value at the start still, so its clone is dropped and the recomputation reads the buffer
-        itself (:func:`_read_in_place`). A causal mask: kept once, not once more per checkpointed call until
-        backward."""
-        self.snapshot = [(sub, name, buffer, version,
-                          None if sub._buffers.get(name) is buffer and _read_in_place(sub, name, buffer, version)
-                          else clone)
-                         for sub, name, buffer, version, clone in self.snapshot]
-
     def __enter__(self) -> None:
         clones: dict[int, torch.Tensor] = {}
         swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
-        for sub, name, buffer, version, clone in self.snapshot:
+        for sub, name, value in self.snapshot:
             original = sub._buffers[name]
             assert original is not None  # the snapshot lists buffers that are set
-            if clone is None:  # not written by the forward: read in place, as long as nothing wrote it since
-                if original is not buffer or buffer._version != version:
-                    raise InvalidInputError(
-                        f"{_API}: {self._who()}'s buffer {name!r} (in {type(sub).__name__}) was "
-                        "changed after the checkpointed forward read it and before its recomputation in backward "
-                        "(in place, or replaced); the recomputation would read the new values and give other "
-                        "gradients. Expected the buffers a checkpointed module reads unchanged until backward. To "
-                        "fix: change the buffer after backward, or leave this module out of checkpoint_modules."
-                    )
-                continue
             swapped.append((sub, name, original))
-            sub._buffers[name] = clones.setdefault(id(clone), clone.clone())
+            sub._buffers[name] = clones.setdefault(id(value), value.clone())
         modes = [(sub, sub.training) for sub, _ in self.modes]
         for sub, training in self.modes:
             sub.training = training
@@ -332,9 +292,10 @@ class _Recompute:
         if isinstance(error, RuntimeError) and "not found in storage" in str(error):
             raise InvalidInputError(
                 f"{_API}: the recomputation of {self._who()} (selective checkpointing) ran an op its "
-                "forward did not, which torch's selective checkpoint refuses. A known cause: the module is called more "
-                "than once in a forward under torch.autocast, whose cache served the later calls' weight casts in "
-                "the forward, while the recomputation casts again. Expected the forward's ops again; found: "
+                "forward did not, which torch's selective checkpoint refuses. A known cause: under torch.autocast, a "
+                "weight cast at an earlier call (the module called twice in a forward, or another module sharing "
+                "the weight: tied weights) came from autocast's cache in the forward, while the recomputation casts "
+                "again. Expected the forward's ops again; found: "
                 f"{error} To fix: pass cache_enabled=False to torch.autocast, or checkpoint the whole module "
                 "(policy=None)."
             ) from error
@@ -362,7 +323,6 @@ class _Forward:
             if kept:
                 hold_for_backward(kept, self.owner)  # the owner lives as long as the checkpoint's frame
         finally:
-            self.owner.settle()
             self.owner.draws.__exit__(*exc)
 
 
@@ -370,9 +330,8 @@ def _context_fn(module: nn.Module, selective: Callable[[], tuple[Any, Any]] | No
     def contexts() -> tuple[_Forward, _Recompute]:
         with torch.no_grad():
             snapshot = {id(b): b.clone() for sub in module.modules() for b in sub._buffers.values() if b is not None}
-        entries: list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor | None]] = [
-            (sub, name, b, b._version, snapshot[id(b)]) for sub in module.modules()
-            for name, b in sub._buffers.items() if b is not None]
+        entries = [(sub, name, snapshot[id(b)]) for sub in module.modules()
+                   for name, b in sub._buffers.items() if b is not None]
         forward, recompute = selective() if selective is not None else (None, None)
         draws = GeneratorDraws(f"{_API}: {type(module).__name__}", "leave this module out of checkpoint_modules",
                                InvalidInputError)
