@@ -191,6 +191,27 @@ def test_a_tensor_changed_in_place_then_saved_through_another_view_raises_after_
             loss.backward()
 
 
+def test_a_saved_temporary_view_is_checked_through_its_base():
+    """fc2 keeps a[:, :4], a slice that dies at once; a is changed in place and lives through backward: torch raises,
+    and the copy, checked through the dead slice, trained silently with the old values."""
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(8, 8), torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            a = self.fc1(x)
+            y = self.fc2(a[:, :4])
+            a.mul_(2.0)
+            return y, a
+
+    for offload in (False, True):
+        with memtrim.OffloadActivations(min_bytes=0, include_cpu=True) if offload else contextlib.nullcontext():
+            y, a = Block()(torch.randn(3, 8))
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            (y.sum() + a.sum()).backward()
+
+
 def test_a_conjugate_view_is_not_the_copy_of_the_tensor_it_views():
     # x.conj() has x's storage, offset, shape, stride and version, and other values
     def grads(offload):

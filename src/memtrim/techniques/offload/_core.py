@@ -11,9 +11,12 @@ storage, view (conjugate and negative bits included) and version give the copy m
 autograd's saved slots own the copies). A copy keeps the tensor's strides where it is dense (channels_last, a
 transpose): backward kernels choose by layout. Autograd skips its in-place check for hooked saved tensors, so
 ``_unpack`` repeats it (``check_saved_version``) on what stays in place, on a copy whose tensor is alive, and on a
-copy whose tensor a later save of the same storage, through any view, found changed (the tensor alive then): what
-raises without offloading raises with it. Not seen: a change in place after the tensor's last save once the tensor has
-died (nothing of it is left to read the version from: a view would keep its storage on the device). On
+copy whose tensor a later save of the same storage, through any view, found changed (the tensor alive then); a saved
+view is checked through its base, which shares its version counter and outlives a temporary slice: what raises
+without offloading raises with it. Not seen: a change in place after the tensor's last save once the tensor (and its
+base) has died (nothing of it is left to read the version from: a view kept for the purpose would keep its storage on
+the device); and a change through ``.data``, which moves no version counter: backward reads the copy, the values at
+the save, where torch reads the changed tensor. On
 CUDA the device-to-host copy runs on a side stream into pinned memory, ordered after the op that made the tensor;
 ``record_stream`` keeps the device block from reuse until the copy is done, and the copy back waits for that copy's
 event. On a machine without an accelerator host memory is device memory: nothing is moved and
@@ -42,7 +45,9 @@ _MARK = "_memtrim_offloaded"
 
 class _Offloaded:
     """A saved tensor waiting in host memory, with what autograd's in-place check needs: the version it was saved at
-    and a weak reference to the tensor (``version`` is None once a later save saw it changed in place)."""
+    and a weak reference to the tensor, or to its base where it is a view (a view shares its base's version counter,
+    and the base outlives a temporary view: ``fc(a[:, :4])`` saves a slice that dies at once). ``version`` is None
+    once a later save saw it changed in place."""
 
     __slots__ = ("host", "device", "event", "version", "tensor_ref", "__weakref__")
 
@@ -51,7 +56,7 @@ class _Offloaded:
         self.device = device
         self.event = event
         self.version: int | None = tensor._version
-        self.tensor_ref = weakref.ref(tensor)
+        self.tensor_ref = weakref.ref(tensor if tensor._base is None else tensor._base)
 
 
 class _Kept:
