@@ -190,6 +190,20 @@ def test_a_plan_applied_twice_says_to_build_the_model_again():
         chosen.apply(model, optimizer)
 
 
+@pytest.mark.parametrize("technique", ["offload_state", "state_bf16"])
+def test_an_optimizer_plan_applied_twice_says_so(technique):
+    """offload_state applied twice wrapped the CPUOffloadOptimizer in another one, over its host copies: the model
+    never moved again, without an error; state_bf16 said low-bit state does not apply to the AdamW passed."""
+    from memtrim.planner.api import Plan
+
+    chosen = Plan((technique,), 0, {}, "optimizer", 1.0, "changed", True)  # as memtrim.plan makes one
+    model = _gpt()
+    model, optimizer = chosen.apply(model, _adamw(model))
+    with pytest.raises(MemtrimStateError, match=rf"{technique} would make a \w+ of this optimizer, which is one "
+                                                r"already \(a plan applied twice"):
+        chosen.apply(model, optimizer)
+
+
 def test_parse_bytes():
     assert parse_bytes("24GiB") == 24 * 2**30
     assert parse_bytes("1.5 GB") == 1_500_000_000

@@ -154,6 +154,7 @@ def test_scheduler_param_groups_and_state_dict_round_trip():
 @pytest.mark.parametrize("args, kwargs, message", [
     ((), {"optimizer_class": torch.optim.AdamW(torch.nn.Linear(1, 1).parameters())}, "optimizer_class must be"),
     ((), {"optimizer_class": "adamw"}, "optimizer_class must be"),
+    ((), {"optimizer_class": memtrim.CPUOffloadOptimizer}, "a wrapper .* never move"),
 ])
 def test_bad_input(args, kwargs, message):
     with pytest.raises(InvalidInputError, match=message):

@@ -115,8 +115,20 @@ def _check_replaceable(optimizer: torch.optim.Optimizer, technique: str) -> None
         )
 
 
+def _applied_twice(optimizer: torch.optim.Optimizer, kind: type, technique: str) -> None:
+    """A plan's optimizer technique applied to the optimizer a plan made already (a notebook cell run twice): wrapped
+    again, a CPUOffloadOptimizer stepped host copies of host copies and the model never moved."""
+    if isinstance(optimizer, kind):
+        raise MemtrimStateError(
+            f"memtrim.Plan.apply: {technique} would make a {kind.__name__} of this optimizer, which is one already "
+            "(a plan applied twice: a notebook cell run again?). Expected the model and optimizer as built. To fix: "
+            "build the model and its optimizer again, then apply the plan once."
+        )
+
+
 def _offload_state(applied: Applied) -> list[str]:
     optimizer = applied.optimizer
+    _applied_twice(optimizer, CPUOffloadOptimizer, "offload_state")
     _check_replaceable(optimizer, "offload_state")
     groups = [dict(group) for group in optimizer.param_groups]  # every option of each group, with its params
     applied.optimizer = CPUOffloadOptimizer(groups, type(optimizer), host=applied.host)
@@ -132,6 +144,7 @@ _STATE_FORMAT = {16: "bfloat16", 8: "blockwise float8", 4: "blockwise 4-bit code
 def _low_bit(bits: int) -> Callable[[Applied], list[str]]:
     def apply(applied: Applied) -> list[str]:
         optimizer = applied.optimizer
+        _applied_twice(optimizer, LowBitAdamW, "state_bf16" if bits == 16 else f"state_{bits}bit")
         if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam) or any(
                 g.get("amsgrad") or g.get("maximize") or (type(optimizer) is torch.optim.Adam and g["weight_decay"])
                 for g in optimizer.param_groups):

@@ -82,6 +82,12 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
                 f"{_API}: optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, got "
                 f"{_described(optimizer_class)}."
             )
+        if issubclass(optimizer_class, WrappedOptimizerView):  # its params would be host copies of host copies
+            raise InvalidInputError(
+                f"{_API}: optimizer_class must be an optimizer that steps the parameters it is given, got memtrim's "
+                f"{optimizer_class.__name__}, a wrapper (wrapped in this one, the model's parameters never move). "
+                "Pass the optimizer class it wraps (torch.optim.AdamW, ...)."
+            )
         if isinstance(params, torch.Tensor):
             raise InvalidInputError(
                 f"{_API}: params must be an iterable of tensors or parameter groups (e.g. model.parameters()), got a "
