@@ -193,3 +193,31 @@ def test_rtol_alone_is_used_not_ignored():
 
     assert not memtrim.check_inplace(ten_percent_off, torch.relu, torch.randn(8, 8)).ok
     assert memtrim.check_inplace(ten_percent_off, torch.relu, torch.randn(8, 8), rtol=0.2).ok
+
+
+def test_a_random_rewrite_draws_what_the_reference_drew():
+    """An in-place dropout against torch's out-of-place one: fn drew after the reference, from another state of the
+    generator, and a correct rewrite was reported wrong (max rel error inf)."""
+    x = torch.randn(8, 16)
+    state = torch.get_rng_state()
+    result = memtrim.check_inplace(lambda t: F.dropout(t, 0.5, True, inplace=True), lambda t: F.dropout(t, 0.5, True),
+                                   x)
+    assert result.ok, result.problems
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's stream is left as it was
+    wrong = memtrim.check_inplace(lambda t: F.dropout(t, 0.4, True, inplace=True), lambda t: F.dropout(t, 0.5, True),
+                                  torch.randn(8, 16))
+    assert not wrong.ok  # the same draws, another probability: still caught
+
+
+def test_a_closure_over_float32_weights_skips_the_added_float64_trials_with_a_note():
+    """check_inplace adds float64 trials; a reference closing over a float32 weight raised torch's dtype error there,
+    which escaped the call."""
+    weight = torch.randn(16, 16)
+    result = memtrim.check_inplace(lambda t: (t @ weight).relu_(), lambda t: F.relu(t @ weight), torch.randn(8, 16))
+    assert result.ok and result.trials == 3, result
+    assert any("torch.float64 trials skipped" in n for n in result.notes)
+    assert not memtrim.check_inplace(lambda t: (t @ weight).relu_() * 2, lambda t: F.relu(t @ weight),
+                                     torch.randn(8, 16)).ok
+    with pytest.raises(memtrim.InvalidInputError, match="raised on torch.float64 inputs"):
+        memtrim.check_inplace(lambda t: (t @ weight).relu_(), lambda t: F.relu(t @ weight), torch.randn(8, 16),
+                              dtypes=[torch.float32, torch.float64])

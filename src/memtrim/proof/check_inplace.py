@@ -4,8 +4,10 @@ NOTE [ what check_inplace checks ]
 The seed's ``input * torch.sigmoid_(input)`` returns sigmoid(x)^2 and still passes ``gradcheck`` (the gradient
 is right for the wrong function). Only a comparison with an out-of-place reference catches it, so each trial:
 
-1. draws fresh random inputs (the examples give shapes and dtypes; float64 is always added),
-2. runs ``fn`` and ``reference`` on separate non-leaf copies and compares the outputs,
+1. draws fresh random inputs (the examples give shapes and dtypes; float64 is added, unless the reference raises
+   on it: it may close over float32 weights; a note says so),
+2. runs ``fn`` and ``reference`` on separate non-leaf copies, from the same state of the global generators (an
+   in-place dropout draws the reference's mask), and compares the outputs,
 3. back-propagates the same random output gradient through both and compares the gradients of every input
    and of every parameter (when both are modules with the same parameters),
 4. records, with a dispatch mode, every storage an op writes in place: ``fn`` may write into storages it
@@ -142,11 +144,19 @@ def check_inplace(
     device = example_inputs[0].device
     base_shapes = [tuple(x.shape) for x in example_inputs]
     shape_sets = [base_shapes] + [[tuple(shape) for shape in s] for s in (shapes or [])]
-    dtype_list = _dtypes_to_try(fn, reference, example_inputs, dtypes)
-    _check_reference(reference, example_inputs)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the caller's stream untouched
+        _check_reference(reference, example_inputs)
+        notes: list[str] = []
+        dtype_list = _dtypes_the_reference_runs(reference, example_inputs,
+                                                _dtypes_to_try(fn, reference, example_inputs, dtypes), dtypes, notes)
+        return _trials(fn, reference, example_inputs, device, shape_sets, dtype_list, draws, inplace, rtol, atol,
+                       seed, notes)
 
+
+def _trials(fn: Callable, reference: Callable, example_inputs: Sequence[torch.Tensor], device: torch.device,
+            shape_sets: list[list[tuple[int, ...]]], dtype_list: list[torch.dtype], draws: int, inplace: bool | None,
+            rtol: float | None, atol: float | None, seed: int, notes: list[str]) -> InplaceCheck:
     problems: list[str] = []
-    notes: list[str] = []
     mutated = False
     trials = 0
     generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -162,9 +172,9 @@ def check_inplace(
                 mutated = mutated or wrote
                 if found:
                     break  # the next draws of this dtype would repeat the same complaint
-    earlier_dtype = torch.float64 if not (_params(fn) or _params(reference)) else example_inputs[0].dtype
-    problems += _check_saved_by_earlier_op(fn, reference, example_inputs, _tolerance(earlier_dtype, rtol, atol),
-                                           generator)
+    earlier_dtype = _earlier_dtype(fn, reference, example_inputs, dtype_list)
+    problems += _check_saved_by_earlier_op(fn, reference, example_inputs, earlier_dtype,
+                                           _tolerance(earlier_dtype, rtol, atol), generator)
 
     kept, peak, verdict, ref_kept, ref_peak = _memory_verdict(fn, reference, example_inputs, problems)
     return InplaceCheck(
@@ -230,6 +240,41 @@ def _dtypes_to_try(fn: Any, reference: Any, examples: Sequence[torch.Tensor],
     if _params(fn) or _params(reference):
         return list(dict.fromkeys(x.dtype for x in examples))
     return list(dict.fromkeys([*(x.dtype for x in examples), torch.float64]))
+
+
+def _dtypes_the_reference_runs(reference: Callable, examples: Sequence[torch.Tensor], dtype_list: list[torch.dtype],
+                               asked: Sequence[torch.dtype] | None, notes: list[str]) -> list[torch.dtype]:
+    """``dtype_list`` less the dtypes check_inplace added itself (float64) on which the reference raises (it closes
+    over a float32 weight, say): a note says so. A dtype the caller asked for, on which it raises, is an
+    InvalidInputError, as on the examples."""
+    usable = []
+    for dtype in dtype_list:
+        if dtype in {x.dtype for x in examples}:
+            usable.append(dtype)  # run by _check_reference already
+            continue
+        try:
+            with torch.no_grad():
+                reference(*[x.detach().to(dtype) for x in examples])
+        except Exception as e:
+            if asked:
+                raise InvalidInputError(
+                    f"memtrim.check_inplace: the reference raised on {dtype} inputs ({type(e).__name__}: {e}); there "
+                    f"is nothing to compare against there. Expected it to run on every dtype in dtypes; pass only "
+                    "the dtypes it runs on."
+                ) from e
+            notes.append(f"{dtype} trials skipped: the reference raised on {dtype} inputs ({type(e).__name__}); it "
+                         "may close over tensors of the examples' dtype. Pass dtypes= to choose.")
+            continue
+        usable.append(dtype)
+    return usable
+
+
+def _earlier_dtype(fn: Any, reference: Any, examples: Sequence[torch.Tensor], dtypes: list[torch.dtype]
+                   ) -> torch.dtype:
+    """The dtype of the check after an op that keeps its output: float64 where it is tried, else the examples'."""
+    if torch.float64 in dtypes and not (_params(fn) or _params(reference)):
+        return torch.float64
+    return examples[0].dtype
 
 
 def _check_reference(reference: Callable, examples: Sequence[torch.Tensor]) -> None:
@@ -416,7 +461,9 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
     before = [x.detach().clone() for x in args_fn]
     params_fn, params_ref = _params(fn), _params(reference)
     params_before = {n: p.detach().clone() for n, p in params_fn.items()}
+    rng = _RandomState(inputs[0].device)
     out_ref = _call(reference, args_ref, "the reference")
+    rng.restore()  # fn draws what the reference drew (an in-place dropout against torch's own)
     recorder = _WriteRecorder()
     try:
         with recorder:
@@ -501,17 +548,18 @@ def _writes(recorder: _WriteRecorder, args_fn: list[torch.Tensor], out_fn: torch
 
 
 def _check_saved_by_earlier_op(fn: Callable, reference: Callable, examples: Sequence[torch.Tensor],
-                               tol: tuple[float, float], generator: torch.Generator) -> list[str]:
+                               dtype: torch.dtype, tol: tuple[float, float], generator: torch.Generator) -> list[str]:
     """fn applied to a tensor an earlier op keeps for backward: right gradient or autograd's error."""
     problems = []
-    dtype = torch.float64 if not (_params(fn) or _params(reference)) else examples[0].dtype
     for name, earlier in (("torch.sigmoid", torch.sigmoid), ("torch.exp", torch.exp)):
         x = torch.randn(examples[0].shape, generator=generator, dtype=torch.float64).to(examples[0].device, dtype)
         others = [e.detach().to(dtype) for e in examples[1:]]
         leaf_ref, leaf_fn = x.clone().requires_grad_(), x.clone().requires_grad_()
+        rng = _RandomState(x.device)
         out_ref = reference(earlier(leaf_ref), *others)
         grad_out = torch.randn(out_ref.shape, generator=generator, dtype=torch.float64).to(out_ref.device, dtype)
         (expected,) = torch.autograd.grad(out_ref, leaf_ref, grad_out)
+        rng.restore()
         try:
             out_fn = fn(earlier(leaf_fn), *others)
             (got,) = torch.autograd.grad(out_fn, leaf_fn, grad_out)
@@ -525,6 +573,21 @@ def _check_saved_by_earlier_op(fn: Callable, reference: Callable, examples: Sequ
             problems.append(f"after {name} (which keeps its output for backward), fn gives a silently wrong "
                             f"gradient: max abs error {error[0]:.3e}, max rel error {error[1]:.3e}.")
     return problems
+
+
+class _RandomState:
+    """The global generators' state where it is made (the CPU's, and the device's on CUDA): ``restore()`` puts it back,
+    so fn draws the random numbers the reference drew."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
 
 
 def _memory(fn: Callable, examples: Sequence[torch.Tensor]) -> tuple[int, int]:
