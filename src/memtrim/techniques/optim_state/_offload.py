@@ -202,12 +202,12 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
 
     @torch.no_grad()
     def _gradients_to_host(self) -> None:
-        wait_for_copies()  # gradients copied to the host asynchronously are read after this
         for device_param, host_param in getattr(self, "_pairs", ()):
             if device_param.grad is not None:
                 _check_unchanged_layout(device_param, host_param)
                 add_to_holder(host_param, device_param.grad)
                 device_param.grad = None
+        wait_for_copies()  # the callers read the host gradients next: the copies (these, and the hooks') have landed
 
     @property
     def state(self) -> Any:  # type: ignore[override]  # read-only: the host optimizer's, keyed by device params
@@ -228,7 +228,10 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         """Move any gradient still on the device to the host, step the host optimizer, copy the parameters back."""
         if closure is not None:
             raise InvalidInputError(f"{_API}.step: closures are not supported (the step runs on host copies).")
-        wait_for_copies()  # gradients copied to the host asynchronously have arrived
+        if any(p.device.type == "cuda" for p, _ in self._pairs):
+            # the last step's copies back to the device (which read the host copies this step writes) and the
+            # gradients' copies to the host (which it reads) have finished
+            torch.cuda.synchronize()
         for device_param, host_param in self._pairs:
             _check_unchanged_layout(device_param, host_param)
             if self.host.type != "meta" and _version(device_param) != self._synced[id(device_param)]:
