@@ -116,6 +116,44 @@ def test_batchnorm_running_stats_updated_once():
         assert torch.equal(a, b), name  # running_mean, running_var, num_batches_tracked
 
 
+class NoiseInTraining(nn.Module):
+    """Noise only in training: the same tensors saved in both modes, so the count check cannot see a mode change."""
+
+    def forward(self, x):
+        return x + 0.5 * torch.randn_like(x) if self.training else x
+
+
+@pytest.mark.parametrize("kind", ["noise", "dropout and batchnorm"])
+def test_an_evaluation_pass_between_forward_and_backward_does_not_change_the_recomputation(kind):
+    """model.eval() and a no_grad validation pass before loss.backward(): the recomputation ran f and g in eval mode,
+    silently wrong with training-only noise (0.19 against gradients of 0.49), and refused as data-dependent with
+    dropout or BatchNorm, where plain training trains."""
+    torch.manual_seed(0)
+    if kind == "noise":
+        make = lambda: nn.Sequential(nn.Linear(8, 8), NoiseInTraining(), nn.Tanh(), nn.Linear(8, 8))  # noqa: E731
+        blocks = [memtrim.AdditiveCoupling(make(), make()) for _ in range(3)]
+    else:
+        blocks = [memtrim.AdditiveCoupling(mlp(8, dropout=0.3, bn=True), mlp(8, dropout=0.3, bn=True))
+                  for _ in range(3)]
+    plain = nn.Sequential(*copy.deepcopy(blocks)).double()
+    rev = memtrim.ReversibleSequential(*blocks).double()
+    x, validation = torch.randn(4, 16, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64)
+    results = []
+    for model in (plain, rev):
+        torch.manual_seed(1)
+        loss = model(x).square().mean()
+        model.eval()
+        with torch.no_grad():
+            model(validation)
+        loss.backward()
+        assert not any(m.training for m in model.modules())  # the flags are the user's again after backward
+        model.train()
+        results.append([p.grad for p in model.parameters()])
+    assert_grads_close(results[1], results[0], rtol=1e-9, atol=1e-12)
+    for (name, a), b in zip(plain.state_dict().items(), rev.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_bf16_autocast_recompute_runs_under_the_forwards_autocast():
     plain, rev = twins(dtype=torch.float32)
     x = torch.randn(8, 32)

@@ -27,7 +27,10 @@ what they save, in the forward's order; each handle then returns its tensor and 
   vectors: updated, then used for the weight) must be what the forward started from when it is recomputed: each
   block's buffers are cloned before its forward, and the clones of those whose version moved are kept (and put in
   place for the recomputation); the others are dropped at once. BatchNorm's running statistics move inside torch's
-  kernel without a version bump: not kept (training mode does not read them).
+  kernel without a version bump: not kept (training mode does not read them). A buffer written through ``.data``
+  (an EMA codebook) moves none either, and its recomputation reads the new value: not seen. Every module's training
+  flag is set as the forward had it for the recomputation, and put back after (an evaluation pass between forward
+  and backward turns them off).
 * A ``torch.Generator`` passed to an op explicitly (``torch.rand(..., generator=self.gen)``, a module's own
   generator) is not reachable from outside f or g: a torch-function mode records the draws of f's and g's forward and
   replays them in the recomputation (``techniques/_generators.py``); a recomputation that draws from explicit
@@ -156,6 +159,9 @@ class _Frame:
         self.kept_inputs: dict[int, torch.Tensor] = {}  # blocks whose drift exceeded the tolerance before
         self.parameter_versions: list[list[tuple[torch.Tensor, int]]] = [[] for _ in blocks]
         self.buffers_before: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]  # changed by forward
+        # every module's training flag in the block's forward: an evaluation pass between forward and backward
+        # (model.eval(), then no_grad) turns them off, and the recomputation must run as the forward ran
+        self.modes: list[list[tuple[nn.Module, bool]]] = [[] for _ in blocks]
 
     # ------------------------------------------------------------------------------------------------ forward
 
@@ -170,6 +176,7 @@ class _Frame:
             elif self.drift.check_drift is not None:
                 self.probes[index] = _probe(_whole(h))
             self.parameter_versions[index] = [(p, p._version) for p in block.parameters()]
+            self.modes[index] = [(m, m.training) for m in block.modules()]
             with torch.no_grad():
                 before = [(b, b._version, b.clone()) for b in block.buffers()]
             h = self._run_block(index, block, h)
@@ -314,16 +321,21 @@ class _Frame:
         self._check_parameters(index, block)
         recorded: list[torch.Tensor] = []
         saved_buffers = [(b, b.detach().clone()) for b in block.buffers()]
+        modes_now = [(m, m.training) for m, _ in self.modes[index]]
         try:
             with torch.no_grad():
                 for buffer, value in self.buffers_before[index]:
                     buffer.copy_(value)  # what the forward read (the NOTE above)
             self.buffers_before[index] = []
+            for module, training in self.modes[index]:
+                module.training = training  # as in the forward
             x = self._rebuild(index, block, recorded)
         finally:
             with torch.no_grad():
                 for buffer, value in saved_buffers:
                     buffer.copy_(value)  # running statistics: updated once, by the forward
+            for module, training in modes_now:
+                module.training = training
         handles = self.handles[index]
         if len(recorded) != len(handles):
             raise ReversibleError(
@@ -365,7 +377,7 @@ class _Frame:
 
     def _check_parameters(self, index: int, block: nn.Module) -> None:
         """A block rebuilt with parameters changed since its forward would silently give a wrong input (the plain
-        stack's autograd refuses the same: the ops saved the weights)."""
+        stack's autograd refuses such a change too: the ops saved the weights)."""
         for param, version in self.parameter_versions[index]:
             if param._version != version:
                 name = next((n for n, p in block.named_parameters() if p is param), "?")
