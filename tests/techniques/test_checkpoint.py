@@ -319,6 +319,36 @@ def test_optimizer_in_backward(policy):
     assert_models_same(plain, treated)
 
 
+@pytest.mark.parametrize("policy", [None, "save_matmuls"])
+def test_optimizer_in_backward_clipping_with_selective_checkpointing_refuses_before_any_update(policy):
+    """clip_grad_norm= runs backward twice; torch lets backward through a selective region once, and its error came
+    in the second pass, after the head had been updated. Whole-module checkpointing trains as plain clipping does."""
+    torch.manual_seed(0)
+    plain = SmallGPT(CFG)
+    treated = copy.deepcopy(plain)
+    memtrim.checkpoint_modules(treated, Block, policy=policy)
+    x = gpt_batches()[0]
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    torch.manual_seed(1)
+    lm_loss(plain(x), x).backward()
+    torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.1)
+    ref.step()
+    fused = memtrim.OptimizerInBackward(torch.optim.AdamW(treated.parameters(), lr=1e-2), model=treated,
+                                        clip_grad_norm=0.1)
+    fused.zero_grad()
+    before = copy.deepcopy(treated.state_dict())
+    torch.manual_seed(1)
+    loss = lm_loss(treated(x), x)
+    if policy is None:
+        fused.backward(loss)
+        fused.step()
+        assert_models_same(plain, treated)
+        return
+    with pytest.raises(memtrim.OptimizerInBackwardError, match=r"selective checkpointing.*policy=None"):
+        fused.backward(loss)
+    assert all(torch.equal(v, treated.state_dict()[k]) for k, v in before.items())  # nothing updated
+
+
 def activation_bytes(policy):
     """Activation bytes held after forward by a 3-block SmallGPT (d_model 64, batch 4, seq 32)."""
     torch.manual_seed(0)

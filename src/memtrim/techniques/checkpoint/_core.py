@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -70,6 +71,19 @@ from .._generators import GeneratorDraws
 from ..recompute import recipes_honoured
 
 _API = "memtrim.checkpoint_modules"
+_SELECTIVE_RAN: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules that ran a selective checkpointed forward
+
+
+def selective_parameters() -> set[int]:
+    """The ids of the parameters of every module that has run a selectively checkpointed forward (a ``policy``) and
+    is checkpointed so still: torch lets backward run through such a region once, and ``OptimizerInBackward``'s
+    two-pass backward asks before its first pass."""
+    found: set[int] = set()
+    for module in list(_SELECTIVE_RAN):
+        handle = module.__dict__.get(_MARK)
+        if handle is not None and handle._selective is not None:
+            found.update(id(p) for p in module.parameters())
+    return found
 _MARK = "_memtrim_checkpointed"  # instance attribute: the CheckpointHandle
 _INNER = "_memtrim_checkpoint_inner"  # instance attribute: a forward the module had on the instance before
 
@@ -380,6 +394,8 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
     handle: CheckpointHandle = self.__dict__[_MARK]
+    if handle._selective is not None:
+        _SELECTIVE_RAN.add(self)
     cache = _cache_argument(self, args, kwargs)
     if cache is not None:
         # the recomputation in backward would write the cache a second time: torch then fails on a shape it did not

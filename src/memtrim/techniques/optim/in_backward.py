@@ -586,6 +586,7 @@ class OptimizerInBackward(WrappedOptimizerView):
             self._finish_deferred()
             return
         self._check_clip_covers_the_model()
+        self._check_no_selective_checkpoint()
         self._pass = "measure"
         _TWO_PASSES.wrapper = self
         # the measuring pass reaches this optimizer's parameters only: any other leaf (a parameter another
@@ -610,6 +611,23 @@ class OptimizerInBackward(WrappedOptimizerView):
             _TWO_PASSES.wrapper = None
             self._pass = None
             self._norms.clear()
+
+    def _check_no_selective_checkpoint(self) -> None:
+        """torch lets backward run through a selectively checkpointed region once; the two passes run it twice, and
+        torch's error would come in the second, after the parameters behind the region had been updated."""
+        from ..checkpoint._core import selective_parameters  # checkpoint imports recompute, not this module
+
+        inside = [p for p in self._by_id.values() if id(p) in selective_parameters()]
+        if inside:
+            self._close_step()
+            raise OptimizerInBackwardError(
+                "OptimizerInBackward.backward: clip_grad_norm= and scaler= run backward twice (a pass that measures "
+                f"every gradient, then the one that updates), but {len(inside)} of this optimizer's parameters (the "
+                f"first of shape {tuple(inside[0].shape)}) are in a module checkpointed with a policy (selective "
+                "checkpointing), which torch lets backward run through once. Expected one pass through such a "
+                "region; found two. To fix: checkpoint_modules(..., policy=None) (whole modules), or clip with "
+                "torch.nn.utils.clip_grad_norm_ after loss.backward() and a plain optimizer.step()."
+            )
 
     def _check_clip_covers_the_model(self) -> None:
         """``clip_grad_norm_(model.parameters())`` measures every gradient of the model; this wrapper measures (and
