@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ...errors import InvalidInputError, MemtrimStateError
-from ...measure.hooks import check_saved_version
+from ...measure.hooks import check_saved_version, top_saved_tensors_hooks
 from .._bound import InstanceForward
 
 _API = "memtrim.offload_module"
@@ -60,13 +60,20 @@ class _Offloaded:
 
 
 class _Kept:
-    """A saved tensor left where it is: a detached alias (no cycle through its grad_fn) and its version."""
+    """A saved tensor left where it is: a detached alias (no cycle through its grad_fn) and its version; or, where
+    saved-tensor hooks were active outside the context (memtrim's tracker), what those made of it, so that they still
+    see it kept for backward."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("tensor", "version", "packed", "outer", "tensor_ref")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor.detach()
-        self.version = tensor._version
+    def __init__(self, tensor: torch.Tensor, outer: Any) -> None:
+        self.outer, self.version = outer, tensor._version
+        self.tensor_ref: weakref.ref[torch.Tensor] | None
+        if outer is not None:  # checked at unpack through the tensor (or its base) while it lives, as a copy is
+            self.tensor, self.packed = None, outer[0](tensor)
+            self.tensor_ref = weakref.ref(tensor if tensor._base is None else tensor._base)
+        else:
+            self.tensor, self.packed, self.tensor_ref = tensor.detach(), None, None
 
 
 _WHO = "memtrim.OffloadActivations"
@@ -123,9 +130,13 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         # every copy of a storage, through any view: id(storage) -> (a weak reference to it, weak references to the
         # copies), for the in-place check of a later save of the same storage
         self._by_storage: dict[int, tuple[weakref.ref, list[weakref.ref]]] = {}
+        self._outer: Any = None  # the saved-tensor hooks active when it was entered
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> OffloadActivations:  # type: ignore[override]  # torch's returns None
+        # what it leaves in place goes to the hooks active outside it (a tracker's: they count it as kept for
+        # backward, and repeat autograd's in-place check), as a recompute scope passes its tensors on
+        self._outer = top_saved_tensors_hooks()
         super().__enter__()
         return self
 
@@ -145,7 +156,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             or _views_a_parameter(tensor)
             or tensor.numel() * tensor.element_size() < self.min_bytes
         ):
-            return _Kept(tensor)  # autograd skips its in-place check under hooks: _unpack repeats it
+            return _Kept(tensor, self._outer)  # autograd skips its in-place check under hooks: _unpack (or the
+                                               # hooks outside) repeats it
         storage = tensor.untyped_storage()
         version = tensor._version
         earlier = self._by_storage.get(id(storage))
@@ -199,6 +211,12 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     @staticmethod
     def _unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, _Kept):
+            if packed.outer is not None:
+                alive = packed.tensor_ref() if packed.tensor_ref is not None else None
+                if alive is not None:
+                    check_saved_version(alive, packed.version, _WHO)
+                return packed.outer[1](packed.packed)
+            assert packed.tensor is not None
             check_saved_version(packed.tensor, packed.version, _WHO)
             return packed.tensor
         tensor = packed.tensor_ref()
