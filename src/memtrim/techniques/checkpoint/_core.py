@@ -71,6 +71,8 @@ from .._generators import GeneratorDraws
 from ..recompute import recipes_honoured
 
 _API = "memtrim.checkpoint_modules"
+_MARK = "_memtrim_checkpointed"  # instance attribute: the CheckpointHandle
+_INNER = "_memtrim_checkpoint_inner"  # instance attribute: a forward the module had on the instance before
 _SELECTIVE_RAN: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules that ran a selective checkpointed forward
 
 
@@ -84,8 +86,7 @@ def selective_parameters() -> set[int]:
         if handle is not None and handle._selective is not None:
             found.update(id(p) for p in module.parameters())
     return found
-_MARK = "_memtrim_checkpointed"  # instance attribute: the CheckpointHandle
-_INNER = "_memtrim_checkpoint_inner"  # instance attribute: a forward the module had on the instance before
+
 
 ModuleSelector = Union[Callable[[str, nn.Module], bool], Collection[str], type]
 Policy = Union[str, Callable[..., Any], Collection[Any], None]

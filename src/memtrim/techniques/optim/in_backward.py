@@ -617,7 +617,8 @@ class OptimizerInBackward(WrappedOptimizerView):
         torch's error would come in the second, after the parameters behind the region had been updated."""
         from ..checkpoint._core import selective_parameters  # checkpoint imports recompute, not this module
 
-        inside = [p for p in self._by_id.values() if id(p) in selective_parameters()]
+        selective = selective_parameters()
+        inside = [p for p in self._by_id.values() if id(p) in selective]
         if inside:
             self._close_step()
             raise OptimizerInBackwardError(
