@@ -156,6 +156,8 @@ def test_keeps_exactly_the_tensor_it_says(name):
         with torch.autograd.graph.saved_tensors_hooks(saved.append, lambda _: None):
             y = fn(inp)
         expected = y if keeps == "output" else inp
+        if name == "hardtanh" and dtype == torch.bfloat16:  # 0.7 is no bfloat16: the output cannot give torch's
+            expected = inp                                  # gradient, so torch's op keeps its input (test below)
         assert [t.untyped_storage().data_ptr() for t in saved] == [expected.untyped_storage().data_ptr()]
         assert sum(t.untyped_storage().nbytes() for t in saved) == expected.numel() * expected.element_size()
         del y
@@ -307,3 +309,20 @@ def test_before_a_linear_keeps_one_tensor_where_torch_keeps_two(name):
     one = 64 * 100 * 4
     assert kept(fn) == one  # the activation's output, shared with the Linear
     assert kept(reference) == 2 * one  # torch: the activation keeps its input, the Linear its output
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.float16, 0.1), (torch.bfloat16, 0.7)])
+@pytest.mark.parametrize("save", ["output", "mask"])
+def test_hardtanh_with_a_bound_the_dtype_rounds_is_torchs(dtype, bound, save):
+    """In float16 a bound of 0.1 rounds to 0.09998: the saturated output sat inside the bound as torch's backward
+    compares it (in float32), and clipped elements got the full gradient ([1, 1, 1, 1] against [0, 1, 1, 0])."""
+    inside = float(torch.tensor(bound, dtype=dtype))  # the rounded bound: an input torch does not clip
+    x = torch.tensor([-5.0, -inside, -0.05, 0.05, inside, 5.0], dtype=dtype)
+    grads = []
+    for fn in (lambda t: torch.nn.functional.hardtanh(t, -bound, bound),
+               lambda t: MF.hardtanh(t, -bound, bound, save=save)):
+        leaf = x.clone().requires_grad_()
+        fn(leaf).sum().backward()
+        grads.append(leaf.grad)
+    assert torch.equal(grads[1], grads[0]), grads
+    assert grads[0].tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]

@@ -137,3 +137,15 @@ def test_bad_input():
         memtrim.nn.BatchNormAct2d(4, activation="relu")
     with pytest.raises(memtrim.InvalidInputError, match="negative_slope must be > 0"):
         memtrim.nn.BatchNormAct2d(4, activation="leaky_relu", negative_slope=0.0)
+
+
+@pytest.mark.parametrize("channels", [7, 64])
+def test_an_input_with_other_channels_raises_as_torchs_batchnorm(channels):
+    """The native kernel the training path calls does not check the channel count: 7 channels failed in backward
+    with an unrelated size error, 64 read past the 8-value weight and statistics (the process crashed)."""
+    bn = memtrim.nn.BatchNormAct2d(8, activation="leaky_relu", negative_slope=0.1)
+    x = torch.randn(2, channels, 4, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="should contain"):
+        torch.nn.BatchNorm2d(8)(x)
+    with pytest.raises(memtrim.InvalidInputError, match=f"should contain {channels} elements not 8"):
+        bn(x)

@@ -373,7 +373,28 @@ def hardtanh(input: torch.Tensor, min_val: float = -1.0, max_val: float = 1.0, i
     """Hardtanh keeping its output (or a 1-bit mask)."""
     if min_val >= max_val:
         raise InvalidInputError(f"memtrim.functional.hardtanh: min_val ({min_val}) must be < max_val ({max_val}).")
+    if isinstance(input, torch.Tensor) and not _bounds_exact(input.dtype, min_val, max_val):
+        # a bound the dtype rounds (0.1 in float16) saturates the output at the rounded bound, which torch's backward,
+        # comparing in float32, takes for an inside value: the output cannot tell them apart. torch's own op then
+        return (torch.nn.functional.hardtanh_(input, min_val, max_val) if inplace
+                else torch.nn.functional.hardtanh(input, min_val, max_val))
     return _apply("hardtanh", input, _Hardtanh(min_val, max_val), inplace, save, _owner)
+
+
+_EXACT_BOUNDS: dict[tuple[torch.dtype, float, float], bool] = {}
+
+
+def _bounds_exact(dtype: torch.dtype, low: float, high: float) -> bool:
+    """Whether hardtanh's gradient can be told from its output in ``dtype``: float32 and float64 compare in their own
+    precision (the saturated output equals the bound as the backward rounds it); a lower precision (float16,
+    bfloat16) compares in float32, so each bound must be exact in ``dtype``."""
+    if dtype in (torch.float32, torch.float64) or not dtype.is_floating_point:
+        return True
+    key = (dtype, low, high)
+    found = _EXACT_BOUNDS.get(key)
+    if found is None:
+        found = _EXACT_BOUNDS[key] = all(float(torch.tensor(b, dtype=dtype)) == b for b in (low, high))
+    return found
 
 
 def relu6(input: torch.Tensor, inplace: bool = False, *, save: str = "output",

@@ -237,6 +237,16 @@ class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
             return out if plain_only() else mark_activated(out)
         if not bn_training and (running_mean is None or running_var is None):
             raise InvalidInputError(f"memtrim.nn.{type(self).__name__}: eval mode needs running statistics.")
+        channels = input.shape[1] if input.dim() > 1 else 0
+        for name, t in (("weight", self.weight), ("bias", self.bias), ("running_mean", running_mean),
+                        ("running_var", running_var)):
+            # torch's batch_norm checks this; the native kernel this calls does not (it read past the tensors)
+            if t is not None and t.numel() != channels:
+                raise InvalidInputError(
+                    f"{owner(self)}: {name} should contain {channels} elements not {t.numel()} (torch's BatchNorm "
+                    f"raises the same): expected an input with {t.numel()} channels in dimension 1, got shape "
+                    f"{tuple(input.shape)}."
+                )
         return mark_activated(_BatchNormActFunction.apply(
             input, self.weight, self.bias, running_mean, running_var, bn_training, factor, self.eps, self.activation,
             param, self.gamma_threshold, owner(self)))
