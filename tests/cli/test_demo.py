@@ -81,6 +81,10 @@ def test_demo_bad_arguments(tmp_path, capsys):
     assert main(["demo", "--quick", "--out", str(tmp_path), "--data", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
     assert main(["demo", "--quick", "--out", str(tmp_path), "--device", "nodevice"]) == 2
+    capsys.readouterr()
+    (tmp_path / "a_file").write_text("")  # --out naming a file: a traceback and exit 1 ("a problem found") before
+    assert main(["demo", "--quick", "--out", str(tmp_path / "a_file")]) == 2
+    assert "cannot write the report to --out" in capsys.readouterr().err
 
 
 def test_console_script_help():

@@ -67,7 +67,13 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo with the parsed ``args`` and write report.md, results.json and the plots to ``args.out``."""
     device = _check_arguments(args)
-    os.makedirs(args.out, exist_ok=True)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:  # a file of that name, a folder that cannot be made: the usage error, not a traceback
+        raise memtrim.InvalidInputError(
+            f"memtrim demo: cannot write the report to --out {args.out!r} ({e.strerror or e}). Give a folder that "
+            "exists or can be created."
+        ) from e
     train, test = _data(args)
     epochs = 1 if args.quick else args.epochs
     print(f"memtrim demo: {train.source}, {len(train)} training images, {epochs} epoch(s), device {device}")
