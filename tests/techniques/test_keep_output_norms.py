@@ -78,3 +78,30 @@ def test_rmsnorm_keeps_fewer_bytes_than_torchs(affine):
     ours = activation_bytes(lambda t: fc(memtrim_norm(t)), x)
     assert ours == one + rstd
     assert theirs >= 2 * one + rstd > ours
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch's RMSNorm, unfused path
+@pytest.mark.parametrize("case", ["unbatched", "empty", "bfloat16 into a float32 norm"])
+@pytest.mark.parametrize("cls", [memtrim.nn.LayerNorm, memtrim.nn.RMSNorm])
+def test_inputs_torchs_norm_takes_are_taken(cls, case):
+    """An unbatched RMSNorm input failed in backward ("invalid gradient at index 1 - got []"); a LayerNorm with a
+    feature keeping its input failed on an empty batch; a float32 norm fed bfloat16 activations without autocast
+    failed in backward (LayerNorm) or returned float32 (RMSNorm), where torch trains and returns bfloat16."""
+    torch.manual_seed(0)
+    plain = (torch.nn.LayerNorm if cls is memtrim.nn.LayerNorm else torch.nn.RMSNorm)(4)
+    with torch.no_grad():
+        plain.weight.copy_(torch.tensor([1.0, 0.1, -2.0, 1e-3]))
+        if getattr(plain, "bias", None) is not None:
+            plain.bias.copy_(torch.tensor([0.0, 2.0, 0.5, 1.0]))  # |beta| / |gamma| >= 8: features keep their input
+    ours = cls(4)
+    ours.load_state_dict(plain.state_dict())
+    x = {"unbatched": torch.randn(4), "empty": torch.randn(0, 4),
+         "bfloat16 into a float32 norm": torch.randn(3, 4).to(torch.bfloat16)}[case]
+    results = []
+    for norm in (plain, ours):
+        leaf = x.clone().requires_grad_()
+        out = norm(leaf)
+        out.float().square().sum().backward()
+        results.append((out, leaf.grad, norm.weight.grad))
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype and torch.equal(a, b)

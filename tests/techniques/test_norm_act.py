@@ -149,3 +149,11 @@ def test_an_input_with_other_channels_raises_as_torchs_batchnorm(channels):
         torch.nn.BatchNorm2d(8)(x)
     with pytest.raises(memtrim.InvalidInputError, match=f"should contain {channels} elements not 8"):
         bn(x)
+
+
+def test_an_empty_batch_is_taken_as_torchs_batchnorm_takes_it():
+    bn = memtrim.nn.BatchNormAct2d(3, activation="elu")
+    x = torch.randn(0, 3, 4, 4, requires_grad=True)
+    out = bn(x)  # the native kernel the keep-output path calls refused it ("at least one element")
+    out.sum().backward()
+    assert out.shape == x.shape and x.grad.shape == x.shape

@@ -105,10 +105,19 @@ class LayerNorm(nn.LayerNorm):
         """``nn.LayerNorm``'s forward, keeping the output for backward (torch's own forward where nothing needs
         a gradient, under autocast, ``torch.compile``, ``torch.func`` or inside a checkpointed region)."""
         if (not torch.is_grad_enabled() or plain_only() or in_checkpoint() or autocasting(input)
-                or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))):
+                or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))
+                or _torchs_case(input, self.weight, self.normalized_shape)):
             return super().forward(input)
         return NormKeepOutput.apply(input, self.weight, self.bias, tuple(self.normalized_shape), self.eps, False,
                                      self.gamma_threshold, owner(self))
+
+
+def _torchs_case(input: torch.Tensor, weight: torch.Tensor | None, normalized_shape: Any) -> bool:
+    """Inputs the output-keeping norms leave to torch's own module: an empty one, an unbatched one (only the
+    normalized dimensions), and one of another dtype than the weight (a float32 norm fed bfloat16 activations
+    without autocast, which torch's kernels take and return in the input's dtype)."""
+    return (input.numel() == 0 or input.dim() <= len(normalized_shape)
+            or (weight is not None and weight.dtype != input.dtype))
 
 
 class RMSNorm(nn.RMSNorm):
@@ -123,7 +132,8 @@ class RMSNorm(nn.RMSNorm):
         a gradient, under autocast, ``torch.compile``, ``torch.func`` or inside a checkpointed region)."""
         eps = self.eps if self.eps is not None else torch.finfo(input.dtype).eps
         if (not torch.is_grad_enabled() or plain_only() or in_checkpoint() or autocasting(input)
-                or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))):
+                or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))
+                or _torchs_case(input, self.weight, self.normalized_shape)):
             return super().forward(input)
         return NormKeepOutput.apply(input, self.weight, None, tuple(self.normalized_shape), eps, True,
                                      self.gamma_threshold, owner(self))

@@ -227,7 +227,8 @@ class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
         needs_grad = torch.is_grad_enabled() and (
             input.requires_grad or (self.weight is not None and self.weight.requires_grad)
         )
-        if not needs_grad or plain_only() or autocasting(input):  # torch's own BatchNorm and activation
+        # torch's own BatchNorm and activation (an empty batch too: the native kernel this calls refuses one)
+        if not needs_grad or plain_only() or autocasting(input) or input.numel() == 0:
             out = nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                            bn_training, factor, self.eps)
             if self.activation == "leaky_relu":
