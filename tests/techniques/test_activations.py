@@ -280,6 +280,9 @@ def test_bad_input():
         MF.hardtanh(torch.randn(3), 1.0, -1.0)
     with pytest.raises(memtrim.InvalidInputError, match="input must be a tensor"):
         MF.relu([1.0, -1.0])
+    for fn in (MF.softplus, MF.hardtanh):  # softplus asked a float for its dtype (AttributeError)
+        with pytest.raises(memtrim.InvalidInputError, match="input must be a tensor"):
+            fn(3.0)
     with pytest.raises(memtrim.InvalidInputError, match="approximate"):
         MF.gelu(torch.randn(3), approximate="erf")
 

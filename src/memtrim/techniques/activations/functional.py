@@ -446,7 +446,8 @@ def softplus(input: torch.Tensor, beta: float = 1.0, threshold: float = 20.0, *,
     (:func:`softplus_keeps_output`: torch's default threshold in float32 and narrower types); its input otherwise."""
     if beta <= 0:
         raise InvalidInputError(f"memtrim.functional.softplus: beta must be > 0, got {beta}.")
-    if not softplus_keeps_output(threshold, input.dtype):
+    # not a tensor: _apply raises the usual InvalidInputError (a float has no dtype to ask about)
+    if not softplus_keeps_output(threshold, input.dtype if isinstance(input, torch.Tensor) else torch.float32):
         rule = _InputRule(lambda x: torch.nn.functional.softplus(x, beta, threshold),
                           lambda g, x: torch.ops.aten.softplus_backward(g, x, beta, threshold))
         return _apply("softplus", input, rule, False, "output", _owner)
