@@ -144,7 +144,7 @@ def check_inplace(
     device = example_inputs[0].device
     base_shapes = [tuple(x.shape) for x in example_inputs]
     shape_sets = [base_shapes] + [[tuple(shape) for shape in s] for s in (shapes or [])]
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the caller's stream untouched
+    with _same_draws(device):  # the caller's stream untouched
         _check_reference(reference, example_inputs)
         notes: list[str] = []
         dtype_list = _dtypes_the_reference_runs(reference, example_inputs,
@@ -461,9 +461,8 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
     before = [x.detach().clone() for x in args_fn]
     params_fn, params_ref = _params(fn), _params(reference)
     params_before = {n: p.detach().clone() for n, p in params_fn.items()}
-    rng = _RandomState(inputs[0].device)
-    out_ref = _call(reference, args_ref, "the reference")
-    rng.restore()  # fn draws what the reference drew (an in-place dropout against torch's own)
+    with _same_draws(inputs[0].device):  # fn draws what the reference drew (an in-place dropout against torch's)
+        out_ref = _call(reference, args_ref, "the reference")
     recorder = _WriteRecorder()
     try:
         with recorder:
@@ -555,11 +554,10 @@ def _check_saved_by_earlier_op(fn: Callable, reference: Callable, examples: Sequ
         x = torch.randn(examples[0].shape, generator=generator, dtype=torch.float64).to(examples[0].device, dtype)
         others = [e.detach().to(dtype) for e in examples[1:]]
         leaf_ref, leaf_fn = x.clone().requires_grad_(), x.clone().requires_grad_()
-        rng = _RandomState(x.device)
-        out_ref = reference(earlier(leaf_ref), *others)
+        with _same_draws(x.device):
+            out_ref = reference(earlier(leaf_ref), *others)
         grad_out = torch.randn(out_ref.shape, generator=generator, dtype=torch.float64).to(out_ref.device, dtype)
         (expected,) = torch.autograd.grad(out_ref, leaf_ref, grad_out)
-        rng.restore()
         try:
             out_fn = fn(earlier(leaf_fn), *others)
             (got,) = torch.autograd.grad(out_fn, leaf_fn, grad_out)
@@ -575,19 +573,10 @@ def _check_saved_by_earlier_op(fn: Callable, reference: Callable, examples: Sequ
     return problems
 
 
-class _RandomState:
-    """The global generators' state where it is made (the CPU's, and the device's on CUDA): ``restore()`` puts it back,
-    so fn draws the random numbers the reference drew."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda, self.device)
+def _same_draws(device: torch.device) -> Any:
+    """torch's ``fork_rng`` for the CPU's global generator and ``device``'s: what runs inside draws, and the
+    generators are put back after, so fn, run next, draws the same random numbers."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
 def _memory(fn: Callable, examples: Sequence[torch.Tensor]) -> tuple[int, int]:

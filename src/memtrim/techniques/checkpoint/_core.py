@@ -68,6 +68,7 @@ from ...errors import InvalidInputError, MemtrimStateError, MissingDependencyErr
 from ...measure.hooks import hold_for_backward
 from .._bound import InstanceForward
 from .._generators import GeneratorDraws
+from .._modes import TrainingFlags, set_training_flags, training_flags
 from ..recompute import recipes_honoured
 
 _API = "memtrim.checkpoint_modules"
@@ -266,9 +267,8 @@ class _Recompute:
         self.snapshot, self.inner, self.draws, self.module = snapshot, inner, draws, module
         # every submodule's training flag in the forward: an evaluation pass between the forward and backward
         # (model.eval(), then no_grad) leaves them off, and the recomputation must run as the forward ran
-        self.modes = [(sub, sub.training) for sub in module.modules()]
-        self.swapped: list[tuple[list[tuple[nn.Module, str, torch.Tensor]], GeneratorDraws,
-                                 list[tuple[nn.Module, bool]]]] = []
+        self.modes = training_flags(module.modules())
+        self.swapped: list[tuple[list[tuple[nn.Module, str, torch.Tensor]], GeneratorDraws, TrainingFlags]] = []
 
     def _who(self) -> str:
         """The module's name in the model, for errors."""
@@ -283,9 +283,8 @@ class _Recompute:
             assert original is not None  # the snapshot lists buffers that are set
             swapped.append((sub, name, original))
             sub._buffers[name] = clones.setdefault(id(value), value.clone())
-        modes = [(sub, sub.training) for sub, _ in self.modes]
-        for sub, training in self.modes:
-            sub.training = training
+        modes = training_flags(sub for sub, _ in self.modes)
+        set_training_flags(self.modes)
         replay = self.draws.replaying()
         self.swapped.append((swapped, replay, modes))
         replay.__enter__()
@@ -300,8 +299,7 @@ class _Recompute:
         finally:  # also when torch stops the recomputation early by raising (then fewer draws are no error)
             for sub, name, original in swapped:
                 sub._buffers[name] = original
-            for sub, training in modes:
-                sub.training = training
+            set_training_flags(modes)
             replay.__exit__(*exc)
         error = exc[1] if len(exc) > 1 else None
         if isinstance(error, RuntimeError) and "not found in storage" in str(error):

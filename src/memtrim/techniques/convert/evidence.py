@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...errors import InvalidInputError
 from ...measure.hooks import tensors_in
+from .._modes import set_training_flags, training_flags
 
 __all__ = [
     "CallSite", "Holder", "ModelTrace", "Op", "Storage", "VIEW_OPS", "buffers_kept", "collect", "fresh_inputs",
@@ -367,7 +368,7 @@ class buffers_kept:  # noqa: N801 - a context manager read like a function
 
     def __enter__(self) -> None:
         self.training = self.model.training
-        self.modes = [(m, m.training) for m in self.model.modules()]
+        self.modes = training_flags(self.model.modules())
         self.buffers = [(b, b.clone()) for b in self.model.buffers()]
         # (lazy parameters are left alone: the forward materialises them, as it would without convert)
         self.slots = [(slots, name, t, t.data) for m in self.model.modules()
@@ -387,8 +388,7 @@ class buffers_kept:  # noqa: N801 - a context manager read like a function
             for b, saved in self.buffers:
                 b.copy_(saved)
         self.model.train(self.training)  # a module's own train() runs, as it did before (it may do more)
-        for module, mode in self.modes:
-            module.training = mode
+        set_training_flags(self.modes)
 
 
 def collect(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -52,6 +52,7 @@ from torch import nn
 
 from ...errors import InvalidInputError, ReversibleError
 from ...measure.hooks import hold_for_backward
+from .._modes import TrainingFlags, set_training_flags, training_flags
 from ._replay import Replay, as_forward, captured, replayed
 from .coupling import AdditiveCoupling, AffineCoupling, _checked, _split
 
@@ -161,7 +162,7 @@ class _Frame:
         self.buffers_before: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]  # changed by forward
         # every module's training flag in the block's forward: an evaluation pass between forward and backward
         # (model.eval(), then no_grad) turns them off, and the recomputation must run as the forward ran
-        self.modes: list[list[tuple[nn.Module, bool]]] = [[] for _ in blocks]
+        self.modes: list[TrainingFlags] = [[] for _ in blocks]
 
     # ------------------------------------------------------------------------------------------------ forward
 
@@ -176,7 +177,7 @@ class _Frame:
             elif self.drift.check_drift is not None:
                 self.probes[index] = _probe(_whole(h))
             self.parameter_versions[index] = [(p, p._version) for p in block.parameters()]
-            self.modes[index] = [(m, m.training) for m in block.modules()]
+            self.modes[index] = training_flags(block.modules())
             with torch.no_grad():
                 before = [(b, b._version, b.clone()) for b in block.buffers()]
             h = self._run_block(index, block, h)
@@ -321,21 +322,19 @@ class _Frame:
         self._check_parameters(index, block)
         recorded: list[torch.Tensor] = []
         saved_buffers = [(b, b.detach().clone()) for b in block.buffers()]
-        modes_now = [(m, m.training) for m, _ in self.modes[index]]
+        modes_now = training_flags(m for m, _ in self.modes[index])
         try:
             with torch.no_grad():
                 for buffer, value in self.buffers_before[index]:
                     buffer.copy_(value)  # what the forward read (the NOTE above)
             self.buffers_before[index] = []
-            for module, training in self.modes[index]:
-                module.training = training  # as in the forward
+            set_training_flags(self.modes[index])  # as in the forward
             x = self._rebuild(index, block, recorded)
         finally:
             with torch.no_grad():
                 for buffer, value in saved_buffers:
                     buffer.copy_(value)  # running statistics: updated once, by the forward
-            for module, training in modes_now:
-                module.training = training
+            set_training_flags(modes_now)
         handles = self.handles[index]
         if len(recorded) != len(handles):
             raise ReversibleError(
