@@ -56,7 +56,7 @@ class _Offloaded:
         self.device = device
         self.event = event
         self.version: int | None = tensor._version
-        self.tensor_ref = weakref.ref(tensor if tensor._base is None else tensor._base)
+        self.tensor_ref = weakref.ref(_base(tensor))
 
 
 class _Kept:
@@ -71,7 +71,7 @@ class _Kept:
         self.tensor_ref: weakref.ref[torch.Tensor] | None
         if outer is not None:  # checked at unpack through the tensor (or its base) while it lives, as a copy is
             self.tensor, self.packed = None, outer[0](tensor)
-            self.tensor_ref = weakref.ref(tensor if tensor._base is None else tensor._base)
+            self.tensor_ref = weakref.ref(_base(tensor))
         else:
             self.tensor, self.packed, self.tensor_ref = tensor.detach(), None, None
 
@@ -234,11 +234,16 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         return packed.host.to(packed.device, non_blocking=packed.event is not None and packed.host.is_pinned())
 
 
+def _base(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor ``tensor`` views, or itself: it shares ``tensor``'s version counter and lives at least as long."""
+    return tensor if tensor._base is None else tensor._base
+
+
 def _same_tensor(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` share a version counter: the same tensor, or views of the same base."""
     if a is None:
         return False
-    return a is b or (a if a._base is None else a._base) is (b if b._base is None else b._base)
+    return a is b or _base(a) is _base(b)
 
 
 @dataclass
