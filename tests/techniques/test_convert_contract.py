@@ -1024,6 +1024,39 @@ def test_shared_relu_fused_at_one_call_runs_as_torch_ops_under_compile_and_func(
         assert torch.equal(converted(x), model(x))
 
 
+class SharedReLUBlockWithBias(SharedReLUBlock):
+    """SharedReLUBlock with a path the traced forward did not take: a bias added in place to bn1's output."""
+
+    extra = None
+
+    def forward(self, x):
+        out = self.bn1(self.conv1(x))
+        if self.extra is not None:
+            out += self.extra
+        out = self.relu(out)
+        return self.relu(self.bn2(self.conv2(out)) + x)
+
+
+def test_shared_relu_refuses_a_fused_output_changed_in_place_on_an_untraced_path():
+    # found in review: the shared ReLU (PassThroughReLU) returned bn1's fused output as it was only while it was
+    # unchanged, and relu'd anything else. bn1's output, relu'd already by the fused BatchNorm, then changed in place
+    # (out += bias) on a path the traced forward did not take, was relu'd a second time: relu(relu(bn) + b) where the
+    # unconverted model computes relu(bn + b), silently. It raises now, as convert's Absorbed identity does.
+    torch.manual_seed(0)
+    plain = nn.Sequential(SharedReLUBlockWithBias(), nn.Conv2d(4, 2, 1))
+    x = torch.randn(2, 4, 6, 6)
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=x)
+    assert type(converted[0].relu) is memtrim.techniques.recompute.PassThroughReLU, str(report)
+    assert_same(grads_of(converted, x), grads_of(plain, x))  # the traced path: converted as usual
+    for m in (plain, converted):
+        m[0].extra = torch.full((1, 4, 1, 1), -0.5)
+    grads_of(plain, x)  # the unconverted model trains on this path
+    with pytest.raises(memtrim.ConvertError, match="'0.relu'.*changed in place.*traced forward did not take"):
+        grads_of(converted, x)
+    with torch.no_grad():  # grad off: torch's ops, the unconverted model's values
+        assert torch.equal(converted(x), plain(x))
+
+
 def test_converted_model_pickles_and_deepcopies():
     # the recipe scopes' handles live in the modules' __dict__: a closure there made torch.save(model) fail
     import io

@@ -20,7 +20,7 @@ from torch import nn
 
 from ...errors import ConvertError
 from ...proof.compare import bitwise_equal
-from ..guards import INPUT_HOOKS, autocasting, memtrims, plain_only, refuse_later_hooks
+from ..guards import INPUT_HOOKS, activated, autocasting, memtrims, plain_only, refuse_later_hooks
 from ._core import (
     enter_consumer_scope,
     entry_of,
@@ -843,15 +843,26 @@ class PassThroughReLU(nn.ReLU):
     torchvision's BasicBlock/Bottleneck call one ``relu`` module after ``bn1`` (fused: the BatchNormReLU does the
     ReLU) and after ``out += identity`` (not fused). Another ``relu_`` on the fused output would bump its version,
     so its consumers would keep it instead of its recipe; this module returns such an input itself (an identity
-    check on the registry) and relus anything else exactly as ``nn.ReLU``. Under torch.compile/torch.func and with
-    grad off it always relus (relu is idempotent). Swap in with ``module.__class__ = PassThroughReLU``.
+    check on the registry) and relus anything else exactly as ``nn.ReLU``. A fused output changed in place since (on
+    a path the traced forward did not take) raises ``ConvertError``: relu'd again it would not be the unconverted
+    model's value. Under torch.compile/torch.func and with grad off it always relus (relu is idempotent). Swap in
+    with ``module.__class__ = PassThroughReLU``.
     """
 
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input`` itself if a fused BatchNormReLU made it (relu'd already), else ``nn.ReLU``'s forward."""
         refuse_later_hooks(self, "where its input is a fused BatchNorm's output, relu'd already", INPUT_HOOKS)
-        if _active() and is_recomputable(input, tag="relu"):
-            return input
+        if _active():
+            if is_recomputable(input, tag="relu"):
+                return input
+            if activated(input) is False:  # relu'd by the fused BatchNorm, changed since: relu(relu(bn) + b) is wrong
+                raise ConvertError(
+                    f"memtrim.convert: {_name(self, None)} got the output of the BatchNorm fused with one of its call "
+                    "sites (relu'd already by that BatchNorm since convert), changed in place since, on a path the "
+                    "traced forward did not take: relu'd again it would be relu(relu(bn) + change) where the "
+                    "unconverted model computes relu(bn + change). Convert with example inputs that take this path, "
+                    "or leave the BatchNorm out (module_filter)."
+                )
         return super().forward(input)
 
