@@ -3,6 +3,7 @@ moment memtrim can tell; never a silent divergence."""
 
 import copy
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import memtrim
+from memtrim.models.torchvision_resnet import TorchvisionBasicBlock, TorchvisionResNet
 from memtrim.techniques.convert.builtin import HARDSIGMOID_EDGE
 from memtrim.techniques.norms import _kernels
 
@@ -1230,6 +1232,66 @@ def _conv_bn_act(act):
                          nn.Conv2d(8, 4, 1))
 
 
+def _swap_activations(model, old, new):
+    """What an activation-swapping utility does: every ``old`` module, found by isinstance, replaced by ``new()``."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, old):
+                setattr(parent, name, new())
+
+
+@pytest.mark.parametrize("act", [nn.ReLU, partial(nn.LeakyReLU, 0.1), nn.ELU])
+def test_a_fused_activation_replaced_after_convert_raises(act):
+    # found by an adversarial pass: model[2] = nn.SiLU() after convert, where '2' was fused into the BatchNorm before
+    # it, computed silu(relu(bn)) where the unconverted model computes silu(bn), silently (gradients off by 0.039)
+    plain = _conv_bn_act(act)
+    x = torch.randn(2, 3, 12, 12)
+    model, report = memtrim.convert(copy.deepcopy(plain), example_inputs=x)
+    assert isinstance(model[2], memtrim.Absorbed), str(report)
+    model[2] = model[2]  # the same module registered again: nothing replaced
+    assert torch.equal(grads_of(model, x)[0], grads_of(plain, x)[0])  # (the forward is torch's ops for all three)
+    model[2] = nn.SiLU()
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(
+                memtrim.ConvertError, match=r"'1' \+ '2'.*replaced after convert \(SiLU registered as '2'\)"):
+            model(x)
+
+
+def test_an_activation_swapping_utility_after_convert_finds_the_absorbed_relus_and_raises():
+    # the same pass: a utility swapping every nn.ReLU for nn.SiLU after convert skipped the stem's absorbed ReLU (an
+    # nn.Identity then), which stayed a ReLU, and replaced torchvision's shared ReLU, which then computed
+    # silu(relu(bn1)): 0.75 off in the gradients, silently. An absorbed ReLU is still an nn.ReLU to isinstance, and a
+    # fused BatchNorm whose activation was replaced raises
+    torch.manual_seed(0)
+    plain = TorchvisionResNet(TorchvisionBasicBlock, [1, 1, 1, 1], num_classes=3, planes=(4, 4, 4, 4), stem=4)
+    x = torch.randn(2, 3, 32, 32)
+    for where, named in (("layer1", r"'layer1\.0\.bn1'"), ("", r"'bn1' \+ 'relu'")):
+        model, report = memtrim.convert(copy.deepcopy(plain), example_inputs=x)
+        assert type(model.layer1[0].relu) is memtrim.techniques.recompute.PassThroughReLU, str(report)
+        assert isinstance(model.relu, memtrim.Absorbed) and isinstance(model.relu, nn.ReLU), str(report)
+        swapped = copy.deepcopy(plain)
+        for m in (swapped, model):
+            _swap_activations(m.get_submodule(where), nn.ReLU, nn.SiLU)
+        grads_of(swapped, x)  # the unconverted model trains with SiLUs
+        with pytest.raises(memtrim.ConvertError, match=f"{named}.*replaced after convert"):
+            grads_of(model, x)
+    assert not any(isinstance(m, nn.ReLU) for m in model.modules())
+
+
+@pytest.mark.parametrize("act, setting, value", [(partial(nn.LeakyReLU, 0.1), "negative_slope", 0.3),
+                                                 (nn.ELU, "alpha", 0.3)])
+def test_a_fused_activations_setting_changed_after_convert_raises(act, setting, value):
+    # the same pass: a LeakyReLU's slope (a slope schedule) or an ELU's alpha changed after convert was ignored: the
+    # BatchNorm kept applying the setting it copied at convert (gradients off by 0.055 and 0.068)
+    plain = _conv_bn_act(act)
+    x = torch.randn(2, 3, 12, 12)
+    model, report = memtrim.convert(copy.deepcopy(plain), example_inputs=x)
+    assert isinstance(model[2], memtrim.Absorbed), str(report)
+    setattr(model[2], setting, value)
+    with pytest.raises(memtrim.ConvertError, match=f"with {setting}=.*is {value} now, changed after convert"):
+        model(x)
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_relu_absorbed_by_a_batchnorm_rebuilt_by_class_after_convert_is_applied_again(compiled):
     # SyncBatchNorm.convert_sync_batchnorm (the line before DDP) rebuilt a fused BatchNorm as torch's SyncBatchNorm,
@@ -1238,7 +1300,7 @@ def test_a_relu_absorbed_by_a_batchnorm_rebuilt_by_class_after_convert_is_applie
     plain = _conv_bn_act(nn.ReLU)
     x = torch.randn(2, 3, 12, 12)
     model, report = memtrim.convert(copy.deepcopy(plain), example_inputs=x)
-    assert any(type(m).__name__ == "Absorbed" for m in model.modules())
+    assert any(isinstance(m, memtrim.Absorbed) for m in model.modules())
     nets = [nn.SyncBatchNorm.convert_sync_batchnorm(m) for m in (plain, model)]
     if compiled:
         torch._dynamo.reset()

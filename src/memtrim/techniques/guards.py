@@ -24,7 +24,7 @@ from ..measure.hooks import top_saved_tensors_hooks
 __all__ = [
     "CONVERTED", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS", "activated", "autocasting", "fx_tracing",
     "in_checkpoint", "inplace_error", "mark_activated", "memtrims", "no_double_backward", "owner", "plain_only",
-    "refuse_later_hooks", "saved_tensors", "saves_checked",
+    "refuse_later_hooks", "saved_tensors", "saves_checked", "watch_replacement",
 ]
 
 
@@ -142,13 +142,64 @@ INPUT_HOOKS = ("_forward_pre_hooks", "_backward_pre_hooks", "_backward_hooks")
 """The hooks that see a module's input or its gradients (not its output)."""
 
 
+# ---------------------------------------------------------------------- a fused activation replaced later
+# NOTE [ a fused activation replaced after convert ]
+# A fused BatchNorm applies the activation after it, and that activation's module is an identity (or, torchvision's
+# shared ReLU, passes the fused output through). A model changed after convert that registers another module in the
+# activation's place (``model.act = nn.SiLU()``, a utility swapping every ReLU) would apply the new activation on top
+# of the old one, silently. The BatchNorm keeps its activation in ``__dict__`` (no child: state_dict and
+# named_modules are unchanged); one global module-registration hook of torch's marks a watched activation when
+# another module is registered under one of its names, and the BatchNorm's next call raises
+# (:func:`refuse_later_hooks`, which it runs at every call). A module swapped in through ``_modules`` directly is
+# not seen.
+_PARTNER = "memtrim_partner"  # on a fused BatchNorm: the activation module it applies
+_WATCHED = "memtrim_watched"  # on that activation: whether a registration replacing it is recorded
+_REPLACED = "memtrim_replaced_by"  # on that activation: what was registered in its place, once it was
+_registration_hook: Any = None
+
+
+def _on_registration(parent: nn.Module, name: str, new: Any) -> None:
+    """torch's global module-registration hook: record that a watched activation was replaced."""
+    modules = parent.__dict__.get("_modules")
+    old = modules.get(name) if modules else None
+    if old is not None and old is not new and old.__dict__.get(_WATCHED):
+        old.__dict__[_REPLACED] = f"{type(new).__name__} registered as {name!r}"
+
+
+def watch_replacement(bn: nn.Module, activation: nn.Module) -> Callable[[], None]:
+    """Make fused ``bn`` raise at its next call once another module is registered in ``activation``'s place (NOTE
+    [ a fused activation replaced after convert ]). Returns the undo."""
+    global _registration_hook
+    if _registration_hook is None:
+        _registration_hook = torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
+    bn.__dict__[_PARTNER] = activation
+    activation.__dict__[_WATCHED] = True  # (left on by the undo: torchvision's shared ReLU may serve other BatchNorms)
+    activation.__dict__.pop(_REPLACED, None)
+
+    def undo() -> None:
+        bn.__dict__.pop(_PARTNER, None)
+
+    return undo
+
+
 def refuse_later_hooks(module: nn.Module, fused: str, tables: tuple[str, ...]) -> None:
     """Raise if ``module``, which convert fused with a neighbour (``fused`` says how), has hooks of the user's in
     ``tables`` (the ones that would see a value fusion changed: a fused BatchNorm's output, already its ReLU's; the
     input of a ReLU that is now an identity): convert leaves hooked modules alone, so they were registered after it.
-    A module convert did not change (``CONVERTED`` unset: built by hand) is left alone. Called at every call of a fused
-    module: the usual case is four dictionary lookups. ``tables``: :data:`OUTPUT_HOOKS` or :data:`INPUT_HOOKS`."""
+    A module convert did not change (``CONVERTED`` unset: built by hand) is left alone. Also raises for a fused
+    BatchNorm whose activation was replaced since (NOTE [ a fused activation replaced after convert ]). Called at every
+    call of a fused module: the usual case is five dictionary lookups. ``tables``: :data:`OUTPUT_HOOKS` or
+    :data:`INPUT_HOOKS`."""
     state = module.__dict__
+    partner = state.get(_PARTNER)
+    if partner is not None and _REPLACED in partner.__dict__:
+        raise ConvertError(
+            f"memtrim: {owner(module)} was fused by memtrim.convert with the activation after it, which it applies "
+            f"itself since; that activation was replaced after convert ({partner.__dict__[_REPLACED]}), so the model "
+            "would apply the old activation and then the new one. Expected the activation convert fused; found it "
+            "replaced. To fix: replace modules before memtrim.convert (convert the unconverted model again), or "
+            "leave the pair out (module_filter)."
+        )
     if state.get(CONVERTED) is None:
         return
     first, second, third = tables  # the three tables of OUTPUT_HOOKS or INPUT_HOOKS, unrolled: no generator per call

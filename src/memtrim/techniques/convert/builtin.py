@@ -23,7 +23,7 @@ from torch import nn
 from ...errors import ConvertError
 from ..activations import modules as lean
 from ..activations import softplus_keeps_output
-from ..guards import INPUT_HOOKS, activated, plain_only, refuse_later_hooks
+from ..guards import INPUT_HOOKS, activated, plain_only, refuse_later_hooks, watch_replacement
 from ..norms import (
     BatchNormAct1d,
     BatchNormAct2d,
@@ -96,6 +96,18 @@ class Absorbed(nn.Identity):
     def forward(self, input: Any) -> Any:
         """``input`` itself: its neighbour did this module's work."""
         refuse_later_hooks(self, "this activation is an identity now: the BatchNorm before it applies it", INPUT_HOOKS)
+        fused = self.__dict__.get("memtrim_fused_settings")
+        if fused is not None:  # (name, value) of the settings its BatchNorm applies, copied at convert
+            for setting, value in fused:
+                now = getattr(self, setting)
+                if now != value:
+                    raise ConvertError(
+                        f"memtrim.convert: {getattr(self, 'memtrim_absorbed_into', '?')} applies this activation "
+                        f"since convert, with {setting}={value}; the activation's {setting} is {now} "
+                        "now, changed after convert, which the BatchNorm does not see. Expected the setting convert "
+                        f"fused; found it changed. To fix: set {setting} before memtrim.convert (convert the "
+                        "unconverted model again), or leave the pair out (module_filter)."
+                    )
         relu = getattr(self, "memtrim_relu", False)
         if plain_only():  # torch.compile must trace no check: a ReLU applied again is the ReLU once
             return torch.relu(input) if relu else input
@@ -117,11 +129,31 @@ class Absorbed(nn.Identity):
         )
 
 
-def absorb(module: nn.Module, into: str, idempotent: bool = False) -> Undo:
-    """Make ``module`` an :class:`Absorbed` identity whose work ``into`` now does. ``idempotent``: the activation is
-    a ReLU (applied twice, it is applied once), which this module can then apply to an input ``into`` did not make."""
-    return class_swap(module, Absorbed, memtrim_absorbed_into=into, memtrim_owner=into,
-                      memtrim_relu=idempotent)
+class AbsorbedReLU(Absorbed, nn.ReLU):
+    """An absorbed ``nn.ReLU``: still an ``nn.ReLU`` to ``isinstance``, so that code that finds activations by class
+    (a utility replacing every ReLU) finds it, and its BatchNorm sees the replacement (NOTE [ a fused activation
+    replaced after convert ] in guards.py)."""
+
+
+class AbsorbedLeakyReLU(Absorbed, nn.LeakyReLU):
+    """An absorbed ``nn.LeakyReLU``, still one to ``isinstance`` (see :class:`AbsorbedReLU`)."""
+
+
+class AbsorbedELU(Absorbed, nn.ELU):
+    """An absorbed ``nn.ELU``, still one to ``isinstance`` (see :class:`AbsorbedReLU`)."""
+
+
+_ABSORBED: dict[type, type] = {nn.ReLU: AbsorbedReLU, nn.LeakyReLU: AbsorbedLeakyReLU, nn.ELU: AbsorbedELU}
+
+
+def absorb(module: nn.Module, into: str, bn: nn.Module, idempotent: bool = False,
+           settings: tuple[tuple[str, float], ...] | None = None) -> Undo:
+    """Make ``module`` an :class:`Absorbed` identity whose work ``into`` (the BatchNorm ``bn``) now does.
+    ``idempotent``: the activation is a ReLU (applied twice, it is applied once), which this module can then apply to
+    an input ``into`` did not make. ``settings``: the activation's settings ``bn`` copied, checked at every call."""
+    return chain(class_swap(module, _ABSORBED.get(type(module), Absorbed), memtrim_absorbed_into=into,
+                            memtrim_owner=into, memtrim_relu=idempotent, memtrim_fused_settings=settings),
+                 watch_replacement(bn, module))
 
 
 # ---------------------------------------------------------------------- pairs
@@ -206,14 +238,14 @@ def _fuse_bn(bn: nn.Module, act: nn.Module, target: type, spec: tuple[str, float
         return chain(
             class_swap(bn, target, activation=spec[0], negative_slope=spec[1] if spec[0] == "leaky_relu" else 0.01,
                        alpha=spec[1] if spec[0] == "elu" else 1.0, gamma_threshold=0.0, memtrim_owner=owner),
-            absorb(act, owner))
+            absorb(act, owner, bn, settings=(("negative_slope" if spec[0] == "leaky_relu" else "alpha", spec[1]),)))
 
     return apply
 
 
 def _fuse_bn_relu(bn: nn.Module, relu: nn.Module, readers: list[nn.Module], target: type, owner: str):  # noqa: ANN202
     def apply() -> Undo:
-        undos = [class_swap(bn, target, memtrim_owner=owner), absorb(relu, owner, idempotent=True)]
+        undos = [class_swap(bn, target, memtrim_owner=owner), absorb(relu, owner, bn, idempotent=True)]
         for reader in readers:  # the modules that would keep the ReLU output keep a recipe instead
             undos.append(_recompute_hooks(reader))
         return chain(*undos)

@@ -46,7 +46,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from ..guards import CONVERTED
+from ..guards import CONVERTED, watch_replacement
 from ..norms import BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d
 from ..norms.bn_relu import rebuilds_bitwise
 from ..pooling import LIMITS as POOL_LIMITS
@@ -263,7 +263,7 @@ def batchnorm_relu_call_site(ctx: Context) -> Iterator[Candidate]:
                                **{CONVERTED: "batchnorm_relu_call_site"})
                     if type(relu) is nn.ReLU else (lambda: None))
             return chain(class_swap(bn, target, memtrim_owner=owner, memtrim_relu_follows=True), swap,
-                         _install_consumers(consumers))
+                         watch_replacement(bn, relu), _install_consumers(consumers))
 
         yield Candidate(where, f"{type(bn).__name__} + ReLU (call {relu_site.call} of {relu_site.path})",
                         f"memtrim.nn.{target.__name__} + PassThroughReLU",
