@@ -134,6 +134,27 @@ def test_rmsnorm_by_behaviour_float64_within_1e9():
     LlamaSpelledRMSNorm(32).double().load_state_dict(converted[1].state_dict())
 
 
+def test_rmsnorm_by_behaviour_honours_a_setting_changed_after_convert_and_an_unbatched_input():
+    # found by an adversarial pass: the RMSNorm form read eps from the trace, a constant, so variance_epsilon changed
+    # after convert (HF Qwen2's, a hand-written RMSNorm's) was ignored: loss 0.166 against 0.430, silently. A setting
+    # of the module changed since convert now runs the module's own forward (with a warning: it saves nothing then).
+    # An unbatched (1-D) input failed in backward ("invalid gradient at index 1"); it runs the module's own forward
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 32), LlamaSpelledRMSNorm(32), nn.Linear(32, 8)).double()
+    batch = {"input": torch.randn(4, 5, 16, dtype=torch.float64)}
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=batch)
+    assert [c.modules for c in report.changes] == [("1",)], str(report)
+    for m in (plain, converted):
+        m[1].variance_epsilon = 0.5
+    with pytest.warns(UserWarning, match="'1'.*variance_epsilon.*changed after convert.*saves nothing"):
+        out_b, grads_b = outputs_and_grads(converted, batch)
+    out_a, grads_a = outputs_and_grads(plain, batch)
+    assert torch.equal(out_a, out_b) and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+    unbatched = {"input": torch.randn(16, dtype=torch.float64)}
+    converted, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=batch)
+    assert_equal_training(plain, converted, unbatched, tol=0.0)
+
+
 def test_llama_bfloat16_rmsnorm_is_left_alone_by_the_precision_guard():
     torch.manual_seed(0)
     model = llama().to(torch.bfloat16)

@@ -17,11 +17,13 @@ runs the module's own forward with its ``layer_norm`` call replaced (a ``TorchFu
 computes ``x * rsqrt(mean(x^2) + eps) * weight`` in the same op order, so the forward is bitwise the original's in the
 dtype convert traced (HF's RMSNorms compute any other in float32). Under torch.compile, torch.func, autocast, without
 grad, or for an input in another dtype than the weight (the RMSNorm form: than the traced one), both run the module's
-own forward.
+own forward; so does the RMSNorm form for an unbatched or empty input, and once a setting of the module (its eps:
+any number, flag or string in its ``__dict__``) differs from what convert saw, with a warning.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from functools import partial
 from typing import Any, cast
@@ -93,9 +95,11 @@ def _form(base: type[nn.Module], kind: str) -> type:
             weight = getattr(self, weight_name)
             x = args[0] if args else next(iter(kwargs.values()), None)
             # the dtype convert traced it in (where it computed in its input's dtype; HF's RMSNorms upcast any other
-            # to float32): another one, after model.to(), runs the module's own forward
+            # to float32): another one, after model.to(), runs the module's own forward; so does an unbatched or
+            # empty input, and a module whose settings (its eps) changed since convert
             if (not isinstance(x, torch.Tensor) or _wants_plain(x, [weight]) or x.dtype != weight.dtype
-                    or x.dtype != getattr(self, "memtrim_dtype", x.dtype) or len(args) + len(kwargs) != 1):
+                    or x.dtype != getattr(self, "memtrim_dtype", x.dtype) or len(args) + len(kwargs) != 1
+                    or x.dim() <= 1 or x.numel() == 0 or _settings_changed(self)):
                 return base.forward(self, *args, **kwargs)
             return NormKeepOutput.apply(x, weight, None, tuple(weight.shape), eps, True,
                                          getattr(self, "gamma_threshold", 0.0), owner(self))
@@ -111,6 +115,26 @@ def _form(base: type[nn.Module], kind: str) -> type:
 def layer_norm_form(base: type[nn.Module]) -> type:
     """The keep-output subclass of a LayerNorm-like class ``base`` (its ``layer_norm`` call replaced)."""
     return _form(base, "layer")
+
+
+def _settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
+    """The module's own plain settings (numbers, flags, strings: an RMSNorm's eps), as convert saw them."""
+    return tuple((k, v) for k, v in module.__dict__.items()
+                 if type(v) in (int, float, bool, str) and k != "training" and not k.startswith(("_", "memtrim")))
+
+
+def _settings_changed(module: nn.Module) -> bool:
+    """Whether a setting :func:`_settings` recorded at convert differs now (warned: the module saves nothing then).
+    The RMSNorm form computes with the eps the trace showed; changed, its own forward must run."""
+    state = module.__dict__
+    for key, value in state.get("memtrim_settings", ()):
+        now = state.get(key)
+        if now != value:
+            warnings.warn(f"memtrim.convert: {owner(module)}'s {key} is {now!r}, changed after convert (it was "
+                          f"{value!r}): it runs its own forward now and saves nothing. Convert after changing it.",
+                          stacklevel=3)
+            return True
+    return False
 
 
 def rms_norm_form(base: type[nn.Module]) -> type:
@@ -200,7 +224,8 @@ def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
                 yield Candidate((site.path,), reason=spec, skip=True)
                 continue
             target = rms_norm_form(type(module))
-            attrs = {"memtrim_rms": spec, "memtrim_dtype": getattr(module, spec[0]).dtype}
+            attrs = {"memtrim_rms": spec, "memtrim_dtype": getattr(module, spec[0]).dtype,
+                     "memtrim_settings": _settings(module)}
         attrs["memtrim_owner"] = label((site.path,), f"a keep-output {type(module).__name__}")
         what = "LayerNorm" if kind == "layer" else "RMSNorm"
         limits = (REBUILT_INPUT, NO_DOUBLE_BACKWARD, NO_AUTOCAST) + ((IN_TRACED_DTYPE.format(
