@@ -70,7 +70,7 @@ class _LayerNormKeepsOutput(TorchFunctionMode):
         if _wants_plain(x, params) or any(p.dtype != x.dtype for p in params):
             return func(*args, **kwargs)
         return NormKeepOutput.apply(x, weight, bias, tuple(bound["normalized_shape"]), bound.get("eps", 1e-5),
-                                     False, getattr(self.module, "gamma_threshold", 0.0), owner(self.module))
+                                     "layer", getattr(self.module, "gamma_threshold", 0.0), owner(self.module))
 
 
 _FORMS: dict[tuple[type, str], type] = {}
@@ -101,7 +101,7 @@ def _form(base: type[nn.Module], kind: str) -> type:
                     or x.dtype != getattr(self, "memtrim_dtype", x.dtype) or len(args) + len(kwargs) != 1
                     or x.dim() <= 1 or x.numel() == 0 or _settings_changed(self)):
                 return base.forward(self, *args, **kwargs)
-            return NormKeepOutput.apply(x, weight, None, tuple(weight.shape), eps, True,
+            return NormKeepOutput.apply(x, weight, None, tuple(weight.shape), eps, "rms",
                                          getattr(self, "gamma_threshold", 0.0), owner(self))
 
     doc = (f"{base.__qualname__} keeping its output instead of its input (made by memtrim.convert; see NOTE [ norms "

@@ -13,6 +13,7 @@ torch.compile, torch.func and autocast the modules run as torch's own.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -24,19 +25,50 @@ from ._kernels import keep_input_features, zeros_and_ones
 __all__ = ["LayerNorm", "NormKeepOutput", "RMSNorm"]
 
 
+_HALF = (torch.float16, torch.bfloat16)
+_DEFAULT_RMS_EPS: dict[torch.dtype, float] = {}
+
+
+def default_rms_eps(dtype: torch.dtype) -> float:
+    """The eps torch's ``F.rms_norm`` adds where none is given, for inputs of ``dtype``: the dtype's own epsilon in
+    torch 2.4, float32's for float16/bfloat16 in later versions. Found once per dtype by asking torch (a 1-element
+    norm of 1e-3, whose value tells the two apart), outside any fake or dispatch mode."""
+    found = _DEFAULT_RMS_EPS.get(dtype)
+    if found is None:
+        mine, wide = torch.finfo(dtype).eps, torch.finfo(torch.float32).eps
+        found = mine
+        if dtype in _HALF and mine != wide:
+            with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
+                y = float(torch.nn.functional.rms_norm(torch.full((1,), 1e-3, dtype=dtype), (1,)).float())
+            x = float(torch.tensor(1e-3, dtype=dtype).float())
+            found = min((mine, wide), key=lambda e: abs(x / math.sqrt(x * x + e) - y))
+        _DEFAULT_RMS_EPS[dtype] = found
+    return found
+
+
 class NormKeepOutput(torch.autograd.Function):
-    """LayerNorm (``rms=False``) or RMSNorm (``rms=True``) over the last ``len(normalized_shape)`` dimensions, keeping
-    its output instead of its input; shared by :class:`LayerNorm`, :class:`RMSNorm` and convert's norms by behaviour.
-    See NOTE [ norms that keep their output ]."""
+    """A norm over the last ``len(normalized_shape)`` dimensions, keeping its output instead of its input; shared by
+    :class:`LayerNorm`, :class:`RMSNorm` and convert's norms by behaviour. ``form``: ``"layer"`` (torch's
+    ``native_layer_norm``), ``"rms_norm"`` (torch's ``F.rms_norm``, as ``nn.RMSNorm`` computes it) or ``"rms"`` (the
+    ops ``x * rsqrt(mean(x^2) + eps) * weight`` in this order, as HF's RMSNorms compute in their dtype). See NOTE
+    [ norms that keep their output ]."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                normalized_shape: tuple[int, ...], eps: float, rms: bool, gamma_threshold: float,
+                normalized_shape: tuple[int, ...], eps: float, form: str, gamma_threshold: float,
                 owner: str) -> torch.Tensor:
         """The norm's output, keeping it (and the features of ``x`` whose ``xhat`` it cannot rebuild) for backward."""
         nd = len(normalized_shape)
         dims = tuple(range(x.dim() - nd, x.dim()))
-        if rms:
+        rms = form != "layer"
+        if form == "rms_norm":
+            # torch's own forward, bitwise in every dtype (float16/bfloat16: computed in float32, rounded once);
+            # rstd for backward in float32 there (one value per row)
+            out = torch.nn.functional.rms_norm(x, list(normalized_shape), weight, eps)
+            wide = x.float() if x.dtype in _HALF else x
+            rstd = torch.rsqrt(wide.pow(2).mean(dims, keepdim=True) + eps)
+            mean = None
+        elif rms:
             rstd = torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
             out = x * rstd
             if weight is not None:
@@ -52,7 +84,7 @@ class NormKeepOutput(torch.autograd.Function):
             else:
                 columns = x.reshape(*x.shape[: x.dim() - nd], -1).index_select(-1, kept)
                 r = rstd.reshape(*rstd.shape[: x.dim() - nd], 1)
-                xhat_kept = columns * r if mean is None else (columns - mean.reshape(r.shape)) * r
+                xhat_kept = (columns * r if mean is None else (columns - mean.reshape(r.shape)) * r).to(x.dtype)
         ctx.dims, ctx.rms, ctx.owner = dims, rms, owner
         ctx.save_for_backward(out, mean, rstd, weight, bias, kept, xhat_kept)
         return out
@@ -84,7 +116,7 @@ class NormKeepOutput(torch.autograd.Function):
                 dx.mul_(rstd)
             return dx, dweight, dbias, None, None, None, None, None
         g = dn * weight if weight is not None else dn  # RMSNorm
-        dx = rstd * (g - xhat * (g * xhat).mean(dims, keepdim=True))
+        dx = (rstd * (g - xhat * (g * xhat).mean(dims, keepdim=True))).to(dn.dtype)  # (rstd: float32 for half types)
         batch_dims = tuple(range(dn.dim() - len(dims)))
         dweight = (dn * xhat).sum(batch_dims) if weight is not None else None
         dbias = dn.sum(batch_dims) if bias is not None else None
@@ -108,7 +140,7 @@ class LayerNorm(nn.LayerNorm):
                 or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))
                 or _torchs_case(input, self.weight, self.normalized_shape)):
             return super().forward(input)
-        return NormKeepOutput.apply(input, self.weight, self.bias, tuple(self.normalized_shape), self.eps, False,
+        return NormKeepOutput.apply(input, self.weight, self.bias, tuple(self.normalized_shape), self.eps, "layer",
                                      self.gamma_threshold, owner(self))
 
 
@@ -130,10 +162,10 @@ class RMSNorm(nn.RMSNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``nn.RMSNorm``'s forward, keeping the output for backward (torch's own forward where nothing needs
         a gradient, under autocast, ``torch.compile``, ``torch.func`` or inside a checkpointed region)."""
-        eps = self.eps if self.eps is not None else torch.finfo(input.dtype).eps
+        eps = self.eps if self.eps is not None else default_rms_eps(input.dtype)
         if (not torch.is_grad_enabled() or plain_only() or in_checkpoint() or autocasting(input)
                 or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))
                 or _torchs_case(input, self.weight, self.normalized_shape)):
             return super().forward(input)
-        return NormKeepOutput.apply(input, self.weight, None, tuple(self.normalized_shape), eps, True,
+        return NormKeepOutput.apply(input, self.weight, None, tuple(self.normalized_shape), eps, "rms_norm",
                                      self.gamma_threshold, owner(self))
