@@ -41,7 +41,10 @@ newly holds); convert measures each change anyway and undoes one that saves noth
 
 from __future__ import annotations
 
+import ast
+import inspect
 import sys
+import textwrap
 from collections.abc import Iterator
 
 from torch import nn
@@ -511,6 +514,57 @@ def _out_of_place(module: nn.Module) -> Undo:
     return undo
 
 
+def _source_reads_input_after(ctx: Context, module: nn.Module) -> str | None:
+    """Why ``module``, an activation run in place, must stay in place, from its parents' source code (NOTE [ in-place
+    activations made out of place ]), or None. In each parent's class (and the classes it inherits from), a call
+    ``self.<name>(v)`` on a variable ``v`` whose result is not assigned back to ``v`` (``v = self.act(v)``) while the
+    function reads ``v`` again after it (``self.act(v); return conv(v)``, on any path: no control flow is followed)
+    relies on the input being overwritten. A parent whose source cannot be read (or ``nn.Sequential``) is trusted to
+    the training step convert runs on the example inputs."""
+    for path in ctx.aliases.get(id(module), []):
+        parent_path, _, name = path.rpartition(".")
+        parent = ctx.model.get_submodule(parent_path)
+        for cls in type(parent).__mro__:
+            if cls in (nn.Module, nn.Sequential, nn.ModuleList, nn.ModuleDict, object):
+                continue
+            try:
+                lines, start = inspect.getsourcelines(cls)
+                tree = ast.parse(textwrap.dedent("".join(lines)))
+            except (OSError, TypeError, SyntaxError, IndentationError):
+                continue
+            body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+            for function in body:  # the methods the parent runs: those no subclass of cls overrides
+                if (isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) and inspect.getattr_static(
+                        type(parent), function.name, None) is cls.__dict__.get(function.name)):
+                    line = _reads_after(function, name)
+                    if line is not None:
+                        return (f"{cls.__qualname__}.{function.name} reads the activation's input again after "
+                                f"self.{name}(...) ({inspect.getsourcefile(cls)}:{start + line - 1})")
+    return None
+
+
+def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str) -> int | None:
+    """The line (in the parsed class) of a ``self.<name>(v)`` call whose ``v`` ``function`` reads again after it, or
+    None."""
+    assigned_back: set[int] = set()  # id() of calls whose result is assigned to their own argument
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            targets = {t.id for t in node.targets if isinstance(t, ast.Name)}
+            arg = node.value.args[0] if node.value.args else None
+            if isinstance(arg, ast.Name) and arg.id in targets:
+                assigned_back.add(id(node.value))
+    loads = [n for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+    for call in ast.walk(function):
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == name
+                and isinstance(call.func.value, ast.Name) and call.func.value.id == "self" and call.args
+                and isinstance(call.args[0], ast.Name)) or id(call) in assigned_back:
+            continue
+        var, end = call.args[0].id, (call.end_lineno or call.lineno, call.end_col_offset or 0)
+        if any(n.id == var and (n.lineno, n.col_offset) > end for n in loads):
+            return call.lineno
+    return None
+
+
 _IN_PLACE = ("{} runs in place with no inplace switch convert could turn off: its output overwrote its input, so "
              "nothing is left to rebuild the output from. To let convert rebuild it for the layers that keep it, "
              "make its forward run out of place (inplace=False), where nothing else reads the activation's input "
@@ -536,6 +590,11 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
         if in_place and getattr(module, "inplace", None) is not True:  # no switch to turn it out of place
             if any(trace.storages[s.outputs[0]].holders for s in sites if s.outputs):  # something to save
                 yield Candidate((site.path,), reason=_IN_PLACE.format(type(module).__name__), skip=True)
+            continue
+        read_after = _source_reads_input_after(ctx, module) if in_place else None
+        if read_after:
+            yield Candidate((site.path,), reason=f"runs in place and {read_after}: made out of place it would read "
+                                                 "the values before the activation", skip=True)
             continue
         consumers: list[nn.Module] = []
         expected = 0
@@ -581,9 +640,10 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
         # keeps a copy of that input anyway, so out of place it keeps the same bytes and computes the same values.
         # What the trace cannot show is whether the parent reads the input after the call through its own name
         # (`act(x); return conv(x)`, a running statistic of `x`, a straight-through `x - x.detach()`), where out of
-        # place it would read the values before the activation: convert runs a training step on the example inputs
-        # before and after and keeps the change only if the outputs, the buffers and every parameter's gradient are
-        # bitwise the same
+        # place it would read the values before the activation. The parents' source is read for such a read on any
+        # path (_source_reads_input_after: a branch the example inputs did not take too), and convert runs a
+        # training step on the example inputs before and after and keeps the change only if the outputs, the
+        # buffers and every parameter's gradient are bitwise the same
         yield Candidate((site.path,), type(module).__name__ + (" (in place)" if in_place else ""),
                         ("made out of place, " if in_place else "") + _recomputed_for(ctx, consumers),
                         reason="its output is kept only by later call sites, its input by itself",
