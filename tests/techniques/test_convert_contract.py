@@ -1462,3 +1462,22 @@ def test_an_inplace_activation_whose_parent_reads_its_input_again_stays_in_place
     assigned = nn.Sequential(AssignedActBlock(), nn.Linear(16, 4))
     _, report = memtrim.convert(copy.deepcopy(assigned), example_inputs=torch.randn(2, 16))
     assert [c.rule for c in report.changes] == ["activation_consumer"], str(report)
+
+
+@pytest.mark.parametrize("param", ["weight", "bias"])
+def test_a_rebuilt_norms_parameter_changed_before_backward_is_named(param):
+    # found by an adversarial pass: a fused BatchNorm + LeakyReLU whose bias was changed under no_grad between forward
+    # and backward raised "that output was changed in place ... clone the output", naming the wrong tensor and a fix
+    # that cannot help. The norm rebuilds its input from its output, weight and bias, so it must refuse; the error
+    # names the parameter now (and says torch's own norm does not read its bias)
+    plain = _conv_bn_act(partial(nn.LeakyReLU, 0.1))
+    x = torch.randn(2, 3, 12, 12)
+    model, report = memtrim.convert(copy.deepcopy(plain), example_inputs=x)
+    assert isinstance(model[2], memtrim.Absorbed), str(report)
+    loss = model(x).sum()
+    with torch.no_grad():
+        getattr(model[1], param).add_(0.5)
+    unread = r".*does not read its bias" if param == "bias" else ""
+    with pytest.raises(memtrim.ConvertError, match=rf"'1' \+ '2'.*from its output and its {param}, and it was changed"
+                                                   rf"{unread}.*loss.backward\(\) before optimizer.step\(\)"):
+        loss.backward()

@@ -24,7 +24,7 @@ from ..measure.hooks import top_saved_tensors_hooks
 __all__ = [
     "CONVERTED", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS", "activated", "autocasting", "fx_tracing",
     "in_checkpoint", "inplace_error", "mark_activated", "memtrims", "no_double_backward", "owner", "plain_only",
-    "refuse_later_hooks", "saved_tensors", "saves_checked", "watch_replacement",
+    "kept_params", "refuse_later_hooks", "saved_tensors", "saves_checked", "watch_replacement",
 ]
 
 
@@ -220,10 +220,21 @@ def owner(module: nn.Module) -> str:
     return getattr(module, "memtrim_owner", None) or f"memtrim.nn.{type(module).__name__}"
 
 
-def inplace_error(owner: str, error: RuntimeError) -> BaseException:
-    """The error for an in-place change of a tensor ``owner`` keeps (torch's message otherwise names only a node)."""
+def inplace_error(owner: str, error: RuntimeError, params: tuple[str, ...] = ()) -> BaseException:
+    """The error for an in-place change of a tensor ``owner`` keeps (torch's message otherwise names only a node).
+    ``params``: the names of the parameters it rebuilds its input from that were changed (else its output was)."""
     if "modified by an inplace operation" not in str(error):
         return error
+    if params:
+        unread = (" (torch's own norm does not read its bias in backward: the unconverted model trains through such "
+                  "a change of the bias)" if "bias" in params else "")
+        return ConvertError(
+            f"memtrim: {owner} rebuilds its input in backward from its output and its {' and '.join(params)}, and "
+            f"{'they were' if len(params) > 1 else 'it was'} changed in place after the forward (an optimizer step "
+            f"or an edit under no_grad before backward){unread}. Expected them unchanged until backward; found: "
+            f"{error} To fix: change parameters after backward (loss.backward() before optimizer.step()), or leave "
+            "this module out of memtrim.convert (module_filter)."
+        )
     return ConvertError(
         f"memtrim: {owner} keeps its output for backward (that is how it saves memory), and that output was changed "
         f"in place after the forward. Expected it unchanged until backward; found: {error} To fix: clone the output "
@@ -233,11 +244,20 @@ def inplace_error(owner: str, error: RuntimeError) -> BaseException:
 
 
 def saved_tensors(ctx: Any) -> tuple[Any, ...]:
-    """``ctx.saved_tensors``, with autograd's in-place error turned into one that names ``ctx.owner``."""
+    """``ctx.saved_tensors``, with autograd's in-place error turned into one that names ``ctx.owner`` and what was
+    changed: a parameter of ``ctx.kept_params`` (name, tensor or None, version at the forward), or the output."""
     try:
         return ctx.saved_tensors
     except RuntimeError as e:
-        raise inplace_error(ctx.owner, e) from e
+        changed = tuple(name for name, t, version in getattr(ctx, "kept_params", ())
+                        if t is not None and t._version != version)
+        raise inplace_error(ctx.owner, e, changed) from e
+
+
+def kept_params(weight: torch.Tensor | None, bias: torch.Tensor | None) -> tuple[tuple[str, Any, int], ...]:
+    """``ctx.kept_params`` for :func:`saved_tensors`: a norm's weight and bias with their versions now."""
+    return (("weight", weight, -1 if weight is None else weight._version),
+            ("bias", bias, -1 if bias is None else bias._version))
 
 
 class _Refuse(torch.autograd.Function):

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..guards import autocasting, in_checkpoint, no_double_backward, owner, plain_only, saved_tensors
+from ..guards import autocasting, in_checkpoint, kept_params, no_double_backward, owner, plain_only, saved_tensors
 from ._kernels import keep_input_features, zeros_and_ones
 
 __all__ = ["LayerNorm", "NormKeepOutput", "RMSNorm"]
@@ -85,7 +85,7 @@ class NormKeepOutput(torch.autograd.Function):
                 columns = x.reshape(*x.shape[: x.dim() - nd], -1).index_select(-1, kept)
                 r = rstd.reshape(*rstd.shape[: x.dim() - nd], 1)
                 xhat_kept = (columns * r if mean is None else (columns - mean.reshape(r.shape)) * r).to(x.dtype)
-        ctx.dims, ctx.rms, ctx.owner = dims, rms, owner
+        ctx.dims, ctx.rms, ctx.owner, ctx.kept_params = dims, rms, owner, kept_params(weight, bias)
         ctx.save_for_backward(out, mean, rstd, weight, bias, kept, xhat_kept)
         return out
 

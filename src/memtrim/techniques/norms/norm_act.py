@@ -32,6 +32,7 @@ from ..guards import (
     OUTPUT_HOOKS,
     autocasting,
     fx_tracing,
+    kept_params,
     mark_activated,
     no_double_backward,
     owner,
@@ -83,6 +84,7 @@ class _BatchNormActFunction(torch.autograd.Function):
         elif activation == "elu":
             torch.ops.aten.elu_(out, param)
         ctx.activation, ctx.param, ctx.training, ctx.shape, ctx.owner = activation, param, training, shape, owner
+        ctx.kept_params = kept_params(weight, bias)
         ctx.save_for_backward(out, save_mean, save_invstd, weight, bias, kept, xhat_kept)
         return out
 
