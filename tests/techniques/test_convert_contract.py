@@ -1481,3 +1481,25 @@ def test_a_rebuilt_norms_parameter_changed_before_backward_is_named(param):
     with pytest.raises(memtrim.ConvertError, match=rf"'1' \+ '2'.*from its output and its {param}, and it was changed"
                                                    rf"{unread}.*loss.backward\(\) before optimizer.step\(\)"):
         loss.backward()
+
+
+def test_a_fused_activation_replaced_in_a_converted_model_loaded_in_a_new_process_raises(tmp_path):
+    # the watch on a fused activation is torch's global registration hook, installed at convert: a converted model
+    # saved whole and loaded in a new process installs it again, so a replacement there raises too
+    import subprocess
+    import sys
+
+    model, _ = memtrim.convert(_conv_bn_act(nn.ReLU), example_inputs=torch.randn(2, 3, 12, 12))
+    torch.save(model, tmp_path / "model.pt")
+    script = (
+        "import torch, memtrim\n"
+        f"model = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+        "model(torch.randn(2, 3, 12, 12))\n"
+        "model[2] = torch.nn.SiLU()\n"
+        "try:\n"
+        "    model(torch.randn(2, 3, 12, 12))\n"
+        "except memtrim.ConvertError as e:\n"
+        "    print('raised:', e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert "raised:" in done.stdout and "replaced after convert (SiLU registered as '2')" in done.stdout, done.stderr

@@ -24,7 +24,8 @@ from ..measure.hooks import top_saved_tensors_hooks
 __all__ = [
     "CONVERTED", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS", "activated", "autocasting", "fx_tracing",
     "in_checkpoint", "inplace_error", "mark_activated", "memtrims", "no_double_backward", "owner", "plain_only",
-    "kept_params", "refuse_later_hooks", "saved_tensors", "saves_checked", "watch_replacement",
+    "kept_params", "refuse_later_hooks", "saved_tensors", "saves_checked", "watch_registrations",
+    "watch_replacement",
 ]
 
 
@@ -166,13 +167,19 @@ def _on_registration(parent: nn.Module, name: str, new: Any) -> None:
         old.__dict__[_REPLACED] = f"{type(new).__name__} registered as {name!r}"
 
 
+def watch_registrations(bn: nn.Module) -> None:
+    """Install torch's global registration hook if fused ``bn`` has an activation to watch: at convert, and when a
+    converted model is unpickled or copied (a new process has no hook yet)."""
+    global _registration_hook
+    if _registration_hook is None and _PARTNER in bn.__dict__:
+        _registration_hook = torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
+
+
 def watch_replacement(bn: nn.Module, activation: nn.Module) -> Callable[[], None]:
     """Make fused ``bn`` raise at its next call once another module is registered in ``activation``'s place (NOTE
     [ a fused activation replaced after convert ]). Returns the undo."""
-    global _registration_hook
-    if _registration_hook is None:
-        _registration_hook = torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
     bn.__dict__[_PARTNER] = activation
+    watch_registrations(bn)
     activation.__dict__[_WATCHED] = True  # (left on by the undo: torchvision's shared ReLU may serve other BatchNorms)
     activation.__dict__.pop(_REPLACED, None)
 

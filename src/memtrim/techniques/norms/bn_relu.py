@@ -39,7 +39,15 @@ import functools
 import torch
 from torch import nn
 
-from ..guards import OUTPUT_HOOKS, fx_tracing, mark_activated, owner, plain_only, refuse_later_hooks
+from ..guards import (
+    OUTPUT_HOOKS,
+    fx_tracing,
+    mark_activated,
+    owner,
+    plain_only,
+    refuse_later_hooks,
+    watch_registrations,
+)
 from ..recompute._core import enter_consumer_scope, exit_consumer_scope, mark_recomputable
 from .norm_act import batchnorm_arguments, refuse_fx_trace
 
@@ -96,6 +104,12 @@ def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
 
 class _BatchNormReLU(nn.modules.batchnorm._BatchNorm):
     """``nn.BatchNorm`` + ReLU keeping only the BatchNorm's input. See NOTE [ BatchNorm + ReLU, recomputed ]."""
+
+    def __setstate__(self, state: dict) -> None:
+        """``nn.Module``'s, and, for a BatchNorm convert fused, the watch on its activation in this process too (NOTE
+        [ a fused activation replaced after convert ] in guards.py)."""
+        super().__setstate__(state)
+        watch_registrations(self)
 
     def extra_repr(self) -> str:
         """The BatchNorm's repr plus the ReLU it applies."""

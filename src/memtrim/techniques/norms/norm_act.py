@@ -39,6 +39,7 @@ from ..guards import (
     plain_only,
     refuse_later_hooks,
     saved_tensors,
+    watch_registrations,
 )
 from ._kernels import keep_input_features
 
@@ -188,6 +189,12 @@ def batchnorm_arguments(bn: Any, input: torch.Tensor) -> tuple[float, bool, torc
 
 class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
     """Shared by BatchNormAct1d/2d/3d: ``nn.BatchNorm`` parameters and buffers, followed by an activation."""
+
+    def __setstate__(self, state: dict) -> None:
+        """``nn.Module``'s, and, for a BatchNorm convert fused, the watch on its activation in this process too (NOTE
+        [ a fused activation replaced after convert ] in guards.py)."""
+        super().__setstate__(state)
+        watch_registrations(self)
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, device: Any = None, dtype: Any = None, *,
