@@ -42,6 +42,7 @@ newly holds); convert measures each change anyway and undoes one that saves noth
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import sys
 import textwrap
@@ -523,23 +524,32 @@ def _source_reads_input_after(ctx: Context, module: nn.Module) -> str | None:
     the training step convert runs on the example inputs."""
     for path in ctx.aliases.get(id(module), []):
         parent_path, _, name = path.rpartition(".")
-        parent = ctx.model.get_submodule(parent_path)
-        for cls in type(parent).__mro__:
-            if cls in (nn.Module, nn.Sequential, nn.ModuleList, nn.ModuleDict, object):
-                continue
-            try:
-                lines, start = inspect.getsourcelines(cls)
-                tree = ast.parse(textwrap.dedent("".join(lines)))
-            except (OSError, TypeError, SyntaxError, IndentationError):
-                continue
-            body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-            for function in body:  # the methods the parent runs: those no subclass of cls overrides
-                if (isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) and inspect.getattr_static(
-                        type(parent), function.name, None) is cls.__dict__.get(function.name)):
-                    line = _reads_after(function, name)
-                    if line is not None:
-                        return (f"{cls.__qualname__}.{function.name} reads the activation's input again after "
-                                f"self.{name}(...) ({inspect.getsourcefile(cls)}:{start + line - 1})")
+        parent: type = type(ctx.model.get_submodule(parent_path))
+        why = _class_reads_input_after(parent, name)
+        if why:
+            return why
+    return None
+
+
+@functools.lru_cache(maxsize=256)  # a model's blocks share a few classes: each is parsed once per attribute name
+def _class_reads_input_after(parent: type, name: str) -> str | None:
+    """:func:`_source_reads_input_after` for one parent class and the attribute name of the activation in it."""
+    for cls in parent.__mro__:
+        if cls in (nn.Module, nn.Sequential, nn.ModuleList, nn.ModuleDict, object):
+            continue
+        try:
+            lines, start = inspect.getsourcelines(cls)
+            tree = ast.parse(textwrap.dedent("".join(lines)))
+        except (OSError, TypeError, SyntaxError, IndentationError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for function in body:  # the methods the parent runs: those no subclass of cls overrides
+            if (isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    and inspect.getattr_static(parent, function.name, None) is cls.__dict__.get(function.name)):
+                line = _reads_after(function, name)
+                if line is not None:
+                    return (f"{cls.__qualname__}.{function.name} reads the activation's input again after "
+                            f"self.{name}(...) ({inspect.getsourcefile(cls)}:{start + line - 1})")
     return None
 
 
