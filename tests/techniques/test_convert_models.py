@@ -5,6 +5,7 @@ compared with its unconverted copy (float64 within 1e-9: a rebuilt norm rounds) 
 
 import copy
 import sys
+import warnings
 
 import pytest
 import torch
@@ -148,6 +149,9 @@ def test_rmsnorm_by_behaviour_honours_a_setting_changed_after_convert_and_an_unb
         m[1].variance_epsilon = 0.5
     with pytest.warns(UserWarning, match="'1'.*variance_epsilon.*changed after convert.*saves nothing"):
         out_b, grads_b = outputs_and_grads(converted, batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per module, not at every call
+        outputs_and_grads(converted, batch)
     out_a, grads_a = outputs_and_grads(plain, batch)
     assert torch.equal(out_a, out_b) and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
     unbatched = {"input": torch.randn(16, dtype=torch.float64)}

@@ -132,7 +132,8 @@ def test_rmsnorm_forward_is_torchs_in_every_dtype(dtype, eps):
     for i in range(2):  # the input's and the weight's gradients, against float64
         theirs, mine = ((r[1][i].double() - results[2][1][i]).abs().max() for r in results[:2])
         # the rebuild from the rounded output costs about one rounding of xhat more: measured up to 2.2x torch's own
-        # error in float16/bfloat16; the norms' documented bound is 10x (NOTE [ when a norm keeps its input ])
+        # error here and 3.4x over 64 features in float16 (an adversarial pass); the norms' documented bound is 10x
+        # (NOTE [ when a norm keeps its input ])
         assert mine <= 10 * theirs + 1e-12, (i, mine, theirs)
 
 

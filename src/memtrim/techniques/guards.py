@@ -151,8 +151,9 @@ INPUT_HOOKS = ("_forward_pre_hooks", "_backward_pre_hooks", "_backward_hooks")
 # of the old one, silently. The BatchNorm keeps its activation in ``__dict__`` (no child: state_dict and
 # named_modules are unchanged); one global module-registration hook of torch's marks a watched activation when
 # another module is registered under one of its names, and the BatchNorm's next call raises
-# (:func:`refuse_later_hooks`, which it runs at every call). A module swapped in through ``_modules`` directly is
-# not seen.
+# (:func:`refuse_later_hooks`, which it runs at every call); registered again, the activation is in its place again.
+# Not seen: a module written into ``_modules`` directly (``Sequential.insert``), one registered after ``del`` of the
+# activation's name, and a changed ``forward`` or ``__class__`` of the activation itself.
 _PARTNER = "memtrim_partner"  # on a fused BatchNorm: the activation module it applies
 _WATCHED = "memtrim_watched"  # on that activation: whether a registration replacing it is recorded
 _REPLACED = "memtrim_replaced_by"  # on that activation: what was registered in its place, once it was
@@ -163,8 +164,12 @@ def _on_registration(parent: nn.Module, name: str, new: Any) -> None:
     """torch's global module-registration hook: record that a watched activation was replaced."""
     modules = parent.__dict__.get("_modules")
     old = modules.get(name) if modules else None
-    if old is not None and old is not new and old.__dict__.get(_WATCHED):
+    if old is new:
+        return
+    if old is not None and old.__dict__.get(_WATCHED):
         old.__dict__[_REPLACED] = f"{type(new).__name__} registered as {name!r}"
+    if isinstance(new, nn.Module) and new.__dict__.get(_WATCHED):  # put back: in its place again
+        new.__dict__.pop(_REPLACED, None)
 
 
 def watch_registrations(bn: nn.Module) -> None:

@@ -124,12 +124,16 @@ def _settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
 
 
 def _settings_changed(module: nn.Module) -> bool:
-    """Whether a setting :func:`_settings` recorded at convert differs now (warned: the module saves nothing then).
+    """Whether a setting :func:`_settings` recorded at convert differs now (warned once per module: it saves nothing
+    then).
     The RMSNorm form computes with the eps the trace showed; changed, its own forward must run."""
     state = module.__dict__
     for key, value in state.get("memtrim_settings", ()):
         now = state.get(key)
         if now != value:
+            if state.get("memtrim_settings_warned"):
+                return True
+            state["memtrim_settings_warned"] = True
             warnings.warn(f"memtrim.convert: {owner(module)}'s {key} is {now!r}, changed after convert (it was "
                           f"{value!r}): it runs its own forward now and saves nothing. Convert after changing it.",
                           stacklevel=3)

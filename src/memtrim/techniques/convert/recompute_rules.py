@@ -543,35 +543,110 @@ def _class_reads_input_after(parent: type, name: str) -> str | None:
         except (OSError, TypeError, SyntaxError, IndentationError):
             continue
         body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for function in body:  # the methods the parent runs: those no subclass of cls overrides
-            if (isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for function in body:  # the methods the parent runs (no __init__): those no subclass of cls overrides
+            if (isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) and function.name != "__init__"
                     and inspect.getattr_static(parent, function.name, None) is cls.__dict__.get(function.name)):
                 line = _reads_after(function, name)
                 if line is not None:
-                    return (f"{cls.__qualname__}.{function.name} reads the activation's input again after "
-                            f"self.{name}(...) ({inspect.getsourcefile(cls)}:{start + line - 1})")
+                    return (f"{cls.__qualname__}.{function.name} may rely on self.{name} overwriting its input "
+                            f"({inspect.getsourcefile(cls)}:{start + line - 1})")
     return None
 
 
+_INTROSPECTION = frozenset({"isinstance", "type", "hasattr", "getattr", "id", "repr", "str"})
+
+
+def _root_name(arg: ast.expr, me: str) -> ast.Name | int | None:
+    """The variable whose tensor ``arg`` may be (or be a view of): ``v``, ``v[...]``, ``v.view(...)``, ``v.t``; None
+    for a temporary (a call of one of ``me``'s modules or of a function); a line number for anything else (an
+    attribute of ``me``, a container's item)."""
+    while True:
+        if isinstance(arg, ast.Name):
+            return arg
+        if isinstance(arg, ast.Subscript):
+            arg = arg.value
+        elif isinstance(arg, ast.Call):
+            func = arg.func
+            if not isinstance(func, ast.Attribute) or (isinstance(func.value, ast.Name) and func.value.id == me) or (
+                    isinstance(func.value, ast.Attribute)):
+                return None  # self.bn(x), F.relu(x), self.block.conv(x), torch.cat(...): a new tensor
+            arg = func.value  # x.view(...), x.transpose(...): maybe a view of x
+        elif isinstance(arg, ast.Attribute):
+            if isinstance(arg.value, ast.Name) and arg.value.id == me:
+                return arg.lineno  # self.h: held by the module
+            arg = arg.value
+        else:
+            return arg.lineno if isinstance(arg, (ast.List, ast.Tuple, ast.Starred)) else None
+
+
 def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str) -> int | None:
-    """The line (in the parsed class) of a ``self.<name>(v)`` call whose ``v`` ``function`` reads again after it, or
-    None."""
-    assigned_back: set[int] = set()  # id() of calls whose result is assigned to their own argument
+    """The line (in the parsed class) where ``function`` may rely on the activation ``self.<name>`` overwriting its
+    input, or None where every use is one the out-of-place activation computes the same: a direct call whose input
+    is a temporary (``self.conv(self.act(self.bn(x)))``), or a variable ``v`` that no other name shares and that is
+    assigned the call's result (``v = self.act(v)``, ``v = self.conv(self.act(v))``) or never read after it. Anything
+    else counts: a call as a statement (``self.act(v)``), ``v`` read after the call, ``v`` shared with another name
+    (``t = v``), a keyword or starred input, the module used other than called (``a = self.act``, ``self.act.forward``,
+    ``getattr(self, "act")``, passed to ``checkpoint``), a call inside a lambda, an input that is (a view of) an
+    argument of the function not assigned before the call (the caller's tensor). No control flow is followed: a read
+    on any path counts."""
+    if not function.args.args:
+        return None
+    me = function.args.args[0].arg  # ``self``, whatever it is called
+    arguments = {a.arg for a in (*function.args.posonlyargs, *function.args.args[1:], *function.args.kwonlyargs)}
+    bound = [(t.id, (node.end_lineno or node.lineno, node.end_col_offset or 0)) for node in ast.walk(function)
+             if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)]
+    parents = {id(child): node for node in ast.walk(function) for child in ast.iter_child_nodes(node)}
+    names = [n for n in ast.walk(function) if isinstance(n, ast.Name)]
+    shared = {n.id for n in names if isinstance(parents.get(id(n)), (ast.Assign, ast.AnnAssign, ast.Tuple, ast.List))
+              and isinstance(n.ctx, ast.Load)}  # t = v, (v, w), [v]: v has another name now
+    shared |= {t.id for node in ast.walk(function) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name)
+               for t in node.targets if isinstance(t, ast.Name)}  # t = v: t shares v's tensor
     for node in ast.walk(function):
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
-            targets = {t.id for t in node.targets if isinstance(t, ast.Name)}
-            arg = node.value.args[0] if node.value.args else None
-            if isinstance(arg, ast.Name) and arg.id in targets:
-                assigned_back.add(id(node.value))
-    loads = [n for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
-    for call in ast.walk(function):
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == name
-                and isinstance(call.func.value, ast.Name) and call.func.value.id == "self" and call.args
-                and isinstance(call.args[0], ast.Name)) or id(call) in assigned_back:
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value == name):
+            return node.lineno
+        if not (isinstance(node, ast.Attribute) and node.attr == name and isinstance(node.value, ast.Name)
+                and node.value.id == me and isinstance(node.ctx, ast.Load)):
             continue
-        var, end = call.args[0].id, (call.end_lineno or call.lineno, call.end_col_offset or 0)
-        if any(n.id == var and (n.lineno, n.col_offset) > end for n in loads):
-            return call.lineno
+        call = parents.get(id(node))
+        if isinstance(call, ast.Attribute) and call.attr not in ("forward", "__call__", "_call_impl"):
+            continue  # a setting read (self.act.inplace)
+        if (isinstance(call, ast.Call) and call.func is not node and isinstance(call.func, ast.Name)
+                and call.func.id in _INTROSPECTION and call.args and call.args[0] is node):
+            continue  # isinstance(self.act, ...)
+        if not isinstance(call, ast.Call) or call.func is not node:
+            return node.lineno  # used other than called directly
+        if call.keywords or any(isinstance(a, ast.Starred) for a in call.args):
+            return node.lineno
+        enclosing: ast.AST = call
+        up = parents.get(id(call))
+        while up is not None and not isinstance(enclosing, ast.stmt):
+            if isinstance(up, ast.Lambda):
+                return node.lineno
+            enclosing, up = up, parents.get(id(up))
+        if not isinstance(enclosing, ast.stmt):
+            return node.lineno
+        statement = enclosing
+        if isinstance(statement, ast.Expr):
+            return node.lineno  # called for its effect alone
+        for arg in call.args:
+            root = _root_name(arg, me)
+            if root is None:
+                continue  # a temporary (a module's output): nothing else holds it
+            if isinstance(root, int) or root.id in shared:
+                return node.lineno
+            if root.id in arguments and not any(v == root.id and end <= (call.lineno, call.col_offset)
+                                                for v, end in bound):
+                return node.lineno  # the caller's tensor, which the caller may read after
+            arg = root
+            targets = (statement.targets if isinstance(statement, ast.Assign)
+                       else [statement.target] if isinstance(statement, ast.AnnAssign) else [])
+            if any(isinstance(t, ast.Name) and t.id == arg.id for t in targets):
+                continue  # v = ...self.act(v)...: later reads of v see the result
+            end = (statement.end_lineno or statement.lineno, statement.end_col_offset or 0)
+            if any(n.id == arg.id and isinstance(n.ctx, ast.Load) and (n.lineno, n.col_offset) > end for n in names):
+                return node.lineno
     return None
 
 
@@ -603,8 +678,9 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
             continue
         read_after = _source_reads_input_after(ctx, module) if in_place else None
         if read_after:
-            yield Candidate((site.path,), reason=f"runs in place and {read_after}: made out of place it would read "
-                                                 "the values before the activation", skip=True)
+            yield Candidate((site.path,), reason=f"runs in place and {read_after}: made out of place, a read of "
+                                                 "that input after it would see the values before the activation",
+                            skip=True)
             continue
         consumers: list[nn.Module] = []
         expected = 0
