@@ -1260,7 +1260,7 @@ def test_a_fused_activation_replaced_after_convert_raises(act):
     model[2] = nn.SiLU()
     for grad in (True, False):
         with torch.set_grad_enabled(grad), pytest.raises(
-                memtrim.ConvertError, match=r"'1' \+ '2'.*replaced after convert \(SiLU registered as '2'\)"):
+                memtrim.ConvertError, match=r"'1' \+ '2'.*replaced after convert \(SiLU in its place '2'\)"):
             model(x)
     model[2] = fused  # put back (an adversarial pass found the error stayed): the model trains as before
     assert torch.equal(grads_of(model, x)[0], grads_of(plain, x)[0])
@@ -1599,3 +1599,25 @@ def test_the_parents_source_check_refuses_other_idioms_and_accepts_reassignment(
     for alt in (False, True):
         outs = [grads_of(partial(m, alt=alt), x, params=False) for m in (plain, converted)]
         assert_same(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("how", ["del then set", "Sequential.insert", "_modules"])
+def test_a_fused_activation_replaced_past_the_registration_hook_raises(how):
+    # found by an adversarial pass: `del model[2]` then a new module, Sequential.insert and a write into _modules
+    # (some quantization tools) reach no registration hook with the old module, which trained silu(relu(bn)). The
+    # fused BatchNorm also checks its activation's places (parent, name) at every call
+    plain = _conv_bn_act(nn.ReLU)
+    x = torch.randn(2, 3, 12, 12)
+    model, report = memtrim.convert(copy.deepcopy(plain), example_inputs=x)
+    copied = copy.deepcopy(model)  # a copy keeps the registration watch alone (its places are the original's modules)
+    assert torch.equal(grads_of(copied, x)[0], grads_of(plain, x)[0])
+    if how == "del then set":
+        del model[2]
+        model.add_module("2", nn.SiLU())
+    elif how == "Sequential.insert":
+        del model[2]
+        model.insert(2, nn.SiLU())
+    else:
+        model._modules["2"] = nn.SiLU()
+    with pytest.raises(memtrim.ConvertError, match=r"'1' \+ '2'.*replaced after convert \(SiLU in its place '2'\)"):
+        model(x)

@@ -11,6 +11,7 @@ change of a kept tensor and a double backward through a rebuilt norm raise a :cl
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ __all__ = [
     "CONVERTED", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS", "activated", "autocasting", "fx_tracing",
     "in_checkpoint", "inplace_error", "mark_activated", "memtrims", "no_double_backward", "owner", "plain_only",
     "kept_params", "refuse_later_hooks", "saved_tensors", "saves_checked", "watch_registrations",
-    "watch_replacement",
+    "watch_replacement", "without_places",
 ]
 
 
@@ -152,11 +153,14 @@ INPUT_HOOKS = ("_forward_pre_hooks", "_backward_pre_hooks", "_backward_hooks")
 # named_modules are unchanged); one global module-registration hook of torch's marks a watched activation when
 # another module is registered under one of its names, and the BatchNorm's next call raises
 # (:func:`refuse_later_hooks`, which it runs at every call); registered again, the activation is in its place again.
-# Not seen: a module written into ``_modules`` directly (``Sequential.insert``), one registered after ``del`` of the
-# activation's name, and a changed ``forward`` or ``__class__`` of the activation itself.
+# The BatchNorm also keeps weak references to the activation's places (parent, name), checked at every call: that
+# sees a module written into ``_modules`` directly (``Sequential.insert``) or registered after ``del`` of the name.
+# A copy or a pickle drops them (they are this model's modules) and keeps the registration watch alone. Not seen: a
+# changed ``forward`` or ``__class__`` of the activation itself.
 _PARTNER = "memtrim_partner"  # on a fused BatchNorm: the activation module it applies
 _WATCHED = "memtrim_watched"  # on that activation: whether a registration replacing it is recorded
 _REPLACED = "memtrim_replaced_by"  # on that activation: what was registered in its place, once it was
+_PLACES = "memtrim_places"  # on a fused BatchNorm: (weakref to a parent, name) where its activation is registered
 _registration_hook: Any = None
 
 
@@ -180,18 +184,29 @@ def watch_registrations(bn: nn.Module) -> None:
         _registration_hook = torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
 
 
-def watch_replacement(bn: nn.Module, activation: nn.Module) -> Callable[[], None]:
-    """Make fused ``bn`` raise at its next call once another module is registered in ``activation``'s place (NOTE
-    [ a fused activation replaced after convert ]). Returns the undo."""
+def watch_replacement(bn: nn.Module, activation: nn.Module,
+                      places: list[tuple[nn.Module, str]]) -> Callable[[], None]:
+    """Make fused ``bn`` raise at its next call once another module is registered in ``activation``'s place, or
+    its ``places`` (parent, name) no longer hold it (NOTE [ a fused activation replaced after convert ]). Returns the
+    undo."""
     bn.__dict__[_PARTNER] = activation
+    bn.__dict__[_PLACES] = tuple((weakref.ref(parent), name) for parent, name in places)
     watch_registrations(bn)
     activation.__dict__[_WATCHED] = True  # (left on by the undo: torchvision's shared ReLU may serve other BatchNorms)
     activation.__dict__.pop(_REPLACED, None)
 
     def undo() -> None:
         bn.__dict__.pop(_PARTNER, None)
+        bn.__dict__.pop(_PLACES, None)
 
     return undo
+
+
+def without_places(state: dict[str, Any]) -> dict[str, Any]:
+    """A fused BatchNorm's pickled or copied state: its places are weak references to this model's modules (a copy
+    keeps the registration watch alone)."""
+    state.pop(_PLACES, None)
+    return state
 
 
 def refuse_later_hooks(module: nn.Module, fused: str, tables: tuple[str, ...]) -> None:
@@ -204,14 +219,21 @@ def refuse_later_hooks(module: nn.Module, fused: str, tables: tuple[str, ...]) -
     :data:`INPUT_HOOKS`."""
     state = module.__dict__
     partner = state.get(_PARTNER)
-    if partner is not None and _REPLACED in partner.__dict__:
-        raise ConvertError(
-            f"memtrim: {owner(module)} was fused by memtrim.convert with the activation after it, which it applies "
-            f"itself since; that activation was replaced after convert ({partner.__dict__[_REPLACED]}), so the model "
-            "would apply the old activation and then the new one. Expected the activation convert fused; found it "
-            "replaced. To fix: replace modules before memtrim.convert (convert the unconverted model again), or "
-            "leave the pair out (module_filter)."
-        )
+    if partner is not None:
+        places = state.get(_PLACES)
+        replaced = partner.__dict__.get(_REPLACED) if places is None else None  # (a copy: the registration watch)
+        for parent_ref, name in places or ():
+            parent = parent_ref()
+            if parent is not None and parent._modules.get(name) is not partner:
+                replaced = f"{type(parent._modules.get(name)).__name__} in its place {name!r}"
+        if replaced is not None:
+            raise ConvertError(
+                f"memtrim: {owner(module)} was fused by memtrim.convert with the activation after it, which it "
+                f"applies itself since; that activation was replaced after convert ({replaced}), so the model would "
+                "apply the old activation and then the new one. Expected the activation convert fused; found it "
+                "replaced. To fix: replace modules before memtrim.convert (convert the unconverted model again), or "
+                "leave the pair out (module_filter)."
+            )
     if state.get(CONVERTED) is None:
         return
     first, second, third = tables  # the three tables of OUTPUT_HOOKS or INPUT_HOOKS, unrolled: no generator per call

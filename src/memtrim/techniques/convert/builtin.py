@@ -146,14 +146,15 @@ class AbsorbedELU(Absorbed, nn.ELU):
 _ABSORBED: dict[type, type] = {nn.ReLU: AbsorbedReLU, nn.LeakyReLU: AbsorbedLeakyReLU, nn.ELU: AbsorbedELU}
 
 
-def absorb(module: nn.Module, into: str, bn: nn.Module, idempotent: bool = False,
-           settings: tuple[tuple[str, float], ...] | None = None) -> Undo:
+def absorb(module: nn.Module, into: str, bn: nn.Module, places: list[tuple[nn.Module, str]],
+           idempotent: bool = False, settings: tuple[tuple[str, float], ...] | None = None) -> Undo:
     """Make ``module`` an :class:`Absorbed` identity whose work ``into`` (the BatchNorm ``bn``) now does.
     ``idempotent``: the activation is a ReLU (applied twice, it is applied once), which this module can then apply to
-    an input ``into`` did not make. ``settings``: the activation's settings ``bn`` copied, checked at every call."""
+    an input ``into`` did not make. ``settings``: the activation's settings ``bn`` copied, checked at every call.
+    ``places``: (parent, name) where ``module`` is registered."""
     return chain(class_swap(module, _ABSORBED.get(type(module), Absorbed), memtrim_absorbed_into=into,
                             memtrim_owner=into, memtrim_relu=idempotent, memtrim_fused_settings=settings),
-                 watch_replacement(bn, module))
+                 watch_replacement(bn, module, places))
 
 
 # ---------------------------------------------------------------------- pairs
@@ -220,12 +221,14 @@ def batchnorm_activation(ctx: Context) -> Iterator[Candidate]:
         if type(act) is nn.ReLU:
             target = _BN_RELU[type(bn)]
             readers = [ctx.modules[r] for r in ctx.evidence.keepers(act_name) if r in ctx.modules]  # type: ignore[union-attr]
-            apply = _fuse_bn_relu(bn, act, readers, target, label(pair, f"memtrim.nn.{target.__name__}"))
+            apply = _fuse_bn_relu(bn, act, readers, target, label(pair, f"memtrim.nn.{target.__name__}"),
+                                  ctx.places(act))
             limits: tuple[str, ...] = (*LIMITS["batchnorm_relu"], FUSED)
             bitwise = rebuilds_bitwise(bn)
         else:
             target = _BN_ACT[type(bn)]
-            apply = _fuse_bn(bn, act, target, spec, label(pair, f"memtrim.nn.{target.__name__}"))  # type: ignore[arg-type]
+            apply = _fuse_bn(bn, act, target, spec, label(pair, f"memtrim.nn.{target.__name__}"),  # type: ignore[arg-type]
+                             ctx.places(act))
             limits = (REBUILT_INPUT, NO_DOUBLE_BACKWARD, NO_AUTOCAST, FUSED)
             bitwise = False
         yield Candidate(pair, f"{type(bn).__name__} + {type(act).__name__}", f"memtrim.nn.{target.__name__}",
@@ -233,19 +236,22 @@ def batchnorm_activation(ctx: Context) -> Iterator[Candidate]:
                         limits=limits, bitwise=bitwise, apply=apply)
 
 
-def _fuse_bn(bn: nn.Module, act: nn.Module, target: type, spec: tuple[str, float], owner: str):  # noqa: ANN202
+def _fuse_bn(bn: nn.Module, act: nn.Module, target: type, spec: tuple[str, float], owner: str,  # noqa: ANN202
+             places: list[tuple[nn.Module, str]]):
     def apply() -> Undo:
         return chain(
             class_swap(bn, target, activation=spec[0], negative_slope=spec[1] if spec[0] == "leaky_relu" else 0.01,
                        alpha=spec[1] if spec[0] == "elu" else 1.0, gamma_threshold=0.0, memtrim_owner=owner),
-            absorb(act, owner, bn, settings=(("negative_slope" if spec[0] == "leaky_relu" else "alpha", spec[1]),)))
+            absorb(act, owner, bn, places,
+                   settings=(("negative_slope" if spec[0] == "leaky_relu" else "alpha", spec[1]),)))
 
     return apply
 
 
-def _fuse_bn_relu(bn: nn.Module, relu: nn.Module, readers: list[nn.Module], target: type, owner: str):  # noqa: ANN202
+def _fuse_bn_relu(bn: nn.Module, relu: nn.Module, readers: list[nn.Module], target: type, owner: str,  # noqa: ANN202
+                  places: list[tuple[nn.Module, str]]):
     def apply() -> Undo:
-        undos = [class_swap(bn, target, memtrim_owner=owner), absorb(relu, owner, bn, idempotent=True)]
+        undos = [class_swap(bn, target, memtrim_owner=owner), absorb(relu, owner, bn, places, idempotent=True)]
         for reader in readers:  # the modules that would keep the ReLU output keep a recipe instead
             undos.append(_recompute_hooks(reader))
         return chain(*undos)

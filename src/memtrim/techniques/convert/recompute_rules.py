@@ -258,16 +258,17 @@ def batchnorm_relu_call_site(ctx: Context) -> Iterator[Candidate]:
             continue
         target = _BN_RELU[type(bn)]
         owner = label(where, f"memtrim.nn.{target.__name__}")
+        places = ctx.places(relu)
 
         def apply(bn: nn.Module = bn, relu: nn.Module = relu, consumers: list = consumers, target: type = target,
-                  owner: str = owner, relu_path: str = relu_site.path) -> Undo:
+                  owner: str = owner, relu_path: str = relu_site.path, places: list = places) -> Undo:
             # (marked converted: a hook added to it later would see a fused BatchNorm's output, relu'd already, as
             # its input, and raises; not a target, so that the other BatchNorms it follows can be fused too)
             swap = (class_swap(relu, PassThroughReLU, memtrim_owner=f"'{relu_path}'",
                                **{CONVERTED: "batchnorm_relu_call_site"})
                     if type(relu) is nn.ReLU else (lambda: None))
             return chain(class_swap(bn, target, memtrim_owner=owner, memtrim_relu_follows=True), swap,
-                         watch_replacement(bn, relu), _install_consumers(consumers))
+                         watch_replacement(bn, relu, places), _install_consumers(consumers))
 
         yield Candidate(where, f"{type(bn).__name__} + ReLU (call {relu_site.call} of {relu_site.path})",
                         f"memtrim.nn.{target.__name__} + PassThroughReLU",

@@ -106,6 +106,14 @@ class Context:
         None."""
         return self.evidence if self.traced else None
 
+    def places(self, module: nn.Module) -> list[tuple[nn.Module, str]]:
+        """(parent, name) for every name ``module`` is registered under."""
+        found = []
+        for path in self.aliases.get(id(module), []):
+            parent_path, _, name = path.rpartition(".")
+            found.append((self.model.get_submodule(parent_path), name))
+        return found
+
     def sites(self) -> list[CallSite]:
         """Every call site of the evidence, in call order (none without evidence)."""
         return [] if self.evidence is None else self.evidence.sites

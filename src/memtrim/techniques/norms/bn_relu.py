@@ -47,6 +47,7 @@ from ..guards import (
     plain_only,
     refuse_later_hooks,
     watch_registrations,
+    without_places,
 )
 from ..recompute._core import enter_consumer_scope, exit_consumer_scope, mark_recomputable
 from .norm_act import batchnorm_arguments, refuse_fx_trace
@@ -104,6 +105,10 @@ def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
 
 class _BatchNormReLU(nn.modules.batchnorm._BatchNorm):
     """``nn.BatchNorm`` + ReLU keeping only the BatchNorm's input. See NOTE [ BatchNorm + ReLU, recomputed ]."""
+
+    def __getstate__(self) -> dict:
+        """``nn.Module``'s, without the places of a fused activation (weak references to this model's modules)."""
+        return without_places(super().__getstate__())
 
     def __setstate__(self, state: dict) -> None:
         """``nn.Module``'s, and, for a BatchNorm convert fused, the watch on its activation in this process too (NOTE

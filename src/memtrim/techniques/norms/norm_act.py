@@ -40,6 +40,7 @@ from ..guards import (
     refuse_later_hooks,
     saved_tensors,
     watch_registrations,
+    without_places,
 )
 from ._kernels import keep_input_features
 
@@ -189,6 +190,10 @@ def batchnorm_arguments(bn: Any, input: torch.Tensor) -> tuple[float, bool, torc
 
 class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
     """Shared by BatchNormAct1d/2d/3d: ``nn.BatchNorm`` parameters and buffers, followed by an activation."""
+
+    def __getstate__(self) -> dict:
+        """``nn.Module``'s, without the places of a fused activation (weak references to this model's modules)."""
+        return without_places(super().__getstate__())
 
     def __setstate__(self, state: dict) -> None:
         """``nn.Module``'s, and, for a BatchNorm convert fused, the watch on its activation in this process too (NOTE
