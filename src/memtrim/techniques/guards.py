@@ -221,11 +221,14 @@ def refuse_later_hooks(module: nn.Module, fused: str, tables: tuple[str, ...]) -
     partner = state.get(_PARTNER)
     if partner is not None:
         places = state.get(_PLACES)
-        replaced = partner.__dict__.get(_REPLACED) if places is None else None  # (a copy: the registration watch)
-        for parent_ref, name in places or ():
-            parent = parent_ref()
-            if parent is not None and parent._modules.get(name) is not partner:
-                replaced = f"{type(parent._modules.get(name)).__name__} in its place {name!r}"
+        if places is None or _IS_COMPILING():  # a copy, or torch.compile (torch 2.4 cannot trace a weakref's call)
+            replaced = partner.__dict__.get(_REPLACED)
+        else:
+            replaced = None
+            for parent_ref, name in places:
+                parent = parent_ref()
+                if parent is not None and parent._modules.get(name) is not partner:
+                    replaced = f"{type(parent._modules.get(name)).__name__} in its place {name!r}"
         if replaced is not None:
             raise ConvertError(
                 f"memtrim: {owner(module)} was fused by memtrim.convert with the activation after it, which it "
