@@ -336,11 +336,12 @@ def plan(
         traced((), estimates[()])
         estimates.update(trace(exact[1:], failed))
         base = cost.step_seconds(estimates[()].work)
-        plans = [_plan(combo, e, base, cost, limit) for combo, e in estimates.items()]
+        aside = _aside_in_checkpoints(model_or_factory)
+        plans = [_plan(combo, e, base, cost, limit, aside) for combo, e in estimates.items()]
         if changing and not any(p.fits for p in plans):
             notes.append(f"{', '.join(sorted(changing))}: traced because no plan with unchanged numerics fits")
             more = trace([c for c in combinations(names) if changing.intersection(c)], failed)
-            plans += [_plan(combo, e, base, cost, limit) for combo, e in more.items()]
+            plans += [_plan(combo, e, base, cost, limit, aside) for combo, e in more.items()]
         elif changing:
             notes.append(f"{', '.join(sorted(changing))}: not needed (a plan with unchanged numerics fits)")
     return _ranked(plans, limit, dev, cost, notes, estimates[()].peak_bytes)
@@ -466,8 +467,28 @@ def _estimate(model_or_factory: Any, inputs: Any, targets: Any, loss_fn: Any, op
     )
 
 
-def _plan(combo: tuple[str, ...], estimate: _Estimate, base: float, cost: DeviceCost, limit: int) -> Plan:
+def _aside_in_checkpoints(model_or_factory: Any) -> list[str]:
+    """The modules of a model passed itself that compute otherwise inside a checkpointed region: memtrim.convert's
+    norms rebuilt from their output run as torch's own there (a rounding apart: guards.in_checkpoint). A factory's
+    model is not built here (it is unconverted as a rule)."""
+    if not isinstance(model_or_factory, nn.Module):
+        return []
+    from ..techniques.convert.norms import _FORMS
+    from ..techniques.norms import LayerNorm, RMSNorm
+
+    kinds = (LayerNorm, RMSNorm, *_FORMS.values())
+    return [name for name, m in model_or_factory.named_modules() if isinstance(m, kinds)]
+
+
+def _plan(combo: tuple[str, ...], estimate: _Estimate, base: float, cost: DeviceCost, limit: int,
+          aside: list[str]) -> Plan:
     numerics = max((TECHNIQUES[n].numerics for n in combo), key=_NUMERICS_ORDER.__getitem__, default="bitwise")
+    notes = estimate.notes
+    if aside and numerics == "bitwise" and {"checkpoint", "selective"}.intersection(combo):
+        numerics = "tolerance"
+        notes = (*notes, f"tolerance: the checkpointed blocks run memtrim.convert's rebuilt norms ({aside[0]}"
+                         f"{f' and {len(aside) - 1} more' if len(aside) > 1 else ''}) as torch's own ops, a rounding "
+                         "apart from the converted model's training")
     return Plan(
         techniques=combo,
         peak_bytes=estimate.peak_bytes,
@@ -476,7 +497,7 @@ def _plan(combo: tuple[str, ...], estimate: _Estimate, base: float, cost: Device
         time_ratio=cost.step_seconds(estimate.work) / base,
         numerics=numerics,
         fits=estimate.peak_bytes <= limit,
-        notes=estimate.notes,
+        notes=notes,
     )
 
 
