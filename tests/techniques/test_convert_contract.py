@@ -1663,3 +1663,27 @@ def test_a_checkpointed_pointwise_module_inside_a_checkpointed_block_runs_once_i
     assert calls == [4, 4]  # per block: the forward and the block's recomputation
     assert peaks[1] <= peaks[0]
     assert_same(grads_of(converted, x), grads_of(plain, x))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning", "ignore::FutureWarning")
+def test_quantization_prepared_after_convert_raises_and_a_qconfig_before_convert_is_left_alone():
+    # found by an adversarial pass: torch.ao's prepare_qat after convert matches modules by exact class, so the fused
+    # BatchNormReLU2d and its absorbed ReLU got no observers, and the model trained otherwise than the prepared
+    # unconverted one (loss 0.06129 against 0.06117 at step 0), silently
+    from torch.ao import quantization as tq
+
+    plain = _conv_bn_act(nn.ReLU)
+    x = torch.randn(2, 3, 12, 12)
+    model, report = memtrim.convert(copy.deepcopy(plain), example_inputs=x)
+    assert isinstance(model[2], memtrim.Absorbed), str(report)
+    model.qconfig = tq.get_default_qat_qconfig("fbgemm")
+    tq.prepare_qat(model.train(), inplace=True)
+    with pytest.raises(memtrim.ConvertError, match=r"quantization tool.*train a model for quantization unconverted"):
+        model(x)
+    given = copy.deepcopy(plain)  # a qconfig given before convert (as prepare does): the BatchNorm is left alone
+    for m in given.modules():
+        m.qconfig = tq.get_default_qat_qconfig("fbgemm")
+    converted, report = memtrim.convert(copy.deepcopy(given), example_inputs=x)
+    assert not any(isinstance(m, memtrim.Absorbed) for m in converted.modules()), str(report)
+    assert any("prepared for quantization" in s.reason for s in report.skipped), str(report)
+    assert_same(grads_of(converted, x), grads_of(given, x))

@@ -229,6 +229,14 @@ def refuse_later_hooks(module: nn.Module, fused: str, tables: tuple[str, ...]) -
                 parent = parent_ref()
                 if parent is not None and parent._modules.get(name) is not partner:
                     replaced = f"{type(parent._modules.get(name)).__name__} in its place {name!r}"
+        if state.get("qconfig") is not None:  # torch.ao's prepare_qat matches modules by exact class
+            raise ConvertError(
+                f"memtrim: {owner(module)} was fused by memtrim.convert with the activation after it, and a "
+                "quantization tool (torch.ao.quantization's prepare/prepare_qat) gave it a qconfig after convert: "
+                "it matches modules by their exact class, so the fused pair gets no observers or fake quantization "
+                "and the model would train otherwise than the prepared unconverted one. To fix: train a model for "
+                "quantization unconverted (memtrim.convert leaves modules that have a qconfig alone)."
+            )
         if replaced is not None:
             raise ConvertError(
                 f"memtrim: {owner(module)} was fused by memtrim.convert with the activation after it, which it "

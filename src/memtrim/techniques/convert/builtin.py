@@ -163,6 +163,9 @@ def _pair(ctx: Context, name: str, module: nn.Module, what: str) -> tuple[str, n
     if ctx.evidence is None:
         return Candidate((name,), reason=f"{what} pairs need example_inputs (or a model torch.fx can trace) to prove "
                                          "the first module's output goes to the second alone", skip=True)
+    if getattr(module, "qconfig", None) is not None:
+        return Candidate((name,), reason=f"{name} is prepared for quantization (a qconfig): fused, it would get no "
+                                         "observers", skip=True)
     hooks = ctx.user_hooks(module)
     if hooks:  # (a full backward hook also wraps the output in an op of the parent's: evidence would say that)
         return Candidate((name,), reason=f"{name} has {', '.join(hooks)}: fused with the next module, they would see "

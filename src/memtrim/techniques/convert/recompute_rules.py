@@ -248,6 +248,10 @@ def batchnorm_relu_call_site(ctx: Context) -> Iterator[Candidate]:
             yield Candidate(where, reason=f"hooks on the pair ({', '.join(hooks)}): fused, they would see the fused "
                                           "module's values. Remove the hooks to fuse it", skip=True)
             continue
+        if getattr(bn, "qconfig", None) is not None:
+            yield Candidate(where, reason=f"{name} is prepared for quantization (a qconfig): fused, it would get no "
+                                          "observers", skip=True)
+            continue
         if any(trace.ops_in(s) and ctx.op_names(s) != ["relu"] for s in trace.sites_of(relu_site.path)):
             yield Candidate(where, reason=f"{relu_site.path} does more than a ReLU at some call", skip=True)
             continue
