@@ -946,9 +946,9 @@ class SharedReLUBlock(nn.Module):
         return self.relu(self.bn2(self.conv2(out)) + x)
 
 
-def shared_relu_model():
+def shared_relu_model(block=None):
     torch.manual_seed(0)
-    model = nn.Sequential(SharedReLUBlock(), nn.Conv2d(4, 2, 1))
+    model = nn.Sequential((block or SharedReLUBlock)(), nn.Conv2d(4, 2, 1))
     x = torch.randn(2, 4, 6, 6)
     converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=x)
     assert type(converted[0].relu) is memtrim.techniques.recompute.PassThroughReLU, str(report)
@@ -1050,11 +1050,7 @@ def test_shared_relu_refuses_a_fused_output_changed_in_place_on_an_untraced_path
     # unchanged, and relu'd anything else. bn1's output, relu'd already by the fused BatchNorm, then changed in place
     # (out += bias) on a path the traced forward did not take, was relu'd a second time: relu(relu(bn) + b) where the
     # unconverted model computes relu(bn + b), silently. It raises now, as convert's Absorbed identity does.
-    torch.manual_seed(0)
-    plain = nn.Sequential(SharedReLUBlockWithBias(), nn.Conv2d(4, 2, 1))
-    x = torch.randn(2, 4, 6, 6)
-    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=x)
-    assert type(converted[0].relu) is memtrim.techniques.recompute.PassThroughReLU, str(report)
+    plain, converted, x = shared_relu_model(SharedReLUBlockWithBias)
     assert_same(grads_of(converted, x), grads_of(plain, x))  # the traced path: converted as usual
     for m in (plain, converted):
         m[0].extra = torch.full((1, 4, 1, 1), -0.5)

@@ -26,7 +26,7 @@ __all__ = [
     "CONVERTED", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS", "activated", "autocasting", "fx_tracing",
     "in_checkpoint", "inplace_error", "mark_activated", "memtrims", "no_double_backward", "owner", "plain_only",
     "kept_params", "refuse_later_hooks", "saved_tensors", "saves_checked", "watch_registrations",
-    "watch_replacement", "without_places",
+    "watch_replacement", "WatchedFusion",
 ]
 
 
@@ -202,11 +202,21 @@ def watch_replacement(bn: nn.Module, activation: nn.Module,
     return undo
 
 
-def without_places(state: dict[str, Any]) -> dict[str, Any]:
-    """A fused BatchNorm's pickled or copied state: its places are weak references to this model's modules (a copy
-    keeps the registration watch alone)."""
-    state.pop(_PLACES, None)
-    return state
+class WatchedFusion:
+    """Mixin of memtrim's fused BatchNorms: a copy or pickle drops the places of the activation convert fused (weak
+    references to this model's modules: the copy keeps the registration watch alone), and an unpickled one installs
+    that watch in its process (NOTE [ a fused activation replaced after convert ])."""
+
+    def __getstate__(self) -> dict:
+        """``nn.Module``'s, without the places of a fused activation."""
+        state = super().__getstate__()  # type: ignore[misc]
+        state.pop(_PLACES, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """``nn.Module``'s, and the registration watch in this process for a BatchNorm convert fused."""
+        super().__setstate__(state)  # type: ignore[misc]
+        watch_registrations(self)  # type: ignore[arg-type]
 
 
 def refuse_later_hooks(module: nn.Module, fused: str, tables: tuple[str, ...]) -> None:

@@ -41,13 +41,12 @@ from torch import nn
 
 from ..guards import (
     OUTPUT_HOOKS,
+    WatchedFusion,
     fx_tracing,
     mark_activated,
     owner,
     plain_only,
     refuse_later_hooks,
-    watch_registrations,
-    without_places,
 )
 from ..recompute._core import enter_consumer_scope, exit_consumer_scope, mark_recomputable
 from .norm_act import batchnorm_arguments, refuse_fx_trace
@@ -103,18 +102,9 @@ def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
         exit_consumer_scope(checked=True)
 
 
-class _BatchNormReLU(nn.modules.batchnorm._BatchNorm):
+class _BatchNormReLU(WatchedFusion, nn.modules.batchnorm._BatchNorm):
     """``nn.BatchNorm`` + ReLU keeping only the BatchNorm's input. See NOTE [ BatchNorm + ReLU, recomputed ]."""
 
-    def __getstate__(self) -> dict:
-        """``nn.Module``'s, without the places of a fused activation (weak references to this model's modules)."""
-        return without_places(super().__getstate__())
-
-    def __setstate__(self, state: dict) -> None:
-        """``nn.Module``'s, and, for a BatchNorm convert fused, the watch on its activation in this process too (NOTE
-        [ a fused activation replaced after convert ] in guards.py)."""
-        super().__setstate__(state)
-        watch_registrations(self)
 
     def extra_repr(self) -> str:
         """The BatchNorm's repr plus the ReLU it applies."""

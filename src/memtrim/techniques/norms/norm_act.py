@@ -30,6 +30,7 @@ from torch import nn
 from ...errors import ConvertError, InvalidInputError
 from ..guards import (
     OUTPUT_HOOKS,
+    WatchedFusion,
     autocasting,
     fx_tracing,
     kept_params,
@@ -39,8 +40,6 @@ from ..guards import (
     plain_only,
     refuse_later_hooks,
     saved_tensors,
-    watch_registrations,
-    without_places,
 )
 from ._kernels import keep_input_features
 
@@ -188,18 +187,9 @@ def batchnorm_arguments(bn: Any, input: torch.Tensor) -> tuple[float, bool, torc
     return factor, bn_training, running_mean, running_var
 
 
-class _BatchNormAct(nn.modules.batchnorm._BatchNorm):
+class _BatchNormAct(WatchedFusion, nn.modules.batchnorm._BatchNorm):
     """Shared by BatchNormAct1d/2d/3d: ``nn.BatchNorm`` parameters and buffers, followed by an activation."""
 
-    def __getstate__(self) -> dict:
-        """``nn.Module``'s, without the places of a fused activation (weak references to this model's modules)."""
-        return without_places(super().__getstate__())
-
-    def __setstate__(self, state: dict) -> None:
-        """``nn.Module``'s, and, for a BatchNorm convert fused, the watch on its activation in this process too (NOTE
-        [ a fused activation replaced after convert ] in guards.py)."""
-        super().__setstate__(state)
-        watch_registrations(self)
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, device: Any = None, dtype: Any = None, *,
