@@ -386,6 +386,8 @@ class buffers_kept:  # noqa: N801 - a context manager read like a function
                     t.data = data  # ``.data`` replaced in forward (MoCo's ``pk.data = pk.data * m + ...``)
             self.written.restore()
             for b, saved in self.buffers:
+                if b.shape != saved.shape:  # resized in forward (a quantization observer's min_val starts empty)
+                    b.resize_(saved.shape)
                 b.copy_(saved)
         self.model.train(self.training)  # a module's own train() runs, as it did before (it may do more)
         set_training_flags(self.modes)
