@@ -592,6 +592,8 @@ def _outer_of(top: Any) -> Any:
 
 def _consumer_pack(outer: Any) -> Callable[[torch.Tensor], Any]:
     def pack(tensor: torch.Tensor) -> Any:
+        if type(tensor) is torch.nn.Parameter:  # a consumer's weight: never a producer's output, kept as itself
+            return _keep(tensor, outer, "memtrim's recompute hooks")
         handle = _handle_of(tensor, outer)
         if handle is not None:
             return handle
