@@ -580,3 +580,34 @@ def test_plan_low_bit_state_refuses_what_it_would_drop(case):
     match = "without amsgrad or maximize" if case == "maximize" else "has state already"
     with pytest.raises(MemtrimError, match=match):
         _plan("checkpoint", "state_4bit").apply(model, opt)
+
+
+@pytest.mark.parametrize("reset", ["set", "del", "clear", "assign"])
+def test_resetting_a_parameters_state_reaches_the_offloaded_optimizer(reset):
+    # found by an adversarial pass: ``state`` was a new dict at every read, so a reset (restart and re-init code:
+    # opt.state[p] = {}, del opt.state[p], opt.state.clear()) was silently dropped and AdamW kept its moments
+    from collections import defaultdict
+
+    plain, model = _gpt(), _gpt()
+    optimizers = [torch.optim.AdamW(plain.parameters(), lr=1e-2),
+                  memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)]
+    for step, (x, y) in enumerate(_batches()):
+        for m, opt in zip((plain, model), optimizers):
+            if step == 2:
+                head = list(m.parameters())[-1]
+                if reset == "set":
+                    opt.state[head] = {}
+                elif reset == "del":
+                    del opt.state[head]
+                elif reset == "clear":
+                    opt.state.clear()
+                else:
+                    opt.state = defaultdict(dict)
+            opt.zero_grad()
+            _loss(m(x), y).backward()
+            opt.step()
+    _assert_same_parameters(model, plain)
+    head = list(model.parameters())[-1]
+    assert optimizers[1].state[head]["step"].item() == optimizers[0].state[list(plain.parameters())[-1]]["step"].item()
+    assert head in optimizers[1].state and len(optimizers[1].state) == len(list(model.parameters()))
+    assert optimizers[1].state.get(torch.zeros(1)) is None

@@ -676,3 +676,233 @@ def test_clip_grad_norm_with_model_parameters_outside_the_optimizer_names_the_fi
     opt.zero_grad()
     with pytest.raises(Error, match=r"(?s)4 parameter\(s\).*not in this optimizer.*requires_grad_\(False\)"):
         opt.backward(F.cross_entropy(model(x), y))
+
+
+# ---------------------------------------------------------------------- found by the 2026-11-29 adversarial pass
+class TwoExperts(nn.Module):
+    """A mixture of two experts; ``use`` picks the ones this step routes to (an unused one gets no gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.experts = nn.ModuleList([nn.Linear(4, 2) for _ in range(2)])
+        self.use = [0, 1]
+
+    def forward(self, x):
+        return sum(self.experts[i](x) for i in self.use)
+
+
+def _amp_moe_run(wrapped, micro_batches):
+    """AdamW + GradScaler, zero_grad(set_to_none=False); step 1 overflows (skipped), step 2 leaves expert 1 unused:
+    the standard loop gives it back a zero gradient after the skipped step, and AdamW moves it by momentum."""
+    model = TwoExperts()
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if wrapped:
+        opt = memtrim.OptimizerInBackward(opt, model=model, scaler=scaler, bucket_bytes=0)
+    g = torch.Generator().manual_seed(3)
+    for step in range(3):
+        opt.zero_grad(set_to_none=False)
+        for j in range(micro_batches):
+            model.use = [0] if step == 2 else [0, 1]
+            x, y = torch.randn(3, 4, generator=g), torch.randint(0, 2, (3,), generator=g)
+            loss = scaler.scale(F.cross_entropy(model(x), y) * (float("inf") if step == 1 and j == 0 else 1.0))
+            if not wrapped:
+                loss.backward()
+            elif j < micro_batches - 1:
+                with opt.accumulate():
+                    loss.backward()
+            else:
+                opt.backward(loss)
+        scaler.step(opt)
+        scaler.update()
+    return model, scaler.get_scale()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_a_skipped_amp_step_then_zero_grad_keeping_zeros_moves_an_unused_parameter_as_the_standard_loop(
+        micro_batches):
+    # the skipped step dropped its gradients without recording them as freed: zero_grad(set_to_none=False) did not
+    # give the unused expert its zero gradient back, and AdamW left it where the standard loop moves it (6.7e-3)
+    (plain, plain_scale), (wrapped, wrapped_scale) = _amp_moe_run(False, micro_batches), _amp_moe_run(True,
+                                                                                                        micro_batches)
+    assert plain_scale == wrapped_scale == 128.0
+    assert_same(plain, wrapped)
+
+
+def _inf_then_raise_run(wrapped):
+    """Step 1's head gradient overflows, then a hook further down raises; the loop skips that batch."""
+    model = net()
+    state = {"step": 0}
+    model[4].weight.register_hook(lambda g: g * float("inf") if state["step"] == 1 else g)
+
+    def boom(g):
+        if state["step"] == 1:
+            raise RuntimeError("boom")
+        return g
+
+    model[0].register_forward_hook(lambda m, a, o: o.register_hook(boom) and None)
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if wrapped:
+        opt = wrap(opt, model, scaler=scaler)
+    for step, (x, y) in enumerate(batches(3)):
+        state["step"] = step
+        opt.zero_grad()
+        loss = scaler.scale(F.cross_entropy(model(x), y))
+        try:
+            opt.backward(loss) if wrapped else loss.backward()
+        except RuntimeError:
+            continue
+        scaler.step(opt)
+        scaler.update()
+    return model, scaler.get_scale()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_backward_that_raised_after_finding_an_inf_does_not_skip_the_next_step():
+    # the measuring pass recorded the inf, then a hook raised; the user skipped the batch. The inf stayed recorded and
+    # skipped the next, healthy step (AdamW one step behind, the scale halved)
+    runs = [_inf_then_raise_run(wrapped) for wrapped in (False, True)]
+    assert runs[0][1] == runs[1][1] == 64.0
+    assert_same(runs[0][0], runs[1][0])
+
+
+class CheckpointedBatchNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.head = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU())
+
+    def forward(self, x):
+        return self.head(torch.utils.checkpoint.checkpoint(self.block, self.inp(x), use_reentrant=False))
+
+
+@pytest.mark.parametrize("option", ["clip_grad_norm", "scaler"])
+def test_a_forward_recomputed_in_backward_updates_batchnorm_statistics_as_in_the_standard_loop(option):
+    # torch's checkpoint recomputes the block in each of the two passes: the BatchNorm's running statistics were
+    # updated once more per step (num_batches_tracked 9 against 6 after 3 steps; eval outputs 2.7e-2 apart)
+    runs = []
+    for wrapped in (False, True):
+        model = CheckpointedBatchNorm()
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0) if option == "scaler" else None
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if wrapped:
+            opt = wrap(opt, model, **({"clip_grad_norm": 1.0} if option == "clip_grad_norm" else {"scaler": scaler}))
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = torch.randn(5, 4, generator=g), torch.randint(0, 2, (5,), generator=g)
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss = scaler.scale(loss) if scaler is not None else loss
+            if wrapped:
+                opt.backward(loss)
+            else:
+                loss.backward()
+                if scaler is None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+        runs.append(model)
+    assert runs[1].block[1].num_batches_tracked.item() == 6
+    for (name, a), b in zip(runs[0].state_dict().items(), runs[1].state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def _hook_calls(wrapped):
+    """Step hook calls over 4 AMP steps, the second one overflowing (skipped)."""
+    model = net()
+    scaler = torch.amp.GradScaler("cpu", init_scale=64.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if wrapped:
+        opt = wrap(opt, model, scaler=scaler)
+    calls = {"pre": 0, "post": 0}
+    opt.register_step_pre_hook(lambda *a: calls.__setitem__("pre", calls["pre"] + 1))
+    opt.register_step_post_hook(lambda *a: calls.__setitem__("post", calls["post"] + 1))
+    for step, (x, y) in enumerate(batches(4)):
+        opt.zero_grad()
+        loss = scaler.scale(F.cross_entropy(model(x), y) * (float("inf") if step == 1 else 1.0))
+        opt.backward(loss) if wrapped else loss.backward()
+        scaler.step(opt)
+        scaler.update()
+    return calls
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_step_the_grad_scaler_skips_runs_no_step_hooks():
+    # the standard loop's scaler.step(opt) never calls opt.step() on a skipped step; the wrapper ran its pre- and
+    # post-hooks anyway (an EMA in a post-hook then moved: 6.3e-4)
+    assert _hook_calls(False) == _hook_calls(True) == {"pre": 3, "post": 3}
+
+
+def test_sparse_gradients_with_zero_grad_keeping_zeros_are_bitwise():
+    # the wrapper turned 0 + g into g.add_(0.0), which torch refuses for a sparse gradient, mid-backward
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(8, 2))
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                                           a=copy.deepcopy(base))
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x, y = torch.randint(0, 10, (3, 2), generator=g), torch.randint(0, 2, (3,), generator=g)
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad(set_to_none=False)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert_same(a, b, moved_from=base)
+
+
+def test_clip_grad_norm_with_zero_grad_keeping_zeros_and_an_unused_parameter_is_bitwise():
+    # the zero gradient of a parameter this step did not reach was counted as a gradient arriving after the update
+    # inside backward ("clip_grad_norm needs every gradient of a step at once")
+    runs = []
+    for wrapped in (False, True):
+        model = TwoExperts()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if wrapped:
+            opt = wrap(opt, model, clip_grad_norm=0.5)
+        g = torch.Generator().manual_seed(4)
+        for step in range(3):
+            model.use = [0] if step == 2 else [0, 1]
+            x, y = torch.randn(3, 4, generator=g), torch.randint(0, 2, (3,), generator=g)
+            opt.zero_grad(set_to_none=False)
+            loss = F.cross_entropy(model(x), y)
+            if wrapped:
+                opt.backward(loss)
+            else:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+        runs.append(model)
+    assert_same(*runs)
+
+
+def test_reentrant_checkpointing_with_two_passes_names_the_fix():
+    # torch's own error ("incompatible with .grad() or passing an `inputs` parameter to .backward()") named an
+    # argument the user never passed
+    model = net()
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, clip_grad_norm=1.0)
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    h = torch.utils.checkpoint.checkpoint(model[1:3], model[0](x), use_reentrant=True)
+    with pytest.raises(Error, match=r"reentrant.*use_reentrant=False"):
+        opt.backward(F.cross_entropy(model[3:](h), y))
+
+
+def test_optimizer_state_can_be_reset_by_assignment():
+    # opt.state = defaultdict(dict), as restart code does with a plain optimizer, raised AttributeError
+    from collections import defaultdict
+
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda p: torch.optim.AdamW(p, lr=1e-2))
+    for step, (x, y) in enumerate(batches(4)):
+        if step == 2:
+            opt_a.state, opt_b.state = defaultdict(dict), defaultdict(dict)
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            one_step(model, opt, x, y)
+            opt.step()
+    assert_same(a, b)
+    assert opt_b.optimizer.state[next(b.parameters())]["step"].item() == 2

@@ -339,6 +339,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._norms: dict[int, torch.Tensor] = {}
         self._found_inf: dict[torch.device, torch.Tensor] = {}
         self._scaler_found: torch.Tensor | None = None
+        self._skipped = False  # a GradScaler found inf/NaN: this step's update is skipped, as scaler.step skips it
         self._coefficient: torch.Tensor | None = None
         self._callback_queued = False  # DDP only
         self._deferred = False  # accumulated gradients: step after backward instead of inside it
@@ -359,9 +360,13 @@ class OptimizerInBackward(WrappedOptimizerView):
 
     # ------------------------------------------------------------------ the wrapped optimizer's view
     @property
-    def state(self) -> Any:  # type: ignore[override]  # read-only: the wrapped optimizer's own
-        """The wrapped optimizer's per-parameter ``state``."""
+    def state(self) -> Any:  # the wrapped optimizer's own
+        """The wrapped optimizer's per-parameter ``state`` (assignable, as a plain optimizer's: a reset)."""
         return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict()``: interchangeable with plain training, both ways."""
@@ -461,8 +466,10 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._check_unchanged()
         driven = "found_inf" in self.__dict__  # GradScaler.step(self) set grad_scale / found_inf
         self._check_scaler_known(driven)
-        for hook in tuple(_global_hooks("_global_optimizer_pre_hooks")):
-            hook(self, (), {})
+        # a step a GradScaler skips runs no step hooks: the standard loop's scaler.step(opt) never calls opt.step()
+        if not self._skipped:
+            for hook in tuple(_global_hooks("_global_optimizer_pre_hooks")):
+                hook(self, (), {})
         held, self._held_to_step = self._held_to_step, []
         for bucket in held:
             self._step_bucket(bucket)
@@ -471,15 +478,18 @@ class OptimizerInBackward(WrappedOptimizerView):
         if waiting:
             self._apply_waiting(waiting, driven)
         self._tell_scaler()
-        self._run_pre_hooks()
-        for hook in tuple(self.optimizer._optimizer_step_post_hooks.values()):
-            hook(self.optimizer, (), {})
-        for hook in tuple(self._optimizer_step_post_hooks.values()):
-            hook(self, (), {})
-        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers check
+        skipped = self._skipped
+        if not skipped:
+            self._run_pre_hooks()
+            for hook in tuple(self.optimizer._optimizer_step_post_hooks.values()):
+                hook(self.optimizer, (), {})
+            for hook in tuple(self._optimizer_step_post_hooks.values()):
+                hook(self, (), {})
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers check
         self._close_step()
-        for hook in tuple(_global_hooks("_global_optimizer_post_hooks")):
-            hook(self, (), {})
+        if not skipped:
+            for hook in tuple(_global_hooks("_global_optimizer_post_hooks")):
+                hook(self, (), {})
 
     def _check_not_stepped_twice(self) -> None:
         """``step()`` after a closed step: the standard loop would apply gradients that were freed inside backward."""
@@ -519,13 +529,15 @@ class OptimizerInBackward(WrappedOptimizerView):
                 f"OptimizerInBackward.step: expected each step's gradients to start from zero_grad(), but "
                 f"{len(stale)} parameter(s) received a gradient after the previous step without zero_grad() "
                 "between; the standard loop would add it to the previous step's gradient, which was applied and "
-                "freed inside backward. Call opt.zero_grad() before each training step's backward."
+                "freed inside backward. Call opt.zero_grad() before each training step's backward (model.zero_grad() "
+                "does not reach the wrapper, which opens a step at opt.zero_grad())."
             )
-        if waiting and self._updated_in_backward and self.clip_grad_norm is not None:
+        late = [p for p in waiting if p.grad is not None]  # not the zeros zero_grad(set_to_none=False) keeps
+        if late and self._updated_in_backward and self.clip_grad_norm is not None:
             self._close_step()
             raise OptimizerInBackwardError(
                 f"OptimizerInBackward.step: clip_grad_norm needs every gradient of a step at once, but "
-                f"{len(waiting)} gradient(s) arrived after the update inside backward. Produce all of a step's "
+                f"{len(late)} gradient(s) arrived after the update inside backward. Produce all of a step's "
                 "gradients in the backward of opt.backward(loss) (earlier ones inside accumulate())."
             )
         return waiting
@@ -598,9 +610,23 @@ class OptimizerInBackward(WrappedOptimizerView):
             # a backward that draws random numbers (a gradient-noise hook) draws the same in both passes: the norm is
             # measured on the gradient the update applies, and the generators end where one pass leaves them
             cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-            with torch.random.fork_rng(devices=cuda):
+            with torch.random.fork_rng(devices=cuda), _forwards_undone():
                 if own:
-                    loss.backward(retain_graph=True, inputs=own, **kwargs)
+                    try:
+                        loss.backward(retain_graph=True, inputs=own, **kwargs)
+                    except RuntimeError as e:
+                        if "reentrant" not in str(e):
+                            raise
+                        self._close_step()
+                        raise OptimizerInBackwardError(
+                            "OptimizerInBackward.backward: clip_grad_norm= and scaler= run backward twice, the "
+                            "first pass over this optimizer's parameters only (backward(inputs=...)), which "
+                            "reentrant checkpointing (torch.utils.checkpoint(..., use_reentrant=True), HF's "
+                            "gradient_checkpointing_enable() on older transformers) refuses. Expected "
+                            "non-reentrant checkpointing; found a reentrant region. To fix: "
+                            "checkpoint(..., use_reentrant=False), gradient_checkpointing_enable("
+                            "gradient_checkpointing_kwargs={'use_reentrant': False}), or memtrim.checkpoint_modules."
+                        ) from e
             self._conclude_measure()
             if self._skip_update():
                 self._stepped.update(self._where)  # this step is consumed: nothing may arrive for it later
@@ -702,8 +728,9 @@ class OptimizerInBackward(WrappedOptimizerView):
         key = id(param)
         if key in self._zero_pending and self._pass != "measure":
             self._zero_pending.discard(key)
-            with torch.no_grad():
-                grad.add_(0.0)  # the standard loop accumulated into a zero gradient: 0 + g (-0.0 becomes 0.0)
+            if not grad.is_sparse:  # sparse: 0 + g concatenates g's entries to none, g itself
+                with torch.no_grad():
+                    grad.add_(0.0)  # the standard loop accumulated into a zero gradient: 0 + g (-0.0 becomes 0.0)
         if self._open and self._accumulating and key in self._stepped:
             self._close_step()  # reported once: the next zero_grad() starts clean
             raise OptimizerInBackwardError(
@@ -744,7 +771,7 @@ class OptimizerInBackward(WrappedOptimizerView):
                 self._late_measure.append(param)
                 return
             self._measure(param)
-            param.grad = None
+            self._free([param])  # the standard loop still holds it; the updating pass makes it again
             return
         bucket, index = where
         bucket.ready.add(index)
@@ -831,7 +858,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         for param in late_measure:
             if param.grad is not None:
                 self._measure(param)
-                param.grad = None
+                self._free([param])
         if self._pass == "measure" or self._deferred:
             return
         for bucket in held:
@@ -1005,6 +1032,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         if driven:  # GradScaler.step(self): it checked the waiting gradients for infs; we unscale them
             found = self.__dict__["found_inf"]
             if bool(found):
+                self._skipped = True
                 self._stepped.update(id(p) for p in waiting)
                 self._free(zeros)
                 return
@@ -1021,7 +1049,8 @@ class OptimizerInBackward(WrappedOptimizerView):
                 self._stepped.update(id(p) for p in waiting)
                 self._free(zeros)
                 return
-        if self.clip_grad_norm is not None:
+        # (after updates inside backward only zero gradients wait, which add nothing to the norm it measured)
+        if self.clip_grad_norm is not None and not self._updated_in_backward:
             for param in waiting:
                 self._measure(param, unscale=False)
             self._conclude_measure()
@@ -1051,9 +1080,9 @@ class OptimizerInBackward(WrappedOptimizerView):
             self._norms.clear()
             if self._skip_update():
                 for bucket in self._buckets:
+                    self._free([bucket.params[index] for index in bucket.ready])
                     for index in bucket.ready:
                         self._stepped.add(id(bucket.params[index]))
-                        bucket.params[index].grad = None
                     bucket.ready.clear()
                 return
         for bucket in self._buckets:
@@ -1068,6 +1097,9 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._pre_hooks_ran = False
         self._coefficient = None
         self._scaler_found = None
+        self._skipped = False
+        self._found_inf.clear()  # a measuring pass that raised left what it found: not the next step's
+        self._norms.clear()
         self._held = []
         self._held_to_step = []
         self._late = []
@@ -1175,7 +1207,9 @@ class OptimizerInBackward(WrappedOptimizerView):
         found = sum((f.to(device) for f in self._found_inf.values()), torch.zeros(1, device=device))
         self._found_inf.clear()
         self._scaler_found = found if self._scaler_found is None else self._scaler_found + found
-        return bool(found.item())
+        skip = bool(found.item())
+        self._skipped = self._skipped or skip
+        return skip
 
     def _groups_signature(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(map(id, group["params"])) for group in self.optimizer.param_groups)
@@ -1326,6 +1360,33 @@ def _norm(grad: torch.Tensor) -> torch.Tensor:
 
 _WRAPPERS: weakref.WeakSet = weakref.WeakSet()  # every live wrapper (get_total_norm's check)
 _TWO_PASSES = threading.local()  # the wrapper running opt.backward(loss)'s two passes on this thread, if any
+
+
+@contextlib.contextmanager
+def _forwards_undone() -> Iterator[None]:
+    """Around the measuring pass: a module forward that runs inside it (torch.utils.checkpoint's recomputation, a
+    hook that calls a module) runs again in the updating pass, and the standard loop runs it once. Each such module's
+    buffers (a BatchNorm's running statistics, updated again by every recomputation) are copied before its first
+    call here and put back at the end, so only the updating pass's call counts. Nothing is copied where no forward
+    runs in backward (the usual case)."""
+    saved: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def before(module: torch.nn.Module, args: Any) -> None:
+        if id(module) not in saved:
+            with torch.no_grad():
+                saved[id(module)] = [(b, b.clone()) for b in module.buffers(recurse=False) if b is not None]
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(before)
+    try:
+        yield
+    finally:
+        handle.remove()
+        with torch.no_grad():
+            for buffers in saved.values():
+                for buffer, value in buffers:
+                    if buffer.shape != value.shape:
+                        buffer.resize_(value.shape)
+                    buffer.copy_(value)
 _CLIP_DEPTH = threading.local()  # inside a guarded clip_grad_norm_: its own _get_total_norm call is not the user's
 # torch.nn.utils.clip_grad name, the public name, the option to use instead, what the first argument holds
 _CLIP_FUNCTIONS = (

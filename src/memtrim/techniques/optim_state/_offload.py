@@ -36,7 +36,8 @@ found no gradient (torch's "No inf checks were recorded" assertion) and such a c
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -46,6 +47,46 @@ from ..optim.held_elsewhere import add_to_holder, hold_gradient_elsewhere, wait_
 from ..optim.wrapping import WrappedOptimizerView
 
 _API = "memtrim.CPUOffloadOptimizer"
+
+
+class _StateByDeviceParameter(MutableMapping):
+    """A host optimizer's ``state`` seen through the device parameters: each key is a device parameter, each value
+    its host copy's state itself (not a copy), and writes go to the host optimizer's dict."""
+
+    def __init__(self, inner: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.inner = inner
+        self.pairs = pairs
+        self.hosts = {id(p): h for p, h in pairs}
+
+    def _host(self, param: Any) -> torch.Tensor:
+        host = self.hosts.get(id(param))
+        if host is None:
+            raise KeyError(param)
+        return host
+
+    def __getitem__(self, param: Any) -> Any:
+        return self.inner[self._host(param)]  # the host optimizer's defaultdict: {} for a parameter without state
+
+    def __setitem__(self, param: Any, value: Any) -> None:
+        self.inner[self._host(param)] = value
+
+    def __delitem__(self, param: Any) -> None:
+        del self.inner[self._host(param)]
+
+    def get(self, param: Any, default: Any = None) -> Any:
+        """The state of ``param``, or ``default`` (nothing inserted, as ``dict.get`` on torch's defaultdict)."""
+        host = self.hosts.get(id(param))
+        return default if host is None else self.inner.get(host, default)
+
+    def __contains__(self, param: object) -> bool:
+        host = self.hosts.get(id(param))
+        return host is not None and host in self.inner
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter([p for p, h in self.pairs if h in self.inner])
+
+    def __len__(self) -> int:
+        return sum(1 for _, h in self.pairs if h in self.inner)
 
 
 class CPUOffloadOptimizer(WrappedOptimizerView):
@@ -210,10 +251,18 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         wait_for_copies()  # the callers read the host gradients next: the copies (these, and the hooks') have landed
 
     @property
-    def state(self) -> Any:  # type: ignore[override]  # read-only: the host optimizer's, keyed by device params
-        """The host optimizer's state, keyed by the device parameters (as a plain optimizer's is)."""
-        inner = self.optimizer.state
-        return {p: inner[h] for p, h in self._pairs if h in inner}
+    def state(self) -> Any:  # the host optimizer's, keyed by device params
+        """The host optimizer's state, keyed by the device parameters (as a plain optimizer's is). Writes reach it:
+        ``opt.state[p] = {}``, ``del opt.state[p]`` and ``opt.state.clear()`` reset a parameter's state, and so does
+        assigning ``opt.state = defaultdict(dict)``."""
+        return _StateByDeviceParameter(self.optimizer.state, self._pairs)
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        state = _StateByDeviceParameter(defaultdict(dict), self._pairs)
+        for param, per_param in dict(value).items():
+            state[param] = per_param
+        self.optimizer.state = state.inner
 
     def host_parameters(self) -> list[torch.Tensor]:
         """The host copies, in the order of the device parameters (their ``.grad`` after an offloaded backward)."""
