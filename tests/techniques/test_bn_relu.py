@@ -194,15 +194,23 @@ def test_an_eval_forward_then_a_training_forward_before_one_backward_is_torchs()
 
 
 @pytest.mark.parametrize("what", ["weight", "bias"])
-def test_under_hooks_that_keep_tensors_themselves_a_changed_parameter_still_raises(what):
+def test_under_hooks_that_keep_tensors_themselves_a_changed_parameter_trains_as_the_unconverted_model(what):
     # hooks outside (identity hooks; save_on_cpu on CPU tensors) keep the tensor itself and torch skips its own
-    # version check for them: the plain model keeps the ReLU output and trains on, so the rebuild must not read the
-    # changed parameter silently
-    fused, _ = memtrim.convert(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3)),
-                               example_inputs=torch.randn(6, 4))
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-        loss = fused(torch.randn(6, 4)).square().sum()
-    with torch.no_grad():
-        getattr(fused[1], what).add_(0.5)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    # version check for them: the plain model keeps the ReLU output and trains on. Under hooks other than memtrim's
+    # the fused module keeps what torch keeps (no rebuild that would read the changed parameter), so it trains on too,
+    # with the plain model's gradients
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    fused, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=torch.randn(6, 4))
+    assert isinstance(fused[2], memtrim.Absorbed)
+    x = torch.randn(6, 4)
+    grads = []
+    for model in (plain, fused):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            loss = model(x).square().sum()
+        with torch.no_grad():
+            getattr(model[1], what).add_(0.5)
         loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

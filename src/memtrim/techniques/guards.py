@@ -57,25 +57,38 @@ def fx_tracing() -> bool:
 _ACTIVATED = "_memtrim_activated"  # on a fused BatchNorm's output: the activation after it is applied already
 
 
-def mark_activated(output: torch.Tensor) -> torch.Tensor:
+RELU = "relu"
+"""The mark of an output a fused BatchNorm + ReLU made (any of them: a ReLU applied twice is applied once)."""
+FUSION = "memtrim_fusion"
+"""Instance attribute on a BatchNorm convert fused with a LeakyReLU or ELU, and on that absorbed activation: the token
+they share, the kind of the BatchNorm's marks (:func:`mark_activated`)."""
+
+
+def mark_activated(output: torch.Tensor, kind: Any) -> torch.Tensor:
     """Mark ``output`` as a fused BatchNorm's, its activation applied, at its version now: the module that was that
     activation, an identity now (convert's ``Absorbed``), checks its input for the mark. A BatchNorm replaced after
     convert by a tool that rebuilds BatchNorms by class (``SyncBatchNorm.convert_sync_batchnorm``), without the
-    activation, then gets it applied again (a ReLU) or raises, instead of leaving the activation out."""
+    activation, then gets it applied again (a ReLU) or raises, instead of leaving the activation out. ``kind``:
+    :data:`RELU`, or the token convert gave this BatchNorm and its absorbed LeakyReLU or ELU (applied twice, those
+    are not applied once: another BatchNorm's output is not this one's)."""
     try:
-        setattr(output, _ACTIVATED, output._version)  # a change in place since would move the version
+        version = None if output.is_inference() else output._version  # (inference tensors keep no version)
+        setattr(output, _ACTIVATED, (kind, version))  # a change in place since would move the version
     except (AttributeError, TypeError):  # a tensor subclass without a __dict__: nothing checks it then
         pass
     return output
 
 
-def activated(input: Any) -> bool | None:
-    """True: ``input`` is a fused BatchNorm's output as it made it (:func:`mark_activated`), or cannot carry the mark;
-    False: it is, changed in place since; None: it is not."""
+def activated(input: Any, kind: Any) -> bool | None:
+    """True: ``input`` is the output of a fused BatchNorm of ``kind`` (:func:`mark_activated`) as it made it (or as
+    far as can be told: an inference tensor has no version), or cannot carry the mark; False: it is, changed in place
+    since; None: it is not."""
     mark = getattr(input, _ACTIVATED, None)
     if mark is None:
         return None if hasattr(input, "__dict__") else True
-    return mark == input._version
+    if mark[0] != kind:
+        return None
+    return mark[1] is None or mark[1] == input._version
 
 
 def plain_only() -> bool:
@@ -166,6 +179,8 @@ _registration_hook: Any = None
 
 def _on_registration(parent: nn.Module, name: str, new: Any) -> None:
     """torch's global module-registration hook: record that a watched activation was replaced."""
+    if parent.__dict__.get("_is_replica"):  # nn.DataParallel's replica, whose _modules start as the original's
+        return
     modules = parent.__dict__.get("_modules")
     old = modules.get(name) if modules else None
     if old is new:

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -23,7 +24,7 @@ from torch import nn
 from ...errors import ConvertError
 from ..activations import modules as lean
 from ..activations import softplus_keeps_output
-from ..guards import INPUT_HOOKS, activated, plain_only, refuse_later_hooks, watch_replacement
+from ..guards import FUSION, INPUT_HOOKS, RELU, activated, plain_only, refuse_later_hooks, watch_replacement
 from ..norms import (
     BatchNormAct1d,
     BatchNormAct2d,
@@ -111,7 +112,8 @@ class Absorbed(nn.Identity):
         relu = getattr(self, "memtrim_relu", False)
         if plain_only():  # torch.compile must trace no check: a ReLU applied again is the ReLU once
             return torch.relu(input) if relu else input
-        state = activated(input)
+        # a ReLU's: any fused BatchNorm + ReLU's output (relu'd twice it is relu'd once); another's: its own BatchNorm's
+        state = activated(input, RELU if relu else self.__dict__.get(FUSION))
         if state is True:
             return input
         if relu and state is None:  # not its BatchNorm's output: this module's own ReLU, as before convert
@@ -152,9 +154,18 @@ def absorb(module: nn.Module, into: str, bn: nn.Module, places: list[tuple[nn.Mo
     ``idempotent``: the activation is a ReLU (applied twice, it is applied once), which this module can then apply to
     an input ``into`` did not make. ``settings``: the activation's settings ``bn`` copied, checked at every call.
     ``places``: (parent, name) where ``module`` is registered."""
+    # the token of this pair's marks: another fused BatchNorm's output is not this activation's input as it made it
+    token = None if idempotent else secrets.token_hex(8)
+    if token is not None:
+        bn.__dict__[FUSION] = token
+
+    def forget() -> None:
+        bn.__dict__.pop(FUSION, None)
+
     return chain(class_swap(module, _ABSORBED.get(type(module), Absorbed), memtrim_absorbed_into=into,
-                            memtrim_owner=into, memtrim_relu=idempotent, memtrim_fused_settings=settings),
-                 watch_replacement(bn, module, places))
+                            memtrim_owner=into, memtrim_relu=idempotent, memtrim_fused_settings=settings,
+                            **({FUSION: token} if token is not None else {})),
+                 watch_replacement(bn, module, places), forget)
 
 
 # ---------------------------------------------------------------------- pairs

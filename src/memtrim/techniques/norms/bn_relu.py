@@ -41,6 +41,7 @@ from torch import nn
 
 from ..guards import (
     OUTPUT_HOOKS,
+    RELU,
     WatchedFusion,
     fx_tracing,
     mark_activated,
@@ -126,8 +127,8 @@ class _BatchNormReLU(WatchedFusion, nn.modules.batchnorm._BatchNorm):
             # it there, as in the unconverted model (relu'd twice in place, autograd's check would refuse it)
             if getattr(self, "memtrim_relu_follows", False):
                 return out
-            return torch.relu_(out) if plain else mark_activated(torch.relu_(out))
-        return mark_activated(_batchnorm_relu(self, input))
+            return torch.relu_(out) if plain else mark_activated(torch.relu_(out), RELU)
+        return mark_activated(_batchnorm_relu(self, input), RELU)
 
 
 class BatchNormReLU1d(_BatchNormReLU, nn.BatchNorm1d):

@@ -29,6 +29,7 @@ from torch import nn
 
 from ...errors import ConvertError, InvalidInputError
 from ..guards import (
+    FUSION,
     OUTPUT_HOOKS,
     WatchedFusion,
     autocasting,
@@ -239,7 +240,7 @@ class _BatchNormAct(WatchedFusion, nn.modules.batchnorm._BatchNorm):
                 out = nn.functional.leaky_relu_(out, param)
             elif self.activation == "elu":
                 out = nn.functional.elu_(out, param)
-            return out if plain_only() else mark_activated(out)
+            return out if plain_only() else mark_activated(out, self.__dict__.get(FUSION))
         if not bn_training and (running_mean is None or running_var is None):
             raise InvalidInputError(f"memtrim.nn.{type(self).__name__}: eval mode needs running statistics.")
         channels = input.shape[1] if input.dim() > 1 else 0
@@ -254,7 +255,7 @@ class _BatchNormAct(WatchedFusion, nn.modules.batchnorm._BatchNorm):
                 )
         return mark_activated(_BatchNormActFunction.apply(
             input, self.weight, self.bias, running_mean, running_var, bn_training, factor, self.eps, self.activation,
-            param, self.gamma_threshold, owner(self)))
+            param, self.gamma_threshold, owner(self)), self.__dict__.get(FUSION))
 
 
 class BatchNormAct1d(_BatchNormAct, nn.BatchNorm1d):

@@ -53,7 +53,7 @@ import torch
 
 from ...errors import ConvertError
 from ...measure.hooks import check_saved_version, top_saved_tensors_hooks
-from ..guards import RECOMPUTE_HOOKS, in_checkpoint, plain_only, saves_checked
+from ..guards import RECOMPUTE_HOOKS, memtrims, plain_only, saves_checked
 
 __all__ = [
     "Recipe", "enter_consumer_scope", "entry_of", "exit_consumer_scope", "exit_if_on_top", "is_recomputable",
@@ -652,10 +652,11 @@ def enter_consumer_scope(owner: object | None = None, checked: bool = False) -> 
         _close_interrupted(stack, key)
     top = top_saved_tensors_hooks()
     hooks = None
-    # inside a checkpointed region a scope stands aside (in_checkpoint): the region's forward would keep a recipe
-    # for a tensor made outside it (its sources: several saves) where the recomputation, which does not rerun that
-    # producer, saves the tensor itself, and torch requires both to save the same tensors
-    if torch.is_grad_enabled() and (top is None or (not hasattr(top[0], _MARK) and not in_checkpoint())):
+    # under saved-tensor hooks other than memtrim's a scope stands aside: inside a checkpointed region the region's
+    # forward would keep a recipe for a tensor made outside it (its sources: several saves) where the recomputation,
+    # which does not rerun that producer, saves the tensor itself, and torch requires both to save the same tensors;
+    # a user's hooks may pack lossily (to bfloat16), and a rebuild from packed sources is then not the packed tensor
+    if torch.is_grad_enabled() and (top is None or (not hasattr(top[0], _MARK) and memtrims(top[0]))):
         # with no hooks outside (the usual case) one shared pair serves every scope: it holds no state
         hooks = _ALONE if top is None else torch.autograd.graph.saved_tensors_hooks(_consumer_pack(_outer_of(top)),
                                                                                    _unpack)
@@ -713,9 +714,10 @@ class producing(torch.autograd.graph.saved_tensors_hooks):
         self.active = False
 
     def __enter__(self) -> producing:  # type: ignore[override]
-        # inside a checkpointed region a producer scope stands aside like a consumer scope (in_checkpoint): its
-        # handles would pack a recipe's sources where the recomputation, whose marks differ, saves the tensor itself
-        self.active = torch.is_grad_enabled() and not plain_only() and not in_checkpoint()
+        # under saved-tensor hooks other than memtrim's a producer scope stands aside like a consumer scope: inside a
+        # checkpointed region its handles would pack a recipe's sources where the recomputation, whose marks differ,
+        # saves the tensor itself; a user's lossy hooks would pack the sources, not the tensor
+        self.active = torch.is_grad_enabled() and not plain_only() and saves_checked()
         if not self.active:
             return self
         self.outer = outer = _outer_of(top_saved_tensors_hooks())

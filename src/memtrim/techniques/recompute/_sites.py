@@ -20,7 +20,7 @@ from torch import nn
 
 from ...errors import ConvertError
 from ...proof.compare import bitwise_equal
-from ..guards import INPUT_HOOKS, activated, autocasting, in_checkpoint, memtrims, plain_only, refuse_later_hooks
+from ..guards import INPUT_HOOKS, RELU, activated, autocasting, in_checkpoint, memtrims, plain_only, refuse_later_hooks
 from ._core import (
     enter_consumer_scope,
     entry_of,
@@ -858,7 +858,7 @@ class PassThroughReLU(nn.ReLU):
         if _active():
             if is_recomputable(input, tag="relu"):
                 return input
-            if activated(input) is False:  # relu'd by the fused BatchNorm, changed since: relu(relu(bn) + b) is wrong
+            if activated(input, RELU) is False:  # relu(relu(bn) + b) would be wrong
                 raise ConvertError(
                     f"memtrim.convert: {_name(self, None)} got the output of the BatchNorm fused with one of its call "
                     "sites (relu'd already by that BatchNorm since convert), changed in place since, on a path the "
