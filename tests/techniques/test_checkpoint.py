@@ -771,3 +771,98 @@ def test_without_a_cache_or_with_a_read_only_one_trains_as_plain():
         model(x, use_cache=use_cache).backward()
         for p, q in zip(plain.parameters(), model.parameters()):
             assert torch.equal(p.grad, q.grad)
+
+
+# ---------------------------------------------------------------------- found by the 2026-11-29 adversarial pass
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _residual_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), _Residual(), _Residual(), nn.Linear(16, 4))
+
+
+def test_functional_call_with_other_parameters_recomputes_with_them():
+    # MAML's fast weights: functional_call puts the module's own parameters back when it returns, and the
+    # recomputation in backward read those (the outer gradient off by 0.0153, 17 % of the largest)
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    grads = []
+    for checkpointed in (False, True):
+        model = _residual_net()
+        if checkpointed:
+            memtrim.checkpoint_modules(model, _Residual)
+        params = dict(model.named_parameters())
+        inner = torch.autograd.grad(F.cross_entropy(torch.func.functional_call(model, params, (x,)), y),
+                                    list(params.values()))
+        fast = {k: p - 0.5 * g.detach() for (k, p), g in zip(params.items(), inner)}
+        F.cross_entropy(torch.func.functional_call(model, fast, (x,)), y).backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_parameter_changed_between_forward_and_backward_raises_as_autograd_does():
+    # a GAN reusing one discriminator output: optD.step() between the two backward passes. Plain raises autograd's
+    # in-place error; the recomputation read the updated weights and trained on (G's gradient norm 0.0236 where the
+    # computation that ran gives 0.0123)
+    for checkpointed in (False, True):
+        model = _residual_net()
+        if checkpointed:
+            memtrim.checkpoint_modules(model, _Residual)
+        loss = model(torch.randn(8, 8)).square().mean()
+        with torch.no_grad():
+            model[1].fc1.weight.add_(0.1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+class _KeywordBlock(nn.Module):
+    """Its first op keeps nothing of its input (a frozen projection): changing the input after the call is fine in
+    plain training."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.fc = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.proj.requires_grad_(False)
+
+    def forward(self, x=None, pair=None):
+        h = self.proj(x if pair is None else pair[0] + pair[1])
+        return self.fc(torch.tanh(h))
+
+
+@pytest.mark.parametrize("how", ["keyword", "tuple"])
+def test_a_tensor_passed_by_keyword_or_in_a_tuple_is_saved_for_the_recomputation(how):
+    # torch's checkpoint saves (and version-checks) positional tensors only: a keyword or nested input changed in
+    # place after the call was read changed by the recomputation, silently (gradients off by 0.0397). Every tensor
+    # now goes to torch positionally: the change raises autograd's error, as it does for a positional input
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), _KeywordBlock(), nn.Linear(16, 4))
+    memtrim.checkpoint_modules(model, _KeywordBlock)
+    h = model[0](torch.randn(8, 8))
+    out = model[1](x=h) if how == "keyword" else model[1](pair=(h, h))
+    h += 1.0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model[2](out).sum().backward()
+
+
+@pytest.mark.parametrize("policy", [None, "save_matmuls"])
+def test_multihead_attention_called_on_one_tensor_three_times_recomputes(policy):
+    # nn.TransformerEncoderLayer calls self_attn(x, x, x), and MultiheadAttention takes another path unless
+    # `query is key`: torch's recomputation got three separate tensors back (CheckpointError "different metadata")
+    if policy is not None and not selective_available():
+        pytest.skip("torch without selective checkpointing")
+    torch.manual_seed(0)
+    plain = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    model = copy.deepcopy(plain)
+    memtrim.checkpoint_modules(model, nn.MultiheadAttention, policy=policy)
+    x = torch.randn(2, 5, 16)
+    grads = []
+    for m in (plain, model):
+        m(x).square().sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -62,10 +62,11 @@ from typing import Any, Union
 import torch
 import torch.utils.checkpoint as tuc
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..._signatures import accepts
 from ...errors import InvalidInputError, MemtrimStateError, MissingDependencyError
-from ...measure.hooks import hold_for_backward
+from ...measure.hooks import check_saved_version, hold_for_backward
 from .._bound import InstanceForward
 from .._generators import GeneratorDraws
 from .._modes import TrainingFlags, set_training_flags, training_flags
@@ -268,7 +269,12 @@ class _Recompute:
         # every submodule's training flag in the forward: an evaluation pass between the forward and backward
         # (model.eval(), then no_grad) leaves them off, and the recomputation must run as the forward ran
         self.modes = training_flags(module.modules())
-        self.swapped: list[tuple[list[tuple[nn.Module, str, torch.Tensor]], GeneratorDraws, TrainingFlags]] = []
+        # the parameters the forward read, with their versions: torch.func.functional_call (MAML's fast weights) puts
+        # the module's own back before backward, and an optimizer step between forward and backward (a GAN reusing
+        # one output) changes them; the recomputation must read what the forward read, or raise as autograd does
+        self.params = [(sub, name, p, p._version) for sub in module.modules()
+                       for name, p in sub._parameters.items() if p is not None]
+        self.swapped: list[tuple[list[tuple[dict[str, Any], str, Any]], GeneratorDraws, TrainingFlags]] = []
 
     def _who(self) -> str:
         """The module's name in the model, for errors."""
@@ -276,12 +282,20 @@ class _Recompute:
         return repr(_name(self.module, handle)) if handle is not None else type(self.module).__name__
 
     def __enter__(self) -> None:
+        for _, _, param, version in self.params:
+            check_saved_version(param, version, f"{_API} (a parameter of {self._who()}, which the recomputation in "
+                                "backward reads again)", source=True)
         clones: dict[int, torch.Tensor] = {}
-        swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
+        swapped: list[tuple[dict[str, Any], str, Any]] = []  # (a module's _parameters or _buffers, name, its value)
+        for sub, name, param, _ in self.params:
+            now = sub._parameters.get(name)
+            if now is not param:  # functional_call's tensors, put back since: the forward's again for the recompute
+                swapped.append((sub._parameters, name, now))
+                sub._parameters[name] = param
         for sub, name, value in self.snapshot:
             original = sub._buffers[name]
             assert original is not None  # the snapshot lists buffers that are set
-            swapped.append((sub, name, original))
+            swapped.append((sub._buffers, name, original))
             sub._buffers[name] = clones.setdefault(id(value), value.clone())
         modes = training_flags(sub for sub, _ in self.modes)
         set_training_flags(self.modes)
@@ -297,8 +311,8 @@ class _Recompute:
             if self.inner is not None:
                 self.inner.__exit__(*exc)
         finally:  # also when torch stops the recomputation early by raising (then fewer draws are no error)
-            for sub, name, original in swapped:
-                sub._buffers[name] = original
+            for slots, name, original in swapped:
+                slots[name] = original
             set_training_flags(modes)
             replay.__exit__(*exc)
         error = exc[1] if len(exc) > 1 else None
@@ -406,15 +420,33 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             "training. To fix: pass use_cache=False to the model's call, or set model.config.use_cache = False "
             "(HF's gradient_checkpointing_enable() drops the cache for its own checkpointing the same way)."
         )
-    # torch saves every tensor argument for the recomputation, and cannot save one made under inference_mode (which
-    # the module's own ops need not save): such an argument goes in as a normal copy
-    args = tuple(_savable(a) for a in args)
-    kwargs = {k: _savable(v) for k, v in kwargs.items()}
-    inputs = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    # torch saves (and version-checks) the positional tensor arguments for the recomputation only: every tensor, in
+    # keyword arguments and in tuples, lists and dicts too, goes to it as one positional argument (each tensor once:
+    # the recomputation gets `x, x, x` back as one tensor, as nn.MultiheadAttention's `query is key` expects), the
+    # rest of the arguments' structure rebuilt around them. torch cannot save a tensor made under inference_mode
+    # (which the module's own ops need not save): such an argument goes in as a normal copy
+    leaves, spec = tree_flatten((args, kwargs))
+    slots: dict[int, int] = {}
+    inputs: list[torch.Tensor] = []
+    where: list[int | None] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            if id(leaf) not in slots:
+                slots[id(leaf)] = len(inputs)
+                inputs.append(_savable(leaf))
+            where.append(slots[id(leaf)])
+        else:
+            where.append(None)
+
+    def run(*tensors: torch.Tensor) -> Any:
+        call_args, call_kwargs = tree_unflatten(
+            [leaf if at is None else tensors[at] for leaf, at in zip(leaves, where)], spec)
+        return inner(*call_args, **call_kwargs)
+
     versions = [t._version for t in inputs]
     with recipes_honoured():  # torch saves the inputs for the recomputation: a recomputable one keeps its recipe
-        out = tuc.checkpoint(inner, *args, use_reentrant=False, preserve_rng_state=True,
-                             context_fn=_context_fn(self, handle._selective), **kwargs)
+        out = tuc.checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=True,
+                             context_fn=_context_fn(self, handle._selective))
     if any(t._version != v for t, v in zip(inputs, versions)):
         # torch saved the input for the recomputation: its backward would fail with autograd's in-place error
         name = _name(self, handle)
