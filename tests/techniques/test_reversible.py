@@ -452,3 +452,48 @@ def test_an_expanded_input_split_on_features():
         model(leaf.expand(3, 5, 8)).square().sum().backward()
         grads.append([leaf.grad, *(p.grad for p in model.parameters())])
     assert_grads_close(grads[1], grads[0], rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------- found by the 2026-11-29 adversarial pass
+def test_a_kept_input_split_on_features_is_recomputed_as_the_forward_laid_it_out():
+    # a block whose drift exceeded check_drift keeps its input; its recomputation ran f and g on strided halves of
+    # the kept (batch, seq, features) tensor where the forward's were contiguous, so a Linear saved other tensors:
+    # gradients 18x off in float32 when batch * seq == features / 2, or a false ReversibleError otherwise
+    import warnings
+
+    torch.manual_seed(0)
+    blocks = [memtrim.AdditiveCoupling(nn.Sequential(nn.Linear(64, 64), nn.GELU()),
+                                       nn.Sequential(nn.Linear(64, 64), nn.GELU()), split_dim=-1) for _ in range(3)]
+    plain = nn.Sequential(*copy.deepcopy(blocks))
+    rev = memtrim.ReversibleSequential(*copy.deepcopy(blocks), check_drift=1e-30)
+    for batch in (2, 4):  # batch * seq == 64 (the silent case), then 128
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the drift warning that makes the blocks keep their inputs
+            grads(rev, torch.randn(batch, 32, 128), torch.randn(batch, 32, 128))
+        assert rev.keep_inputs  # the next forward keeps the inputs
+        x, grad_out = torch.randn(batch, 32, 128), torch.randn(batch, 32, 128)
+        (out_a, grads_a), (out_b, grads_b) = grads(plain, x, grad_out), grads(rev, x, grad_out)
+        assert torch.equal(out_a, out_b)
+        for a, b in zip(grads_a, grads_b):
+            assert torch.equal(a, b)  # the kept inputs: the forward's own arithmetic again
+
+
+def test_functional_call_with_other_parameters_rebuilds_with_them():
+    # MAML's fast weights: functional_call puts the blocks' own parameters back when it returns, and the inputs were
+    # rebuilt with those (0.34 relative off in float64, where 1e-10 is the bound)
+    torch.manual_seed(0)
+    blocks = [memtrim.AdditiveCoupling(mlp(8)) for _ in range(3)]
+    x, grad_out = torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)
+    results = []
+    for model in (nn.Sequential(*copy.deepcopy(blocks)), memtrim.ReversibleSequential(*copy.deepcopy(blocks))):
+        model.double()
+        params = dict(model.named_parameters())
+        inner = torch.autograd.grad((torch.func.functional_call(model, params, (x,)) * grad_out).sum(),
+                                    list(params.values()))
+        fast = {k: p - 0.5 * g.detach() for (k, p), g in zip(params.items(), inner)}
+        (torch.func.functional_call(model, fast, (x,)) * grad_out).sum().backward()
+        results.append([p.grad for p in model.parameters()])
+    for a, b in zip(*results):
+        # the float64 bound of the rebuilt inputs, relative to each gradient's scale (the fast weights' gradients
+        # reach 1e4; before the fix they were 0.34 of it off)
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-10 * a.abs().max().item())

@@ -159,6 +159,9 @@ class _Frame:
         self.probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (indices, values) of its input
         self.kept_inputs: dict[int, torch.Tensor] = {}  # blocks whose drift exceeded the tolerance before
         self.parameter_versions: list[list[tuple[torch.Tensor, int]]] = [[] for _ in blocks]
+        # each block's parameters as its forward read them, in their modules' slots: torch.func.functional_call
+        # (MAML's fast weights) puts the module's own back before backward, and the rebuild must read the forward's
+        self.parameter_slots: list[list[tuple[dict[str, Any], str, Any]]] = [[] for _ in blocks]
         self.buffers_before: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]  # changed by forward
         # every module's training flag in the block's forward: an evaluation pass between forward and backward
         # (model.eval(), then no_grad) turns them off, and the recomputation must run as the forward ran
@@ -177,6 +180,8 @@ class _Frame:
             elif self.drift.check_drift is not None:
                 self.probes[index] = _probe(_whole(h))
             self.parameter_versions[index] = [(p, p._version) for p in block.parameters()]
+            self.parameter_slots[index] = [(sub._parameters, name, p) for sub in block.modules()
+                                           for name, p in sub._parameters.items() if p is not None]
             self.modes[index] = training_flags(block.modules())
             with torch.no_grad():
                 before = [(b, b._version, b.clone()) for b in block.buffers()]
@@ -226,9 +231,10 @@ class _Frame:
             if recorded is None:
                 with captured(self.replays[index], name, inp, f"block {index}'s {name}"):
                     out = _checked(block, name, fn(inp), inp)
-            else:
-                with replayed(self.replays[index][name]), _recording(recorded):
-                    out = fn(inp)
+            else:  # a half of the kept input, laid out as the forward's (an op saves other tensors for another)
+                replay = self.replays[index][name]
+                with replayed(replay), _recording(recorded):
+                    out = fn(as_forward(inp.detach(), replay).requires_grad_(replay.requires_grad))
             return self._on_grid(out, f"block {index}'s {name}") if self.exact else out
 
         y1, y2 = block.couple(*_split_halves(block, x), evaluate)
@@ -244,8 +250,10 @@ class _Frame:
             if recorded is None:
                 with captured(self.replays[index], name, half, f"block {index}'s {name}"):
                     return block.scale_shift(name, fn, half)
-            with replayed(self.replays[index][name]):
-                return block.scale_shift(name, fn, half)
+            replay = self.replays[index][name]  # a half of the kept input, laid out as the forward's
+            with replayed(replay):
+                return block.scale_shift(name, fn, as_forward(half.detach(), replay).requires_grad_(
+                    replay.requires_grad))
 
         recording: contextlib.AbstractContextManager[Any] = (
             _recording(recorded) if recorded is not None else contextlib.nullcontext())
@@ -323,7 +331,11 @@ class _Frame:
         recorded: list[torch.Tensor] = []
         saved_buffers = [(b, b.detach().clone()) for b in block.buffers()]
         modes_now = training_flags(m for m, _ in self.modes[index])
+        swapped = [(slots, name, slots.get(name)) for slots, name, p in self.parameter_slots[index]
+                   if slots.get(name) is not p]
         try:
+            for slots, name, p in self.parameter_slots[index]:
+                slots[name] = p  # the forward's (functional_call's, put back since)
             with torch.no_grad():
                 for buffer, value in self.buffers_before[index]:
                     buffer.copy_(value)  # what the forward read (the NOTE above)
@@ -331,6 +343,8 @@ class _Frame:
             set_training_flags(self.modes[index])  # as in the forward
             x = self._rebuild(index, block, recorded)
         finally:
+            for slots, name, now in swapped:
+                slots[name] = now
             with torch.no_grad():
                 for buffer, value in saved_buffers:
                     buffer.copy_(value)  # running statistics: updated once, by the forward
@@ -439,7 +453,7 @@ class _Frame:
                 self._affine(index, block, x.detach().requires_grad_(replays["f"].requires_grad), recorded)
             else:
                 with replayed(replays["block"]), _recording(recorded):
-                    block(x.detach().requires_grad_(replays["block"].requires_grad))
+                    block(as_forward(x.detach(), replays["block"]).requires_grad_(replays["block"].requires_grad))
 
     def _rebuild_generic(self, index: int, block: nn.Module, y: torch.Tensor,
                          recorded: list[torch.Tensor]) -> torch.Tensor:
