@@ -269,11 +269,12 @@ class _Recompute:
         # every submodule's training flag in the forward: an evaluation pass between the forward and backward
         # (model.eval(), then no_grad) leaves them off, and the recomputation must run as the forward ran
         self.modes = training_flags(module.modules())
-        # the parameters the forward read, with their versions: torch.func.functional_call (MAML's fast weights) puts
-        # the module's own back before backward, and an optimizer step between forward and backward (a GAN reusing
-        # one output) changes them; the recomputation must read what the forward read, or raise as autograd does
-        self.params = [(sub, name, p, p._version) for sub in module.modules()
-                       for name, p in sub._parameters.items() if p is not None]
+        # the parameters the forward left, with their versions (recorded at its end: its own writes, a max_norm
+        # embedding's or a lazy module's first call, are no change): torch.func.functional_call (MAML's fast weights)
+        # puts the module's own back before backward, and an optimizer step between forward and backward (a GAN
+        # reusing one output) changes them; the recomputation must read what the forward read, or raise as autograd
+        # does (for the modules it calls: a module registered inside but called outside it is not read again)
+        self.params: list[tuple[nn.Module, str, Any, int]] = []
         self.swapped: list[tuple[list[tuple[dict[str, Any], str, Any]], GeneratorDraws, TrainingFlags]] = []
 
     def _who(self) -> str:
@@ -281,10 +282,22 @@ class _Recompute:
         handle = self.module.__dict__.get(_MARK)
         return repr(_name(self.module, handle)) if handle is not None else type(self.module).__name__
 
-    def __enter__(self) -> None:
-        for _, _, param, version in self.params:
+    def record_parameters(self) -> None:
+        """At the end of the forward: the parameters it read, with their versions."""
+        self.params = [(sub, name, p, p._version) for sub in self.module.modules()
+                       for name, p in sub._parameters.items() if p is not None]
+
+    def _check_called(self, module: nn.Module, args: Any) -> None:
+        """A global forward pre-hook during the recomputation: a module it calls reads its parameters again."""
+        for param, version in self.versions.get(id(module), ()):
             check_saved_version(param, version, f"{_API} (a parameter of {self._who()}, which the recomputation in "
                                 "backward reads again)", source=True)
+
+    def __enter__(self) -> None:
+        self.versions: dict[int, list[tuple[Any, int]]] = {}
+        for sub, _, param, version in self.params:
+            self.versions.setdefault(id(sub), []).append((param, version))
+        self.check = torch.nn.modules.module.register_module_forward_pre_hook(self._check_called)
         clones: dict[int, torch.Tensor] = {}
         swapped: list[tuple[dict[str, Any], str, Any]] = []  # (a module's _parameters or _buffers, name, its value)
         for sub, name, param, _ in self.params:
@@ -306,6 +319,7 @@ class _Recompute:
             self.inner.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
+        self.check.remove()
         swapped, replay, modes = self.swapped.pop()
         try:
             if self.inner is not None:
@@ -342,6 +356,7 @@ class _Forward:
             self.inner.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
+        self.owner.record_parameters()
         try:
             if self.inner is None:
                 return
@@ -425,7 +440,7 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # the recomputation gets `x, x, x` back as one tensor, as nn.MultiheadAttention's `query is key` expects), the
     # rest of the arguments' structure rebuilt around them. torch cannot save a tensor made under inference_mode
     # (which the module's own ops need not save): such an argument goes in as a normal copy
-    leaves, spec = tree_flatten((args, kwargs))
+    leaves, spec = tree_flatten((args, kwargs), is_leaf=lambda v: isinstance(v, torch.Size))
     slots: dict[int, int] = {}
     inputs: list[torch.Tensor] = []
     where: list[int | None] = []
@@ -439,6 +454,9 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             where.append(None)
 
     def run(*tensors: torch.Tensor) -> Any:
+        if all(t is i for t, i in zip(tensors, inputs)):  # the forward: the caller's own arguments and containers
+            return inner(*args, **kwargs)  # (a module that appends to a list argument appends to the caller's)
+        # the recomputation: torch's saved inputs in new containers (an append there reaches no caller)
         call_args, call_kwargs = tree_unflatten(
             [leaf if at is None else tensors[at] for leaf, at in zip(leaves, where)], spec)
         return inner(*call_args, **call_kwargs)
