@@ -945,6 +945,11 @@ class OptimizerInBackward(WrappedOptimizerView):
         params = [p for p in params if p.grad is not None]
         if not params:
             return
+        if self.scaler is not None:
+            for param in params:  # GradScaler.unscale_ coalesces a float16 sparse gradient before unscaling it
+                grad = param.grad
+                if grad is not None and grad.is_sparse and grad.dtype is torch.float16:
+                    param.grad = grad.coalesce()
         self._run_pre_hooks()
         grads = cast(list[torch.Tensor], [p.grad for p in params])  # filtered above
         if in_backward:
@@ -1025,6 +1030,9 @@ class OptimizerInBackward(WrappedOptimizerView):
     def _apply_waiting(self, waiting: list[torch.Tensor], driven: bool) -> None:
         """``step()``'s own updates: the standard step over the gradients still waiting."""
         zeros = [p for p in waiting if p.grad is None]  # zero_grad(set_to_none=False) kept a zero gradient
+        if self._skipped:  # a GradScaler skipped this step inside backward: scaler.step(opt) updates nothing
+            self._stepped.update(id(p) for p in waiting)
+            return
         for param in zeros:
             param.grad = torch.zeros_like(param)
             self._zero_pending.discard(id(param))
@@ -1188,6 +1196,8 @@ class OptimizerInBackward(WrappedOptimizerView):
 
     def _unscale(self, grads: list[torch.Tensor], record: bool = False) -> None:
         assert self.scaler is not None
+        # a sparse gradient's values, as GradScaler.unscale_ unscales them (float16 ones coalesced first: _step)
+        grads = [g._values() if g.is_sparse else g for g in grads]
         inv_scale = _scale_tensor(self.scaler).double().reciprocal().float()
         for (device, _), tensors in _by_device_and_dtype(grads).items():
             found = torch.zeros(1, device=device)
@@ -1369,12 +1379,13 @@ def _forwards_undone() -> Iterator[None]:
     buffers (a BatchNorm's running statistics, updated again by every recomputation) are copied before its first
     call here and put back at the end, so only the updating pass's call counts. Nothing is copied where no forward
     runs in backward (the usual case)."""
-    saved: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    saved: dict[int, list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]]] = {}
 
     def before(module: torch.nn.Module, args: Any) -> None:
         if id(module) not in saved:
-            with torch.no_grad():
-                saved[id(module)] = [(b, b.clone()) for b in module.buffers(recurse=False) if b is not None]
+            with torch.no_grad():  # (the slot too: a forward may assign a new tensor, `self.ema = ...`)
+                saved[id(module)] = [(module._buffers, name, b, b.clone()) for name, b in module._buffers.items()
+                                     if b is not None]
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(before)
     try:
@@ -1383,7 +1394,8 @@ def _forwards_undone() -> Iterator[None]:
         handle.remove()
         with torch.no_grad():
             for buffers in saved.values():
-                for buffer, value in buffers:
+                for slots, name, buffer, value in buffers:
+                    slots[name] = buffer
                     if buffer.shape != value.shape:
                         buffer.resize_(value.shape)
                     buffer.copy_(value)
