@@ -938,3 +938,40 @@ def test_optimizer_state_can_be_reset_by_assignment():
             opt.step()
     assert_same(a, b)
     assert opt_b.optimizer.state[next(b.parameters())]["step"].item() == 2
+
+
+class _EmaInForward(nn.Module):
+    """Reassigns its buffer in its forward (`self.ema = ...`), a running mean of what it saw."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        self.ema = 0.9 * self.ema + 0.1 * x.detach().mean(0)
+        return torch.tanh(self.fc(x - self.ema))
+
+
+def test_a_buffer_reassigned_by_a_forward_recomputed_in_the_measuring_pass_is_put_back():
+    # the measuring pass put back the buffer object the forward replaced, not the slot: the EMA moved once more
+    runs = []
+    for wrapped in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), _EmaInForward(), nn.Linear(8, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if wrapped:
+            opt = wrap(opt, model, clip_grad_norm=1.0)
+        for x, y in batches(3):
+            opt.zero_grad()
+            h = torch.utils.checkpoint.checkpoint(model[1], model[0](x), use_reentrant=False)
+            loss = F.cross_entropy(model[2](h), y)
+            if wrapped:
+                opt.backward(loss)
+            else:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        runs.append(model)
+    assert torch.equal(runs[0][1].ema, runs[1][1].ema)
+    assert_same(*runs)
