@@ -255,7 +255,8 @@ def _fuse_bn(bn: nn.Module, act: nn.Module, target: type, spec: tuple[str, float
     def apply() -> Undo:
         return chain(
             class_swap(bn, target, activation=spec[0], negative_slope=spec[1] if spec[0] == "leaky_relu" else 0.01,
-                       alpha=spec[1] if spec[0] == "elu" else 1.0, gamma_threshold=0.0, memtrim_owner=owner),
+                       alpha=spec[1] if spec[0] == "elu" else 1.0, gamma_threshold=0.0, memtrim_owner=owner,
+                       memtrim_activation_inplace=bool(getattr(act, "inplace", False))),
             absorb(act, owner, bn, places,
                    settings=(("negative_slope" if spec[0] == "leaky_relu" else "alpha", spec[1]),)))
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..guards import autocasting, in_checkpoint, owner, plain_only
+from ..guards import autocasting, owner, plain_only, saves_checked
 from ..norms import NormKeepOutput
 from .builtin import KEEP_OUTPUT_FORMS, NO_AUTOCAST, NO_DOUBLE_BACKWARD, REBUILT_INPUT
 from .evidence import CallSite, ModelTrace
@@ -48,7 +48,7 @@ _LAYER_NORM_FUNCTIONS = {torch.nn.functional.layer_norm, torch.layer_norm}
 
 
 def _wants_plain(x: Any, params: list[torch.Tensor]) -> bool:
-    return (not isinstance(x, torch.Tensor) or not torch.is_grad_enabled() or plain_only() or in_checkpoint()
+    return (not isinstance(x, torch.Tensor) or not torch.is_grad_enabled() or plain_only() or not saves_checked()
             or autocasting(x) or not (x.requires_grad or any(p.requires_grad for p in params)))
 
 

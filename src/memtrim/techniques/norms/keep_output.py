@@ -19,7 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..guards import autocasting, in_checkpoint, kept_params, no_double_backward, owner, plain_only, saved_tensors
+from ..guards import (
+    autocasting,
+    kept_params,
+    no_double_backward,
+    owner,
+    plain_only,
+    saved_tensors,
+    saves_checked,
+)
 from ._kernels import keep_input_features, zeros_and_ones
 
 __all__ = ["LayerNorm", "NormKeepOutput", "RMSNorm"]
@@ -136,7 +144,7 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``nn.LayerNorm``'s forward, keeping the output for backward (torch's own forward where nothing needs
         a gradient, under autocast, ``torch.compile``, ``torch.func`` or inside a checkpointed region)."""
-        if (not torch.is_grad_enabled() or plain_only() or in_checkpoint() or autocasting(input)
+        if (not torch.is_grad_enabled() or plain_only() or not saves_checked() or autocasting(input)
                 or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))
                 or _torchs_case(input, self.weight, self.normalized_shape)):
             return super().forward(input)
@@ -163,7 +171,7 @@ class RMSNorm(nn.RMSNorm):
         """``nn.RMSNorm``'s forward, keeping the output for backward (torch's own forward where nothing needs
         a gradient, under autocast, ``torch.compile``, ``torch.func`` or inside a checkpointed region)."""
         eps = self.eps if self.eps is not None else default_rms_eps(input.dtype)
-        if (not torch.is_grad_enabled() or plain_only() or in_checkpoint() or autocasting(input)
+        if (not torch.is_grad_enabled() or plain_only() or not saves_checked() or autocasting(input)
                 or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))
                 or _torchs_case(input, self.weight, self.normalized_shape)):
             return super().forward(input)

@@ -41,6 +41,7 @@ from ..guards import (
     plain_only,
     refuse_later_hooks,
     saved_tensors,
+    saves_checked,
 )
 from ._kernels import keep_input_features
 
@@ -233,13 +234,17 @@ class _BatchNormAct(WatchedFusion, nn.modules.batchnorm._BatchNorm):
             input.requires_grad or (self.weight is not None and self.weight.requires_grad)
         )
         # torch's own BatchNorm and activation (an empty batch too: the native kernel this calls refuses one)
-        if not needs_grad or plain_only() or autocasting(input) or input.numel() == 0:
+        # (and under saved-tensor hooks not memtrim's: a user's may pack the kept output lossily, to bfloat16)
+        if not needs_grad or plain_only() or autocasting(input) or input.numel() == 0 or not saves_checked():
             out = nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                            bn_training, factor, self.eps)
+            # in place or not as the activation convert fused was (what its backward keeps, an input or an output,
+            # is what saved-tensor hooks outside see); one built by hand: in place
+            inplace = self.__dict__.get("memtrim_activation_inplace", True)
             if self.activation == "leaky_relu":
-                out = nn.functional.leaky_relu_(out, param)
+                out = nn.functional.leaky_relu(out, param, inplace=inplace)
             elif self.activation == "elu":
-                out = nn.functional.elu_(out, param)
+                out = nn.functional.elu(out, param, inplace=inplace)
             return out if plain_only() else mark_activated(out, self.__dict__.get(FUSION))
         if not bn_training and (running_mean is None or running_var is None):
             raise InvalidInputError(f"memtrim.nn.{type(self).__name__}: eval mode needs running statistics.")

@@ -20,7 +20,16 @@ from torch import nn
 
 from ...errors import ConvertError
 from ...proof.compare import bitwise_equal
-from ..guards import INPUT_HOOKS, RELU, activated, autocasting, in_checkpoint, memtrims, plain_only, refuse_later_hooks
+from ..guards import (
+    INPUT_HOOKS,
+    RELU,
+    activated,
+    autocasting,
+    memtrims,
+    plain_only,
+    refuse_later_hooks,
+    saves_checked,
+)
 from ._core import (
     enter_consumer_scope,
     entry_of,
@@ -735,7 +744,7 @@ class _Checkpointed:
         fn = self.forward
         # inside a checkpointed region (memtrim's checkpoint_modules, HF gradient checkpointing) the region keeps its
         # inputs alone: a checkpoint of its own would recompute this forward a second time in backward
-        if not _active() or in_checkpoint() or not any(isinstance(a, torch.Tensor) and a.requires_grad
+        if not _active() or not saves_checked() or not any(isinstance(a, torch.Tensor) and a.requires_grad
                                                        for a in (*args, *kwargs.values())):
             return fn(*args, **kwargs)
         if self.recipe_owner is not None and not kwargs and all(isinstance(a, torch.Tensor) for a in args):
