@@ -192,3 +192,32 @@ def test_several_steps_in_a_row_are_stable():
         for _ in range(3):
             train_step(model, optimizer, x, y)
     assert tracker.report().peak_bytes == reports[0].peak_bytes
+
+
+# ---------------------------------------------------------------------- found by the 2026-11-29 adversarial pass
+def test_without_a_model_a_trainable_leaf_is_counted_once():
+    # with no model or optimizer given, a trainable leaf is taken for a parameter; it got two start records (one made
+    # while deciding its category, one by the caller), and the report's peak counted it twice: 8,000,000 B of
+    # parameters for a 4,000,000 B one
+    w = torch.nn.Parameter(torch.randn(1000, 1000))
+    x = torch.randn(10, 1000)
+    with memtrim.track() as tracker:
+        (x @ w).sum()
+        live = tracker.live_by_category()["parameters"]
+    report = tracker.report()
+    assert live == report.peak_by_category["parameters"] == w.nbytes == 4_000_000
+    assert report.peak_bytes == w.nbytes + x.nbytes + 10 * 1000 * 4 + 4  # the product and its sum on top
+
+
+def test_a_model_with_uninitialised_lazy_parameters_is_tracked():
+    # track(model) on a model whose LazyLinear has not run yet raised torch's "Attempted to use an uninitialized
+    # parameter" at entry
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    x = torch.randn(4, 16)
+    with memtrim.track(model) as tracker:
+        model(x).sum().backward()
+    report = tracker.report()
+    weights = sum(p.nbytes for p in model.parameters())
+    assert report.peak_by_category["gradients"] == weights
+    assert report.peak_bytes >= weights

@@ -422,7 +422,9 @@ class Tracker:
             if param.requires_grad:
                 unhooked.append(key)
 
-    def _watch_param(self, param: torch.Tensor, module_name: str | None = None) -> None:
+    def _watch_param(self, param: torch.Tensor, module_name: str | None = None, record: bool = True) -> None:
+        """Watch ``param`` (its gradient is labelled when it lands); with ``record``, give its storage a record
+        counted from the start (a caller that makes the record itself passes False)."""
         key = id(param)
         known = self._params.get(key)
         if known is not None and known() is param:
@@ -433,9 +435,11 @@ class Tracker:
         elif known is not None:  # the id of a parameter that died: its module's name is not this one's
             self._param_module.pop(key, None)
         storage = _storage_of(param)  # at entry, once per parameter: a new record made directly
-        if storage is not None and id(storage) not in self._records:
+        if not record:
+            pass
+        elif storage is not None and id(storage) not in self._records:
             self._new_record(storage, param, "parameters", True)
-        else:
+        elif storage is not None:
             self._include_one(param, "parameters")
         if param.requires_grad:
             self._unhooked.append(key)
@@ -609,8 +613,8 @@ class Tracker:
 
     def _existing_category(self, tensor: torch.Tensor) -> str:
         if self._model_ref is None and not self._optimizer_refs and tensor.is_leaf and tensor.requires_grad:
-            self._watch_param(tensor)  # no model given: trainable leaves are the parameters
-            return "parameters"
+            self._watch_param(tensor, record=False)  # no model given: trainable leaves are the parameters (the
+            return "parameters"                        # caller records the storage: once)
         return "other"
 
     def _context(self, inputs: list[torch.Tensor] | None = None) -> tuple[str, str | None]:
@@ -808,7 +812,7 @@ def _storage_of(tensor: torch.Tensor) -> torch.UntypedStorage | None:
         return None
     try:
         return tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):
+    except (RuntimeError, NotImplementedError, ValueError):  # ValueError: an uninitialised (lazy) parameter
         return None
 
 
