@@ -947,3 +947,41 @@ def test_a_parameter_registered_inside_but_read_outside_may_change_before_the_re
         opt.step()
         runs.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_a_parameter_of_the_checkpointed_module_itself_changed_before_backward_raises():
+    # the check ran in a global forward pre-hook, and the recomputation calls the checkpointed module's forward
+    # directly: its own parameters (a checkpointed Linear, a block's layer scale) went unchecked, silently
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+        if checkpointed:
+            memtrim.checkpoint_modules(model, ["1"])
+        loss = model(torch.randn(4, 8)).square().sum()
+        with torch.no_grad():
+            model[1].weight.mul_(2.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+class _AppendsOnly(nn.Module):
+    """A forward with no tensor argument: a parameter read and an entry appended to the caller's list."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, aux):
+        aux.append(self.w.square().sum())
+        return self.w.exp()
+
+
+def test_a_module_without_tensor_arguments_appends_to_the_callers_list_once():
+    # with no tensor argument the recomputation took the forward's branch (an empty all()) and appended again
+    for checkpointed in (False, True):
+        model = nn.Sequential(_AppendsOnly())
+        if checkpointed:
+            memtrim.checkpoint_modules(model, _AppendsOnly)
+        aux = []
+        (model[0](aux).sum() + sum(aux)).backward()
+        assert len(aux) == 1

@@ -742,8 +742,10 @@ def test_a_skipped_amp_step_updates_no_parameter_its_micro_batches_left_unused()
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_a_sparse_gradient_under_a_grad_scaler_is_unscaled_as_grad_scaler_does():
-    # the wrapper's unscale ran torch's foreach kernel, which has no sparse implementation (NotImplementedError)
+@pytest.mark.parametrize("all_accumulated", [False, True])
+def test_a_sparse_gradient_under_a_grad_scaler_is_unscaled_as_grad_scaler_does(all_accumulated):
+    # the wrapper's unscale ran torch's foreach kernel, which has no sparse implementation (NotImplementedError), in
+    # backward and, for gradients accumulated to step() (every backward inside accumulate()), at step()
     runs = []
     for wrapped in (False, True):
         torch.manual_seed(0)
@@ -756,7 +758,11 @@ def test_a_sparse_gradient_under_a_grad_scaler_is_unscaled_as_grad_scaler_does()
         for _ in range(3):
             opt.zero_grad()
             loss = scaler.scale(model(torch.randint(0, 10, (3, 2), generator=g)).square().mean())
-            opt.backward(loss) if wrapped else loss.backward()
+            if wrapped and all_accumulated:
+                with opt.accumulate():
+                    loss.backward()
+            else:
+                opt.backward(loss) if wrapped else loss.backward()
             scaler.step(opt)
             scaler.update()
         runs.append(model)

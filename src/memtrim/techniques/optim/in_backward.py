@@ -1032,6 +1032,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         zeros = [p for p in waiting if p.grad is None]  # zero_grad(set_to_none=False) kept a zero gradient
         if self._skipped:  # a GradScaler skipped this step inside backward: scaler.step(opt) updates nothing
             self._stepped.update(id(p) for p in waiting)
+            self._free(zeros)
             return
         for param in zeros:
             param.grad = torch.zeros_like(param)
@@ -1047,8 +1048,9 @@ class OptimizerInBackward(WrappedOptimizerView):
             grad_scale = self.__dict__.get("grad_scale")
             if grad_scale is not None:
                 inv_scale = grad_scale.double().reciprocal().float()
-                with torch.no_grad():
-                    for (device, _), tensors in _by_device_and_dtype(grads).items():
+                with torch.no_grad():  # (a sparse gradient's values, as GradScaler.unscale_ unscales them)
+                    values = [g._values() if g.is_sparse else g for g in grads]
+                    for (device, _), tensors in _by_device_and_dtype(values).items():
                         dummy = torch.zeros(1, device=device)
                         torch._amp_foreach_non_finite_check_and_unscale_(tensors, dummy, inv_scale.to(device))
         elif self.scaler is not None:  # opt.step() called directly: unscale and check here
