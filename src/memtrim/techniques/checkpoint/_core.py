@@ -439,8 +439,9 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # torch saves (and version-checks) the positional tensor arguments for the recomputation only: every tensor, in
     # keyword arguments and in tuples, lists and dicts too, goes to it as one positional argument (each tensor once:
     # the recomputation gets `x, x, x` back as one tensor, as nn.MultiheadAttention's `query is key` expects), the
-    # rest of the arguments' structure rebuilt around them. torch cannot save a tensor made under inference_mode
-    # (which the module's own ops need not save): such an argument goes in as a normal copy
+    # rest of the arguments' structure rebuilt around them for the recomputation (the forward reads the caller's own
+    # arguments). torch cannot save a tensor made under inference_mode: torch saves a normal copy of such an argument
+    # for the recomputation, and the forward reads the tensor itself, as plain training does
     leaves, spec = tree_flatten((args, kwargs), is_leaf=lambda v: isinstance(v, torch.Size))
     slots: dict[int, int] = {}
     inputs: list[torch.Tensor] = []
