@@ -981,3 +981,59 @@ def test_a_buffer_reassigned_by_a_forward_recomputed_in_the_measuring_pass_is_pu
         runs.append(model)
     assert torch.equal(runs[0][1].ema, runs[1][1].ema)
     assert_same(*runs)
+
+
+class _RoutedNet(nn.Module):
+    """An embedding, two experts the step routes to, a BatchNorm and a head (an adversarial pass's model)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(12, 4)
+        self.experts = nn.ModuleList([nn.Linear(8, 6), nn.Linear(8, 6)])
+        self.out, self.bn = nn.Linear(6, 2), nn.BatchNorm1d(6)
+        self.use = [0, 1]
+
+    def forward(self, ids):
+        h = self.emb(ids).flatten(1)
+        return self.out(torch.relu(self.bn(sum(self.experts[k](h) for k in self.use))))
+
+
+def _clip_moe_run(wrapped):
+    """Momentum SGD, GradScaler, clip_grad_norm 1.0, zero_grad(set_to_none=False), two micro-batches; step 1 overflows
+    in its last micro-batch; expert 0 unused at step 3."""
+    model = _RoutedNet()
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if wrapped:
+        opt = wrap(opt, model, scaler=scaler, clip_grad_norm=1.0)
+    g = torch.Generator().manual_seed(3)
+    for step, route in enumerate(([0, 1], [0], [0, 1], [1])):
+        opt.zero_grad(set_to_none=False)
+        for j in range(2):
+            model.use = route
+            ids, y = torch.randint(0, 12, (4, 2), generator=g), torch.randint(0, 2, (4,), generator=g)
+            loss = scaler.scale(F.cross_entropy(model(ids), y) * (float("inf") if (step, j) == (1, 1) else 1.0))
+            if not wrapped:
+                loss.backward()
+            elif j == 0:
+                with opt.accumulate():
+                    loss.backward()
+            else:
+                opt.backward(loss)
+        if not wrapped:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+    return model, opt
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_clip_grad_norm_counts_the_zero_gradients_the_standard_loop_keeps():
+    # clip_grad_norm_ takes the norm of a vector with a 0 for each zero gradient zero_grad(set_to_none=False) kept;
+    # the wrapper left the unused expert's out, and the shorter vector rounded otherwise (momentum 6e-8 off)
+    (plain, plain_opt), (wrapped, wrapped_opt) = _clip_moe_run(False), _clip_moe_run(True)
+    assert_same(plain, wrapped)
+    for p, q in zip(plain.parameters(), wrapped.parameters()):
+        assert torch.equal(plain_opt.state[p]["momentum_buffer"], wrapped_opt.optimizer.state[q]["momentum_buffer"])

@@ -1182,6 +1182,10 @@ class OptimizerInBackward(WrappedOptimizerView):
     def _conclude_measure(self) -> None:
         if self.clip_grad_norm is None or self._found_any_inf():
             return
+        for key in self._zero_pending:  # the standard loop holds a zero gradient there, which clip_grad_norm_ counts:
+            param = self._by_id.get(key)  # a 0 in the vector it takes the norm of (its length sets the rounding)
+            if key not in self._norms and param is not None and param.grad is None:
+                self._norms[key] = param.new_zeros(())
         model = self._model() if self._model is not None else None
         ordered = model.parameters() if model is not None else (
             p for group in self.optimizer.param_groups for p in group["params"])
