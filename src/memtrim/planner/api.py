@@ -469,7 +469,7 @@ def _estimate(model_or_factory: Any, inputs: Any, targets: Any, loss_fn: Any, op
 
 def _aside_in_checkpoints(model_or_factory: Any) -> list[str]:
     """The modules of a model passed itself that compute otherwise inside a checkpointed region: memtrim.convert's
-    norms rebuilt from their output run as torch's own there (a rounding apart: guards.in_checkpoint). A factory's
+    norms rebuilt from their output run as torch's own there (a rounding apart: guards.saves_checked). A factory's
     model is not built here (it is unconverted as a rule)."""
     if not isinstance(model_or_factory, nn.Module):
         return []

@@ -2,8 +2,9 @@
 
 Shared by the lean activations (``activations/``), the norms that keep less (``norms/``), the recipes
 (``recompute/``) and convert's rules: the modules run as torch's own ops under ``torch.compile`` and ``torch.func``
-(:func:`plain_only`) and, for the rebuilt norms and ActLinear, under autocast (:func:`autocasting`) and inside a
-checkpointed region (:func:`in_checkpoint`; recipe consumer scopes stand aside there too); an in-place
+(:func:`plain_only`) and, for the rebuilt norms and ActLinear, under autocast (:func:`autocasting`) and under
+saved-tensor hooks that are not memtrim's: a checkpointed region's, a user's (:func:`saves_checked`; recipe consumer
+scopes stand aside there too); an in-place
 change of a kept tensor and a double backward through a rebuilt norm raise a :class:`ConvertError` naming the module
 (:func:`owner`) and saying what to do.
 """
@@ -24,7 +25,7 @@ from ..measure.hooks import top_saved_tensors_hooks
 
 __all__ = [
     "CONVERTED", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS", "activated", "autocasting", "fx_tracing",
-    "in_checkpoint", "inplace_error", "mark_activated", "memtrims", "no_double_backward", "owner", "plain_only",
+    "inplace_error", "mark_activated", "memtrims", "no_double_backward", "owner", "plain_only",
     "kept_params", "refuse_later_hooks", "saved_tensors", "saves_checked", "watch_registrations",
     "watch_replacement", "WatchedFusion",
 ]
@@ -113,23 +114,15 @@ def saves_checked() -> bool:
     it keeps to the hooks below it). Not under others: a checkpoint's (which also recomputes what a node saved, and
     allows one unpack), ``save_on_cpu``'s, a user's. What rebuilds a tensor from an op's saved inputs (a node's, or
     ActLinear's) must not rely on those: an input changed in place would rebuild another tensor where torch kept the
-    tensor itself."""
+    tensor itself. Everything convert changed runs as torch's own ops under those hooks: a user's may pack lossily
+    (to bfloat16), and a rebuild from packed tensors is not what torch's backward reads from them; inside a checkpoint,
+    keeping less of what is dropped anyway gains nothing, and torch's own ops let the recomputation stop early."""
     top = top_saved_tensors_hooks()
     while top is not None:
         if not hasattr(top[0], RECOMPUTE_HOOKS):
             return memtrims(top[0])
         top = getattr(top[0], RECOMPUTE_HOOKS)
     return True
-
-
-def in_checkpoint() -> bool:
-    """True inside a ``torch.utils.checkpoint`` region: its forward, whose saves are dropped, or its recomputation in
-    backward. The keep-output norms run as torch's own ops there (ActLinear too, through :func:`saves_checked`: the
-    same in both, so torch's check
-    that they save the same tensors holds): keeping less of what is dropped anyway gains nothing, and torch's own ops
-    let the recomputation stop early, before the region's last matmul, once backward has what it needs."""
-    top = top_saved_tensors_hooks()
-    return top is not None and getattr(top[0], "__module__", None) == "torch.utils.checkpoint"
 
 
 def autocasting(x: torch.Tensor) -> bool:

@@ -11,7 +11,7 @@ instance attribute again. Without grad mode it runs the forward plainly.
 With convert: torch saves the module's inputs for the recomputation through the saved-tensor hooks, and
 ``_checkpointed_forward`` makes that save a recipe consumer scope, so an input that convert rebuilds anyway (a
 LayerNorm's output, whose input the norm keeps) keeps its recipe, not itself. Inside the region, recipe scopes,
-ActLinear and the keep-output norms run as torch's own ops (``guards.in_checkpoint``): everything there is dropped
+ActLinear and the keep-output norms run as torch's own ops (``guards.saves_checked``): everything there is dropped
 until backward, and torch's ops let the recomputation stop early (a checkpointed MLP recomputes fc and its
 activation, not its last matmul).
 
