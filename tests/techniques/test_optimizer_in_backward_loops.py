@@ -908,12 +908,7 @@ def test_clip_grad_norm_with_zero_grad_keeping_zeros_and_an_unused_parameter_is_
             model.use = [0] if step == 2 else [0, 1]
             x, y = torch.randn(3, 4, generator=g), torch.randint(0, 2, (3,), generator=g)
             opt.zero_grad(set_to_none=False)
-            loss = F.cross_entropy(model(x), y)
-            if wrapped:
-                opt.backward(loss)
-            else:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            backward_clipped(F.cross_entropy(model(x), y), model, opt, opt if wrapped else None, 0.5)
             opt.step()
         runs.append(model)
     assert_same(*runs)
@@ -971,12 +966,7 @@ def test_a_buffer_reassigned_by_a_forward_recomputed_in_the_measuring_pass_is_pu
         for x, y in batches(3):
             opt.zero_grad()
             h = torch.utils.checkpoint.checkpoint(model[1], model[0](x), use_reentrant=False)
-            loss = F.cross_entropy(model[2](h), y)
-            if wrapped:
-                opt.backward(loss)
-            else:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            backward_clipped(F.cross_entropy(model[2](h), y), model, opt, opt if wrapped else None, 1.0)
             opt.step()
         runs.append(model)
     assert torch.equal(runs[0][1].ema, runs[1][1].ema)

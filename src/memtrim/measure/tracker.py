@@ -434,10 +434,8 @@ class Tracker:
             self._param_module[key] = module_name
         elif known is not None:  # the id of a parameter that died: its module's name is not this one's
             self._param_module.pop(key, None)
-        storage = _storage_of(param)  # at entry, once per parameter: a new record made directly
-        if not record:
-            pass
-        elif storage is not None and id(storage) not in self._records:
+        storage = _storage_of(param) if record else None  # at entry, once per parameter: a new record made directly
+        if storage is not None and id(storage) not in self._records:
             self._new_record(storage, param, "parameters", True)
         elif storage is not None:
             self._include_one(param, "parameters")
