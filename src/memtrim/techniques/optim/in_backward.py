@@ -325,6 +325,8 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._outcome: _Outcome | None = None
         self._token: weakref.ref | None = None
         self._pending_error: str | None = None
+        self._measured = 0  # gradients the running measuring pass measured and freed
+        self._lost: str | None = None  # why step() cannot do what the standard one would (a backward raised)
         self._freed_bytes = 0  # gradient bytes freed inside the current backward pass
         self._held: list[_Bucket] = []  # complete buckets held back to the end of backward (peak="never_higher")
         self._held_to_step: list[_Bucket] = []  # ... and, where even that would lift memory, to step()
@@ -411,7 +413,7 @@ class OptimizerInBackward(WrappedOptimizerView):
                 was not called, or the backward was not the training loss: run it inside ``accumulate()``); the
                 last backward raised after updating parameters; another open wrapper updates these parameters.
         """
-        self._raise_pending("zero_grad")
+        self._raise_pending("zero_grad")  # (a failed two-pass backward's batch skipped: _close_step forgets it)
         if self._open and self._updated_in_backward:
             count = self._updated_in_backward
             self._close_step()
@@ -462,6 +464,7 @@ class OptimizerInBackward(WrappedOptimizerView):
                 "OptimizerInBackward.step: closures are not supported; the update happens inside backward."
             )
         self._raise_pending("step")
+        self._raise_lost()
         self._check_not_stepped_twice()
         self._check_unchanged()
         driven = "found_inf" in self.__dict__  # GradScaler.step(self) set grad_scale / found_inf
@@ -532,6 +535,18 @@ class OptimizerInBackward(WrappedOptimizerView):
                 "freed inside backward. Call opt.zero_grad() before each training step's backward (model.zero_grad() "
                 "does not reach the wrapper, which opens a step at opt.zero_grad())."
             )
+        rewritten = [p for group in self.optimizer.param_groups for p in group["params"]
+                     if id(p) in self._stepped and p.grad is not None]
+        if rewritten and self._updated_in_backward:
+            self._close_step()
+            raise OptimizerInBackwardError(
+                f"OptimizerInBackward.step: expected the gradients of a step to come from its backward, but "
+                f"{len(rewritten)} parameter(s) (the first of shape {tuple(rewritten[0].shape)}) that were already "
+                "updated inside backward have a .grad again, written after it (gradient surgery such as PCGrad, an "
+                "auxiliary gradient added by hand). The standard loop's step() would apply it; here the update "
+                "already happened. To fix: run that step's backward inside `with opt.accumulate():`, edit .grad, "
+                "then call opt.step(), which applies the gradients in .grad (no memory saved for that step)."
+            )
         late = [p for p in waiting if p.grad is not None]  # not the zeros zero_grad(set_to_none=False) keeps
         if late and self._updated_in_backward and self.clip_grad_norm is not None:
             self._close_step()
@@ -600,6 +615,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._check_clip_covers_the_model()
         self._check_no_selective_checkpoint()
         self._pass = "measure"
+        self._measured = 0
         _TWO_PASSES.wrapper = self
         # the measuring pass reaches this optimizer's parameters only: any other leaf (a parameter another
         # optimizer trains, an input that requires grad) gets its gradient once, from the updating pass
@@ -633,6 +649,10 @@ class OptimizerInBackward(WrappedOptimizerView):
                 return
             self._pass = "update"
             loss.backward(retain_graph=retain, **({} if given is None else {"inputs": given}), **kwargs)
+        except BaseException as e:
+            if not isinstance(e, OptimizerInBackwardError):  # memtrim's own errors close the step themselves
+                self._note_lost(e)
+            raise
         finally:
             _TWO_PASSES.wrapper = None
             self._pass = None
@@ -772,6 +792,7 @@ class OptimizerInBackward(WrappedOptimizerView):
                 return
             self._measure(param)
             self._free([param])  # the standard loop still holds it; the updating pass makes it again
+            self._measured += 1
             return
         bucket, index = where
         bucket.ready.add(index)
@@ -859,6 +880,7 @@ class OptimizerInBackward(WrappedOptimizerView):
             if param.grad is not None:
                 self._measure(param)
                 self._free([param])
+                self._measured += 1
         if self._pass == "measure" or self._deferred:
             return
         for bucket in held:
@@ -893,6 +915,32 @@ class OptimizerInBackward(WrappedOptimizerView):
                 "not have updated any, so training is no longer equal to it. Fix what raised; if a backward may "
                 "fail (skipping out-of-memory batches), train without OptimizerInBackward. This error is reported "
                 "once; training can go on from here."
+            )
+
+    def _note_lost(self, error: BaseException) -> None:
+        """A two-pass ``backward`` raised. The standard loop's single pass would have stopped where the measuring
+        pass stopped, its partial gradients left in ``.grad`` for a ``step()`` to apply (clipped by their own norm);
+        the measuring pass freed the ones it measured, and the updating pass, where it raised, never ran in the
+        standard loop at all. Skipping the batch (``zero_grad()``) is what both loops then do alike; ``step()``
+        raises (:meth:`step`)."""
+        if self._pass == "update":
+            self._lost = (f"the updating pass of opt.backward(loss) raised ({type(error).__name__}: {error}) after the "
+                          "measuring pass had finished, where the standard loop's single backward did not raise")
+        elif self._measured:
+            self._lost = (f"opt.backward(loss) raised ({type(error).__name__}: {error}) in its measuring pass, after "
+                          f"{self._measured} gradient(s) had been measured and freed (the updating pass makes them "
+                          "again); the standard loop keeps such partial gradients in .grad and its step() applies "
+                          "them")
+
+    def _raise_lost(self) -> None:
+        lost, self._lost = self._lost, None
+        if lost is not None:
+            self._close_step()
+            raise OptimizerInBackwardError(
+                f"OptimizerInBackward.step: expected the step's backward to have finished, but {lost}. This step "
+                "cannot be applied as the standard loop would. To fix: skip the batch after a failed backward "
+                "(call opt.zero_grad() before the next backward, without step()), as for an out-of-memory batch; "
+                "or train without clip_grad_norm=/scaler= (one pass). This error is reported once."
             )
 
     def _raise_pending(self, where: str) -> None:
@@ -1108,6 +1156,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._coefficient = None
         self._scaler_found = None
         self._skipped = False
+        self._lost = None
         self._found_inf.clear()  # a measuring pass that raised left what it found: not the next step's
         self._norms.clear()
         self._held = []
