@@ -58,6 +58,7 @@ class Op:
     outputs: tuple[int, ...]
     writes: tuple[int, ...]  # storages it changes in place
     scalars: tuple[Any, ...] = ()  # its non-tensor positional arguments (an eps, a dim list)
+    random: bool = False  # it draws from a generator (aten's ``nondeterministic_seeded`` tag: rrelu, randperm, ...)
 
     @property
     def site(self) -> int | None:
@@ -81,6 +82,7 @@ class CallSite:
     inputs: tuple[int, ...] = ()
     outputs: tuple[int, ...] = ()
     shared: bool = False  # the module has more than one call site
+    replaced: tuple[str, ...] = ()  # the module's own tensors its call assigned anew (``self.count = self.count + 1``)
 
     @property
     def label(self) -> str:
@@ -253,7 +255,7 @@ class _Recorder(TorchDispatchMode):
             if record.producer is None and record.kind == "activation":
                 record.producer = index
         trace.ops.append(Op(index, func.overloadpacket.__name__, state.clock, tuple(state.stack), inputs, outputs,
-                            tuple(writes), scalars))
+                            tuple(writes), scalars, torch.Tag.nondeterministic_seeded in func.tags))
         return out
 
 
@@ -267,6 +269,7 @@ class _State:
         self.stack: list[int] = []
         self.open_sites: list[CallSite] = []
         self.counts: dict[str, int] = {}  # module path -> calls so far
+        self.owned: list[dict[str, int]] = []  # per open call site: its module's own tensors as the call began
 
     def pre(self, module: nn.Module, inputs: tuple, kw: dict) -> None:
         """Forward pre-hook: a call site opens."""
@@ -281,12 +284,15 @@ class _State:
         trace.by_path.setdefault(path, []).append(site)
         self.stack.append(site.index)
         self.open_sites.append(site)
+        self.owned.append(_own_tensors(module))
 
     def post(self, module: nn.Module, inputs: tuple, kw: dict, output: Any) -> None:
         """Forward hook: the innermost open call site closes."""
         self.clock += 1
         site = self.open_sites.pop()
         self.stack.pop()
+        before, now = self.owned.pop(), _own_tensors(module)
+        site.replaced = tuple(sorted(name for name in {*before, *now} if before.get(name) != now.get(name)))
         site.end, site.last_op = self.clock, len(self.trace.ops)
         site.outputs = tuple(self.trace.storage_key(t) for t in tensors_in(output))
 
@@ -295,6 +301,13 @@ class _State:
         key = self.trace.storage_key(tensor)
         self.trace.storages[key].holders.append(Holder(tuple(self.stack), self.clock))
         return tensor.detach()
+
+
+def _own_tensors(module: nn.Module) -> dict[str, int]:
+    """``id`` of each tensor ``module`` holds itself (parameters, buffers, plain tensor attributes), by name."""
+    found = {name: id(t) for name, t in (*module._parameters.items(), *module._buffers.items()) if t is not None}
+    found.update((name, id(t)) for name, t in module.__dict__.items() if isinstance(t, torch.Tensor))
+    return found
 
 
 def split_inputs(example_inputs: Any, example_kwargs: dict[str, Any] | None) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -83,13 +83,11 @@ _POINTWISE = frozenset({
     "sqrt", "rsqrt", "minimum", "maximum", "clamp", "clamp_min", "clamp_max", "abs", "relu", "gelu", "silu",
     "softplus", "log1p", "where", "sign", "square", "hardtanh", "leaky_relu", "elu",
 })
-_RANDOM = frozenset({"bernoulli", "native_dropout", "rand", "randn", "rand_like", "randn_like", "uniform",
-                     "normal", "randint", "multinomial"})
-
-
 def _random_ops(trace: ModelTrace, site: CallSite) -> list[str]:
-    """The ops of ``site`` that draw random numbers (in place or not: ``bernoulli_`` is ``bernoulli``)."""
-    return sorted({op_name(o) for o in trace.ops_in(site, compute_only=False)} & _RANDOM)
+    """The ops of ``site`` that draw random numbers (in place or not: ``bernoulli_`` is ``bernoulli``): every op aten
+    tags ``nondeterministic_seeded`` (dropout, rrelu's noise, randperm, exponential_, ...). Draws outside torch
+    (NumPy's, Python's ``random``) make no op and are not seen."""
+    return sorted({op_name(o) for o in trace.ops_in(site, compute_only=False) if o.random})
 
 
 def _owned(trace: ModelTrace, ops: list[Op], inputs: set[int]) -> bool:
