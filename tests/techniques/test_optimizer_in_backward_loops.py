@@ -1100,3 +1100,69 @@ def test_a_gradient_written_after_the_update_inside_backward_raises():
         _gradient_surgery_run(True)
     # the fix the message names is bitwise
     assert_same(_gradient_surgery_run(False), _gradient_surgery_run(True, recipe=True))
+
+
+def _fused_amp_run(wrapped, init_scale):
+    model = net()
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    opt = wrap(opt, model, scaler=scaler) if wrapped else opt
+    for x, y in batches(4):
+        opt.zero_grad()
+        loss = scaler.scale(F.cross_entropy(model(x), y))
+        opt.backward(loss) if wrapped else loss.backward()
+        scaler.step(opt)
+        scaler.update()
+    return model
+
+
+def test_a_fused_optimizer_under_a_power_of_two_scale_is_bitwise_and_other_scales_raise():
+    # torch's fused step divides by the scale in its kernel where the wrapper multiplies by its reciprocal inside
+    # backward: equal for a power of two (GradScaler's defaults), 1.5e-8 off with a scale of 1000
+    assert_same(_fused_amp_run(False, 2.0 ** 12), _fused_amp_run(True, 2.0 ** 12))
+    with pytest.raises(memtrim.InvalidInputError, match="scale=1000.0"):
+        _fused_amp_run(True, 1000.0)
+    half = net().half()
+    with pytest.raises(memtrim.InvalidInputError, match="float16 parameters"):
+        memtrim.OptimizerInBackward(torch.optim.AdamW(half.parameters(), fused=True),
+                                    scaler=torch.amp.GradScaler("cpu"))
+    # with clipping the standard loop unscales first (multiplying), as the wrapper does: accepted
+    memtrim.OptimizerInBackward(torch.optim.AdamW(net().parameters(), fused=True), clip_grad_norm=1.0,
+                                scaler=torch.amp.GradScaler("cpu", init_scale=1000.0))
+
+
+@pytest.mark.parametrize("option", ["clip_grad_norm", "scaler"])
+def test_a_second_two_pass_backward_in_one_step_on_other_parameters_raises(option):
+    # two towers trained by two losses, one opt.backward each: each pass was clipped by its own norm (0.0195 off), or
+    # an inf in the second loss skipped only the second tower (0.055 off), where the standard loop clips or skips the
+    # step's gradients together
+    towers = nn.ModuleDict({"a": net(0), "b": net(1)})
+    scaler = torch.amp.GradScaler("cpu") if option == "scaler" else None
+    opt = wrap(torch.optim.SGD(towers.parameters(), lr=0.1), towers,
+               **({"clip_grad_norm": 0.5} if scaler is None else {"scaler": scaler}))
+    (x, y), = batches(1)
+    opt.zero_grad()
+    scaled = (lambda loss: loss) if scaler is None else scaler.scale
+    opt.backward(scaled(F.cross_entropy(towers["a"](x), y)))
+    with pytest.raises(Error, match="earlier opt.backward.loss. of this step already updated 6 parameter"):
+        opt.backward(scaled(F.cross_entropy(towers["b"](x), y)))
+    # the fix it names: the earlier backward inside accumulate(), bitwise the standard loop
+    plain = copy.deepcopy(towers)
+    reference = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for model, o, wrapped in ((towers, opt, True), (plain, reference, False)):
+        o.zero_grad()
+        if wrapped:
+            with o.accumulate():
+                scaled(F.cross_entropy(model["a"](x), y)).backward()
+            o.backward(scaled(F.cross_entropy(model["b"](x), y)))
+        else:
+            scaled(F.cross_entropy(model["a"](x), y)).backward()
+            scaled(F.cross_entropy(model["b"](x), y)).backward()
+            if scaler is None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        if scaler is None:
+            o.step()
+        else:
+            scaler.step(o)
+            scaler.update()
+    assert_same(towers, plain)

@@ -286,6 +286,8 @@ class OptimizerInBackward(WrappedOptimizerView):
         self.clip_grad_norm = clip_grad_norm
         self.clip_grad_value = clip_grad_value
         self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        if clip_grad_norm is None and clip_grad_value is None:
+            _check_fused_unscaling(optimizer, self.scaler)
         self.bucket_bytes = bucket_bytes
         self.peak = peak
         self._two_passes = clip_grad_norm is not None or self.scaler is not None
@@ -602,6 +604,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         if self._ddp is not None:
             loss.backward(**kwargs)  # DDP: one pass; the step follows DDP's all-reduce (see _ddp_comm_hook)
             return
+        self._check_first_backward_of_the_step()
         retain = kwargs.pop("retain_graph", False)
         if self._has_waiting_grads():
             # earlier micro-batches left gradients: they all exist anyway, so step after a single pass
@@ -657,6 +660,21 @@ class OptimizerInBackward(WrappedOptimizerView):
             _TWO_PASSES.wrapper = None
             self._pass = None
             self._norms.clear()
+
+    def _check_first_backward_of_the_step(self) -> None:
+        """A second ``opt.backward`` in one step, on other parameters (two towers, two heads): the standard loop clips
+        by (or checks for infs in) every gradient of the step at once, after both backward passes."""
+        updated = self._updated_in_backward
+        if updated or (self._skipped and self._stepped):
+            self._close_step()
+            done = f"updated {updated} parameter(s)" if updated else "skipped the update (an inf or NaN)"
+            raise OptimizerInBackwardError(
+                "OptimizerInBackward.backward: clip_grad_norm= and scaler= need every gradient of a step before any "
+                "update (one global norm, one inf check), but an earlier opt.backward(loss) of this step already "
+                f"{done}, and the standard loop would clip (or skip) both backward passes' gradients together. To "
+                "fix: add the losses and call opt.backward once, or run the earlier backward passes inside `with "
+                "opt.accumulate():`."
+            )
 
     def _check_no_selective_checkpoint(self) -> None:
         """torch lets backward run through a selectively checkpointed region once; the two passes run it twice, and
@@ -1609,6 +1627,33 @@ def _check_options(
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise InvalidInputError(
             f"memtrim.OptimizerInBackward: scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}."
+        )
+
+
+def _check_fused_unscaling(optimizer: torch.optim.Optimizer, scaler: Any) -> None:
+    """A fused optimizer (``fused=True``) stepped by ``scaler.step(opt)`` without ``unscale_`` divides its gradients
+    by the scale inside its kernel; ``scaler.unscale_(opt)`` (and this wrapper, inside backward) multiplies them by the
+    scale's reciprocal. The two agree bitwise while the scale is a power of two: always, where the initial scale and
+    both factors are (GradScaler's defaults). Otherwise which one the standard loop does depends on an ``unscale_``
+    call after backward, when the update is done: refused. So are float16 parameters: the kernel keeps its unscaled
+    gradient in float32 where unscaling rounds it to float16 (most of a float16 gradient is subnormal once unscaled).
+    (With clipping the standard loop unscales first.)"""
+    if scaler is None or not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return
+    values = {"scale": float(scaler.get_scale()), "growth_factor": float(scaler.get_growth_factor()),
+              "backoff_factor": float(scaler.get_backoff_factor())}
+    odd = [f"{k}={v!r}" for k, v in values.items() if not (math.isfinite(v) and v > 0 and math.frexp(v)[0] == 0.5)]
+    if any(p.dtype is torch.float16 for group in optimizer.param_groups for p in group["params"]):
+        odd.append("float16 parameters")
+    if odd:
+        raise InvalidInputError(
+            "memtrim.OptimizerInBackward: expected a GradScaler whose scale stays a power of two with a fused "
+            f"optimizer, and no float16 parameters, but found {', '.join(odd)}. scaler.step(opt) lets a fused "
+            "optimizer divide by the scale in its kernel, in float32, scaler.unscale_(opt) multiplies by its "
+            "reciprocal and rounds to the gradient's dtype, and which of the two the standard loop does depends on "
+            "a call made after the update inside backward; they agree only for powers of two and float32 or "
+            "bfloat16 gradients. To fix: a power-of-two init_scale, growth_factor and backoff_factor (GradScaler's "
+            "defaults) with float32 or bfloat16 parameters, or fused=False."
         )
 
 

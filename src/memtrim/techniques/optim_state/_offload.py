@@ -230,6 +230,13 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
                 self._hook(device_param, host_param)
 
     @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """The host optimizer's (a fused one's): a ``GradScaler`` then hands ``grad_scale`` and ``found_inf`` to
+        :meth:`step`, which passes them on, so that the fused kernel unscales as in the standard loop (dividing by the
+        scale; ``unscale_`` multiplies by its reciprocal)."""
+        return bool(getattr(self.optimizer, "_step_supports_amp_scaling", False))
+
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The host optimizer's ``param_groups`` (read and set through to it); their params are the host copies, so
         gradients still on the device move to them first (NOTE [ offloaded optimizer state ]): all of them with
@@ -285,13 +292,37 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
             _check_unchanged_layout(device_param, host_param)
             if self.host.type != "meta" and _version(device_param) != self._synced[id(device_param)]:
                 host_param.copy_(device_param)  # changed outside the optimizer (NOTE [ offloaded optimizer state ])
+        self._check_no_gradient_written_after_backward()
         self._gradients_to_host()
-        self.optimizer.step()
+        # a GradScaler stepping a fused optimizer sets these on this object (GradScaler.step): the host one reads them
+        scaling = {k: self.__dict__[k] for k in ("grad_scale", "found_inf") if k in self.__dict__}
+        for name, value in scaling.items():
+            setattr(self.optimizer, name, value.to(self.host) if isinstance(value, torch.Tensor) else value)
+        try:
+            self.optimizer.step()
+        finally:
+            for name in scaling:
+                self.optimizer.__dict__.pop(name, None)
         if self.host.type != "meta":  # a prediction keeps the state on meta: nothing to copy back
             for device_param, host_param in self._pairs:
                 device_param.copy_(host_param, non_blocking=True)
                 self._synced[id(device_param)] = _version(device_param)
         self._hook_unfrozen()
+
+    def _check_no_gradient_written_after_backward(self) -> None:
+        """A gradient on a parameter whose hook already moved backward's gradient to the host was written there by
+        hand after backward (``p.grad = projected``): the standard loop's step would use what was written, which may
+        replace or build on the gradient backward made; here code reading ``p.grad`` after backward found None."""
+        for device_param, host_param in self._pairs:
+            if device_param.grad is not None and host_param.grad is not None and id(device_param) in self._hooked:
+                raise MemtrimStateError(
+                    f"{_API}.step: expected the gradients of a step to come from backward, but a parameter of shape "
+                    f"{tuple(device_param.shape)} has a .grad written after backward had moved its gradient to the "
+                    "host (gradient surgery: p.grad = ...). Code that reads p.grad after backward finds None here, "
+                    "so what it wrote cannot be what the standard loop's step would use. To fix: build the wrapper "
+                    "with offload_gradients=False (gradients stay on the parameters until step()), or edit the host "
+                    "gradients (opt.host_parameters()[i].grad)."
+                )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients on the host and on the device."""
