@@ -329,3 +329,70 @@ def test_hardtanh_with_a_bound_the_dtype_rounds_is_torchs(dtype, bound, save):
         grads.append(leaf.grad)
     assert torch.equal(grads[1], grads[0]), grads
     assert grads[0].tolist() == [0.0, 1.0, 1.0, 1.0, 1.0, 0.0]
+
+
+IN_PLACE_KEEPING_INPUT = {
+    "silu": (MF.silu, F.silu), "mish": (MF.mish, F.mish), "hardswish": (MF.hardswish, F.hardswish),
+    "leaky_relu_negative": (lambda x, inplace=False: MF.leaky_relu(x, -0.2, inplace),
+                            lambda x: F.leaky_relu(x, -0.2)),
+    "elu_negative_alpha": (lambda x, inplace=False: MF.elu(x, -1.0, inplace), lambda x: F.elu(x, -1.0)),
+}
+
+
+@pytest.mark.parametrize("name", IN_PLACE_KEEPING_INPUT)
+def test_in_place_activations_that_keep_their_input_have_torchs_second_derivative(name):
+    # the copy of the input kept for backward was made inside the autograd Function, without a graph: a gradient
+    # penalty through it lost the second derivative (the first layer's weight gradient 4e-2 off, the Hessian None)
+    fn, reference = IN_PLACE_KEEPING_INPUT[name]
+    x, _ = data(torch.float64, (6, 5))
+    torch.manual_seed(0)
+    weight = torch.randn(5, 5, dtype=torch.float64, requires_grad=True)
+    results = []
+    for act in (lambda h: fn(h, inplace=True), reference):
+        leaf = x.clone().requires_grad_()
+        h = leaf @ weight
+        (dx,) = torch.autograd.grad(act(h * 1.0).square().sum(), leaf, create_graph=True)
+        penalty = dx.square().sum()
+        results.append(torch.autograd.grad(penalty, (weight, leaf)))
+    for mine, torchs in zip(*results):
+        assert torch.equal(mine, torchs)
+
+
+@pytest.mark.parametrize("name", ["silu", "mish", "hardswish", "elu_negative_alpha"])
+def test_in_place_activations_that_keep_their_input_run_under_torch_func(name):
+    # the fallback wrote the output over the input torch's op had just saved: autograd's "modified by an inplace
+    # operation" under torch.func.grad, torch.compile and an fx-traced model
+    fn, reference = IN_PLACE_KEEPING_INPUT[name]
+    x, _ = data(torch.float64, (6, 5))
+    weight = torch.randn(5, 5, dtype=torch.float64)
+
+    def loss(w, act):
+        return act((x @ w) * 1.0).square().sum()
+
+    expected = torch.func.grad(loss)(weight, reference)
+    assert torch.equal(torch.func.grad(loss)(weight, lambda h: fn(h, inplace=True)), expected)
+
+
+@pytest.mark.parametrize("name", list(MASKED))
+def test_masked_gradients_keep_a_channels_last_layout_as_torchs(name):
+    # the mask was unpacked contiguous, so the input gradient of a channels_last activation came out contiguous where
+    # torch's is channels_last, and the convolution before it rounded its weight gradient differently
+    x, g = data(torch.float32, (2, 4, 3, 5))
+    x, g = x.contiguous(memory_format=torch.channels_last), g.contiguous(memory_format=torch.channels_last)
+    _, mine = grad_of(MASKED[name], x, g)
+    _, torchs = grad_of(REFERENCE[name], x, g)
+    assert mine.stride() == torchs.stride() == g.stride()
+    assert torch.equal(mine, torchs)
+
+
+@pytest.mark.parametrize("module", ["SiLU", "Mish", "Hardswish"])
+def test_an_fx_traced_model_with_an_in_place_activation_that_keeps_its_input_trains_as_torchs(module):
+    torch.manual_seed(0)
+    mine = torch.nn.Sequential(torch.nn.Linear(5, 5), getattr(memtrim.nn, module)(inplace=True), torch.nn.Linear(5, 2))
+    theirs = torch.nn.Sequential(mine[0], getattr(torch.nn, module)(inplace=True), mine[2])
+    x, _ = data(torch.float32, (6, 5))
+    grads = []
+    for model in (torch.fx.symbolic_trace(mine), theirs):
+        grads.append(torch.autograd.grad(model(x).square().sum(), list(mine.parameters())))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

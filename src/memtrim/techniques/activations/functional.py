@@ -256,6 +256,11 @@ class _InputRule(_Rule):
     def forward(self, x):
         return self._forward(x)
 
+    def forward_(self, x):
+        # torch's own ops (under torch.compile, torch.func, fx, or with nothing kept): out of place on a copy, then
+        # written back, so that what the op saves for backward is not the tensor the write changes
+        return x.copy_(self._forward(x.clone() if torch.is_grad_enabled() else x))
+
     def grad(self, grad, x):
         if torch.is_grad_enabled():  # create_graph=True: some torch *_backward ops have no derivative of their own
             return differentiable_grad(self._forward, grad, x)
@@ -298,6 +303,15 @@ class _KeepOutput(torch.autograd.Function):
         return ctx.rule.grad(grad, y), None, None, None
 
 
+def _laid_out_as(mask: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``mask`` (contiguous, unpacked) in ``grad``'s memory layout: ``torch.where(mask, grad, ...)`` then lays its
+    result out as torch's own backward of a channels_last activation does (an output laid out otherwise makes the
+    convolution before it round its weight gradient differently)."""
+    if grad.is_contiguous():
+        return mask
+    return torch.empty_like(grad, dtype=torch.bool).copy_(mask)
+
+
 class _KeepMask(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool, owner: str) -> torch.Tensor:
@@ -311,24 +325,28 @@ class _KeepMask(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (packed,) = saved_tensors(ctx)
-        return ctx.rule.grad_from_mask(grad, unpack_mask(packed, ctx.shape)), None, None, None
+        return ctx.rule.grad_from_mask(grad, _laid_out_as(unpack_mask(packed, ctx.shape), grad)), None, None, None
 
 
 class _KeepInput(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool, owner: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, copy: torch.Tensor | None, rule: _Rule, inplace: bool,
+                owner: str) -> torch.Tensor:
         ctx.rule, ctx.owner = rule, owner
         if inplace:
-            ctx.save_for_backward(x.clone())  # the input is about to be overwritten and the backward needs it
+            # the input is about to be overwritten and the backward needs it: ``copy``, cloned by the caller with
+            # grad on (as torch's own in-place ops clone it), so that a second derivative reaches x through it
+            assert copy is not None
+            ctx.save_for_backward(copy)
             ctx.mark_dirty(x)
             return x.copy_(rule.forward(x))
         ctx.save_for_backward(x)
         return rule.forward(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         (x,) = saved_tensors(ctx)
-        return ctx.rule.grad(grad, x), None, None, None
+        return ctx.rule.grad(grad, x), None, None, None, None
 
 
 def _apply(name: str, x: torch.Tensor, rule: _Rule, inplace: bool, save: str, owner: str | None) -> torch.Tensor:
@@ -345,7 +363,7 @@ def _apply(name: str, x: torch.Tensor, rule: _Rule, inplace: bool, save: str, ow
         return rule.forward_(x) if inplace else rule.forward(x)
     owner = owner or f"memtrim.functional.{name}"
     if rule.keeps == "input":
-        return _KeepInput.apply(x, rule, inplace, owner)
+        return _KeepInput.apply(x, x.clone() if inplace else None, rule, inplace, owner)
     return (_KeepMask if save == "mask" else _KeepOutput).apply(x, rule, inplace, owner)
 
 
