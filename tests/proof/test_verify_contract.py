@@ -278,3 +278,73 @@ def test_a_lazy_module_is_told_to_run_a_forward_first():
                                                         "forward"):
         memtrim.verify(lambda: torch.nn.Sequential(torch.nn.LazyLinear(10), torch.nn.LogSoftmax(dim=1)), adam,
                        batches(), F.nll_loss, identity)
+
+
+# ---------------------------------------------------------------- buffers assigned anew, batches written into
+
+
+class Averaging(torch.nn.Module):
+    """A model whose forward assigns its buffers anew (a call counter and a running average)."""
+
+    def __init__(self, decay=0.9, updates=1):
+        super().__init__()
+        self.fc, self.decay, self.updates = torch.nn.Linear(6, 3), decay, updates
+        self.register_buffer("count", torch.zeros(()))
+        self.register_buffer("ema", torch.zeros(3))
+
+    def forward(self, x):
+        h = self.fc(x)
+        for _ in range(self.updates):
+            self.count = self.count + 1
+            self.ema = self.decay * self.ema + (1 - self.decay) * h.detach().mean(0)
+        return h
+
+
+def small_batches(n=3):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(n)]
+
+
+def with_updates(model, optimizer, **settings):
+    for name, value in settings.items():
+        setattr(model, name, value)
+    return model, optimizer
+
+
+@pytest.mark.parametrize("settings", [{"decay": 0.5}, {"updates": 2}], ids=["another decay", "updated twice"])
+def test_a_buffer_assigned_anew_in_forward_is_compared_as_it_is_now(settings):
+    # the buffers were paired once, before training: the tensors a forward replaced were compared, and both
+    # transforms were reported bitwise
+    report = memtrim.verify(Averaging, adam, small_batches(), F.cross_entropy,
+                            lambda m, o: with_updates(m, o, **settings))
+    assert not report.ok and str(report.first_divergence).startswith("step 0, buffer:")
+    assert memtrim.verify(Averaging, adam, small_batches(), F.cross_entropy, identity).bitwise
+
+
+def test_each_run_gets_its_own_copy_of_the_batch_and_what_it_writes_there_is_compared():
+    # a baseline that writes into its input (an in-place first activation) handed the transformed run another batch:
+    # a false divergence at step 0; a transform that writes into the batch where the baseline does not was bitwise
+    def writes_into_input():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.LeakyReLU(0.1, inplace=True), torch.nn.Linear(6, 3))
+
+    assert memtrim.verify(writes_into_input, adam, small_batches(), F.cross_entropy, identity).bitwise
+
+    def out_of_place():
+        model = writes_into_input()
+        model[0].inplace = False
+        return model
+
+    report = memtrim.verify(out_of_place, adam, small_batches(), F.cross_entropy,
+                            lambda m, o: with_updates(m[0], o, inplace=True) and (m, o))
+    assert not report.ok and str(report.first_divergence).startswith("step 0, batch:0")
+
+
+def test_a_transform_that_adds_its_own_buffer_is_compared_on_the_baselines_and_says_so():
+    # any buffer the transform added made verify refuse the comparison ("A transform must keep the parameters...")
+    def counting(model, optimizer):
+        model.register_buffer("calls", torch.zeros(()), persistent=False)
+        return model, optimizer
+
+    report = memtrim.verify(Averaging, adam, small_batches(), F.cross_entropy, counting)
+    assert report.bitwise and any("own buffers (calls)" in note for note in report.notes)

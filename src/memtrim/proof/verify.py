@@ -24,7 +24,8 @@ class Divergence:
     """Where the transformed run first differed from the baseline."""
 
     step: int
-    tensor: str  # "loss", "grad:<param>", "rng:cpu" (the generator after the step), "param:<name>", "buffer:<name>"
+    tensor: str  # "loss", "batch:<i>" (what the step left in its batch), "grad:<param>", "rng:cpu" (the generator
+    # after the step), "param:<name>", "buffer:<name>"
     max_abs_error: float
     max_rel_error: float
 
@@ -140,8 +141,13 @@ def _verify(make_model: Callable, make_optimizer: Callable, batch_list: list[tup
             transform: Callable, rtol: float, atol: float, seed: int, compare_grads: bool | None) -> VerifyReport:
     base_model, base_opt, model, opt = _build_pair(make_model, make_optimizer, transform, seed)
     params = _match(base_model.named_parameters(), model.named_parameters(), "parameters")
-    buffers = _match(base_model.named_buffers(), model.named_buffers(), "buffers")
+    buffers = _match(base_model.named_buffers(), model.named_buffers(), "buffers", extra_allowed=True)
     compare_grads, notes = _grads_compared(compare_grads, _is_in_backward(opt))
+    base_names, names = {n for n, _ in base_model.named_buffers()}, {n for n, _ in model.named_buffers()}
+    if base_names < names:  # a technique's own buffers
+        extra = sorted(names - base_names)
+        notes.append(f"the transformed model's own buffers ({', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}) "
+                     "have no baseline counterpart and are not compared")
     base_model.train()
     model.train()
 
@@ -150,7 +156,10 @@ def _verify(make_model: Callable, make_optimizer: Callable, batch_list: list[tup
     losses: list[float] = []
     for step, (inputs, targets) in enumerate(batch_list):
         try:
-            base_loss, base_rng = _forward_backward(base_model, base_opt, inputs, targets, loss_fn, seed + 1 + step)
+            # each run gets its own copy of the batch: a model that writes into its input (an in-place first
+            # activation) would otherwise hand the second run another batch; what each left there is compared
+            base_batch, batch = _fresh((inputs, targets)), _fresh((inputs, targets))
+            base_loss, base_rng = _forward_backward(base_model, base_opt, *base_batch, loss_fn, seed + 1 + step)
         except MemtrimError:
             raise
         except Exception as e:  # the user's model, loss or batch, before any technique: said as such
@@ -159,10 +168,15 @@ def _verify(make_model: Callable, make_optimizer: Callable, batch_list: list[tup
                 f"{' '.join(str(e).split())[:300]}). The model, loss_fn and batches must train without the transform "
                 "first."
             ) from e
-        loss, rng = _forward_backward(model, opt, inputs, targets, loss_fn, seed + 1 + step)
+        loss, rng = _forward_backward(model, opt, *batch, loss_fn, seed + 1 + step)
         base_losses.append(float(base_loss))
         losses.append(float(loss))
         if not comparison.compare(step, "loss", base_loss, loss):
+            break
+        # a run that writes into its batch where the other does not changes the caller's data (batches that are
+        # views of one dataset tensor, a batch used again)
+        if not all(comparison.compare(step, f"batch:{i}", a, b)
+                   for i, (a, b) in enumerate(zip(_tensors(base_batch), _tensors(batch)))):
             break
         if compare_grads and not all(
             comparison.compare(step, f"grad:{name}", a.grad, _gradient(b)) for name, a, b in params
@@ -173,6 +187,9 @@ def _verify(make_model: Callable, make_optimizer: Callable, batch_list: list[tup
         base_rng = _stepped(base_opt, base_rng)
         if not comparison.same_rng(step, base_rng, _stepped(opt, rng)):
             break
+        # matched again at each step: a module that assigns a buffer anew (self.ema = 0.9 * self.ema + ...) leaves
+        # the tensors matched before training behind
+        buffers = _match(base_model.named_buffers(), model.named_buffers(), "buffers", extra_allowed=True)
         if not _states_agree(comparison, step, params, buffers, base_opt, opt):
             break
     return VerifyReport(
@@ -468,11 +485,37 @@ def _optimizer_states(
                 yield name, key, va, vb
 
 
+def _fresh(value: Any) -> Any:
+    """A copy of a batch's tensors (inside tuples, lists and dicts); anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    if type(value) in (tuple, list):
+        return type(value)(_fresh(v) for v in value)
+    if type(value) is dict:
+        return {k: _fresh(v) for k, v in value.items()}
+    return value
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a batch, in order (inside tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        yield value.detach()
+    elif type(value) in (tuple, list):
+        for v in value:
+            yield from _tensors(v)
+    elif type(value) is dict:
+        for v in value.values():
+            yield from _tensors(v)
+
+
 def _match(base: Iterable[tuple[str, torch.Tensor]], other: Iterable[tuple[str, torch.Tensor]],
-           what: str) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+           what: str, extra_allowed: bool = False) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The two models' tensors paired by name, else by position and shape. ``extra_allowed``: the transformed
+    model may hold more (a technique's own buffers), paired by name with every baseline one."""
     base_list, other_list = list(base), list(other)
     other_by_name = dict(other_list)
-    if [n for n, _ in base_list] and set(n for n, _ in base_list) == set(other_by_name):
+    names = set(n for n, _ in base_list)
+    if names and (names == set(other_by_name) or (extra_allowed and names <= set(other_by_name))):
         return [(name, tensor, other_by_name[name]) for name, tensor in base_list]
     if len(base_list) == len(other_list) and all(
         a.shape == b.shape for (_, a), (_, b) in zip(base_list, other_list)
