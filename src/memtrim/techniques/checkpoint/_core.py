@@ -78,6 +78,16 @@ _INNER = "_memtrim_checkpoint_inner"  # instance attribute: a forward the module
 _SELECTIVE_RAN: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules that ran a selective checkpointed forward
 
 
+_STAND_INS: dict[int, int] = {}  # id of a buffer clone a recomputation reads now -> how many recomputations do
+
+
+def stand_in(buffer: torch.Tensor) -> bool:
+    """Whether ``buffer`` is a clone a running recomputation put in a module's slot (what its forward read): what
+    the recomputation writes there is dropped with it, so ``OptimizerInBackward``'s measuring pass, which puts back
+    the buffers of forwards run in backward, must not put it back."""
+    return id(buffer) in _STAND_INS
+
+
 def selective_parameters() -> set[int]:
     """The ids of the parameters of every module that has run a selectively checkpointed forward (a ``policy``) and
     is checkpointed so still: torch lets backward run through such a region once, and ``OptimizerInBackward``'s
@@ -311,23 +321,29 @@ class _Recompute:
             assert original is not None  # the snapshot lists buffers that are set
             swapped.append((sub._buffers, name, original))
             sub._buffers[name] = clones.setdefault(id(value), value.clone())
+        for clone in clones.values():  # (a clone lives until this recomputation's exit: its id stays its own)
+            _STAND_INS[id(clone)] = _STAND_INS.get(id(clone), 0) + 1
         modes = training_flags(sub for sub, _ in self.modes)
         set_training_flags(self.modes)
         replay = self.draws.replaying()
-        self.swapped.append((swapped, replay, modes))
+        self.swapped.append((swapped, replay, modes, list(clones.values())))
         replay.__enter__()
         if self.inner is not None:
             self.inner.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         self.check.remove()
-        swapped, replay, modes = self.swapped.pop()
+        swapped, replay, modes, clones = self.swapped.pop()
         try:
             if self.inner is not None:
                 self.inner.__exit__(*exc)
         finally:  # also when torch stops the recomputation early by raising (then fewer draws are no error)
             for slots, name, original in swapped:
                 slots[name] = original
+            for clone in clones:
+                left = _STAND_INS.pop(id(clone), 1) - 1
+                if left:
+                    _STAND_INS[id(clone)] = left
             set_training_flags(modes)
             replay.__exit__(*exc)
         error = exc[1] if len(exc) > 1 else None

@@ -1452,13 +1452,18 @@ def _forwards_undone() -> Iterator[None]:
     buffers (a BatchNorm's running statistics, updated again by every recomputation) are copied before its first
     call here and put back at the end, so only the updating pass's call counts. Nothing is copied where no forward
     runs in backward (the usual case)."""
+    from ..checkpoint._core import stand_in  # checkpoint imports recompute, not this module
+
     saved: dict[int, list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]]] = {}
 
     def before(module: torch.nn.Module, args: Any) -> None:
         if id(module) not in saved:
-            with torch.no_grad():  # (the slot too: a forward may assign a new tensor, `self.ema = ...`)
+            # (the slot too: a forward may assign a new tensor, `self.ema = ...`; not a clone memtrim's checkpoint put
+            # there for its recomputation, which drops what is written to it: putting it back would undo the
+            # forward's own update)
+            with torch.no_grad():
                 saved[id(module)] = [(module._buffers, name, b, b.clone()) for name, b in module._buffers.items()
-                                     if b is not None]
+                                     if b is not None and not stand_in(b)]
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(before)
     try:
