@@ -1148,6 +1148,59 @@ def test_forward_that_updates_parameters_leaves_them_as_they_were(how):
     assert torch.equal(converted.k[0].weight, model.k[0].weight) and torch.equal(converted.queue, model.queue)
 
 
+# ---------------------------------------------------------------------- forwards that note plain values
+class Settings:
+    """An HF-style config object shared by modules: a forward notes a value on it at its first call."""
+
+    def __init__(self):
+        self.problem_type = None
+
+
+class DynamicRotary(nn.Module):
+    """HF's dynamic RoPE pattern: a longer input than the cached length grows the ``inv_freq`` buffer (reassigned)
+    and notes the length in a plain attribute; a shorter one leaves both."""
+
+    def __init__(self, settings):
+        super().__init__()
+        self.settings, self.max_seq_len_cached = settings, 4
+        self.register_buffer("inv_freq", torch.arange(1.0, 9.0), persistent=False)
+
+    def forward(self, x):
+        if x.shape[1] > self.max_seq_len_cached:
+            self.inv_freq = self.inv_freq / (x.shape[1] / self.max_seq_len_cached)
+            self.max_seq_len_cached = x.shape[1]
+        if self.settings.problem_type is None:
+            self.settings.problem_type = "regression" if x.dtype.is_floating_point else "classification"
+        return x * self.inv_freq
+
+
+class RotaryMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.settings = Settings()
+        self.rotary = DynamicRotary(self.settings)
+        self.norm, self.up, self.act, self.down = nn.LayerNorm(8), nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(self.act(self.up(self.norm(self.rotary(x)))))
+
+
+def test_plain_values_a_forward_notes_are_restored_with_the_buffers_they_describe():
+    # convert's example forwards grew the buffer and noted the length; the buffer was restored and the length was
+    # not, so the training forward saw "already grown" and never grew it (HF Llama with dynamic RoPE trained with
+    # unscaled frequencies: 0.039 off after 3 steps); a problem_type noted on a shared config stayed too
+    torch.manual_seed(0)
+    model = RotaryMLP().double()
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=x)
+    assert report.changes, str(report)
+    assert converted.rotary.max_seq_len_cached == 4 and converted.settings.problem_type is None
+    assert torch.equal(converted.rotary.inv_freq, model.rotary.inv_freq)
+    assert_same(grads_of(converted, x), grads_of(model, x), rtol=1e-10, atol=1e-12)
+    assert converted.rotary.max_seq_len_cached == model.rotary.max_seq_len_cached == 6
+    assert torch.equal(converted.rotary.inv_freq, model.rotary.inv_freq)
+
+
 def test_uninitialized_lazy_parameters_are_refused():
     model = nn.Sequential(nn.LazyLinear(8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 2))
     with pytest.raises(memtrim.InvalidInputError, match="lazy.*run one forward"):
