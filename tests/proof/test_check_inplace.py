@@ -221,3 +221,13 @@ def test_a_closure_over_float32_weights_skips_the_added_float64_trials_with_a_no
     with pytest.raises(memtrim.InvalidInputError, match="raised on torch.float64 inputs"):
         memtrim.check_inplace(lambda t: (t @ weight).relu_(), lambda t: F.relu(t @ weight), torch.randn(8, 16),
                               dtypes=[torch.float32, torch.float64])
+
+
+@pytest.mark.parametrize("dtype, dtypes", [(torch.float64, None), (torch.float32, [torch.float32])])
+def test_the_callers_example_inputs_are_never_written(dtype, dtypes):
+    # the trial after an op that keeps its output passed the later examples as e.to(dtype): the caller's own tensor
+    # where the dtype matched, which an fn working in place on it overwrote
+    a, b = torch.randn(4, 4, dtype=dtype), torch.randn(4, 4, dtype=dtype)
+    before = (a.clone(), b.clone())
+    memtrim.check_inplace(lambda x, y: y.mul_(x), torch.mul, a, b, dtypes=dtypes)
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1])

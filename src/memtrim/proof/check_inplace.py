@@ -254,7 +254,7 @@ def _dtypes_the_reference_runs(reference: Callable, examples: Sequence[torch.Ten
             continue
         try:
             with torch.no_grad():
-                reference(*[x.detach().to(dtype) for x in examples])
+                reference(*[x.detach().to(dtype, copy=True) for x in examples])
         except Exception as e:
             if asked:
                 raise InvalidInputError(
@@ -552,7 +552,7 @@ def _check_saved_by_earlier_op(fn: Callable, reference: Callable, examples: Sequ
     problems = []
     for name, earlier in (("torch.sigmoid", torch.sigmoid), ("torch.exp", torch.exp)):
         x = torch.randn(examples[0].shape, generator=generator, dtype=torch.float64).to(examples[0].device, dtype)
-        others = [e.detach().to(dtype) for e in examples[1:]]
+        others = [e.detach().to(dtype, copy=True) for e in examples[1:]]
         leaf_ref, leaf_fn = x.clone().requires_grad_(), x.clone().requires_grad_()
         with _same_draws(x.device):
             out_ref = reference(earlier(leaf_ref), *others)
