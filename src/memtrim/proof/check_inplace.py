@@ -31,7 +31,7 @@ both. Function level rather than dispatch level because the names are the ones t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -351,6 +351,9 @@ class _WriteRecorder(TorchDispatchMode):
                 self.created.append(t.untyped_storage())
         return out
 
+    def written_keys(self) -> set[int]:
+        return {id(storage) for _, storage in self.written}
+
 
 class _NotATensor(Exception):
     """fn returned something other than a tensor (a problem of fn, reported as such)."""
@@ -451,6 +454,12 @@ def _params(fn: Any) -> dict[str, torch.Tensor]:
     return dict(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else {}
 
 
+def _buffers(fn: Any) -> dict[str, torch.Tensor]:
+    """A module's buffers by their position among its buffers (fn and the reference may name them differently: a
+    fused BatchNorm + ReLU against a Sequential of the two)."""
+    return {str(i): b for i, b in enumerate(fn.buffers())} if isinstance(fn, torch.nn.Module) else {}
+
+
 def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol: tuple[float, float], where: str,
              inplace: bool | None, generator: torch.Generator) -> tuple[list[str], bool]:
     problems: list[str] = []
@@ -461,6 +470,13 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
     before = [x.detach().clone() for x in args_fn]
     params_fn, params_ref = _params(fn), _params(reference)
     params_before = {n: p.detach().clone() for n, p in params_fn.items()}
+    buffers_fn, buffers_ref = _buffers(fn), _buffers(reference)
+    paired = [b.shape for b in buffers_fn.values()] == [b.shape for b in buffers_ref.values()]
+    if paired:  # the reference's state (running statistics) starts each trial where fn's is, to compare the update
+        with torch.no_grad():
+            for name, b in buffers_fn.items():
+                buffers_ref[name].copy_(b)
+    nodes = [a.grad_fn for a in args_fn]  # an in-place op autograd knows of gives its input a node of its own
     with _same_draws(inputs[0].device):  # fn draws what the reference drew (an in-place dropout against torch's)
         out_ref = _call(reference, args_ref, "the reference")
     recorder = _WriteRecorder()
@@ -478,8 +494,22 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
     if error is not None:
         problems.append(f"{where}: the values differ from the reference's: max abs error {error[0]:.3e}, "
                         f"max rel error {error[1]:.3e}.")
-    found, wrote_input, returns_input = _writes(recorder, args_fn, out_fn, where)
+    found, wrote_input, returns_input = _writes(recorder, args_fn, out_fn, where, own=buffers_fn.values())
     problems += found
+    if paired:
+        for name, b in buffers_fn.items():  # a module's own state (running statistics), updated as the reference's
+            if not bitwise_equal(b.detach(), buffers_ref[name].detach()):
+                problems.append(f"{where}: fn's buffer {name} (in the order of its buffers) after the call differs "
+                                "from the reference's.")
+    elif any(key in {id(b.untyped_storage()) for b in buffers_fn.values()} for key in recorder.written_keys()):
+        problems.append(f"{where}: fn updates its buffers, which the reference does not have to compare with.")
+    for i, (a, b, node) in enumerate(zip(args_fn, before, nodes)):
+        if a.grad_fn is node and not bitwise_equal(a.detach(), b):
+            problems.append(
+                f"{where}: fn changed its input {i} in place without autograd knowing (a custom Function without "
+                "ctx.mark_dirty, or a write through .data): code that uses the input after the call gets the "
+                "gradient of values the input no longer holds, where torch's in-place ops give it the op's history."
+            )
     if inplace is True and not returns_input:
         problems.append(f"{where}: fn claims to work in place but its result does not share its input's storage.")
     if inplace is False and wrote_input:
@@ -524,12 +554,13 @@ def _gradient_problems(names: list[str], grads_fn: Sequence[torch.Tensor | None]
     return problems
 
 
-def _writes(recorder: _WriteRecorder, args_fn: list[torch.Tensor], out_fn: torch.Tensor, where: str
-            ) -> tuple[list[str], bool, bool]:
-    """What fn wrote into: (problems, whether it wrote into an input, whether it returns an input's storage)."""
+def _writes(recorder: _WriteRecorder, args_fn: list[torch.Tensor], out_fn: torch.Tensor, where: str,
+            own: Iterable[torch.Tensor] = ()) -> tuple[list[str], bool, bool]:
+    """What fn wrote into: (problems, whether it wrote into an input, whether it returns an input's storage).
+    ``own``: fn's buffers, its own state (compared with the reference's by the caller)."""
     problems: list[str] = []
     out_storage = out_fn.untyped_storage()
-    created = {id(s) for s in recorder.created if s is not None}
+    created = {id(s) for s in recorder.created if s is not None} | {id(b.untyped_storage()) for b in own}
     input_storages = {id(a.untyped_storage()): i for i, a in enumerate(args_fn)}
     wrote_input = False
     for op, storage in recorder.written:
