@@ -186,8 +186,21 @@ def test_a_plan_applied_twice_says_to_build_the_model_again():
     model = _gpt()
     model, optimizer = chosen.apply(model, _adamw(model))
     with pytest.raises(MemtrimStateError, match=r"Plan.apply: expected a model as built; found a plan "
-                                                r"applied already \('blocks.0' is checkpointed\). Apply a plan once"):
+                                                r"applied already \(plan 'checkpoint'\). Apply a plan once"):
         chosen.apply(model, optimizer)
+
+
+def test_a_model_the_user_checkpointed_by_hand_takes_a_plan_that_does_not_checkpoint():
+    # a checkpoint_modules of the user's own was taken for a plan applied already: every plan was refused, "plain" and
+    # "in_backward" too, which plan() had just offered
+    x, y = _batch()
+    model = _gpt()
+    memtrim.checkpoint_modules(model, ["blocks.0"])
+    plans = memtrim.plan(model, x, _gpt_loss, _adamw, targets=y, budget=1 << 40, techniques=["in_backward"],
+                         workers=1)
+    chosen = next(p for p in plans.all if p.techniques == ("in_backward",))
+    _, optimizer = chosen.apply(model, _adamw(model))
+    assert isinstance(optimizer, memtrim.OptimizerInBackward)
 
 
 @pytest.mark.parametrize("technique", ["offload_state", "state_bf16"])

@@ -477,3 +477,34 @@ def test_timm_convnext_norms_and_gelu_by_behaviour():
     assert any(c.rule == "activation_consumer" and c.before == "GELU" for c in report.changes), str(report)
     assert report.fraction_saved >= 0.15, str(report)  # the target
     assert_equal_training(plain, converted, batch)
+
+
+def test_a_fused_timm_batchnorm_act_is_still_one_so_by_class_tools_keep_its_relu(known_batchnorm_act):
+    # convert swapped timm's BatchNormAct2d (its ReLU inside, as act) to memtrim's BatchNormReLU2d, a plain BatchNorm
+    # class: timm's freeze_batch_norm_2d and convert_sync_batchnorm then made a FrozenBatchNorm2d / SyncBatchNorm
+    # without the activation, where the unconverted model gets FrozenBatchNormAct2d / SyncBatchNormAct (regnetx_002:
+    # outputs 0.032 off, silently)
+    import pickle
+
+    from memtrim.techniques.norms import bn_relu
+
+    model = conv_norm_act_net()
+    memtrim.convert(model, example_inputs=torch.randn(4, 3, 12, 12))
+    fused = model[1]
+    assert isinstance(fused, BatchNormAct2d) and isinstance(fused, memtrim.nn.BatchNormReLU2d)
+
+    def freeze(module):  # timm's freeze_batch_norm_2d: by class, the activation taken from the module
+        if isinstance(module, BatchNormAct2d):
+            frozen = nn.Sequential(nn.BatchNorm2d(module.num_features).eval(), module.act)
+            frozen[0].load_state_dict(module.state_dict())
+            return frozen
+        return module
+
+    x = torch.randn(2, 8, 5, 5)
+    fused.eval()
+    assert torch.equal(freeze(fused)(x), torch.relu(fused(x)))
+    # pickled by name, and made again by name where the class is not made yet (a new process)
+    name, data = type(fused).__name__, pickle.dumps(model)
+    del bn_relu._KEEPING[(memtrim.nn.BatchNormReLU2d, BatchNormAct2d)], vars(bn_relu)[name]
+    copied = pickle.loads(data)
+    assert type(copied[1]).__name__ == name and isinstance(copied[1], BatchNormAct2d)

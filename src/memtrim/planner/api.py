@@ -92,6 +92,7 @@ class Plan:
                 f"{_API}: Plan.apply: expected a model as built; found a plan applied already ({found}). "
                 "Apply a plan once: build the model and its optimizer again (a notebook cell run twice applies twice)."
             )
+        marked = _marked(model)
         applied = Applied(model, optimizer)
         try:
             for name in self.techniques:
@@ -105,17 +106,25 @@ class Plan:
         except BaseException:
             applied.undo()  # the techniques applied before the one that failed: the model is as it was given
             raise
+        if _marked(model) != marked:  # the plan changed the model (an optimizer alone is the caller's to replace)
+            model.__dict__[_APPLIED] = self.name
         return applied.model, applied.optimizer
 
 
+_APPLIED = "_memtrim_plan_applied"  # instance attribute on a model a plan changed: the plan's name
+
+
+def _marked(model: nn.Module) -> set[int]:
+    """The modules of ``model`` that are checkpointed or offloaded."""
+    return {id(m) for m in model.modules()
+            if "_memtrim_checkpointed" in m.__dict__ or "_memtrim_offloaded" in m.__dict__}
+
+
 def _applied_already(model: nn.Module) -> str | None:
-    """Which module of ``model`` a plan's checkpointing or offloading was applied to already (None if none was; an
-    optimizer of memtrim's may be the user's own choice)."""
-    for mark, what in (("_memtrim_checkpointed", "checkpointed"), ("_memtrim_offloaded", "offloaded")):
-        name = next((n for n, m in model.named_modules() if mark in m.__dict__), None)
-        if name is not None:
-            return f"{name or 'the model'!r} is {what}"
-    return None
+    """Which plan was applied to ``model`` already (None if none was). Techniques the user applied by hand (a
+    ``checkpoint_modules`` of their own) are no plan: a plan's own technique refuses them where they clash."""
+    name = model.__dict__.get(_APPLIED)
+    return None if name is None else f"plan {name!r}"
 
 
 class Plans(Sequence[Plan]):

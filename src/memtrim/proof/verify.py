@@ -159,7 +159,8 @@ def _verify(make_model: Callable, make_optimizer: Callable, batch_list: list[tup
             # each run gets its own copy of the batch: a model that writes into its input (an in-place first
             # activation) would otherwise hand the second run another batch; what each left there is compared
             base_batch, batch = _fresh((inputs, targets)), _fresh((inputs, targets))
-            base_loss, base_rng = _forward_backward(base_model, base_opt, *base_batch, loss_fn, seed + 1 + step)
+            base_loss, base_rng = _forward_backward(base_model, base_opt, base_batch[0], base_batch[1], loss_fn,
+                                                    seed + 1 + step)
         except MemtrimError:
             raise
         except Exception as e:  # the user's model, loss or batch, before any technique: said as such
@@ -168,7 +169,7 @@ def _verify(make_model: Callable, make_optimizer: Callable, batch_list: list[tup
                 f"{' '.join(str(e).split())[:300]}). The model, loss_fn and batches must train without the transform "
                 "first."
             ) from e
-        loss, rng = _forward_backward(model, opt, *batch, loss_fn, seed + 1 + step)
+        loss, rng = _forward_backward(model, opt, batch[0], batch[1], loss_fn, seed + 1 + step)
         base_losses.append(float(base_loss))
         losses.append(float(loss))
         if not comparison.compare(step, "loss", base_loss, loss):

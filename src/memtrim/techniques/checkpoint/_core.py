@@ -285,7 +285,8 @@ class _Recompute:
         # reusing one output) changes them; the recomputation must read what the forward read, or raise as autograd
         # does (for the modules it calls: a module registered inside but called outside it is not read again)
         self.params: list[tuple[nn.Module, str, Any, int]] = []
-        self.swapped: list[tuple[list[tuple[dict[str, Any], str, Any]], GeneratorDraws, TrainingFlags]] = []
+        self.swapped: list[tuple[list[tuple[dict[str, Any], str, Any]], GeneratorDraws, TrainingFlags,
+                                 list[torch.Tensor]]] = []
 
     def _who(self) -> str:
         """The module's name in the model, for errors."""

@@ -52,7 +52,7 @@ from torch import nn
 
 from ..guards import CONVERTED, watch_replacement
 from ..norms import BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d
-from ..norms.bn_relu import rebuilds_bitwise
+from ..norms.bn_relu import keeping_class, rebuilds_bitwise
 from ..pooling import LIMITS as POOL_LIMITS
 from ..pooling import MaxPool2d, compactable, offset_dtype
 from ..recompute import (
@@ -361,8 +361,9 @@ def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
             continue
         target = _BN_RELU[base]
         owner = label((name,), f"memtrim.nn.{target.__name__}")
+        keeping = keeping_class(target, type(bn))  # still the library's class: its tools keep the activation
 
-        def apply(bn: nn.Module = bn, consumers: list = consumers, target: type = target, owner: str = owner) -> Undo:
+        def apply(bn: nn.Module = bn, consumers: list = consumers, target: type = keeping, owner: str = owner) -> Undo:
             return chain(class_swap(bn, target, memtrim_owner=owner), _install_consumers(consumers))
 
         yield Candidate((name,), f"{type(bn).__name__} (BatchNorm + ReLU)", f"memtrim.nn.{target.__name__}",

@@ -52,7 +52,7 @@ from ..guards import (
 from ..recompute._core import enter_consumer_scope, exit_consumer_scope, mark_recomputable
 from .norm_act import batchnorm_arguments, refuse_fx_trace
 
-__all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d", "rebuilds_bitwise"]
+__all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d", "keeping_class", "rebuilds_bitwise"]
 
 
 def _rebuild(x: torch.Tensor, *tensors: torch.Tensor, layout: tuple[bool, bool, bool], training: bool, eps: float,
@@ -141,3 +141,44 @@ class BatchNormReLU2d(_BatchNormReLU, nn.BatchNorm2d):
 
 class BatchNormReLU3d(_BatchNormReLU, nn.BatchNorm3d):
     """``nn.BatchNorm3d`` + ReLU keeping only the BatchNorm's input."""
+
+
+# ---------------------------------------------------------------------- a fused module that stays its library's class
+_KEEPING: dict[tuple[type, type], type] = {}
+
+
+def _keeping_name(target: type, base: type) -> str:
+    return f"{target.__name__}Keeping{base.__name__}"
+
+
+def keeping_class(target: type, base: type) -> type:
+    """``target`` (a BatchNormReLU class) that is still a ``base`` (timm's ``BatchNormAct2d``, which holds its
+    activation as ``act``) to ``isinstance``: tools that rebuild such modules by class (timm's
+    ``freeze_batch_norm_2d``, ``convert_sync_batchnorm``) then make the frozen or synchronised ``BatchNormAct2d``, with
+    its ``act``, where a plain BatchNorm class would drop the ReLU. Made once per pair, a module attribute here
+    (pickle finds it by name: :func:`__getattr__` makes it again in a new process)."""
+    key = (target, base)
+    found = _KEEPING.get(key)
+    if found is None:
+        name = _keeping_name(target, base)
+        found = type(name, (target, base), {"__module__": __name__, "__qualname__": name,
+                                            "__doc__": f"memtrim's {target.__name__}, still a {base.__module__}."
+                                                       f"{base.__name__}."})
+        _KEEPING[key] = found
+        globals()[name] = found
+    return found
+
+
+def __getattr__(name: str) -> type:
+    """A :func:`keeping_class` asked for by name (unpickling a converted model in a new process)."""
+    if "Keeping" not in name:  # (asked during imports too: nothing to import for those)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    from ..convert.recompute_rules import KNOWN_BATCHNORM_ACT
+
+    for target in (BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d):
+        for where, base_name in KNOWN_BATCHNORM_ACT:
+            if name == f"{target.__name__}Keeping{base_name}":
+                return keeping_class(target, getattr(importlib.import_module(where), base_name))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
