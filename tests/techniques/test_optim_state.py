@@ -656,3 +656,14 @@ def test_a_gradient_written_after_backward_moved_it_to_the_host_raises():
     with pytest.raises(memtrim.errors.MemtrimStateError, match="written after backward had moved its gradient"):
         _surgery_run(True)
     _assert_same_parameters(_surgery_run(True, offload_gradients=False), _surgery_run(False))  # the fix it names
+
+
+def test_low_bit_load_state_dict_of_a_plain_adamw_says_what_it_is():
+    # it said to load the state "into a LowBitAdamW with the bits and block_size it was saved with": no LowBitAdamW
+    # saved it
+    model = torch.nn.Linear(8, 8)
+    plain = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    plain.step()
+    with pytest.raises(InvalidInputError, match="it is a torch.optim.AdamW's state"):
+        memtrim.LowBitAdamW(model.parameters(), bits=8).load_state_dict(plain.state_dict())

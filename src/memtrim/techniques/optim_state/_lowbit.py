@@ -214,10 +214,14 @@ class LowBitAdamW(torch.optim.Optimizer):
             found = state.get(name)
             if not isinstance(found, torch.Tensor) or (found.dtype, found.numel()) != (dtype, size):
                 what = "missing" if not isinstance(found, torch.Tensor) else f"{found.dtype} of {found.numel()}"
+                # a plain AdamW's state (exp_avg and exp_avg_sq in the parameter's dtype) is no LowBitAdamW's
+                plain = "exp_avg_sq" in state and "exp_avg_sq_sqrt" not in state
+                fix = ("it is a torch.optim.AdamW's state: LowBitAdamW keeps other tensors (quantised, with scales) "
+                       "and does not convert one; load it into torch.optim.AdamW, or start LowBitAdamW's state anew"
+                       if plain else "load it into a LowBitAdamW with the bits and block_size it was saved with")
                 raise InvalidInputError(
                     f"{_API}: load_state_dict expected {name} as {dtype} of {size} values for bits={self.bits}, "
-                    f"block_size={self.block_size}, found {what}; load it into a LowBitAdamW with the bits and "
-                    "block_size it was saved with."
+                    f"block_size={self.block_size}, found {what}; {fix}."
                 )
 
     def _load(self, state: dict[str, Any], name: str, numel: int) -> torch.Tensor:
