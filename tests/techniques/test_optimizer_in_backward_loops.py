@@ -1203,3 +1203,17 @@ def test_memtrims_checkpoint_around_a_batchnorm_keeps_the_forwards_statistics_in
     assert runs[1][0][1].num_batches_tracked.item() == 3
     for (name, a), b in zip(runs[0].state_dict().items(), runs[1].state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_a_discriminator_backward_reaching_an_open_generator_step_names_the_gan_fixes():
+    # the message said only that two wrappers cannot share a global norm, and to put G and D in one optimizer (which
+    # trains otherwise); the cause was D's backward through a fake not detached, after G's zero_grad()
+    torch.manual_seed(0)
+    g, d = nn.Linear(4, 8), nn.Linear(8, 1)
+    opt_g = memtrim.OptimizerInBackward(torch.optim.Adam(g.parameters()), clip_grad_norm=1.0)
+    opt_d = memtrim.OptimizerInBackward(torch.optim.Adam(d.parameters()), clip_grad_norm=1.0)
+    opt_g.zero_grad()
+    opt_d.zero_grad()
+    fake = g(torch.randn(4, 4))
+    with pytest.raises(Error, match=r"detach the fake, open this step after that backward, or run it inside"):
+        opt_d.backward(d(fake).mean())

@@ -793,7 +793,10 @@ class OptimizerInBackward(WrappedOptimizerView):
                     "gradient first. Two wrappers cannot measure one global norm (the standard loop's "
                     "clip_grad_norm_(model.parameters()) over both optimizers' parameters). Put the parameters in "
                     "one optimizer (param groups for their settings) and one wrapper, or clip by value "
-                    "(clip_grad_value=), or train without OptimizerInBackward."
+                    "(clip_grad_value=), or train without OptimizerInBackward. If that backward is another model's "
+                    "loss reaching these parameters while this wrapper's step is open (a GAN's discriminator loss "
+                    "through a fake not detached, after the generator's opt.zero_grad()), detach the fake, open this "
+                    "step after that backward, or run it inside this wrapper's `with opt.accumulate():`."
                 )
             raise OptimizerInBackwardError(
                 "OptimizerInBackward: clip_grad_norm and a GradScaler need every gradient before any "
