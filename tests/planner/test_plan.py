@@ -608,3 +608,26 @@ def test_a_checkpoint_plan_for_a_model_with_rebuilt_norms_is_labelled_tolerance(
         (chosen,) = [p for p in plans.all if p.techniques == ("checkpoint",)]
         assert chosen.numerics == expected, str(plans)
     assert any("rebuilt norms (blocks.0.norm and 1 more)" in n for n in chosen.notes), chosen.notes
+
+
+class _Routed(torch.nn.Module):
+    """Top-1 routing by nonzero on the activations: a shape no fake trace knows."""
+
+    def __init__(self):
+        super().__init__()
+        self.router, self.experts = torch.nn.Linear(8, 2), torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in "ab")
+
+    def forward(self, x):
+        choice = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = (choice == i).nonzero().flatten()
+            out = out.index_add(0, rows, expert(x[rows]))
+        return out
+
+
+def test_a_model_routing_by_its_activations_raises_naming_the_shape():
+    # the message advised to pass the model itself or plan before converting, which the user had done
+    with pytest.raises(InvalidInputError, match="a mixture of experts routing tokens with nonzero"):
+        memtrim.plan(_Routed(), torch.randn(6, 8), lambda out, y: out.square().mean(), _adamw,
+                     targets=torch.zeros(6), budget=1 << 40, workers=1)

@@ -368,8 +368,10 @@ def _plain(estimate: Callable[[tuple[str, ...]], _Estimate]) -> _Estimate:
             "A trace knows the example batch, buffers and, for a model passed itself (not a factory), its vector "
             "parameters as given (memtrim.convert's LayerNorm, RMSNorm and BatchNorm+LeakyReLU decide from those), "
             "but not a branch on one after the optimizer's step has moved it, a weight matrix, anything a factory "
-            "initialised, nor activations (memtrim's BatchNorm+ELU decides from its output). Pass the model itself, "
-            "or plan the model before converting it."
+            "initialised, nor activations (memtrim's BatchNorm+ELU decides from its output), so a shape that depends "
+            "on them (a mixture of experts routing tokens with nonzero or a boolean mask, a data-dependent loop) "
+            "cannot be traced. Pass the model itself, or plan the model before converting it; a model whose own "
+            "forward makes such shapes from its activations cannot be planned (measure it with memtrim.track)."
         ) from e
     except Exception as e:
         raise InvalidInputError(
