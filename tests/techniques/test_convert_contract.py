@@ -1201,6 +1201,34 @@ def test_plain_values_a_forward_notes_are_restored_with_the_buffers_they_describ
     assert torch.equal(converted.rotary.inv_freq, model.rotary.inv_freq)
 
 
+class Stateful(nn.Module):
+    """A forward that replaces a tensor attribute by None (a previous-step cache reset) and keeps a tensor cache in
+    a plain attribute, grown for longer inputs (a dynamic-NTK rotary)."""
+
+    def __init__(self):
+        super().__init__()
+        self.prev, self.cache = torch.zeros(8), torch.arange(4.0)
+        self.fc, self.act, self.out = nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)
+
+    def forward(self, x):
+        self.prev = None
+        if x.shape[1] > self.cache.numel():
+            self.cache = torch.arange(float(x.shape[1])) / 2
+        return self.out(self.act(self.fc(x * self.cache[: x.shape[1], None])))
+
+
+def test_attributes_a_forward_sets_are_put_back_as_the_objects_they_were():
+    # a tensor attribute set to None by the forward was taken for a value the forward added and deleted (convert's
+    # next run failed with AttributeError); a tensor cache grown by the example stayed grown
+    torch.manual_seed(0)
+    model = Stateful().double()
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=x)
+    assert report.changes, str(report)
+    assert torch.equal(converted.prev, torch.zeros(8)) and converted.cache.numel() == 4
+    assert_same(grads_of(converted, x), grads_of(model, x), rtol=1e-10, atol=1e-12)
+
+
 def test_uninitialized_lazy_parameters_are_refused():
     model = nn.Sequential(nn.LazyLinear(8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 2))
     with pytest.raises(memtrim.InvalidInputError, match="lazy.*run one forward"):

@@ -371,19 +371,18 @@ class _ParametersWritten(TorchDispatchMode):
             data.copy_(saved)
 
 
-_PLAIN = (bool, int, float, str, type(None))
 _ABSENT = object()
+_SLOTS = ("_parameters", "_buffers", "_modules")  # put back by buffers_kept itself, entry by entry
 
 
-def _plain_values(obj: Any) -> dict[str, Any]:
-    """``obj``'s attributes that hold plain values (numbers, strings, None, tuples of them)."""
-    return {k: v for k, v in vars(obj).items()
-            if isinstance(v, _PLAIN) or (type(v) is tuple and all(isinstance(x, _PLAIN) for x in v))}
+def _attributes(obj: Any) -> dict[str, Any]:
+    """``obj``'s attributes (a module's but its parameter, buffer and submodule tables), by name."""
+    return {k: v for k, v in vars(obj).items() if k not in _SLOTS}
 
 
 def _settings_objects(model: nn.Module) -> list[Any]:
     """The modules of ``model`` (but lazy ones, which their forward materialises) and the plain objects they hold
-    (an HF ``config``, shared by many modules): what a forward may note plain values in."""
+    (an HF ``config``, shared by many modules): what a forward may note values in."""
     found: dict[int, Any] = {}
     for module in model.modules():
         if isinstance(module, LazyModuleMixin):
@@ -400,10 +399,12 @@ class buffers_kept:  # noqa: N801 - a context manager read like a function
     """Snapshot ``model``'s buffers and restore them on exit, with every module's training mode (a frozen BatchNorm
     in a training model, dropout kept on in an evaluating one: ``model.train(mode)`` alone set them all). Parameters
     (and buffers) are restored too where the forward changes them: written in place (copied on the first write, see
-    :class:`_ParametersWritten`), their ``.data`` replaced, or the module attribute reassigned. So are the plain
-    values a forward notes on its modules and their settings objects (HF's dynamic RoPE notes the length its
-    ``inv_freq`` buffer was grown for, ``max_seq_len_cached``; a classification head the ``problem_type`` its first
-    labels imply): restoring a buffer without the value that describes it would leave a state neither model reaches."""
+    :class:`_ParametersWritten`), their ``.data`` replaced, or the module attribute reassigned. So are the other
+    attributes a forward sets on its modules and their settings objects, each to the object it held (ones it added are
+    removed): HF's dynamic RoPE notes the length its ``inv_freq`` buffer was grown for, ``max_seq_len_cached``; a
+    dynamic-NTK rotary keeps its cache in plain tensor attributes; a classification head notes the ``problem_type``
+    its first labels imply. Restoring a buffer without the value that describes it would leave a state neither model
+    reaches. Objects changed in place (a list appended to) are not restored."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -417,7 +418,7 @@ class buffers_kept:  # noqa: N801 - a context manager read like a function
                       for slots in (m._parameters, m._buffers) for name, t in slots.items()
                       if t is not None and not is_lazy(t)]
         self.written = _ParametersWritten([p for p in self.model.parameters() if not is_lazy(p)])
-        self.plain = [(obj, _plain_values(obj)) for obj in _settings_objects(self.model)]
+        self.attributes = [(obj, _attributes(obj)) for obj in _settings_objects(self.model)]
         self.written.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -432,13 +433,13 @@ class buffers_kept:  # noqa: N801 - a context manager read like a function
                 if b.shape != saved.shape:  # resized in forward (a quantization observer's min_val starts empty)
                     b.resize_(saved.shape)
                 b.copy_(saved)
-        for obj, values in self.plain:
+        for obj, values in self.attributes:
             state = vars(obj)
-            for name in [k for k, v in _plain_values(obj).items() if k not in values]:
-                del state[name]  # noted by the forward where there was none
+            for name in [k for k in _attributes(obj) if k not in values]:
+                del state[name]  # set by the forward where there was none
             for name, value in values.items():
                 if state.get(name, _ABSENT) is not value:
-                    state[name] = value
+                    state[name] = value  # the object it held (a tensor cache, a length, a config's problem_type)
         self.model.train(self.training)  # a module's own train() runs, as it did before (it may do more)
         set_training_flags(self.modes)
 
