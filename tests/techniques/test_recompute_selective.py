@@ -568,3 +568,29 @@ def test_recompute_modules_refuses_a_module_that_assigns_its_buffers_anew():
     with pytest.raises(memtrim.InvalidInputError, match="assigns its own tensor.s. count, ema anew"):
         memtrim.recompute_modules(model, ["0"], example_inputs=torch.randn(4, D))
     assert model[0].count.item() == 0  # the trace ran on a copy's state: put back
+
+
+class Attending(nn.Module):
+    """A leaf module calling scaled_dot_product_attention without dropout (aten tags the kernel as one that may draw)
+    and keeping the transposed weight it makes afresh at each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(D, D) / D ** 0.5)
+
+    def forward(self, x):
+        self.wt = self.weight.t()
+        q = (x @ self.wt).unsqueeze(1)
+        return nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.0).squeeze(1)
+
+
+def test_recompute_modules_takes_a_kernel_that_may_draw_but_does_not_and_a_cache_made_afresh():
+    # both were refused once random ops and reassigned tensors were: the attention as "draws random numbers", the
+    # transposed weight as a counter
+    torch.manual_seed(0)
+    model = nn.Sequential(Attending(), nn.GELU(), nn.Linear(D, D))
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 3, D)
+    memtrim.recompute_modules(model, ["0"], example_inputs=x)
+    for a, b in zip(run_grads(model, x), run_grads(plain, x)):
+        assert torch.equal(a, b)

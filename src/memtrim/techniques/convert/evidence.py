@@ -59,7 +59,7 @@ class Op:
     outputs: tuple[int, ...]
     writes: tuple[int, ...]  # storages it changes in place
     scalars: tuple[Any, ...] = ()  # its non-tensor positional arguments (an eps, a dim list)
-    random: bool = False  # it draws from a generator (aten's ``nondeterministic_seeded`` tag: rrelu, randperm, ...)
+    random: bool = False  # it drew from a generator (an op aten tags ``nondeterministic_seeded``, which did draw)
 
     @property
     def site(self) -> int | None:
@@ -83,7 +83,7 @@ class CallSite:
     inputs: tuple[int, ...] = ()
     outputs: tuple[int, ...] = ()
     shared: bool = False  # the module has more than one call site
-    replaced: tuple[str, ...] = ()  # the module's own tensors its call assigned anew (``self.count = self.count + 1``)
+    replaced: tuple[str, ...] = ()  # its own tensors the call assigned anew from their values (``self.count += 1``)
 
     @property
     def label(self) -> str:
@@ -237,7 +237,12 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        seeded = torch.Tag.nondeterministic_seeded in func.tags
+        before = _generator_states((args, kwargs)) if seeded else None
         out = func(*args, **kwargs)
+        # an op aten says may draw did draw: it took an explicit generator, or a default generator moved (an
+        # attention kernel tagged for its dropout does not draw with dropout_p=0)
+        drew = seeded and (before is None or before != _generator_states((args, kwargs)))
         trace, state = self.trace, self.state
         state.clock += 1
         inputs = tuple(trace.storage_key(t) for t in tensors_in((args, kwargs)))
@@ -256,8 +261,25 @@ class _Recorder(TorchDispatchMode):
             if record.producer is None and record.kind == "activation":
                 record.producer = index
         trace.ops.append(Op(index, func.overloadpacket.__name__, state.clock, tuple(state.stack), inputs, outputs,
-                            tuple(writes), scalars, torch.Tag.nondeterministic_seeded in func.tags))
+                            tuple(writes), scalars, drew))
         return out
+
+
+def _generator_states(arguments: Any) -> list[bytes] | None:
+    """The default generators' states for the devices of ``arguments``' tensors (CPU's for factories without one),
+    or None where an explicit ``torch.Generator`` is passed (it draws from that one)."""
+    found: list[Any] = []
+    torch.utils._pytree.tree_map(found.append, arguments)
+    if any(isinstance(a, torch.Generator) for a in found):
+        return None
+    devices = {a.device for a in found if isinstance(a, torch.Tensor)} | {torch.device("cpu")}
+    states = []
+    for device in sorted(devices, key=str):
+        if device.type == "cpu":
+            states.append(bytes(torch.get_rng_state().numpy()))
+        elif device.type == "cuda":
+            states.append(bytes(torch.cuda.get_rng_state(device).numpy()))
+    return states
 
 
 class _State:
@@ -270,7 +292,7 @@ class _State:
         self.stack: list[int] = []
         self.open_sites: list[CallSite] = []
         self.counts: dict[str, int] = {}  # module path -> calls so far
-        self.owned: list[dict[str, int]] = []  # per open call site: its module's own tensors as the call began
+        self.owned: list[dict[str, torch.Tensor]] = []  # per open call site: its module's own tensors at its start
 
     def pre(self, module: nn.Module, inputs: tuple, kw: dict) -> None:
         """Forward pre-hook: a call site opens."""
@@ -293,8 +315,12 @@ class _State:
         site = self.open_sites.pop()
         self.stack.pop()
         before, now = self.owned.pop(), _own_tensors(module)
-        site.replaced = tuple(sorted(name for name in {*before, *now} if before.get(name) != now.get(name)))
         site.end, site.last_op = self.clock, len(self.trace.ops)
+        # assigned anew from what it held (a counter, an average): a second run would update it again; a cache made
+        # afresh at each call (``self.wt = self.weight.t()``) is made alike again
+        read = {k for op in self.trace.ops[site.first_op:site.last_op] for k in op.inputs}
+        site.replaced = tuple(sorted(name for name, old in before.items() if now.get(name) is not old
+                                     and self.trace.storage_key(old) in read))
         site.outputs = tuple(self.trace.storage_key(t) for t in tensors_in(output))
 
     def saved(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -304,10 +330,10 @@ class _State:
         return tensor.detach()
 
 
-def _own_tensors(module: nn.Module) -> dict[str, int]:
-    """``id`` of each tensor ``module`` holds itself (parameters, buffers, plain tensor attributes), by name."""
-    found = {name: id(t) for name, t in (*module._parameters.items(), *module._buffers.items()) if t is not None}
-    found.update((name, id(t)) for name, t in module.__dict__.items() if isinstance(t, torch.Tensor))
+def _own_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Each tensor ``module`` holds itself (parameters, buffers, plain tensor attributes), by name."""
+    found = {name: t for name, t in (*module._parameters.items(), *module._buffers.items()) if t is not None}
+    found.update((name, t) for name, t in module.__dict__.items() if isinstance(t, torch.Tensor))
     return found
 
 

@@ -162,8 +162,8 @@ def _consumers(ctx: Context, name: str, module: nn.Module) -> tuple[list[nn.Modu
             refuse("writes a buffer, parameter or input in its forward (a running statistic); a rebuild would write "
                    "it again")
         if site.replaced:
-            refuse(f"assigns its own tensor(s) {', '.join(site.replaced)} anew in its forward (a counter or an "
-                   "average: self.count = self.count + 1); a rebuild would update them again",
+            refuse(f"assigns its own tensor(s) {', '.join(site.replaced)} anew in its forward from what they held (a "
+                   "counter or an average: self.count = self.count + 1); a rebuild would update them again",
                    "Choose another module, or update such state outside its forward")
         if len(site.outputs) != 1 or site.outputs[0] in site.inputs:
             refuse("does not return one tensor of its own (several outputs, or a view of its input)")
