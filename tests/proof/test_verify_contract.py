@@ -348,3 +348,28 @@ def test_a_transform_that_adds_its_own_buffer_is_compared_on_the_baselines_and_s
 
     report = memtrim.verify(Averaging, adam, small_batches(), F.cross_entropy, counting)
     assert report.bitwise and any("own buffers (calls)" in note for note in report.notes)
+
+
+def test_batches_in_other_containers_and_sparse_tensors_are_copied_and_compared_as_dense_ones():
+    # a sparse tensor in the batch crashed the batch comparison ("unsupported memory format"); an OrderedDict or a
+    # named tuple was not copied, so a model writing into its input still gave a false divergence
+    import collections
+
+    Pair = collections.namedtuple("Pair", "x extra")
+
+    class Writes(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.act, self.fc = torch.nn.LeakyReLU(0.1, inplace=True), torch.nn.Linear(6, 3)
+
+        def forward(self, x, extra=None):
+            return self.fc(self.act(x))
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 6, generator=g) for _ in range(3)]
+    ys = [torch.randint(0, 3, (4,), generator=g) for _ in range(3)]
+    sparse = torch.eye(4).to_sparse()
+    for wrap in (lambda x: collections.OrderedDict(x=x, extra=sparse), lambda x: Pair(x, sparse)):
+        report = memtrim.verify(Writes, adam, [(wrap(x), y) for x, y in zip(xs, ys)], F.cross_entropy, identity)
+        assert report.bitwise, str(report)

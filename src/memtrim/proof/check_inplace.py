@@ -454,6 +454,13 @@ def _params(fn: Any) -> dict[str, torch.Tensor]:
     return dict(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else {}
 
 
+def _buffer_slots(fn: Any) -> list[tuple[dict[str, Any], str]]:
+    """Where each of a module's buffers is held (its module's ``_buffers`` and its name), in :func:`_buffers`' order."""
+    if not isinstance(fn, torch.nn.Module):
+        return []
+    return [(m._buffers, name) for m in fn.modules() for name, b in m._buffers.items() if b is not None]
+
+
 def _buffers(fn: Any) -> dict[str, torch.Tensor]:
     """A module's buffers by their position among its buffers (fn and the reference may name them differently: a
     fused BatchNorm + ReLU against a Sequential of the two)."""
@@ -472,10 +479,9 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
     params_before = {n: p.detach().clone() for n, p in params_fn.items()}
     buffers_fn, buffers_ref = _buffers(fn), _buffers(reference)
     paired = [b.shape for b in buffers_fn.values()] == [b.shape for b in buffers_ref.values()]
-    if paired:  # the reference's state (running statistics) starts each trial where fn's is, to compare the update
-        with torch.no_grad():
-            for name, b in buffers_fn.items():
-                buffers_ref[name].copy_(b)
+    if paired:  # the reference's state (running statistics) starts each trial as fn's is, to compare the update
+        for (slots, name), b in zip(_buffer_slots(reference), buffers_fn.values()):
+            slots[name] = b.detach().clone()  # (its dtype too: a float64 trial may have assigned one anew)
     nodes = [a.grad_fn for a in args_fn]  # an in-place op autograd knows of gives its input a node of its own
     with _same_draws(inputs[0].device):  # fn draws what the reference drew (an in-place dropout against torch's)
         out_ref = _call(reference, args_ref, "the reference")
@@ -496,9 +502,11 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
                         f"max rel error {error[1]:.3e}.")
     found, wrote_input, returns_input = _writes(recorder, args_fn, out_fn, where, own=buffers_fn.values())
     problems += found
-    if paired:
-        for name, b in buffers_fn.items():  # a module's own state (running statistics), updated as the reference's
-            if not bitwise_equal(b.detach(), buffers_ref[name].detach()):
+    if paired:  # read again: a forward may assign a buffer anew (self.ema = m * self.ema + ...)
+        after_fn, after_ref = _buffers(fn), _buffers(reference)
+        for name, b in after_fn.items():  # a module's own state (running statistics), updated as the reference's
+            other = after_ref.get(name)
+            if other is None or b.shape != other.shape or not bitwise_equal(b.detach(), other.detach().to(b.dtype)):
                 problems.append(f"{where}: fn's buffer {name} (in the order of its buffers) after the call differs "
                                 "from the reference's.")
     elif any(key in {id(b.untyped_storage()) for b in buffers_fn.values()} for key in recorder.written_keys()):

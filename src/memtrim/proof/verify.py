@@ -487,24 +487,36 @@ def _optimizer_states(
 
 
 def _fresh(value: Any) -> Any:
-    """A copy of a batch's tensors (inside tuples, lists and dicts); anything else as it is."""
+    """A copy of a batch's tensors (inside tuples, named tuples, lists and dicts, their subclasses kept); anything
+    else as it is."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone().requires_grad_(value.requires_grad)
-    if type(value) in (tuple, list):
-        return type(value)(_fresh(v) for v in value)
-    if type(value) is dict:
-        return {k: _fresh(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_fresh(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return _rebuilt(value, [_fresh(v) for v in value])
+    if isinstance(value, dict):
+        return _rebuilt(value, {k: _fresh(v) for k, v in value.items()})
     return value
 
 
+def _rebuilt(value: Any, items: Any) -> Any:
+    """``items`` in ``value``'s container type (an OrderedDict stays one), or the plain type where it cannot be."""
+    try:
+        return type(value)(items)
+    except TypeError:
+        return items if isinstance(items, dict) else type(items)(items)
+
+
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a batch, in order (inside tuples, lists and dicts)."""
+    """The dense tensors of a batch, in order (inside tuples, lists and dicts; a sparse one is not compared)."""
     if isinstance(value, torch.Tensor):
-        yield value.detach()
-    elif type(value) in (tuple, list):
+        if value.layout is torch.strided:
+            yield value.detach()
+    elif isinstance(value, (tuple, list)):
         for v in value:
             yield from _tensors(v)
-    elif type(value) is dict:
+    elif isinstance(value, dict):
         for v in value.values():
             yield from _tensors(v)
 
