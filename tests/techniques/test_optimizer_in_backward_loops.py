@@ -1217,3 +1217,44 @@ def test_a_discriminator_backward_reaching_an_open_generator_step_names_the_gan_
     fake = g(torch.randn(4, 4))
     with pytest.raises(Error, match=r"detach the fake, open this step after that backward, or run it inside"):
         opt_d.backward(d(fake).mean())
+
+
+def test_an_inf_in_a_gradient_arriving_after_the_update_raises_at_step():
+    # the standard scaler skips the whole step (and backs the scale off); the wrapper had updated the other tower inside
+    # backward and skipped only the late gradients, silently
+    towers = nn.ModuleDict({"a": net(0), "b": net(1)})
+    scaler = torch.amp.GradScaler("cpu")
+    opt = wrap(torch.optim.SGD(towers.parameters(), lr=0.1), towers, scaler=scaler)
+    (x, y), = batches(1)
+    opt.zero_grad()
+    opt.backward(scaler.scale(F.cross_entropy(towers["a"](x), y)))
+    with opt.accumulate():
+        scaler.scale(F.cross_entropy(towers["b"](x), y) * float("inf")).backward()
+    with pytest.raises(Error, match="found an inf or NaN in the 6 gradient.s. that arrived after the update"):
+        scaler.step(opt)
+
+
+def test_a_scale_loaded_after_construction_is_checked_and_a_retry_after_a_lost_backward_raises():
+    # the power-of-two check ran only at construction: a scaler's state loaded later (a resumed run, scale 3000)
+    # trained 1.5e-8 off; a retried opt.backward after a failed two-pass one updated inside backward, and only step()
+    # then raised, saying to skip the batch
+    model = net()
+    scaler = torch.amp.GradScaler("cpu")
+    opt = wrap(torch.optim.AdamW(model.parameters(), fused=True), model, scaler=scaler)
+    scaler.load_state_dict({**scaler.state_dict(), "scale": 3000.0})
+    (x, y), = batches(1)
+    opt.zero_grad()
+    with pytest.raises(memtrim.InvalidInputError, match="scale=3000.0"):
+        opt.backward(scaler.scale(F.cross_entropy(model(x), y)))
+    model, scaler = net(), torch.amp.GradScaler("cpu")
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, scaler=scaler)
+    opt.zero_grad()
+    h = model[0](x)
+    handle = h.register_hook(lambda grad: (_ for _ in ()).throw(ValueError("failed half-way")))
+    with pytest.raises(ValueError):
+        opt.backward(scaler.scale(F.cross_entropy(model[1:](h), y)))
+    handle.remove()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(Error, match=r"OptimizerInBackward.backward: expected the step's backward to have finished"):
+        opt.backward(scaler.scale(F.cross_entropy(model[1:](h), y)))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing updated

@@ -466,7 +466,7 @@ class OptimizerInBackward(WrappedOptimizerView):
                 "OptimizerInBackward.step: closures are not supported; the update happens inside backward."
             )
         self._raise_pending("step")
-        self._raise_lost()
+        self._raise_lost("step")
         self._check_not_stepped_twice()
         self._check_unchanged()
         driven = "found_inf" in self.__dict__  # GradScaler.step(self) set grad_scale / found_inf
@@ -605,6 +605,9 @@ class OptimizerInBackward(WrappedOptimizerView):
             loss.backward(**kwargs)  # DDP: one pass; the step follows DDP's all-reduce (see _ddp_comm_hook)
             return
         self._check_first_backward_of_the_step()
+        self._raise_lost("backward")  # a retry after a failed two-pass backward: the step is lost already
+        if self.clip_grad_norm is None and self.clip_grad_value is None:
+            _check_fused_unscaling(self.optimizer, self.scaler)  # (a scaler's state loaded since construction)
         retain = kwargs.pop("retain_graph", False)
         if self._has_waiting_grads():
             # earlier micro-batches left gradients: they all exist anyway, so step after a single pass
@@ -953,12 +956,12 @@ class OptimizerInBackward(WrappedOptimizerView):
                           "again); the standard loop keeps such partial gradients in .grad and its step() applies "
                           "them")
 
-    def _raise_lost(self) -> None:
+    def _raise_lost(self, where: str) -> None:
         lost, self._lost = self._lost, None
         if lost is not None:
             self._close_step()
             raise OptimizerInBackwardError(
-                f"OptimizerInBackward.step: expected the step's backward to have finished, but {lost}. This step "
+                f"OptimizerInBackward.{where}: expected the step's backward to have finished, but {lost}. This step "
                 "cannot be applied as the standard loop would. To fix: skip the batch after a failed backward "
                 "(call opt.zero_grad() before the next backward, without step()), as for an out-of-memory batch; "
                 "or train without clip_grad_norm=/scaler= (one pass). This error is reported once."
@@ -1110,6 +1113,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         if driven:  # GradScaler.step(self): it checked the waiting gradients for infs; we unscale them
             found = self.__dict__["found_inf"]
             if bool(found):
+                self._raise_late_inf(len(waiting))
                 self._skipped = True
                 self._stepped.update(id(p) for p in waiting)
                 self._free(zeros)
@@ -1125,6 +1129,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         elif self.scaler is not None:  # opt.step() called directly: unscale and check here
             self._unscale(grads, record=True)
             if self._skip_update():
+                self._raise_late_inf(len(waiting))
                 self._stepped.update(id(p) for p in waiting)
                 self._free(zeros)
                 return
@@ -1139,6 +1144,20 @@ class OptimizerInBackward(WrappedOptimizerView):
         finally:
             self._coefficient = None
         self._free(zeros)
+
+    def _raise_late_inf(self, count: int) -> None:
+        """An inf or NaN in gradients ``step()`` applies, after updates inside backward: the standard loop's scaler
+        skips the whole step, these updates included."""
+        updated = self._updated_in_backward
+        if updated:
+            self._close_step()
+            raise OptimizerInBackwardError(
+                f"OptimizerInBackward.step: the GradScaler found an inf or NaN in the {count} gradient(s) that arrived "
+                "after the update inside backward (a backward inside accumulate() after opt.backward, a .grad written "
+                f"by hand); the standard loop would skip the whole step, but {updated} parameter(s) were already "
+                "updated. Produce all of a step's gradients before its opt.backward (earlier backward passes inside "
+                "accumulate()), or add the losses."
+            )
 
     def _free(self, params: list[torch.Tensor]) -> None:
         for param in params:
