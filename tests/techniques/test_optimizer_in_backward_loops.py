@@ -1258,3 +1258,33 @@ def test_a_scale_loaded_after_construction_is_checked_and_a_retry_after_a_lost_b
     with pytest.raises(Error, match=r"OptimizerInBackward.backward: expected the step's backward to have finished"):
         opt.backward(scaler.scale(F.cross_entropy(model[1:](h), y)))
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing updated
+
+
+def test_a_reversible_stack_keeps_the_forwards_statistics_in_two_passes():
+    # ReversibleSequential rewinds its blocks' buffers for the recomputation and restores the forward's updates
+    # after; the measuring pass took the rewound values for the ones to put back, and undid every step's update
+    # (num_batches_tracked 0 against 3; running_mean 0.214 off with momentum=None)
+    runs = []
+    for wrapped in (False, True):
+        torch.manual_seed(0)
+
+        def half():
+            return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None), nn.Tanh())
+
+        model = nn.Sequential(nn.Linear(8, 8), memtrim.ReversibleSequential(
+            *[memtrim.AdditiveCoupling(half(), half()) for _ in range(2)]), nn.Linear(8, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if wrapped:
+            opt = wrap(opt, model, clip_grad_norm=0.5)
+        for x, y in batches(3):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            if wrapped:
+                opt.backward(loss)
+            else:
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+        runs.append(model)
+    for (name, a), b in zip(runs[0].state_dict().items(), runs[1].state_dict().values()):
+        assert torch.equal(a, b), name

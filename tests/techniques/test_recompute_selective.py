@@ -594,3 +594,11 @@ def test_recompute_modules_takes_a_kernel_that_may_draw_but_does_not_and_a_cache
     memtrim.recompute_modules(model, ["0"], example_inputs=x)
     for a, b in zip(run_grads(model, x), run_grads(plain, x)):
         assert torch.equal(a, b)
+
+
+def test_recompute_modules_inside_a_checkpointed_module_says_so():
+    # it said the module's output is kept by no later layer, and to choose "an MLP's first Linear": the one chosen
+    model = nn.Sequential(nn.Sequential(nn.Linear(D, 48), nn.GELU(), nn.Linear(48, D)), nn.Linear(D, D))
+    memtrim.checkpoint_modules(model, ["0"])
+    with pytest.raises(memtrim.InvalidInputError, match="'0.0' is inside '0', which memtrim.checkpoint_modules"):
+        memtrim.recompute_modules(model, ["0.0"], example_inputs=torch.randn(4, D))

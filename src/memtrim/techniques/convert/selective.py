@@ -93,6 +93,7 @@ def recompute_modules(model: nn.Module, modules: ModuleSelector, *,
     if not isinstance(model, nn.Module):
         raise InvalidInputError(f"{_API}: model must be an nn.Module, got {type(model).__name__}.")
     chosen = _select(model, modules, _API)
+    _refuse_inside_checkpoints(model, chosen)
     args, kwargs = split_inputs(example_inputs, example_kwargs)
     if not args and not kwargs:
         raise InvalidInputError(f"{_API}: example_inputs are required (the traced evidence and the measured saving).")
@@ -126,6 +127,20 @@ def _flag(module: nn.Module) -> Callable[[], None]:
     """Mark ``module`` as recomputed (a second call refuses it); returns the undo."""
     module.__dict__[_MARK] = True
     return lambda: module.__dict__.pop(_MARK, None)
+
+
+def _refuse_inside_checkpoints(model: nn.Module, chosen: list[tuple[str, nn.Module]]) -> None:
+    """A chosen module inside a module ``checkpoint_modules`` checkpoints: nothing in there is kept for backward,
+    so nothing is left to rebuild (the error said no later layer keeps its output, and to choose the module chosen)."""
+    checkpointed = [(n, m) for n, m in model.named_modules() if "_memtrim_checkpointed" in m.__dict__]
+    for name, module in chosen:
+        outer = next((n for n, m in checkpointed if any(sub is module for sub in m.modules())), None)
+        if outer is not None:
+            raise InvalidInputError(
+                f"{_API}: {name!r} is inside {outer or 'the model'!r}, which memtrim.checkpoint_modules checkpoints: "
+                "nothing in it is kept for backward, so there is nothing to rebuild. Expected a module outside "
+                "checkpointed ones; found one inside. Choose a module outside it."
+            )
 
 
 def _consumers(ctx: Context, name: str, module: nn.Module) -> tuple[list[nn.Module], bool]:

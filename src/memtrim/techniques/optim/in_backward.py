@@ -76,6 +76,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..._signatures import not_owned
 from ...errors import InvalidInputError, MemtrimStateError, OptimizerInBackwardError
 from ...measure import hooks as measure_hooks
+from .._modes import putting_buffers_back
 from .held_elsewhere import gather_gradient, holder_of, holders_with_gradients
 from .wrapping import WrappedOptimizerView
 
@@ -1479,6 +1480,8 @@ def _forwards_undone() -> Iterator[None]:
     saved: dict[int, list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]]] = {}
 
     def before(module: torch.nn.Module, args: Any) -> None:
+        if putting_buffers_back():  # ReversibleSequential's recomputation: it rewinds and restores them itself
+            return
         if id(module) not in saved:
             # (the slot too: a forward may assign a new tensor, `self.ema = ...`; not a clone memtrim's checkpoint put
             # there for its recomputation, which drops what is written to it: putting it back would undo the

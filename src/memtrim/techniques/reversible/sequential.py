@@ -52,7 +52,7 @@ from torch import nn
 
 from ...errors import InvalidInputError, ReversibleError
 from ...measure.hooks import hold_for_backward
-from .._modes import TrainingFlags, set_training_flags, training_flags
+from .._modes import TrainingFlags, buffers_put_back, set_training_flags, training_flags
 from ._replay import Replay, as_forward, captured, replayed
 from .coupling import AdditiveCoupling, AffineCoupling, _checked, _split
 
@@ -341,7 +341,8 @@ class _Frame:
                     buffer.copy_(value)  # what the forward read (the NOTE above)
             self.buffers_before[index] = []
             set_training_flags(self.modes[index])  # as in the forward
-            x = self._rebuild(index, block, recorded)
+            with buffers_put_back():
+                x = self._rebuild(index, block, recorded)
         finally:
             for slots, name, now in swapped:
                 slots[name] = now
