@@ -147,8 +147,9 @@ class BatchNormReLU3d(_BatchNormReLU, nn.BatchNorm3d):
 _KEEPING: dict[tuple[type, type], type] = {}
 
 
-def _keeping_name(target: type, base: type) -> str:
-    return f"{target.__name__}Keeping{base.__name__}"
+def _keeping_name(target: str, base: str) -> str:
+    """The name of :func:`keeping_class`'s class for the two classes' names."""
+    return f"{target}Keeping{base}"
 
 
 def keeping_class(target: type, base: type) -> type:
@@ -160,7 +161,7 @@ def keeping_class(target: type, base: type) -> type:
     key = (target, base)
     found = _KEEPING.get(key)
     if found is None:
-        name = _keeping_name(target, base)
+        name = _keeping_name(target.__name__, base.__name__)
         found = type(name, (target, base), {"__module__": __name__, "__qualname__": name,
                                             "__doc__": f"memtrim's {target.__name__}, still a {base.__module__}."
                                                        f"{base.__name__}."})
@@ -179,6 +180,6 @@ def __getattr__(name: str) -> type:
 
     for target in (BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d):
         for where, base_name in KNOWN_BATCHNORM_ACT:
-            if name == f"{target.__name__}Keeping{base_name}":
+            if name == _keeping_name(target.__name__, base_name):
                 return keeping_class(target, getattr(importlib.import_module(where), base_name))
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
