@@ -267,18 +267,21 @@ class _Recorder(TorchDispatchMode):
 
 def _generator_states(arguments: Any) -> list[bytes] | None:
     """The default generators' states for the devices of ``arguments``' tensors (CPU's for factories without one),
-    or None where an explicit ``torch.Generator`` is passed (it draws from that one)."""
+    or None where they cannot tell: an explicit ``torch.Generator`` is passed (it draws from that one), or the tensors
+    are fake or on ``meta`` (a plan's trace: nothing draws there, and the op counts as drawing, as it would)."""
     found: list[Any] = []
     torch.utils._pytree.tree_map(found.append, arguments)
-    if any(isinstance(a, torch.Generator) for a in found):
+    tensors = [a for a in found if isinstance(a, torch.Tensor)]
+    if any(isinstance(a, torch.Generator) for a in found) or any(
+            t.device.type == "meta" or hasattr(t, "fake_mode") for t in tensors):
         return None
-    devices = {a.device for a in found if isinstance(a, torch.Tensor)} | {torch.device("cpu")}
     states = []
-    for device in sorted(devices, key=str):
-        if device.type == "cpu":
-            states.append(bytes(torch.get_rng_state().numpy()))
-        elif device.type == "cuda":
-            states.append(bytes(torch.cuda.get_rng_state(device).numpy()))
+    with torch._C._DisableTorchDispatch():  # (read as bytes: no op of a mode below sees the state tensors)
+        for device in sorted({t.device for t in tensors} | {torch.device("cpu")}, key=str):
+            if device.type == "cpu":
+                states.append(bytes(torch.get_rng_state().numpy()))
+            elif device.type == "cuda":
+                states.append(bytes(torch.cuda.get_rng_state(device).numpy()))
     return states
 
 
