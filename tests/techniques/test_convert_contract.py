@@ -1229,6 +1229,31 @@ def test_attributes_a_forward_sets_are_put_back_as_the_objects_they_were():
     assert_same(grads_of(converted, x), grads_of(model, x), rtol=1e-10, atol=1e-12)
 
 
+class LazilyHooked(nn.Module):
+    """A block that registers its gradient hook at its first forward, guarded by its hook table."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.act, self.out = nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)
+
+    def forward(self, x):
+        if not self._backward_hooks:
+            self.register_full_backward_hook(lambda m, gi, go: tuple(None if g is None else g * 0.5 for g in gi))
+        return self.out(self.act(self.fc(x)))
+
+
+def test_a_hook_a_forward_registers_at_its_first_call_is_registered_by_training_as_without_convert():
+    # convert's example forward registered it and set torch's _is_full_backward_hook; the flag was put back and the
+    # hook was not, so torch ignored the hook and the guard never registered it again (gradients 0.31 off)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), LazilyHooked(), nn.Linear(8, 1)).double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=x)
+    assert report.changes, str(report)
+    assert not converted[1]._backward_hooks
+    assert_same(grads_of(converted, x), grads_of(model, x))
+
+
 def test_uninitialized_lazy_parameters_are_refused():
     model = nn.Sequential(nn.LazyLinear(8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 2))
     with pytest.raises(memtrim.InvalidInputError, match="lazy.*run one forward"):

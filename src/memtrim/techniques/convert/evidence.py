@@ -239,10 +239,11 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         seeded = torch.Tag.nondeterministic_seeded in func.tags
         before = _generator_states((args, kwargs)) if seeded else None
+        # (the output too, after: a factory's, fake in a plan's trace, says what the arguments cannot)
         out = func(*args, **kwargs)
         # an op aten says may draw did draw: it took an explicit generator, or a default generator moved (an
         # attention kernel tagged for its dropout does not draw with dropout_p=0)
-        drew = seeded and (before is None or before != _generator_states((args, kwargs)))
+        drew = seeded and (before is None or before != _generator_states((args, kwargs, out)))
         trace, state = self.trace, self.state
         state.clock += 1
         inputs = tuple(trace.storage_key(t) for t in tensors_in((args, kwargs)))
@@ -266,22 +267,20 @@ class _Recorder(TorchDispatchMode):
 
 
 def _generator_states(arguments: Any) -> list[bytes] | None:
-    """The default generators' states for the devices of ``arguments``' tensors (CPU's for factories without one),
-    or None where they cannot tell: an explicit ``torch.Generator`` is passed (it draws from that one), or the tensors
-    are fake or on ``meta`` (a plan's trace: nothing draws there, and the op counts as drawing, as it would)."""
+    """The default generators' states (the CPU's, and every started CUDA device's: a factory call has no tensor
+    saying its device), or None where they cannot tell: an explicit ``torch.Generator`` is passed (it draws from that
+    one), or a tensor is fake or on ``meta`` (a plan's trace: nothing draws there, and the op counts as drawing, as
+    it would)."""
     found: list[Any] = []
     torch.utils._pytree.tree_map(found.append, arguments)
     tensors = [a for a in found if isinstance(a, torch.Tensor)]
     if any(isinstance(a, torch.Generator) for a in found) or any(
             t.device.type == "meta" or hasattr(t, "fake_mode") for t in tensors):
         return None
-    states = []
     with torch._C._DisableTorchDispatch():  # (read as bytes: no op of a mode below sees the state tensors)
-        for device in sorted({t.device for t in tensors} | {torch.device("cpu")}, key=str):
-            if device.type == "cpu":
-                states.append(bytes(torch.get_rng_state().numpy()))
-            elif device.type == "cuda":
-                states.append(bytes(torch.cuda.get_rng_state(device).numpy()))
+        states = [bytes(torch.get_rng_state().numpy())]
+        if torch.cuda.is_initialized():
+            states += [bytes(torch.cuda.get_rng_state(i).numpy()) for i in range(torch.cuda.device_count())]
     return states
 
 
@@ -448,6 +447,10 @@ class buffers_kept:  # noqa: N801 - a context manager read like a function
                       if t is not None and not is_lazy(t)]
         self.written = _ParametersWritten([p for p in self.model.parameters() if not is_lazy(p)])
         self.attributes = [(obj, _attributes(obj)) for obj in _settings_objects(self.model)]
+        # the hook tables' entries too: a forward that registers a hook at its first call (setting torch's
+        # _is_full_backward_hook, or a flag of its own, which are put back) must find none, as the model had
+        self.hooks = [(table, list(table.items())) for m in self.model.modules() for k, table in vars(m).items()
+                      if "_hooks" in k and isinstance(table, dict)]
         self.written.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -462,6 +465,10 @@ class buffers_kept:  # noqa: N801 - a context manager read like a function
                 if b.shape != saved.shape:  # resized in forward (a quantization observer's min_val starts empty)
                     b.resize_(saved.shape)
                 b.copy_(saved)
+        for table, entries in self.hooks:
+            if list(table.items()) != entries:
+                table.clear()
+                table.update(entries)
         for obj, values in self.attributes:
             state = vars(obj)
             for name in [k for k in _attributes(obj) if k not in values]:
