@@ -1185,15 +1185,21 @@ class RotaryMLP(nn.Module):
         return self.down(self.act(self.up(self.norm(self.rotary(x)))))
 
 
+def _converted_in_float64(make, shape):
+    """``make()`` in float64, an input of ``shape``, and a converted copy (convert must have changed something)."""
+    torch.manual_seed(0)
+    model = make().double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=x)
+    assert report.changes, str(report)
+    return model, x, converted
+
+
 def test_plain_values_a_forward_notes_are_restored_with_the_buffers_they_describe():
     # convert's example forwards grew the buffer and noted the length; the buffer was restored and the length was
     # not, so the training forward saw "already grown" and never grew it (HF Llama with dynamic RoPE trained with
     # unscaled frequencies: 0.039 off after 3 steps); a problem_type noted on a shared config stayed too
-    torch.manual_seed(0)
-    model = RotaryMLP().double()
-    x = torch.randn(2, 6, 8, dtype=torch.float64)
-    converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=x)
-    assert report.changes, str(report)
+    model, x, converted = _converted_in_float64(RotaryMLP, (2, 6, 8))
     assert converted.rotary.max_seq_len_cached == 4 and converted.settings.problem_type is None
     assert torch.equal(converted.rotary.inv_freq, model.rotary.inv_freq)
     assert_same(grads_of(converted, x), grads_of(model, x), rtol=1e-10, atol=1e-12)
@@ -1220,11 +1226,7 @@ class Stateful(nn.Module):
 def test_attributes_a_forward_sets_are_put_back_as_the_objects_they_were():
     # a tensor attribute set to None by the forward was taken for a value the forward added and deleted (convert's
     # next run failed with AttributeError); a tensor cache grown by the example stayed grown
-    torch.manual_seed(0)
-    model = Stateful().double()
-    x = torch.randn(2, 6, 8, dtype=torch.float64)
-    converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=x)
-    assert report.changes, str(report)
+    model, x, converted = _converted_in_float64(Stateful, (2, 6, 8))
     assert torch.equal(converted.prev, torch.zeros(8)) and converted.cache.numel() == 4
     assert_same(grads_of(converted, x), grads_of(model, x), rtol=1e-10, atol=1e-12)
 
@@ -1245,11 +1247,8 @@ class LazilyHooked(nn.Module):
 def test_a_hook_a_forward_registers_at_its_first_call_is_registered_by_training_as_without_convert():
     # convert's example forward registered it and set torch's _is_full_backward_hook; the flag was put back and the
     # hook was not, so torch ignored the hook and the guard never registered it again (gradients 0.31 off)
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), LazilyHooked(), nn.Linear(8, 1)).double()
-    x = torch.randn(4, 8, dtype=torch.float64)
-    converted, report = memtrim.convert(copy.deepcopy(model), example_inputs=x)
-    assert report.changes, str(report)
+    model, x, converted = _converted_in_float64(lambda: nn.Sequential(nn.Linear(8, 8), LazilyHooked(), nn.Linear(8, 1)),
+                                                (4, 8))
     assert not converted[1]._backward_hooks
     assert_same(grads_of(converted, x), grads_of(model, x))
 

@@ -71,6 +71,24 @@ def backward_clipped(loss, model, opt, wrapped, max_norm):
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
+def two_pass_step(model, opt, loss, wrapped, scaler=None, max_norm=None):
+    """One training step after ``zero_grad()`` and the forward: ``opt.backward`` for the wrapper (built with
+    ``scaler=`` or ``clip_grad_norm=max_norm``), else ``loss.backward()`` and ``clip_grad_norm_``; then the scaler's
+    step and update, or ``opt.step()``."""
+    loss = scaler.scale(loss) if scaler is not None else loss
+    if wrapped:
+        opt.backward(loss)
+    else:
+        loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if scaler is not None:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+
+
 def updated_in_backward(make_optimizer, **options):
     """``net()`` and its wrapped ``make_optimizer(params)`` after one batch's backward in an open step: the
     parameters were updated inside it and their gradients freed."""
@@ -833,19 +851,7 @@ def test_a_forward_recomputed_in_backward_updates_batchnorm_statistics_as_in_the
         for _ in range(3):
             x, y = torch.randn(5, 4, generator=g), torch.randint(0, 2, (5,), generator=g)
             opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss = scaler.scale(loss) if scaler is not None else loss
-            if wrapped:
-                opt.backward(loss)
-            else:
-                loss.backward()
-                if scaler is None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
+            two_pass_step(model, opt, F.cross_entropy(model(x), y), wrapped, scaler, 1.0 if scaler is None else None)
         runs.append(model)
     assert runs[1].block[1].num_batches_tracked.item() == 6
     for (name, a), b in zip(runs[0].state_dict().items(), runs[1].state_dict().values()):
@@ -1186,19 +1192,7 @@ def test_memtrims_checkpoint_around_a_batchnorm_keeps_the_forwards_statistics_in
             opt = wrap(opt, model, **({"clip_grad_norm": 0.5} if scaler is None else {"scaler": scaler}))
         for x, y in batches(3):
             opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss = scaler.scale(loss) if scaler is not None else loss
-            if wrapped:
-                opt.backward(loss)
-            else:
-                loss.backward()
-                if scaler is None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            if scaler is not None:
-                scaler.step(opt)
-                scaler.update()
-            else:
-                opt.step()
+            two_pass_step(model, opt, F.cross_entropy(model(x), y), wrapped, scaler, 0.5 if scaler is None else None)
         runs.append(model)
     assert runs[1][0][1].num_batches_tracked.item() == 3
     for (name, a), b in zip(runs[0].state_dict().items(), runs[1].state_dict().values()):
@@ -1278,13 +1272,7 @@ def test_a_reversible_stack_keeps_the_forwards_statistics_in_two_passes():
             opt = wrap(opt, model, clip_grad_norm=0.5)
         for x, y in batches(3):
             opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            if wrapped:
-                opt.backward(loss)
-            else:
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            opt.step()
+            two_pass_step(model, opt, F.cross_entropy(model(x), y), wrapped, max_norm=0.5)
         runs.append(model)
     for (name, a), b in zip(runs[0].state_dict().items(), runs[1].state_dict().values()):
         assert torch.equal(a, b), name
