@@ -78,7 +78,7 @@ _INNER = "_memtrim_checkpoint_inner"  # instance attribute: a forward the module
 _SELECTIVE_RAN: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules that ran a selective checkpointed forward
 
 
-_STAND_INS: dict[int, int] = {}  # id of a buffer clone a recomputation reads now -> how many recomputations do
+_STAND_INS: set[int] = set()  # ids of the buffer clones running recomputations read (each made by one of them)
 
 
 def stand_in(buffer: torch.Tensor) -> bool:
@@ -322,8 +322,7 @@ class _Recompute:
             assert original is not None  # the snapshot lists buffers that are set
             swapped.append((sub._buffers, name, original))
             sub._buffers[name] = clones.setdefault(id(value), value.clone())
-        for clone in clones.values():  # (a clone lives until this recomputation's exit: its id stays its own)
-            _STAND_INS[id(clone)] = _STAND_INS.get(id(clone), 0) + 1
+        _STAND_INS.update(id(c) for c in clones.values())  # (alive until this recomputation's exit: ids stay theirs)
         modes = training_flags(sub for sub, _ in self.modes)
         set_training_flags(self.modes)
         replay = self.draws.replaying()
@@ -341,10 +340,7 @@ class _Recompute:
         finally:  # also when torch stops the recomputation early by raising (then fewer draws are no error)
             for slots, name, original in swapped:
                 slots[name] = original
-            for clone in clones:
-                left = _STAND_INS.pop(id(clone), 1) - 1
-                if left:
-                    _STAND_INS[id(clone)] = left
+            _STAND_INS.difference_update(id(c) for c in clones)
             set_training_flags(modes)
             replay.__exit__(*exc)
         error = exc[1] if len(exc) > 1 else None
