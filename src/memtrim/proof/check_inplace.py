@@ -454,17 +454,36 @@ def _params(fn: Any) -> dict[str, torch.Tensor]:
     return dict(fn.named_parameters()) if isinstance(fn, torch.nn.Module) else {}
 
 
-def _buffer_slots(fn: Any) -> list[tuple[dict[str, Any], str]]:
-    """Where each of a module's buffers is held (its module's ``_buffers`` and its name), in :func:`_buffers`' order."""
+def _buffer_slots(fn: Any) -> list[tuple[str, dict[str, Any], str]]:
+    """Each of a module's buffers as (its qualified name, the ``_buffers`` dict holding it, its key there), in
+    ``named_buffers``' order (a buffer held under two names once, at its first)."""
     if not isinstance(fn, torch.nn.Module):
         return []
-    return [(m._buffers, name) for m in fn.modules() for name, b in m._buffers.items() if b is not None]
+    seen: set[int] = set()
+    found = []
+    for prefix, m in fn.named_modules():
+        for key, b in m._buffers.items():
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
+                found.append((f"{prefix}.{key}" if prefix else key, m._buffers, key))
+    return found
 
 
-def _buffers(fn: Any) -> dict[str, torch.Tensor]:
-    """A module's buffers by their position among its buffers (fn and the reference may name them differently: a
+def _buffer_order(fn: Any, reference: Any) -> tuple[list[str], list[str]]:
+    """Which of fn's buffers pairs with which of the reference's: by name where both hold the same names (in
+    whatever order they were registered), else by position (fn and the reference may name them differently: a
     fused BatchNorm + ReLU against a Sequential of the two)."""
-    return {str(i): b for i, b in enumerate(fn.buffers())} if isinstance(fn, torch.nn.Module) else {}
+    names_fn = [name for name, _, _ in _buffer_slots(fn)]
+    names_ref = [name for name, _, _ in _buffer_slots(reference)]
+    if sorted(names_fn) == sorted(names_ref):
+        return names_fn, names_fn
+    return names_fn, names_ref
+
+
+def _buffers(fn: Any, order: list[str]) -> dict[str, torch.Tensor]:
+    """A module's buffers in ``order`` (from :func:`_buffer_order`), keyed by their position in it."""
+    held = {name: slots[key] for name, slots, key in _buffer_slots(fn)}
+    return {str(i): held[name] for i, name in enumerate(order) if name in held}
 
 
 def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol: tuple[float, float], where: str,
@@ -477,11 +496,14 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
     before = [x.detach().clone() for x in args_fn]
     params_fn, params_ref = _params(fn), _params(reference)
     params_before = {n: p.detach().clone() for n, p in params_fn.items()}
-    buffers_fn, buffers_ref = _buffers(fn), _buffers(reference)
+    order_fn, order_ref = _buffer_order(fn, reference)
+    buffers_fn, buffers_ref = _buffers(fn, order_fn), _buffers(reference, order_ref)
     paired = [b.shape for b in buffers_fn.values()] == [b.shape for b in buffers_ref.values()]
     if paired:  # the reference's state (running statistics) starts each trial as fn's is, to compare the update
-        for (slots, name), b in zip(_buffer_slots(reference), buffers_fn.values()):
-            slots[name] = b.detach().clone()  # (its dtype too: a float64 trial may have assigned one anew)
+        slots_ref = {name: (slots, key) for name, slots, key in _buffer_slots(reference)}
+        for name, b in zip(order_ref, buffers_fn.values()):
+            slots, key = slots_ref[name]
+            slots[key] = b.detach().clone()  # (its dtype too: a float64 trial may have assigned one anew)
     nodes = [a.grad_fn for a in args_fn]  # an in-place op autograd knows of gives its input a node of its own
     with _same_draws(inputs[0].device):  # fn draws what the reference drew (an in-place dropout against torch's)
         out_ref = _call(reference, args_ref, "the reference")
@@ -503,11 +525,11 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
     found, wrote_input, returns_input = _writes(recorder, args_fn, out_fn, where, own=buffers_fn.values())
     problems += found
     if paired:  # read again: a forward may assign a buffer anew (self.ema = m * self.ema + ...)
-        after_fn, after_ref = _buffers(fn), _buffers(reference)
+        after_fn, after_ref = _buffers(fn, order_fn), _buffers(reference, order_ref)
         for name, b in after_fn.items():  # a module's own state (running statistics), updated as the reference's
             other = after_ref.get(name)
             if other is None or b.shape != other.shape or not bitwise_equal(b.detach(), other.detach().to(b.dtype)):
-                problems.append(f"{where}: fn's buffer {name} (in the order of its buffers) after the call differs "
+                problems.append(f"{where}: fn's buffer {order_fn[int(name)]!r} after the call differs "
                                 "from the reference's.")
     elif any(key in {id(b.untyped_storage()) for b in buffers_fn.values()} for key in recorder.written_keys()):
         problems.append(f"{where}: fn updates its buffers, which the reference does not have to compare with.")
