@@ -135,6 +135,60 @@ def test_rmsnorm_by_behaviour_float64_within_1e9():
     LlamaSpelledRMSNorm(32).double().load_state_dict(converted[1].state_dict())
 
 
+class RMSLookAlike(nn.Module):
+    """Modules whose compute ops are an RMSNorm's (pow, mean, add, rsqrt, mul, mul), computing something else."""
+
+    def __init__(self, n, kind):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
+        self.kind = kind
+
+    def forward(self, x):
+        kind, w = self.kind, self.weight
+        if kind == "fourth power":
+            return x * torch.rsqrt(x.pow(4).mean(-1, keepdim=True) + 1e-6) * w
+        if kind == "statistic under no_grad":  # the same aten ops: only the gradients tell it apart
+            with torch.no_grad():
+                r = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return x * r * w
+        if kind == "detached input":
+            return x.detach() * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        if kind == "statistic over rows":
+            t = x.transpose(-1, -2)
+            return x * torch.rsqrt(t.pow(2).mean(-1, keepdim=True).transpose(-1, -2) + 1e-6) * w
+        if kind == "mean not kept":  # broadcasts over the other axis where the input is square
+            return x * torch.rsqrt(x.pow(2).mean(-1) + 1e-6) * w
+        raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["fourth power", "statistic under no_grad", "detached input", "statistic over rows",
+                                  "mean not kept"])
+def test_an_rmsnorm_look_alike_is_left_alone(kind):
+    # found by an adversarial pass: the rule matched op names only, swapped in an RMSNorm and trained silently
+    # differently (a 4th-moment norm: loss 1.20 against 0.60; a detached statistic: gradient 0.34 off)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), RMSLookAlike(8, kind), nn.Linear(8, 8)).double()
+    batch = {"input": torch.randn(8, 8, dtype=torch.float64)}  # square: a mean not kept still broadcasts
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=batch)
+    assert not any(c.rule == "norm_by_behaviour" for c in report.changes), str(report)
+    assert any(s.rule == "norm_by_behaviour" and "computes something else" in s.reason or "runs other ops" in s.reason
+               or "not over the last dimension" in s.reason for s in report.skipped), str(report)
+    assert_equal_training(plain, converted, batch, tol=0.0)
+
+
+def test_hf_grouped_rmsnorm_without_a_gate_is_left_alone():
+    # HF's MambaRMSNormGated (Mamba2, Bamba, Zamba2, ...) called without its gate normalises groups of features
+    # through a view; the rule took it for an RMSNorm over all of them (forward 0.78 off)
+    import_transformers()
+    mamba2 = pytest.importorskip("transformers.models.mamba2.modeling_mamba2")
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), mamba2.MambaRMSNormGated(16, group_size=4), nn.Linear(16, 8))
+    batch = {"input": torch.randn(4, 5, 16)}
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=batch)
+    assert not any(c.rule == "norm_by_behaviour" for c in report.changes), str(report)
+    assert_equal_training(plain, converted, batch, tol=0.0)
+
+
 def test_rmsnorm_by_behaviour_honours_a_setting_changed_after_convert_and_an_unbatched_input():
     # found by an adversarial pass: the RMSNorm form read eps from the trace, a constant, so variance_epsilon changed
     # after convert (HF Qwen2's, a hand-written RMSNorm's) was ignored: loss 0.166 against 0.430, silently. A setting

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ...proof.compare import bitwise_equal
 from ..guards import autocasting, owner, plain_only, saves_checked
 from ..norms import NormKeepOutput
 from .builtin import KEEP_OUTPUT_FORMS, NO_AUTOCAST, NO_DOUBLE_BACKWARD, REBUILT_INPUT
@@ -153,12 +154,23 @@ def _innermost(trace: ModelTrace, site: CallSite) -> bool:
 
 
 def _rms_spec(trace: ModelTrace, site: CallSite, module: nn.Module) -> tuple[str, float] | str:
-    """``(weight name, eps)`` of an RMSNorm-shaped call site, or why it is not one convert can rebuild."""
-    ops = trace.ops_in(site)
-    mean, add, last = ops[1], ops[2], ops[5]
+    """``(weight name, eps)`` of an RMSNorm-shaped call site, or why it is not one convert can rebuild.
+
+    The op names are not enough (a 4th-moment norm, a statistic over another axis through a view, a gated norm
+    grouping features have them too): the call must run exactly ``pow(x, 2)``, ``mean(-1, keepdim=True)``, ``+ eps``,
+    ``rsqrt``, ``x *`` and ``* weight`` on its own input, nothing else (no view, no in-place op), and its forward must
+    then give the canonical formula's output and gradients bit for bit (:func:`_behaves_as_rms_norm`: what aten ops
+    cannot show, a statistic computed under no_grad or through ``.data``)."""
+    # (detaches left out: the trace's own saves make them; a detach of the module's is in the gradients checked below)
+    ops = [o for o in trace.ops_in(site, compute_only=False) if o.name != "detach"]
+    if [o.name for o in ops] != _RMS_OPS or len(site.inputs) != 1 or len(site.outputs) != 1:
+        return ("an RMSNorm-like call that runs other ops too (a view, an in-place op: "
+                f"{', '.join(o.name for o in ops)}) or takes more than its input")
+    pow_, mean, add, rsqrt, first, last = ops
+    x = site.inputs[0]
     dims = mean.scalars[0] if mean.scalars else None
-    if (list(dims) if isinstance(dims, (list, tuple)) else [dims]) != [-1]:
-        return "an RMSNorm-like call whose mean is not over the last dimension"
+    if (list(dims) if isinstance(dims, (list, tuple)) else [dims]) != [-1] or mean.scalars[1:2] != (True,):
+        return "an RMSNorm-like call whose mean is not over the last dimension, kept"
     eps = next((s for s in add.scalars if isinstance(s, float)), None)
     if eps is None:
         return "an RMSNorm-like call whose eps is not a constant"
@@ -166,7 +178,53 @@ def _rms_spec(trace: ModelTrace, site: CallSite, module: nn.Module) -> tuple[str
     weights = [own[k] for k in last.inputs if k in own]
     if len(weights) != 1 or getattr(module, weights[0]).dim() != 1:
         return "an RMSNorm-like call whose last multiply is not by a 1-D parameter of the module"
+    weight_key = next(k for k in last.inputs if k in own)
+    flow = (pow_.inputs == (x,) and pow_.scalars[:1] in ((2,), (2.0,)) and mean.inputs == pow_.outputs
+            and add.inputs == mean.outputs and rsqrt.inputs == add.outputs
+            and sorted(first.inputs) == sorted((x, *rsqrt.outputs))
+            and sorted(last.inputs) == sorted((weight_key, *first.outputs)) and last.outputs == site.outputs)
+    if not flow or not _behaves_as_rms_norm(module, weights[0], float(eps)):
+        return ("an RMSNorm-like call that computes something else than x * rsqrt(mean(x^2, -1) + eps) * weight "
+                "(another power, axis or operand, or gradients that do not flow through every op)")
     return weights[0], float(eps)
+
+
+def _behaves_as_rms_norm(module: nn.Module, weight_name: str, eps: float) -> bool:
+    """Whether ``module``'s own forward, with random weights on random inputs of two shapes, gives the output and
+    the input and weight gradients that autograd gives for ``x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) *
+    weight``, bit for bit (the same ops in the same order: the same bits). Run on the CPU outside any fake or
+    dispatch mode (a plan's trace), the module's parameters swapped for the call and put back."""
+    params = module._parameters
+    held = dict(params)
+    weight = held[weight_name]
+    assert weight is not None
+    generator = torch.Generator().manual_seed(0)
+    dtype, size = weight.dtype, weight.shape[0]
+    try:
+        with torch.utils._python_dispatch._disable_current_modes(), torch.enable_grad():
+            for name, p in held.items():
+                if p is not None:
+                    params[name] = nn.Parameter(torch.randn(p.shape, generator=generator, dtype=p.dtype)
+                                                if p.is_floating_point() else torch.zeros(p.shape, dtype=p.dtype),
+                                                requires_grad=p.is_floating_point())
+            w = params[weight_name]
+            assert w is not None
+            for shape in ((3, size), (2, 3, size)):
+                x = torch.randn(shape, generator=generator, dtype=dtype, requires_grad=True)
+                out = module.forward(x)
+                expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+                if not isinstance(out, torch.Tensor) or not bitwise_equal(out.detach(), expected.detach()):
+                    return False
+                grad = torch.randn(shape, generator=generator, dtype=dtype)
+                found = torch.autograd.grad(out, (x, w), grad, allow_unused=True)
+                wanted = torch.autograd.grad(expected, (x, w), grad)
+                if any(f is None or not bitwise_equal(f, e) for f, e in zip(found, wanted)):
+                    return False
+    except Exception:  # the module does not take such inputs (or needs its own values): not the formula
+        return False
+    finally:
+        params.update(held)
+    return True
 
 
 def _expected(trace: ModelTrace, site: CallSite) -> tuple[int, bool]:
