@@ -7,6 +7,7 @@ fix. Each test below was a silent divergence (or a misleading message) before th
 """
 
 import copy
+import random
 import warnings
 
 import pytest
@@ -1276,3 +1277,96 @@ def test_a_reversible_stack_keeps_the_forwards_statistics_in_two_passes():
         runs.append(model)
     for (name, a), b in zip(runs[0].state_dict().items(), runs[1].state_dict().values()):
         assert torch.equal(a, b), name
+
+
+# ---------------------------------------------------------------------- optimizers with state of their own
+class GroupCountingSGD(torch.optim.SGD):
+    """SGD whose learning rate decays with a step count kept per group (timm's Adan counts ``group['step']``)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["count"] = group.get("count", 0) + 1
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / group["count"])
+
+
+class CountingWrapper(torch.optim.Optimizer):
+    """An optimizer stepping its base optimizer, counting in the base's groups (timm's Lookahead)."""
+
+    def __init__(self, base):
+        self.base, self.param_groups, self.defaults, self.state = base, base.param_groups, base.defaults, base.state
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+        for group in self.param_groups:
+            group.setdefault("wrapper_step", 0)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.base.step()
+        for group in self.base.param_groups:
+            group["wrapper_step"] += 1
+            if group["wrapper_step"] % 2 == 0:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.mul_(0.5)
+
+
+class NoisySGD(torch.optim.SGD):
+    """SGD adding noise drawn from a generator of its own (timm's Kron draws from ``self.rng``)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.rng = random.Random(0)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step()
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(self.rng.random() * 1e-3)
+
+
+class DecayEverything(torch.optim.SGD):
+    """SGD that also decays parameters it was not given in this step (a list of its own, kept at construction)."""
+
+    def __init__(self, params, lr):
+        params = list(params)
+        super().__init__(params, lr=lr)
+        self.everything = params
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        super().step()
+        for p in self.everything:
+            p.mul_(0.999)
+
+
+@pytest.mark.parametrize("make", [lambda ps: GroupCountingSGD(ps, lr=0.1), lambda ps: NoisySGD(ps, lr=0.1),
+                                  lambda ps: CountingWrapper(torch.optim.SGD(ps, lr=0.1))],
+                         ids=["group counter", "own generator", "wrapper counting in the base's groups"])
+def test_an_optimizer_with_state_of_its_own_is_bitwise_in_one_bucket_and_refused_in_several(make):
+    # found by an adversarial pass (timm's Adan, Kron, Lookahead): each bucket's step advanced the group counter or
+    # drew again (Adan's step 20 against 5), and a wrapper's count in its base's groups was overwritten by the
+    # narrowed copy's stale 0 even in one bucket (Lookahead never synchronised)
+    a, opt_a, b, opt_b = plain_and_wrapped(make, bucket_bytes=1 << 30)
+    for x, y in batches(4):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            one_step(model, opt, x, y)
+            opt.step()
+    assert_same(a, b, moved_from=net())
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt_a.param_groups] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in opt_b.param_groups]
+    a, opt_a, b, opt_b = plain_and_wrapped(make, bucket_bytes=0)
+    x, y = batches(1)[0]
+    with pytest.raises(Error, match="keeps state outside each parameter's own.*Use one bucket"):
+        one_step(b, opt_b, x, y)
+        opt_b.step()
+
+
+def test_an_optimizer_writing_parameters_outside_its_bucket_is_refused():
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda ps: DecayEverything(ps, lr=0.1), bucket_bytes=0)
+    x, y = batches(1)[0]
+    with pytest.raises(Error, match=r"changed \d+ parameter\(s\) outside the bucket"):
+        one_step(b, opt_b, x, y)
+        opt_b.step()

@@ -26,7 +26,10 @@ NOTE [ optimizer in backward ]
   ``step`` with ``param_groups`` temporarily narrowed to the bucket (each narrowed group is a shallow copy of
   the real group, so hyperparameters, including a scheduler's latest learning rate, are read at that moment;
   ``state`` is shared). The update of a parameter depends only on its gradient and state, so this is bitwise
-  equal to one ``step()`` over all parameters, with the same foreach/fused implementation.
+  equal to one ``step()`` over all parameters, with the same foreach/fused implementation. An optimizer that keeps
+  state of its own (a group entry it changes in ``step``; for classes outside torch.optim and memtrim also its own
+  numbers and random generators, and parameters written outside the bucket) would advance it once per bucket: it is
+  refused when there is more than one bucket or one update per step.
 * When: ``register_post_accumulate_grad_hook`` marks a parameter ready; a bucket steps when its last expected
   parameter is ready (memtrim's hook is moved behind the user's own at each ``zero_grad()``, so a user's hook
   that edits ``.grad`` runs first; one registered inside the open step makes its bucket wait for the end of
@@ -62,6 +65,7 @@ import contextlib
 import functools
 import inspect
 import math
+import random
 import threading
 import types
 import weakref
@@ -318,6 +322,7 @@ class OptimizerInBackward(WrappedOptimizerView):
     def _init_step_state(self) -> None:
         """The bookkeeping of one training step and of the two-pass backward (NOTE [ optimizer in backward ])."""
         self._open = False
+        self._inner_steps = 0  # calls of the wrapped optimizer's step in this training step
         self._thread: int | None = None
         self._stepped: set[int] = set()  # updated (or consumed by a skipped update) in this step
         self._updated_in_backward = 0
@@ -1040,21 +1045,55 @@ class OptimizerInBackward(WrappedOptimizerView):
                     for grad in grads:
                         grad.clamp_(min=-self.clip_grad_value, max=self.clip_grad_value)
         saved = self.optimizer.param_groups
+        held = [_hyperparameters(g) for g in saved]  # what each group held when it was narrowed
         narrowed = [{**g, "params": []} for g in saved]
         for param in sorted(params, key=lambda p: self._position[id(p)]):  # the optimizer's own order
             narrowed[self._where[id(param)][0].group]["params"].append(param)
+        # a class outside torch.optim and memtrim may step more than self.param_groups, or keep state of its own
+        foreign = not _steps_per_parameter(self.optimizer)
+        if foreign:
+            chosen = {id(p) for p in params}
+            others = [(p, p._version) for p in self._by_id.values() if id(p) not in chosen]
+            own_before = _own_state(self.optimizer)
         self.optimizer.param_groups = narrowed
         try:
             self._raw_step(self.optimizer)
         finally:
             self.optimizer.param_groups = saved
-        for g, (group, used) in enumerate(zip(saved, narrowed)):
-            if used["params"] and (len(used) != len(group) or any(
-                group[k] is not v for k, v in used.items() if k != "params" and k in group
-            )):  # a hyperparameter the optimizer itself changed in its group
-                group.update((k, v) for k, v in used.items() if k != "params")
+        changed = []
+        for g, (group, used, before) in enumerate(zip(saved, narrowed, held)):
+            # a group entry the optimizer itself changed, in the narrowed copy (written back to the group) or in
+            # the group itself (timm's Lookahead counts in its base optimizer's groups): each compared with what it
+            # held, so that a write-back never undoes the other
+            now, inner = _hyperparameters(group), _hyperparameters(used) if used["params"] else before
+            direct = [k for k in {*now, *before} if now.get(k, _MISSING) != before.get(k, _MISSING)]
+            written = [k for k in {*inner, *before} if inner.get(k, _MISSING) != before.get(k, _MISSING)]
+            changed += [f"param_groups[{g}][{k!r}]" for k in (*direct, *written)]
+            group.update((k, used[k]) for k in written if k in used)
             if in_backward and used["params"]:
                 self._used_hyper[g] = _hyperparameters(group)
+        self._inner_steps += 1
+        if foreign:
+            touched = sum(1 for p, version in others if p._version != version)
+            if touched:
+                raise OptimizerInBackwardError(
+                    f"memtrim.OptimizerInBackward: {type(self.optimizer).__name__}.step() changed {touched} "
+                    "parameter(s) outside the bucket it was given (a wrapper that steps another optimizer's "
+                    "param_groups, such as timm's Lookahead, or a step that writes other parameters). Expected a "
+                    "step that updates only self.param_groups. Training is no longer the standard loop's: use "
+                    "loss.backward(); opt.step() with this optimizer."
+                )
+            changed += [f"its attribute {name!r}" for name, value in _own_state(self.optimizer).items()
+                        if own_before.get(name) != value]
+        if changed and (len(self._buckets) > 1 or self._inner_steps > 1):
+            raise OptimizerInBackwardError(
+                f"memtrim.OptimizerInBackward: {type(self.optimizer).__name__}.step() changed "
+                f"{', '.join(sorted(set(changed)))}: it keeps state outside each parameter's own (a step counter per "
+                "group, a random generator), which stepping bucket by bucket advances once per bucket where the "
+                "standard loop advances it once per step. Expected an optimizer whose update of a parameter depends "
+                "only on its gradient and state. Use one bucket (bucket_bytes larger than the model's parameters, "
+                "no accumulate()), or loss.backward(); opt.step()."
+            )
         for param in params:
             self._stepped.add(id(param))
         if in_backward:
@@ -1191,6 +1230,7 @@ class OptimizerInBackward(WrappedOptimizerView):
 
     def _close_step(self) -> None:
         self._open = False
+        self._inner_steps = 0
         self._stepped.clear()
         self._updated_in_backward = 0
         self._pre_hooks_ran = False
@@ -1688,6 +1728,31 @@ def _check_fused_unscaling(optimizer: torch.optim.Optimizer, scaler: Any) -> Non
 
 
 _GLOBAL_OPTIMIZERS = ("LBFGS",)
+
+
+def _steps_per_parameter(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is one of torch's or memtrim's, known to step only ``self.param_groups`` and keep its
+    state per parameter (in ``state``) and per group."""
+    module = type(optimizer).__module__
+    return module.startswith(("torch.optim", "memtrim."))
+
+
+def _own_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's own attributes a step could advance (besides ``state`` and ``param_groups``): numbers, and
+    random generators by their state (timm's Kron draws from one of its own)."""
+    found: dict[str, Any] = {}
+    for name, value in vars(optimizer).items():
+        if name in ("state", "param_groups", "defaults"):
+            continue
+        if type(value) in (int, float, bool):
+            found[name] = value
+        elif isinstance(value, random.Random):
+            found[name] = value.getstate()
+        elif isinstance(value, torch.Generator):
+            found[name] = bytes(value.get_state().numpy())
+        elif isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu":
+            found[name] = (value._version, value.item())
+    return found
 
 
 def _check_optimizer(optimizer: Any) -> None:
