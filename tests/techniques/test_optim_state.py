@@ -516,6 +516,20 @@ def test_low_bit_refused_param_group_is_not_kept():
     assert torch.equal(b.detach(), torch.ones(4))
 
 
+@pytest.mark.parametrize("option", ["maximize", "amsgrad"])
+def test_low_bit_refuses_a_group_asking_for_an_adamw_option_it_does_not_implement(option):
+    # found by an adversarial pass: a group with maximize=True was kept and ignored (AdamW moved 1.0 -> 1.30, this
+    # optimizer 1.0 -> 0.70)
+    p, q = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    with pytest.raises(InvalidInputError, match=f"{option}=True.*does not implement"):
+        memtrim.LowBitAdamW([{"params": [p], option: True}], lr=0.1)
+    opt = memtrim.LowBitAdamW([p], lr=0.1)
+    with pytest.raises(InvalidInputError, match=f"{option}=True"):
+        opt.add_param_group({"params": [q], option: True})
+    assert len(opt.param_groups) == 1
+    memtrim.LowBitAdamW([{"params": [q], option: False}], lr=0.1)  # the default, said out loud, is fine
+
+
 @pytest.mark.parametrize("clip_over", ["model", "param_groups"])
 def test_accumulation_with_param_groups_read_between_micro_batches_clips_the_whole_gradient(clip_over):
     """offload_gradients=False: reading opt.param_groups (logging the lr) between two micro-batches moved the first

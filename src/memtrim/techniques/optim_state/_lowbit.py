@@ -177,6 +177,13 @@ class LowBitAdamW(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:  # a refused group is not kept: a caller that catches the error must not step it
             _check_options({k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})
+            unsupported = [k for k in ("maximize", "amsgrad") if group.get(k)]
+            if unsupported:  # AdamW's options this optimizer does not implement: never ignored silently
+                raise InvalidInputError(
+                    f"{_API}: a param group sets {', '.join(f'{k}=True' for k in unsupported)}, which LowBitAdamW "
+                    "does not implement (it would train as if it were False). Expected only lr, betas, eps and "
+                    "weight_decay per group. Use torch.optim.AdamW for this group."
+                )
             for p in group["params"]:
                 if p.is_complex():
                     raise InvalidInputError(f"{_API}: complex parameters are not supported (shape {tuple(p.shape)}).")
