@@ -697,6 +697,21 @@ def test_clip_grad_norm_with_model_parameters_outside_the_optimizer_names_the_fi
         opt.backward(F.cross_entropy(model(x), y))
 
 
+
+def test_clip_grad_norm_with_a_frozen_parameter_still_holding_a_gradient_names_the_fix():
+    # found by an adversarial pass: a backbone trained, then frozen and the optimizer rebuilt over the head, keeps
+    # its last .grad; clip_grad_norm_(model.parameters()) counts it (first norm 1.332), the wrapper did not (0.969)
+    model = net()
+    x, y = batches(1)[0]
+    F.cross_entropy(model(x), y).backward()
+    model[0].requires_grad_(False)
+    opt = wrap(torch.optim.SGD(model[4].parameters(), lr=0.1), model, clip_grad_norm=0.5)
+    model[2].requires_grad_(False)
+    model[2].zero_grad(set_to_none=True)  # frozen without a gradient: not counted, nothing to refuse
+    opt.zero_grad()
+    with pytest.raises(Error, match=r"(?s)2 parameter\(s\).*still hold a \.grad.*model\.zero_grad\(\)"):
+        opt.backward(F.cross_entropy(model(x), y))
+
 # ---------------------------------------------------------------------- found by the 2026-11-29 adversarial pass
 class TwoExperts(nn.Module):
     """A mixture of two experts; ``use`` picks the ones this step routes to (an unused one gets no gradient)."""

@@ -720,6 +720,16 @@ class OptimizerInBackward(WrappedOptimizerView):
                 "parameter in this one optimizer (param groups for their settings), or build the wrapper without "
                 "model= (it then clips its own parameters only, as clip_grad_norm_(opt.param_groups' params))."
             )
+        held = [p for p in model.parameters() if p.grad is not None and id(p) not in self._by_id]
+        if held:  # a frozen parameter's old gradient: the usual clip counts it and scales it at every step
+            self._close_step()
+            raise OptimizerInBackwardError(
+                f"OptimizerInBackward.backward: clip_grad_norm= clips as clip_grad_norm_(model.parameters()) does, but "
+                f"{len(held)} parameter(s) of the model outside this optimizer (the first of shape "
+                f"{tuple(held[0].shape)}) still hold a .grad (left from before they were frozen): that norm counts it "
+                "and scales it, and this wrapper cannot. Set their .grad to None (model.zero_grad() before building "
+                "the wrapper), or build the wrapper without model=."
+            )
 
     def remove(self) -> None:
         """Remove memtrim's hooks: the wrapped optimizer then works as usual (``step()`` applies ``.grad``)."""
