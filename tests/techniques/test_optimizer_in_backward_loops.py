@@ -712,6 +712,20 @@ def test_clip_grad_norm_with_a_frozen_parameter_still_holding_a_gradient_names_t
     with pytest.raises(Error, match=r"(?s)2 parameter\(s\).*still hold a \.grad.*model\.zero_grad\(\)"):
         opt.backward(F.cross_entropy(model(x), y))
 
+
+def test_add_param_group_of_a_parameter_the_model_does_not_own_is_refused_as_at_construction():
+    # found by an adversarial pass: a learnable temperature added after wrapping was refused at construction, but
+    # added later it reached the clip's two passes and raised "a second backward on the same (retained) graph"
+    model = net()
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, clip_grad_norm=0.5)
+    with pytest.raises(memtrim.InvalidInputError, match=r"does not own.*without model="):
+        opt.add_param_group({"params": [nn.Parameter(torch.tensor(2.0))]})
+    assert len(opt.param_groups) == 1
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    opt.backward(F.cross_entropy(model(x), y))  # the wrapper trains on as before
+    opt.step()
+
 # ---------------------------------------------------------------------- found by the 2026-11-29 adversarial pass
 class TwoExperts(nn.Module):
     """A mixture of two experts; ``use`` picks the ones this step routes to (an unused one gets no gradient)."""

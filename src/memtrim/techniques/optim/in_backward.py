@@ -403,8 +403,16 @@ class OptimizerInBackward(WrappedOptimizerView):
         return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the wrapped optimizer; its parameters are bucketed and hooked like the others."""
+        """Add a group to the wrapped optimizer; its parameters are bucketed and hooked like the others. With
+        ``model=``, a parameter the model does not own is refused (the group is not kept), as at construction."""
         self.optimizer.add_param_group(param_group)
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            try:
+                _check_owned(model, self.optimizer)
+            except InvalidInputError:
+                self.optimizer.param_groups.pop()
+                raise
         self._build_buckets()
         if self._ddp is None and not self._removed:
             self._hook_new_params()
@@ -1406,7 +1414,9 @@ class OptimizerInBackward(WrappedOptimizerView):
             for index, param in enumerate(bucket.params):
                 if id(param) in self._where:
                     raise InvalidInputError(
-                        "memtrim.OptimizerInBackward: a parameter appears twice in the optimizer's param_groups."
+                        f"memtrim.OptimizerInBackward: a parameter (shape {tuple(param.shape)}) appears twice in the "
+                        "optimizer's param_groups; give each parameter once (tied weights are one parameter: "
+                        "model.parameters() lists it once)."
                     )
                 self._where[id(param)] = (bucket, index)
                 self._by_id[id(param)] = param
@@ -1796,19 +1806,25 @@ def _check_optimizer(optimizer: Any) -> None:
         )
 
 
+def _check_owned(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Raise where the optimizer holds a parameter ``model`` does not own."""
+    stray = not_owned(model, optimizer)
+    if stray:
+        raise InvalidInputError(
+            f"memtrim.OptimizerInBackward: the optimizer holds a parameter of shape {tuple(stray[0].shape)} that the "
+            f"model ({type(model).__name__}) does not own. Build the optimizer from this model's parameters (after "
+            "wrapping it in DDP, pass the DDP model), or build the wrapper without model= (it then clips its own "
+            "parameters only)."
+        )
+
+
 def _check_model(model: Any, optimizer: torch.optim.Optimizer) -> Any:
     """Return the DDP wrapper if ``model`` is one; check that the model owns every optimized parameter."""
     if model is None:
         return None
     if not isinstance(model, torch.nn.Module):
         raise InvalidInputError(f"memtrim.OptimizerInBackward: model must be an nn.Module, got {type(model).__name__}.")
-    stray = not_owned(model, optimizer)
-    if stray:
-        raise InvalidInputError(
-            f"memtrim.OptimizerInBackward: the optimizer holds a parameter of shape {tuple(stray[0].shape)} that the "
-            f"model ({type(model).__name__}) does not own. Build the optimizer from this model's parameters (after "
-            "wrapping it in DDP, pass the DDP model)."
-        )
+    _check_owned(model, optimizer)
     from torch.nn.parallel import DistributedDataParallel
 
     return model if isinstance(model, DistributedDataParallel) else None
