@@ -66,7 +66,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..._signatures import accepts
 from ...errors import InvalidInputError, MemtrimStateError, MissingDependencyError
-from ...measure.hooks import check_saved_version, hold_for_backward
+from ...measure.hooks import check_saved_version, hold_for_backward, tensors_in
 from .._bound import InstanceForward
 from .._generators import GeneratorDraws
 from .._modes import TrainingFlags, set_training_flags, training_flags
@@ -132,7 +132,7 @@ class CheckpointHandle:
     names: list[str]
     policy: str | None
     _modules: list[nn.Module] = field(default_factory=list, repr=False)
-    _selective: Callable[[], tuple[Any, Any]] | None = field(default=None, repr=False)
+    _selective: Callable[[str], tuple[Any, Any]] | None = field(default=None, repr=False)
 
     def remove(self) -> None:
         """Undo: the modules run their own forward again (a second call does nothing)."""
@@ -242,7 +242,7 @@ def selective_available() -> bool:
     return hasattr(tuc, "create_selective_checkpoint_contexts")
 
 
-def _selective(policy_fn: Callable[..., Any] | None) -> Callable[[], tuple[Any, Any]] | None:
+def _selective(policy_fn: Callable[..., Any] | None) -> Callable[[str], tuple[Any, Any]] | None:
     if policy_fn is None:
         return None
     if not selective_available():
@@ -251,7 +251,57 @@ def _selective(policy_fn: Callable[..., Any] | None) -> Callable[[], tuple[Any, 
             f"{torch.__version__} does not have (torch >= 2.5 does). Upgrade torch, or pass policy=None to checkpoint "
             "whole modules."
         )
-    return functools.partial(tuc.create_selective_checkpoint_contexts, policy_fn)
+
+    def contexts(owner: str) -> tuple[Any, Any]:
+        guard = _KeptOutputsUnwritten(policy_fn, owner)
+        forward, recompute = tuc.create_selective_checkpoint_contexts(guard)
+        guard.mode = forward
+        return forward, recompute
+
+    return contexts
+
+
+class _KeptOutputsUnwritten:
+    """The policy, refusing (in the forward) an op that writes in place into an output the policy kept. torch's
+    selective mode checks a kept output's version at the recomputation, but a write through a view that shares no
+    version counter (``unsafe_split``: torch's CPU GRU adds into chunks of its ``addmm`` output) moves none: the
+    recomputation then reads the written values, and the gradients are wrong, silently."""
+
+    def __init__(self, policy_fn: Callable[..., Any], owner: str) -> None:
+        self.policy_fn, self.owner = policy_fn, owner
+        self.mode: Any = None
+        self.kept: dict[int, str] = {}  # storage (as torch's StorageWeakRef compares them) -> the op that made it
+        self.seen: dict[Any, int] = {}  # op -> how many of its kept outputs are in ``kept``
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if not ctx.is_recompute and op._schema.is_mutable:
+            self._refuse_writes_into_kept(op, args, kwargs)
+        return self.policy_fn(ctx, op, *args, **kwargs)
+
+    def _refuse_writes_into_kept(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        for key, outputs in getattr(self.mode, "storage", {}).items():
+            # (an op's outputs in call order: a list, or a dict by call index in later torch versions)
+            entries = list(outputs.values()) if isinstance(outputs, dict) else outputs
+            func = key[0] if isinstance(key, tuple) else key
+            for output in entries[self.seen.get(key, 0):]:
+                for t in _saved_values(output, []):
+                    self.kept[t.untyped_storage()._cdata] = str(func)
+            self.seen[key] = len(entries)
+        for i, arg in enumerate(op._schema.arguments):
+            if arg.alias_info is None or not arg.alias_info.is_write:
+                continue
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            for t in tensors_in(value):
+                made_by = self.kept.get(t.untyped_storage()._cdata)
+                if made_by is not None:
+                    raise InvalidInputError(
+                        f"{_API}: in {self.owner}, the policy keeps the output of {made_by} for backward, and {op} "
+                        "then writes into it in place (through a view torch's selective checkpointing does not follow: "
+                        "torch's CPU GRU adds into chunks of its addmm output). The recomputation would read the "
+                        "written values and give other gradients than the plain model's. Expected no in-place write "
+                        f"into a kept output. To fix: pass policy=None for {self.owner}, or a policy that does not "
+                        f"keep {made_by}."
+                    )
 
 
 def _saved_values(obj: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -382,13 +432,13 @@ class _Forward:
             self.owner.draws.__exit__(*exc)
 
 
-def _context_fn(module: nn.Module, selective: Callable[[], tuple[Any, Any]] | None) -> Callable[[], Any]:
+def _context_fn(module: nn.Module, selective: Callable[[str], tuple[Any, Any]] | None) -> Callable[[], Any]:
     def contexts() -> tuple[_Forward, _Recompute]:
         with torch.no_grad():
             snapshot = {id(b): b.clone() for sub in module.modules() for b in sub._buffers.values() if b is not None}
         entries = [(sub, name, snapshot[id(b)]) for sub in module.modules()
                    for name, b in sub._buffers.items() if b is not None]
-        forward, recompute = selective() if selective is not None else (None, None)
+        forward, recompute = selective(type(module).__name__) if selective is not None else (None, None)
         draws = GeneratorDraws(f"{_API}: {type(module).__name__}", "leave this module out of checkpoint_modules",
                                InvalidInputError)
         owner = _Recompute(entries, recompute, draws, module)
