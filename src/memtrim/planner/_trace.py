@@ -177,6 +177,20 @@ _FAKE_FACTORY = ("The factory is called under FakeTensorMode, so that no weight 
                  "model inside the factory.")
 
 
+def _kernels_not_traced(model: nn.Module) -> list[str]:
+    """Notes for modules whose real kernels keep other tensors than their fake kernels: the prediction misses it."""
+    notes = []
+    rnns = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
+    if rnns:
+        notes.append(f"{', '.join(rnns)}: traced through torch's generic RNN ops; a real step runs a fused kernel (the "
+                     "CPU's oneDNN mkldnn_rnn_layer, cuDNN's RNN) that keeps other tensors for backward, so its peak "
+                     "differs from this prediction (on the CPU it is above it): not modelled")
+    if any(isinstance(m, nn.EmbeddingBag) for m in model.modules()):
+        notes.append("EmbeddingBag: the CPU kernel's offset2bag holds one index more than the fake kernel's (8 B "
+                     "per call): a peak during backward can be that much above this prediction")
+    return notes
+
+
 def trace_step(
     model_or_factory: nn.Module | Callable[[], nn.Module],
     inputs: Any,
@@ -215,6 +229,8 @@ def trace_step(
                 "that are not the model's: build it from the model it is given, e.g. lambda m: "
                 "torch.optim.AdamW(m.parameters()), not from a model captured from outside."
             )
+        if fake:
+            notes.extend(_kernels_not_traced(model))
         applied = Applied(model, optimizer, host="meta" if fake else "cpu")
         for technique in techniques:
             notes.extend(technique.apply(applied))
