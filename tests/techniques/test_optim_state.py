@@ -681,3 +681,88 @@ def test_low_bit_load_state_dict_of_a_plain_adamw_says_what_it_is():
     plain.step()
     with pytest.raises(InvalidInputError, match="it is a torch.optim.AdamW's state"):
         memtrim.LowBitAdamW(model.parameters(), bits=8).load_state_dict(plain.state_dict())
+
+
+# ---------------------------------------------------------------------- CPUOffloadOptimizer beside the user's code
+def _mlp(seed=1):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _mlp_data(n=4):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("when", ["after building", "inside the step"])
+def test_offload_lets_a_users_gradient_hook_see_the_gradient(when):
+    # found by an adversarial pass: the offload hook ran first and moved the gradient, so a user's clamp hook
+    # registered after the optimizer saw None and did nothing (0.061 off after 4 steps)
+    def train(offload):
+        model = _mlp()
+        opt = (memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.SGD, lr=0.1) if offload
+               else torch.optim.SGD(model.parameters(), lr=0.1))
+        seen = []
+
+        def clamp(p):
+            seen.append(p.grad is not None)
+            if p.grad is not None:
+                p.grad.clamp_(-1e-3, 1e-3)
+
+        if when == "after building":
+            model[2].weight.register_post_accumulate_grad_hook(clamp)
+        for i, (x, y) in enumerate(_mlp_data()):
+            opt.zero_grad()
+            if when == "inside the step" and i == 0:
+                model[2].weight.register_post_accumulate_grad_hook(clamp)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        return model, seen
+
+    plain, seen_plain = train(False)
+    offloaded, seen = train(True)
+    assert seen == seen_plain == [True] * 4
+    _assert_same_parameters(offloaded, plain)
+
+
+def test_a_second_optimizer_beside_a_live_offloader_is_refused_and_remove_frees_the_parameters():
+    # found by an adversarial pass: an old CPUOffloadOptimizer still held (by an LR scheduler) kept taking the
+    # gradients; a new optimizer found them None and trained nothing (0.027 off)
+    model = _mlp()
+    old = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(old, 100)  # noqa: F841 - holds the old optimizer, as a resume leaves it
+    with pytest.raises(InvalidInputError, match="another CPUOffloadOptimizer that is still alive.*remove"):
+        memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    with pytest.raises(InvalidInputError, match="CPUOffloadOptimizer that is still alive.*remove"):
+        memtrim.OptimizerInBackward(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    new = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = _mlp_data(1)[0]
+    new.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    with pytest.raises(MemtrimError, match=r"AdamW\.step\(\) steps a parameter.*still alive.*remove"):
+        new.step()
+    old.remove()
+    plain = _mlp()
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for m, opt in ((model, new), (plain, reference)):
+        opt.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        opt.step()
+    _assert_same_parameters(model, plain)
+
+
+def test_offload_state_is_reached_through_the_params_param_groups_lists():
+    # found by an adversarial pass: param_groups holds the host copies, and opt.state[host] raised a bare KeyError
+    # while opt.state.get(host) reset nothing
+    model = _mlp()
+    opt = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    x, y = _mlp_data(1)[0]
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            assert opt.state.get(p) is opt.state[p] and "exp_avg" in opt.state[p]
+            opt.state[p] = {}
+    assert all(opt.state[p] == {} for p in model.parameters())
+    with pytest.raises(KeyError, match="neither a parameter of this optimizer nor its host copy"):
+        opt.state[torch.zeros(2)]

@@ -1791,6 +1791,16 @@ def _check_optimizer(optimizer: Any) -> None:
             "of the two: CPUOffloadOptimizer (offload_gradients=True, the default) keeps the optimizer state and "
             "the gradients off the device; OptimizerInBackward frees each gradient after an update on the device."
         )
+    from ..optim_state._offload import live_offloader
+
+    held = [p for g in getattr(optimizer, "param_groups", ()) for p in g["params"] if live_offloader(p) is not None]
+    if held:
+        raise InvalidInputError(
+            f"memtrim.OptimizerInBackward: a parameter of shape {tuple(held[0].shape)} is in a CPUOffloadOptimizer "
+            "that is still alive (held by an LR scheduler, a list, a variable): its gradient hooks would move the "
+            "gradients to its host copies before this wrapper sees them. Call old_opt.remove() (or drop every "
+            "reference to it) before building this one."
+        )
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise InvalidInputError(
             f"memtrim.OptimizerInBackward: expected a built torch.optim.Optimizer, got {type(optimizer).__name__}. "

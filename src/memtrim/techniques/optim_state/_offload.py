@@ -41,9 +41,11 @@ from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ...errors import InvalidInputError, MemtrimStateError
 from ..optim.held_elsewhere import add_to_holder, hold_gradient_elsewhere, wait_for_copies
+from ..optim.in_backward import _memtrims_own
 from ..optim.wrapping import WrappedOptimizerView
 
 _API = "memtrim.CPUOffloadOptimizer"
@@ -56,12 +58,14 @@ class _StateByDeviceParameter(MutableMapping):
     def __init__(self, inner: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.inner = inner
         self.pairs = pairs
-        self.hosts = {id(p): h for p, h in pairs}
+        # keyed by the device parameters, and by the host copies themselves (the params param_groups lists)
+        self.hosts = {id(p): h for p, h in pairs} | {id(h): h for _, h in pairs}
 
     def _host(self, param: Any) -> torch.Tensor:
         host = self.hosts.get(id(param))
         if host is None:
-            raise KeyError(param)
+            raise KeyError(f"a tensor of shape {tuple(getattr(param, 'shape', ()))} that is neither a parameter of "
+                           "this optimizer nor its host copy")
         return host
 
     def __getitem__(self, param: Any) -> Any:
@@ -148,8 +152,10 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         self._synced: dict[int, tuple[int, int]] = {}  # id(device parameter) -> its (version, data_ptr) as copied
         self._handles: list[Any] = []
         self._hooked: set[int] = set()  # ids of the device parameters with a gradient hook
+        self._deferred: set[int] = set()  # ids whose gradient waits on the device (a user's hook runs after ours)
         self.optimizer = self._rolled_back_on_error(lambda: optimizer_class([self._host_group(g) for g in groups],
                                                                              **kwargs))
+        _install_step_guard()
         # Optimizer.__init__ is not called: param_groups, state and defaults are the host optimizer's own (their
         # params are the host copies; state is keyed by the device parameters)
         self._optimizer_step_pre_hooks = self.optimizer._optimizer_step_pre_hooks
@@ -191,6 +197,14 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
     def _host_copy(self, param: torch.Tensor) -> torch.Tensor:
         if not isinstance(param, torch.Tensor):
             raise InvalidInputError(f"{_API}: parameters must be tensors, got {type(param).__name__}.")
+        other = live_offloader(param)
+        if other is not None and other is not self:
+            raise InvalidInputError(
+                f"{_API}: a parameter of shape {tuple(param.shape)} is also in another CPUOffloadOptimizer that is "
+                "still alive (held by an LR scheduler, a list, a variable): its gradient hooks would keep moving the "
+                "gradients to its own host copies, and this optimizer would step nothing. Call old_opt.remove() "
+                "(or drop every reference to it) before building a new one."
+            )
         if any(param is p for p, _ in self._pairs):  # a few hundred parameters in a 7B model: a scan is fine
             raise InvalidInputError(
                 f"{_API}: a parameter appears twice (shape {tuple(param.shape)}); give each parameter once (tied "
@@ -208,6 +222,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
             self._synced[id(param)] = _version(param)
         host.requires_grad_(param.requires_grad)
         self._pairs.append((param, host))
+        _OFFLOADERS[param] = weakref.ref(self)
         if self.offload_gradients and param.requires_grad:
             self._hook(param, host)
         # every gradient ends on the host (at step() where no hook moved it): torch's clipping and
@@ -216,8 +231,22 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         return host
 
     def _hook(self, param: torch.Tensor, host: torch.Tensor) -> None:
-        self._handles.append(param.register_post_accumulate_grad_hook(_GradToHost(weakref.ref(self), host)))
+        hook = _GradToHost(weakref.ref(self), host)
+        handle = param.register_post_accumulate_grad_hook(hook)
+        hook.key = handle.id
+        self._handles.append(handle)
         self._hooked.add(id(param))
+
+    def _hooks_last(self) -> None:
+        """Move memtrim's gradient hook behind any the user registered since (a hook that reads or edits ``.grad``
+        must find the gradient, as in the standard loop): popped and re-inserted, as OptimizerInBackward does."""
+        for param, _ in self._pairs:
+            hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+            if hooks is None or len(hooks) < 2:
+                continue
+            mine = [k for k, h in hooks.items() if isinstance(h, _GradToHost) and h.owner() is self]
+            for key in mine:
+                hooks[key] = hooks.pop(key)
 
     def _hook_unfrozen(self) -> None:
         """Gradient hooks for the parameters frozen when the wrapper was built and trained since (their gradients
@@ -308,13 +337,16 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
                 device_param.copy_(host_param, non_blocking=True)
                 self._synced[id(device_param)] = _version(device_param)
         self._hook_unfrozen()
+        self._hooks_last()
+        self._deferred.clear()
 
     def _check_no_gradient_written_after_backward(self) -> None:
         """A gradient on a parameter whose hook already moved backward's gradient to the host was written there by
         hand after backward (``p.grad = projected``): the standard loop's step would use what was written, which may
         replace or build on the gradient backward made; here code reading ``p.grad`` after backward found None."""
         for device_param, host_param in self._pairs:
-            if device_param.grad is not None and host_param.grad is not None and id(device_param) in self._hooked:
+            if (device_param.grad is not None and host_param.grad is not None and id(device_param) in self._hooked
+                    and id(device_param) not in self._deferred):
                 raise MemtrimStateError(
                     f"{_API}.step: expected the gradients of a step to come from backward, but a parameter of shape "
                     f"{tuple(device_param.shape)} has a .grad written after backward had moved its gradient to the "
@@ -328,6 +360,8 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         """Clear the gradients on the host and on the device."""
         wait_for_copies()  # no copy may land in a gradient after it was cleared
         self._hook_unfrozen()
+        self._hooks_last()
+        self._deferred.clear()
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for device_param, _ in self._pairs:
             if device_param.grad is not None:
@@ -355,6 +389,59 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
             hold_gradient_elsewhere(device_param, None)
 
 
+_OFFLOADERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # device parameter -> weakref to its CPUOffloadOptimizer
+
+
+_STEP_GUARD: list[Any] = []  # the handle of the global step pre-hook, once installed
+
+
+def _install_step_guard() -> None:
+    """A global optimizer step pre-hook: another optimizer stepping a parameter whose gradients a live
+    CPUOffloadOptimizer's hooks take (an old one still held by an LR scheduler after a resume) would find them gone
+    and step nothing, silently."""
+    if not _STEP_GUARD:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _STEP_GUARD.append(register_optimizer_step_pre_hook(_refuse_a_second_optimizer))
+
+
+def _refuse_a_second_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if not _OFFLOADERS:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            owner = live_offloader(param)
+            if owner is not None and owner.optimizer is not optimizer:
+                raise MemtrimStateError(
+                    f"{_API}: {type(optimizer).__name__}.step() steps a parameter of shape {tuple(param.shape)} "
+                    "whose gradients a CPUOffloadOptimizer that is still alive (held by an LR scheduler, a list, a "
+                    "variable) moves to its own host copies: this optimizer finds them gone and would step nothing. "
+                    "Call old_opt.remove() (or drop every reference to it) before training with another optimizer."
+                )
+
+
+def live_offloader(param: Any) -> CPUOffloadOptimizer | None:
+    """The CPUOffloadOptimizer whose gradient hooks are on ``param`` and still run (alive, not removed), if any."""
+    ref = _OFFLOADERS.get(param) if isinstance(param, torch.Tensor) else None
+    owner = ref() if ref is not None else None
+    if owner is None or getattr(owner, "_removed", False) or id(param) not in owner._hooked:
+        return None
+    return owner
+
+
+def _followed(param: torch.Tensor, key: int | None) -> bool:
+    """Whether a hook other than memtrim's own runs after the hook ``key`` on ``param``."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    if hooks is None or len(hooks) < 2:
+        return False
+    for k in reversed(hooks):
+        if k == key:
+            return False
+        if not _memtrims_own(hooks[k]):
+            return True
+    return False
+
+
 def _described(value: Any) -> str:
     if isinstance(value, torch.optim.Optimizer):
         return f"a {type(value).__name__} instance (pass the class and its options instead)"
@@ -378,14 +465,19 @@ def _check_unchanged_layout(device_param: torch.Tensor, host_param: torch.Tensor
 class _GradToHost:
     """A post-accumulate-grad hook: the gradient goes to the host copy and is freed on the device."""
 
-    __slots__ = ("owner", "host_param")
+    __slots__ = ("owner", "host_param", "key")
 
     def __init__(self, owner: weakref.ref, host_param: torch.Tensor) -> None:
         self.owner = owner
         self.host_param = host_param
+        self.key: int | None = None  # its key in the parameter's hook dict
 
     def __call__(self, param: torch.Tensor) -> None:
-        if self.owner() is None or param.grad is None:
+        owner = self.owner()
+        if owner is None or param.grad is None:
+            return
+        if _followed(param, self.key):  # a user's hook registered inside this step runs next and reads .grad:
+            owner._deferred.add(id(param))  # the gradient waits on the device, moved at step() or param_groups
             return
         _check_unchanged_layout(param, self.host_param)
         with torch.no_grad():
