@@ -1302,16 +1302,7 @@ class OptimizerInBackward(WrappedOptimizerView):
     def _hook_followed(self, param: torch.Tensor) -> bool:
         """Whether a user's hook registered after this step opened runs after memtrim's on ``param`` now (memtrim's
         own, such as a tracker's, only read the gradient and do not count)."""
-        hooks = getattr(param, "_post_accumulate_grad_hooks", None)
-        if hooks is None or len(hooks) < 2:
-            return False
-        mine = self._hook_ids.get(id(param))
-        for key in reversed(hooks):
-            if key == mine:
-                return False
-            if not _memtrims_own(hooks[key]):
-                return True
-        return False
+        return hook_followed(param, self._hook_ids.get(id(param)))
 
     # ------------------------------------------------------------------ global information
     def _has_waiting_grads(self) -> bool:
@@ -1428,6 +1419,19 @@ class OptimizerInBackward(WrappedOptimizerView):
 
 
 _MISSING = object()
+
+
+def hook_followed(param: torch.Tensor, key: int | None) -> bool:
+    """Whether a hook other than memtrim's own runs after the post-accumulate-grad hook ``key`` on ``param``."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    if hooks is None or len(hooks) < 2:
+        return False
+    for k in reversed(hooks):
+        if k == key:
+            return False
+        if not _memtrims_own(hooks[k]):
+            return True
+    return False
 
 
 def _memtrims_own(hook: Any) -> bool:

@@ -45,7 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ...errors import InvalidInputError, MemtrimStateError
 from ..optim.held_elsewhere import add_to_holder, hold_gradient_elsewhere, wait_for_copies
-from ..optim.in_backward import _memtrims_own
+from ..optim.in_backward import hook_followed
 from ..optim.wrapping import WrappedOptimizerView
 
 _API = "memtrim.CPUOffloadOptimizer"
@@ -429,19 +429,6 @@ def live_offloader(param: Any) -> CPUOffloadOptimizer | None:
     return owner
 
 
-def _followed(param: torch.Tensor, key: int | None) -> bool:
-    """Whether a hook other than memtrim's own runs after the hook ``key`` on ``param``."""
-    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
-    if hooks is None or len(hooks) < 2:
-        return False
-    for k in reversed(hooks):
-        if k == key:
-            return False
-        if not _memtrims_own(hooks[k]):
-            return True
-    return False
-
-
 def _described(value: Any) -> str:
     if isinstance(value, torch.optim.Optimizer):
         return f"a {type(value).__name__} instance (pass the class and its options instead)"
@@ -476,7 +463,7 @@ class _GradToHost:
         owner = self.owner()
         if owner is None or param.grad is None:
             return
-        if _followed(param, self.key):  # a user's hook registered inside this step runs next and reads .grad:
+        if hook_followed(param, self.key):  # a user's hook registered inside this step runs next and reads .grad:
             owner._deferred.add(id(param))  # the gradient waits on the device, moved at step() or param_groups
             return
         _check_unchanged_layout(param, self.host_param)
