@@ -634,6 +634,7 @@ class OptimizerInBackward(WrappedOptimizerView):
             return
         self._check_clip_covers_the_model()
         self._check_no_selective_checkpoint()
+        self._check_no_compiled_backward(loss)
         self._pass = "measure"
         self._measured = 0
         _TWO_PASSES.wrapper = self
@@ -710,6 +711,30 @@ class OptimizerInBackward(WrappedOptimizerView):
                 "region; found two. To fix: checkpoint_modules(..., policy=None) (whole modules), or clip with "
                 "torch.nn.utils.clip_grad_norm_ after loss.backward() and a plain optimizer.step()."
             )
+
+    def _check_no_compiled_backward(self, loss: torch.Tensor) -> None:
+        """The two passes run backward twice through a retained graph; torch.compile's backward (a
+        ``CompiledFunctionBackward`` node) does not give the same gradients twice there: inductor reuses its saved
+        buffers, and the second pass (the update) got other gradients, silently (torch's own check fires only in
+        some graphs). Refused before the first pass."""
+        seen: set[int] = set()
+        stack = [loss.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if type(node).__name__.startswith("CompiledFunction"):
+                self._close_step()
+                raise OptimizerInBackwardError(
+                    "OptimizerInBackward.backward: clip_grad_norm= and scaler= run backward twice through the "
+                    "retained graph (a pass that measures every gradient, then the one that updates), but the graph "
+                    "runs torch.compile'd code, whose backward does not give the same gradients a second time "
+                    "(inductor reuses the buffers it saved). Expected an eager graph; found a compiled one. To fix: "
+                    "leave clip_grad_norm= and scaler= out (one pass), or clip with torch.nn.utils.clip_grad_norm_ "
+                    "after loss.backward() and a plain optimizer.step()."
+                )
+            stack.extend(fn for fn, _ in node.next_functions)
 
     def _check_clip_covers_the_model(self) -> None:
         """``clip_grad_norm_(model.parameters())`` measures every gradient of the model; this wrapper measures (and
