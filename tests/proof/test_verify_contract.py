@@ -350,6 +350,31 @@ def test_a_transform_that_adds_its_own_buffer_is_compared_on_the_baselines_and_s
     assert report.bitwise and any("own buffers (calls)" in note for note in report.notes)
 
 
+
+class _Wrapped(torch.nn.Module):
+    """A transform's wrapper: the model under ``inner`` (its names prefixed) and a buffer of its own."""
+
+    def __init__(self, inner, decay=None):
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("seen", torch.zeros(3))
+        if decay is not None:
+            inner.decay = decay
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("decay, bitwise", [(None, True), (0.5, False)])
+def test_a_transform_that_wraps_the_model_and_adds_a_buffer_is_compared_by_the_names_under_its_prefix(decay, bitwise):
+    # found by an adversarial pass: refused, with a message about parameters ("must keep the parameters it trains")
+    # where the README allows a transform its own buffers
+    report = memtrim.verify(Averaging, adam, small_batches(), F.cross_entropy,
+                            lambda m, o: (_Wrapped(m, decay), o))
+    assert report.bitwise is bitwise, str(report)
+    if not bitwise:
+        assert str(report.first_divergence).startswith("step 0, buffer:ema"), str(report)
+
 def test_batches_in_other_containers_and_sparse_tensors_are_copied_and_compared_as_dense_ones():
     # a sparse tensor in the batch crashed the batch comparison ("unsupported memory format"); an OrderedDict or a
     # named tuple was not copied, so a model writing into its input still gave a false divergence

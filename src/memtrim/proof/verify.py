@@ -534,10 +534,16 @@ def _match(base: Iterable[tuple[str, torch.Tensor]], other: Iterable[tuple[str, 
         a.shape == b.shape for (_, a), (_, b) in zip(base_list, other_list)
     ):
         return [(name, a, b) for (name, a), (_, b) in zip(base_list, other_list)]
+    if extra_allowed and names:  # a transform that wraps the model (names under a prefix) and adds buffers of its own
+        wrapped = {n: [o for o in other_by_name if o.endswith("." + n)] for n in names}
+        if all(len(found) == 1 and other_by_name[found[0]].shape == t.shape
+               for n, t in base_list for found in [wrapped[n]]):
+            return [(name, tensor, other_by_name[wrapped[name][0]]) for name, tensor in base_list]
     raise InvalidInputError(
         f"memtrim.verify: the transformed model's {what} match the baseline's neither by name nor by position "
         f"and shape (baseline: {[n for n, _ in base_list][:5]}..., transformed: {[n for n, _ in other_list][:5]}...). "
-        "A transform must keep the parameters it trains."
+        f"A transform must keep the model's {what}: their names (under a wrapper's prefix too, where it may add "
+        "buffers of its own), or their order and shapes."
     )
 
 
