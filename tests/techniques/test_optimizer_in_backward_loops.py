@@ -743,6 +743,40 @@ def test_two_passes_through_a_compiled_graph_are_refused_before_any_update():
         opt.backward(F.cross_entropy(compiled(x), y))
     assert_same(model, before)
 
+
+class TwoSparseTables(nn.Module):
+    """Two sparse embeddings, the second used only in some steps, and a head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb, self.extra = nn.Embedding(10, 8, sparse=True), nn.Embedding(10, 8, sparse=True)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, t, use_extra):
+        return self.head(self.emb(t) + (self.extra(t) if use_extra else 0))
+
+
+@pytest.mark.parametrize("make", [lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                  lambda m: torch.optim.SparseAdam([m.emb.weight, m.extra.weight], lr=0.1)],
+                         ids=["SGD momentum", "SparseAdam"])
+def test_a_sparse_gradient_kept_as_zero_by_zero_grad_stays_sparse(make):
+    # found by an adversarial pass: zero_grad(set_to_none=False) keeps a sparse table's gradient as a sparse zero;
+    # the wrapper rebuilt it dense in step() (SGD: "add(sparse, dense) is not supported"; SparseAdam: "does not
+    # support dense gradients"), where the standard loop trains
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randint(0, 10, (3, 5), generator=g), torch.randint(0, 10, (3, 5), generator=g)) for _ in range(4)]
+    models = []
+    for wrapped in (False, True):
+        model = TwoSparseTables()
+        opt = memtrim.OptimizerInBackward(make(model), bucket_bytes=0) if wrapped else make(model)
+        for i, (t, y) in enumerate(data):
+            opt.zero_grad(set_to_none=False)
+            F.cross_entropy(model(t, i in (0, 2)).flatten(0, 1), y.flatten()).backward()
+            opt.step()
+        models.append(model)
+    assert_same(*models)
+
 # ---------------------------------------------------------------------- found by the 2026-11-29 adversarial pass
 class TwoExperts(nn.Module):
     """A mixture of two experts; ``use`` picks the ones this step routes to (an unused one gets no gradient)."""

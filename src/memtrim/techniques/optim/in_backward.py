@@ -308,6 +308,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._buckets: list[_Bucket] = []
         self._where: dict[int, tuple[_Bucket, int]] = {}  # id(param) -> (bucket, index)
         self._by_id: dict[int, torch.Tensor] = {}
+        self._sparse_layout: dict[int, tuple[int, int]] = {}  # id(param) -> its last freed sparse gradient's dims
         self._init_step_state()
         raw = getattr(type(optimizer).step, "__wrapped__", None)  # the step without hooks and profiler records
         self._raw_step = raw if raw is not None else type(optimizer).step
@@ -1146,7 +1147,10 @@ class OptimizerInBackward(WrappedOptimizerView):
             if self._outcome is not None:
                 self._outcome.updated += len(params)
             for param in params:
-                self._freed_bytes += param.grad.numel() * param.grad.element_size()  # type: ignore[union-attr]
+                grad = cast(torch.Tensor, param.grad)
+                if grad.is_sparse:  # a zero gradient kept for it later (set_to_none=False) is sparse too
+                    self._sparse_layout[id(param)] = (grad.sparse_dim(), grad.dense_dim())
+                self._freed_bytes += grad.numel() * grad.element_size()
                 self._freed.add(id(param))
                 param.grad = None
 
@@ -1190,7 +1194,7 @@ class OptimizerInBackward(WrappedOptimizerView):
             self._free(zeros)
             return
         for param in zeros:
-            param.grad = torch.zeros_like(param)
+            param.grad = _zero_gradient(param, self._sparse_layout.get(id(param)))
             self._zero_pending.discard(id(param))
         grads = cast(list[torch.Tensor], [p.grad for p in waiting])
         if driven:  # GradScaler.step(self): it checked the waiting gradients for infs; we unscale them
@@ -1444,6 +1448,17 @@ class OptimizerInBackward(WrappedOptimizerView):
 
 
 _MISSING = object()
+
+
+def _zero_gradient(param: torch.Tensor, sparse_layout: tuple[int, int] | None) -> torch.Tensor:
+    """The zero gradient ``zero_grad(set_to_none=False)`` leaves: dense zeros, or (where the freed gradient was
+    sparse: ``nn.Embedding(sparse=True)``) a sparse tensor with no entries, as ``zero_()`` leaves one."""
+    if sparse_layout is None:
+        return torch.zeros_like(param)
+    sparse_dim, _ = sparse_layout
+    indices = torch.empty(sparse_dim, 0, dtype=torch.long, device=param.device)
+    values = torch.empty(0, *param.shape[sparse_dim:], dtype=param.dtype, device=param.device)
+    return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=True)
 
 
 def hook_followed(param: torch.Tensor, key: int | None) -> bool:
