@@ -255,8 +255,8 @@ def _selective(policy_fn: Callable[..., Any] | None) -> Callable[[str], tuple[An
     def contexts(owner: str) -> tuple[Any, Any]:
         guard = _KeptOutputsUnwritten(policy_fn, owner)
         forward, recompute = tuc.create_selective_checkpoint_contexts(guard)
-        guard.mode = forward
-        return forward, recompute
+        guard.mode = weakref.ref(forward)  # (the mode holds the guard: a strong reference back would make a cycle
+        return forward, recompute          # that keeps the kept outputs alive until the garbage collector runs)
 
     return contexts
 
@@ -279,7 +279,8 @@ class _KeptOutputsUnwritten:
         return self.policy_fn(ctx, op, *args, **kwargs)
 
     def _refuse_writes_into_kept(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        for key, outputs in getattr(self.mode, "storage", {}).items():
+        mode = self.mode() if self.mode is not None else None
+        for key, outputs in getattr(mode, "storage", {}).items():
             # (an op's outputs in call order: a list, or a dict by call index in later torch versions)
             entries = list(outputs.values()) if isinstance(outputs, dict) else outputs
             func = key[0] if isinstance(key, tuple) else key

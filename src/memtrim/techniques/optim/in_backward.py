@@ -309,6 +309,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._where: dict[int, tuple[_Bucket, int]] = {}  # id(param) -> (bucket, index)
         self._by_id: dict[int, torch.Tensor] = {}
         self._sparse_layout: dict[int, tuple[int, int]] = {}  # id(param) -> its last freed sparse gradient's dims
+        self._steps_closed = 0  # training steps that updated something
         self._init_step_state()
         raw = getattr(type(optimizer).step, "__wrapped__", None)  # the step without hooks and profiler records
         self._raw_step = raw if raw is not None else type(optimizer).step
@@ -1089,15 +1090,18 @@ class OptimizerInBackward(WrappedOptimizerView):
                     for grad in grads:
                         grad.clamp_(min=-self.clip_grad_value, max=self.clip_grad_value)
         saved = self.optimizer.param_groups
-        held = [_hyperparameters(g) for g in saved]  # what each group held when it was narrowed
+        held = [dict(g) for g in saved]  # what each group held when it was narrowed
         narrowed = [{**g, "params": []} for g in saved]
         for param in sorted(params, key=lambda p: self._position[id(p)]):  # the optimizer's own order
             narrowed[self._where[id(param)][0].group]["params"].append(param)
         # a class outside torch.optim and memtrim may step more than self.param_groups, or keep state of its own
         foreign = not _steps_per_parameter(self.optimizer)
         if foreign:
+            # the parameters outside the bucket: read in the first steps only (every parameter at every bucket is
+            # quadratic in their number; an optimizer that writes outside its bucket does so from its first step)
             chosen = {id(p) for p in params}
-            others = [(p, p._version) for p in self._by_id.values() if id(p) not in chosen]
+            others = ([(p, p._version) for p in self._by_id.values() if id(p) not in chosen]
+                      if self._steps_closed < 2 else [])
             own_before = _own_state(self.optimizer)
         self.optimizer.param_groups = narrowed
         try:
@@ -1109,9 +1113,8 @@ class OptimizerInBackward(WrappedOptimizerView):
             # a group entry the optimizer itself changed, in the narrowed copy (written back to the group) or in
             # the group itself (timm's Lookahead counts in its base optimizer's groups): each compared with what it
             # held, so that a write-back never undoes the other
-            now, inner = _hyperparameters(group), _hyperparameters(used) if used["params"] else before
-            direct = [k for k in {*now, *before} if now.get(k, _MISSING) != before.get(k, _MISSING)]
-            written = [k for k in {*inner, *before} if inner.get(k, _MISSING) != before.get(k, _MISSING)]
+            direct = _changed_entries(before, group)
+            written = _changed_entries(before, used) if used["params"] else []
             changed += [f"param_groups[{g}][{k!r}]" for k in (*direct, *written)]
             group.update((k, used[k]) for k in written if k in used)
             if in_backward and used["params"]:
@@ -1277,6 +1280,7 @@ class OptimizerInBackward(WrappedOptimizerView):
 
     def _close_step(self) -> None:
         self._open = False
+        self._steps_closed += self._inner_steps > 0
         self._inner_steps = 0
         self._stepped.clear()
         self._updated_in_backward = 0
@@ -1479,6 +1483,13 @@ def _memtrims_own(hook: Any) -> bool:
     owner = getattr(hook, "__self__", None)
     module = type(owner).__module__ if owner is not None else getattr(hook, "__module__", None)
     return isinstance(module, str) and module.startswith("memtrim.")
+
+
+def _changed_entries(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The keys (but 'params') whose value differs between two views of a param group: the same objects at once
+    (the usual step), else compared by value as :func:`_hyperparameters` compares them."""
+    return [k for k in before.keys() | now.keys() if k != "params" and before.get(k, _MISSING) is not now.get(
+        k, _MISSING) and _fingerprint(before.get(k, _MISSING)) != _fingerprint(now.get(k, _MISSING))]
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
