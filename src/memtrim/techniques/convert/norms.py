@@ -183,23 +183,26 @@ def _rms_spec(trace: ModelTrace, site: CallSite, module: nn.Module) -> tuple[str
             and add.inputs == mean.outputs and rsqrt.inputs == add.outputs
             and sorted(first.inputs) == sorted((x, *rsqrt.outputs))
             and sorted(last.inputs) == sorted((weight_key, *first.outputs)) and last.outputs == site.outputs)
-    if not flow or not _behaves_as_rms_norm(module, weights[0], float(eps)):
+    if not flow:
         return ("an RMSNorm-like call that computes something else than x * rsqrt(mean(x^2, -1) + eps) * weight "
-                "(another power, axis or operand, or gradients that do not flow through every op)")
+                "(another power, axis or operand)")
+    why = _behaves_as_rms_norm(module, weights[0], float(eps), site.input_shapes[0])
+    if why:
+        return f"an RMSNorm-like call whose forward, run again on a random input of its traced shape, {why}"
     return weights[0], float(eps)
 
 
-def _behaves_as_rms_norm(module: nn.Module, weight_name: str, eps: float) -> bool:
-    """Whether ``module``'s own forward, with random weights on random inputs of two shapes, gives the output and
-    the input and weight gradients that autograd gives for ``x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) *
-    weight``, bit for bit (the same ops in the same order: the same bits). Run on the CPU outside any fake or
-    dispatch mode (a plan's trace), the module's parameters swapped for the call and put back."""
+def _behaves_as_rms_norm(module: nn.Module, weight_name: str, eps: float, shape: tuple[int, ...]) -> str:
+    """Why ``module``'s own forward, in training mode, with random weights on a random input of the traced
+    ``shape``, does not give the output and the input and weight gradients that autograd gives for ``x *
+    rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight`` bit for bit (the same ops in the same order give the
+    same bits): "" where it does. Run on the CPU outside any fake or dispatch mode (a plan's trace), the module's
+    parameters swapped for the call and its training flag set as in training, both put back."""
     params = module._parameters
-    held = dict(params)
+    held, training = dict(params), module.training
     weight = held[weight_name]
     assert weight is not None
     generator = torch.Generator().manual_seed(0)
-    dtype, size = weight.dtype, weight.shape[0]
     try:
         with torch.utils._python_dispatch._disable_current_modes(), torch.enable_grad():
             for name, p in held.items():
@@ -209,22 +212,23 @@ def _behaves_as_rms_norm(module: nn.Module, weight_name: str, eps: float) -> boo
                                                 requires_grad=p.is_floating_point())
             w = params[weight_name]
             assert w is not None
-            for shape in ((3, size), (2, 3, size)):
-                x = torch.randn(shape, generator=generator, dtype=dtype, requires_grad=True)
-                out = module.forward(x)
-                expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-                if not isinstance(out, torch.Tensor) or not bitwise_equal(out.detach(), expected.detach()):
-                    return False
-                grad = torch.randn(shape, generator=generator, dtype=dtype)
-                found = torch.autograd.grad(out, (x, w), grad, allow_unused=True)
-                wanted = torch.autograd.grad(expected, (x, w), grad)
-                if any(f is None or not bitwise_equal(f, e) for f, e in zip(found, wanted)):
-                    return False
-    except Exception:  # the module does not take such inputs (or needs its own values): not the formula
-        return False
+            module.training = True  # convert traced it in training mode (as_training); it trains in it
+            x = torch.randn(shape, generator=generator, dtype=weight.dtype, requires_grad=True)
+            out = module.forward(x)
+            expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+            if not isinstance(out, torch.Tensor) or not bitwise_equal(out.detach(), expected.detach()):
+                return "gives another output than the formula"
+            grad = torch.randn(shape, generator=generator, dtype=weight.dtype)
+            found = torch.autograd.grad(out, (x, w), grad, allow_unused=True)
+            wanted = torch.autograd.grad(expected, (x, w), grad)
+            if any(f is None or not bitwise_equal(f, e) for f, e in zip(found, wanted)):
+                return "gives other gradients than the formula (a statistic under no_grad or detached)"
+    except Exception as e:  # it needs its own values, or raises on a random input: not checkable, left alone
+        return f"raised {type(e).__name__}: {e}"
     finally:
         params.update(held)
-    return True
+        module.training = training
+    return ""
 
 
 def _expected(trace: ModelTrace, site: CallSite) -> tuple[int, bool]:
