@@ -61,6 +61,7 @@ NOTE [ optimizer in backward ]
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -121,6 +122,18 @@ class _Bucket:
         self.ready: set[int] = set()  # indices into params
         self.expected = len(params)  # parameters that can receive a gradient through a hook in this step
         self.nbytes = sum(p.numel() * p.element_size() for p in params)
+
+
+class _Watched:
+    """What :meth:`OptimizerInBackward._watch` read before a call of the wrapped optimizer's step."""
+
+    __slots__ = ("groups", "foreign", "others", "own")
+
+    def __init__(self) -> None:
+        self.groups: list[dict[str, Any]] = []
+        self.foreign = False
+        self.others: list[tuple[torch.Tensor, int]] = []
+        self.own: dict[str, Any] = {}
 
 
 class _Outcome:
@@ -325,6 +338,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         """The bookkeeping of one training step and of the two-pass backward (NOTE [ optimizer in backward ])."""
         self._open = False
         self._inner_steps = 0  # calls of the wrapped optimizer's step in this training step
+        self._group_calls: dict[int, int] = {}  # group index -> calls of the step over it in this training step
         self._thread: int | None = None
         self._stepped: set[int] = set()  # updated (or consumed by a skipped update) in this step
         self._updated_in_backward = 0
@@ -1090,57 +1104,16 @@ class OptimizerInBackward(WrappedOptimizerView):
                     for grad in grads:
                         grad.clamp_(min=-self.clip_grad_value, max=self.clip_grad_value)
         saved = self.optimizer.param_groups
-        held = [dict(g) for g in saved]  # what each group held when it was narrowed
         narrowed = [{**g, "params": []} for g in saved]
         for param in sorted(params, key=lambda p: self._position[id(p)]):  # the optimizer's own order
             narrowed[self._where[id(param)][0].group]["params"].append(param)
-        # a class outside torch.optim and memtrim may step more than self.param_groups, or keep state of its own
-        foreign = not _steps_per_parameter(self.optimizer)
-        if foreign:
-            # the parameters outside the bucket: read in the first steps only (every parameter at every bucket is
-            # quadratic in their number; an optimizer that writes outside its bucket does so from its first step)
-            chosen = {id(p) for p in params}
-            others = ([(p, p._version) for p in self._by_id.values() if id(p) not in chosen]
-                      if self._steps_closed < 2 else [])
-            own_before = _own_state(self.optimizer)
+        watched = self._watch(params)
         self.optimizer.param_groups = narrowed
         try:
             self._raw_step(self.optimizer)
         finally:
             self.optimizer.param_groups = saved
-        changed = []
-        for g, (group, used, before) in enumerate(zip(saved, narrowed, held)):
-            # a group entry the optimizer itself changed, in the narrowed copy (written back to the group) or in
-            # the group itself (timm's Lookahead counts in its base optimizer's groups): each compared with what it
-            # held, so that a write-back never undoes the other
-            direct = _changed_entries(before, group)
-            written = _changed_entries(before, used) if used["params"] else []
-            changed += [f"param_groups[{g}][{k!r}]" for k in (*direct, *written)]
-            group.update((k, used[k]) for k in written if k in used)
-            if in_backward and used["params"]:
-                self._used_hyper[g] = _hyperparameters(group)
-        self._inner_steps += 1
-        if foreign:
-            touched = sum(1 for p, version in others if p._version != version)
-            if touched:
-                raise OptimizerInBackwardError(
-                    f"memtrim.OptimizerInBackward: {type(self.optimizer).__name__}.step() changed {touched} "
-                    "parameter(s) outside the bucket it was given (a wrapper that steps another optimizer's "
-                    "param_groups, such as timm's Lookahead, or a step that writes other parameters). Expected a "
-                    "step that updates only self.param_groups. Training is no longer the standard loop's: use "
-                    "loss.backward(); opt.step() with this optimizer."
-                )
-            changed += [f"its attribute {name!r}" for name, value in _own_state(self.optimizer).items()
-                        if own_before.get(name) != value]
-        if changed and (len(self._buckets) > 1 or self._inner_steps > 1):
-            raise OptimizerInBackwardError(
-                f"memtrim.OptimizerInBackward: {type(self.optimizer).__name__}.step() changed "
-                f"{', '.join(sorted(set(changed)))}: it keeps state outside each parameter's own (a step counter per "
-                "group, a random generator), which stepping bucket by bucket advances once per bucket where the "
-                "standard loop advances it once per step. Expected an optimizer whose update of a parameter depends "
-                "only on its gradient and state. Use one bucket (bucket_bytes larger than the model's parameters, "
-                "no accumulate()), or loss.backward(); opt.step()."
-            )
+        self._settle(watched, narrowed, in_backward)
         for param in params:
             self._stepped.add(id(param))
         if in_backward:
@@ -1156,6 +1129,82 @@ class OptimizerInBackward(WrappedOptimizerView):
                 self._freed_bytes += grad.numel() * grad.element_size()
                 self._freed.add(id(param))
                 param.grad = None
+
+    def _watch(self, params: list[torch.Tensor]) -> _Watched:
+        """What a call of the wrapped optimizer's step may change besides its parameters' own state, read before it:
+        the groups' entries (generators by their state), and for a class outside torch.optim and memtrim its own
+        numbers and generators, the global generators and, in its first two steps, the parameters outside the
+        bucket (every parameter at every bucket is quadratic in their number; an optimizer that writes outside its
+        bucket does so from its first step)."""
+        watched = _Watched()
+        watched.groups = [{k: _Snapshot(v) if isinstance(v, (torch.Tensor, torch.Generator)) else v
+                           for k, v in g.items()} for g in self.optimizer.param_groups]
+        watched.foreign = not _steps_per_parameter(self.optimizer)
+        if watched.foreign:
+            chosen = {id(p) for p in params}
+            watched.others = ([(p, p._version) for p in self._by_id.values() if id(p) not in chosen]
+                              if self._steps_closed < 2 else [])
+            watched.own = _own_state(self.optimizer)
+        return watched
+
+    def _settle(self, watched: _Watched, narrowed: list[dict[str, Any]], in_backward: bool) -> None:
+        """After a call of the wrapped optimizer's step: write back the group entries it changed in the narrowed
+        copies, and refuse what stepping bucket by bucket would advance more often than the standard step does."""
+        self._inner_steps += 1
+        per_group: list[str] = []  # entries of the groups this call stepped: fine once per group and step
+        whole: list[str] = []  # state of the whole optimizer: fine once per training step
+        # a tensor or generator held by several groups (one generator for all of them) is the whole optimizer's
+        held: collections.Counter = collections.Counter(
+            id(v) for g in self.optimizer.param_groups for v in g.values() if isinstance(v, (torch.Tensor,
+                                                                                            torch.Generator)))
+        for g, (group, used, before) in enumerate(zip(self.optimizer.param_groups, narrowed, watched.groups)):
+            # changed in the narrowed copy (written back to the group) or in the group itself (timm's Lookahead
+            # counts in its base optimizer's groups), each compared with what it held: no write-back undoes the other
+            direct = _changed_entries(before, group)
+            written = _changed_entries(before, used) if used["params"] else []
+            group.update((k, used[k]) for k in written if k in used)
+            if used["params"]:
+                self._group_calls[g] = self._group_calls.get(g, 0) + 1
+                mine = {*direct, *written}
+                shared = {k for k in mine if held[id(group.get(k))] > 1}
+                whole += [f"param_groups[{g}][{k!r}] (held by several groups)" for k in shared]
+                if self._group_buckets[g] > 1 or self._group_calls[g] > 1:
+                    per_group += [f"param_groups[{g}][{k!r}]" for k in mine - shared]
+                if in_backward:
+                    self._used_hyper[g] = _hyperparameters(group)
+            else:
+                whole += [f"param_groups[{g}][{k!r}] (a group it was not given)" for k in direct]
+        if watched.foreign:
+            touched = sum(1 for p, version in watched.others if p._version != version)
+            if touched:
+                raise OptimizerInBackwardError(
+                    f"memtrim.OptimizerInBackward: {type(self.optimizer).__name__}.step() changed {touched} "
+                    "parameter(s) outside the bucket it was given (a wrapper that steps another optimizer's "
+                    "param_groups, such as timm's Lookahead, or a step that writes other parameters). Expected a "
+                    "step that updates only self.param_groups. Training is no longer the standard loop's: use "
+                    "loss.backward(); opt.step() with this optimizer."
+                )
+            whole += [name if name.startswith("the ") else f"its attribute {name!r}"
+                      for name, value in _own_state(self.optimizer).items() if watched.own.get(name) != value]
+        if whole and (len(self._buckets) > 1 or self._inner_steps > 1):
+            raise OptimizerInBackwardError(
+                f"memtrim.OptimizerInBackward: {type(self.optimizer).__name__}.step() changed "
+                f"{', '.join(sorted(set(whole)))}: state of the whole optimizer (a counter, a random generator), "
+                "which stepping bucket by bucket advances once per call where the standard loop advances it once "
+                "per step. Expected an optimizer whose update of a parameter depends only on its gradient and state. "
+                "Use one param group and one bucket (bucket_bytes larger than the parameters' bytes, no "
+                "accumulate()), or loss.backward(); opt.step()."
+            )
+        if per_group:
+            largest = max(sum(p.numel() * p.element_size() for p in g["params"]) for g in self.optimizer.param_groups)
+            raise OptimizerInBackwardError(
+                f"memtrim.OptimizerInBackward: {type(self.optimizer).__name__}.step() changed "
+                f"{', '.join(sorted(set(per_group)))}: state of a param group (a step counter), which stepping a "
+                "group in several buckets, or again after accumulate(), advances once per call where the standard "
+                "loop advances it once per step. Expected an optimizer whose update of a parameter depends only on "
+                f"its gradient and state. Use one bucket per group (bucket_bytes={largest} or more, the largest "
+                "group's bytes; no accumulate()), or loss.backward(); opt.step()."
+            )
 
     def _check_unchanged(self) -> None:
         """At ``step()``: what the updates inside backward used must be what the standard ``step()`` would use."""
@@ -1282,6 +1331,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._open = False
         self._steps_closed += self._inner_steps > 0
         self._inner_steps = 0
+        self._group_calls.clear()
         self._stepped.clear()
         self._updated_in_backward = 0
         self._pre_hooks_ran = False
@@ -1434,6 +1484,7 @@ class OptimizerInBackward(WrappedOptimizerView):
                 self._buckets.append(_Bucket(g, current))
         self._position = {id(p): (g, i) for g, group in enumerate(self.optimizer.param_groups)
                           for i, p in enumerate(group["params"])}
+        self._group_buckets = collections.Counter(bucket.group for bucket in self._buckets)
         for bucket in self._buckets:
             for index, param in enumerate(bucket.params):
                 if id(param) in self._where:
@@ -1502,7 +1553,21 @@ class _TensorMark(tuple):
     __slots__ = ()
 
 
+class _Snapshot:
+    """A tensor's or generator's fingerprint as it was when read (an in-place add to a step-count tensor, timm's
+    Lamb's, or a draw from a generator changes the object in place)."""
+
+    __slots__ = ("fingerprint",)
+
+    def __init__(self, value: torch.Tensor | torch.Generator) -> None:
+        self.fingerprint = _fingerprint(value)
+
+
 def _fingerprint(value: Any) -> Any:
+    if isinstance(value, _Snapshot):
+        return value.fingerprint
+    if isinstance(value, torch.Generator):  # by its state: a draw changes it in place
+        return ("generator", id(value), bytes(value.get_state().numpy()))
     if isinstance(value, torch.Tensor):
         return _TensorMark((id(value), value._version, value))  # tuple ==: same object short-circuits
     if isinstance(value, (list, tuple)):
@@ -1815,7 +1880,9 @@ def _steps_per_parameter(optimizer: torch.optim.Optimizer) -> bool:
 def _own_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's own attributes a step could advance (besides ``state`` and ``param_groups``): numbers, and
     random generators by their state (timm's Kron draws from one of its own)."""
-    found: dict[str, Any] = {}
+    found: dict[str, Any] = {"the global random generator": bytes(torch.get_rng_state().numpy())}
+    if torch.cuda.is_initialized():
+        found["the CUDA random generators"] = [bytes(s.numpy()) for s in torch.cuda.get_rng_state_all()]
     for name, value in vars(optimizer).items():
         if name in ("state", "param_groups", "defaults"):
             continue
