@@ -1529,6 +1529,12 @@ def hook_followed(param: torch.Tensor, key: int | None) -> bool:
     return False
 
 
+def users_hook_on(param: torch.Tensor) -> bool:
+    """Whether ``param`` has a post-accumulate-grad hook other than memtrim's own."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    return hooks is not None and len(hooks) > 1 and any(not _memtrims_own(h) for h in hooks.values())
+
+
 def _memtrims_own(hook: Any) -> bool:
     """A hook of memtrim's own (a tracker's, another wrapper's): it reads gradients, never edits them."""
     owner = getattr(hook, "__self__", None)

@@ -45,7 +45,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ...errors import InvalidInputError, MemtrimStateError
 from ..optim.held_elsewhere import add_to_holder, hold_gradient_elsewhere, wait_for_copies
-from ..optim.in_backward import hook_followed
+from ..optim.in_backward import users_hook_on
 from ..optim.wrapping import WrappedOptimizerView
 
 _API = "memtrim.CPUOffloadOptimizer"
@@ -152,7 +152,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         self._synced: dict[int, tuple[int, int]] = {}  # id(device parameter) -> its (version, data_ptr) as copied
         self._handles: list[Any] = []
         self._hooked: set[int] = set()  # ids of the device parameters with a gradient hook
-        self._deferred: set[int] = set()  # ids whose gradient waits on the device (a user's hook runs after ours)
+        self._deferred: set[int] = set()  # ids whose gradient waits on the device (a user's hook reads it)
         self.optimizer = self._rolled_back_on_error(lambda: optimizer_class([self._host_group(g) for g in groups],
                                                                              **kwargs))
         _install_step_guard()
@@ -236,17 +236,6 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         hook.key = handle.id
         self._handles.append(handle)
         self._hooked.add(id(param))
-
-    def _hooks_last(self) -> None:
-        """Move memtrim's gradient hook behind any the user registered since (a hook that reads or edits ``.grad``
-        must find the gradient, as in the standard loop): popped and re-inserted, as OptimizerInBackward does."""
-        for param, _ in self._pairs:
-            hooks = getattr(param, "_post_accumulate_grad_hooks", None)
-            if hooks is None or len(hooks) < 2:
-                continue
-            mine = [k for k, h in hooks.items() if isinstance(h, _GradToHost) and h.owner() is self]
-            for key in mine:
-                hooks[key] = hooks.pop(key)
 
     def _hook_unfrozen(self) -> None:
         """Gradient hooks for the parameters frozen when the wrapper was built and trained since (their gradients
@@ -337,7 +326,6 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
                 device_param.copy_(host_param, non_blocking=True)
                 self._synced[id(device_param)] = _version(device_param)
         self._hook_unfrozen()
-        self._hooks_last()
         self._deferred.clear()
 
     def _check_no_gradient_written_after_backward(self) -> None:
@@ -360,7 +348,6 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         """Clear the gradients on the host and on the device."""
         wait_for_copies()  # no copy may land in a gradient after it was cleared
         self._hook_unfrozen()
-        self._hooks_last()
         self._deferred.clear()
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for device_param, _ in self._pairs:
@@ -463,8 +450,14 @@ class _GradToHost:
         owner = self.owner()
         if owner is None or param.grad is None:
             return
-        if hook_followed(param, self.key):  # a user's hook registered inside this step runs next and reads .grad:
-            owner._deferred.add(id(param))  # the gradient waits on the device, moved at step() or param_groups
+        if users_hook_on(param):  # a user's hook reads .grad (before ours or after): under accumulation it must find
+            owner._deferred.add(id(param))  # the sum of the micro-batches, so the gradient waits on the device
+            held = self.host_param.grad     # (moved at step() or param_groups); an earlier micro-batch's part,
+            if held is not None:            # moved before the hook was registered, comes back to it
+                wait_for_copies()
+                with torch.no_grad():
+                    param.grad.add_(held.to(param.device))
+                self.host_param.grad = None
             return
         _check_unchanged_layout(param, self.host_param)
         with torch.no_grad():
