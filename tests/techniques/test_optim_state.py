@@ -528,6 +528,19 @@ def test_low_bit_refuses_a_group_asking_for_an_adamw_option_it_does_not_implemen
         opt.add_param_group({"params": [q], option: True})
     assert len(opt.param_groups) == 1
     memtrim.LowBitAdamW([{"params": [q], option: False}], lr=0.1)  # the default, said out loud, is fine
+    memtrim.LowBitAdamW([q], lr=0.1, **{option: False})  # AdamW's keyword too (it raised TypeError)
+    with pytest.raises(InvalidInputError, match=f"{option}=True"):
+        memtrim.LowBitAdamW([q], lr=0.1, **{option: True})
+    # set on a group since, or loaded from a state_dict: refused at step(), before any update (attacking the fix)
+    for set_later in (lambda o: o.param_groups[0].__setitem__(option, True),
+                      lambda o: o.load_state_dict({**o.state_dict(), "param_groups": [
+                          {**o.state_dict()["param_groups"][0], option: True}]})):
+        opt = memtrim.LowBitAdamW([p], lr=0.1)
+        set_later(opt)
+        p.grad = torch.ones(4)
+        with pytest.raises(InvalidInputError, match=f"{option}=True"):
+            opt.step()
+        assert torch.equal(p.detach(), torch.ones(4))
 
 
 @pytest.mark.parametrize("clip_over", ["model", "param_groups"])

@@ -297,11 +297,12 @@ class _KeptOutputsUnwritten:
                 if made_by is not None:
                     raise InvalidInputError(
                         f"{_API}: in {self.owner}, the policy keeps the output of {made_by} for backward, and {op} "
-                        "then writes into it in place (through a view torch's selective checkpointing does not follow: "
+                        "then writes into it in place (an in-place activation after a Linear or convolution, or a "
+                        "write through a view whose version torch's selective checkpointing does not follow, as "
                         "torch's CPU GRU adds into chunks of its addmm output). The recomputation would read the "
-                        "written values and give other gradients than the plain model's. Expected no in-place write "
-                        f"into a kept output. To fix: pass policy=None for {self.owner}, or a policy that does not "
-                        f"keep {made_by}."
+                        "written values. Expected no in-place write into a kept output. To fix: pass policy=None for "
+                        f"{self.owner}, make the activation out of place (inplace=False), or use a policy that does "
+                        f"not keep {made_by}."
                     )
 
 

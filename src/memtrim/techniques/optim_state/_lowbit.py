@@ -128,6 +128,17 @@ def _check_options(options: dict[str, Any]) -> None:
         )
 
 
+def _refuse_unimplemented(group: dict[str, Any]) -> None:
+    """AdamW's options this optimizer does not implement, asked for: never ignored silently."""
+    asked = [k for k in ("maximize", "amsgrad") if group.get(k)]
+    if asked:
+        raise InvalidInputError(
+            f"{_API}: {', '.join(f'{k}=True' for k in asked)} is asked for (as an argument, in a param group, or "
+            "in a loaded state_dict), which LowBitAdamW does not implement (it would train as if it were False). "
+            "Expected only lr, betas, eps and weight_decay per group. Use torch.optim.AdamW there."
+        )
+
+
 class LowBitAdamW(torch.optim.Optimizer):
     """AdamW with its moments in bfloat16 (``bits=16``), blockwise float8 (``bits=8``) or blockwise 4-bit codes
     (``bits=4``): a half, a quarter or an eighth (plus the scales) of the state's bytes for float32 parameters (see
@@ -136,11 +147,14 @@ class LowBitAdamW(torch.optim.Optimizer):
     Args:
         params: parameters or parameter groups, as for ``torch.optim.AdamW``.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
+        amsgrad, maximize: ``torch.optim.AdamW``'s, accepted as False only (not implemented: True raises, here, in a
+            param group, or at ``step()`` where a group says so since).
         bits: 16, 8 or 4.
         block_size: values per float32 scale (``bits=8``: default 256; ``bits=4``: default 128).
 
     Raises:
-        InvalidInputError: ``bits`` not 16, 8 or 4, a bad hyperparameter, or float8 missing from this torch.
+        InvalidInputError: ``bits`` not 16, 8 or 4, a bad hyperparameter, ``amsgrad``/``maximize`` True, or float8
+            missing from this torch.
 
     Example::
 
@@ -154,7 +168,9 @@ class LowBitAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
+        maximize: bool = False,
         bits: int = 8,
         block_size: int | None = None,
     ) -> None:
@@ -163,6 +179,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         if bits == 8 and _F8 is None:
             raise InvalidInputError(f"{_API}: bits=8 needs torch.float8_e4m3fn (torch >= 2.1); use bits=16.")
         _check_options({"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        _refuse_unimplemented({"amsgrad": amsgrad, "maximize": maximize})  # AdamW's signature; False is what it does
         if block_size is None:
             block_size = _BLOCK_SIZE.get(bits, 1)
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
@@ -177,13 +194,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:  # a refused group is not kept: a caller that catches the error must not step it
             _check_options({k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})
-            unsupported = [k for k in ("maximize", "amsgrad") if group.get(k)]
-            if unsupported:  # AdamW's options this optimizer does not implement: never ignored silently
-                raise InvalidInputError(
-                    f"{_API}: a param group sets {', '.join(f'{k}=True' for k in unsupported)}, which LowBitAdamW "
-                    "does not implement (it would train as if it were False). Expected only lr, betas, eps and "
-                    "weight_decay per group. Use torch.optim.AdamW for this group."
-                )
+            _refuse_unimplemented(group)
             for p in group["params"]:
                 if p.is_complex():
                     raise InvalidInputError(f"{_API}: complex parameters are not supported (shape {tuple(p.shape)}).")
@@ -253,6 +264,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for group in self.param_groups:
+            _refuse_unimplemented(group)  # (set on a group since it was added, or loaded from a state_dict)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
