@@ -9,6 +9,7 @@ from . import data, models
 from . import functional as functional  # submodules outside __all__ (see the docstring)
 from . import nn as nn
 from .errors import (
+    CheckpointPolicyError,
     ConvertError,
     DataError,
     DeviceMismatchError,
@@ -71,6 +72,7 @@ __all__ = [
     "Category",
     "Change",
     "CheckpointHandle",
+    "CheckpointPolicyError",
     "ConversionReport",
     "ConvertError",
     "PHASES",

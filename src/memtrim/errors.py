@@ -19,6 +19,7 @@ __all__ = [
     "ReversibleError",
     "InplaceCheckError",
     "PlanError",
+    "CheckpointPolicyError",
 ]
 
 
@@ -67,6 +68,12 @@ class ReversibleError(MemtrimError, RuntimeError):
 
 class InplaceCheckError(MemtrimError, AssertionError):
     """``InplaceCheck.assert_ok`` found problems (:func:`memtrim.check_inplace`)."""
+
+
+class CheckpointPolicyError(MemtrimError, RuntimeError):
+    """:func:`memtrim.checkpoint_modules`' selective ``policy`` cannot serve a module's forward exactly (it writes in
+    place into an output the policy keeps). A ``RuntimeError``, not a ``TypeError``: raised inside an in-place op,
+    a ``TypeError`` would make Python's ``out += x`` fall back to ``out = out + x``, silently."""
 
 
 class PlanError(MemtrimError, RuntimeError):

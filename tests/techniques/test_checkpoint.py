@@ -1005,8 +1005,8 @@ def test_a_policy_keeping_an_output_the_module_writes_into_through_a_view_is_ref
     x = torch.randn(2, 5, 8)
     selective = copy.deepcopy(plain)
     memtrim.checkpoint_modules(selective, _GRUBlock, policy="save_matmuls")
-    with pytest.raises(InvalidInputError, match=r"(?s)keeps the output of aten\.addmm.*writes into it in place.*"
-                                                 r"policy=None for _GRUBlock"):
+    with pytest.raises(memtrim.CheckpointPolicyError, match=r"(?s)keeps the output of aten\.addmm.*writes into it "
+                                                            r"in place.*policy=None for _GRUBlock"):
         selective(x)
     whole = copy.deepcopy(plain)
     memtrim.checkpoint_modules(whole, _GRUBlock)
@@ -1014,3 +1014,26 @@ def test_a_policy_keeping_an_output_the_module_writes_into_through_a_view_is_ref
     whole(x).pow(2).sum().backward()
     for a, b in zip(plain.parameters(), whole.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+class _ResidualInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        out = self.fc(x)
+        out += x  # in place into the Linear's output, which save_matmuls keeps
+        return out
+
+
+def test_an_augmented_assignment_into_a_kept_output_raises_and_adds_nothing_twice():
+    # found by attacking the fix: the refusal was an InvalidInputError, also a TypeError, which torch's Tensor.__iadd__
+    # turns into NotImplemented, so Python fell back to out = out + x: the residual was added twice (loss 17.8
+    # against 1.3), silently
+    needs_selective()
+    torch.manual_seed(0)
+    model = nn.Sequential(_ResidualInPlace(), _ResidualInPlace())
+    memtrim.checkpoint_modules(model, _ResidualInPlace, policy="save_matmuls")
+    with pytest.raises(memtrim.CheckpointPolicyError, match="make the activation out of place|writes into it"):
+        model(torch.randn(2, 8))

@@ -65,7 +65,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..._signatures import accepts
-from ...errors import InvalidInputError, MemtrimStateError, MissingDependencyError
+from ...errors import CheckpointPolicyError, InvalidInputError, MemtrimStateError, MissingDependencyError
 from ...measure.hooks import check_saved_version, hold_for_backward, tensors_in
 from .._bound import InstanceForward
 from .._generators import GeneratorDraws
@@ -294,8 +294,8 @@ class _KeptOutputsUnwritten:
             value = args[i] if i < len(args) else kwargs.get(arg.name)
             for t in tensors_in(value):
                 made_by = self.kept.get(t.untyped_storage()._cdata)
-                if made_by is not None:
-                    raise InvalidInputError(
+                if made_by is not None:  # (not a TypeError: inside `out += x` Python would fall back to out + x)
+                    raise CheckpointPolicyError(
                         f"{_API}: in {self.owner}, the policy keeps the output of {made_by} for backward, and {op} "
                         "then writes into it in place (an in-place activation after a Linear or convolution, or a "
                         "write through a view whose version torch's selective checkpointing does not follow, as "
