@@ -708,15 +708,15 @@ def _mlp_data(n=4):
 
 
 @pytest.mark.parametrize("micro_batches", [1, 2])
-@pytest.mark.parametrize("when", ["after building", "inside the step"])
+@pytest.mark.parametrize("when", ["after building", "inside the step", "before building"])
 def test_offload_lets_a_users_gradient_hook_see_the_gradient(when, micro_batches):
     # found by an adversarial pass: the offload hook ran first and moved the gradient, so a user's clamp hook
     # registered after the optimizer saw None and did nothing (0.061 off after 4 steps); then, attacking that fix,
     # under accumulation the hook saw the last micro-batch's gradient alone where the standard loop's sees the sum
+    # (and, attacking that: a hook registered before the optimizer ran before memtrim's, so after a read of
+    # param_groups between micro-batches, which moves the waiting gradient to the host, it saw the last part alone)
     def train(offload):
         model = _mlp()
-        opt = (memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.SGD, lr=0.1) if offload
-               else torch.optim.SGD(model.parameters(), lr=0.1))
         seen = []
 
         def clamp(p):
@@ -724,6 +724,10 @@ def test_offload_lets_a_users_gradient_hook_see_the_gradient(when, micro_batches
             if p.grad is not None:
                 p.grad.clamp_(-1e-2, 1e-2)
 
+        if when == "before building":
+            model[2].weight.register_post_accumulate_grad_hook(clamp)
+        opt = (memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.SGD, lr=0.1) if offload
+               else torch.optim.SGD(model.parameters(), lr=0.1))
         if when == "after building":
             model[2].weight.register_post_accumulate_grad_hook(clamp)
         data = _mlp_data(4 * micro_batches)
@@ -734,6 +738,7 @@ def test_offload_lets_a_users_gradient_hook_see_the_gradient(when, micro_batches
                 F.mse_loss(model(x), y).backward()
                 if when == "inside the step" and step == 0 and j == 0:  # after the first micro-batch's backward
                     model[2].weight.register_post_accumulate_grad_hook(clamp)
+                _ = opt.param_groups[0]["lr"]  # a log line reading the learning rate
             opt.step()
         return model, seen
 

@@ -158,6 +158,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         _install_step_guard()
         # Optimizer.__init__ is not called: param_groups, state and defaults are the host optimizer's own (their
         # params are the host copies; state is keyed by the device parameters)
+        self._hooks_first()  # (behind hooks the user registered before building it: moved before them)
         self._optimizer_step_pre_hooks = self.optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = self.optimizer._optimizer_step_post_hooks
 
@@ -236,6 +237,22 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         hook.key = handle.id
         self._handles.append(handle)
         self._hooked.add(id(param))
+
+    def _hooks_first(self) -> None:
+        """Put memtrim's gradient hook before the user's on each parameter: where a user's hook reads ``.grad``,
+        memtrim's then brings back the part an earlier micro-batch moved to the host (a read of ``param_groups``
+        between micro-batches moves it) before the user's hook runs (autograd calls the hooks in the dict's order;
+        the handles stay valid, they remove by key)."""
+        for param, _ in self._pairs:
+            hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+            if hooks is None or len(hooks) < 2:
+                continue
+            mine = [k for k, h in hooks.items() if isinstance(h, _GradToHost) and h.owner() is self]
+            if mine and next(iter(hooks)) != mine[0]:
+                rest = [(k, h) for k, h in hooks.items() if k not in mine]
+                for k, _ in rest:
+                    del hooks[k]
+                hooks.update(rest)
 
     def _hook_unfrozen(self) -> None:
         """Gradient hooks for the parameters frozen when the wrapper was built and trained since (their gradients
@@ -326,6 +343,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
                 device_param.copy_(host_param, non_blocking=True)
                 self._synced[id(device_param)] = _version(device_param)
         self._hook_unfrozen()
+        self._hooks_first()
         self._deferred.clear()
 
     def _check_no_gradient_written_after_backward(self) -> None:
@@ -348,6 +366,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         """Clear the gradients on the host and on the device."""
         wait_for_copies()  # no copy may land in a gradient after it was cleared
         self._hook_unfrozen()
+        self._hooks_first()
         self._deferred.clear()
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for device_param, _ in self._pairs:
