@@ -189,6 +189,26 @@ class RMSNormOf3D(LlamaSpelledRMSNorm):
         return super().forward(hidden_states)
 
 
+class CountingRMSNorm(LlamaSpelledRMSNorm):
+    """An RMSNorm that counts its training calls in a plain attribute."""
+
+    calls = 0
+
+    def forward(self, hidden_states):
+        if self.training:
+            self.calls += 1
+        return super().forward(hidden_states)
+
+
+def test_the_rmsnorm_behaviour_check_leaves_the_modules_attributes_as_they_were():
+    # attacking the fix: the check's own forward left a count behind (0 -> 1); convert's traces put such attributes
+    # back, the check did not
+    plain = nn.Sequential(nn.Linear(16, 32), CountingRMSNorm(32), nn.Linear(32, 8)).double()
+    converted, report = memtrim.convert(plain, example_inputs={"input": torch.randn(4, 5, 16, dtype=torch.float64)})
+    assert [c.modules for c in report.changes] == [("1",)], str(report)
+    assert converted[1].calls == 0 and "calls" not in vars(converted[1])
+
+
 def test_an_rmsnorm_taking_only_its_traced_rank_is_converted():
     # the first fix checked the forward on a 2-D input: this one raised there and was left alone
     torch.manual_seed(0)

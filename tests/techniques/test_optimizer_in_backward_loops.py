@@ -1361,15 +1361,37 @@ def test_a_reversible_stack_keeps_the_forwards_statistics_in_two_passes():
 
 # ---------------------------------------------------------------------- optimizers with state of their own
 class GroupCountingSGD(torch.optim.SGD):
-    """SGD whose learning rate decays with a step count kept per group (timm's Adan counts ``group['step']``)."""
+    """SGD whose learning rate decays with a step count kept per group, counted where the group has a gradient
+    (``every_group``: counted in every group at every step, as timm's Adan counts ``group['step']``)."""
+
+    every_group = False
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
+            if not self.every_group and all(p.grad is None for p in group["params"]):
+                continue
             group["count"] = group.get("count", 0) + 1
             for p in group["params"]:
                 if p.grad is not None:
                     p.add_(p.grad, alpha=-group["lr"] / group["count"])
+
+
+class EveryGroupCountingSGD(GroupCountingSGD):
+    every_group = True
+
+
+class FlagSetAtFirstStep(torch.optim.SGD):
+    """SGD that notes at its first step that its state is set up (bitsandbytes' ``self.initialized = True``)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.initialized = False
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.initialized = True
+        return super().step()
 
 
 class CountingWrapper(torch.optim.Optimizer):
@@ -1491,6 +1513,27 @@ def test_an_optimizer_drawing_in_its_step_is_bitwise_where_each_group_steps_once
     for x, y in batches(3):
         for model, opt in ((a, opt_a), (b, opt_b)):
             torch.manual_seed(5)
+            one_step(model, opt, x, y)
+            opt.step()
+    assert_same(a, b, moved_from=net())
+
+
+@pytest.mark.parametrize("make, bucket_bytes", [(lambda m: FlagSetAtFirstStep(m.parameters(), lr=0.1), 0),
+                                                 (lambda m: EveryGroupCountingSGD(two_groups(m), lr=0.1), 1 << 30)],
+                         ids=["a flag set once", "a counter in every group"])
+def test_state_of_the_whole_optimizer_is_refused_only_where_it_changes_twice_in_a_step(make, bucket_bytes):
+    # attacking the fix: a flag set at the first step (bitsandbytes' `initialized`) was refused though it changes
+    # once; a counter every call advances in every group (timm's Adan: groups without a gradient too) went through
+    # with one bucket per group (a group without gradients in a step was not counted: [4, 2] against [4, 4])
+    a, b = net(), net()
+    opt_a, opt_b = make(a), wrap(make(b), b, bucket_bytes=bucket_bytes)
+    if isinstance(opt_a, EveryGroupCountingSGD):
+        with pytest.raises(Error, match=r"a group it was not given.*state of the whole optimizer"):
+            one_step(b, opt_b, *batches(1)[0])
+            opt_b.step()
+        return
+    for x, y in batches(3):
+        for model, opt in ((a, opt_a), (b, opt_b)):
             one_step(model, opt, x, y)
             opt.step()
     assert_same(a, b, moved_from=net())

@@ -36,7 +36,7 @@ from ...proof.compare import bitwise_equal
 from ..guards import autocasting, owner, plain_only, saves_checked
 from ..norms import NormKeepOutput
 from .builtin import KEEP_OUTPUT_FORMS, NO_AUTOCAST, NO_DOUBLE_BACKWARD, REBUILT_INPUT
-from .evidence import CallSite, ModelTrace
+from .evidence import CallSite, ModelTrace, buffers_kept
 from .rules import Candidate, Context, class_swap, label, register_rule
 
 __all__ = ["IN_TRACED_DTYPE", "layer_norm_form", "rms_norm_form"]
@@ -186,7 +186,8 @@ def _rms_spec(trace: ModelTrace, site: CallSite, module: nn.Module) -> tuple[str
     if not flow:
         return ("an RMSNorm-like call that computes something else than x * rsqrt(mean(x^2, -1) + eps) * weight "
                 "(another power, axis or operand)")
-    why = _behaves_as_rms_norm(module, weights[0], float(eps), site.input_shapes[0])
+    with buffers_kept(module):  # (a forward that counts its calls in an attribute, as convert's own runs do)
+        why = _behaves_as_rms_norm(module, weights[0], float(eps), site.input_shapes[0])
     if why:
         return f"an RMSNorm-like call whose forward, run again on a random input of its traced shape, {why}"
     return weights[0], float(eps)

@@ -339,6 +339,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._open = False
         self._inner_steps = 0  # calls of the wrapped optimizer's step in this training step
         self._group_calls: dict[int, int] = {}  # group index -> calls of the step over it in this training step
+        self._whole_calls = 0  # calls in this training step that changed the whole optimizer's state
         self._thread: int | None = None
         self._stepped: set[int] = set()  # updated (or consumed by a skipped update) in this step
         self._updated_in_backward = 0
@@ -1172,8 +1173,9 @@ class OptimizerInBackward(WrappedOptimizerView):
                     per_group += [f"param_groups[{g}][{k!r}]" for k in mine - shared]
                 if in_backward:
                     self._used_hyper[g] = _hyperparameters(group)
-            else:
-                whole += [f"param_groups[{g}][{k!r}] (a group it was not given)" for k in direct]
+            else:  # a group this call was not given, changed (timm's Adan counts every group at every call)
+                whole += [f"param_groups[{g}][{k!r}] (a group it was not given)"
+                          for k in {*direct, *_changed_entries(before, used)}]
         if watched.foreign:
             touched = sum(1 for p, version in watched.others if p._version != version)
             if touched:
@@ -1186,7 +1188,8 @@ class OptimizerInBackward(WrappedOptimizerView):
                 )
             whole += [name if name.startswith("the ") else f"its attribute {name!r}"
                       for name, value in _own_state(self.optimizer).items() if watched.own.get(name) != value]
-        if whole and (len(self._buckets) > 1 or self._inner_steps > 1):
+        self._whole_calls += bool(whole)
+        if self._whole_calls > 1:  # (once per step is the standard step's: a flag set at the first step is fine)
             raise OptimizerInBackwardError(
                 f"memtrim.OptimizerInBackward: {type(self.optimizer).__name__}.step() changed "
                 f"{', '.join(sorted(set(whole)))}: state of the whole optimizer (a counter, a random generator), "
@@ -1331,6 +1334,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._open = False
         self._steps_closed += self._inner_steps > 0
         self._inner_steps = 0
+        self._whole_calls = 0
         self._group_calls.clear()
         self._stepped.clear()
         self._updated_in_backward = 0
