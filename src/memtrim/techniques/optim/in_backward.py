@@ -27,9 +27,12 @@ NOTE [ optimizer in backward ]
   the real group, so hyperparameters, including a scheduler's latest learning rate, are read at that moment;
   ``state`` is shared). The update of a parameter depends only on its gradient and state, so this is bitwise
   equal to one ``step()`` over all parameters, with the same foreach/fused implementation. An optimizer that keeps
-  state of its own (a group entry it changes in ``step``; for classes outside torch.optim and memtrim also its own
-  numbers and random generators, and parameters written outside the bucket) would advance it once per bucket: it is
-  refused when there is more than one bucket or one update per step.
+  state of its own would advance it once per call instead of once per step (``_watch``/``_settle``): a group's
+  entries (tensors by version, generators by state) are refused where the group is stepped twice in a step (several
+  buckets, or ``accumulate()``); the whole optimizer's state (entries of groups a call was not given, a tensor or
+  generator several groups hold, and for classes outside torch.optim and memtrim their own numbers and generators
+  and the global generators) where two calls of one step change it; and a foreign class's writes to parameters
+  outside the bucket, at once.
 * When: ``register_post_accumulate_grad_hook`` marks a parameter ready; a bucket steps when its last expected
   parameter is ready (memtrim's hook is moved behind the user's own at each ``zero_grad()``, so a user's hook
   that edits ``.grad`` runs first; one registered inside the open step makes its bucket wait for the end of
@@ -1155,7 +1158,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         per_group: list[str] = []  # entries of the groups this call stepped: fine once per group and step
         whole: list[str] = []  # state of the whole optimizer: fine once per training step
         # a tensor or generator held by several groups (one generator for all of them) is the whole optimizer's
-        held: collections.Counter = collections.Counter(
+        holders: collections.Counter = collections.Counter(
             id(v) for g in self.optimizer.param_groups for v in g.values() if isinstance(v, (torch.Tensor,
                                                                                             torch.Generator)))
         for g, (group, used, before) in enumerate(zip(self.optimizer.param_groups, narrowed, watched.groups)):
@@ -1167,7 +1170,7 @@ class OptimizerInBackward(WrappedOptimizerView):
             if used["params"]:
                 self._group_calls[g] = self._group_calls.get(g, 0) + 1
                 mine = {*direct, *written}
-                shared = {k for k in mine if held[id(group.get(k))] > 1}
+                shared = {k for k in mine if holders[id(group.get(k))] > 1}
                 whole += [f"param_groups[{g}][{k!r}] (held by several groups)" for k in shared]
                 if self._group_buckets[g] > 1 or self._group_calls[g] > 1:
                     per_group += [f"param_groups[{g}][{k!r}]" for k in mine - shared]

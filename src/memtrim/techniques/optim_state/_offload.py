@@ -232,10 +232,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         return host
 
     def _hook(self, param: torch.Tensor, host: torch.Tensor) -> None:
-        hook = _GradToHost(weakref.ref(self), host)
-        handle = param.register_post_accumulate_grad_hook(hook)
-        hook.key = handle.id
-        self._handles.append(handle)
+        self._handles.append(param.register_post_accumulate_grad_hook(_GradToHost(weakref.ref(self), host)))
         self._hooked.add(id(param))
 
     def _hooks_first(self) -> None:
@@ -458,12 +455,11 @@ def _check_unchanged_layout(device_param: torch.Tensor, host_param: torch.Tensor
 class _GradToHost:
     """A post-accumulate-grad hook: the gradient goes to the host copy and is freed on the device."""
 
-    __slots__ = ("owner", "host_param", "key")
+    __slots__ = ("owner", "host_param")
 
     def __init__(self, owner: weakref.ref, host_param: torch.Tensor) -> None:
         self.owner = owner
         self.host_param = host_param
-        self.key: int | None = None  # its key in the parameter's hook dict
 
     def __call__(self, param: torch.Tensor) -> None:
         owner = self.owner()
