@@ -299,8 +299,10 @@ class _KeptOutputsUnwritten:
                         f"{_API}: in {self.owner}, the policy keeps the output of {made_by} for backward, and {op} "
                         "then writes into it in place (an in-place activation after a Linear or convolution, or a "
                         "write through a view whose version torch's selective checkpointing does not follow, as "
-                        "torch's CPU GRU adds into chunks of its addmm output). The recomputation would read the "
-                        "written values. Expected no in-place write into a kept output. To fix: pass policy=None for "
+                        "torch's CPU GRU adds into chunks of its addmm output). A recomputation that runs past the "
+                        "write reads the written values (torch's own check raises there, or misses a view's write); "
+                        "memtrim refuses every such write. Expected no in-place write into a kept output. To fix: "
+                        "pass policy=None for "
                         f"{self.owner}, make the activation out of place (inplace=False), or use a policy that does "
                         f"not keep {made_by}."
                     )

@@ -31,8 +31,9 @@ NOTE [ optimizer in backward ]
   entries (tensors by version, generators by state) are refused where the group is stepped twice in a step (several
   buckets, or ``accumulate()``); the whole optimizer's state (entries of groups a call was not given, a tensor or
   generator several groups hold, and for classes outside torch.optim and memtrim their own numbers and generators
-  and the global generators) where two calls of one step change it; and a foreign class's writes to parameters
-  outside the bucket, at once.
+  and the global generators) where the step is several calls and it changes twice in a step or again after the
+  first step (a flag set up once is fine; a per-step counter read by every group raises at the second step); and a
+  foreign class's writes to parameters outside the bucket, at once.
 * When: ``register_post_accumulate_grad_hook`` marks a parameter ready; a bucket steps when its last expected
   parameter is ready (memtrim's hook is moved behind the user's own at each ``zero_grad()``, so a user's hook
   that edits ``.grad`` runs first; one registered inside the open step makes its bucket wait for the end of
@@ -130,11 +131,10 @@ class _Bucket:
 class _Watched:
     """What :meth:`OptimizerInBackward._watch` read before a call of the wrapped optimizer's step."""
 
-    __slots__ = ("groups", "foreign", "others", "own")
+    __slots__ = ("groups", "others", "own")
 
     def __init__(self) -> None:
         self.groups: list[dict[str, Any]] = []
-        self.foreign = False
         self.others: list[tuple[torch.Tensor, int]] = []
         self.own: dict[str, Any] = {}
 
@@ -1134,27 +1134,33 @@ class OptimizerInBackward(WrappedOptimizerView):
                 self._freed.add(id(param))
                 param.grad = None
 
-    def _watch(self, params: list[torch.Tensor]) -> _Watched:
-        """What a call of the wrapped optimizer's step may change besides its parameters' own state, read before it:
-        the groups' entries (generators by their state), and for a class outside torch.optim and memtrim its own
-        numbers and generators, the global generators and, in its first two steps, the parameters outside the
-        bucket (every parameter at every bucket is quadratic in their number; an optimizer that writes outside its
-        bucket does so from its first step)."""
+    def _watch(self, params: list[torch.Tensor]) -> _Watched | None:
+        """What a call of the wrapped optimizer's step may change besides its parameters' own state, read before it,
+        for a class outside torch.optim and memtrim (None for those, which change none of it): the groups' entries
+        (tensors by version, generators by state), its own numbers and generators, the global generators and, in its
+        first two steps, the parameters outside the bucket (every parameter at every bucket is quadratic in their
+        number; an optimizer that writes outside its bucket does so from its first step)."""
+        if _steps_per_parameter(self.optimizer):  # torch's and memtrim's change none of it (the per-bucket path)
+            return None
         watched = _Watched()
         watched.groups = [{k: _Snapshot(v) if isinstance(v, (torch.Tensor, torch.Generator)) else v
                            for k, v in g.items()} for g in self.optimizer.param_groups]
-        watched.foreign = not _steps_per_parameter(self.optimizer)
-        if watched.foreign:
-            chosen = {id(p) for p in params}
-            watched.others = ([(p, p._version) for p in self._by_id.values() if id(p) not in chosen]
-                              if self._steps_closed < 2 else [])
-            watched.own = _own_state(self.optimizer)
+        chosen = {id(p) for p in params}
+        watched.others = ([(p, p._version) for p in self._by_id.values() if id(p) not in chosen]
+                          if self._steps_closed < 2 else [])
+        watched.own = _own_state(self.optimizer)
         return watched
 
-    def _settle(self, watched: _Watched, narrowed: list[dict[str, Any]], in_backward: bool) -> None:
+    def _settle(self, watched: _Watched | None, narrowed: list[dict[str, Any]], in_backward: bool) -> None:
         """After a call of the wrapped optimizer's step: write back the group entries it changed in the narrowed
         copies, and refuse what stepping bucket by bucket would advance more often than the standard step does."""
         self._inner_steps += 1
+        if watched is None:  # torch's or memtrim's optimizer: its update of a parameter reads that parameter's state
+            if in_backward:
+                for g, used in enumerate(narrowed):
+                    if used["params"]:
+                        self._used_hyper[g] = _hyperparameters(self.optimizer.param_groups[g])
+            return
         per_group: list[str] = []  # entries of the groups this call stepped: fine once per group and step
         whole: list[str] = []  # state of the whole optimizer: fine once per training step
         # a tensor or generator held by several groups (one generator for all of them) is the whole optimizer's
@@ -1179,25 +1185,29 @@ class OptimizerInBackward(WrappedOptimizerView):
             else:  # a group this call was not given, changed (timm's Adan counts every group at every call)
                 whole += [f"param_groups[{g}][{k!r}] (a group it was not given)"
                           for k in {*direct, *_changed_entries(before, used)}]
-        if watched.foreign:
-            touched = sum(1 for p, version in watched.others if p._version != version)
-            if touched:
-                raise OptimizerInBackwardError(
-                    f"memtrim.OptimizerInBackward: {type(self.optimizer).__name__}.step() changed {touched} "
-                    "parameter(s) outside the bucket it was given (a wrapper that steps another optimizer's "
-                    "param_groups, such as timm's Lookahead, or a step that writes other parameters). Expected a "
-                    "step that updates only self.param_groups. Training is no longer the standard loop's: use "
-                    "loss.backward(); opt.step() with this optimizer."
-                )
-            whole += [name if name.startswith("the ") else f"its attribute {name!r}"
-                      for name, value in _own_state(self.optimizer).items() if watched.own.get(name) != value]
+        touched = sum(1 for p, version in watched.others if p._version != version)
+        if touched:
+            raise OptimizerInBackwardError(
+                f"memtrim.OptimizerInBackward: {type(self.optimizer).__name__}.step() changed {touched} "
+                "parameter(s) outside the bucket it was given (a wrapper that steps another optimizer's "
+                "param_groups, such as timm's Lookahead, or a step that writes other parameters). Expected a "
+                "step that updates only self.param_groups. Training is no longer the standard loop's: use "
+                "loss.backward(); opt.step() with this optimizer."
+            )
+        whole += [name if name.startswith("the ") else f"its attribute {name!r}"
+                  for name, value in _own_state(self.optimizer).items() if watched.own.get(name) != value]
         self._whole_calls += bool(whole)
-        if self._whole_calls > 1:  # (once per step is the standard step's: a flag set at the first step is fine)
+        # several calls in a step read the whole optimizer's state in another order than the standard step's one
+        # call: refused where it changes twice in a step, or in any step after the first (a flag set up once at the
+        # first step, bitsandbytes' `initialized`, changes there only; a counter or a draw per step changes again)
+        several = len(self._buckets) > 1 or self._inner_steps > 1
+        if self._whole_calls > 1 or (whole and several and self._steps_closed > 0):
             raise OptimizerInBackwardError(
                 f"memtrim.OptimizerInBackward: {type(self.optimizer).__name__}.step() changed "
                 f"{', '.join(sorted(set(whole)))}: state of the whole optimizer (a counter, a random generator), "
-                "which stepping bucket by bucket advances once per call where the standard loop advances it once "
-                "per step. Expected an optimizer whose update of a parameter depends only on its gradient and state. "
+                "which stepping bucket by bucket advances once per call, or reads in another order, where the "
+                "standard loop advances it once per step before every group reads it. Expected an optimizer whose "
+                "update of a parameter depends only on its gradient and state. "
                 "Use one param group and one bucket (bucket_bytes larger than the parameters' bytes, no "
                 "accumulate()), or loss.backward(); opt.step()."
             )
@@ -1566,6 +1576,9 @@ class _TensorMark(tuple):
     __slots__ = ()
 
 
+_PLAIN = frozenset({int, float, bool, str, type(None)})
+
+
 class _Snapshot:
     """A tensor's or generator's fingerprint as it was when read (an in-place add to a step-count tensor, timm's
     Lamb's, or a draw from a generator changes the object in place)."""
@@ -1577,6 +1590,8 @@ class _Snapshot:
 
 
 def _fingerprint(value: Any) -> Any:
+    if type(value) in _PLAIN:  # the usual hyperparameter, first: this runs for every group entry at every bucket
+        return value
     if isinstance(value, _Snapshot):
         return value.fingerprint
     if isinstance(value, torch.Generator):  # by its state: a draw changes it in place
