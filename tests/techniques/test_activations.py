@@ -385,6 +385,24 @@ def test_masked_gradients_keep_a_channels_last_layout_as_torchs(name):
     assert torch.equal(mine, torchs)
 
 
+@pytest.mark.parametrize("name", list(MASKED))
+@pytest.mark.parametrize("layouts", ["channels_last input, contiguous gradient", "contiguous input, channels_last "
+                                                                                  "gradient"])
+def test_masked_gradients_are_laid_out_as_torchs_where_input_and_gradient_layouts_differ(name, layouts):
+    # found by an adversarial pass: a channels_last activation followed by flatten or the loss gets a gradient in
+    # another layout than its input; torch's relu and leaky_relu backward follow the input there, the mask backward
+    # followed the gradient, and the convolution before summed its weight gradient in another order
+    x, g = data(torch.float32, (2, 4, 3, 5))
+    if layouts.startswith("channels_last"):
+        x = x.contiguous(memory_format=torch.channels_last)
+    else:
+        g = g.contiguous(memory_format=torch.channels_last)
+    _, mine = grad_of(MASKED[name], x, g)
+    _, torchs = grad_of(REFERENCE[name], x, g)
+    assert mine.stride() == torchs.stride()
+    assert torch.equal(mine, torchs)
+
+
 @pytest.mark.parametrize("module", ["SiLU", "Mish", "Hardswish"])
 def test_an_fx_traced_model_with_an_in_place_activation_that_keeps_its_input_trains_as_torchs(module):
     torch.manual_seed(0)

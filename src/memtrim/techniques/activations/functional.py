@@ -89,9 +89,13 @@ class _Rule:
     def grad_from_mask(self, grad: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    backward_follows_input = False  # whether torch's backward lays the input gradient out as the input (relu's)
+    grad_is_torchs_op = True  # grad() is torch's own backward op (its layout is torch's); False: memtrim's formula
+
 
 class _ReLU(_Rule):
     mask_ok = True
+    backward_follows_input = True
 
     def forward(self, x):
         return torch.relu(x)
@@ -111,6 +115,7 @@ class _ReLU(_Rule):
 
 class _LeakyReLU(_Rule):
     mask_ok = True
+    backward_follows_input = True
 
     def __init__(self, slope: float) -> None:
         self.slope = slope
@@ -198,6 +203,7 @@ def _Tanh() -> _Rule:  # noqa: N802
 
 class _Hardsigmoid(_Rule):
     mask_ok = True
+    grad_is_torchs_op = False
 
     def forward(self, x):
         return torch.nn.functional.hardsigmoid(x)
@@ -300,7 +306,36 @@ class _KeepOutput(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (y,) = saved_tensors(ctx)
-        return ctx.rule.grad(grad, y), None, None, None
+        result = ctx.rule.grad(grad, y)
+        if not ctx.rule.grad_is_torchs_op:  # (memtrim's formula: laid out as torch's backward would)
+            result = _in_torchs_layout(result, ctx.rule, grad, y.stride())
+        return result, None, None, None
+
+
+def _in_torchs_layout(result: torch.Tensor, rule: _Rule, grad: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """``result`` (the input gradient) laid out as torch's own CPU backward of the activation lays it out, where the
+    forward's input (laid out as ``stride``) is dense: relu's and leaky_relu's follow the input, hardtanh's and
+    hardsigmoid's a dense incoming gradient (checked against torch's kernels; their meta kernels say otherwise for
+    the last two), and all of them the input where the gradient is expanded (the backward of a sum). A layout other
+    than torch's makes the convolution before sum its weight gradient in another order. An input in another layout
+    (a strided view) is left as computed."""
+    if not _dense_strides(grad.shape, stride):
+        return result
+    # an expanded gradient (the backward of a sum) has no layout of its own: torch's kernels follow the input then
+    target = stride if rule.backward_follows_input or not _dense(grad) else grad.stride()
+    if result.stride() == target:
+        return result
+    return torch.empty_strided(result.shape, target, dtype=result.dtype, device=result.device).copy_(result)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return t.is_contiguous() or (t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last))
+
+
+def _dense_strides(shape: torch.Size, stride: tuple[int, ...]) -> bool:
+    """Whether ``stride`` is the contiguous or (4-D) channels_last layout of ``shape``."""
+    probe = torch.empty_strided(shape, stride, device="meta")
+    return _dense(probe)
 
 
 def _laid_out_as(mask: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -318,14 +353,15 @@ class _KeepMask(torch.autograd.Function):
         ctx.owner = owner
         mask = rule.input_mask(x)  # before an in-place forward overwrites x
         y = _run(ctx, x, rule, inplace)
-        ctx.shape = y.shape
+        ctx.shape, ctx.stride = y.shape, y.stride()  # (y is laid out as x)
         ctx.save_for_backward(pack_mask(rule.mask(y) if mask is None else mask))
         return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         (packed,) = saved_tensors(ctx)
-        return ctx.rule.grad_from_mask(grad, _laid_out_as(unpack_mask(packed, ctx.shape), grad)), None, None, None
+        result = ctx.rule.grad_from_mask(grad, _laid_out_as(unpack_mask(packed, ctx.shape), grad))
+        return _in_torchs_layout(result, ctx.rule, grad, ctx.stride), None, None, None
 
 
 class _KeepInput(torch.autograd.Function):
