@@ -123,6 +123,13 @@ class LlamaSpelledRMSNorm(nn.Module):
         return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
+def between_linears(norm):
+    """``norm`` (of 32 features) between two Linears, in float64, and a batch for it (seeded)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), norm, nn.Linear(32, 8)).double()
+    return model, {"input": torch.randn(4, 5, 16, dtype=torch.float64)}
+
+
 def test_rmsnorm_by_behaviour_float64_within_1e9():
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(16, 32), LlamaSpelledRMSNorm(32), nn.Linear(32, 8)).double()
@@ -204,17 +211,15 @@ class CountingRMSNorm(LlamaSpelledRMSNorm):
 def test_the_rmsnorm_behaviour_check_leaves_the_modules_attributes_as_they_were():
     # attacking the fix: the check's own forward left a count behind (0 -> 1); convert's traces put such attributes
     # back, the check did not
-    plain = nn.Sequential(nn.Linear(16, 32), CountingRMSNorm(32), nn.Linear(32, 8)).double()
-    converted, report = memtrim.convert(plain, example_inputs={"input": torch.randn(4, 5, 16, dtype=torch.float64)})
+    plain, batch = between_linears(CountingRMSNorm(32))
+    converted, report = memtrim.convert(plain, example_inputs=batch)
     assert [c.modules for c in report.changes] == [("1",)], str(report)
     assert converted[1].calls == 0 and "calls" not in vars(converted[1])
 
 
 def test_an_rmsnorm_taking_only_its_traced_rank_is_converted():
     # the first fix checked the forward on a 2-D input: this one raised there and was left alone
-    torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(16, 32), RMSNormOf3D(32), nn.Linear(32, 8)).double()
-    batch = {"input": torch.randn(4, 5, 16, dtype=torch.float64)}
+    plain, batch = between_linears(RMSNormOf3D(32))
     converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=batch)
     assert [c.modules for c in report.changes] == [("1",)], str(report)
     assert_equal_training(plain, converted, batch)
@@ -240,9 +245,7 @@ def test_rmsnorm_by_behaviour_honours_a_setting_changed_after_convert_and_an_unb
     # after convert (HF Qwen2's, a hand-written RMSNorm's) was ignored: loss 0.166 against 0.430, silently. A setting
     # of the module changed since convert now runs the module's own forward (with a warning: it saves nothing then).
     # An unbatched (1-D) input failed in backward ("invalid gradient at index 1"); it runs the module's own forward
-    torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(16, 32), LlamaSpelledRMSNorm(32), nn.Linear(32, 8)).double()
-    batch = {"input": torch.randn(4, 5, 16, dtype=torch.float64)}
+    plain, batch = between_linears(LlamaSpelledRMSNorm(32))
     converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=batch)
     assert [c.modules for c in report.changes] == [("1",)], str(report)
     for m in (plain, converted):

@@ -1370,6 +1370,20 @@ def test_a_reversible_stack_keeps_the_forwards_statistics_in_two_passes():
 
 
 # ---------------------------------------------------------------------- optimizers with state of their own
+def train_step(model, opt, x, y):
+    """One whole training step: zero_grad, backward, step."""
+    one_step(model, opt, x, y)
+    opt.step()
+
+
+def train_side_by_side(a, opt_a, b, opt_b, n=3, seed=None):
+    """``n`` training steps of both runs on the same batches (the global generator reseeded with ``seed`` before
+    each run's step, where the step draws)."""
+    for x, y in batches(n):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            if seed is not None:
+                torch.manual_seed(seed)
+            train_step(model, opt, x, y)
 class GroupCountingSGD(torch.optim.SGD):
     """SGD whose learning rate decays with a step count kept per group, counted where the group has a gradient
     (``every_group``: counted in every group at every step, as timm's Adan counts ``group['step']``)."""
@@ -1462,10 +1476,7 @@ def test_an_optimizer_with_state_of_its_own_is_bitwise_in_one_bucket_and_refused
     # drew again (Adan's step 20 against 5), and a wrapper's count in its base's groups was overwritten by the
     # narrowed copy's stale 0 even in one bucket (Lookahead never synchronised)
     a, opt_a, b, opt_b = plain_and_wrapped(make, bucket_bytes=1 << 30)
-    for x, y in batches(4):
-        for model, opt in ((a, opt_a), (b, opt_b)):
-            one_step(model, opt, x, y)
-            opt.step()
+    train_side_by_side(a, opt_a, b, opt_b, n=4)
     assert_same(a, b, moved_from=net())
     assert [{k: v for k, v in g.items() if k != "params"} for g in opt_a.param_groups] == \
         [{k: v for k, v in g.items() if k != "params"} for g in opt_b.param_groups]
@@ -1473,8 +1484,7 @@ def test_an_optimizer_with_state_of_its_own_is_bitwise_in_one_bucket_and_refused
     x, y = batches(1)[0]
     with pytest.raises(Error, match=r"state of (a param group|the whole optimizer).*Use one (bucket per group|param "
                                     r"group and one bucket)"):
-        one_step(b, opt_b, x, y)
-        opt_b.step()
+        train_step(b, opt_b, x, y)
 
 
 class GroupNoiseSGD(torch.optim.SGD):
@@ -1517,14 +1527,9 @@ def test_an_optimizer_drawing_in_its_step_is_bitwise_where_each_group_steps_once
     opt_a, opt_b = make(a), wrap(make(b), b, bucket_bytes=1 << 30)
     if generators != "one per group":  # two calls of step() per training step draw in another order
         with pytest.raises(Error, match=r"state of the whole optimizer.*Use one param group and one bucket"):
-            one_step(b, opt_b, *batches(1)[0])
-            opt_b.step()
+            train_step(b, opt_b, *batches(1)[0])
         return
-    for x, y in batches(3):
-        for model, opt in ((a, opt_a), (b, opt_b)):
-            torch.manual_seed(5)
-            one_step(model, opt, x, y)
-            opt.step()
+    train_side_by_side(a, opt_a, b, opt_b, seed=5)
     assert_same(a, b, moved_from=net())
 
 
@@ -1539,13 +1544,9 @@ def test_state_of_the_whole_optimizer_is_refused_only_where_it_changes_twice_in_
     opt_a, opt_b = make(a), wrap(make(b), b, bucket_bytes=bucket_bytes)
     if isinstance(opt_a, EveryGroupCountingSGD):
         with pytest.raises(Error, match=r"a group it was not given.*state of the whole optimizer"):
-            one_step(b, opt_b, *batches(1)[0])
-            opt_b.step()
+            train_step(b, opt_b, *batches(1)[0])
         return
-    for x, y in batches(3):
-        for model, opt in ((a, opt_a), (b, opt_b)):
-            one_step(model, opt, x, y)
-            opt.step()
+    train_side_by_side(a, opt_a, b, opt_b)
     assert_same(a, b, moved_from=net())
 
 
@@ -1574,21 +1575,16 @@ def test_the_whole_optimizers_state_changed_once_per_step_is_refused_where_the_s
     b = net()
     opt = wrap(CountedWhileSteppingTheFirstGroup(two_groups(b), lr=0.1), b, bucket_bytes=1 << 30)
     x, y = batches(1)[0]
-    one_step(b, opt, x, y)
-    opt.step()
+    train_step(b, opt, x, y)
     with pytest.raises(Error, match=r"its attribute 'count'.*state of the whole optimizer"):
-        one_step(b, opt, x, y)
-        opt.step()
+        train_step(b, opt, x, y)
 
 
 def test_a_group_counter_is_bitwise_with_one_bucket_per_group():
     a, b = net(), net()
     opt_a = GroupCountingSGD(two_groups(a), lr=0.1)
     opt_b = wrap(GroupCountingSGD(two_groups(b), lr=0.1), b, bucket_bytes=1 << 30)
-    for x, y in batches(3):
-        for model, opt in ((a, opt_a), (b, opt_b)):
-            one_step(model, opt, x, y)
-            opt.step()
+    train_side_by_side(a, opt_a, b, opt_b)
     assert_same(a, b, moved_from=net())
     assert [g["count"] for g in opt_a.param_groups] == [g["count"] for g in opt_b.param_groups] == [3, 3]
 
@@ -1597,5 +1593,4 @@ def test_an_optimizer_writing_parameters_outside_its_bucket_is_refused():
     a, opt_a, b, opt_b = plain_and_wrapped(lambda ps: DecayEverything(ps, lr=0.1), bucket_bytes=0)
     x, y = batches(1)[0]
     with pytest.raises(Error, match=r"changed \d+ parameter\(s\) outside the bucket"):
-        one_step(b, opt_b, x, y)
-        opt_b.step()
+        train_step(b, opt_b, x, y)

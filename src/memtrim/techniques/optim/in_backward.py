@@ -1402,7 +1402,16 @@ class OptimizerInBackward(WrappedOptimizerView):
     def _hook_followed(self, param: torch.Tensor) -> bool:
         """Whether a user's hook registered after this step opened runs after memtrim's on ``param`` now (memtrim's
         own, such as a tracker's, only read the gradient and do not count)."""
-        return hook_followed(param, self._hook_ids.get(id(param)))
+        hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+        if hooks is None or len(hooks) < 2:
+            return False
+        mine = self._hook_ids.get(id(param))
+        for key in reversed(hooks):
+            if key == mine:
+                return False
+            if not _memtrims_own(hooks[key]):
+                return True
+        return False
 
     # ------------------------------------------------------------------ global information
     def _has_waiting_grads(self) -> bool:
@@ -1531,19 +1540,6 @@ def _zero_gradient(param: torch.Tensor, sparse_layout: tuple[int, int] | None) -
     indices = torch.empty(sparse_dim, 0, dtype=torch.long, device=param.device)
     values = torch.empty(0, *param.shape[sparse_dim:], dtype=param.dtype, device=param.device)
     return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=True)
-
-
-def hook_followed(param: torch.Tensor, key: int | None) -> bool:
-    """Whether a hook other than memtrim's own runs after the post-accumulate-grad hook ``key`` on ``param``."""
-    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
-    if hooks is None or len(hooks) < 2:
-        return False
-    for k in reversed(hooks):
-        if k == key:
-            return False
-        if not _memtrims_own(hooks[k]):
-            return True
-    return False
 
 
 def users_hook_on(param: torch.Tensor) -> bool:
