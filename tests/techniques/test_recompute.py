@@ -805,3 +805,25 @@ def test_a_producer_given_an_object_it_changes_keeps_its_output():
     assert_bitwise(run(converted, x), run(plain, x))
     with pytest.raises(memtrim.InvalidInputError, match="key/value cache"):  # and recompute_modules says why
         memtrim.recompute_modules(copy.deepcopy(plain), ["attn"], example_inputs=x)
+
+
+def test_shared_recompute_under_a_gradient_penalty_runs_the_users_hook_once():
+    # found by an adversarial pass: with create_graph=True the shared recompute took torch.autograd.grad with
+    # respect to the saved inputs themselves, which runs the hooks registered on them: a hook doubling fc1's output
+    # gradient doubled the inner gradient too, and every gradient came out 0.2-0.9 off
+    torch.manual_seed(0)
+    plain = MLP(NewGELU(), consumer="conv1d")
+    converted = copy.deepcopy(plain)
+    R.checkpoint_call(converted.act)
+    act_to_consumer(converted)
+    grads = []
+    for model in (converted, plain):
+        leaf = X.clone().requires_grad_()
+        h = model.fc1(leaf)
+        h.register_hook(lambda grad: grad * 2)
+        loss = model.fc2(model.act(h)).square().sum()
+        (dx,) = torch.autograd.grad(loss, leaf, create_graph=True)
+        grads.append(torch.autograd.grad(loss + dx.square().sum(), list(model.parameters())))
+    # to float32 rounding, as test_checkpointed_activation_and_its_consumer_share_one_recompute says why
+    for mine, torchs in zip(*grads):
+        torch.testing.assert_close(mine, torchs)

@@ -90,12 +90,14 @@ class _Rule:
         raise NotImplementedError
 
     backward_follows_input = False  # whether torch's backward lays the input gradient out as the input (relu's)
+    second_derivative_in_output = False  # whether torch's out-of-place backward is differentiated in the output
     grad_is_torchs_op = True  # grad() is torch's own backward op (its layout is torch's); False: memtrim's formula
 
 
 class _ReLU(_Rule):
     mask_ok = True
     backward_follows_input = True
+    second_derivative_in_output = True
 
     def forward(self, x):
         return torch.relu(x)
@@ -275,9 +277,13 @@ class _InputRule(_Rule):
 
 def differentiable_grad(forward: Any, grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``grad * forward'(x)`` as a differentiable graph (for a backward with create_graph=True): torch's autograd of
-    ``forward`` itself, which is what the unconverted module's double backward uses."""
+    ``forward`` itself, which is what the unconverted module's double backward uses.
+
+    The gradient is taken with respect to an alias of ``x``, not ``x`` itself: ``torch.autograd.grad`` with respect
+    to ``x`` would run the hooks the user registered on ``x`` (``x.register_hook``) on this inner gradient, and again
+    on ``x``'s whole gradient in the outer backward: a hook that scales the gradient would scale it twice."""
     with torch.enable_grad():
-        leaf = x if x.requires_grad else x.detach().requires_grad_()
+        leaf = x.view_as(x) if x.requires_grad else x.detach().requires_grad_()
         (dx,) = torch.autograd.grad(forward(leaf), leaf, grad, create_graph=True)
     return dx
 
@@ -347,21 +353,76 @@ def _laid_out_as(mask: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(grad, dtype=torch.bool).copy_(mask)
 
 
+# NOTE [ a mask's second derivative reaches the input ]
+# torch's backward of relu (threshold_backward(grad, y)) is differentiable in y too, with derivative 0: under
+# create_graph=True the outer backward sends zeros back through the activation, so the parameters before it get a
+# zero gradient where they get no other (a step that trains on a gradient penalty alone, StyleGAN2's lazy R1). A
+# zero gradient is not no gradient: AdamW still decays the parameter and momentum still moves it. A mask has no
+# graph, so the backward ties its result (:class:`_Tie`) to an *anchor* (:class:`_Anchor`): an empty tensor made
+# from the activation's output where torch's formula differentiates in the output (relu, and every in-place
+# activation), else from its input. The anchor is made after the Function's node (the engine runs the node made
+# last first), so its zeros arrive where torch's arrive, in torch's order, laid out as torch's (zeros_like of the
+# gradient reaching the backward's result): the gradients add as torch's do, bitwise, on channels_last inputs too.
+class _Anchor(torch.autograd.Function):
+    """An empty tensor whose backward is zeros shaped as ``t``, laid out as the gradient :class:`_Tie` saw."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        ctx.like = None  # (not t: this node lives as long as the activation's, and must not keep t's memory)
+        return t.new_empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        like = ctx.like  # a meta tensor by now (set by _Tie's backward)
+        return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=grad.device).zero_()
+
+
+class _Tie(torch.autograd.Function):
+    """``result`` itself, differentiable in ``anchor`` with derivative 0: its backward passes the gradient on and
+    sends the anchor zeros laid out as that gradient (torch's zeros_like(grad) in a backward-of-backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, result: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.anchor = anchor.grad_fn
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # (torch's zeros_like(grad), without the memory: for an _Anchor; the activation's own node ignores it)
+        ctx.anchor.like = torch.empty_like(grad, device="meta")
+        return grad, grad.new_empty(0)
+
+
 class _KeepMask(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool, owner: str) -> torch.Tensor:
-        ctx.owner = owner
+    def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool, owner: str,
+                anchor: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        # the output and an empty second output, the anchor where torch's zeros go back through the output (saved
+        # as an output: an output kept on ctx would make a reference cycle through this node, never freed without a
+        # backward); ``anchor`` (a list: autograd does not take it for an input) gets the input's anchor otherwise,
+        # once this node exists: NOTE [ a mask's second derivative reaches the input ]
+        ctx.owner, ctx.anchor, ctx.like = owner, anchor, None
+        ctx.set_materialize_grads(False)  # (the tie's gradient tells the backward-of-backward pass apart)
         mask = rule.input_mask(x)  # before an in-place forward overwrites x
         y = _run(ctx, x, rule, inplace)
         ctx.shape, ctx.stride = y.shape, y.stride()  # (y is laid out as x)
-        ctx.save_for_backward(pack_mask(rule.mask(y) if mask is None else mask))
-        return y
+        tie = x.new_empty(0)
+        ctx.save_for_backward(pack_mask(rule.mask(y) if mask is None else mask), tie)
+        return y, tie
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        (packed,) = saved_tensors(ctx)
+    def backward(ctx: Any, grad: torch.Tensor | None,
+                 tie_grad: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None, None, None]:
+        packed, tie = saved_tensors(ctx)
+        if tie_grad is not None:  # the backward of a create_graph=True backward: torch's zeros, then the gradient
+            zeros = torch.empty_strided(ctx.like.shape, ctx.like.stride(), dtype=tie_grad.dtype, device=tie.device)
+            grad = zeros.zero_() if grad is None else zeros.zero_().add_(grad)
+        if grad is None:  # (no gradient reached the output: none to pass on)
+            return None, None, None, None, None
         result = ctx.rule.grad_from_mask(grad, _laid_out_as(unpack_mask(packed, ctx.shape), grad))
-        return _in_torchs_layout(result, ctx.rule, grad, ctx.stride), None, None, None
+        if torch.is_grad_enabled():  # create_graph=True
+            result = _Tie.apply(result, ctx.anchor[0] if ctx.anchor else tie)
+        return _in_torchs_layout(result, ctx.rule, grad, ctx.stride), None, None, None, None
 
 
 class _KeepInput(torch.autograd.Function):
@@ -400,7 +461,13 @@ def _apply(name: str, x: torch.Tensor, rule: _Rule, inplace: bool, save: str, ow
     owner = owner or f"memtrim.functional.{name}"
     if rule.keeps == "input":
         return _KeepInput.apply(x, x.clone() if inplace else None, rule, inplace, owner)
-    return (_KeepMask if save == "mask" else _KeepOutput).apply(x, rule, inplace, owner)
+    if save == "mask":
+        anchor: list[torch.Tensor] = []
+        y, _ = _KeepMask.apply(x, rule, inplace, owner, anchor)
+        if not (inplace or rule.second_derivative_in_output):
+            anchor.append(_Anchor.apply(x))
+        return y
+    return _KeepOutput.apply(x, rule, inplace, owner)
 
 
 # ---------------------------------------------------------------------- public functions (torch's signatures)

@@ -805,8 +805,11 @@ class _SharedRecompute(torch.autograd.Function):
         inputs = ctx.saved_tensors
         graph = ctx.cell.take()
         if torch.is_grad_enabled():  # create_graph=True: a gradient with a history, through the inputs' own
+            # graph, taken with respect to aliases of the inputs: with respect to the inputs themselves, the hooks the
+            # user registered on them would run on this inner gradient, and again in the outer backward
             with torch.enable_grad():
-                leaves, output = list(inputs), ctx.cell.fn(*inputs)
+                leaves = [t.view_as(t) if t.requires_grad else t for t in inputs]
+                output = ctx.cell.fn(*leaves)
         else:
             leaves, output = graph if graph is not None else ctx.cell.run(inputs)
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[1:]) if need]
