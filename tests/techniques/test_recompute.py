@@ -447,14 +447,20 @@ def test_checkpointed_activation_and_its_consumer_share_one_recompute(create_gra
     assert held(converted, X) == INTER
 
 
-def test_shared_recompute_without_the_consumer_in_backward():
-    """A backward that never reaches the consumer (gradients of the activation's output alone): the activation's
-    backward recomputes by itself, bitwise."""
+def shared_recompute_pair():
+    """A GPT-2 style MLP, and its copy whose NewGELU is checkpointed and rebuilt for its Conv1D (one recompute)."""
     torch.manual_seed(0)
     plain = MLP(NewGELU(), consumer="conv1d")
     converted = copy.deepcopy(plain)
     R.checkpoint_call(converted.act)
     act_to_consumer(converted)
+    return plain, converted
+
+
+def test_shared_recompute_without_the_consumer_in_backward():
+    """A backward that never reaches the consumer (gradients of the activation's output alone): the activation's
+    backward recomputes by itself, bitwise."""
+    plain, converted = shared_recompute_pair()
     grads = []
     for model in (plain, converted):
         leaf = X.clone().requires_grad_()
@@ -811,11 +817,7 @@ def test_shared_recompute_under_a_gradient_penalty_runs_the_users_hook_once():
     # found by an adversarial pass: with create_graph=True the shared recompute took torch.autograd.grad with
     # respect to the saved inputs themselves, which runs the hooks registered on them: a hook doubling fc1's output
     # gradient doubled the inner gradient too, and every gradient came out 0.2-0.9 off
-    torch.manual_seed(0)
-    plain = MLP(NewGELU(), consumer="conv1d")
-    converted = copy.deepcopy(plain)
-    R.checkpoint_call(converted.act)
-    act_to_consumer(converted)
+    plain, converted = shared_recompute_pair()
     grads = []
     for model in (converted, plain):
         leaf = X.clone().requires_grad_()
