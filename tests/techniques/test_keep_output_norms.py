@@ -145,3 +145,21 @@ def test_converted_bfloat16_model_with_torchs_rmsnorm_has_torchs_forward():
     converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=x)
     assert [c.modules for c in report.changes] == [("1",)], str(report)
     assert torch.equal(converted(x), plain(x))
+
+
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_a_vmapped_backward_with_create_graph_is_refused(norm):
+    # found by an adversarial pass: under vmap (autograd.grad(is_grads_batched=True, create_graph=True), jacobian with
+    # vectorize=True) the gradient's graph is hidden from the refusal of a second derivative: its terms were lost
+    # silently (a converted Llama's final norm weight gradient 0.92 where torch's is 14.65)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(getattr(memtrim.nn, norm)(8), torch.nn.Linear(8, 3))
+    x = torch.randn(5, 8, requires_grad=True)
+    with pytest.raises(memtrim.ConvertError, match="vmapped backward"):
+        torch.autograd.grad(model(x), x, torch.randn(4, 5, 3), is_grads_batched=True, create_graph=True)
+    # without create_graph (first order) it is torch's, to rounding (the norm is rebuilt from its output)
+    plain = torch.nn.Sequential(getattr(torch.nn, norm)(8), model[1])
+    directions = torch.randn(4, 5, 3)
+    (mine,) = torch.autograd.grad(model(x), x, directions, is_grads_batched=True)
+    (torchs,) = torch.autograd.grad(plain(x), x, directions, is_grads_batched=True)
+    torch.testing.assert_close(mine, torchs)

@@ -1594,3 +1594,38 @@ def test_an_optimizer_writing_parameters_outside_its_bucket_is_refused():
     x, y = batches(1)[0]
     with pytest.raises(Error, match=r"changed \d+ parameter\(s\) outside the bucket"):
         train_step(b, opt_b, x, y)
+
+
+def _gradient_norm_penalty_steps(make_optimizer, model, accumulate=False):
+    """The higher-order loop: backward(create_graph=True), a penalty on the gradients left in .grad, its backward,
+    then the step (AdamW with weight decay)."""
+    opt = make_optimizer(model)
+    for x, y in batches(3):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        if accumulate:
+            with opt.accumulate():
+                loss.backward(create_graph=True)
+        else:
+            loss.backward(create_graph=True)
+        sum(p.grad.square().sum() for p in model.parameters()).backward()
+        opt.step()
+    model.zero_grad(set_to_none=True)  # (the cycle a gradient with a graph makes with its parameter: torch's warning)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")  # (torch's, on the loop itself)
+def test_a_backward_with_create_graph_refuses_and_trains_bitwise_inside_accumulate():
+    # found by an adversarial pass: the update ran inside the first backward and left .grad None, so the penalty on
+    # the gradients was 0 and never trained: parameters 0.041 off after 3 steps, no error
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+    def wrapped(model):
+        return memtrim.OptimizerInBackward(adamw(model), model=model)
+
+    plain = _gradient_norm_penalty_steps(adamw, net())
+    with pytest.raises(Error, match="create_graph=True.*opt.accumulate"):
+        _gradient_norm_penalty_steps(wrapped, net())
+    for a, b in zip(_gradient_norm_penalty_steps(wrapped, net(), accumulate=True), plain):
+        assert torch.equal(a, b)

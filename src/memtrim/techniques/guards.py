@@ -24,7 +24,7 @@ from ..errors import ConvertError
 from ..measure.hooks import top_saved_tensors_hooks
 
 __all__ = [
-    "CONVERTED", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS", "activated", "autocasting", "fx_tracing",
+    "CONVERTED", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS", "activated", "autocasting", "batched", "fx_tracing",
     "inplace_error", "mark_activated", "memtrims", "no_double_backward", "owner", "plain_only",
     "kept_params", "refuse_later_hooks", "saved_tensors", "saves_checked", "watch_registrations",
     "watch_replacement", "WatchedFusion",
@@ -336,6 +336,19 @@ class _Refuse(torch.autograd.Function):
         raise ConvertError(ctx.message)
 
 
+_IS_BATCHED = getattr(torch._C._functorch, "is_batchedtensor", None)
+_IS_LEGACY_BATCHED = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
+
+
+def batched(t: Any) -> bool:
+    """Whether ``t`` is a tensor batched by vmap: ``autograd.grad(is_grads_batched=True)`` (and torch's
+    ``jacobian``/``hessian`` with ``vectorize=True``) run backward under it. Its shape is one sample's, its layout
+    not torch's to follow, and its ``requires_grad`` False even where its graph goes on (a custom Function sees
+    none of that graph)."""
+    return isinstance(t, torch.Tensor) and bool((_IS_BATCHED is not None and _IS_BATCHED(t))
+                                                or (_IS_LEGACY_BATCHED is not None and _IS_LEGACY_BATCHED(t)))
+
+
 def no_double_backward(backward: Callable[..., tuple]) -> Callable[..., tuple]:
     """Like ``torch.autograd.function.once_differentiable``, but differentiating the result raises a ConvertError
     naming the module (``ctx.owner``), and does so whenever create_graph is on and anything the gradients depend on
@@ -347,13 +360,19 @@ def no_double_backward(backward: Callable[..., tuple]) -> Callable[..., tuple]:
             outputs = backward(ctx, *grads)
         if not torch.is_grad_enabled():
             return outputs
+        vmapped = any(batched(g) for g in grads)
+        found = ("a vmapped backward with create_graph=True (autograd.grad(is_grads_batched=True), jacobian or "
+                 "hessian with vectorize=True), which hides the gradient's graph from memtrim: its second-order "
+                 "terms would be lost" if vmapped else "a backward through its gradient")
+        message = (f"memtrim: {ctx.owner} rebuilds its input from its output in backward, so it has no second "
+                   "derivative (double backward: create_graph=True followed by a backward through the gradient, "
+                   f"as in a gradient penalty). Expected a single backward; found {found}. "
+                   "To fix: leave this module out of memtrim.convert (module_filter), or use torch's module here.")
+        if vmapped:  # (refused now: the refusal below would be attached to a graph vmap hides)
+            raise ConvertError(message)
         anchors = [t for t in (*grads, *ctx.saved_tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not anchors:
             return outputs
-        message = (f"memtrim: {ctx.owner} rebuilds its input from its output in backward, so it has no second "
-                   "derivative (double backward: create_graph=True followed by a backward through the gradient, "
-                   "as in a gradient penalty). Expected a single backward; found a backward through its gradient. "
-                   "To fix: leave this module out of memtrim.convert (module_filter), or use torch's module here.")
         present = [i for i, t in enumerate(outputs) if isinstance(t, torch.Tensor)]
         wrapped = _Refuse.apply(message, len(anchors), *anchors, *[outputs[i] for i in present])
         result = list(outputs)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ...errors import InvalidInputError
-from ..guards import fx_tracing, plain_only, saved_tensors
+from ..guards import batched, fx_tracing, plain_only, saved_tensors
 
 __all__ = [
     "celu", "elu", "gelu", "hardsigmoid", "hardswish", "hardtanh", "leaky_relu", "mish", "relu", "relu6", "selu",
@@ -339,9 +339,22 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 def _dense_strides(shape: torch.Size, stride: tuple[int, ...]) -> bool:
-    """Whether ``stride`` is the contiguous or (4-D) channels_last layout of ``shape``."""
-    probe = torch.empty_strided(shape, stride, device="meta")
-    return _dense(probe)
+    """Whether ``stride`` is the contiguous or (4-D) channels_last layout of ``shape``, as ``is_contiguous`` says
+    (from the numbers: a probe tensor would count in a meta-device run's tracker)."""
+    if math.prod(shape) == 0:
+        return True
+    orders = [range(len(shape) - 1, -1, -1)] + ([(1, 3, 2, 0)] if len(shape) == 4 else [])
+    return any(_dense_in(shape, stride, order) for order in orders)
+
+
+def _dense_in(shape: torch.Size, stride: tuple[int, ...], order: Any) -> bool:
+    """Whether ``stride`` lays ``shape`` out densely, dimension ``order[0]`` fastest (size-1 dimensions any)."""
+    expected = 1
+    for dim in order:
+        if shape[dim] != 1 and stride[dim] != expected:
+            return False
+        expected *= shape[dim]
+    return True
 
 
 def _laid_out_as(mask: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -358,23 +371,46 @@ def _laid_out_as(mask: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 # create_graph=True the outer backward sends zeros back through the activation, so the parameters before it get a
 # zero gradient where they get no other (a step that trains on a gradient penalty alone, StyleGAN2's lazy R1). A
 # zero gradient is not no gradient: AdamW still decays the parameter and momentum still moves it. A mask has no
-# graph, so the backward ties its result (:class:`_Tie`) to an *anchor* (:class:`_Anchor`): an empty tensor made
-# from the activation's output where torch's formula differentiates in the output (relu, and every in-place
-# activation), else from its input. The anchor is made after the Function's node (the engine runs the node made
-# last first), so its zeros arrive where torch's arrive, in torch's order, laid out as torch's (zeros_like of the
-# gradient reaching the backward's result): the gradients add as torch's do, bitwise, on channels_last inputs too.
+# graph, so the backward ties its result (:func:`_tie`) to an *anchor*: an empty tensor standing where torch sends
+# its zeros. That is the activation's output where torch's formula differentiates in the output (relu, and every
+# in-place activation): an empty second output of the Function (saved as an output: one kept on ctx would make a
+# reference cycle through the node, never freed without a backward). Else it is the input, through
+# :class:`_Anchor`, made after the Function's node (the engine runs the node made last first). So the zeros
+# arrive where torch's arrive, in torch's order, laid out as torch's (zeros_like of the gradient reaching the
+# backward's result), and the gradients add as torch's do. The tie is tied again at each higher order (a loss on
+# a double-vjp JVP). Where torch's layout cannot be followed the zeros are contiguous: an in-place write into a
+# view (autograd allows such a Function one output, so the anchor is the input, made before the write) and
+# batched gradients (``is_grads_batched=True``, vmap: plain differentiable ops tie there).
+def _zeros_like_stride(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides of ``torch.zeros_like(t)``: ``t``'s where it is non-overlapping and dense, else None
+    (contiguous), computed without making a tensor (a meta-device run's tracker would count it)."""
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return t.stride()
+
+
+def _zeros(shape: torch.Size, stride: tuple[int, ...] | None, dtype: torch.dtype,
+           device: torch.device) -> torch.Tensor:
+    if stride is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+
+
 class _Anchor(torch.autograd.Function):
     """An empty tensor whose backward is zeros shaped as ``t``, laid out as the gradient :class:`_Tie` saw."""
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
-        ctx.like = None  # (not t: this node lives as long as the activation's, and must not keep t's memory)
+        # (t's shape, not t: this node lives as long as the activation's, and must not keep t's memory)
+        ctx.shape, ctx.dtype, ctx.zeros_stride = t.shape, t.dtype, None
         return t.new_empty(0)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        like = ctx.like  # a meta tensor by now (set by _Tie's backward)
-        return torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=grad.device).zero_()
+        return _zeros(ctx.shape, ctx.zeros_stride, ctx.dtype, grad.device)
 
 
 class _Tie(torch.autograd.Function):
@@ -383,46 +419,92 @@ class _Tie(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, result: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
-        ctx.anchor = anchor.grad_fn
+        ctx.save_for_backward(anchor)
         return result
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # (torch's zeros_like(grad), without the memory: for an _Anchor; the activation's own node ignores it)
-        ctx.anchor.like = torch.empty_like(grad, device="meta")
-        return grad, grad.new_empty(0)
+        (anchor,) = ctx.saved_tensors
+        anchor.grad_fn.zeros_stride = _zeros_like_stride(grad)  # (an _Anchor's, or the activation's own node)
+        if torch.is_grad_enabled():  # a higher order: the zeros reach the anchor at that order too
+            grad = _tie(grad, anchor)
+        return grad, torch.zeros(0, dtype=anchor.dtype, device=anchor.device)
+
+
+def _tie(result: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """``result``, differentiable (with derivative 0) in the anchor: NOTE [ a mask's second derivative reaches the
+    input ]. Batched (vmap), with plain ops (+0 subtracted: a -0 stays -0), the zeros contiguous."""
+    if batched(result):
+        return result - anchor.sum()
+    return _Tie.apply(result, anchor)
 
 
 class _KeepMask(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, rule: _Rule, inplace: bool, owner: str,
-                anchor: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        # the output and an empty second output, the anchor where torch's zeros go back through the output (saved
-        # as an output: an output kept on ctx would make a reference cycle through this node, never freed without a
-        # backward); ``anchor`` (a list: autograd does not take it for an input) gets the input's anchor otherwise,
-        # once this node exists: NOTE [ a mask's second derivative reaches the input ]
-        ctx.owner, ctx.anchor, ctx.like = owner, anchor, None
-        ctx.set_materialize_grads(False)  # (the tie's gradient tells the backward-of-backward pass apart)
+                anchor: list[torch.Tensor]) -> Any:
+        # the output, and an empty second output where the output is the anchor; ``anchor`` (a list: autograd does
+        # not take it for an input) holds the input's anchor otherwise, made before this node (an in-place write into
+        # a view: one output only) or appended after it: NOTE [ a mask's second derivative reaches the input ]
+        ctx.owner, ctx.anchor, ctx.zeros_stride = owner, anchor, None
+        ctx.set_materialize_grads(False)  # (the tie's gradient tells a backward-of-backward pass apart)
         mask = rule.input_mask(x)  # before an in-place forward overwrites x
         y = _run(ctx, x, rule, inplace)
-        ctx.shape, ctx.stride = y.shape, y.stride()  # (y is laid out as x)
+        ctx.shape, ctx.stride, ctx.dtype = y.shape, y.stride(), y.dtype  # (y is laid out as x)
+        packed = pack_mask(rule.mask(y) if mask is None else mask)
+        if anchor:
+            ctx.save_for_backward(packed)
+            return y
         tie = x.new_empty(0)
-        ctx.save_for_backward(pack_mask(rule.mask(y) if mask is None else mask), tie)
+        ctx.save_for_backward(packed, tie)
         return y, tie
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor | None,
-                 tie_grad: torch.Tensor | None) -> tuple[torch.Tensor | None, None, None, None, None]:
-        packed, tie = saved_tensors(ctx)
-        if tie_grad is not None:  # the backward of a create_graph=True backward: torch's zeros, then the gradient
-            zeros = torch.empty_strided(ctx.like.shape, ctx.like.stride(), dtype=tie_grad.dtype, device=tie.device)
-            grad = zeros.zero_() if grad is None else zeros.zero_().add_(grad)
+                 tie_grad: torch.Tensor | None = None) -> tuple[torch.Tensor | None, None, None, None, None]:
+        packed, *tie = saved_tensors(ctx)
+        if tie_grad is not None:  # a backward of a create_graph=True backward: torch's zeros, then the gradient
+            zeros = _zeros(ctx.shape, ctx.zeros_stride, ctx.dtype, tie_grad.device)
+            grad = zeros if grad is None else torch.add(zeros, grad)
         if grad is None:  # (no gradient reached the output: none to pass on)
             return None, None, None, None, None
-        result = ctx.rule.grad_from_mask(grad, _laid_out_as(unpack_mask(packed, ctx.shape), grad))
+        if batched(grad):  # (layouts are not torch's to follow under vmap)
+            result = ctx.rule.grad_from_mask(grad, unpack_mask(packed, ctx.shape))
+        elif torch.is_grad_enabled():  # create_graph=True: laid out as torch's at every order
+            result = _MaskedGrad.apply(grad, packed, ctx.rule, ctx.shape, ctx.stride)
+        else:
+            result = _masked_grad(grad, packed, ctx.rule, ctx.shape, ctx.stride)
         if torch.is_grad_enabled():  # create_graph=True
-            result = _Tie.apply(result, ctx.anchor[0] if ctx.anchor else tie)
-        return _in_torchs_layout(result, ctx.rule, grad, ctx.stride), None, None, None, None
+            result = _tie(result, ctx.anchor[0] if ctx.anchor else tie[0])
+        return result, None, None, None, None
+
+
+def _masked_grad(grad: torch.Tensor, packed: torch.Tensor, rule: _Rule, shape: torch.Size,
+                 stride: tuple[int, ...]) -> torch.Tensor:
+    """The input gradient from the mask, laid out as torch's backward of the activation lays it out."""
+    result = rule.grad_from_mask(grad, _laid_out_as(unpack_mask(packed, shape), grad))
+    return _in_torchs_layout(result, rule, grad, stride)
+
+
+class _MaskedGrad(torch.autograd.Function):
+    """:func:`_masked_grad` under create_graph=True: linear in ``grad`` and its own adjoint, so its backward is itself
+    (torch's backward-of-backward of relu is threshold_backward(gg, y), laid out by the same rule)."""
+
+    @staticmethod
+    def forward(ctx: Any, grad: torch.Tensor, packed: torch.Tensor, rule: _Rule, shape: torch.Size,
+                stride: tuple[int, ...]) -> torch.Tensor:
+        ctx.rule, ctx.shape, ctx.stride = rule, shape, stride
+        ctx.save_for_backward(packed)
+        return _masked_grad(grad, packed, rule, shape, stride)
+
+    @staticmethod
+    def backward(ctx: Any, gg: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
+        (packed,) = ctx.saved_tensors
+        if torch.is_grad_enabled() and not batched(gg):
+            return _MaskedGrad.apply(gg, packed, ctx.rule, ctx.shape, ctx.stride), None, None, None, None
+        if batched(gg):
+            return ctx.rule.grad_from_mask(gg, unpack_mask(packed, ctx.shape)), None, None, None, None
+        return _masked_grad(gg, packed, ctx.rule, ctx.shape, ctx.stride), None, None, None, None
 
 
 class _KeepInput(torch.autograd.Function):
@@ -462,6 +544,8 @@ def _apply(name: str, x: torch.Tensor, rule: _Rule, inplace: bool, save: str, ow
     if rule.keeps == "input":
         return _KeepInput.apply(x, x.clone() if inplace else None, rule, inplace, owner)
     if save == "mask":
+        if inplace and x._is_view():  # (autograd allows a Function that writes a view in place one output)
+            return _KeepMask.apply(x, rule, inplace, owner, [_Anchor.apply(x)])
         anchor: list[torch.Tensor] = []
         y, _ = _KeepMask.apply(x, rule, inplace, owner, anchor)
         if not (inplace or rule.second_derivative_in_output):

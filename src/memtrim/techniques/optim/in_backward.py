@@ -852,6 +852,17 @@ class OptimizerInBackward(WrappedOptimizerView):
             )
         if not self._open or self._accumulating:
             return  # outside an open step: accumulate, as the standard loop does
+        if torch.is_grad_enabled():  # (a backward runs with grad on exactly when create_graph=True)
+            self._close_step()
+            raise OptimizerInBackwardError(
+                "OptimizerInBackward: expected gradients without a graph of their own, but the gradient of a "
+                f"parameter of shape {tuple(param.shape)} has one: a backward with create_graph=True. The standard "
+                "loop keeps such gradients in .grad for a penalty on them or a backward through them, and steps at "
+                "opt.step(); here the update would run in this backward, before those, and .grad would be None. To "
+                "fix: run that backward inside `with opt.accumulate():` (the update then runs at opt.step(), from "
+                "what .grad holds by then), or take the gradients you penalise with torch.autograd.grad(..., "
+                "create_graph=True)."
+            )
         self._check_thread(param)
         if key in self._stepped:
             self._raise_second_gradient(param)

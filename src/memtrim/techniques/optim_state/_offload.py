@@ -465,10 +465,14 @@ class _GradToHost:
         owner = self.owner()
         if owner is None or param.grad is None:
             return
-        if users_hook_on(param):  # a user's hook reads .grad (before ours or after): under accumulation it must find
-            owner._deferred.add(id(param))  # the sum of the micro-batches, so the gradient waits on the device
-            held = self.host_param.grad     # (moved at step() or param_groups); an earlier micro-batch's part,
-            if held is not None:            # moved before the hook was registered, comes back to it
+        # a user's hook reads .grad (before ours or after): under accumulation it must find the sum of the
+        # micro-batches; a gradient with a graph (backward(create_graph=True)) is read after backward (a penalty on
+        # it, a backward through it). So the gradient waits on the device (moved at step() or param_groups); an
+        # earlier micro-batch's part, moved before, comes back to it
+        if users_hook_on(param) or torch.is_grad_enabled():  # (grad on in backward: create_graph=True)
+            owner._deferred.add(id(param))
+            held = self.host_param.grad
+            if held is not None:
                 wait_for_copies()
                 with torch.no_grad():
                     param.grad.add_(held.to(param.device))
