@@ -7,6 +7,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import memtrim
 from memtrim.errors import InvalidInputError, MemtrimError
@@ -814,5 +815,91 @@ def test_a_gradient_penalty_on_dot_grad_after_backward_with_create_graph_trains_
     plain = run(lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1))
     offloaded = run(lambda params: memtrim.CPUOffloadOptimizer(params, torch.optim.AdamW, lr=0.01, weight_decay=0.1,
                                                                offload_gradients=offload_gradients))
+    for a, b in zip(offloaded, plain):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("hook", ["ema after the step", "clamp after the step", "clamp before the step",
+                                  "clamp the host copies after the step"])
+@pytest.mark.parametrize("where", ["wrapper", "global"])
+def test_step_hooks_see_the_models_parameters_as_the_standard_loop(hook, where):
+    # found by an adversarial pass: the hooks ran inside the host optimizer's step, before the stepped values were
+    # copied back to the model: an EMA read the previous step's weights (0.0999 off after 3 steps), a clamp after the
+    # step was overwritten by the copy back (max |w| 0.65 where the clamp keeps 0.05), and one before it was lost
+    def run(make):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        opt = make(model.parameters())
+        ema = [p.detach().clone() for p in model.parameters()]
+
+        def post(optimizer, args, kwargs):
+            with torch.no_grad():
+                if hook == "ema after the step":
+                    torch._foreach_lerp_(ema, [p.detach() for p in model.parameters()], 0.5)
+                elif hook == "clamp after the step":
+                    for p in model.parameters():
+                        p.clamp_(-0.05, 0.05)
+                elif hook == "clamp the host copies after the step":
+                    for group in optimizer.param_groups:
+                        for p in group["params"]:
+                            p.clamp_(-0.05, 0.05)
+
+        def pre(optimizer, args, kwargs):
+            if hook == "clamp before the step":
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.clamp_(-0.05, 0.05)
+
+        if where == "wrapper":
+            handles = [opt.register_step_pre_hook(pre), opt.register_step_post_hook(post)]
+        else:
+            handles = [register_optimizer_step_pre_hook(pre),
+                       register_optimizer_step_post_hook(post)]
+        try:
+            g = torch.Generator().manual_seed(1)
+            for _ in range(3):
+                opt.zero_grad()
+                model(torch.randn(4, 8, generator=g)).square().mean().backward()
+                opt.step()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return [p.detach().clone() for p in model.parameters()] + ema
+
+    plain = run(lambda params: torch.optim.AdamW(params, lr=0.1))
+    offloaded = run(lambda params: memtrim.CPUOffloadOptimizer(params, torch.optim.AdamW, lr=0.1))
+    for a, b in zip(offloaded, plain):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")  # (torch's, on the loop itself)
+@pytest.mark.parametrize("between", ["an lr read", "a micro-batch without create_graph", "an lr read after it too"])
+def test_gradients_with_a_graph_stay_readable_through_the_step(between):
+    # found by an adversarial pass on the fix above: a param_groups read (lr logging) moved the gradients with a graph
+    # to the host before the penalty read them (AttributeError on None), and a later micro-batch's hook moved them
+    # (the penalty's `if p.grad is not None` then skipped them: 0.028 off)
+    def run(make):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        opt = make(model.parameters())
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(4, 8, generator=g)
+            opt.zero_grad()
+            model(x[:2]).square().mean().backward(create_graph=True)
+            if between == "a micro-batch without create_graph":
+                model(x[2:]).square().mean().backward()
+            else:
+                assert opt.param_groups[0]["lr"] == 0.01
+            sum(p.grad.square().sum() for p in model.parameters() if p.grad is not None).backward()
+            if between == "an lr read after it too":
+                assert opt.param_groups[0]["lr"] == 0.01
+            opt.step()
+        opt.zero_grad()
+        model.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in model.parameters()]
+
+    plain = run(lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1))
+    offloaded = run(lambda params: memtrim.CPUOffloadOptimizer(params, torch.optim.AdamW, lr=0.01, weight_decay=0.1))
     for a, b in zip(offloaded, plain):
         assert torch.equal(a, b)

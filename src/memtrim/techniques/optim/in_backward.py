@@ -180,10 +180,25 @@ def _param_hook(wrapper_ref: weakref.ref) -> Callable[[torch.Tensor], None]:
     return hook
 
 
-def _output_hook(wrapper_ref: weakref.ref) -> Callable[..., None]:
-    """Forward hook on the model: each output tensor counts the backward passes through its graph."""
+class _OutputHook:
+    """Forward hook on the model: each output tensor counts the backward passes through its graph.
 
-    def forward_hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+    A class, not a closure, so that ``torch.save(model)`` and ``copy.deepcopy(model)`` work while the wrapper is
+    attached (a closure cannot be pickled): a saved or copied model gets an inert hook (the copy is not the model
+    this wrapper trains; an EMA copy's forward is not one of its steps)."""
+
+    __slots__ = ("wrapper_ref",)
+
+    def __init__(self, wrapper_ref: weakref.ref | None) -> None:
+        self.wrapper_ref = wrapper_ref
+
+    def __reduce__(self) -> tuple[Any, tuple[None]]:
+        return _OutputHook, (None,)
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.wrapper_ref is None:
+            return
+        wrapper_ref = self.wrapper_ref
         wrapper = wrapper_ref()
         if wrapper is None or wrapper._removed or not torch.is_grad_enabled():
             return
@@ -215,8 +230,6 @@ def _output_hook(wrapper_ref: weakref.ref) -> Callable[..., None]:
 
         for tensor in tensors:
             tensor.register_hook(grad_hook)
-
-    return forward_hook
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -379,7 +392,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         if model is not None:
             # a graph backwarded twice (retain_graph=True) after an update inside the first: say so before torch's
             # version-counter error does
-            self._handles.append(model.register_forward_hook(_output_hook(self._self_ref)))
+            self._handles.append(model.register_forward_hook(_OutputHook(self._self_ref)))
         if self._ddp is not None:
             # weak references both ways: DDP's C++ reducer must not keep the wrapper (and itself) alive
             self._ddp.register_comm_hook(self._self_ref, _ddp_comm_hook)

@@ -36,9 +36,9 @@ found no gradient (torch's "No inf checks were recorded" assertion) and such a c
 from __future__ import annotations
 
 import weakref
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator, MutableMapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -150,9 +150,13 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         self.offload_gradients = offload_gradients
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device parameter, host copy)
         self._synced: dict[int, tuple[int, int]] = {}  # id(device parameter) -> its (version, data_ptr) as copied
+        self._host_synced: dict[int, int] = {}  # id(device parameter) -> its host copy's version when copied back
         self._handles: list[Any] = []
         self._hooked: set[int] = set()  # ids of the device parameters with a gradient hook
         self._deferred: set[int] = set()  # ids whose gradient waits on the device (a user's hook reads it)
+        # id -> (weakref, version) of a gradient with a graph copied to the host by a param_groups read, and left
+        # on the device for code that reads it (NOTE [ a gradient with a graph stays on the device ])
+        self._mirrored: dict[int, tuple[weakref.ref, int]] = {}
         self.optimizer = self._rolled_back_on_error(lambda: optimizer_class([self._host_group(g) for g in groups],
                                                                              **kwargs))
         _install_step_guard()
@@ -273,20 +277,42 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         """The host optimizer's ``param_groups`` (read and set through to it); their params are the host copies, so
         gradients still on the device move to them first (NOTE [ offloaded optimizer state ]): all of them with
         ``offload_gradients=False``, those of parameters unfrozen since the last step otherwise."""
-        self._gradients_to_host()
+        self._gradients_to_host(final=False)
         return self.optimizer.param_groups
 
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
+    # NOTE [ a gradient with a graph stays on the device ]
+    # A backward with create_graph=True leaves gradients with a graph, which the standard loop reads after backward
+    # (a penalty on p.grad, a backward through it): they wait on the device until step(), through later micro-batches
+    # too. A param_groups read before step() (lr logging, GradScaler.unscale_) copies them to the host copies and
+    # leaves them on the device; at step() the host copy is used if the device gradient has not changed since (an
+    # unscale_ on the host copy counts), else the device gradient replaces it.
     @torch.no_grad()
-    def _gradients_to_host(self) -> None:
+    def _gradients_to_host(self, *, final: bool = True) -> None:
+        """Gradients still on the device to the host copies; ``final=False`` (a param_groups read before step()):
+        copies of those with a graph, left on the device."""
         for device_param, host_param in getattr(self, "_pairs", ()):
-            if device_param.grad is not None:
-                _check_unchanged_layout(device_param, host_param)
-                add_to_holder(host_param, device_param.grad)
-                device_param.grad = None
+            grad: torch.Tensor | None = device_param.grad
+            if grad is None:
+                continue
+            _check_unchanged_layout(device_param, host_param)
+            key = id(device_param)
+            mirrored = self._mirrored.pop(key, None)
+            version = grad._version
+            unchanged = mirrored is not None and mirrored[0]() is grad and mirrored[1] == version
+            if not final and grad.requires_grad:
+                if not unchanged:
+                    host_param.grad = grad.detach().to(host_param.device, copy=True)
+                self._mirrored[key] = (weakref.ref(grad), version)
+                continue
+            if mirrored is not None and not unchanged:
+                host_param.grad = None  # (the device gradient changed since it was copied: it replaces the copy)
+            if not unchanged:
+                add_to_holder(host_param, grad)
+            device_param.grad = None
         wait_for_copies()  # the callers read the host gradients next: the copies (these, and the hooks') have landed
 
     @property
@@ -322,26 +348,65 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
             torch.cuda.synchronize()
         for device_param, host_param in self._pairs:
             _check_unchanged_layout(device_param, host_param)
-            if self.host.type != "meta" and _version(device_param) != self._synced[id(device_param)]:
-                host_param.copy_(device_param)  # changed outside the optimizer (NOTE [ offloaded optimizer state ])
         self._check_no_gradient_written_after_backward()
         self._gradients_to_host()
         # a GradScaler stepping a fused optimizer sets these on this object (GradScaler.step): the host one reads them
         scaling = {k: self.__dict__[k] for k in ("grad_scale", "found_inf") if k in self.__dict__}
         for name, value in scaling.items():
             setattr(self.optimizer, name, value.to(self.host) if isinstance(value, torch.Tensor) else value)
+        self._place_step_hooks()
         try:
-            self.optimizer.step()
+            self.optimizer.step()  # (runs the step hooks: NOTE [ step hooks see the model's parameters ])
         finally:
             for name in scaling:
                 self.optimizer.__dict__.pop(name, None)
-        if self.host.type != "meta":  # a prediction keeps the state on meta: nothing to copy back
+        if self.host.type != "meta":  # a host copy a user's post-hook wrote (through param_groups) reaches the model
             for device_param, host_param in self._pairs:
-                device_param.copy_(host_param, non_blocking=True)
-                self._synced[id(device_param)] = _version(device_param)
+                if host_param._version != self._host_synced.get(id(device_param)):
+                    self._copy_back(device_param, host_param)
         self._hook_unfrozen()
         self._hooks_first()
         self._deferred.clear()
+        self._mirrored.clear()
+
+    # NOTE [ step hooks see the model's parameters ]
+    # Step hooks (the user's on this optimizer or the host one, and torch's global ones) run inside the host
+    # optimizer's step(). As in the standard loop, a pre-hook's write to the model's parameters (a projection) must
+    # reach the step, and a post-hook must find them stepped (an EMA, a clamp, a checkpoint). So memtrim's own
+    # hooks bracket theirs: the last pre-hook copies parameters changed on the device to the host, the first
+    # post-hook copies the stepped values back. A host copy a post-hook writes (through ``param_groups``) is copied
+    # back after them. Placed at each step: hooks registered since, or dropped by pickling, are put in order.
+    def _place_step_hooks(self) -> None:
+        for table, kind, last in ((self.optimizer._optimizer_step_pre_hooks, "pre", True),
+                                  (self.optimizer._optimizer_step_post_hooks, "post", False)):
+            hooks = cast("OrderedDict[int, Any]", table)
+            mine = [k for k, h in hooks.items() if isinstance(h, _StepSync) and h.owner() is self]
+            if not mine:
+                register = (self.optimizer.register_step_pre_hook if kind == "pre"
+                            else self.optimizer.register_step_post_hook)
+                register(_StepSync(weakref.ref(self), kind))
+                mine = [next(reversed(hooks))]
+            hooks.move_to_end(mine[0], last=last)
+
+    def _to_host(self) -> None:
+        """Parameters changed on the device outside the optimizer (NOTE [ offloaded optimizer state ]) to the host."""
+        if self.host.type == "meta":  # a prediction keeps the state on meta: nothing to copy
+            return
+        for device_param, host_param in self._pairs:
+            if _version(device_param) != self._synced[id(device_param)]:
+                host_param.copy_(device_param)
+
+    def _to_device(self) -> None:
+        """The stepped host copies back to the model's parameters."""
+        if self.host.type == "meta":
+            return
+        for device_param, host_param in self._pairs:
+            self._copy_back(device_param, host_param)
+
+    def _copy_back(self, device_param: torch.Tensor, host_param: torch.Tensor) -> None:
+        device_param.copy_(host_param, non_blocking=True)
+        self._synced[id(device_param)] = _version(device_param)
+        self._host_synced[id(device_param)] = host_param._version
 
     def _check_no_gradient_written_after_backward(self) -> None:
         """A gradient on a parameter whose hook already moved backward's gradient to the host was written there by
@@ -365,6 +430,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         self._hook_unfrozen()
         self._hooks_first()
         self._deferred.clear()
+        self._mirrored.clear()
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for device_param, _ in self._pairs:
             if device_param.grad is not None:
@@ -452,6 +518,21 @@ def _check_unchanged_layout(device_param: torch.Tensor, host_param: torch.Tensor
         )
 
 
+class _StepSync:
+    """memtrim's step hook on the host optimizer: the last pre-hook or the first post-hook (NOTE [ step hooks see the
+    model's parameters ])."""
+
+    __slots__ = ("owner", "kind")
+
+    def __init__(self, owner: weakref.ref, kind: str) -> None:
+        self.owner, self.kind = owner, kind
+
+    def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        owner = self.owner()
+        if owner is not None:
+            owner._to_host() if self.kind == "pre" else owner._to_device()
+
+
 class _GradToHost:
     """A post-accumulate-grad hook: the gradient goes to the host copy and is freed on the device."""
 
@@ -466,12 +547,14 @@ class _GradToHost:
         if owner is None or param.grad is None:
             return
         # a user's hook reads .grad (before ours or after): under accumulation it must find the sum of the
-        # micro-batches; a gradient with a graph (backward(create_graph=True)) is read after backward (a penalty on
-        # it, a backward through it). So the gradient waits on the device (moved at step() or param_groups); an
-        # earlier micro-batch's part, moved before, comes back to it
-        if users_hook_on(param) or torch.is_grad_enabled():  # (grad on in backward: create_graph=True)
+        # micro-batches; a gradient with a graph (grad on in backward: create_graph=True) is read after backward (a
+        # penalty on it, a backward through it), also after later micro-batches of the step (NOTE [ a gradient
+        # with a graph stays on the device ]). So the gradient waits on the device (moved at step() or
+        # param_groups); an earlier micro-batch's part, moved before, comes back to it (a copy a param_groups read
+        # made of a gradient with a graph is no part: the device gradient still holds it)
+        if users_hook_on(param) or torch.is_grad_enabled() or id(param) in owner._deferred:
             owner._deferred.add(id(param))
-            held = self.host_param.grad
+            held = self.host_param.grad if id(param) not in owner._mirrored else None
             if held is not None:
                 wait_for_copies()
                 with torch.no_grad():

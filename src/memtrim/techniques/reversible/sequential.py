@@ -53,6 +53,7 @@ from torch import nn
 from ...errors import InvalidInputError, ReversibleError
 from ...measure.hooks import hold_for_backward
 from .._modes import TrainingFlags, buffers_put_back, set_training_flags, training_flags
+from ..guards import memtrims
 from ._replay import Replay, as_forward, captured, replayed
 from .coupling import AdditiveCoupling, AffineCoupling, _checked, _split
 
@@ -142,6 +143,27 @@ class _DriftLog:
             self.keep_inputs.add(index)
 
 
+def _refuse_hooks(index: int, block: nn.Module) -> None:
+    """Refuse hooks on a block (and global backward hooks): the stack runs a coupling's arithmetic itself, so none of
+    them would run, and backward rebuilds a block's input by inverting its output, which a hook that changes the
+    output breaks (a user's invertible block has its hooks run twice). Hooks on the modules inside f and g run."""
+    module_hooks = torch.nn.modules.module
+    found = [kind for kind, table in (
+        ("forward", block._forward_hooks), ("forward pre-", block._forward_pre_hooks),
+        ("backward", block._backward_hooks), ("backward pre-", block._backward_pre_hooks),
+        ("global backward", module_hooks._global_backward_hooks),
+        ("global backward pre-", module_hooks._global_backward_pre_hooks))
+        if any(not memtrims(hook) for hook in table.values())]  # (memtrim's own: convert's trace, the tracker)
+    if found:
+        raise InvalidInputError(
+            f"memtrim.ReversibleSequential: block {index} ({type(block).__name__}) has {' and '.join(found)} hooks. "
+            "Expected no hooks on the blocks themselves: the stack rebuilds each block's input from its output in "
+            "backward and runs a coupling's arithmetic itself, so such hooks would not run, or would change an "
+            "output that is then inverted (a forward hook that scales it trained 0.06 off, silently). To fix: "
+            "register the hook on a module inside the block's f or g, or on the ReversibleSequential itself."
+        )
+
+
 class _Frame:
     """One forward of the stack and its backward: runs the blocks (capturing what to replay), keeps the output and
     the handles per block, and rebuilds each block's input when backward first needs one of its tensors."""
@@ -207,6 +229,7 @@ class _Frame:
         def unpack(handle: _Handle) -> torch.Tensor:
             return handle.frame.unpack(handle)
 
+        _refuse_hooks(index, block)
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
                 if type(block) is AdditiveCoupling:
