@@ -792,29 +792,43 @@ def test_offload_state_is_reached_through_the_params_param_groups_lists():
         opt.state[torch.zeros(2)]
 
 
+def _penalty_on_dot_grad(make, between=None, **options):
+    """Three AdamW steps (weight decay on) with ``make(params, **options)`` on a penalty on the gradients a backward
+    with create_graph=True leaves in .grad; ``between`` that backward and the penalty: an lr read, or a micro-batch
+    without create_graph; "an lr read after it too": a read after the penalty as well."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    opt = make(model.parameters(), lr=0.01, weight_decay=0.1, **options)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=g)
+        opt.zero_grad()
+        model(x[:2]).square().mean().backward(create_graph=True)
+        if between == "a micro-batch without create_graph":
+            model(x[2:]).square().mean().backward()
+        elif between is not None:
+            assert opt.param_groups[0]["lr"] == 0.01
+        sum(p.grad.square().sum() for p in model.parameters() if p.grad is not None).backward()
+        if between == "an lr read after it too":
+            assert opt.param_groups[0]["lr"] == 0.01
+        opt.step()
+    opt.zero_grad()  # (and the cycle a gradient with a graph makes with its parameter: torch's warning says so)
+    model.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _offloaded_adamw(params, **options):
+    return memtrim.CPUOffloadOptimizer(params, torch.optim.AdamW, **options)
+
+
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")  # (torch's, on the loop itself)
 @pytest.mark.parametrize("offload_gradients", [True, False])
 def test_a_gradient_penalty_on_dot_grad_after_backward_with_create_graph_trains_as_the_standard_loop(
         offload_gradients):
     # found by an adversarial pass: gradients with a graph (backward(create_graph=True)) went to the host and .grad
     # became None, so a penalty on the gradients was 0 and never trained: parameters 0.041 off after 3 steps
-    def run(make):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-        opt = make(model.parameters())
-        g = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            opt.zero_grad()
-            model(torch.randn(4, 8, generator=g)).square().mean().backward(create_graph=True)
-            sum(p.grad.square().sum() for p in model.parameters()).backward()
-            opt.step()
-        opt.zero_grad()  # (and the cycle a gradient with a graph makes with its parameter: torch's warning says so)
-        model.zero_grad(set_to_none=True)
-        return [p.detach().clone() for p in model.parameters()]
-
-    plain = run(lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1))
-    offloaded = run(lambda params: memtrim.CPUOffloadOptimizer(params, torch.optim.AdamW, lr=0.01, weight_decay=0.1,
-                                                               offload_gradients=offload_gradients))
+    plain = _penalty_on_dot_grad(torch.optim.AdamW)
+    offloaded = _penalty_on_dot_grad(_offloaded_adamw, offload_gradients=offload_gradients)
     for a, b in zip(offloaded, plain):
         assert torch.equal(a, b)
 
@@ -878,28 +892,6 @@ def test_gradients_with_a_graph_stay_readable_through_the_step(between):
     # found by an adversarial pass on the fix above: a param_groups read (lr logging) moved the gradients with a graph
     # to the host before the penalty read them (AttributeError on None), and a later micro-batch's hook moved them
     # (the penalty's `if p.grad is not None` then skipped them: 0.028 off)
-    def run(make):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-        opt = make(model.parameters())
-        g = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            x = torch.randn(4, 8, generator=g)
-            opt.zero_grad()
-            model(x[:2]).square().mean().backward(create_graph=True)
-            if between == "a micro-batch without create_graph":
-                model(x[2:]).square().mean().backward()
-            else:
-                assert opt.param_groups[0]["lr"] == 0.01
-            sum(p.grad.square().sum() for p in model.parameters() if p.grad is not None).backward()
-            if between == "an lr read after it too":
-                assert opt.param_groups[0]["lr"] == 0.01
-            opt.step()
-        opt.zero_grad()
-        model.zero_grad(set_to_none=True)
-        return [p.detach().clone() for p in model.parameters()]
-
-    plain = run(lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=0.1))
-    offloaded = run(lambda params: memtrim.CPUOffloadOptimizer(params, torch.optim.AdamW, lr=0.01, weight_decay=0.1))
-    for a, b in zip(offloaded, plain):
+    plain = _penalty_on_dot_grad(torch.optim.AdamW, between)
+    for a, b in zip(_penalty_on_dot_grad(_offloaded_adamw, between), plain):
         assert torch.equal(a, b)
