@@ -500,11 +500,13 @@ class _MaskedGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, gg: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         (packed,) = ctx.saved_tensors
-        if torch.is_grad_enabled() and not batched(gg):
-            return _MaskedGrad.apply(gg, packed, ctx.rule, ctx.shape, ctx.stride), None, None, None, None
-        if batched(gg):
-            return ctx.rule.grad_from_mask(gg, unpack_mask(packed, ctx.shape)), None, None, None, None
-        return _masked_grad(gg, packed, ctx.rule, ctx.shape, ctx.stride), None, None, None, None
+        if batched(gg):  # (as _KeepMask's: no layout under vmap)
+            result = ctx.rule.grad_from_mask(gg, unpack_mask(packed, ctx.shape))
+        elif torch.is_grad_enabled():  # a higher order
+            result = _MaskedGrad.apply(gg, packed, ctx.rule, ctx.shape, ctx.stride)
+        else:
+            result = _masked_grad(gg, packed, ctx.rule, ctx.shape, ctx.stride)
+        return result, None, None, None, None
 
 
 class _KeepInput(torch.autograd.Function):
