@@ -526,3 +526,33 @@ def test_hooks_on_a_block_are_refused_and_hooks_inside_it_run(hook):
     stack(x).sum().backward()
     inner.remove()
     assert seen == [torch.Size([3, 4])] * 2  # the forward, and the rebuild in backward (as under checkpointing)
+
+
+class _InvertibleLinear(nn.Module):
+    """A user's invertible block: a square linear map with ``inverse()``."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.eye(n) + 0.1 * torch.randn(n, n))
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+    def inverse(self, y):
+        return torch.linalg.solve(self.weight, y.t()).t()
+
+
+def test_a_weight_norm_pre_hook_on_a_users_block_is_not_refused():
+    # found by an adversarial pass on the refusal above: weight_norm's forward pre-hook (it recomputes the weight)
+    # on a user's invertible block was refused, where the stack trains as the plain one
+    def blocks():
+        torch.manual_seed(0)
+        return [torch.nn.utils.weight_norm(_InvertibleLinear(6).double()) for _ in range(2)]
+
+    x = torch.randn(3, 6, dtype=torch.float64)
+    plain, stack = nn.Sequential(*blocks()), memtrim.ReversibleSequential(*blocks())
+    plain(x).square().sum().backward()
+    stack(x).square().sum().backward()
+    for a, b in zip(plain.parameters(), stack.parameters()):
+        # float64, the input rebuilt by solving the block's linear map: equal to rounding
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)

@@ -154,9 +154,6 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         self._handles: list[Any] = []
         self._hooked: set[int] = set()  # ids of the device parameters with a gradient hook
         self._deferred: set[int] = set()  # ids whose gradient waits on the device (a user's hook reads it)
-        # id -> (weakref, version) of a gradient with a graph copied to the host by a param_groups read, and left
-        # on the device for code that reads it (NOTE [ a gradient with a graph stays on the device ])
-        self._mirrored: dict[int, tuple[weakref.ref, int]] = {}
         self.optimizer = self._rolled_back_on_error(lambda: optimizer_class([self._host_group(g) for g in groups],
                                                                              **kwargs))
         _install_step_guard()
@@ -165,6 +162,10 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         self._hooks_first()  # (behind hooks the user registered before building it: moved before them)
         self._optimizer_step_pre_hooks = self.optimizer._optimizer_step_pre_hooks
         self._optimizer_step_post_hooks = self.optimizer._optimizer_step_post_hooks
+        for table in ("_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                      "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks"):
+            if hasattr(self.optimizer, table):  # (state_dict and load_state_dict are the host optimizer's)
+                setattr(self, table, getattr(self.optimizer, table))
 
     def _host_group(self, group: dict[str, Any]) -> dict[str, Any]:
         """``group`` over host copies of its parameters (``(name, tensor)`` pairs keep their names), with the
@@ -277,7 +278,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         """The host optimizer's ``param_groups`` (read and set through to it); their params are the host copies, so
         gradients still on the device move to them first (NOTE [ offloaded optimizer state ]): all of them with
         ``offload_gradients=False``, those of parameters unfrozen since the last step otherwise."""
-        self._gradients_to_host(final=False)
+        self._gradients_to_host()
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -286,33 +287,16 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
 
     # NOTE [ a gradient with a graph stays on the device ]
     # A backward with create_graph=True leaves gradients with a graph, which the standard loop reads after backward
-    # (a penalty on p.grad, a backward through it): they wait on the device until step(), through later micro-batches
-    # too. A param_groups read before step() (lr logging, GradScaler.unscale_) copies them to the host copies and
-    # leaves them on the device; at step() the host copy is used if the device gradient has not changed since (an
-    # unscale_ on the host copy counts), else the device gradient replaces it.
+    # (a penalty on p.grad, a backward through it): they wait on the device, through later micro-batches of the step
+    # too, until step() or a param_groups read moves them (read param_groups after the penalty: before it, the
+    # penalty finds .grad None, as the README says).
     @torch.no_grad()
-    def _gradients_to_host(self, *, final: bool = True) -> None:
-        """Gradients still on the device to the host copies; ``final=False`` (a param_groups read before step()):
-        copies of those with a graph, left on the device."""
+    def _gradients_to_host(self) -> None:
         for device_param, host_param in getattr(self, "_pairs", ()):
-            grad: torch.Tensor | None = device_param.grad
-            if grad is None:
-                continue
-            _check_unchanged_layout(device_param, host_param)
-            key = id(device_param)
-            mirrored = self._mirrored.pop(key, None)
-            version = grad._version
-            unchanged = mirrored is not None and mirrored[0]() is grad and mirrored[1] == version
-            if not final and grad.requires_grad:
-                if not unchanged:
-                    host_param.grad = grad.detach().to(host_param.device, copy=True)
-                self._mirrored[key] = (weakref.ref(grad), version)
-                continue
-            if mirrored is not None and not unchanged:
-                host_param.grad = None  # (the device gradient changed since it was copied: it replaces the copy)
-            if not unchanged:
-                add_to_holder(host_param, grad)
-            device_param.grad = None
+            if device_param.grad is not None:
+                _check_unchanged_layout(device_param, host_param)
+                add_to_holder(host_param, device_param.grad)
+                device_param.grad = None
         wait_for_copies()  # the callers read the host gradients next: the copies (these, and the hooks') have landed
 
     @property
@@ -348,6 +332,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
             torch.cuda.synchronize()
         for device_param, host_param in self._pairs:
             _check_unchanged_layout(device_param, host_param)
+        self._to_host()
         self._check_no_gradient_written_after_backward()
         self._gradients_to_host()
         # a GradScaler stepping a fused optimizer sets these on this object (GradScaler.step): the host one reads them
@@ -367,26 +352,23 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         self._hook_unfrozen()
         self._hooks_first()
         self._deferred.clear()
-        self._mirrored.clear()
 
     # NOTE [ step hooks see the model's parameters ]
     # Step hooks (the user's on this optimizer or the host one, and torch's global ones) run inside the host
-    # optimizer's step(). As in the standard loop, a pre-hook's write to the model's parameters (a projection) must
-    # reach the step, and a post-hook must find them stepped (an EMA, a clamp, a checkpoint). So memtrim's own
-    # hooks bracket theirs: the last pre-hook copies parameters changed on the device to the host, the first
-    # post-hook copies the stepped values back. A host copy a post-hook writes (through ``param_groups``) is copied
-    # back after them. Placed at each step: hooks registered since, or dropped by pickling, are put in order.
+    # optimizer's step(). As in the standard loop, a post-hook must find the model's parameters stepped (an EMA, a
+    # clamp, a checkpoint): memtrim's copy back is the first post-hook (placed at each step: hooks registered since,
+    # or dropped by pickling, are put in order), and a host copy a later post-hook writes (through
+    # ``param_groups``) is copied back after them. A pre-hook runs after the parameters went to the host: it writes
+    # the host copies (``param_groups``) for the step to see them (a write to the model's parameters there is not
+    # seen: a registered last pre-hook that copied them made torch's hook loop fail where a user's pre-hook removes
+    # itself).
     def _place_step_hooks(self) -> None:
-        for table, kind, last in ((self.optimizer._optimizer_step_pre_hooks, "pre", True),
-                                  (self.optimizer._optimizer_step_post_hooks, "post", False)):
-            hooks = cast("OrderedDict[int, Any]", table)
-            mine = [k for k, h in hooks.items() if isinstance(h, _StepSync) and h.owner() is self]
-            if not mine:
-                register = (self.optimizer.register_step_pre_hook if kind == "pre"
-                            else self.optimizer.register_step_post_hook)
-                register(_StepSync(weakref.ref(self), kind))
-                mine = [next(reversed(hooks))]
-            hooks.move_to_end(mine[0], last=last)
+        hooks = cast("OrderedDict[int, Any]", self.optimizer._optimizer_step_post_hooks)
+        mine = [k for k, h in hooks.items() if isinstance(h, _StepSync) and h.owner() is self]
+        if not mine:
+            self.optimizer.register_step_post_hook(_StepSync(weakref.ref(self)))
+            mine = [next(reversed(hooks))]
+        hooks.move_to_end(mine[0], last=False)
 
     def _to_host(self) -> None:
         """Parameters changed on the device outside the optimizer (NOTE [ offloaded optimizer state ]) to the host."""
@@ -430,13 +412,16 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         self._hook_unfrozen()
         self._hooks_first()
         self._deferred.clear()
-        self._mirrored.clear()
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for device_param, _ in self._pairs:
             if device_param.grad is not None:
                 if set_to_none:
                     device_param.grad = None
-                else:
+                else:  # as torch's zero_grad: a gradient with a graph (create_graph=True) is detached first
+                    if device_param.grad.grad_fn is not None:
+                        device_param.grad.detach_()
+                    else:
+                        device_param.grad.requires_grad_(False)
                     device_param.grad.zero_()
 
     def state_dict(self) -> dict[str, Any]:
@@ -519,18 +504,18 @@ def _check_unchanged_layout(device_param: torch.Tensor, host_param: torch.Tensor
 
 
 class _StepSync:
-    """memtrim's step hook on the host optimizer: the last pre-hook or the first post-hook (NOTE [ step hooks see the
-    model's parameters ])."""
+    """memtrim's first step post-hook on the host optimizer: the copy back (NOTE [ step hooks see the model's
+    parameters ])."""
 
-    __slots__ = ("owner", "kind")
+    __slots__ = ("owner",)
 
-    def __init__(self, owner: weakref.ref, kind: str) -> None:
-        self.owner, self.kind = owner, kind
+    def __init__(self, owner: weakref.ref) -> None:
+        self.owner = owner
 
     def __call__(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         owner = self.owner()
         if owner is not None:
-            owner._to_host() if self.kind == "pre" else owner._to_device()
+            owner._to_device()
 
 
 class _GradToHost:
@@ -550,11 +535,10 @@ class _GradToHost:
         # micro-batches; a gradient with a graph (grad on in backward: create_graph=True) is read after backward (a
         # penalty on it, a backward through it), also after later micro-batches of the step (NOTE [ a gradient
         # with a graph stays on the device ]). So the gradient waits on the device (moved at step() or
-        # param_groups); an earlier micro-batch's part, moved before, comes back to it (a copy a param_groups read
-        # made of a gradient with a graph is no part: the device gradient still holds it)
+        # param_groups); an earlier micro-batch's part, moved before, comes back to it
         if users_hook_on(param) or torch.is_grad_enabled() or id(param) in owner._deferred:
             owner._deferred.add(id(param))
-            held = self.host_param.grad if id(param) not in owner._mirrored else None
+            held = self.host_param.grad
             if held is not None:
                 wait_for_copies()
                 with torch.no_grad():

@@ -145,15 +145,18 @@ class _DriftLog:
 
 def _refuse_hooks(index: int, block: nn.Module) -> None:
     """Refuse hooks on a block (and global backward hooks): the stack runs a coupling's arithmetic itself, so none of
-    them would run, and backward rebuilds a block's input by inverting its output, which a hook that changes the
-    output breaks (a user's invertible block has its hooks run twice). Hooks on the modules inside f and g run."""
+    them would run there, and backward rebuilds a block's input by inverting its output, which a hook that changes the
+    output breaks (a user's invertible block, called as a module, has its forward hooks run twice). A forward
+    pre-hook on a user's block runs as in a plain call (``weight_norm``'s recomputes the weight), and hooks on the
+    modules inside f and g run."""
     module_hooks = torch.nn.modules.module
-    found = [kind for kind, table in (
-        ("forward", block._forward_hooks), ("forward pre-", block._forward_pre_hooks),
-        ("backward", block._backward_hooks), ("backward pre-", block._backward_pre_hooks),
-        ("global backward", module_hooks._global_backward_hooks),
-        ("global backward pre-", module_hooks._global_backward_pre_hooks))
-        if any(not memtrims(hook) for hook in table.values())]  # (memtrim's own: convert's trace, the tracker)
+    tables = [("forward", block._forward_hooks), ("backward", block._backward_hooks),
+              ("backward pre-", block._backward_pre_hooks), ("global backward", module_hooks._global_backward_hooks),
+              ("global backward pre-", module_hooks._global_backward_pre_hooks)]
+    if isinstance(block, (AdditiveCoupling, AffineCoupling)):
+        tables.append(("forward pre-", block._forward_pre_hooks))
+    found = [kind for kind, table in tables if any(not memtrims(hook) for hook in table.values())]
+    # (memtrim's own, convert's trace and the tracker's, are left alone)
     if found:
         raise InvalidInputError(
             f"memtrim.ReversibleSequential: block {index} ({type(block).__name__}) has {' and '.join(found)} hooks. "
