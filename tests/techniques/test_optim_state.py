@@ -914,3 +914,19 @@ def test_state_dict_hooks_run_and_zero_grad_detaches_a_gradient_with_a_graph_as_
     for p in model.parameters():
         assert p.grad is not None and p.grad.grad_fn is None and not p.grad.requires_grad
         assert not p.grad.any()
+
+
+def test_a_step_pre_hook_that_writes_the_models_parameters_is_refused():
+    # found by an adversarial pass: the step runs on the host copies, so a pre-hook's clamp of the model's
+    # parameters was silently lost (0.448 off after 3 steps); writing the host copies (param_groups) is the way
+    model = torch.nn.Linear(4, 2)
+    opt = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+
+    def clamp_the_model(optimizer, args, kwargs):
+        with torch.no_grad():
+            model.weight.clamp_(-0.05, 0.05)
+
+    opt.register_step_pre_hook(clamp_the_model)
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(MemtrimError, match="written after the step began .* write the host copies"):
+        opt.step()

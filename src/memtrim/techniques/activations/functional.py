@@ -163,6 +163,13 @@ class _Hardtanh(_Rule):
         return torch.where(mask, grad, grad.new_zeros(()))
 
 
+# NOTE [ ELU in half ]
+# Rebuilding ELU's derivative from its output, alpha * exp(x) = y + alpha, cancels as y nears -alpha: its relative
+# error grows as exp(-x) times the rounding unit. In bfloat16 and float16 y rounds to -alpha from x of about -5.5 on
+# (SELU's to a constant above it), and the gradient there was lost (0) or inflated (79,000x at x = -20); so in half
+# precision (bfloat16 parameters, autocast) elu, celu and selu run as torch's ops, keeping their input. In float32
+# the error is larger than torch's too where inputs are far below 0 (54x torch's relative error in an adversarial
+# pass's net: README), not fixed.
 class _ELU(_Rule):
     """elu, celu and selu: y = scale * (x if x > 0 else alpha * (exp(x * input_scale) - 1))."""
 
@@ -540,7 +547,8 @@ def _apply(name: str, x: torch.Tensor, rule: _Rule, inplace: bool, save: str, ow
             f"memtrim.functional.{name}: save='mask' needs an activation whose gradient is a 0/1 (or 0/slope) "
             "function of a sign: relu, leaky_relu, hardtanh, relu6 or hardsigmoid."
         )
-    if plain_only() or not (torch.is_grad_enabled() and x.requires_grad):  # torch's own op (and its autograd)
+    if (plain_only() or not (torch.is_grad_enabled() and x.requires_grad)  # torch's own op (and its autograd)
+            or (isinstance(rule, _ELU) and x.dtype in (torch.float16, torch.bfloat16))):  # NOTE [ ELU in half ]
         return rule.forward_(x) if inplace else rule.forward(x)
     owner = owner or f"memtrim.functional.{name}"
     if rule.keeps == "input":

@@ -48,6 +48,7 @@ from ._kernels import keep_input_features
 __all__ = ["BatchNormAct1d", "BatchNormAct2d", "BatchNormAct3d"]
 
 _ACTIVATIONS = ("identity", "leaky_relu", "elu")
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def elu_term(y: torch.Tensor, dims: list[int]) -> torch.Tensor:
@@ -235,7 +236,11 @@ class _BatchNormAct(WatchedFusion, nn.modules.batchnorm._BatchNorm):
         )
         # torch's own BatchNorm and activation (an empty batch too: the native kernel this calls refuses one)
         # (and under saved-tensor hooks not memtrim's: a user's may pack the kept output lossily, to bfloat16)
-        if not needs_grad or plain_only() or autocasting(input) or input.numel() == 0 or not saves_checked():
+        # (and in half precision with ELU, whose input rebuilt from the output is lost below about -5 there; and
+        # for an input of another dtype than the weight, bfloat16 convolutions before a float32 BatchNorm)
+        if (not needs_grad or plain_only() or autocasting(input) or input.numel() == 0 or not saves_checked()
+                or (self.activation == "elu" and input.dtype in _HALF)
+                or (self.weight is not None and input.dtype != self.weight.dtype)):
             out = nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                            bn_training, factor, self.eps)
             # in place or not as the activation convert fused was (what its backward keeps, an input or an output,

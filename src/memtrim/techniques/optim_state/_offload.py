@@ -377,11 +377,22 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         for device_param, host_param in self._pairs:
             if _version(device_param) != self._synced[id(device_param)]:
                 host_param.copy_(device_param)
+                self._synced[id(device_param)] = _version(device_param)
 
     def _to_device(self) -> None:
-        """The stepped host copies back to the model's parameters."""
+        """The stepped host copies back to the model's parameters; a model parameter written since the step began
+        (a step pre-hook's projection or clamp, which the step did not see) is refused first."""
         if self.host.type == "meta":
             return
+        for device_param, _ in self._pairs:
+            if _version(device_param) != self._synced[id(device_param)]:
+                raise MemtrimStateError(
+                    f"{_API}.step: expected the model's parameters unchanged while the host optimizer steps, but one "
+                    f"of shape {tuple(device_param.shape)} was written after the step began (a step pre-hook: a "
+                    "projection, a clamp). The step ran on the host copies, so the write would be lost (the standard "
+                    "loop steps from it). To fix: in a pre-hook, write the host copies, the parameters the hook's "
+                    "optimizer.param_groups hold; or write the model's parameters before calling step()."
+                )
         for device_param, host_param in self._pairs:
             self._copy_back(device_param, host_param)
 
