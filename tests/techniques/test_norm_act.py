@@ -183,3 +183,25 @@ def test_converted_batchnorm_act_cast_after_convert_runs_as_torchs_where_the_reb
         grads.append((out, *torch.autograd.grad(out.float().square().sum(), list(model.parameters()))))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("act", ["ReLU", "LeakyReLU"])
+def test_a_converted_batchnorm_without_affine_after_bfloat16_convolutions_is_torchs(act):
+    # found by an adversarial pass on the dtype guard above: without a weight (affine=False) the guard did not look
+    # at the running statistics: BatchNormAct failed in backward, BatchNormReLU's gradients were 0.0625 off
+    import copy
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, affine=False),
+                                getattr(torch.nn, act)(), torch.nn.Conv2d(4, 2, 1))
+    converted, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=torch.randn(2, 3, 5, 5))
+    assert type(converted[1]).__name__ in ("BatchNormAct2d", "BatchNormReLU2d")
+    grads = []
+    for model in (converted, plain):
+        model.to(torch.bfloat16)
+        model[1].float()
+        x = torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        out = model(x)
+        grads.append((out, *torch.autograd.grad(out.float().square().sum(), list(model.parameters()))))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -50,7 +50,7 @@ from ..guards import (
     refuse_later_hooks,
 )
 from ..recompute._core import enter_consumer_scope, exit_consumer_scope, mark_recomputable
-from .norm_act import batchnorm_arguments, refuse_fx_trace
+from .norm_act import batchnorm_arguments, other_dtype, refuse_fx_trace
 
 __all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d", "keeping_class", "rebuilds_bitwise"]
 
@@ -119,7 +119,9 @@ class _BatchNormReLU(WatchedFusion, nn.modules.batchnorm._BatchNorm):
             refuse_fx_trace(self)
         self._check_input_dim(input)
         plain = plain_only()
-        if not torch.is_grad_enabled() or plain:  # nothing kept, or compile/torch.func: torch's own ops
+        # nothing kept, or compile/torch.func, or an input of another dtype than the BatchNorm's (a rebuild in another
+        # dtype gave other gradients, 0.0625 off in bfloat16): torch's own ops
+        if not torch.is_grad_enabled() or plain or other_dtype(self, input):
             factor, bn_training, running_mean, running_var = batchnorm_arguments(self, input)
             out = nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias, bn_training,
                                            factor, self.eps)

@@ -156,6 +156,14 @@ def refuse_fx_trace(bn: nn.Module) -> NoReturn:
     )
 
 
+def other_dtype(bn: Any, input: torch.Tensor) -> bool:
+    """Whether ``input`` has another dtype than ``bn``'s weight or, without one (``affine=False``), its running
+    statistics: bfloat16 convolutions before a float32 BatchNorm. torch's kernels take the mix; a rebuild does not
+    (a dtype error in backward, or another gradient)."""
+    reference = bn.weight if bn.weight is not None else getattr(bn, "running_mean", None)
+    return reference is not None and input.dtype != reference.dtype
+
+
 def batchnorm_arguments(bn: Any, input: torch.Tensor) -> tuple[float, bool, torch.Tensor | None,
                                                                   torch.Tensor | None]:
     """The (momentum factor, training, running_mean, running_var) ``nn.BatchNorm.forward`` passes to
@@ -240,12 +248,14 @@ class _BatchNormAct(WatchedFusion, nn.modules.batchnorm._BatchNorm):
         # for an input of another dtype than the weight, bfloat16 convolutions before a float32 BatchNorm)
         if (not needs_grad or plain_only() or autocasting(input) or input.numel() == 0 or not saves_checked()
                 or (self.activation == "elu" and input.dtype in _HALF)
-                or (self.weight is not None and input.dtype != self.weight.dtype)):
+                or other_dtype(self, input)):
             out = nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                            bn_training, factor, self.eps)
             # in place or not as the activation convert fused was (what its backward keeps, an input or an output,
-            # is what saved-tensor hooks outside see); one built by hand: in place
-            inplace = self.__dict__.get("memtrim_activation_inplace", True)
+            # is what saved-tensor hooks outside see); one built by hand: in place, but ELU in half precision (torch's
+            # in-place ELU differentiates from its output too: NOTE [ ELU in half ])
+            half_elu = self.activation == "elu" and input.dtype in _HALF
+            inplace = self.__dict__.get("memtrim_activation_inplace", not half_elu)
             if self.activation == "leaky_relu":
                 out = nn.functional.leaky_relu(out, param, inplace=inplace)
             elif self.activation == "elu":
