@@ -147,8 +147,8 @@ def _refuse_hooks(index: int, block: nn.Module) -> None:
     """Refuse hooks on a block (and global backward hooks): the stack runs a coupling's arithmetic itself, so none of
     them would run there, and backward rebuilds a block's input by inverting its output, which a hook that changes the
     output breaks (a user's invertible block, called as a module, has its forward hooks run twice). A forward
-    pre-hook on a user's block runs as in a plain call (``weight_norm``'s recomputes the weight), and hooks on the
-    modules inside f and g run."""
+    pre-hook on a user's block is allowed (``weight_norm``'s recomputes the weight): it runs in the forward and again
+    in backward's rebuild (README). Hooks on the modules inside f and g run."""
     module_hooks = torch.nn.modules.module
     tables = [("forward", block._forward_hooks), ("backward", block._backward_hooks),
               ("backward pre-", block._backward_pre_hooks), ("global backward", module_hooks._global_backward_hooks),
