@@ -159,52 +159,49 @@ def test_an_empty_batch_is_taken_as_torchs_batchnorm_takes_it():
     assert out.shape == x.shape and x.grad.shape == x.shape
 
 
-@pytest.mark.parametrize("case", ["bfloat16 with ELU", "bfloat16 input, float32 weights"])
-def test_converted_batchnorm_act_cast_after_convert_runs_as_torchs_where_the_rebuild_cannot_hold(case):
-    # found by an adversarial pass: converted in float32, then cast to bfloat16, a saturated ELU channel's rebuilt
-    # input lost its gradient entirely (relative error 1.00 where torch's is 0.012); with bfloat16 convolutions before
-    # a float32 BatchNorm (the usual recipe) the backward failed with a dtype error
+def _assert_trains_as_torchs_cast_after_convert(plain, float_norm):
+    """Convert ``plain`` (Conv, BatchNorm, activation, ...) in float32, cast both models to bfloat16 (the BatchNorm
+    back to float32 with ``float_norm``), and assert the converted one's output and gradients are torch's, bitwise.
+    Returns the converted model."""
     import copy
 
-    torch.manual_seed(0)
-    act = torch.nn.ELU() if case == "bfloat16 with ELU" else torch.nn.LeakyReLU(0.01)
-    plain = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), act)
-    with torch.no_grad():
-        plain[1].bias.copy_(torch.tensor([-10.0, -2.0, 0.0, 3.0]))
-    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=torch.randn(2, 3, 5, 5))
-    assert type(converted[1]).__name__ == "BatchNormAct2d"
+    converted, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=torch.randn(2, 3, 5, 5))
     grads = []
     for model in (converted, plain):
         model.to(torch.bfloat16)
-        if case != "bfloat16 with ELU":
+        if float_norm:
             model[1].float()
         x = torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
         out = model(x)
         grads.append((out, *torch.autograd.grad(out.float().square().sum(), list(model.parameters()))))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+    return converted
+
+
+@pytest.mark.parametrize("case", ["bfloat16 with ELU", "bfloat16 input, float32 weights"])
+def test_converted_batchnorm_act_cast_after_convert_runs_as_torchs_where_the_rebuild_cannot_hold(case):
+    # found by an adversarial pass: converted in float32, then cast to bfloat16, a saturated ELU channel's rebuilt
+    # input lost its gradient entirely (relative error 1.00 where torch's is 0.012); with bfloat16 convolutions before
+    # a float32 BatchNorm (the usual recipe) the backward failed with a dtype error
+    torch.manual_seed(0)
+    act = torch.nn.ELU() if case == "bfloat16 with ELU" else torch.nn.LeakyReLU(0.01)
+    plain = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), act)
+    with torch.no_grad():
+        plain[1].bias.copy_(torch.tensor([-10.0, -2.0, 0.0, 3.0]))
+    converted = _assert_trains_as_torchs_cast_after_convert(plain, float_norm=case != "bfloat16 with ELU")
+    assert type(converted[1]).__name__ == "BatchNormAct2d"
 
 
 @pytest.mark.parametrize("act", ["ReLU", "LeakyReLU"])
 def test_a_converted_batchnorm_without_affine_after_bfloat16_convolutions_is_torchs(act):
     # found by an adversarial pass on the dtype guard above: without a weight (affine=False) the guard did not look
     # at the running statistics: BatchNormAct failed in backward, BatchNormReLU's gradients were 0.0625 off
-    import copy
-
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4, affine=False),
                                 getattr(torch.nn, act)(), torch.nn.Conv2d(4, 2, 1))
-    converted, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=torch.randn(2, 3, 5, 5))
+    converted = _assert_trains_as_torchs_cast_after_convert(plain, float_norm=True)
     assert type(converted[1]).__name__ in ("BatchNormAct2d", "BatchNormReLU2d")
-    grads = []
-    for model in (converted, plain):
-        model.to(torch.bfloat16)
-        model[1].float()
-        x = torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-        out = model(x)
-        grads.append((out, *torch.autograd.grad(out.float().square().sum(), list(model.parameters()))))
-    for a, b in zip(*grads):
-        assert torch.equal(a, b)
 
 
 def _relative_error(got, want, c, per_element):
