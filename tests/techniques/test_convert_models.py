@@ -406,17 +406,18 @@ def test_torchvision_resnet_pattern_shared_relu_per_call_site(block, target):
 
 class _EveryForm(nn.Module):
     """A module for each kind of change convert makes on its own but fusion: a LayerNorm and a GELU rebuilt for their
-    Linears, ELU keeping its output, an RMSNorm in Llama's spelling (the keep-output form)."""
+    Linears, LeakyReLU keeping its output, an RMSNorm in Llama's spelling (the keep-output form)."""
 
     def __init__(self):
         super().__init__()
         self.a, self.ln, self.b, self.gelu, self.c = nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.GELU(), \
             nn.Linear(16, 16)
-        self.elu, self.d, self.rms, self.e = nn.ELU(), nn.Linear(16, 16), LlamaSpelledRMSNorm(16), nn.Linear(16, 2)
+        self.act, self.d = nn.LeakyReLU(0.1), nn.Linear(16, 16)
+        self.rms, self.e = LlamaSpelledRMSNorm(16), nn.Linear(16, 2)
 
     def forward(self, x):
         h = self.c(self.gelu(self.b(self.ln(self.a(x)))))
-        h = self.d(self.elu(h))
+        h = self.d(self.act(h))
         return self.e(self.rms(h)) * h.sum()
 
 

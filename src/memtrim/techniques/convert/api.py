@@ -185,8 +185,9 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
                         undo()
                         skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} changed the model's "
                                                              "outputs, buffers or gradients on the example inputs "
-                                                             "(something reads the activation's input after it): not "
-                                                             "applied", rule.name))
+                                                             "(something reads the activation's input after it, or "
+                                                             "its in-place op takes the gradient from its output, as "
+                                                             "torch's elu_ does): not applied", rule.name))
                         continue
                 saved = current - after  # type: ignore[operator]
                 if saved <= 0:

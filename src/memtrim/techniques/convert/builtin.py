@@ -5,8 +5,8 @@
 * ``relu_linear``: reports ReLU -> Linear (nothing to save: both keep the same storage).
 * ``layer_norm_consumer`` (recompute_rules.py): a LayerNorm whose output only later call sites keep stays torch's;
   they keep a recipe.
-* ``keep_output``: single torch modules that keep their input where their output serves (LeakyReLU, ELU, ...,
-  LayerNorm, RMSNorm) become their ``memtrim.nn`` forms.
+* ``keep_output``: single torch modules that keep their input where their output serves (LeakyReLU, Hardtanh, ...,
+  LayerNorm, RMSNorm) become their ``memtrim.nn`` forms (not ELU, CELU, SELU: NOTE [ ELU keeps its input ]).
 * ``norm_by_behaviour``: a LayerNorm or RMSNorm in another library's spelling, recognised by its traced ops
   (see norms.py).
 """
@@ -65,7 +65,7 @@ HARDSIGMOID_EDGE = ("its gradient is computed from its output: on the CPU torch'
 """The limit of memtrim's Hardsigmoid: torch's arithmetic, but its output cannot tell that one input from 3."""
 
 KEEP_OUTPUT_FORMS: dict[type, type] = {
-    nn.LeakyReLU: lean.LeakyReLU, nn.ELU: lean.ELU, nn.CELU: lean.CELU, nn.SELU: lean.SELU,
+    nn.LeakyReLU: lean.LeakyReLU,
     nn.Hardtanh: lean.Hardtanh, nn.ReLU6: lean.ReLU6, nn.Hardsigmoid: lean.Hardsigmoid,
     nn.Softplus: lean.Softplus, nn.Sigmoid: lean.Sigmoid, nn.Tanh: lean.Tanh, nn.LayerNorm: LayerNorm,
     nn.RMSNorm: RMSNorm,
@@ -77,8 +77,8 @@ _BN_ACT: dict[type[nn.Module], type[nn.Module]] = {
 _BN_RELU: dict[type[nn.Module], type[nn.Module]] = {
     nn.BatchNorm1d: BatchNormReLU1d, nn.BatchNorm2d: BatchNormReLU2d, nn.BatchNorm3d: BatchNormReLU3d}
 # keep-output activations whose gradient from the output is torch's own arithmetic: a mask times the incoming gradient
-# (LeakyReLU's slope, Hardtanh, ReLU6), or torch's own formula from the output (Sigmoid, Tanh). The others (ELU,
-# CELU, SELU, Softplus) round otherwise; Hardsigmoid differs at one input (HARDSIGMOID_EDGE): measured in
+# (LeakyReLU's slope, Hardtanh, ReLU6), or torch's own formula from the output (Sigmoid, Tanh). Softplus rounds
+# otherwise; Hardsigmoid differs at one input (HARDSIGMOID_EDGE): measured in
 # tests/techniques/test_convert_contract.py
 _BITWISE_FROM_OUTPUT = frozenset({lean.LeakyReLU, lean.Hardtanh, lean.ReLU6, lean.Sigmoid, lean.Tanh})
 
@@ -295,6 +295,19 @@ def relu_linear(ctx: Context) -> Iterator[Candidate]:
 
 
 # ---------------------------------------------------------------------- single modules
+# NOTE [ ELU keeps its input ]: ELU's derivative from its output, y + alpha, cancels as y nears -alpha: the output
+# carries alpha * exp(x) only to within a rounding of alpha, so where inputs sit far below 0 the derivative's error
+# grows as exp(-x), and in float32 an input below about -17 gets the gradient 0 where torch's is exp(x) > 0 (a unit
+# that sits there, which Adam would move at its full step size, never moves). So convert does not swap ELU, CELU or
+# SELU for their keep-output forms (memtrim.nn's, by hand, keep that limit): with a traced forward,
+# ``activation_consumer`` rebuilds their output for the call sites that keep it instead, with torch's kernels
+# (bitwise, the same bytes); without one they stay torch's
+_ELU_FAMILY = (nn.ELU, nn.CELU, nn.SELU)
+_ELU_UNTRACED = ("{} keeps its input, as torch's does: its derivative from the output (y + alpha) loses precision far "
+                 "below 0 (in float32 an input below about -17 gets the gradient 0); with example_inputs convert "
+                 "rebuilds its output in backward for the modules that keep it instead (bitwise)")
+
+
 def _single_refusal(module: nn.Module) -> str | None:
     if isinstance(module, nn.LeakyReLU) and module.negative_slope < 0:
         return "LeakyReLU with a negative slope: the output does not determine the gradient"
@@ -311,6 +324,9 @@ def _single_refusal(module: nn.Module) -> str | None:
 def keep_output(ctx: Context) -> Iterator[Candidate]:
     """Single torch modules that keep their input become ``memtrim.nn`` forms that keep their output."""
     for name, module in ctx.modules.items():
+        if type(module) in _ELU_FAMILY and ctx.trace is None and ctx.free(module):
+            yield Candidate((name,), reason=_ELU_UNTRACED.format(type(module).__name__), skip=True)
+            continue
         target = KEEP_OUTPUT_FORMS.get(type(module))
         if target is None or not ctx.free(module):
             continue
