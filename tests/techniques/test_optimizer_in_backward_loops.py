@@ -1658,3 +1658,56 @@ def test_torch_save_and_deepcopy_of_the_wrapped_model_work_and_the_copy_trains_a
     for got in results[:2]:
         for a, b in zip(got, results[2]):
             assert torch.equal(a, b)
+
+
+def test_a_loop_that_never_calls_the_wrappers_zero_grad_trains_as_the_plain_one_and_says_it_saved_nothing():
+    # HF's Trainer calls model.zero_grad(), never the optimizer's: no step opens, every update runs in step(), as the
+    # plain optimizer's. Bitwise, but the user chose the wrapper to save memory: it says once that it saved none
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda p: torch.optim.AdamW(p, lr=1e-2))
+    for i, (x, y) in enumerate(batches(4)):
+        for model, opt in ((a, opt_a), (b, opt_b)):
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            if opt is opt_b and i == 0:
+                with pytest.warns(UserWarning, match=r"no zero_grad\(\) on this wrapper has opened a training step"):
+                    opt.step()
+            else:
+                opt.step()  # said once: warnings are errors in this suite
+    assert_same(a, b, moved_from=net())
+    # a loop that opens its steps is not told anything
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda p: torch.optim.AdamW(p, lr=1e-2))
+    for x, y in batches(2):
+        opt_b.zero_grad()
+        F.cross_entropy(b(x), y).backward()
+        opt_b.step()
+
+
+def test_the_measuring_pass_leaves_the_forwards_of_other_threads_alone():
+    # clip_grad_norm= runs backward twice and puts back the buffers of every module whose forward runs inside the
+    # first pass (a checkpoint's recomputation runs again in the second). Its hook is global: another thread's
+    # BatchNorm, training meanwhile, had its running statistics put back too (found by an adversarial pass). A
+    # thread started and joined inside the first pass makes "meanwhile" deterministic here
+    import threading
+
+    torch.manual_seed(0)
+    bn, x = nn.BatchNorm1d(4), torch.randn(8, 4)
+    plain = copy.deepcopy(bn)
+    plain(x)
+    model = net()
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model, clip_grad_norm=1.0)
+    ran = []
+
+    def other_thread_trains(grad):
+        if not ran:
+            ran.append(threading.Thread(target=bn, args=(x,)))
+            ran[0].start()
+            ran[0].join()
+
+    inputs, labels = batches(1)[0]
+    opt.zero_grad()
+    out = model(inputs)
+    out.register_hook(other_thread_trains)
+    opt.backward(F.cross_entropy(out, labels))
+    opt.step()
+    assert len(ran) == 1 and int(bn.num_batches_tracked) == 1
+    assert torch.equal(bn.running_mean, plain.running_mean) and torch.equal(bn.running_var, plain.running_var)

@@ -303,6 +303,7 @@ def relu_linear(ctx: Context) -> Iterator[Candidate]:
 # ``activation_consumer`` rebuilds their output for the call sites that keep it instead, with torch's kernels
 # (bitwise, the same bytes); without one they stay torch's
 _ELU_FAMILY = (nn.ELU, nn.CELU, nn.SELU)
+_ELU_IN_PLACE = "{} runs in place: torch's in-place op keeps its output only already (nothing to save)"
 _ELU_UNTRACED = ("{} keeps its input, as torch's does: its derivative from the output (y + alpha) loses precision far "
                  "below 0 (in float32 an input below about -17 gets the gradient 0); with example_inputs convert "
                  "rebuilds its output in backward for the modules that keep it instead (bitwise)")
@@ -325,7 +326,8 @@ def keep_output(ctx: Context) -> Iterator[Candidate]:
     """Single torch modules that keep their input become ``memtrim.nn`` forms that keep their output."""
     for name, module in ctx.modules.items():
         if type(module) in _ELU_FAMILY and ctx.trace is None and ctx.free(module):
-            yield Candidate((name,), reason=_ELU_UNTRACED.format(type(module).__name__), skip=True)
+            yield Candidate((name,), reason=(_ELU_IN_PLACE if module.inplace else _ELU_UNTRACED).format(
+                type(module).__name__), skip=True)
             continue
         target = KEEP_OUTPUT_FORMS.get(type(module))
         if target is None or not ctx.free(module):

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CACHE_SIZE", "KEEP_BOUND", "keep_input_features", "zeros_and_ones"]
+__all__ = ["CACHE_SIZE", "KEEP_BOUND", "KEEP_BOUND_HALF", "keep_input_features", "zeros_and_ones"]
 
 
 # ---------------------------------------------------------------------- bounded constant cache
@@ -63,17 +63,25 @@ def zeros_and_ones(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 KEEP_BOUND = 8.0
 """How many times torch's own error a rebuilt ``xhat`` may carry (NOTE above): the converted gradients' error stays
 within ~9x torch's at the bound; tests hold it to 10x against float64."""
+KEEP_BOUND_HALF = 2.0
+""":data:`KEEP_BOUND` for ``BatchNormAct`` in float16 and bfloat16. torch's half BatchNorm backward computes in
+float32 and rounds once at the end, so its error is one rounding of the result, while a rebuilt ``xhat`` carries
+the half-precision rounding of the output, amplified by ``|beta / gamma|``, into every element of the sums: at the
+float32 bound (8) dgamma reached 30x torch's error (bfloat16, beta/gamma -7.9, eval, a batch of one; found by an
+adversarial pass on 2026-11-29). At 2 the worst case measured was 7.9x, what keeping every channel's input gives
+(the kept ``xhat`` is stored in half precision too)."""
 
 
 def keep_input_features(gamma: torch.Tensor, beta: torch.Tensor | None, extra: torch.Tensor | None = None,
-                        floor: float = 0.0) -> torch.Tensor:
+                        floor: float = 0.0, bound: float = KEEP_BOUND) -> torch.Tensor:
     """Indices (flattened) of the features whose ``xhat`` cannot be rebuilt from the output to within KEEP_BOUND
     times torch's own error (NOTE [ when a norm keeps its input ] in this file). ``extra``: the ELU term s, per
-    feature; ``floor``: a user's ``gamma_threshold``, below which features keep their ``xhat`` anyway."""
+    feature; ``floor``: a user's ``gamma_threshold``, below which features keep their ``xhat`` anyway; ``bound``:
+    :data:`KEEP_BOUND` or :data:`KEEP_BOUND_HALF`."""
     g = gamma.detach().abs()
     # without beta the limit is 0, a scalar (a zeros tensor was one more op, on a GPU a kernel, at every call)
     limit: torch.Tensor | float = beta.detach().abs() if beta is not None else 0.0
     if extra is not None:
         limit = limit + extra.to(limit.dtype if isinstance(limit, torch.Tensor) else g.dtype)
-    keep = ~(g * KEEP_BOUND > limit) | (g < max(torch.finfo(g.dtype).tiny ** 0.25, floor))
+    keep = ~(g * bound > limit) | (g < max(torch.finfo(g.dtype).tiny ** 0.25, floor))
     return keep.flatten().nonzero().flatten()

@@ -43,7 +43,7 @@ from ..guards import (
     saved_tensors,
     saves_checked,
 )
-from ._kernels import keep_input_features
+from ._kernels import KEEP_BOUND, KEEP_BOUND_HALF, keep_input_features
 
 __all__ = ["BatchNormAct1d", "BatchNormAct2d", "BatchNormAct3d"]
 
@@ -64,7 +64,7 @@ class _BatchNormActFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool,
                 momentum: float, eps: float, activation: str, param: float, gamma_threshold: float,
-                owner: str) -> torch.Tensor:
+                owner: str, elu_from_output: bool = False) -> torch.Tensor:
         out, save_mean, save_invstd = torch.ops.aten.native_batch_norm(
             x, weight, bias, running_mean, running_var, training, momentum, eps
         )
@@ -76,7 +76,8 @@ class _BatchNormActFunction(torch.autograd.Function):
         kept = xhat_kept = None
         if weight is not None:  # NOTE [ when a norm keeps its input ] (in _kernels.py)
             extra = elu_term(out, dims) if activation == "elu" else None
-            kept = keep_input_features(weight, bias, extra, gamma_threshold)
+            kept = keep_input_features(weight, bias, extra, gamma_threshold,
+                                       KEEP_BOUND_HALF if x.dtype in _HALF else KEEP_BOUND)
             if kept.numel() == 0:
                 kept = None
             else:
@@ -88,6 +89,7 @@ class _BatchNormActFunction(torch.autograd.Function):
         elif activation == "elu":
             torch.ops.aten.elu_(out, param)
         ctx.activation, ctx.param, ctx.training, ctx.shape, ctx.owner = activation, param, training, shape, owner
+        ctx.elu_from_output = elu_from_output
         ctx.kept_params = kept_params(weight, bias)
         ctx.save_for_backward(out, save_mean, save_invstd, weight, bias, kept, xhat_kept)
         return out
@@ -115,8 +117,10 @@ class _BatchNormActFunction(torch.autograd.Function):
             xhat = torch.addcmul(offset.view(shape), y, inv_gamma.view(shape))
             if kept is not None:
                 xhat.index_copy_(1, kept, xhat_kept)
-                if activation == "elu":  # a kept channel's ELU derivative from its input too (not z + alpha, which
-                    # cancels where the channel sits far below 0: 343x torch's error at beta -10 in float32)
+                if activation == "elu" and not ctx.elu_from_output:  # a kept channel's ELU derivative from its
+                    # input too (not z + alpha, which cancels where the channel sits far below 0: 343x torch's error
+                    # at beta -10 in float32); but where convert fused an in-place ELU, whose torch op differentiates
+                    # from its output (0 where z rounds to -alpha), from the output as torch's
                     view = [1, -1] + shape[2:]
                     pre = xhat_kept * weight.index_select(0, kept).view(view)
                     if bias is not None:
@@ -148,7 +152,7 @@ class _BatchNormActFunction(torch.autograd.Function):
             scale = invstd.view(shape) * (weight.view(shape) if weight is not None else 1.0)
             dx = scale * dy
         return (dx, dgamma if weight is not None else None, dbeta if bias is not None else None,
-                None, None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None, None)
 
 
 def refuse_fx_trace(bn: nn.Module) -> NoReturn:
@@ -283,7 +287,8 @@ class _BatchNormAct(WatchedFusion, nn.modules.batchnorm._BatchNorm):
                 )
         return mark_activated(_BatchNormActFunction.apply(
             input, self.weight, self.bias, running_mean, running_var, bn_training, factor, self.eps, self.activation,
-            param, self.gamma_threshold, owner(self)), self.__dict__.get(FUSION))
+            param, self.gamma_threshold, owner(self), self.__dict__.get("memtrim_activation_inplace", False)),
+            self.__dict__.get(FUSION))
 
 
 class BatchNormAct1d(_BatchNormAct, nn.BatchNorm1d):

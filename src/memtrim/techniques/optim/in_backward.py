@@ -73,6 +73,7 @@ import math
 import random
 import threading
 import types
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -528,6 +529,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._sync_groups()
         waiting = self._waiting_gradients()
         if waiting:
+            self._warn_never_opened()
             self._apply_waiting(waiting, driven)
         self._tell_scaler()
         skipped = self._skipped
@@ -542,6 +544,18 @@ class OptimizerInBackward(WrappedOptimizerView):
         if not skipped:
             for hook in tuple(_global_hooks("_global_optimizer_post_hooks")):
                 hook(self, (), {})
+
+    def _warn_never_opened(self) -> None:
+        """A loop that never calls this wrapper's ``zero_grad()`` (HF's ``Trainer`` calls ``model.zero_grad()``)
+        opens no step: every update runs here, after backward, as the plain optimizer's (bitwise), and saves nothing.
+        Said once per wrapper."""
+        if self._serial or self.__dict__.get("_warned_never_opened"):
+            return
+        self._warned_never_opened = True
+        warnings.warn("OptimizerInBackward.step: no zero_grad() on this wrapper has opened a training step, so the "
+                      "update ran here, after backward, as the wrapped optimizer's (the same training) and saved no "
+                      "memory. Call opt.zero_grad() on the wrapper before each step's backward (a loop that calls "
+                      "only model.zero_grad(), as HF's Trainer does, never opens one).", stacklevel=3)
 
     def _check_not_stepped_twice(self) -> None:
         """``step()`` after a closed step: the standard loop would apply gradients that were freed inside backward."""
@@ -680,7 +694,7 @@ class OptimizerInBackward(WrappedOptimizerView):
             # a backward that draws random numbers (a gradient-noise hook) draws the same in both passes: the norm is
             # measured on the gradient the update applies, and the generators end where one pass leaves them
             cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-            with torch.random.fork_rng(devices=cuda), _forwards_undone():
+            with torch.random.fork_rng(devices=cuda), _forwards_undone(loss):
                 if own:
                     try:
                         loss.backward(retain_graph=True, inputs=own, **kwargs)
@@ -1697,17 +1711,25 @@ _TWO_PASSES = threading.local()  # the wrapper running opt.backward(loss)'s two 
 
 
 @contextlib.contextmanager
-def _forwards_undone() -> Iterator[None]:
-    """Around the measuring pass: a module forward that runs inside it (torch.utils.checkpoint's recomputation, a
-    hook that calls a module) runs again in the updating pass, and the standard loop runs it once. Each such module's
-    buffers (a BatchNorm's running statistics, updated again by every recomputation) are copied before its first
-    call here and put back at the end, so only the updating pass's call counts. Nothing is copied where no forward
-    runs in backward (the usual case)."""
+def _forwards_undone(loss: torch.Tensor) -> Iterator[None]:
+    """Around the measuring pass (the backward of ``loss``): a module forward that runs inside it
+    (torch.utils.checkpoint's recomputation, a hook that calls a module) runs again in the updating pass, and the
+    standard loop runs it once. Each such module's buffers (a BatchNorm's running statistics, updated again by every
+    recomputation) are copied before its first call here and put back at the end, so only the updating pass's call
+    counts. Nothing is copied where no forward runs in backward (the usual case). The hook is global, so it looks
+    only at forwards inside this pass's own graph task: another thread's forward (its own model training meanwhile)
+    is none of its business (its BatchNorm updates were put back)."""
     from ..checkpoint._core import stand_in  # checkpoint imports recompute, not this module
 
     saved: dict[int, list[tuple[dict[str, Any], str, torch.Tensor, torch.Tensor]]] = {}
+    task: dict[str, int] = {}
+
+    def started(grad_outputs: Any) -> None:
+        task.setdefault("id", torch._C._current_graph_task_id())
 
     def before(module: torch.nn.Module, args: Any) -> None:
+        if "id" not in task or torch._C._current_graph_task_id() != task["id"]:
+            return
         if putting_buffers_back():  # ReversibleSequential's recomputation: it rewinds and restores them itself
             return
         if id(module) not in saved:
@@ -1719,10 +1741,13 @@ def _forwards_undone() -> Iterator[None]:
                                      if b is not None and not stand_in(b)]
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(before)
+    first = loss.grad_fn.register_prehook(started) if loss.grad_fn is not None else None
     try:
         yield
     finally:
         handle.remove()
+        if first is not None:
+            first.remove()
         with torch.no_grad():
             for buffers in saved.values():
                 for slots, name, buffer, value in buffers:

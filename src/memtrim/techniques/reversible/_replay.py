@@ -97,10 +97,17 @@ def captured(replays: dict[str, Replay], name: str, x: torch.Tensor, where: str)
     with _draws(where) as draws:
         yield
     replay.generator_states = draws.states or None
-    if torch.equal(torch.get_rng_state(), cpu_rng):
+    if _same_state(torch.get_rng_state(), cpu_rng):
         replay.cpu_rng = None
-    if not on_accelerator or all(torch.equal(now, then) for now, then in zip(get_device_states(x)[1], device_rng)):
+    if not on_accelerator or all(_same_state(now, then) for now, then in zip(get_device_states(x)[1], device_rng)):
         replay.device_rng = None
+
+
+def _same_state(now: torch.Tensor, then: torch.Tensor) -> bool:
+    """Whether two generator states (real CPU byte tensors) are equal, compared as bytes: not an op, so a planner's
+    fake mode (memtrim.plan runs the step on fake tensors) does not see it (torch.equal there raised)."""
+    with torch._C._DisableTorchDispatch():
+        return bytes(now.numpy()) == bytes(then.numpy())
 
 
 def _set_device_rng(replay: Replay, states: list[torch.Tensor]) -> None:
