@@ -112,3 +112,37 @@ def test_ddp_equals_standard_ddp():
 def test_fsdp2_equals_standard_fsdp2():
     for rank_result in spawn(_fsdp_body):
         _assert_equal(rank_result["plain"], rank_result["fused"])
+
+
+def _offload_ddp_body(rank):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    results = {}
+    for name, flags in (("plain", {}), ("kept on the device", {}), ("find_unused", {"find_unused_parameters": True})):
+        model = DDP(_model(), bucket_cap_mb=0.01, **flags)
+        if name == "plain":
+            optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        else:
+            optimizer = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.Adam, lr=1e-2,
+                                                    offload_gradients=False)
+        _train(model, optimizer, rank)
+        results[name] = [p.detach() for p in model.parameters()]
+    try:
+        memtrim.CPUOffloadOptimizer(_model().parameters(), torch.optim.Adam, lr=1e-2)
+    except memtrim.InvalidInputError as e:
+        results["refused"] = str(e)
+    return results
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="gloo file rendezvous")
+def test_cpu_offload_under_ddp_keeps_gradients_on_the_device_or_refuses():
+    # found by an adversarial pass: with offload_gradients=True (the default) each gradient moved to the host before
+    # DDP averaged it; with find_unused_parameters=True the ranks then stepped on their own gradients and drifted
+    # apart, silently. Under torch.distributed the default is refused, naming offload_gradients=False, which trains
+    # as standard DDP, bitwise
+    results = spawn(_offload_ddp_body)
+    for rank_result in results:
+        _assert_equal(rank_result["plain"], rank_result["kept on the device"])
+        _assert_equal(rank_result["plain"], rank_result["find_unused"])
+        assert "offload_gradients=False" in rank_result["refused"] and "world size 2" in rank_result["refused"]
+    _assert_equal(results[0]["plain"], results[1]["plain"])

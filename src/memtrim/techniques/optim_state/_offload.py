@@ -51,6 +51,24 @@ from ..optim.wrapping import WrappedOptimizerView
 _API = "memtrim.CPUOffloadOptimizer"
 
 
+def _distributed_world() -> int:
+    """The world size of torch.distributed's default group, 1 where there is none."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _offload_across_ranks_error(world: int, error: type[Exception]) -> Exception:
+    # found by an adversarial pass on 2026-11-29: under DDP with find_unused_parameters=True or static_graph=True,
+    # each rank stepped on its own gradient (the ranks drifted apart, no error); with DDP's defaults a message
+    # blamed gradient surgery
+    return error(
+        f"{_API}: offload_gradients=True under torch.distributed (world size {world}): each gradient moves to the "
+        "host as soon as backward accumulates it, before DistributedDataParallel averages it across the ranks, so "
+        "each rank would step on its own gradient. Pass offload_gradients=False (the optimizer state stays on the "
+        "host; DDP averages the gradients on the device, and the step is the standard one)."
+    )
+
+
 class _StateByDeviceParameter(MutableMapping):
     """A host optimizer's ``state`` seen through the device parameters: each key is a device parameter, each value
     its host copy's state itself (not a copy), and writes go to the host optimizer's dict."""
@@ -147,6 +165,8 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
             self.host = torch.device(host)
         except (RuntimeError, TypeError, ValueError) as e:
             raise InvalidInputError(f"{_API}: cannot read the host device {host!r} ({e}).") from e
+        if offload_gradients and _distributed_world() > 1:
+            raise _offload_across_ranks_error(_distributed_world(), InvalidInputError)
         self.offload_gradients = offload_gradients
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device parameter, host copy)
         self._synced: dict[int, tuple[int, int]] = {}  # id(device parameter) -> its (version, data_ptr) as copied
@@ -542,6 +562,8 @@ class _GradToHost:
         owner = self.owner()
         if owner is None or param.grad is None:
             return
+        if _distributed_world() > 1:  # the process group started after this optimizer was built
+            raise _offload_across_ranks_error(_distributed_world(), MemtrimStateError)
         # a user's hook reads .grad (before ours or after): under accumulation it must find the sum of the
         # micro-batches; a gradient with a graph (grad on in backward: create_graph=True) is read after backward (a
         # penalty on it, a backward through it), also after later micro-batches of the step (NOTE [ a gradient
