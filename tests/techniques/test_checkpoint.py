@@ -4,6 +4,7 @@ compositions with convert, ReversibleSequential and OptimizerInBackward, its act
 import collections
 import copy
 import io
+import re
 
 import pytest
 import torch
@@ -631,8 +632,14 @@ def test_selective_under_autocast_with_a_module_called_twice_names_the_cause_and
         loss.backward()
         return [p.grad for p in model.parameters()]
 
-    with pytest.raises(InvalidInputError, match=r"of 'block' .*called twice.*cache_enabled=False.*policy=None"):
-        grads(True, cache_enabled=True)
+    # torch 2.11's selective checkpoint does not fail here (a helper's run found it bitwise there); where torch's
+    # does (2.13), memtrim says why. Either way the user never gets a bare torch error or other gradients
+    try:
+        checkpointed = grads(True, cache_enabled=True)
+    except InvalidInputError as e:
+        assert re.search(r"of 'block' .*called twice.*cache_enabled=False.*policy=None", str(e), re.S), str(e)
+    else:
+        assert_same(checkpointed, grads(False, cache_enabled=True))
     assert_same(grads(True, cache_enabled=False), grads(False, cache_enabled=False))  # the fix it names
 
 

@@ -337,3 +337,17 @@ def test_a_second_convert_says_the_modules_were_converted_and_converts_only_new_
     model.blocks.append(copy.deepcopy(plain.blocks[0]))
     _, third = memtrim.convert(model, example_inputs=(x,))
     assert third.changes and all(name.startswith("blocks.2.") for c in third.changes for name in c.modules)
+
+
+@pytest.mark.parametrize("act", [nn.GELU, nn.LayerNorm], ids=["activation", "layernorm"])
+def test_module_filter_excluding_a_consumer_leaves_it_and_its_producer_alone(act):
+    # found by an adversarial pass: a change that rebuilds an output for the Linear that keeps it checked
+    # module_filter on the producer only; the excluded Linear got memtrim's recipe hooks anyway
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), act() if act is nn.GELU else act(16), nn.Linear(16, 4))
+    hooks = (len(model[2]._forward_pre_hooks), len(model[2]._forward_hooks))
+    _, report = memtrim.convert(model, example_inputs=torch.randn(4, 8), module_filter=lambda name, m: name != "2")
+    # (the LayerNorm may still keep its output instead, which leaves the Linear alone)
+    assert not any(c.rule in ("activation_consumer", "layer_norm_consumer") for c in report.changes), str(report)
+    assert (len(model[2]._forward_pre_hooks), len(model[2]._forward_hooks)) == hooks
+    assert any(s.modules == ("2",) and s.reason == "excluded by module_filter" for s in report.skipped), str(report)

@@ -227,10 +227,11 @@ def _touched(cand: Candidate, ctx: Context) -> set[int]:
 
 def _excluded(cand: Candidate, aliases: dict[int, list[str]],
               module_filter: Callable[[str, nn.Module], bool] | None) -> str | None:
-    """The first name of the first target ``module_filter`` refuses (under any of its names), or None."""
+    """The first name of the first target (or module it touches) ``module_filter`` refuses (under any of its names),
+    or None."""
     if module_filter is None:
         return None
-    for module in cand.targets:
+    for module in (*cand.targets, *cand.touches):
         names = aliases.get(id(module), [])
         if not all(module_filter(n, module) for n in names):
             return names[0] if names else type(module).__name__

@@ -194,7 +194,7 @@ def layer_norm_consumer(ctx: Context) -> Iterator[Candidate]:
 
         yield Candidate((site.path,), type(module).__name__, f"torch's LayerNorm, {_recomputed_for(ctx, consumers)}",
                         reason="a LayerNorm whose output is kept only by later call sites, its input by itself",
-                        targets=(module,), expected_bytes=expected,
+                        targets=(module,), touches=tuple(consumers), expected_bytes=expected,
                         limits=LIMITS["recompute_op_norm" if eps is not None else "recompute_norm"], apply=apply)
 
 
@@ -275,8 +275,8 @@ def batchnorm_relu_call_site(ctx: Context) -> Iterator[Candidate]:
         yield Candidate(where, f"{type(bn).__name__} + ReLU (call {relu_site.call} of {relu_site.path})",
                         f"memtrim.nn.{target.__name__} + PassThroughReLU",
                         reason="this call of the ReLU reads the BatchNorm's output first", targets=(bn,),
-                        expected_bytes=trace.storages[z].nbytes, limits=(*LIMITS["batchnorm_relu"], FUSED),
-                        bitwise=rebuilds_bitwise(bn), apply=apply)
+                        touches=(relu, *consumers), expected_bytes=trace.storages[z].nbytes,
+                        limits=(*LIMITS["batchnorm_relu"], FUSED), bitwise=rebuilds_bitwise(bn), apply=apply)
 
 
 # ---------------------------------------------------------------------- gated MLP
@@ -367,7 +367,7 @@ def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
             return chain(class_swap(bn, target, memtrim_owner=owner), _install_consumers(consumers))
 
         yield Candidate((name,), f"{type(bn).__name__} (BatchNorm + ReLU)", f"memtrim.nn.{target.__name__}",
-                        reason="its forward is a BatchNorm and a ReLU", targets=(bn,),
+                        reason="its forward is a BatchNorm and a ReLU", targets=(bn,), touches=tuple(consumers),
                         expected_bytes=trace.storages[sites[0].outputs[0]].nbytes if consumers else 0,
                         limits=LIMITS["batchnorm_relu"], bitwise=rebuilds_bitwise(bn), apply=apply)
 
@@ -737,7 +737,7 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
         yield Candidate((site.path,), type(module).__name__ + (" (in place)" if in_place else ""),
                         ("made out of place, " if in_place else "") + _recomputed_for(ctx, consumers),
                         reason="its output is kept only by later call sites, its input by itself",
-                        targets=(module,), expected_bytes=expected,
+                        targets=(module,), touches=tuple(consumers), expected_bytes=expected,
                         limits=LIMITS["recompute_op_output" if by_node else "recompute_output"], apply=apply,
                         stacks_on=("checkpoint_pointwise",), same_outputs=in_place)
 

@@ -55,6 +55,8 @@ class Candidate:
         apply: does the change and returns its undo.
         stacks_on: rules whose changed modules this change may change further (a checkpointed activation can
             still have its output recomputed for its consumers).
+        touches: modules the change also alters without claiming them (the consumers that get recipe hooks, a
+            shared ReLU made pass-through): module_filter is checked on them too.
     """
 
     modules: tuple[str, ...]
@@ -69,6 +71,7 @@ class Candidate:
     same_outputs: bool = False
     apply: Callable[[], Undo] | None = None
     stacks_on: tuple[str, ...] = ()
+    touches: tuple[nn.Module, ...] = ()
 
 
 def op_name(op: Op) -> str:

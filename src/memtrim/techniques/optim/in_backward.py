@@ -201,7 +201,22 @@ class _OutputHook:
             return
         wrapper_ref = self.wrapper_ref
         wrapper = wrapper_ref()
-        if wrapper is None or wrapper._removed or not torch.is_grad_enabled():
+        if wrapper is None or wrapper._removed:
+            return
+        if (wrapper._open and wrapper._updated_in_backward and wrapper._thread == threading.get_ident()
+                and torch._C._current_graph_task_id() == -1):  # (a checkpoint's recomputation runs in backward)
+            # found by an adversarial pass: a GAN loop opening both steps first, then the discriminator's backward,
+            # then the generator's loss through the discriminator, then both steps: the standard loop runs that
+            # forward with the discriminator's old weights, this wrapper had already updated them
+            raise OptimizerInBackwardError(
+                f"OptimizerInBackward: a forward of the model ran after a backward pass had already updated "
+                f"{wrapper._updated_in_backward} of its parameter(s) inside this training step, before step(): the "
+                "standard loop would run it with the weights before the update (a GAN's generator loss through a "
+                "discriminator whose own loss's backward ran first). Call this wrapper's step() before that forward "
+                "(optD.step() right after the discriminator's backward), or run that earlier backward inside "
+                "`with opt.accumulate():` (the update then waits for step())."
+            )
+        if not torch.is_grad_enabled():
             return
         tensors = [t for t in _tensors(output) if t.requires_grad]
         if not tensors:
@@ -533,14 +548,16 @@ class OptimizerInBackward(WrappedOptimizerView):
             self._apply_waiting(waiting, driven)
         self._tell_scaler()
         skipped = self._skipped
-        if not skipped:
-            self._run_pre_hooks()
-            for hook in tuple(self.optimizer._optimizer_step_post_hooks.values()):
-                hook(self.optimizer, (), {})
-            for hook in tuple(self._optimizer_step_post_hooks.values()):
-                hook(self, (), {})
-            self.optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers check
-        self._close_step()
+        try:
+            if not skipped:
+                self._run_pre_hooks()
+                for hook in tuple(self.optimizer._optimizer_step_post_hooks.values()):
+                    hook(self.optimizer, (), {})
+                for hook in tuple(self._optimizer_step_post_hooks.values()):
+                    hook(self, (), {})
+                self.optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers check
+        finally:  # the update is applied: a step hook that raises still closes the step (the next zero_grad() said
+            self._close_step()  # the step was never closed; found by an adversarial pass on 2026-11-29)
         if not skipped:
             for hook in tuple(_global_hooks("_global_optimizer_post_hooks")):
                 hook(self, (), {})
@@ -843,12 +860,10 @@ class OptimizerInBackward(WrappedOptimizerView):
         ran; so the callback queued here queues the step once more, behind DDP's finalisation, still on the
         autograd thread.
         """
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
         if self._open and not self._accumulating and not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_ddp_backward)
-        return allreduce_hook(self._ddp().process_group, bucket)
+        return _allreduce_as_ddp(self._ddp().process_group, bucket)
 
     def _end_of_ddp_backward(self) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(self._after_ddp_finalize)
@@ -1577,7 +1592,10 @@ def _zero_gradient(param: torch.Tensor, sparse_layout: tuple[int, int] | None) -
     sparse_dim, _ = sparse_layout
     indices = torch.empty(sparse_dim, 0, dtype=torch.long, device=param.device)
     values = torch.empty(0, *param.shape[sparse_dim:], dtype=param.dtype, device=param.device)
-    return torch.sparse_coo_tensor(indices, values, param.shape, check_invariants=True)
+    # (inside the context, not check_invariants=True alone: torch 2.11 warns "Sparse invariant checks are implicitly
+    # disabled" for that spelling, an error under -W error; found by a helper's run on torch 2.11, 2026-11-29)
+    with torch.sparse.check_sparse_tensor_invariants(enable=True):
+        return torch.sparse_coo_tensor(indices, values, param.shape)
 
 
 def users_hook_on(param: torch.Tensor) -> bool:
@@ -1676,10 +1694,21 @@ def _global_hooks(name: str) -> list[Callable]:
 def _ddp_comm_hook(state, bucket):  # no annotations: DDP rejects any but its own
     wrapper = state()
     if wrapper is None:
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        return allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default group, as DDP's own
+        return _allreduce_as_ddp(None, bucket)  # None: the default group, as DDP's own
     return wrapper._ddp_hook(bucket)
+
+
+def _allreduce_as_ddp(process_group: Any, bucket: Any) -> torch.futures.Future:
+    """DDP's built-in averaging: each gradient times ``1 / world`` (its reducer's ``mul_out`` into the bucket), then
+    a summing all-reduce. torch's ``allreduce_hook`` divides by the world size instead, which rounds otherwise where
+    it is not a power of two (last bits at world size 3; found by an adversarial pass on 2026-11-29)."""
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    tensor = bucket.buffer()
+    tensor.mul_(1.0 / dist.get_world_size(group))
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def _norm(grad: torch.Tensor) -> torch.Tensor:

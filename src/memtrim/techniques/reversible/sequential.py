@@ -86,11 +86,39 @@ def _whole(x: torch.Tensor | _Halves) -> torch.Tensor:
     return x.whole() if isinstance(x, _Halves) else x
 
 
-def _split_halves(block: AdditiveCoupling | AffineCoupling, x: torch.Tensor | _Halves
+def _split_halves(block: AdditiveCoupling | AffineCoupling, x: torch.Tensor | _Halves, *, as_chunks: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two halves block ``block`` reads. ``as_chunks`` (the forward, out of exact mode): the second, which f
+    reads, laid out as the second chunk of the halves' concatenation, as a plain stack's block finds it."""
     if isinstance(x, _Halves) and x.dim == block.split_dim:
-        return x.first, x.second
+        return x.first, (_as_second_chunk(x) if as_chunks else x.second)
     return _split(block, _whole(x), block.split_dim)
+
+
+def _as_second_chunk(halves: _Halves) -> torch.Tensor:
+    """``halves.second`` with the strides and storage offset it would have as ``torch.cat(halves).chunk(2)[1]``.
+
+    A plain stack concatenates each block's halves and the next block splits them: its f reads a chunk, which is not
+    contiguous where the split is not on the leading dimension (features of a (batch, seq, features) input). torch's
+    linear computes such an input otherwise than a contiguous one (the last bits differ on some CPUs: found by a
+    helper's run of the test suite on an AMD EPYC host, 2026-11-29), so the stack copies the half into that layout
+    (half the bytes a cat moves; nothing is kept)."""
+    second, dim = halves.second, halves.dim % halves.second.dim()
+    shape = list(second.shape)
+    shape[dim] += halves.first.shape[dim]
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    offset = halves.first.shape[dim] * strides[dim]
+    if second.stride() == tuple(strides) and second.storage_offset() == offset:
+        return second
+    total = 1
+    for size in shape:
+        total *= size
+    if total == 0:
+        return second
+    laid = second.new_empty(total).as_strided(second.shape, strides, offset)
+    return laid.copy_(second)
 
 
 def _inverse(block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -263,7 +291,7 @@ class _Frame:
                     out = fn(as_forward(inp.detach(), replay).requires_grad_(replay.requires_grad))
             return self._on_grid(out, f"block {index}'s {name}") if self.exact else out
 
-        y1, y2 = block.couple(*_split_halves(block, x), evaluate)
+        y1, y2 = block.couple(*_split_halves(block, x, as_chunks=recorded is None and not self.exact), evaluate)
         if self.exact:
             self._check_range(y1, f"block {index}")
             self._check_range(y2, f"block {index}")
@@ -284,7 +312,8 @@ class _Frame:
         recording: contextlib.AbstractContextManager[Any] = (
             _recording(recorded) if recorded is not None else contextlib.nullcontext())
         with recording:
-            y1, y2 = block.couple(*_split_halves(block, x), scale_shift)
+            y1, y2 = block.couple(*_split_halves(block, x, as_chunks=recorded is None and not self.exact),
+                                  scale_shift)
         return _Halves(y1, y2, block.split_dim)
 
     # ------------------------------------------------------------------------------------- exact mode (fixed point)
