@@ -203,14 +203,18 @@ class _OutputHook:
         wrapper = wrapper_ref()
         if wrapper is None or wrapper._removed:
             return
-        if (wrapper._open and wrapper._updated_in_backward and wrapper._thread == threading.get_ident()
+        if (wrapper._open and wrapper._updated_in_backward and not wrapper._accumulating
+                and wrapper._thread == threading.get_ident()
                 and torch._C._current_graph_task_id() == -1):  # (a checkpoint's recomputation runs in backward)
             # found by an adversarial pass: a GAN loop opening both steps first, then the discriminator's backward,
             # then the generator's loss through the discriminator, then both steps: the standard loop runs that
-            # forward with the discriminator's old weights, this wrapper had already updated them
+            # forward with the discriminator's old weights, this wrapper had already updated them. (Inside
+            # accumulate(), the backward that follows says more: a micro-batch after the one that updated.)
+            count = wrapper._updated_in_backward
+            wrapper._close_step()  # reported once, as the other refusals: training can go on
             raise OptimizerInBackwardError(
                 f"OptimizerInBackward: a forward of the model ran after a backward pass had already updated "
-                f"{wrapper._updated_in_backward} of its parameter(s) inside this training step, before step(): the "
+                f"{count} of its parameter(s) inside this training step, before step(): the "
                 "standard loop would run it with the weights before the update (a GAN's generator loss through a "
                 "discriminator whose own loss's backward ran first). Call this wrapper's step() before that forward "
                 "(optD.step() right after the discriminator's backward), or run that earlier backward inside "
