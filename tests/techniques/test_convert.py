@@ -351,3 +351,23 @@ def test_module_filter_excluding_a_consumer_leaves_it_and_its_producer_alone(act
     assert not any(c.rule in ("activation_consumer", "layer_norm_consumer") for c in report.changes), str(report)
     assert (len(model[2]._forward_pre_hooks), len(model[2]._forward_hooks)) == hooks
     assert any(s.modules == ("2",) and s.reason == "excluded by module_filter" for s in report.skipped), str(report)
+
+
+def test_module_filter_excluding_a_gated_mlps_projection_leaves_the_mlp_alone():
+    # found by an adversarial pass: the gated-MLP rule checked module_filter on the MLP and its activation only; an
+    # excluded down_proj still got memtrim's forward pre-hook
+    class GatedMLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.up, self.down, self.act = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8), nn.SiLU()
+
+        def forward(self, x):
+            return self.down(self.act(self.gate(x)) * self.up(x))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(GatedMLP(), nn.Linear(8, 2))
+    _, report = memtrim.convert(model, example_inputs=torch.randn(4, 8), module_filter=lambda n, m: n != "0.down")
+    assert not any(c.rule == "gated_mlp" for c in report.changes), str(report)
+    assert not model[0].down._forward_pre_hooks and not model[0].down._forward_hooks
+    _, report = memtrim.convert(nn.Sequential(GatedMLP(), nn.Linear(8, 2)), example_inputs=torch.randn(4, 8))
+    assert any(c.rule == "gated_mlp" for c in report.changes), str(report)  # the rule applies without the filter

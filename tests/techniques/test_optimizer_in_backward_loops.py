@@ -1783,3 +1783,20 @@ def test_a_step_hook_that_raises_still_closes_the_step():
             else:
                 opt.step()
     assert_same(a, b, moved_from=net())
+
+
+def test_a_step_hook_may_run_the_model_after_the_update():
+    # found by an adversarial pass: the refusal of a forward after an update inside the open step fired for a step
+    # post-hook that logs a validation output (it runs after the update in the standard loop too)
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda p: torch.optim.AdamW(p, lr=1e-2))
+    probe = batches(1, seed=5)[0][0]
+    logged = {id(opt_a): [], id(opt_b): []}
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        opt.register_step_post_hook(lambda o, args, kwargs, model=model, opt=opt: logged[id(opt)].append(
+            model(probe).detach()))
+        for x, y in batches(3):
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert_same(a, b, moved_from=net())
+    assert all(torch.equal(u, v) for u, v in zip(logged[id(opt_a)], logged[id(opt_b)], strict=True))

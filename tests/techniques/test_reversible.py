@@ -556,3 +556,20 @@ def test_a_weight_norm_pre_hook_on_a_users_block_is_not_refused():
     for a, b in zip(plain.parameters(), stack.parameters()):
         # float64, the input rebuilt by solving the block's linear map: equal to rounding
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("affine", "split_dim"), [(False, 1), (True, 1), (False, -1)])
+def test_a_channels_last_stack_forwards_the_plain_stacks_bits(affine, split_dim):
+    # found by an adversarial pass on a fix of the same day: f's half was laid out as a contiguous concatenation's
+    # chunk, but torch's cat keeps channels_last halves channels_last: the convolutions rounded otherwise (4.8e-7)
+    torch.manual_seed(0)
+    conv = (lambda: nn.Conv2d(4, 8, 3, padding=1)) if affine else (lambda: nn.Conv2d(4, 4, 3, padding=1))
+    if split_dim == -1:  # halves of the width: the convolutions see all 8 channels
+        conv = lambda: nn.Conv2d(8, 8, 3, padding=1)  # noqa: E731
+    coupling = memtrim.AffineCoupling if affine else memtrim.AdditiveCoupling
+    blocks = [coupling(nn.Sequential(conv(), nn.Tanh()), nn.Sequential(conv(), nn.Tanh()), split_dim=split_dim)
+              for _ in range(3)]
+    plain = nn.Sequential(*copy.deepcopy(blocks))
+    rev = memtrim.ReversibleSequential(*blocks)
+    x = torch.randn(2, 8, 6, 6).to(memory_format=torch.channels_last)
+    assert torch.equal(plain(x), rev(x))

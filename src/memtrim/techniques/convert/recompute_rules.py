@@ -421,7 +421,8 @@ def gated_mlp(ctx: Context) -> Iterator[Candidate]:
 
         yield Candidate(modules, type(parent.module).__name__, "gated MLP keeping gate(x) and up(x) only",
                         reason=f"traced: {names['act']}({names['gate']}(x)) * {names['up']}(x) -> {names['down']}",
-                        targets=(parent.module, a_site.module), expected_bytes=expected,
+                        targets=(parent.module, a_site.module),
+                        touches=(g_site.module, u_site.module, d_site.module), expected_bytes=expected,
                         limits=LIMITS["recompute_gated_mlp"], apply=apply)
 
 

@@ -204,7 +204,7 @@ class _OutputHook:
         if wrapper is None or wrapper._removed:
             return
         if (wrapper._open and wrapper._updated_in_backward and not wrapper._accumulating
-                and wrapper._thread == threading.get_ident()
+                and not wrapper.__dict__.get("_in_step") and wrapper._thread == threading.get_ident()
                 and torch._C._current_graph_task_id() == -1):  # (a checkpoint's recomputation runs in backward)
             # found by an adversarial pass: a GAN loop opening both steps first, then the discriminator's backward,
             # then the generator's loss through the discriminator, then both steps: the standard loop runs that
@@ -552,6 +552,7 @@ class OptimizerInBackward(WrappedOptimizerView):
             self._apply_waiting(waiting, driven)
         self._tell_scaler()
         skipped = self._skipped
+        self._in_step = True  # a step hook that runs the model (a validation forward) runs after the update, as torch's
         try:
             if not skipped:
                 self._run_pre_hooks()
@@ -561,7 +562,8 @@ class OptimizerInBackward(WrappedOptimizerView):
                     hook(self, (), {})
                 self.optimizer._opt_called = True  # type: ignore[attr-defined]  # what LR schedulers check
         finally:  # the update is applied: a step hook that raises still closes the step (the next zero_grad() said
-            self._close_step()  # the step was never closed; found by an adversarial pass on 2026-11-29)
+            self._in_step = False  # the step was never closed; found by an adversarial pass on 2026-11-29)
+            self._close_step()
         if not skipped:
             for hook in tuple(_global_hooks("_global_optimizer_post_hooks")):
                 hook(self, (), {})

@@ -96,20 +96,30 @@ def _split_halves(block: AdditiveCoupling | AffineCoupling, x: torch.Tensor | _H
 
 
 def _as_second_chunk(halves: _Halves) -> torch.Tensor:
-    """``halves.second`` with the strides and storage offset it would have as ``torch.cat(halves).chunk(2)[1]``.
+    """``halves.second`` with the strides and storage offset it would have as ``torch.cat(halves).chunk(2)[1]``
+    (channels_last kept, as torch's cat keeps it).
 
     A plain stack concatenates each block's halves and the next block splits them: its f reads a chunk, which is not
     contiguous where the split is not on the leading dimension (features of a (batch, seq, features) input). torch's
     linear computes such an input otherwise than a contiguous one (the last bits differ on some CPUs: found by a
     helper's run of the test suite on an AMD EPYC host, 2026-11-29), so the stack copies the half into that layout
     (half the bytes a cat moves; nothing is kept)."""
-    second, dim = halves.second, halves.dim % halves.second.dim()
+    first, second, dim = halves.first, halves.second, halves.dim % halves.second.dim()
     shape = list(second.shape)
-    shape[dim] += halves.first.shape[dim]
+    shape[dim] += first.shape[dim]
+    # torch.cat lays its output out as its inputs where they share a channels-last layout (a CNN stack on a
+    # channels_last input), else contiguous; innermost dimension first
+    order = list(range(len(shape) - 1, -1, -1))
+    if len(shape) in (4, 5):
+        channels_last = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        if all(t.is_contiguous(memory_format=channels_last) and not t.is_contiguous() for t in (first, second)):
+            order = [1, *range(len(shape) - 1, 1, -1), 0]
     strides = [1] * len(shape)
-    for d in range(len(shape) - 2, -1, -1):
-        strides[d] = strides[d + 1] * shape[d + 1]
-    offset = halves.first.shape[dim] * strides[dim]
+    step = 1
+    for d in order:
+        strides[d] = step
+        step *= shape[d]
+    offset = first.shape[dim] * strides[dim]
     if second.stride() == tuple(strides):  # (a split on the leading dimension: the chunk is contiguous too)
         return second
     total = 1
