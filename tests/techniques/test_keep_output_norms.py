@@ -7,7 +7,7 @@ import torch
 
 import memtrim
 
-from ..helpers import activation_bytes
+from ..helpers import activation_bytes, assert_half_within_10x_of_torchs_error
 
 
 def grads(fn, x, grad_out, params):
@@ -163,3 +163,27 @@ def test_a_vmapped_backward_with_create_graph_is_refused(norm):
     (mine,) = torch.autograd.grad(model(x), x, directions, is_grads_batched=True)
     (torchs,) = torch.autograd.grad(plain(x), x, directions, is_grads_batched=True)
     torch.testing.assert_close(mine, torchs)
+
+
+@pytest.mark.parametrize(("dtype", "ratio", "rows", "seed"),
+                         [(torch.bfloat16, -7.9, 1, 26), (torch.float16, -7.9, 4, 35)], ids=["bfloat16", "float16"])
+def test_a_half_precision_layernorm_just_below_the_float32_bound_stays_within_10x_torchs_error(dtype, ratio, rows,
+                                                                                             seed):
+    # found by a helper's sweep on 2026-11-29: 8 features at bias/gamma -7.9 (kept from 8 |gamma| then) and random
+    # gradients: dgamma reached 17x (bfloat16) and 15x (float16) torch's error against float64. Half precision keeps
+    # from |bias| >= 2 |gamma| (KEEP_BOUND_HALF), as BatchNormAct. torch's error is floored at one unit roundoff
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, 8, generator=gen, dtype=torch.float64) + 0.5).to(dtype).double()
+    gamma = (0.5 + torch.rand(8, generator=gen, dtype=torch.float64)).to(dtype).double()
+    beta = (gamma * ratio).to(dtype).double()
+    grad = torch.randn(rows, 8, generator=gen, dtype=torch.float64).to(dtype).double()
+    grads = {}
+    for name, dt in (("float64", torch.float64), ("torch", dtype), ("memtrim", dtype)):
+        norm = (memtrim.nn.LayerNorm(8) if name == "memtrim" else torch.nn.LayerNorm(8)).to(dt)
+        with torch.no_grad():
+            norm.weight.copy_(gamma)
+            norm.bias.copy_(beta)
+        leaf = x.to(dt).detach().clone().requires_grad_()
+        norm(leaf).backward(grad.to(dt))
+        grads[name] = (leaf.grad.double(), norm.weight.grad.double())
+    assert_half_within_10x_of_torchs_error(grads, dtype)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import memtrim
 
-from ..helpers import activation_bytes
+from ..helpers import activation_bytes, assert_half_within_10x_of_torchs_error
 
 ACTS = {
     "identity": lambda y: y,
@@ -303,8 +303,4 @@ def test_batchnorm_leaky_relu_in_half_precision_stays_within_10x_torchs_error(dt
         out = bn(leaf) if name == "memtrim" else F.leaky_relu(bn(leaf), 0.01)
         out.backward(g64.to(dt))
         grads[name] = (leaf.grad.double(), bn.weight.grad.double())
-    unit = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
-    for i, what in enumerate(("input", "weight")):
-        want = grads["float64"][i]
-        mine, torchs = ((grads[n][i] - want).norm() / want.norm() for n in ("memtrim", "torch"))
-        assert mine <= 10 * max(torchs, unit), (what, float(mine), float(torchs))
+    assert_half_within_10x_of_torchs_error(grads, dtype)

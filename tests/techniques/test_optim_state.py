@@ -930,3 +930,16 @@ def test_a_step_pre_hook_that_writes_the_models_parameters_is_refused():
     model(torch.randn(3, 4)).sum().backward()
     with pytest.raises(MemtrimError, match="written after the step began .* write the host copies"):
         opt.step()
+
+
+def test_a_model_parameter_appended_to_the_groups_twice_is_refused():
+    # found by an adversarial pass: appending a parameter the optimizer already steps (progressive-unfreezing code
+    # run twice) makes torch step it twice; the appended entry found its gradient moved to the host copy and was
+    # skipped: 0.9 off after two steps, silently
+    layer = torch.nn.Linear(4, 4)
+    opt = memtrim.CPUOffloadOptimizer([layer.weight, layer.bias], torch.optim.AdamW)
+    opt.param_groups[0]["params"].append(layer.weight)
+    opt.zero_grad()
+    layer(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(memtrim.InvalidInputError, match=r"lists a model parameter of shape \(4, 4\).*add_param_group"):
+        opt.step()

@@ -64,14 +64,14 @@ KEEP_BOUND = 8.0
 """How many times torch's own error a rebuilt ``xhat`` may carry (NOTE above): the converted gradients' error stays
 within ~9x torch's at the bound; tests hold it to 10x against float64."""
 KEEP_BOUND_HALF = 2.0
-""":data:`KEEP_BOUND` for ``BatchNormAct`` in float16 and bfloat16. torch's half BatchNorm backward computes in
-float32 and rounds once at the end, so its error is one rounding of the result, while a rebuilt ``xhat`` carries
-the half-precision rounding of the output, amplified by ``|beta / gamma|``, into every element of the sums: at the
-float32 bound (8) dgamma reached 30x torch's error (bfloat16, beta/gamma -7.9, eval, a batch of one; found by an
-adversarial pass on 2026-11-29). At 2 that case is within 2x, and the pass's sweep stayed within 7.9x, what keeping
-every channel's input gives (the kept ``xhat`` is stored in half precision too). Where a channel's dgamma nearly
-cancels (a batch of one, a uniform incoming gradient) no bound holds 10x: each element's rounding adds up where
-torch rounds the small result once (README)."""
+""":data:`KEEP_BOUND` for the norms (``BatchNormAct``, ``LayerNorm``, ``RMSNorm``) in float16 and bfloat16. torch's
+half-precision backward computes in float32 and rounds once at the end, so its error is one rounding of the result,
+while a rebuilt ``xhat`` carries the half-precision rounding of the output, amplified by ``|beta / gamma|``, into
+every element of the sums: at the float32 bound (8) dgamma reached 30x torch's error (BatchNormAct, bfloat16,
+beta/gamma -7.9, eval, a batch of one) and 17x (LayerNorm of 8 features, random gradients; both found on
+2026-11-29). At 2 those cases are within 4x. Where a weight gradient nearly cancels (a uniform incoming gradient
+over a batch of one, a gradient nearly orthogonal to a feature's xhat) no bound holds 10x: each element's rounding
+adds up where torch rounds the small result once (README)."""
 
 
 def keep_input_features(gamma: torch.Tensor, beta: torch.Tensor | None, extra: torch.Tensor | None = None,

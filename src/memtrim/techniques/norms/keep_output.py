@@ -28,7 +28,7 @@ from ..guards import (
     saved_tensors,
     saves_checked,
 )
-from ._kernels import keep_input_features, zeros_and_ones
+from ._kernels import KEEP_BOUND, KEEP_BOUND_HALF, keep_input_features, zeros_and_ones
 
 __all__ = ["LayerNorm", "NormKeepOutput", "RMSNorm"]
 
@@ -86,7 +86,9 @@ class NormKeepOutput(torch.autograd.Function):
             out, mean, rstd = torch.ops.aten.native_layer_norm(x, list(normalized_shape), weight, bias, eps)
         kept = xhat_kept = None
         if weight is not None:  # NOTE [ when a norm keeps its input ] (in _kernels.py)
-            kept = keep_input_features(weight, bias, None, gamma_threshold)
+            kept = keep_input_features(weight, bias, None, gamma_threshold,  # (KEEP_BOUND_HALF: a LayerNorm of 8
+                                       # features at beta/gamma 7.9 in bfloat16 reached 17x torch's dgamma error)
+                                       KEEP_BOUND_HALF if x.dtype in _HALF else KEEP_BOUND)
             if kept.numel() == 0:
                 kept = None
             else:

@@ -352,6 +352,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
             torch.cuda.synchronize()
         for device_param, host_param in self._pairs:
             _check_unchanged_layout(device_param, host_param)
+        self._check_no_model_parameter_in_the_groups()
         self._to_host()
         self._check_no_gradient_written_after_backward()
         self._gradients_to_host()
@@ -420,6 +421,21 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         device_param.copy_(host_param, non_blocking=True)
         self._synced[id(device_param)] = _version(device_param)
         self._host_synced[id(device_param)] = host_param._version
+
+    def _check_no_model_parameter_in_the_groups(self) -> None:
+        """A parameter this optimizer has a host copy of, appended to ``param_groups`` itself (found by an
+        adversarial pass on 2026-11-29: torch steps a parameter listed twice twice; here its gradient had gone to
+        the host copy, so the appended entry was skipped, silently)."""
+        paired = {id(p) for p, _ in self._pairs}
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) in paired:
+                    raise InvalidInputError(
+                        f"{_API}.step: param_groups lists a model parameter of shape {tuple(param.shape)} that this "
+                        "optimizer already steps through its host copy (param_groups holds the host copies): torch "
+                        "would step a parameter listed twice twice; here the second entry would find no gradient. "
+                        "Give each parameter once; to add new parameters use opt.add_param_group({'params': [...]})."
+                    )
 
     def _check_no_gradient_written_after_backward(self) -> None:
         """A gradient on a parameter whose hook already moved backward's gradient to the host was written there by
