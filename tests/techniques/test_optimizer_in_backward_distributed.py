@@ -34,14 +34,25 @@ def _train(model, optimizer, rank, backward=None):
         optimizer.step()
 
 
+def _plain_and_fused_ddp(rank):
+    """The same DDP training with Adam, plain and wrapped: each one's parameters after it."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    results = {}
+    for name in ("plain", "fused"):
+        model = DDP(_model(), bucket_cap_mb=0.01)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+        if name == "fused":
+            optimizer = memtrim.OptimizerInBackward(optimizer, model=model)
+        _train(model, optimizer, rank)
+        results[name] = [p.detach() for p in model.parameters()]
+    return results
+
+
 def _ddp_body(rank):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    plain = DDP(_model(), bucket_cap_mb=0.01)
-    _train(plain, torch.optim.Adam(plain.parameters(), lr=1e-2), rank)
-    fused = DDP(_model(), bucket_cap_mb=0.01)
-    opt = memtrim.OptimizerInBackward(torch.optim.Adam(fused.parameters(), lr=1e-2), model=fused)
-    _train(fused, opt, rank)
+    results = _plain_and_fused_ddp(rank)
     clipped_plain = DDP(_model(), bucket_cap_mb=0.01)
     clip_opt = torch.optim.SGD(clipped_plain.parameters(), lr=0.1)
     for x, y in _batches(rank):
@@ -60,8 +71,7 @@ def _ddp_body(rank):
     except memtrim.InvalidInputError as e:
         refused = str(e)
     return {
-        "plain": [p.detach() for p in plain.parameters()],
-        "fused": [p.detach() for p in fused.parameters()],
+        **results,
         "clipped_plain": [p.detach() for p in clipped_plain.parameters()],
         "clipped": [p.detach() for p in clipped.parameters()],
         "refused": refused,
@@ -148,24 +158,10 @@ def test_cpu_offload_under_ddp_keeps_gradients_on_the_device_or_refuses():
     _assert_equal(results[0]["plain"], results[1]["plain"])
 
 
-def _three_ranks_body(rank):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    results = {}
-    for name in ("plain", "fused"):
-        model = DDP(_model(), bucket_cap_mb=0.01)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        if name == "fused":
-            optimizer = memtrim.OptimizerInBackward(optimizer, model=model)
-        _train(model, optimizer, rank)
-        results[name] = [p.detach() for p in model.parameters()]
-    return results
-
-
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo file rendezvous")
 def test_ddp_over_three_ranks_averages_as_ddps_own_reduction():
     # found by an adversarial pass: the wrapper's comm hook averaged with torch's allreduce_hook (grad / world), DDP's
     # own reduction multiplies by 1 / world: the last bits differed where the world size is not a power of two
-    results = spawn(_three_ranks_body, world=3)
+    results = spawn(_plain_and_fused_ddp, world=3)
     for rank_result in results:
         _assert_equal(rank_result["plain"], rank_result["fused"])

@@ -42,6 +42,7 @@ what they save, in the forward's order; each handle then returns its tensor and 
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -122,12 +123,9 @@ def _as_second_chunk(halves: _Halves) -> torch.Tensor:
     offset = first.shape[dim] * strides[dim]
     if second.stride() == tuple(strides):  # (a split on the leading dimension: the chunk is contiguous too)
         return second
-    total = 1
-    for size in shape:
-        total *= size
-    if total == 0:
+    if second.numel() == 0:
         return second
-    laid = second.new_empty(total).as_strided(second.shape, strides, offset)
+    laid = second.new_empty(math.prod(shape)).as_strided(second.shape, strides, offset)
     return laid.copy_(second)
 
 
