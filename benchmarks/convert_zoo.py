@@ -2,8 +2,9 @@
 configs, random weights, offline. For each model: the activation bytes autograd keeps after one training-mode
 forward (the tracker's "activations"), before and after ``memtrim.convert``, and the report's text. No timings.
 
-Reproduce:  zoovenv/bin/python benchmarks/convert_zoo.py [--only NAME ...]
-Writes benchmarks/results/convert_zoo_cpu.json.
+Reproduce:  zoovenv/bin/python benchmarks/convert_zoo.py [--only NAME ...] [--dtype bfloat16]
+Writes benchmarks/results/convert_zoo_cpu.json (``--dtype``: every model cast to that dtype after it is built, the
+batch's floating tensors too; written to convert_zoo_<dtype>_cpu.json).
 
 The environment (CPU torch, nothing downloaded at run time; the versions used are written to the JSON):
     python3 -m venv zoovenv && zoovenv/bin/pip install torch==2.13.0+cpu
@@ -274,11 +275,17 @@ def build(key: str, models: dict | None = None) -> tuple[str, tuple | None, dict
         return label, None, {"model": label, "skipped": f"library missing: {e}"}
 
 
-def run(key: str) -> dict:
+def cast(model: nn.Module, batch: dict, dtype: torch.dtype) -> tuple[nn.Module, dict]:
+    """``model`` and the batch's floating tensors in ``dtype`` (ids and masks as they are)."""
+    return model.to(dtype), {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+
+
+def run(key: str, dtype: torch.dtype = torch.float32) -> dict:
     label, built, skipped = build(key)
     if built is None:
         return skipped or {}
     model, batch, library = built
+    model, batch = cast(model, batch, dtype)
     result: dict = {"model": label, "library": library,
                     "parameters": sum(p.numel() for p in model.parameters()),
                     "batch": {k: list(v.shape) for k, v in batch.items()}}
@@ -322,7 +329,9 @@ def memtrim_source() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", nargs="*", choices=sorted(MODELS), default=None)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)
     _, tv_note = import_torchvision()
     environment = {"torch": torch.__version__, "transformers": version("transformers"), "timm": version("timm"),
@@ -331,7 +340,7 @@ def main() -> None:
     results = {}
     for key in args.only or MODELS:
         try:
-            results[key] = run(key)
+            results[key] = run(key, dtype)
         except Exception:
             results[key] = {"model": MODELS[key][0], "failed": traceback.format_exc()}
         r = results[key]
@@ -343,11 +352,12 @@ def main() -> None:
             print("  " + (r["report"] or "no report").replace("\n", "\n  "))
         else:
             print(f"{r['model']}: {r.get('skipped') or r.get('failed')}")
-    path = write("convert_zoo_cpu.json", {"machine": machine(), "environment": environment,
-                                          "what": "activation bytes autograd keeps after one training-mode forward "
-                                                  "(memtrim.track live_by_category()['activations']), before and "
-                                                  "after memtrim.convert on the same batch",
-                                          "results": results})
+    name = "convert_zoo_cpu.json" if dtype == torch.float32 else f"convert_zoo_{args.dtype}_cpu.json"
+    path = write(name, {"machine": machine(), "environment": environment, "dtype": args.dtype,
+                        "what": "activation bytes autograd keeps after one training-mode forward "
+                                "(memtrim.track live_by_category()['activations']), before and after memtrim.convert "
+                                "on the same batch",
+                        "results": results})
     print(f"wrote {path}")
 
 

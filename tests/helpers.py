@@ -93,14 +93,3 @@ def workers_can_fork() -> bool:
 
     with Tracer(lambda combo: combo, workers=2, expected=3) as tracer:
         return tracer.parallel
-
-
-def assert_half_within_10x_of_torchs_error(grads, dtype) -> None:
-    """``grads``: {"float64", "torch", "memtrim"} -> (input gradient, weight gradient), each as float64. memtrim's
-    relative error against float64 is at most 10x torch's in the same half-precision dtype, torch's floored at one
-    unit roundoff (below it, torch's own error is luck, not a bound)."""
-    unit = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
-    for i, what in enumerate(("input", "weight")):
-        want = grads["float64"][i]
-        mine, torchs = ((grads[n][i] - want).norm() / want.norm() for n in ("memtrim", "torch"))
-        assert mine <= 10 * max(torchs, unit), (what, float(mine), float(torchs))

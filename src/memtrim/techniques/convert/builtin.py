@@ -35,12 +35,13 @@ from ..norms import (
     LayerNorm,
     RMSNorm,
 )
+from ..norms._kernels import HALF_PRECISION
 from ..norms.bn_relu import rebuilds_bitwise
 from ..recompute import LIMITS, keep_recipes_in
 from .rules import Candidate, Context, Undo, chain, class_swap, label, register_rule
 
 __all__ = ["Absorbed", "FROM_OUTPUT", "FUSED", "HARDSIGMOID_EDGE", "KEEP_OUTPUT_FORMS", "NO_AUTOCAST",
-           "NO_DOUBLE_BACKWARD", "REBUILT_INPUT"]
+           "NO_DOUBLE_BACKWARD", "REBUILT_INPUT", "half_precision_guard"]
 
 NO_DOUBLE_BACKWARD = "no double backward (a backward through its gradient raises ConvertError)"
 """The limit a change states (``Change.limits``) when its module rebuilds a tensor it has no second derivative for."""
@@ -63,6 +64,20 @@ HARDSIGMOID_EDGE = ("its gradient is computed from its output: on the CPU torch'
                     "torch's is grad/6); on CUDA, whose forward multiplies by 1/6 (checked on an H200), also every "
                     "float64 input within about 1.8e-7 below 3; so not bitwise")
 """The limit of memtrim's Hardsigmoid: torch's arithmetic, but its output cannot tell that one input from 3."""
+
+
+
+def half_precision_guard(module: nn.Module, what: str) -> str | None:
+    """Why ``module`` (a norm ``what`` would make keep its output) stays torch's: its parameters or buffers are float16
+    or bfloat16 (NOTE [ norms in half precision ] in norms/_kernels.py); None otherwise."""
+    found = next((t.dtype for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
+                  if t.dtype in HALF_PRECISION), None)
+    if found is None:
+        return None
+    return (f"{type(module).__name__} is {str(found).removeprefix('torch.')}: {what} would rebuild its input from its "
+            "half-precision output, whose rounding adds up in the weight gradient's sums (far past torch's error "
+            "where they cancel); left torch's (precision guard, NOTE [ norms in half precision ])")
+
 
 KEEP_OUTPUT_FORMS: dict[type, type] = {
     nn.LeakyReLU: lean.LeakyReLU,
@@ -228,7 +243,8 @@ def batchnorm_activation(ctx: Context) -> Iterator[Candidate]:
             yield Candidate(pair, reason=f"BatchNorm is followed by {type(act).__name__}, not ReLU, LeakyReLU "
                                          "(slope > 0) or ELU", skip=True)
             continue
-        why = ctx.edited(act_name)
+        why = ctx.edited(act_name) or (None if type(act) is nn.ReLU else
+                                       half_precision_guard(bn, f"fused with {type(act).__name__}, it"))
         if why:
             yield Candidate(pair, reason=why, skip=True)
             continue
@@ -332,7 +348,9 @@ def keep_output(ctx: Context) -> Iterator[Candidate]:
         target = KEEP_OUTPUT_FORMS.get(type(module))
         if target is None or not ctx.free(module):
             continue
-        why = _single_refusal(module) or ctx.edited(name)
+        norm = target in (LayerNorm, RMSNorm)
+        why = _single_refusal(module) or ctx.edited(name) or (half_precision_guard(module, "keeping its output, it")
+                                                              if norm else None)
         if why:
             yield Candidate((name,), reason=why, skip=True)
             continue
@@ -340,7 +358,6 @@ def keep_output(ctx: Context) -> Iterator[Candidate]:
         attrs: dict = {"memtrim_owner": owner}
         if target in (lean.ReLU, lean.LeakyReLU, lean.Hardtanh, lean.ReLU6, lean.Hardsigmoid):
             attrs["save"] = "output"
-        norm = target in (LayerNorm, RMSNorm)
         limits: tuple[str, ...] = ()
         if norm:
             attrs["gamma_threshold"] = 0.0  # the error bound decides

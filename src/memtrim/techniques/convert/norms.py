@@ -6,8 +6,9 @@ out) are one ``native_layer_norm`` is a LayerNorm (timm's ``LayerNorm``/``LayerN
 of ``F.layer_norm``); one whose ops are ``pow, mean, add, rsqrt, mul, mul`` with the last ``mul`` by a 1-D parameter
 of the module is an RMSNorm (HF ``LlamaRMSNorm`` and its copies in Mistral/Qwen/..., timm's ``RmsNorm``). Either
 becomes a norm that keeps its output (NOTE [ norms that keep their output ] in norms/keep_output.py) when its
-output is kept by a later op anyway (else it would save nothing) and it computes in its input's dtype (an upcast,
-as in a bfloat16 Llama, would make the output a rounded copy of what backward needs: precision guard). A LayerNorm
+output is kept by a later op anyway (else it would save nothing), it computes in its input's dtype (an upcast,
+as in a bfloat16 Llama, would make the output a rounded copy of what backward needs: precision guard) and its
+weights are not float16 or bfloat16 (NOTE [ norms in half precision ] in norms/_kernels.py). A LayerNorm
 whose output only later call sites keep is decided before, by ``layer_norm_consumer`` (NOTE [ recompute rules ]):
 it stays torch's own, bitwise.
 
@@ -16,9 +17,10 @@ attribute names and state_dict keys unchanged; a state_dict loads into the uncon
 runs the module's own forward with its ``layer_norm`` call replaced (a ``TorchFunctionMode``); the RMSNorm form
 computes ``x * rsqrt(mean(x^2) + eps) * weight`` in the same op order, so the forward is bitwise the original's in the
 dtype convert traced (HF's RMSNorms compute any other in float32). Under torch.compile, torch.func, autocast, without
-grad, or for an input in another dtype than the weight (the RMSNorm form: than the traced one), both run the module's
-own forward; so does the RMSNorm form for an unbatched or empty input, and once a setting of the module (its eps:
-any number, flag or string in its ``__dict__``) differs from what convert saw, with a warning.
+grad, for a float16 or bfloat16 input, or for an input in another dtype than the weight (the RMSNorm form: than the
+traced one), both run the module's own forward; so does the RMSNorm form for an unbatched or empty input, and once a
+setting of the module (its eps: any number, flag or string in its ``__dict__``) differs from what convert saw, with a
+warning.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from torch.overrides import TorchFunctionMode
 from ...proof.compare import bitwise_equal
 from ..guards import autocasting, owner, plain_only, saves_checked
 from ..norms import NormKeepOutput
-from .builtin import KEEP_OUTPUT_FORMS, NO_AUTOCAST, NO_DOUBLE_BACKWARD, REBUILT_INPUT
+from ..norms._kernels import HALF_PRECISION
+from .builtin import KEEP_OUTPUT_FORMS, NO_AUTOCAST, NO_DOUBLE_BACKWARD, REBUILT_INPUT, half_precision_guard
 from .evidence import CallSite, ModelTrace, buffers_kept
 from .rules import Candidate, Context, class_swap, label, register_rule
 
@@ -50,7 +53,8 @@ _LAYER_NORM_FUNCTIONS = {torch.nn.functional.layer_norm, torch.layer_norm}
 
 def _wants_plain(x: Any, params: list[torch.Tensor]) -> bool:
     return (not isinstance(x, torch.Tensor) or not torch.is_grad_enabled() or plain_only() or not saves_checked()
-            or autocasting(x) or not (x.requires_grad or any(p.requires_grad for p in params)))
+            or autocasting(x) or x.dtype in HALF_PRECISION  # (NOTE [ norms in half precision ]: after model.to())
+            or not (x.requires_grad or any(p.requires_grad for p in params)))
 
 
 class _LayerNormKeepsOutput(TorchFunctionMode):
@@ -273,7 +277,7 @@ def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
                                                  "(an upcast): its output would be a rounded copy of what backward "
                                                  "needs (precision guard)", skip=True)
             continue
-        why = ctx.edited(site.path)
+        why = ctx.edited(site.path) or half_precision_guard(module, "keeping its output, it")
         if why:
             yield Candidate((site.path,), reason=why, skip=True)
             continue

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CACHE_SIZE", "KEEP_BOUND", "KEEP_BOUND_HALF", "keep_input_features", "zeros_and_ones"]
+__all__ = ["CACHE_SIZE", "HALF_PRECISION", "KEEP_BOUND", "keep_input_features", "zeros_and_ones"]
 
 
 # ---------------------------------------------------------------------- bounded constant cache
@@ -63,27 +63,27 @@ def zeros_and_ones(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 KEEP_BOUND = 8.0
 """How many times torch's own error a rebuilt ``xhat`` may carry (NOTE above): the converted gradients' error stays
 within ~9x torch's at the bound; tests hold it to 10x against float64."""
-KEEP_BOUND_HALF = 2.0
-""":data:`KEEP_BOUND` for the norms (``BatchNormAct``, ``LayerNorm``, ``RMSNorm``) in float16 and bfloat16. torch's
-half-precision backward computes in float32 and rounds once at the end, so its error is one rounding of the result,
-while a rebuilt ``xhat`` carries the half-precision rounding of the output, amplified by ``|beta / gamma|``, into
-every element of the sums: at the float32 bound (8) dgamma reached 30x torch's error (BatchNormAct, bfloat16,
-beta/gamma -7.9, eval, a batch of one) and 17x (LayerNorm of 8 features, random gradients; both found on
-2026-11-29). At 2 those cases are within 4x. Where a weight gradient nearly cancels (a uniform incoming gradient
-over a batch of one, a gradient nearly orthogonal to a feature's xhat) no bound holds 10x: each element's rounding
-adds up where torch rounds the small result once (README)."""
+HALF_PRECISION = (torch.float16, torch.bfloat16)
+"""NOTE [ norms in half precision ]: the norms that rebuild their input from their output (``BatchNormAct``,
+``LayerNorm``, ``RMSNorm``, and convert's norms by behaviour) run as torch's own ops for inputs of these dtypes,
+keeping what torch keeps. torch's half-precision backward computes in float32 from the exact input and rounds the
+result once; a rebuilt ``xhat`` carries the rounding of the half-precision output into every element of the
+weight-gradient sums. No bound on |beta / gamma| holds the error to 10x torch's: with a bound of 2, where a sum
+nearly cancels (a uniform incoming gradient over a batch of one, a gradient nearly orthogonal to a feature's
+xhat), BatchNormAct's dgamma reached 17.5x torch's error against float64 and RMSNorm's 6,607x (float16); keeping
+every feature's xhat in half precision still gave 56-68x (measured on 2026-11-29). So half precision saves nothing
+with these modules rather than train differently; ``convert`` leaves such norms torch's and says so."""
 
 
 def keep_input_features(gamma: torch.Tensor, beta: torch.Tensor | None, extra: torch.Tensor | None = None,
-                        floor: float = 0.0, bound: float = KEEP_BOUND) -> torch.Tensor:
+                        floor: float = 0.0) -> torch.Tensor:
     """Indices (flattened) of the features whose ``xhat`` cannot be rebuilt from the output to within KEEP_BOUND
     times torch's own error (NOTE [ when a norm keeps its input ] in this file). ``extra``: the ELU term s, per
-    feature; ``floor``: a user's ``gamma_threshold``, below which features keep their ``xhat`` anyway; ``bound``:
-    :data:`KEEP_BOUND` or :data:`KEEP_BOUND_HALF`."""
+    feature; ``floor``: a user's ``gamma_threshold``, below which features keep their ``xhat`` anyway."""
     g = gamma.detach().abs()
     # without beta the limit is 0, a scalar (a zeros tensor was one more op, on a GPU a kernel, at every call)
     limit: torch.Tensor | float = beta.detach().abs() if beta is not None else 0.0
     if extra is not None:
         limit = limit + extra.to(limit.dtype if isinstance(limit, torch.Tensor) else g.dtype)
-    keep = ~(g * bound > limit) | (g < max(torch.finfo(g.dtype).tiny ** 0.25, floor))
+    keep = ~(g * KEEP_BOUND > limit) | (g < max(torch.finfo(g.dtype).tiny ** 0.25, floor))
     return keep.flatten().nonzero().flatten()

@@ -8,12 +8,12 @@ output instead (one tensor for both) drops the input: backward recovers ``xhat =
 than ``KEEP_BOUND`` times less accurate than torch's (``|beta| / |gamma|`` large, or gamma 0; NOTE [ when a norm keeps
 its input ] in _kernels.py) keep their ``xhat`` column explicitly. Parameters are the torch module's own. There is no
 second derivative (a backward through the gradient raises :class:`ConvertError` naming the module); under
-torch.compile, torch.func and autocast the modules run as torch's own.
+torch.compile, torch.func and autocast, and in float16 and bfloat16 (NOTE [ norms in half precision ] in
+_kernels.py), the modules run as torch's own.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -28,30 +28,9 @@ from ..guards import (
     saved_tensors,
     saves_checked,
 )
-from ._kernels import KEEP_BOUND, KEEP_BOUND_HALF, keep_input_features, zeros_and_ones
+from ._kernels import HALF_PRECISION, keep_input_features, zeros_and_ones
 
 __all__ = ["LayerNorm", "NormKeepOutput", "RMSNorm"]
-
-
-_HALF = (torch.float16, torch.bfloat16)
-_DEFAULT_RMS_EPS: dict[torch.dtype, float] = {}
-
-
-def default_rms_eps(dtype: torch.dtype) -> float:
-    """The eps torch's ``F.rms_norm`` adds where none is given, for inputs of ``dtype``: the dtype's own epsilon in
-    torch 2.4, float32's for float16/bfloat16 in later versions. Found once per dtype by asking torch (a 1-element
-    norm of 1e-3, whose value tells the two apart), outside any fake or dispatch mode."""
-    found = _DEFAULT_RMS_EPS.get(dtype)
-    if found is None:
-        mine, wide = torch.finfo(dtype).eps, torch.finfo(torch.float32).eps
-        found = mine
-        if dtype in _HALF and mine != wide:
-            with torch.utils._python_dispatch._disable_current_modes(), torch.no_grad():
-                y = float(torch.nn.functional.rms_norm(torch.full((1,), 1e-3, dtype=dtype), (1,)).float())
-            x = float(torch.tensor(1e-3, dtype=dtype).float())
-            found = min((mine, wide), key=lambda e: abs(x / math.sqrt(x * x + e) - y))
-        _DEFAULT_RMS_EPS[dtype] = found
-    return found
 
 
 class NormKeepOutput(torch.autograd.Function):
@@ -69,12 +48,9 @@ class NormKeepOutput(torch.autograd.Function):
         nd = len(normalized_shape)
         dims = tuple(range(x.dim() - nd, x.dim()))
         rms = form != "layer"
-        if form == "rms_norm":
-            # torch's own forward, bitwise in every dtype (float16/bfloat16: computed in float32, rounded once);
-            # rstd for backward in float32 there (one value per row)
+        if form == "rms_norm":  # torch's own forward, bitwise (float32 and float64: NOTE [ norms in half precision ])
             out = torch.nn.functional.rms_norm(x, list(normalized_shape), weight, eps)
-            wide = x.float() if x.dtype in _HALF else x
-            rstd = torch.rsqrt(wide.pow(2).mean(dims, keepdim=True) + eps)
+            rstd = torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
             mean = None
         elif rms:
             rstd = torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
@@ -86,9 +62,7 @@ class NormKeepOutput(torch.autograd.Function):
             out, mean, rstd = torch.ops.aten.native_layer_norm(x, list(normalized_shape), weight, bias, eps)
         kept = xhat_kept = None
         if weight is not None:  # NOTE [ when a norm keeps its input ] (in _kernels.py)
-            kept = keep_input_features(weight, bias, None, gamma_threshold,  # (KEEP_BOUND_HALF: a LayerNorm of 8
-                                       # features at beta/gamma 7.9 in bfloat16 reached 17x torch's dgamma error)
-                                       KEEP_BOUND_HALF if x.dtype in _HALF else KEEP_BOUND)
+            kept = keep_input_features(weight, bias, None, gamma_threshold)
             if kept.numel() == 0:
                 kept = None
             else:
@@ -126,7 +100,7 @@ class NormKeepOutput(torch.autograd.Function):
                 dx.mul_(rstd)
             return dx, dweight, dbias, None, None, None, None, None
         g = dn * weight if weight is not None else dn  # RMSNorm
-        dx = (rstd * (g - xhat * (g * xhat).mean(dims, keepdim=True))).to(dn.dtype)  # (rstd: float32 for half types)
+        dx = rstd * (g - xhat * (g * xhat).mean(dims, keepdim=True))
         batch_dims = tuple(range(dn.dim() - len(dims)))
         dweight = (dn * xhat).sum(batch_dims) if weight is not None else None
         dbias = dn.sum(batch_dims) if bias is not None else None
@@ -156,9 +130,10 @@ class LayerNorm(nn.LayerNorm):
 
 def _torchs_case(input: torch.Tensor, weight: torch.Tensor | None, normalized_shape: Any) -> bool:
     """Inputs the output-keeping norms leave to torch's own module: an empty one, an unbatched one (only the
-    normalized dimensions), and one of another dtype than the weight (a float32 norm fed bfloat16 activations
-    without autocast, which torch's kernels take and return in the input's dtype)."""
-    return (input.numel() == 0 or input.dim() <= len(normalized_shape)
+    normalized dimensions), one of another dtype than the weight (a float32 norm fed bfloat16 activations
+    without autocast, which torch's kernels take and return in the input's dtype), and a float16 or bfloat16 one
+    (NOTE [ norms in half precision ] in _kernels.py)."""
+    return (input.numel() == 0 or input.dim() <= len(normalized_shape) or input.dtype in HALF_PRECISION
             or (weight is not None and weight.dtype != input.dtype))
 
 
@@ -172,10 +147,10 @@ class RMSNorm(nn.RMSNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``nn.RMSNorm``'s forward, keeping the output for backward (torch's own forward where nothing needs
         a gradient, under autocast, ``torch.compile``, ``torch.func`` or inside a checkpointed region)."""
-        eps = self.eps if self.eps is not None else default_rms_eps(input.dtype)
         if (not torch.is_grad_enabled() or plain_only() or not saves_checked() or autocasting(input)
                 or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))
                 or _torchs_case(input, self.weight, self.normalized_shape)):
             return super().forward(input)
+        eps = self.eps if self.eps is not None else torch.finfo(input.dtype).eps  # (torch's, float32 and float64)
         return NormKeepOutput.apply(input, self.weight, None, tuple(self.normalized_shape), eps, "rms_norm",
                                      self.gamma_threshold, owner(self))

@@ -14,8 +14,9 @@ saturates and ``log1p`` loses ``y``) keep their ``xhat`` explicitly, a tensor of
 norm keeps its input ] in _kernels.py derives the rule). Parameters and buffers are exactly ``nn.BatchNorm``'s, so
 state_dicts load both ways. Gradients differ from torch's by the rounding of the reconstruction (float32: within
 10x torch's own error against float64; see tests), not bitwise. There is no second derivative: a backward through
-the gradient raises :class:`ConvertError` naming the module. Under torch.compile, torch.func and autocast the module
-runs as torch's BatchNorm and activation.
+the gradient raises :class:`ConvertError` naming the module. Under torch.compile, torch.func and autocast, and in
+float16 and bfloat16 (NOTE [ norms in half precision ] in _kernels.py), the module runs as torch's BatchNorm and
+activation.
 
 BatchNorm + ReLU cannot be inverted (ReLU's zeros lose ``y``); keep such pairs as they are.
 """
@@ -43,12 +44,11 @@ from ..guards import (
     saved_tensors,
     saves_checked,
 )
-from ._kernels import KEEP_BOUND, KEEP_BOUND_HALF, keep_input_features
+from ._kernels import HALF_PRECISION, keep_input_features
 
 __all__ = ["BatchNormAct1d", "BatchNormAct2d", "BatchNormAct3d"]
 
 _ACTIVATIONS = ("identity", "leaky_relu", "elu")
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def elu_term(y: torch.Tensor, dims: list[int]) -> torch.Tensor:
@@ -76,8 +76,7 @@ class _BatchNormActFunction(torch.autograd.Function):
         kept = xhat_kept = None
         if weight is not None:  # NOTE [ when a norm keeps its input ] (in _kernels.py)
             extra = elu_term(out, dims) if activation == "elu" else None
-            kept = keep_input_features(weight, bias, extra, gamma_threshold,
-                                       KEEP_BOUND_HALF if x.dtype in _HALF else KEEP_BOUND)
+            kept = keep_input_features(weight, bias, extra, gamma_threshold)
             if kept.numel() == 0:
                 kept = None
             else:
@@ -256,17 +255,16 @@ class _BatchNormAct(WatchedFusion, nn.modules.batchnorm._BatchNorm):
         )
         # torch's own BatchNorm and activation (an empty batch too: the native kernel this calls refuses one)
         # (and under saved-tensor hooks not memtrim's: a user's may pack the kept output lossily, to bfloat16)
-        # (and in half precision with ELU, whose input rebuilt from the output is lost below about -5 there; and
-        # for an input of another dtype than the weight, bfloat16 convolutions before a float32 BatchNorm)
+        # (and in float16 and bfloat16: NOTE [ norms in half precision ] in _kernels.py; and for an input of another
+        # dtype than the weight, bfloat16 convolutions before a float32 BatchNorm)
         if (not needs_grad or plain_only() or autocasting(input) or input.numel() == 0 or not saves_checked()
-                or (self.activation == "elu" and input.dtype in _HALF)
-                or other_dtype(self, input)):
+                or input.dtype in HALF_PRECISION or other_dtype(self, input)):
             out = nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                            bn_training, factor, self.eps)
             # in place or not as the activation convert fused was (what its backward keeps, an input or an output,
             # is what saved-tensor hooks outside see); one built by hand: in place, but ELU in half precision (torch's
             # in-place ELU differentiates from its output too: NOTE [ ELU in half ])
-            half_elu = self.activation == "elu" and input.dtype in _HALF
+            half_elu = self.activation == "elu" and input.dtype in HALF_PRECISION
             inplace = self.__dict__.get("memtrim_activation_inplace", not half_elu)
             if self.activation == "leaky_relu":
                 out = nn.functional.leaky_relu(out, param, inplace=inplace)
