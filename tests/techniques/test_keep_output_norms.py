@@ -259,3 +259,53 @@ def test_half_precision_norms_train_as_torchs_where_a_weight_gradient_cancels(dt
     (out_a, grads_a), (out_b, grads_b) = results
     assert torch.equal(out_a, out_b)
     assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
+class _NormThenGelu(torch.nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.l1, self.n, self.l3 = torch.nn.Linear(16, 32), norm, torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.l3(torch.nn.functional.gelu(self.n(self.l1(x))))
+
+
+class _BatchNormLeakyReLU(torch.nn.Module):
+    def __init__(self, bn):
+        super().__init__()
+        self.c1, self.n = torch.nn.Conv2d(3, 8, 3), bn
+        self.act, self.c2 = torch.nn.LeakyReLU(0.1), torch.nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        return self.c2(self.act(self.n(self.c1(x))))
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["no example inputs", "example inputs"])
+@pytest.mark.parametrize("case", ["LayerNorm without affine", "RMSNorm without affine", "BatchNorm without affine",
+                                  "float32 LayerNorm", "float32 BatchNorm"])
+def test_the_precision_guard_sees_a_half_precision_norm_without_weights_or_fed_half_inputs(case, traced):
+    # found by an adversarial pass on the guard: it looked at the norm's own parameters and buffers only. A norm with
+    # none (elementwise_affine=False; a BatchNorm without affine or running statistics) in a bfloat16 model was
+    # reported changed (not bitwise) without example inputs, and a float32 norm fed bfloat16 activations (norms kept
+    # in float32) was skipped as "saves 0 B"; both run as torch's. The guard now also reads the traced inputs'
+    # dtype, and without example inputs (or without the norm's own tensors) the model's
+    if case.startswith("float32") and not traced:
+        pytest.skip("without example inputs a float32 norm's inputs are unknown: it is converted (README)")
+    torch.manual_seed(0)
+    conv = "BatchNorm" in case
+    norm = {"LayerNorm without affine": lambda: torch.nn.LayerNorm(32, elementwise_affine=False),
+            "RMSNorm without affine": lambda: torch.nn.RMSNorm(32, elementwise_affine=False),
+            "BatchNorm without affine": lambda: torch.nn.BatchNorm2d(8, affine=False, track_running_stats=False),
+            "float32 LayerNorm": lambda: torch.nn.LayerNorm(32), "float32 BatchNorm": lambda: torch.nn.BatchNorm2d(8),
+            }[case]()
+    model = (_BatchNormLeakyReLU(norm) if conv else _NormThenGelu(norm)).to(torch.bfloat16)
+    if case.startswith("float32"):
+        model.n.float()
+    if "LayerNorm" in case:  # a user's hook (logging): the output is not rebuilt at its consumers instead (bitwise)
+        model.n.register_forward_hook(lambda module, args, out: None)
+    x = torch.randn((2, 3, 6, 6) if conv else (4, 5, 16)).to(torch.bfloat16)
+    plain = copy.deepcopy(model)
+    converted, report = memtrim.convert(model, example_inputs=x if traced else None)
+    assert not any("n" in c.modules for c in report.changes), str(report)
+    assert any("n" in s.modules and "precision guard" in s.reason for s in report.skipped), str(report)
+    assert all(torch.equal(a, b) for a, b in zip(_outputs_and_grads(plain, x), _outputs_and_grads(converted, x)))

@@ -67,16 +67,25 @@ HARDSIGMOID_EDGE = ("its gradient is computed from its output: on the CPU torch'
 
 
 
-def half_precision_guard(module: nn.Module, what: str) -> str | None:
-    """Why ``module`` (a norm ``what`` would make keep its output) stays torch's: its parameters or buffers are float16
-    or bfloat16 (NOTE [ norms in half precision ] in norms/_kernels.py); None otherwise."""
-    found = next((t.dtype for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
-                  if t.dtype in HALF_PRECISION), None)
+def half_precision_guard(ctx: Context, name: str, module: nn.Module, what: str) -> str | None:
+    """Why ``module`` (a norm ``what`` would make keep its output) stays torch's: it runs in float16 or bfloat16
+    (NOTE [ norms in half precision ] in norms/_kernels.py), where it would run as torch's anyway and save nothing;
+    None otherwise. Seen in its own floating tensors and the inputs the trace saw (float32 weights fed bfloat16
+    activations run as torch's too), else (nothing to tell: a LayerNorm without affine, no example inputs) in the
+    model's first floating parameter."""
+    seen = [t.dtype for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))
+            if t.is_floating_point()]
+    if ctx.trace is not None:
+        seen += [d for site in ctx.trace.sites_of(name) for d in site.input_dtypes if d.is_floating_point]
+    if not seen:
+        seen = [p.dtype for p in ctx.model.parameters() if p.is_floating_point()][:1]
+    found = next((d for d in seen if d in HALF_PRECISION), None)
     if found is None:
         return None
-    return (f"{type(module).__name__} is {str(found).removeprefix('torch.')}: {what} would rebuild its input from its "
-            "half-precision output, whose rounding adds up in the weight gradient's sums (far past torch's error "
-            "where they cancel); left torch's (precision guard, NOTE [ norms in half precision ])")
+    return (f"{type(module).__name__} runs in {str(found).removeprefix('torch.')}: {what} would rebuild its input "
+            "from its half-precision output, whose rounding adds up in the weight gradient's sums (far past torch's "
+            "error where they cancel), so it runs as torch's there and would save nothing; left torch's (precision "
+            "guard, NOTE [ norms in half precision ])")
 
 
 KEEP_OUTPUT_FORMS: dict[type, type] = {
@@ -244,7 +253,7 @@ def batchnorm_activation(ctx: Context) -> Iterator[Candidate]:
                                          "(slope > 0) or ELU", skip=True)
             continue
         why = ctx.edited(act_name) or (None if type(act) is nn.ReLU else
-                                       half_precision_guard(bn, f"fused with {type(act).__name__}, it"))
+                                       half_precision_guard(ctx, name, bn, f"fused with {type(act).__name__}, it"))
         if why:
             yield Candidate(pair, reason=why, skip=True)
             continue
@@ -349,8 +358,8 @@ def keep_output(ctx: Context) -> Iterator[Candidate]:
         if target is None or not ctx.free(module):
             continue
         norm = target in (LayerNorm, RMSNorm)
-        why = _single_refusal(module) or ctx.edited(name) or (half_precision_guard(module, "keeping its output, it")
-                                                              if norm else None)
+        why = (_single_refusal(module) or ctx.edited(name)
+               or (half_precision_guard(ctx, name, module, "keeping its output, it") if norm else None))
         if why:
             yield Candidate((name,), reason=why, skip=True)
             continue

@@ -85,6 +85,7 @@ class CallSite:
     shared: bool = False  # the module has more than one call site
     replaced: tuple[str, ...] = ()  # its own tensors the call assigned anew from their values (``self.count += 1``)
     input_shapes: tuple[tuple[int, ...], ...] = ()  # the shapes of its tensor arguments, in order
+    input_dtypes: tuple[torch.dtype, ...] = ()  # and their dtypes
 
     @property
     def label(self) -> str:
@@ -306,6 +307,7 @@ class _State:
                         self.stack[-1] if self.stack else None, self.clock, first_op=len(trace.ops),
                         inputs=tuple(trace.storage_key(t) for t in tensors_in((inputs, kw))))
         site.input_shapes = tuple(tuple(t.shape) for t in tensors_in((inputs, kw)))
+        site.input_dtypes = tuple(t.dtype for t in tensors_in((inputs, kw)))
         self.counts[path] = site.call + 1
         trace.sites.append(site)
         trace.by_path.setdefault(path, []).append(site)

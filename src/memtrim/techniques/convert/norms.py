@@ -277,7 +277,7 @@ def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
                                                  "(an upcast): its output would be a rounded copy of what backward "
                                                  "needs (precision guard)", skip=True)
             continue
-        why = ctx.edited(site.path) or half_precision_guard(module, "keeping its output, it")
+        why = ctx.edited(site.path) or half_precision_guard(ctx, site.path, module, "keeping its output, it")
         if why:
             yield Candidate((site.path,), reason=why, skip=True)
             continue
