@@ -253,7 +253,7 @@ def pattern_check(key: str, model: nn.Module, batch: dict) -> dict:
     torchvision, note = import_torchvision()
     if torchvision is None:
         return {"checked": False, "why": f"torchvision {note}"}
-    real = getattr(torchvision.models, PATTERN_OF[key])(num_classes=10)
+    real = getattr(torchvision.models, PATTERN_OF[key])(num_classes=10).to(next(model.parameters()).dtype)
     same_keys = {k: tuple(v.shape) for k, v in real.state_dict().items()} == {
         k: tuple(v.shape) for k, v in model.state_dict().items()}
     copy_ = copy.deepcopy(model).eval()
