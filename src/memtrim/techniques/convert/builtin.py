@@ -84,8 +84,8 @@ def half_precision_guard(ctx: Context, name: str, module: nn.Module, what: str) 
         return None
     return (f"{type(module).__name__} runs in {str(found).removeprefix('torch.')}: {what} would rebuild its input "
             "from its half-precision output, whose rounding adds up in the weight gradient's sums (far past torch's "
-            "error where they cancel), so it runs as torch's there and would save nothing; left torch's (precision "
-            "guard, NOTE [ norms in half precision ])")
+            "error where they cancel), so it runs as torch's there and would save nothing (precision guard, "
+            "NOTE [ norms in half precision ])")
 
 
 KEEP_OUTPUT_FORMS: dict[type, type] = {

@@ -42,9 +42,9 @@ from .builtin import KEEP_OUTPUT_FORMS, NO_AUTOCAST, NO_DOUBLE_BACKWARD, REBUILT
 from .evidence import CallSite, ModelTrace, buffers_kept
 from .rules import Candidate, Context, class_swap, label, register_rule
 
-__all__ = ["IN_TRACED_DTYPE", "layer_norm_form", "rms_norm_form"]
+__all__ = ["IN_TRACED_DTYPE", "RMS_OPS", "layer_norm_form", "rms_norm_form"]
 
-_RMS_OPS = ["pow", "mean", "add", "rsqrt", "mul", "mul"]
+RMS_OPS = ["pow", "mean", "add", "rsqrt", "mul", "mul"]
 IN_TRACED_DTYPE = ("keeps its output for {} inputs, the dtype convert traced it in; after model.to() another dtype "
                    "runs the module's own forward (which may upcast) and saves nothing: convert after casting")
 """The limit of the RMSNorm form: its forward is the module's, bitwise, only in the dtype convert traced."""
@@ -167,7 +167,7 @@ def _rms_spec(trace: ModelTrace, site: CallSite, module: nn.Module) -> tuple[str
     cannot show, a statistic computed under no_grad or through ``.data``)."""
     # (detaches left out: the trace's own saves make them; a detach of the module's is in the gradients checked below)
     ops = [o for o in trace.ops_in(site, compute_only=False) if o.name != "detach"]
-    if [o.name for o in ops] != _RMS_OPS or len(site.inputs) != 1 or len(site.outputs) != 1:
+    if [o.name for o in ops] != RMS_OPS or len(site.inputs) != 1 or len(site.outputs) != 1:
         return ("an RMSNorm-like call that runs other ops too (a view, an in-place op: "
                 f"{', '.join(o.name for o in ops)}) or takes more than its input")
     pow_, mean, add, rsqrt, first, last = ops
@@ -259,7 +259,7 @@ def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
         if type(module) in KEEP_OUTPUT_FORMS or not _innermost(trace, site):
             continue
         names = ctx.op_names(site)
-        kind = "layer" if names == ["native_layer_norm"] else "rms" if names == _RMS_OPS else None
+        kind = "layer" if names == ["native_layer_norm"] else "rms" if names == RMS_OPS else None
         if kind is None:
             if ("native_layer_norm" in names or "rsqrt" in names) and trace.leaf(site):
                 done.add(id(module))
