@@ -590,8 +590,12 @@ def test_timm_convnext_norms_and_gelu_by_behaviour():
     batch = {"x": torch.randn(2, 3, 32, 32, dtype=torch.float64)}
     plain, converted, report = converted_pair(
         lambda: timm.create_model("convnext_atto", pretrained=False, num_classes=4, conv_mlp=False), batch)
-    norms = [c for c in report.changes if c.rule == "norm_by_behaviour"]
-    assert {c.before for c in norms} == {"LayerNorm", "LayerNorm2d"}, str(report)
+    # timm's LayerNorm and LayerNorm2d (not torch's classes) are found by their traced op; each output is kept only by
+    # the Linear or convolution after it, so it is rebuilt there (bitwise). (This test asserted norm_by_behaviour,
+    # the keep-output form, from before layer_norm_consumer: this venv has no timm, and a helper running the suite
+    # with timm on 2026-11-29 found it stale)
+    norms = [c for c in report.changes if c.rule == "layer_norm_consumer"]
+    assert {c.before for c in norms} == {"LayerNorm", "LayerNorm2d"} and len(norms) == 17, str(report)
     assert any(c.rule == "activation_consumer" and c.before == "GELU" for c in report.changes), str(report)
     assert report.fraction_saved >= 0.15, str(report)  # the target
     assert_equal_training(plain, converted, batch)

@@ -254,14 +254,22 @@ def test_a_fused_in_place_elu_differentiates_its_kept_channels_from_the_output_a
     converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
     assert type(converted.bn) is memtrim.nn.BatchNormAct2d and report.changes[0].modules == ("bn", "act")
     optimizers = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (plain, converted)]
-    for _ in range(3):
+    for step in range(3):
         for model, opt in zip((plain, converted), optimizers):
             opt.zero_grad()
             model(x).pow(2).mean().backward()
             opt.step()
-        assert float(plain.bn.bias.grad[0]) == float(converted.bn.bias.grad[0]) == 0.0
-        assert float(plain.bn.weight.grad[0]) == float(converted.bn.weight.grad[0]) == 0.0
-    assert float(converted.bn.bias[0].detach()) == -20.0 and float(converted.bn.weight[0].detach()) == 1.0
+        if step == 0:  # (later steps see the other channels' rounding through c2)
+            # 0 on torch 2.11 and 2.13, whose ELU gives exactly -alpha there; torch 2.4.1's gives -0.99999994 at one
+            # element, so its gradient is -1.0e-11 (found by a helper running the suite on 2.4.1). The exp(x) from
+            # the input gave -4.5e-10
+            assert float(plain.bn.bias.grad[0]) == float(converted.bn.bias.grad[0])
+            assert float(plain.bn.weight.grad[0]) == float(converted.bn.weight.grad[0])
+    # Adam's steps for the channel agree (-20.0 exactly on 2.11 and 2.13; 2.4.1 -19.999979 on both sides; the input's
+    # derivative moved it to -19.999029)
+    for name in ("bias", "weight"):
+        mine, torchs = (float(getattr(m.bn, name)[0].detach()) for m in (converted, plain))
+        assert abs(mine - torchs) < 1e-5, (name, mine, torchs)
 
 
 def test_batchnorm_elu_channels_far_below_zero_stay_within_the_bound_in_float32():
