@@ -217,6 +217,87 @@ def test_an_optimizer_plan_applied_twice_says_so(technique):
         chosen.apply(model, optimizer)
 
 
+class _ScaledAdamW(torch.optim.AdamW):
+    """A user's subclass with an option of its own, passed on to AdamW through ``**kwargs``."""
+
+    def __init__(self, params, lr=1e-3, grad_scale=1.0, **kwargs):
+        super().__init__(params, lr=lr, **kwargs)
+        self.grad_scale = grad_scale
+
+
+class _RenamedAdamW(torch.optim.AdamW):
+    """A subclass that keeps its option under another name: a rebuild cannot pass it."""
+
+    def __init__(self, params, lr=1e-3, scale=1.0):
+        super().__init__(params, lr=lr)
+        self.factor = scale
+
+
+def _offload_plan(technique="offload_state"):
+    from memtrim.planner.api import Plan
+
+    return Plan((technique,), 0, {}, "optimizer", 1.0, "tolerance", True)  # as memtrim.plan makes one
+
+
+@pytest.mark.parametrize("technique", ["offload_state", "state_bf16"])
+def test_an_optimizer_plan_keeps_the_optimizers_defaults_for_a_group_added_later(technique):
+    # found by an adversarial pass: offload_state and the low-bit states rebuilt the optimizer from its groups alone,
+    # so a group added later (progressive unfreezing) took the class's defaults (lr 1e-3, weight decay 0.01) where the
+    # user's AdamW gives it lr 0.05, weight decay 0.3: parameters 0.176 off after 6 steps
+    torch.manual_seed(0)
+    x, y = _batch()
+    results = []
+    for apply in (False, True):
+        model = _gpt()
+        model.head.requires_grad_(False)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05, weight_decay=0.3)
+        if apply:
+            model, optimizer = _offload_plan(technique).apply(model, optimizer)
+        for step in range(4):
+            if step == 2:
+                model.head.requires_grad_(True)
+                optimizer.add_param_group({"params": list(model.head.parameters())})
+            optimizer.zero_grad()
+            _gpt_loss(model(x), y).backward()
+            optimizer.step()
+        assert (optimizer.param_groups[-1]["lr"], optimizer.param_groups[-1]["weight_decay"]) == (0.05, 0.3)
+        results.append([p.detach().clone() for p in model.parameters()])
+    if technique == "offload_state":  # the host's AdamW on this CPU: the same kernels, bitwise
+        assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_offload_state_rebuilds_the_optimizer_with_its_own_settings():
+    # found by an adversarial pass: a LowBitAdamW(bits=16) became bits=8 on the host, a subclass's own option its
+    # default, silently
+    model = _gpt()
+    _, optimizer = _offload_plan().apply(model, memtrim.LowBitAdamW(model.parameters(), lr=0.05, bits=16))
+    assert (optimizer.optimizer.bits, optimizer.optimizer.block_size) == (16, 1)
+    model = _gpt()
+    _, optimizer = _offload_plan().apply(model, _ScaledAdamW(model.parameters(), lr=0.05, grad_scale=0.5))
+    assert optimizer.optimizer.grad_scale == 0.5 and optimizer.param_groups[0]["lr"] == 0.05
+    model = _gpt()
+    with pytest.raises(MemtrimStateError, match=r"its factor is 0.5 and the rebuilt one's 1.0"):
+        _offload_plan().apply(model, _RenamedAdamW(model.parameters(), scale=0.5))
+    assert not any(h for p in model.parameters() for h in (p._post_accumulate_grad_hooks or {}).values()), \
+        "the refused CPUOffloadOptimizer's gradient hooks were left on the model"
+
+
+@pytest.mark.parametrize("technique", ["offload_state", "state_8bit"])
+@pytest.mark.parametrize("attached", ["step post-hook", "ReduceLROnPlateau"])
+def test_an_optimizer_plan_refuses_what_the_new_optimizer_would_not_carry(technique, attached):
+    # found by an adversarial pass: an EMA's step post-hook on the user's optimizer ran 0 of 3 times after apply;
+    # a ReduceLROnPlateau (which, unlike StepLR, does not wrap the optimizer's step) went on scheduling the old one
+    model = _gpt()
+    optimizer = _adamw(model)
+    if attached == "step post-hook":
+        optimizer.register_step_post_hook(lambda *args: None)
+    else:
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)  # noqa: F841 (kept alive)
+    match = "step post hooks registered" if attached == "step post-hook" else r"LR scheduler \(ReduceLROnPlateau\)"
+    with pytest.raises(MemtrimStateError, match=match):
+        _offload_plan(technique).apply(model, optimizer)
+
+
 def test_parse_bytes():
     assert parse_bytes("24GiB") == 24 * 2**30
     assert parse_bytes("1.5 GB") == 1_500_000_000

@@ -9,6 +9,8 @@ values ]).
 
 from __future__ import annotations
 
+import gc
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,15 +106,88 @@ def _in_backward(**options: Any) -> Callable[[Applied], list[str]]:
     return apply
 
 
+_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+_HOOK_TABLES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                "_optimizer_load_state_dict_post_hooks")
+
+
+def _scheduler_on(optimizer: torch.optim.Optimizer) -> Any:
+    """An LR scheduler (torch's, ReduceLROnPlateau included, or a subclass) whose ``optimizer`` is ``optimizer``, or
+    None. LRScheduler marks the step it wraps; ReduceLROnPlateau does not, so the holders of ``optimizer`` are asked
+    (an instance whose attributes live in a ``__dict__`` is reached through it)."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return optimizer.step
+    for holder in gc.get_referrers(optimizer):
+        owners = [holder]
+        if isinstance(holder, dict) and holder.get("optimizer") is optimizer:
+            owners = [o for o in gc.get_referrers(holder) if getattr(o, "__dict__", None) is holder]
+        for owner in owners:
+            if isinstance(owner, _SCHEDULERS) and getattr(owner, "optimizer", None) is optimizer:
+                return owner
+    return None
+
+
 def _check_replaceable(optimizer: torch.optim.Optimizer, technique: str) -> None:
     """A technique that trains with a new optimizer in place of ``optimizer`` cannot take over an LR scheduler built
-    on it: the scheduler would go on setting the old one's learning rates, silently unused."""
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):  # torch's LRScheduler marks the step it wraps
+    on it (it would go on setting the old one's learning rates, silently unused) nor the hooks registered on it
+    (an EMA's step post-hook would never run again)."""
+    found = _scheduler_on(optimizer)
+    if found is not None:
+        kind = "an LR scheduler" if callable(found) else f"an LR scheduler ({type(found).__name__})"
         raise MemtrimStateError(
             f"memtrim.Plan.apply: {technique} trains with a new optimizer in place of this "
-            f"{type(optimizer).__name__}, but an LR scheduler was built on it and would go on scheduling the old one. "
+            f"{type(optimizer).__name__}, but {kind} was built on it and would go on scheduling the old one. "
             "Apply the plan first, then build the scheduler on the optimizer apply() returns."
         )
+    hooks = [t.removeprefix("_optimizer_").removesuffix("s").replace("_", " ") for t in _HOOK_TABLES
+             if getattr(optimizer, t, None)]
+    if hooks:
+        raise MemtrimStateError(
+            f"memtrim.Plan.apply: {technique} trains with a new optimizer in place of this "
+            f"{type(optimizer).__name__}, which has {', '.join(hooks)}s registered: they would not run on the new one. "
+            "Apply the plan first, then register them on the optimizer apply() returns."
+        )
+
+
+def _constructor_options(kind: type) -> set[str]:
+    """The keyword options ``kind(params, ...)`` takes: its ``__init__``'s names, and where that passes ``**kwargs``
+    on, those of the next ``__init__`` in the MRO (a subclass's own option before AdamW's)."""
+    names: set[str] = set()
+    for cls in kind.__mro__:
+        if "__init__" not in vars(cls):
+            continue
+        parameters = inspect.signature(vars(cls)["__init__"]).parameters.values()
+        names.update(p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    return names - {"self", "params"}
+
+
+def _rebuilt(optimizer: torch.optim.Optimizer, build: Callable[..., torch.optim.Optimizer],
+             technique: str) -> torch.optim.Optimizer:
+    """``build(**options)`` with the options ``optimizer`` was built with: its ``defaults`` (what a later
+    ``add_param_group`` takes) and its public settings that its class's constructor takes by name
+    (``LowBitAdamW``'s ``bits``; a subclass's own option). A public setting the new optimizer then holds otherwise
+    raises: the plan would train with another optimizer than the user's."""
+    taken = _constructor_options(type(optimizer))
+    settings = {k: v for k, v in vars(optimizer).items() if not k.startswith("_") and k in taken}
+    new = build(**{k: v for k, v in {**optimizer.defaults, **settings}.items() if k in taken})
+    inner = getattr(new, "optimizer", new)  # (CPUOffloadOptimizer's host optimizer)
+    for key, value in vars(optimizer).items():
+        if key.startswith("_") or key in ("defaults", "state", "param_groups") or not isinstance(
+                value, (bool, int, float, str, tuple, type(None))):
+            continue
+        if vars(inner).get(key, value) != value:
+            if hasattr(new, "remove"):
+                new.remove()
+            raise MemtrimStateError(
+                f"memtrim.Plan.apply: {technique} rebuilds this {type(optimizer).__name__} over the same parameter "
+                f"groups, but its {key} is {value!r} and the rebuilt one's {vars(inner)[key]!r} (a setting its "
+                "constructor does not take by that name). Build the optimizer the plan names yourself, or plan "
+                "without this technique (techniques=...)."
+            )
+    return new
 
 
 def _applied_twice(optimizer: torch.optim.Optimizer, kind: type, technique: str) -> None:
@@ -131,7 +206,8 @@ def _offload_state(applied: Applied) -> list[str]:
     _applied_twice(optimizer, CPUOffloadOptimizer, "offload_state")
     _check_replaceable(optimizer, "offload_state")
     groups = [dict(group) for group in optimizer.param_groups]  # every option of each group, with its params
-    applied.optimizer = CPUOffloadOptimizer(groups, type(optimizer), host=applied.host)
+    applied.optimizer = _rebuilt(optimizer, lambda **options: CPUOffloadOptimizer(
+        groups, type(optimizer), host=applied.host, **options), "offload_state")
     applied._undo.append(applied.optimizer.remove)
     if optimizer.state:  # an optimizer that has stepped (or loaded a checkpoint) goes on from its state
         applied.optimizer.load_state_dict(optimizer.state_dict())
@@ -147,7 +223,7 @@ def _low_bit(bits: int) -> Callable[[Applied], list[str]]:
         _applied_twice(optimizer, LowBitAdamW, "state_bf16" if bits == 16 else f"state_{bits}bit")
         if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam) or any(
                 g.get("amsgrad") or g.get("maximize") or (type(optimizer) is torch.optim.Adam and g["weight_decay"])
-                for g in optimizer.param_groups):
+                for g in (*optimizer.param_groups, optimizer.defaults)):  # (defaults: a group added later)
             raise NotApplicable("low-bit state replaces AdamW (or Adam without weight decay), without amsgrad or "
                                 "maximize")
         _check_replaceable(optimizer, f"state_{bits}bit" if bits != 16 else "state_bf16")
@@ -157,8 +233,10 @@ def _low_bit(bits: int) -> Callable[[Applied], list[str]]:
                 "already (it has stepped, or loaded a checkpoint) that LowBitAdamW would start again from zero. "
                 "Apply the plan to the optimizer before training."
             )
-        groups = [{k: g[k] for k in ("params", "lr", "betas", "eps", "weight_decay")} for g in optimizer.param_groups]
-        applied.optimizer = LowBitAdamW(groups, bits=bits)
+        keys = ("lr", "betas", "eps", "weight_decay")
+        groups = [{k: g[k] for k in ("params", *keys)} for g in optimizer.param_groups]
+        # (its defaults too: a group added later, progressive unfreezing, takes the user's options, not LowBitAdamW's)
+        applied.optimizer = LowBitAdamW(groups, bits=bits, **{k: optimizer.defaults[k] for k in keys})
         return [f"AdamW state in {_STATE_FORMAT[bits]}"]
 
     return apply
