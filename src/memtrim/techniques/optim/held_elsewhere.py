@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["add_to_holder", "gather_gradient", "hold_gradient_elsewhere", "holder_of", "holders_with_gradients",
+__all__ = ["add_to_holder", "gather_gradient", "hold_gradient_elsewhere", "holder_of", "held_gradients",
            "wait_for_copies"]
 
 _HOLDERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> the tensor whose .grad is its gradient
@@ -93,9 +93,10 @@ def gather_gradient(param: Any) -> None:
     param.grad = None
 
 
-def holders_with_gradients() -> bool:
-    """Whether some registered parameter's gradient waits in its holder now."""
-    return any(holder.grad is not None and param.grad is None for param, holder in list(_HOLDERS.items()))
+def held_gradients() -> set[int]:
+    """The ``id()`` of each gradient that waits in its holder now, in place of its parameter's."""
+    return {id(holder.grad) for param, holder in list(_HOLDERS.items())
+            if holder.grad is not None and param.grad is None}
 
 
 def _install_zero_grad_guard() -> None:

@@ -87,7 +87,7 @@ from ..._signatures import not_owned
 from ...errors import InvalidInputError, MemtrimStateError, OptimizerInBackwardError
 from ...measure import hooks as measure_hooks
 from .._modes import putting_buffers_back
-from .held_elsewhere import gather_gradient, holder_of, holders_with_gradients
+from .held_elsewhere import gather_gradient, held_gradients, holder_of
 from .wrapping import WrappedOptimizerView
 
 __all__ = ["OptimizerInBackward", "OptimizerInBackwardError"]
@@ -1858,13 +1858,20 @@ def _check_total_norm(tensors: Any, name: str, option: str) -> Any:
         for wrapper in list(_WRAPPERS):
             if wrapper._open and wrapper._updated_in_backward and wrapper._thread == thread:
                 raise _clip_error(name, option)
-        if holders_with_gradients():
-            raise InvalidInputError(
-                f"torch.nn.utils.{name}: got no gradients, but gradients of this model wait in host memory "
-                "(memtrim.CPUOffloadOptimizer moves each one there as soon as it is ready), so the norm would be "
-                "0.0. Pass the parameters to clip_grad_norm_(model.parameters(), max_norm) (it clips the host "
-                f"copies in their place), or the host copies' gradients: [h.grad for h in opt.host_parameters()]."
-            )
+    held = held_gradients()
+    if held and not any(id(t) in held for t in tensors):
+        # (a list of the device gradients left: [p.grad for p in params if p.grad is not None] over a model whose body
+        # CPUOffloadOptimizer steps and whose head a plain optimizer does gave the head's norm alone, and the clip
+        # that followed clipped too little; found by an adversarial pass)
+        found = f"{len(tensors)} gradient{'s' if len(tensors) != 1 else ''}" if tensors else "no gradients"
+        raise InvalidInputError(
+            f"torch.nn.utils.{name}: got {found}, none in host memory, but gradients wait there "
+            "(memtrim.CPUOffloadOptimizer moves each one there as soon as it is ready, and its parameter's .grad is "
+            "None), so the norm would leave them out. Pass the parameters to clip_grad_norm_(model.parameters(), "
+            "max_norm) (it clips the host copies in their place), or the host copies' gradients: [h.grad for h in "
+            "opt.host_parameters()]. For the norm of a model none of whose gradients are offloaded, "
+            "clip_grad_norm_(its parameters, float('inf')) returns it and changes nothing."
+        )
     return tensors
 
 
