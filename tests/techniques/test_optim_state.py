@@ -599,6 +599,34 @@ def test_accumulation_with_param_groups_read_between_micro_batches_clips_the_who
         _assert_same_parameters(model, plain)
 
 
+@pytest.mark.parametrize("mode", ["offload_gradients=False", "a parameter unfrozen in the step"])
+@pytest.mark.parametrize("read_before", [1, 2])
+def test_micro_batches_sum_in_the_standard_order_around_a_param_groups_read(mode, read_before):
+    # found by an adversarial pass: a param_groups read (lr logging) moved the first micro-batches' sum g1 to the
+    # host; the later ones summed on the device and were added to it at step(): g1 + (g2 + g3) where the standard
+    # loop sums (g1 + g2) + g3 (1.5e-8 off after 3 SGD steps). The moved part comes back at the next gradient now.
+    # Gradients 1, 3 * 2^-26, 3 * 2^-26 tell the two orders apart in float32: (1 + c) + c rounds to 1 twice, where
+    # 1 + (c + c) = 1 + 1.5 * 2^-24 rounds up to 1 + 2^-23
+    c = 3 * 2.0 ** -26
+    assert (torch.tensor(1.0) + c) + c != torch.tensor(1.0) + (torch.tensor(c) + c)
+    unfreezing = mode != "offload_gradients=False"
+    results = []
+    for wrapped in (True, False):
+        weight = torch.nn.Parameter(torch.zeros(1), requires_grad=not unfreezing)
+        opt = (memtrim.CPUOffloadOptimizer([weight], torch.optim.SGD, lr=1.0, offload_gradients=unfreezing)
+               if wrapped else torch.optim.SGD([weight], lr=1.0))
+        for _ in range(2):
+            opt.zero_grad()
+            weight.requires_grad_(True)  # (unfrozen after zero_grad: no gradient hook of the wrapper's yet)
+            for i, scale in enumerate((1.0, c, c)):
+                if i == read_before:
+                    assert opt.param_groups[0]["lr"] == 1.0  # a log line between micro-batches
+                (weight * scale).sum().backward()
+            opt.step()
+            results.append(float(weight.detach()))  # (after each step: -1 - 2^-23 minus 1 rounds to -2 again)
+    assert results == [-1.0, -2.0] * 2, results
+
+
 def _plan(*techniques):
     from memtrim.planner.api import Plan
     return Plan(techniques, 0, {}, "optimizer", 1.0, "bitwise", True)

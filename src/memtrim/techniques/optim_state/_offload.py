@@ -174,6 +174,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         self._handles: list[Any] = []
         self._hooked: set[int] = set()  # ids of the device parameters with a gradient hook
         self._deferred: set[int] = set()  # ids whose gradient waits on the device (a user's hook reads it)
+        self._parts_back: dict[int, Any] = {}  # id(device parameter) -> its one-shot _PartBack hook's handle
         self.optimizer = self._rolled_back_on_error(lambda: optimizer_class([self._host_group(g) for g in groups],
                                                                              **kwargs))
         _install_step_guard()
@@ -298,7 +299,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         """The host optimizer's ``param_groups`` (read and set through to it); their params are the host copies, so
         gradients still on the device move to them first (NOTE [ offloaded optimizer state ]): all of them with
         ``offload_gradients=False``, those of parameters unfrozen since the last step otherwise."""
-        self._gradients_to_host()
+        self._gradients_to_host(mid_step=True)
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -311,13 +312,30 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
     # too, until step() or a param_groups read moves them (read param_groups after the penalty: before it, the
     # penalty finds .grad None, as the README says).
     @torch.no_grad()
-    def _gradients_to_host(self) -> None:
+    def _gradients_to_host(self, mid_step: bool = False) -> None:
+        """Every gradient waiting on the device to its host copy. ``mid_step`` (a ``param_groups`` read, which may
+        come between micro-batches): a parameter without memtrim's gradient hook (``offload_gradients=False``, or
+        unfrozen since the last step) gets a one-shot hook that brings the moved part back to the device at its next
+        gradient, so the micro-batches still sum in the standard loop's order, (g1 + g2) + g3: summed on the device
+        from g2 on and added to the host's g1 at step(), it was g1 + (g2 + g3), a rounding apart (found by an
+        adversarial pass on 2026-11-29)."""
         for device_param, host_param in getattr(self, "_pairs", ()):
             if device_param.grad is not None:
                 _check_unchanged_layout(device_param, host_param)
                 add_to_holder(host_param, device_param.grad)
                 device_param.grad = None
+                if mid_step and id(device_param) not in self._hooked and id(device_param) not in self._parts_back:
+                    hook = _PartBack(weakref.ref(self), host_param)
+                    handle = device_param.register_post_accumulate_grad_hook(hook)
+                    device_param._post_accumulate_grad_hooks.move_to_end(handle.id, last=False)  # before a user's
+                    self._parts_back[id(device_param)] = handle
         wait_for_copies()  # the callers read the host gradients next: the copies (these, and the hooks') have landed
+
+    def _drop_parts_back(self) -> None:
+        """Remove the one-shot hooks :meth:`_gradients_to_host` set that did not fire (no backward came after)."""
+        for handle in self._parts_back.values():
+            handle.remove()
+        self._parts_back.clear()
 
     @property
     def state(self) -> Any:  # the host optimizer's, keyed by device params
@@ -373,6 +391,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         self._hook_unfrozen()
         self._hooks_first()
         self._deferred.clear()
+        self._drop_parts_back()
 
     # NOTE [ step hooks see the model's parameters ]
     # Step hooks (the user's on this optimizer or the host one, and torch's global ones) run inside the host
@@ -459,6 +478,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         self._hook_unfrozen()
         self._hooks_first()
         self._deferred.clear()
+        self._drop_parts_back()
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for device_param, _ in self._pairs:
             if device_param.grad is not None:
@@ -485,6 +505,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
             handle.remove()
         self._handles.clear()
         self._hooked.clear()
+        self._drop_parts_back()
         self._removed = True  # no hooks again at a later step() or zero_grad()
         for device_param, _ in self._pairs:
             hold_gradient_elsewhere(device_param, None)
@@ -563,6 +584,33 @@ class _StepSync:
         owner = self.owner()
         if owner is not None:
             owner._to_device()
+
+
+class _PartBack:
+    """A one-shot post-accumulate-grad hook (:meth:`CPUOffloadOptimizer._gradients_to_host`): the part of the
+    gradient a ``param_groups`` read moved to the host comes back into the parameter's new gradient, which then
+    accumulates the later micro-batches on the device as in the standard loop."""
+
+    __slots__ = ("owner", "host_param")
+
+    def __init__(self, owner: weakref.ref, host_param: torch.Tensor) -> None:
+        self.owner = owner
+        self.host_param = host_param
+
+    def __call__(self, param: torch.Tensor) -> None:
+        owner = self.owner()
+        if owner is None:
+            return
+        handle = owner._parts_back.pop(id(param), None)
+        if handle is not None:
+            handle.remove()
+        held = self.host_param.grad
+        if held is None or param.grad is None:
+            return
+        wait_for_copies()
+        with torch.no_grad():
+            param.grad.add_(held.to(param.device))  # (g2 + g1 is g1 + g2, bit for bit)
+        self.host_param.grad = None
 
 
 class _GradToHost:
