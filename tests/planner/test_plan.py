@@ -298,6 +298,17 @@ def test_an_optimizer_plan_refuses_what_the_new_optimizer_would_not_carry(techni
         _offload_plan(technique).apply(model, optimizer)
 
 
+def test_an_optimizer_plan_takes_an_optimizer_whose_scheduler_is_gone():
+    # a scheduler no longer referenced, in a reference cycle the collector has not reached yet, schedules nothing
+    model = _gpt()
+    optimizer = _adamw(model)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+    scheduler.cycle = scheduler
+    del scheduler
+    _, offloaded = _offload_plan().apply(model, optimizer)
+    assert isinstance(offloaded, memtrim.CPUOffloadOptimizer)
+
+
 def test_parse_bytes():
     assert parse_bytes("24GiB") == 24 * 2**30
     assert parse_bytes("1.5 GB") == 1_500_000_000

@@ -118,14 +118,21 @@ def _scheduler_on(optimizer: torch.optim.Optimizer) -> Any:
     (an instance whose attributes live in a ``__dict__`` is reached through it)."""
     if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
         return optimizer.step
-    for holder in gc.get_referrers(optimizer):
-        owners = [holder]
-        if isinstance(holder, dict) and holder.get("optimizer") is optimizer:
-            owners = [o for o in gc.get_referrers(holder) if getattr(o, "__dict__", None) is holder]
-        for owner in owners:
-            if isinstance(owner, _SCHEDULERS) and getattr(owner, "optimizer", None) is optimizer:
-                return owner
-    return None
+
+    def held_by() -> Any:
+        for holder in gc.get_referrers(optimizer):
+            owners = [holder]
+            if isinstance(holder, dict) and holder.get("optimizer") is optimizer:
+                owners = [o for o in gc.get_referrers(holder) if getattr(o, "__dict__", None) is holder]
+            for owner in owners:
+                if isinstance(owner, _SCHEDULERS) and getattr(owner, "optimizer", None) is optimizer:
+                    return owner
+        return None
+
+    if held_by() is None:
+        return None
+    gc.collect()  # (one no longer referenced, waiting for the collector, schedules nothing)
+    return held_by()
 
 
 def _check_replaceable(optimizer: torch.optim.Optimizer, technique: str) -> None:

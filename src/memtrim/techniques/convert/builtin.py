@@ -66,7 +66,6 @@ HARDSIGMOID_EDGE = ("its gradient is computed from its output: on the CPU torch'
 """The limit of memtrim's Hardsigmoid: torch's arithmetic, but its output cannot tell that one input from 3."""
 
 
-
 def half_precision_guard(ctx: Context, name: str, module: nn.Module, what: str) -> str | None:
     """Why ``module`` (a norm ``what`` would make keep its output) stays torch's: it runs in float16 or bfloat16
     (NOTE [ norms in half precision ] in norms/_kernels.py), where it would run as torch's anyway and save nothing;
