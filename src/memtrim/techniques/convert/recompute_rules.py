@@ -21,11 +21,12 @@ Matched on traced evidence (NOTE [ convert's evidence ]), never on class names:
 * ``max_pool_offsets``: torch's own ``nn.MaxPool2d`` becomes ``memtrim.nn.MaxPool2d``, which keeps each window's
   argmax as a one-byte offset instead of an int64 index (NOTE [ compact max-pool indices ]): seven eighths of the
   indices saved, without running the pool again.
-* ``checkpoint_pointwise``: a leaf call whose ops are pointwise in one input (HF ``NewGELUActivation``), a max
-  pool in another module (its int64 indices), or an RMSNorm (``RMS_OPS``, its dtype copies too) that the keep-output
-  rules left alone (HF's Llama RMSNorm upcasts a bfloat16 input and keeps float32 copies of it; a half-precision
-  norm: NOTE [ norms in half precision ]), keeping more than its input: the call is recomputed in backward
-  (checkpoint), bitwise.
+* ``checkpoint_pointwise``: a leaf call whose ops are pointwise in one input (HF ``NewGELUActivation``) or a max
+  pool in another module (its int64 indices), keeping more than its input: the call is recomputed in backward
+  (checkpoint). Not an RMSNorm the keep-output rules left alone (tried on 2026-11-29 and taken out: the recompute
+  read the weight at backward, so ``functional_call`` with other weights and a weight stepped between forward and
+  backward trained on the wrong one, and an input written in place later failed; it needs the weight as a
+  checkpointed input and a check of later writes to the input).
 * ``activation_consumer``: an activation call (one pointwise input-keeping op, any class: HF ``ACT2FN``, timm's,
   torch's) whose output is kept only by later call sites (a Linear, HF ``Conv1D``, a convolution, a parent's
   ``F.linear`` or ``*``): the output is marked as the activation of its input and those sites keep the recipe.
@@ -70,7 +71,7 @@ from ..recompute import (
 from ..recompute._core import NODE_OPS
 from .builtin import FUSED
 from .evidence import CallSite, ModelTrace, Op
-from .norms import RMS_OPS, _innermost
+from .norms import _innermost
 from .rules import Candidate, Context, Undo, chain, class_swap, label, op_name, register_rule, registered_rules
 
 __all__: list[str] = []
@@ -470,8 +471,7 @@ def max_pool_offsets(ctx: Context) -> Iterator[Candidate]:
 # ---------------------------------------------------------------------- pointwise modules and pools: checkpoint
 @register_rule("checkpoint_pointwise")
 def checkpoint_pointwise(ctx: Context) -> Iterator[Candidate]:
-    """A leaf call, pointwise in one input (or a max pool, or an RMSNorm the keep-output rules left alone), keeping
-    more than its input: recomputed in backward."""
+    """A leaf call, pointwise in one input (or a max pool), keeping more than its input: recomputed in backward."""
     done: set[int] = set()
     for trace, site in ctx.undecided_sites(done):
         module = site.module
@@ -479,16 +479,11 @@ def checkpoint_pointwise(ctx: Context) -> Iterator[Candidate]:
             continue
         names = ctx.op_names(site)
         pool = names == ["max_pool2d_with_indices"]
-        # an RMSNorm that upcasts (HF's Llama RMSNorm in bfloat16 keeps float32 copies of its input) or runs in half
-        # precision (NOTE [ norms in half precision ]): its ops rerun on its kept input, bitwise
-        rms = names == RMS_OPS
-        if not pool and not rms and (len(names) < 2 or not set(names) <= _POINTWISE):
+        if not pool and (len(names) < 2 or not set(names) <= _POINTWISE):
             continue
         done.add(id(module))
         acts = [k for k in site.inputs if trace.storages[k].kind != "parameter"]
-        # (an RMSNorm reads its weight, and its dtype copies count: it reads the float32 copy of its input)
-        own = {id(p.untyped_storage()) for p in module.parameters(recurse=False)} if rms else set()
-        if len(acts) != 1 or not _owned(trace, trace.ops_in(site, compute_only=not rms), set(site.inputs) | own):
+        if len(acts) != 1 or not _owned(trace, trace.ops_in(site), set(site.inputs)):
             continue
         if any(ctx.op_names(s) != names for s in trace.sites_of(site.path)):
             continue
@@ -506,8 +501,7 @@ def checkpoint_pointwise(ctx: Context) -> Iterator[Candidate]:
 
         yield Candidate((site.path,), type(module).__name__, "recomputed in backward (checkpoint of the call)",
                         reason=("a max pool keeps int64 indices" if pool else
-                                f"{'an RMSNorm' if rms else 'pointwise ops'} ({', '.join(names)}) keeping {inner:,} B "
-                                "besides the input"),
+                                f"pointwise ops ({', '.join(names)}) keeping {inner:,} B besides the input"),
                         targets=(module,), expected_bytes=inner, limits=LIMITS["checkpoint_call"], apply=apply)
 
 
