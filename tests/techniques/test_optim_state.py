@@ -627,6 +627,26 @@ def test_micro_batches_sum_in_the_standard_order_around_a_param_groups_read(mode
     assert results == [-1.0, -2.0] * 2, results
 
 
+def _scale_gradient(param):
+    param.grad.mul_(0.75)
+
+
+def test_the_part_a_param_groups_read_moved_comes_back_before_a_users_gradient_hook():
+    # found by an attack on the fix above: the hook bringing the part back ran after a user's hook that scales .grad
+    # (OrderedDict.move_to_end does not change the order autograd calls the hooks in): 2.25 where torch gives 2.0625
+    results = []
+    for wrapped in (True, False):
+        lin = torch.nn.Linear(3, 1, bias=False)
+        lin.weight.register_post_accumulate_grad_hook(_scale_gradient)
+        opt = (memtrim.CPUOffloadOptimizer(lin.parameters(), torch.optim.SGD, lr=0.1, offload_gradients=False)
+               if wrapped else torch.optim.SGD(lin.parameters(), lr=0.1))
+        lin(torch.ones(1, 3)).sum().backward()
+        assert opt.param_groups[0]["lr"] == 0.1
+        lin(2 * torch.ones(1, 3)).sum().backward()
+        results.append(lin.weight.grad.clone())
+    assert torch.equal(results[0], results[1]) and float(results[1][0, 0]) == 2.0625, results
+
+
 def _plan(*techniques):
     from memtrim.planner.api import Plan
     return Plan(techniques, 0, {}, "optimizer", 1.0, "bitwise", True)

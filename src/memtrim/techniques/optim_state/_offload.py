@@ -327,7 +327,13 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
                 if mid_step and id(device_param) not in self._hooked and id(device_param) not in self._parts_back:
                     hook = _PartBack(weakref.ref(self), host_param)
                     handle = device_param.register_post_accumulate_grad_hook(hook)
-                    device_param._post_accumulate_grad_hooks.move_to_end(handle.id, last=False)  # before a user's
+                    # before a user's hook, which reads .grad (deleted and added again: autograd calls them in the
+                    # dict's own order, which OrderedDict.move_to_end does not change; found by an adversarial pass)
+                    hooks = device_param._post_accumulate_grad_hooks
+                    rest = [(k, h) for k, h in hooks.items() if k != handle.id]
+                    for k, _ in rest:
+                        del hooks[k]
+                    hooks.update(rest)
                     self._parts_back[id(device_param)] = handle
         wait_for_copies()  # the callers read the host gradients next: the copies (these, and the hooks') have landed
 
