@@ -106,18 +106,16 @@ def _in_backward(**options: Any) -> Callable[[Applied], list[str]]:
     return apply
 
 
-_SCHEDULERS = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 _HOOK_TABLES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
                 "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
                 "_optimizer_load_state_dict_post_hooks")
 
 
 def _scheduler_on(optimizer: torch.optim.Optimizer) -> Any:
-    """An LR scheduler (torch's, ReduceLROnPlateau included, or a subclass) whose ``optimizer`` is ``optimizer``, or
-    None. LRScheduler marks the step it wraps; ReduceLROnPlateau does not, so the holders of ``optimizer`` are asked
-    (an instance whose attributes live in a ``__dict__`` is reached through it)."""
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return optimizer.step
+    """A live object whose ``optimizer`` attribute is ``optimizer`` (an LR scheduler: torch's, ReduceLROnPlateau,
+    timm's, a hand-written one; a trainer), or None. The holders of ``optimizer`` are asked (an instance whose
+    attributes live in a ``__dict__`` is reached through it); one no longer referenced, waiting for the collector,
+    schedules nothing. (torch's LRScheduler also marks the step it wraps, but the mark outlives the scheduler.)"""
 
     def held_by() -> Any:
         for holder in gc.get_referrers(optimizer):
@@ -125,13 +123,13 @@ def _scheduler_on(optimizer: torch.optim.Optimizer) -> Any:
             if isinstance(holder, dict) and holder.get("optimizer") is optimizer:
                 owners = [o for o in gc.get_referrers(holder) if getattr(o, "__dict__", None) is holder]
             for owner in owners:
-                if isinstance(owner, _SCHEDULERS) and getattr(owner, "optimizer", None) is optimizer:
+                if not isinstance(owner, (dict, Applied)) and getattr(owner, "optimizer", None) is optimizer:
                     return owner
         return None
 
     if held_by() is None:
         return None
-    gc.collect()  # (one no longer referenced, waiting for the collector, schedules nothing)
+    gc.collect()
     return held_by()
 
 
@@ -141,11 +139,11 @@ def _check_replaceable(optimizer: torch.optim.Optimizer, technique: str) -> None
     (an EMA's step post-hook would never run again)."""
     found = _scheduler_on(optimizer)
     if found is not None:
-        kind = "an LR scheduler" if callable(found) else f"an LR scheduler ({type(found).__name__})"
         raise MemtrimStateError(
             f"memtrim.Plan.apply: {technique} trains with a new optimizer in place of this "
-            f"{type(optimizer).__name__}, but {kind} was built on it and would go on scheduling the old one. "
-            "Apply the plan first, then build the scheduler on the optimizer apply() returns."
+            f"{type(optimizer).__name__}, but a {type(found).__name__} holds it (an LR scheduler built on it would go "
+            "on scheduling the old one). Apply the plan first, then build the scheduler on the optimizer apply() "
+            "returns."
         )
     hooks = [t.removeprefix("_optimizer_").removesuffix("s").replace("_", " ") for t in _HOOK_TABLES
              if getattr(optimizer, t, None)]
@@ -179,7 +177,22 @@ def _rebuilt(optimizer: torch.optim.Optimizer, build: Callable[..., torch.optim.
     raises: the plan would train with another optimizer than the user's."""
     taken = _constructor_options(type(optimizer))
     settings = {k: v for k, v in vars(optimizer).items() if not k.startswith("_") and k in taken}
-    new = build(**{k: v for k, v in {**optimizer.defaults, **settings}.items() if k in taken})
+    unknown = sorted(taken - set(optimizer.defaults) - set(settings))
+    if unknown and not type(optimizer).__module__.startswith(("torch.", "memtrim.")):
+        # (an option kept under another name, `self._scale = scale`: the rebuild would take its default silently)
+        raise MemtrimStateError(
+            f"memtrim.Plan.apply: {technique} rebuilds this {type(optimizer).__name__} over the same parameter groups, "
+            f"but cannot tell what it was given for {', '.join(unknown)} (not in its defaults nor an attribute of that "
+            "name). Build the optimizer the plan names yourself, or plan without this technique (techniques=...)."
+        )
+    try:
+        new = build(**{k: v for k, v in {**optimizer.defaults, **settings}.items() if k in taken})
+    except (TypeError, AttributeError) as e:  # (a constructor that needs another argument; a wrapper of another)
+        raise MemtrimStateError(
+            f"memtrim.Plan.apply: {technique} could not rebuild this {type(optimizer).__name__} over its parameter "
+            f"groups ({type(e).__name__}: {e}). Build the optimizer the plan names yourself, or plan without this "
+            "technique (techniques=...)."
+        ) from e
     inner = getattr(new, "optimizer", new)  # (CPUOffloadOptimizer's host optimizer)
     for key, value in vars(optimizer).items():
         if key.startswith("_") or key in ("defaults", "state", "param_groups") or not isinstance(
