@@ -506,15 +506,28 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         self.optimizer.load_state_dict(state_dict)
 
     def remove(self) -> None:
-        """Remove the gradient hooks (the device parameters keep their values)."""
+        """Remove the gradient hooks (the device parameters keep their values). Gradients waiting on the host go back
+        to their parameters: a step of another optimizer after ``remove()`` in the middle of a step (a plain one
+        taking over) steps the whole gradient, as the standard loop would (the host part was lost: 0.139 off, found
+        by an adversarial pass on 2026-11-29)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._hooked.clear()
         self._drop_parts_back()
         self._removed = True  # no hooks again at a later step() or zero_grad()
-        for device_param, _ in self._pairs:
+        wait_for_copies()
+        for device_param, host_param in self._pairs:
             hold_gradient_elsewhere(device_param, None)
+            held = host_param.grad
+            if held is None or self.host.type == "meta":
+                continue
+            with torch.no_grad():
+                if device_param.grad is None:
+                    device_param.grad = held.to(device_param.device, copy=True)
+                else:
+                    device_param.grad.add_(held.to(device_param.device))  # (two parts: either order, the same bits)
+            host_param.grad = None
 
 
 _OFFLOADERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # device parameter -> weakref to its CPUOffloadOptimizer
