@@ -647,6 +647,33 @@ def test_remove_in_the_middle_of_a_step_gives_the_waiting_gradients_back(offload
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
+def test_a_dropped_offload_optimizer_takes_no_gradients_from_the_optimizer_after_it():
+    # found by an adversarial pass: dropped without remove() (a plain optimizer taking over), its host copies stayed
+    # registered: clip_grad_norm_ summed the old host gradients in (10.63 where the step's norm is 4.49) and moved
+    # the new gradients there, so the plain AdamW stepped nothing, silently
+    import gc
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    x = torch.randn(5, 8)
+    opt = memtrim.CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2)
+    opt.zero_grad()
+    model(x).pow(2).sum().backward()
+    opt.step()  # (no zero_grad after it: the host gradients stay)
+    del opt
+    gc.collect()
+    plain = copy.deepcopy(model)
+    results = []
+    for m in (model, plain):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        opt.zero_grad()
+        m(x).pow(2).sum().backward()
+        results.append(torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0))
+        opt.step()
+    assert torch.equal(results[0], results[1])
+    _assert_same_parameters(model, plain)
+
+
 def _scale_gradient(param):
     param.grad.mul_(0.75)
 

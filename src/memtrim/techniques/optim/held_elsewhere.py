@@ -31,7 +31,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["add_to_holder", "gather_gradient", "hold_gradient_elsewhere", "holder_of", "held_gradients",
-           "wait_for_copies"]
+           "registered_holder", "wait_for_copies"]
 
 _HOLDERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> the tensor whose .grad is its gradient
 _original_zero_grad: Any = None
@@ -49,6 +49,11 @@ def hold_gradient_elsewhere(param: torch.Tensor, holder: torch.Tensor | None) ->
     from .in_backward import install_clip_guard  # in_backward's clip guard asks holder_of (it imports this module)
 
     install_clip_guard()
+
+
+def registered_holder(param: torch.Tensor) -> torch.Tensor | None:
+    """The tensor registered to hold ``param``'s gradient, whether or not it holds one now."""
+    return _HOLDERS.get(param)
 
 
 def holder_of(param: Any) -> torch.Tensor | None:

@@ -44,7 +44,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ...errors import InvalidInputError, MemtrimStateError
-from ..optim.held_elsewhere import add_to_holder, hold_gradient_elsewhere, wait_for_copies
+from ..optim.held_elsewhere import add_to_holder, hold_gradient_elsewhere, registered_holder, wait_for_copies
 from ..optim.in_backward import users_hook_on
 from ..optim.wrapping import WrappedOptimizerView
 
@@ -177,6 +177,10 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         self._parts_back: dict[int, Any] = {}  # id(device parameter) -> its one-shot _PartBack hook's handle
         self.optimizer = self._rolled_back_on_error(lambda: optimizer_class([self._host_group(g) for g in groups],
                                                                              **kwargs))
+        # a wrapper dropped without remove() lets go of the gradients it held elsewhere: clip_grad_norm_ and
+        # zero_grad found its host copies still registered, summed them in and moved a plain optimizer's gradients
+        # there (it then stepped nothing; found by an adversarial pass on 2026-11-29)
+        weakref.finalize(self, _let_go, self._pairs)
         _install_step_guard()
         # Optimizer.__init__ is not called: param_groups, state and defaults are the host optimizer's own (their
         # params are the host copies; state is keyed by the device parameters)
@@ -528,6 +532,13 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
                 else:
                     device_param.grad.add_(held.to(device_param.device))  # (two parts: either order, the same bits)
             host_param.grad = None
+
+
+def _let_go(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """A dropped CPUOffloadOptimizer's device parameters hold their own gradients again (no longer its host copies)."""
+    for device_param, host_param in pairs:
+        if registered_holder(device_param) is host_param:
+            hold_gradient_elsewhere(device_param, None)
 
 
 _OFFLOADERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # device parameter -> weakref to its CPUOffloadOptimizer
