@@ -93,3 +93,10 @@ def workers_can_fork() -> bool:
 
     with Tracer(lambda combo: combo, workers=2, expected=3) as tracer:
         return tracer.parallel
+
+
+def plan_of(*techniques: str):
+    """A plan of ``techniques`` as memtrim.plan makes one (its peak and times unused: ``apply`` reads the names)."""
+    from memtrim.planner.api import Plan
+
+    return Plan(techniques, 0, {}, "optimizer", 1.0, "bitwise", True)

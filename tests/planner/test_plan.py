@@ -15,6 +15,8 @@ from memtrim.models import GPTConfig, ResNetCNN, SmallGPT
 from memtrim.planner import TECHNIQUES, combinations, parse_bytes, repeated_block, trace_step
 from memtrim.techniques.checkpoint import selective_available
 
+from ..helpers import plan_of
+
 _CFG = GPTConfig(n_layer=2, d_model=32, n_head=4, seq_len=16, vocab_size=64)
 
 SELECTIVE = selective_available()  # torch >= 2.5
@@ -207,9 +209,7 @@ def test_a_model_the_user_checkpointed_by_hand_takes_a_plan_that_does_not_checkp
 def test_an_optimizer_plan_applied_twice_says_so(technique):
     """offload_state applied twice wrapped the CPUOffloadOptimizer in another one, over its host copies: the model
     never moved again, without an error; state_bf16 said low-bit state does not apply to the AdamW passed."""
-    from memtrim.planner.api import Plan
-
-    chosen = Plan((technique,), 0, {}, "optimizer", 1.0, "changed", True)  # as memtrim.plan makes one
+    chosen = plan_of(technique)
     model = _gpt()
     model, optimizer = chosen.apply(model, _adamw(model))
     with pytest.raises(MemtrimStateError, match=rf"{technique} would make a \w+ of this optimizer, which is one "
@@ -233,12 +233,6 @@ class _RenamedAdamW(torch.optim.AdamW):
         self.factor = scale
 
 
-def _offload_plan(technique="offload_state"):
-    from memtrim.planner.api import Plan
-
-    return Plan((technique,), 0, {}, "optimizer", 1.0, "tolerance", True)  # as memtrim.plan makes one
-
-
 @pytest.mark.parametrize("technique", ["offload_state", "state_bf16"])
 def test_an_optimizer_plan_keeps_the_optimizers_defaults_for_a_group_added_later(technique):
     # found by an adversarial pass: offload_state and the low-bit states rebuilt the optimizer from its groups alone,
@@ -252,7 +246,7 @@ def test_an_optimizer_plan_keeps_the_optimizers_defaults_for_a_group_added_later
         model.head.requires_grad_(False)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.05, weight_decay=0.3)
         if apply:
-            model, optimizer = _offload_plan(technique).apply(model, optimizer)
+            model, optimizer = plan_of(technique).apply(model, optimizer)
         for step in range(4):
             if step == 2:
                 model.head.requires_grad_(True)
@@ -270,14 +264,14 @@ def test_offload_state_rebuilds_the_optimizer_with_its_own_settings():
     # found by an adversarial pass: a LowBitAdamW(bits=16) became bits=8 on the host, a subclass's own option its
     # default, silently
     model = _gpt()
-    _, optimizer = _offload_plan().apply(model, memtrim.LowBitAdamW(model.parameters(), lr=0.05, bits=16))
+    _, optimizer = plan_of("offload_state").apply(model, memtrim.LowBitAdamW(model.parameters(), lr=0.05, bits=16))
     assert (optimizer.optimizer.bits, optimizer.optimizer.block_size) == (16, 1)
     model = _gpt()
-    _, optimizer = _offload_plan().apply(model, _ScaledAdamW(model.parameters(), lr=0.05, grad_scale=0.5))
+    _, optimizer = plan_of("offload_state").apply(model, _ScaledAdamW(model.parameters(), lr=0.05, grad_scale=0.5))
     assert optimizer.optimizer.grad_scale == 0.5 and optimizer.param_groups[0]["lr"] == 0.05
     model = _gpt()
     with pytest.raises(MemtrimStateError, match=r"cannot tell what it was given for scale"):
-        _offload_plan().apply(model, _RenamedAdamW(model.parameters(), scale=0.5))
+        plan_of("offload_state").apply(model, _RenamedAdamW(model.parameters(), scale=0.5))
     assert not any(h for p in model.parameters() for h in (p._post_accumulate_grad_hooks or {}).values()), \
         "the refused CPUOffloadOptimizer's gradient hooks were left on the model"
 
@@ -295,7 +289,7 @@ def test_an_optimizer_plan_refuses_what_the_new_optimizer_would_not_carry(techni
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)  # noqa: F841 (kept alive)
     match = "step post hooks registered" if attached == "step post-hook" else r"a ReduceLROnPlateau holds it"
     with pytest.raises(MemtrimStateError, match=match):
-        _offload_plan(technique).apply(model, optimizer)
+        plan_of(technique).apply(model, optimizer)
 
 
 @pytest.mark.parametrize("kind", ["ReduceLROnPlateau in a cycle", "StepLR"])
@@ -310,7 +304,7 @@ def test_an_optimizer_plan_takes_an_optimizer_whose_scheduler_is_gone(kind):
         scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
         scheduler.cycle = scheduler
     del scheduler
-    _, offloaded = _offload_plan().apply(model, optimizer)
+    _, offloaded = plan_of("offload_state").apply(model, optimizer)
     assert isinstance(offloaded, memtrim.CPUOffloadOptimizer)
 
 
@@ -356,7 +350,7 @@ def test_an_optimizer_plan_refuses_what_it_cannot_see_or_rebuild(case):
     else:
         optimizer = _NeedsModelSGD(model.parameters(), model)
     with pytest.raises(MemtrimStateError, match=match):
-        _offload_plan().apply(model, optimizer)
+        plan_of("offload_state").apply(model, optimizer)
 
 
 def test_parse_bytes():

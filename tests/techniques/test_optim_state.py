@@ -14,6 +14,8 @@ from memtrim.errors import InvalidInputError, MemtrimError
 from memtrim.models import GPTConfig, SmallGPT
 from memtrim.techniques.optim_state import _lowbit
 
+from ..helpers import plan_of
+
 
 def _gpt():
     torch.manual_seed(0)
@@ -694,11 +696,6 @@ def test_the_part_a_param_groups_read_moved_comes_back_before_a_users_gradient_h
     assert torch.equal(results[0], results[1]) and float(results[1][0, 0]) == 2.0625, results
 
 
-def _plan(*techniques):
-    from memtrim.planner.api import Plan
-    return Plan(techniques, 0, {}, "optimizer", 1.0, "bitwise", True)
-
-
 def test_plan_offload_state_goes_on_from_the_optimizers_state_and_refuses_a_scheduler_built_on_it():
     """apply() replaced a stepped AdamW by a CPUOffloadOptimizer with no state (moments and step count from zero), and a
     scheduler built on the old one went on scheduling it: both silently not the standard loop."""
@@ -707,7 +704,7 @@ def test_plan_offload_state_goes_on_from_the_optimizers_state_and_refuses_a_sche
     batches = _batches(4)
     for i, (x, y) in enumerate(batches):
         if i == 2:
-            model, opt = _plan("offload_state").apply(model, opt)
+            model, opt = plan_of("offload_state").apply(model, opt)
         for m, o in ((model, opt), (plain, ref)):
             o.zero_grad()
             _loss(m(x), y).backward()
@@ -719,7 +716,7 @@ def test_plan_offload_state_goes_on_from_the_optimizers_state_and_refuses_a_sche
     scheduler = torch.optim.lr_scheduler.StepLR(opt, 1)
     for technique in ("offload_state", "state_8bit"):
         with pytest.raises(MemtrimError, match=r"a StepLR holds it .* then build the scheduler"):
-            _plan(technique).apply(model, opt)
+            plan_of(technique).apply(model, opt)
     del scheduler  # (one no longer referenced schedules nothing: tests/planner/test_plan.py)
 
 
@@ -733,7 +730,7 @@ def test_plan_low_bit_state_refuses_what_it_would_drop(case):
         opt.step()
     match = "without amsgrad or maximize" if case == "maximize" else "has state already"
     with pytest.raises(MemtrimError, match=match):
-        _plan("checkpoint", "state_4bit").apply(model, opt)
+        plan_of("checkpoint", "state_4bit").apply(model, opt)
 
 
 @pytest.mark.parametrize("reset", ["set", "del", "clear", "assign"])

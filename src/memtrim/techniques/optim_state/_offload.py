@@ -616,16 +616,22 @@ class _StepSync:
             owner._to_device()
 
 
-class _PartBack:
-    """A one-shot post-accumulate-grad hook (:meth:`CPUOffloadOptimizer._gradients_to_host`): the part of the
-    gradient a ``param_groups`` read moved to the host comes back into the parameter's new gradient, which then
-    accumulates the later micro-batches on the device as in the standard loop."""
+class _HostCopyHook:
+    """A post-accumulate-grad hook of a device parameter, between it and its host copy (its wrapper weakly held)."""
 
     __slots__ = ("owner", "host_param")
 
     def __init__(self, owner: weakref.ref, host_param: torch.Tensor) -> None:
         self.owner = owner
         self.host_param = host_param
+
+
+class _PartBack(_HostCopyHook):
+    """A one-shot post-accumulate-grad hook (:meth:`CPUOffloadOptimizer._gradients_to_host`): the part of the
+    gradient a ``param_groups`` read moved to the host comes back into the parameter's new gradient, which then
+    accumulates the later micro-batches on the device as in the standard loop."""
+
+    __slots__ = ()
 
     def __call__(self, param: torch.Tensor) -> None:
         owner = self.owner()
@@ -643,14 +649,10 @@ class _PartBack:
         self.host_param.grad = None
 
 
-class _GradToHost:
+class _GradToHost(_HostCopyHook):
     """A post-accumulate-grad hook: the gradient goes to the host copy and is freed on the device."""
 
-    __slots__ = ("owner", "host_param")
-
-    def __init__(self, owner: weakref.ref, host_param: torch.Tensor) -> None:
-        self.owner = owner
-        self.host_param = host_param
+    __slots__ = ()
 
     def __call__(self, param: torch.Tensor) -> None:
         owner = self.owner()
