@@ -4,9 +4,10 @@ Beside the times, a count that needs no clock: the ops one step runs and the byt
 converted (the recompute work convert adds).
 
 Reproduce:  zoovenv/bin/python benchmarks/convert_zoo_time.py [--rounds 15] [--only NAME ...] [--wide]
-                [--device cuda] [--batch-mult N]
+                [--device cuda] [--batch-mult N] [--dtype bfloat16]
             (the venv that convert_zoo.py's docstring sets up; run on an otherwise idle machine)
-Writes benchmarks/results/convert_zoo_time_<device>.json (--wide: convert_zoo_time_wide_<device>.json).
+Writes benchmarks/results/convert_zoo_time_<device>.json (--wide: convert_zoo_time_wide_<device>.json; ``--dtype
+bfloat16``: each model and its batch cast as in convert_zoo.py, written to ..._bfloat16_<device>.json).
 ``--ops-only`` counts without timing (seconds a model, any machine load): convert_zoo_ops_<device>.json.
 
 On CUDA each row also gives, from the caching allocator, the bytes one training-mode forward leaves allocated and
@@ -39,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memtrim
 from _common import machine, pin_malloc, quartiles, write
-from convert_zoo import MODELS, build, first_tensor, held_activations, import_torchvision, version
+from convert_zoo import MODELS, build, cast, first_tensor, held_activations, import_torchvision, version
 from memtrim.measure.hooks import tensors_in
 
 
@@ -230,11 +231,13 @@ def interleaved_times(models: dict, opts: dict, batch: dict, rounds: int, device
     return times, repeats
 
 
-def run(key: str, rounds: int, models: dict | None = None, device: str = "cpu", batch_mult: int = 1) -> dict:
+def run(key: str, rounds: int, models: dict | None = None, device: str = "cpu", batch_mult: int = 1,
+        dtype: torch.dtype = torch.float32) -> dict:
     label, built, skipped = build(key, models)
     if built is None:
         return skipped or {}
     plain, batch, library = built
+    plain, batch = cast(plain, batch, dtype)
     plain.train().to(device)
     batch = {k: v.repeat(batch_mult, *[1] * (v.dim() - 1)).to(device) for k, v in batch.items()}
     converted = copy.deepcopy(plain)
@@ -262,7 +265,8 @@ def run(key: str, rounds: int, models: dict | None = None, device: str = "cpu", 
                # which ops convert adds (its rebuilds, memtrim's aliases) and removes, by name
                "ops_added": dict(ops["converted"][2] - ops["plain"][2]),
                "ops_removed": dict(ops["plain"][2] - ops["converted"][2])}
-    head = {"model": label, "library": library, "changes": len(report.changes), "batch_mult": batch_mult, **checks}
+    head = {"model": label, "library": library, "changes": len(report.changes), "batch_mult": batch_mult,
+            "dtype": str(dtype).removeprefix("torch."), **checks}
     if rounds == 0:  # --ops-only
         return {**head, **counted}
     times, repeats = interleaved_times(models, opts, batch, rounds, device)
@@ -283,6 +287,8 @@ def main() -> None:
     parser.add_argument("--wide", action="store_true", help="the models at the widths people train (see above)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-mult", type=int, default=1, help="repeat each batch N times (GPU-sized batches)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="cast each model and its batch's floating tensors (written to ..._<dtype>_<device>.json)")
     parser.add_argument("--ops-only", action="store_true",
                         help="count the ops and bytes of a step, no clock (writes convert_zoo_ops_<device>.json)")
     args = parser.parse_args()
@@ -292,7 +298,7 @@ def main() -> None:
     models = WIDE if args.wide else MODELS
     results = {}
     for key in args.only or models:
-        results[key] = r = run(key, args.rounds, models, args.device, args.batch_mult)
+        results[key] = r = run(key, args.rounds, models, args.device, args.batch_mult, getattr(torch, args.dtype))
         if "step_time_ratio_median" in r:
             q = r["step_time_ratio_quartiles"]
             print(f"{r['model']}: {r['step_ms_plain']:.1f} ms, converted {r['step_time_ratio_median']:.3f}x "
@@ -307,7 +313,8 @@ def main() -> None:
                    "transformers": version("transformers"), "timm": version("timm"),
                    "torchvision": version("torchvision"), "torchvision_import": tv_note}
     kind = "ops" if args.ops_only else "time"
-    name = f"convert_zoo_{kind}{'_wide' if args.wide else ''}_{args.device.split(':')[0]}.json"
+    precision = "" if args.dtype == "float32" else f"_{args.dtype}"
+    name = f"convert_zoo_{kind}{'_wide' if args.wide else ''}{precision}_{args.device.split(':')[0]}.json"
     print("wrote", write(name, {"machine": machine(), "environment": environment, "rounds": args.rounds,
                                 "results": results}))
 

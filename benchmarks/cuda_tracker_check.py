@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository, for tests/
 from tests.helpers import AllocatorAtOpEnds, cuda_workload, train_step  # noqa: E402
 
 import memtrim  # noqa: E402

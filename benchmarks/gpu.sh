@@ -6,7 +6,8 @@
 # convert rows; pytest-xdist for the last part):   bash benchmarks/gpu.sh
 # Writes logs, convert_cuda_check_cuda.txt and the *_cuda.json results to $OUT (default benchmarks/results/gpu_run);
 # the JSON files are also left in benchmarks/results/, where the other results are. About 9 minutes on an H200 (before
-# convert_waits.py was added; its part is limited to 90 s and the full suite's cut by 60 s).
+# convert_waits.py was added; its part is limited to 90 s and the full suite's cut by 60 s). SUITE_S=0 leaves the
+# full suite out (its limit in seconds; 180 by default).
 set -u
 OUT=${OUT:-$PWD/benchmarks/results/gpu_run}
 mkdir -p "$OUT"
@@ -32,19 +33,21 @@ part() {  # part SECONDS LOG COMMAND...: run with a time limit, append to LOG, p
 
 part 150 "$OUT/cuda_tests.log" $PY -m pytest -m cuda -q -rA -p no:cacheprovider -p no:benchmark tests  # results/cuda_tests_cuda.log
 tail -n 25 "$OUT/cuda_tests.log"
-part 60 "$OUT/bench.log" $PY benchmarks/cuda_tracker_check.py
-grep -E "^(mlp|gpt) " "$OUT/bench.log"
 cd benchmarks
-part 60 "$OUT/bench.log" $PY step_memory.py --device cuda
-part 150 "$OUT/bench.log" $PY convert_zoo_time.py --wide --device cuda --batch-mult 16 --rounds 7
-grep -E "converted|rc=" "$OUT/bench.log" | tail -n 12
+# the newest measurements first, so that a run cut short by a lease's time keeps them
+part 150 "$OUT/bench.log" $PY convert_zoo_time.py --wide --device cuda --batch-mult 16 --rounds 7 --dtype bfloat16
 part 90 "$OUT/bench.log" $PY convert_waits.py --rounds 7 --batch-mult 16  # what converted Llama's waits cost
 grep -E "step_ms_plain|rc=" "$OUT/bench.log" | tail -n 2
+part 150 "$OUT/bench.log" $PY convert_zoo_time.py --wide --device cuda --batch-mult 16 --rounds 7
+grep -E "converted|rc=" "$OUT/bench.log" | tail -n 24
+part 60 "$OUT/bench.log" $PY cuda_tracker_check.py
+grep -E "^(mlp|gpt) " "$OUT/bench.log"
+part 60 "$OUT/bench.log" $PY step_memory.py --device cuda
 PROFILE=tv_resnet18 timeout 150 $PY convert_cuda_check.py >"$OUT/convert_cuda_check_cuda.txt" 2>&1
 echo "== rc=$? convert_cuda_check.py"; grep -E "claims|ms/step" "$OUT/convert_cuda_check_cuda.txt"
 cp results/*_cuda.json "$OUT/"
 cd ..
 # one torch thread per worker: 14 workers of 16 threads each on 16 cores ran half the suite in 240 s (2026-11-28);
 # 180 s since convert_waits.py was added, to stay within a command's 10 minutes
-OMP_NUM_THREADS=1 part 180 "$OUT/full_suite.log" $PY -m pytest -v -rf -n 14 -p no:cacheprovider -p no:benchmark -m "not cuda" tests
-grep -E "FAILED|ERROR|passed|failed" "$OUT/full_suite.log" | tail -n 30
+[ "${SUITE_S:-180}" -gt 0 ] && OMP_NUM_THREADS=1 part "${SUITE_S:-180}" "$OUT/full_suite.log" $PY -m pytest -v -rf -n 14 -p no:cacheprovider -p no:benchmark -m "not cuda" tests
+[ "${SUITE_S:-180}" -gt 0 ] && grep -E "FAILED|ERROR|passed|failed" "$OUT/full_suite.log" | tail -n 30
