@@ -1,10 +1,11 @@
-"""What the host's waits for the GPU cost a converted Llama step: each rebuilt RMSNorm decides at every call which
-features keep their input (NOTE [ when a norm keeps its input ]), and gathering them (``nonzero``) makes the host
-wait for the GPU, once per norm per step. Three variants train in interleaved rounds, as in convert_zoo_time.py:
-plain, converted, and converted with every norm's decision made once before timing and reused (no wait). The
-reused decisions are only valid while the weights' decisions do not change; the script checks that they did not,
-after timing. The gap between the two converted variants is what the waits cost; a decision made once per forward
-for every norm (one wait) would get most of it.
+"""What the host's waits for the GPU cost a converted Llama step: each rebuilt RMSNorm decides which features keep
+their input (NOTE [ when a norm keeps its input ]), and gathering them (``nonzero``) makes the host wait for the GPU.
+A converted model's norms decide together, one wait a forward (NOTE [ keep decisions made together ]). Four variants
+train in interleaved rounds, as in convert_zoo_time.py: plain; converted (one wait a forward); converted with each
+norm deciding alone at its call (the hooks that group them taken off: one wait a norm, as before 2026-11-30); and
+converted with every norm's decision made once before timing and reused (no wait). The reused decisions are only
+valid while the weights' decisions do not change; the script checks that they did not, after timing. The gaps
+between the converted variants are what the waits cost.
 
 Reproduce (a CUDA GPU, transformers):  python benchmarks/convert_waits.py [--rounds 7] [--batch-mult 16]
 Writes benchmarks/results/convert_waits_<device>.json. On the CPU nothing waits: the variants differ by the
@@ -64,7 +65,11 @@ def main() -> None:
     batch = {k: v.repeat(args.batch_mult, *[1] * (v.dim() - 1)).to(args.device) for k, v in batch.items()}
     converted = copy.deepcopy(plain)
     memtrim.convert(converted, example_inputs=batch)
-    models = {"plain": plain, "converted": converted, "converted_decisions_reused": copy.deepcopy(converted)}
+    alone = copy.deepcopy(converted)
+    alone._forward_pre_hooks.clear()
+    alone._forward_hooks.clear()
+    models = {"plain": plain, "converted": converted, "converted_each_norm_alone": alone,
+              "converted_decisions_reused": copy.deepcopy(converted)}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     store: dict = {}
     cuda = args.device.startswith("cuda")

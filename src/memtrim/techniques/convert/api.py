@@ -44,6 +44,7 @@ from ...measure.hooks import tensors_in
 from ...proof.compare import bitwise_equal
 from .._generators import GeneratorsKept
 from ..guards import CONVERTED
+from ..norms._kernels import DecidedTogether
 from . import builtin as _builtin  # noqa: F401  (registers the built-in rules)
 from .evidence import buffers_kept, collect, fresh_inputs, fx_evidence, split_inputs
 from .report import Change, ConversionReport, Skipped
@@ -208,7 +209,22 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
         notes.append("no example_inputs: pairs " + ("proven from the torch.fx graph" if evidence is not None else
                                                      "skipped (the model does not trace with torch.fx)")
                      + "; savings not measured; in-place changes of outputs found only at backward")
+    _decide_together(model)
     return model, ConversionReport(changes, skipped, before, current, notes)
+
+
+_DECISIONS = "_memtrim_keep_decisions"
+
+
+def _decide_together(model: nn.Module) -> None:
+    """Where ``model`` has norms that decide which features keep their input, let them decide together once per
+    forward of ``model`` (NOTE [ keep decisions made together ] in norms/_kernels.py): one wait for the GPU a forward
+    instead of one a norm. Once per model (a second convert adds nothing)."""
+    if _DECISIONS in model.__dict__ or not any(getattr(m, "memtrim_keep_decisions", False) for m in model.modules()):
+        return
+    decisions = model.__dict__[_DECISIONS] = DecidedTogether()
+    model.register_forward_pre_hook(decisions.enter)
+    model.register_forward_hook(decisions.leave, always_call=True)
 
 
 _EARLIER = "changed by an earlier memtrim.convert: left as it is"

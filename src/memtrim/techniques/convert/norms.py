@@ -111,7 +111,8 @@ def _form(base: type[nn.Module], kind: str) -> type:
 
     doc = (f"{base.__qualname__} keeping its output instead of its input (made by memtrim.convert; see NOTE [ norms "
            "by behaviour ] in memtrim/techniques/convert/norms.py).")
-    form = type(name, (base,), {"forward": forward, "__doc__": doc, "__module__": __name__, "__qualname__": name})
+    form = type(name, (base,), {"forward": forward, "__doc__": doc, "__module__": __name__, "__qualname__": name,
+                                "memtrim_keep_decisions": True})  # (NOTE [ keep decisions made together ])
     _FORMS[(base, kind)] = form
     globals().setdefault(name, form)
     return form

@@ -4,12 +4,17 @@ and the errors they raise are in :mod:`memtrim.techniques.guards`."""
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections import OrderedDict
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["CACHE_SIZE", "HALF_PRECISION", "KEEP_BOUND", "keep_input_features", "zeros_and_ones"]
+from ..guards import plain_only
+
+__all__ = ["CACHE_SIZE", "HALF_PRECISION", "KEEP_BOUND", "DecidedTogether", "keep_input_features", "zeros_and_ones"]
 
 
 # ---------------------------------------------------------------------- bounded constant cache
@@ -58,7 +63,8 @@ def zeros_and_ones(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # covered by the same comparison (``not (0 > ...)``). For ELU, s is the RMS over the channel of e^-y - 1 (y < 0):
 # the gradient error aggregates in norm, and a max would keep nearly every ELU channel for one tail value. The
 # decision is a per-feature boolean tensor; gathering the kept features needs their count (one small host sync on
-# an accelerator, none on CPU). Under torch.compile and torch.func the modules run as torch's own ops instead
+# an accelerator, none on CPU; in a model convert changed, one a forward for all its norms: NOTE [ keep decisions made
+# together ]). Under torch.compile and torch.func the modules run as torch's own ops instead
 # (:func:`memtrim.techniques.guards.plain_only`), so the compiler sees no data-dependent shape.
 KEEP_BOUND = 8.0
 """How many times torch's own error a rebuilt ``xhat`` may carry (NOTE above): the converted gradients' error stays
@@ -79,11 +85,148 @@ def keep_input_features(gamma: torch.Tensor, beta: torch.Tensor | None, extra: t
                         floor: float = 0.0) -> torch.Tensor:
     """Indices (flattened) of the features whose ``xhat`` cannot be rebuilt from the output to within KEEP_BOUND
     times torch's own error (NOTE [ when a norm keeps its input ] in this file). ``extra``: the ELU term s, per
-    feature; ``floor``: a user's ``gamma_threshold``, below which features keep their ``xhat`` anyway."""
+    feature; ``floor``: a user's ``gamma_threshold``, below which features keep their ``xhat`` anyway. Inside the
+    forward of a model ``convert`` changed, decided with the model's other norms (NOTE [ keep decisions made
+    together ])."""
+    stack = getattr(_LOCAL, "stack", None)
+    if stack and extra is None and stack[-1][0] is not None and _plain_tensors(gamma, beta):
+        group, epoch = stack[-1]
+        return group.kept(gamma, beta, floor, epoch)
+    return _keep_mask(gamma, beta, extra, floor).flatten().nonzero().flatten()
+
+
+def _keep_mask(gamma: torch.Tensor, beta: torch.Tensor | None, extra: torch.Tensor | None,
+               floor: float) -> torch.Tensor:
+    """Per feature, whether it keeps its ``xhat`` (NOTE [ when a norm keeps its input ])."""
     g = gamma.detach().abs()
     # without beta the limit is 0, a scalar (a zeros tensor was one more op, on a GPU a kernel, at every call)
     limit: torch.Tensor | float = beta.detach().abs() if beta is not None else 0.0
     if extra is not None:
         limit = limit + extra.to(limit.dtype if isinstance(limit, torch.Tensor) else g.dtype)
-    keep = ~(g * KEEP_BOUND > limit) | (g < max(torch.finfo(g.dtype).tiny ** 0.25, floor))
-    return keep.flatten().nonzero().flatten()
+    return ~(g * KEEP_BOUND > limit) | (g < max(torch.finfo(g.dtype).tiny ** 0.25, floor))
+
+
+def _plain_tensors(*tensors: torch.Tensor | None) -> bool:
+    """Real tensors with values (no fake, meta or other subclass: those decide at each call, as before)."""
+    return all(t is None or (type(t) in (torch.Tensor, nn.Parameter) and not t.is_meta) for t in tensors)
+
+
+# ---------------------------------------------------------------------- NOTE [ keep decisions made together ]
+# Gathering a norm's kept features needs their count: on a GPU a ``nonzero`` that makes the host wait until the GPU
+# has run everything queued before it, once per norm per forward. The host then has nothing queued ahead of the GPU
+# and a step that waits on the host pays the whole queue again each time (a converted Llama: 9 waits a step, 8 % of
+# its step on an H200; benchmarks/convert_waits.py). ``convert`` therefore makes the model's norms decide together:
+# a forward pre-hook of the converted model opens a forward; the first norm to decide in it decides for every norm
+# of the model seen before, on its device, in one ``nonzero`` (one wait a forward), and each later norm of that
+# forward takes its decision if it was made
+#
+# * in this forward of the model (a ``.data`` write between forwards moves no version: every forward decides
+#   afresh),
+# * from the same weight and bias objects the norm passes now (``functional_call``'s fast weights, a
+#   parametrization's recomputed weight, a cast copy: anything else decides for itself), at the versions they have
+#   now (a weight changed in place since, by an optimizer or a user, decides again).
+#
+# A decision is a function of the weights alone (the ELU term, which reads the output, decides at each call), so a
+# decision made earlier in the forward from the same weights at the same versions is the one the call would make.
+# A norm called outside such a forward (a submodule called by itself, a checkpoint's recomputation in backward, a
+# norm that is not converted) decides at its call, as before. The hooks do nothing under torch.compile.
+_LOCAL = threading.local()  # .stack: [(DecidedTogether or None, epoch)], one entry per open forward of a model
+
+
+class _Decision:
+    """One norm's weights (held weakly: a fast weight is not kept alive by this), and what was decided from them."""
+
+    __slots__ = ("beta", "epoch", "floor", "gamma", "kept", "versions")
+
+    def __init__(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float) -> None:
+        self.gamma = weakref.ref(gamma)
+        self.beta = None if beta is None else weakref.ref(beta)
+        self.floor = floor
+        self.epoch = -1
+        self.versions: tuple[int, int] | None = None
+        self.kept: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        gamma = self.gamma()
+        beta = None if self.beta is None else self.beta()
+        return None if gamma is None or (self.beta is not None and beta is None) else (gamma, beta)
+
+    def of(self, gamma: torch.Tensor, beta: torch.Tensor | None) -> bool:
+        """Whether these are the weights it was made for (the objects themselves)."""
+        return self.gamma() is gamma and (None if self.beta is None else self.beta()) is beta
+
+    def holds(self, epoch: int, gamma: torch.Tensor, beta: torch.Tensor | None) -> bool:
+        """Whether it was decided in this forward from these weights at the versions they have now."""
+        return self.epoch == epoch and self.of(gamma, beta) and self.versions == _versions(gamma, beta)
+
+
+def _versions(gamma: torch.Tensor, beta: torch.Tensor | None) -> tuple[int, int]:
+    return gamma._version, -1 if beta is None else beta._version
+
+
+class DecidedTogether:
+    """The keep decisions of one converted model's norms, made together once a forward (NOTE [ keep decisions made
+    together ]). ``enter`` and ``leave`` are the model's forward pre-hook and (always called) forward hook."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._epoch = 0
+        self._decisions: dict[tuple[int, int, float], _Decision] = {}
+
+    def __getstate__(self) -> dict[str, Any]:  # (a pickled or copied model decides afresh)
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        stack = _LOCAL.__dict__.setdefault("stack", [])
+        if plain_only():
+            stack.append((None, 0))  # (a forward whose norms run as torch's: nothing to decide)
+            return
+        with self._lock:
+            self._epoch += 1
+            stack.append((self, self._epoch))
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        stack = getattr(_LOCAL, "stack", None)
+        if stack and stack[-1][0] in (self, None):
+            stack.pop()
+
+    def kept(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, epoch: int) -> torch.Tensor:
+        """``keep_input_features(gamma, beta, None, floor)``, decided with the model's other norms."""
+        key = (id(gamma), -1 if beta is None else id(beta), floor)
+        with self._lock:
+            found = self._decisions.get(key)
+            if found is not None and found.holds(epoch, gamma, beta):
+                assert found.kept is not None
+                return found.kept
+            if found is None or not found.of(gamma, beta):
+                found = self._decisions[key] = _Decision(gamma, beta, floor)
+            self._decide(gamma.device, epoch)
+            assert found.kept is not None
+            return found.kept
+
+    def _decide(self, device: torch.device, epoch: int) -> None:
+        """Decide for every norm seen before whose decision this forward has not made, on ``device``: one wait."""
+        todo = []
+        for key, decision in list(self._decisions.items()):
+            tensors = decision.tensors()
+            if tensors is None:  # (its weights are gone)
+                del self._decisions[key]
+            elif tensors[0].device == device and not decision.holds(epoch, *tensors):
+                todo.append((decision, *tensors))
+        masks = [_keep_mask(gamma, beta, None, d.floor).flatten() for d, gamma, beta in todo]
+        found = torch.cat(masks).nonzero().flatten()  # the one wait
+        indices = found.tolist() if found.numel() else []
+        start = 0
+        for (decision, gamma, beta), mask in zip(todo, masks):
+            end = start + mask.numel()
+            mine = [i - start for i in indices if start <= i < end]
+            decision.kept = (found[:0] if not mine else torch.tensor(mine, dtype=found.dtype, device=device))
+            decision.epoch, decision.versions = epoch, _versions(gamma, beta)
+            start = end

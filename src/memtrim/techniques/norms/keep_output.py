@@ -113,6 +113,8 @@ class LayerNorm(nn.LayerNorm):
     Same parameters and state_dict as ``nn.LayerNorm``. See NOTE [ norms that keep their output ].
     """
 
+    memtrim_keep_decisions = True  # (NOTE [ keep decisions made together ] in _kernels.py)
+
     def __init__(self, *args: Any, gamma_threshold: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.gamma_threshold = gamma_threshold
@@ -139,6 +141,8 @@ def _torchs_case(input: torch.Tensor, weight: torch.Tensor | None, normalized_sh
 
 class RMSNorm(nn.RMSNorm):
     """``nn.RMSNorm`` that keeps its output instead of its input. See NOTE [ norms that keep their output ]."""
+
+    memtrim_keep_decisions = True  # (NOTE [ keep decisions made together ] in _kernels.py)
 
     def __init__(self, *args: Any, gamma_threshold: float = 0.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

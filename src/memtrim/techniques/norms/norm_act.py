@@ -212,6 +212,8 @@ def batchnorm_arguments(bn: Any, input: torch.Tensor) -> tuple[float, bool, torc
 class _BatchNormAct(WatchedFusion, nn.modules.batchnorm._BatchNorm):
     """Shared by BatchNormAct1d/2d/3d: ``nn.BatchNorm`` parameters and buffers, followed by an activation."""
 
+    memtrim_keep_decisions = True  # (NOTE [ keep decisions made together ] in _kernels.py)
+
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, device: Any = None, dtype: Any = None, *,

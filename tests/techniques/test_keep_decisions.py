@@ -1,0 +1,317 @@
+"""NOTE [ keep decisions made together ] (norms/_kernels.py): in a model ``convert`` changed, the norms that decide
+which features keep their input decide together, once a forward (one ``nonzero``, one wait on a GPU), and the
+model trains bitwise as when each norm decides at its own call. Compared here with a copy whose norms decide alone
+(the hooks taken off), under the loops that could make a decision made earlier in the forward stale."""
+
+import copy
+import io
+import pickle
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import memtrim
+from memtrim.techniques.norms import _kernels
+
+
+class SpelledRMSNorm(nn.Module):
+    """An RMSNorm as HF's are written (convert recognises it by its ops)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.rms, self.up = SpelledRMSNorm(n), nn.Linear(n, 2 * n)
+        self.ln, self.down = memtrim.nn.LayerNorm(2 * n), nn.Linear(2 * n, n)  # (keeps its output by hand)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.ln(self.up(self.rms(x)))))
+
+
+class Net(nn.Module):
+    """RMSNorms (convert's RMSNorm form), memtrim's LayerNorm and a BatchNorm + LeakyReLU (BatchNormAct): every
+    kind that decides."""
+
+    def __init__(self, n=16, depth=3):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(n) for _ in range(depth))
+        self.bn, self.act, self.head = nn.BatchNorm1d(n), nn.LeakyReLU(0.1), nn.Linear(n, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.act(self.bn(x.transpose(1, 2))).transpose(1, 2))
+
+
+def trained_looking(model):
+    """Weights whose decisions keep some features and change as they train: a zero gamma, tiny gammas, large
+    betas."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, (SpelledRMSNorm, nn.LayerNorm, nn.BatchNorm1d)):
+                m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
+                m.weight[0] = 0.0
+                m.weight[1:3] = 1e-3
+                if getattr(m, "bias", None) is not None:
+                    m.bias.copy_(torch.randn(m.bias.shape, generator=g))
+                    m.bias[3] = 40.0 * m.weight[3]  # |beta| / |gamma| = 40 > KEEP_BOUND: kept
+    return model
+
+
+def batch(seed=0):
+    return torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(seed))
+
+
+def converted_and_alone(make=Net):
+    torch.manual_seed(0)
+    model = trained_looking(make())
+    together, report = memtrim.convert(model, example_inputs=(batch(),))
+    kinds = {c.rule for c in report.changes}
+    assert {"norm_by_behaviour", "batchnorm_activation"} <= kinds, str(report)
+    assert together._forward_pre_hooks and together._forward_hooks
+    alone = copy.deepcopy(together)
+    alone._forward_pre_hooks.clear()
+    alone._forward_hooks.clear()
+    return together, alone
+
+
+class CountNonzero(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.nonzero.default
+        return func(*args, **(kwargs or {}))
+
+
+class KeptSeen:
+    """Records every non-empty decision (so a test knows its weights kept features)."""
+
+    def __enter__(self):
+        self.seen, self.decide = [], _kernels._keep_mask
+
+        def recording(*args):
+            mask = self.decide(*args)
+            self.seen.append(int(mask.sum()))
+            return mask
+
+        _kernels._keep_mask = recording
+        return self
+
+    def __exit__(self, *exc):
+        _kernels._keep_mask = self.decide
+
+
+def train(model, steps, between=lambda model, step: None, seed=0):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        model(batch(seed + step)).square().mean().backward()
+        opt.step()
+        between(model, step)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_bitwise(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_one_decision_a_forward_where_each_norm_made_its_own():
+    together, alone = converted_and_alone()
+    counts = []
+    for model in (together, alone):
+        model(batch())  # (the first forward meets each norm once)
+        with CountNonzero() as counter:
+            model(batch(1))
+        counts.append(counter.count)
+    assert counts == [1, 7], counts  # 3 RMSNorms, 3 LayerNorms and a BatchNorm decide alone
+
+
+def test_decided_together_trains_bitwise_as_each_norm_alone():
+    together, alone = converted_and_alone()
+    with KeptSeen() as kept:
+        a = train(together, 6)
+    b = train(alone, 6)
+    assert max(kept.seen) > 0  # features were kept
+    assert_bitwise(a, b)
+
+
+def test_a_data_write_between_forwards_is_seen():
+    # gradient accumulation: two forwards a step, a ``.data`` write (no version moves) between them; every forward
+    # must decide afresh, also where no optimizer step moved the weights' versions in between
+    together, alone = converted_and_alone()
+    found = []
+    for model in (together, alone):
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        for step in range(4):
+            opt.zero_grad(set_to_none=True)
+            model(batch(2 * step)).square().mean().backward()
+            model.blocks[step % 3].rms.weight.data[5 + step] = 0.0
+            model.bn.weight.data[6 + step] = 0.0
+            model(batch(2 * step + 1)).square().mean().backward()
+            opt.step()
+        found.append([p.detach().clone() for p in model.parameters()])
+    assert_bitwise(*found)
+
+
+def test_an_in_place_write_during_the_forward_is_seen():
+    # a pre-hook of the last block zeroes its norm's weight features after the first norm decided for all
+    def zero_in_place(module, args):
+        with torch.no_grad():
+            module.rms.weight[4:8] = 0.0
+
+    together, alone = converted_and_alone()
+    for model in (together, alone):
+        model.blocks[2].register_forward_pre_hook(zero_in_place)
+    assert_bitwise(train(together, 4), train(alone, 4))
+
+
+def test_functional_call_with_fast_weights_decides_for_them():
+    together, alone = converted_and_alone()
+    found = []
+    for model in (together, alone):
+        params = dict(model.named_parameters())
+        fast = {k: (v * 0.5).where(torch.arange(v.numel()).reshape(v.shape) % 5 != 0, torch.zeros(()))
+                for k, v in params.items()}
+        model(batch())  # decisions for the model's own weights, made first
+        out = torch.func.functional_call(model, fast, (batch(1),))
+        found.append(torch.autograd.grad(out.square().mean(), list(fast.values())))
+    assert_bitwise(*found)
+
+
+def test_two_threads_train_as_one_after_the_other():
+    together, alone = converted_and_alone()
+
+    def grads(model, seed):
+        out = model(batch(seed))
+        return torch.autograd.grad(out.square().mean(), list(model.parameters()))
+
+    expected = [grads(alone, s) for s in range(4)]
+    found: dict[int, list] = {}
+    barrier = threading.Barrier(2)
+
+    def work(seeds):
+        barrier.wait()
+        for s in seeds:
+            found[s] = grads(together, s)
+
+    threads = [threading.Thread(target=work, args=(seeds,)) for seeds in ((0, 2), (1, 3))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for s in range(4):
+        assert_bitwise(found[s], expected[s])
+
+
+class Raising(Net):
+    raise_now = False
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        if self.raise_now:
+            raise ValueError("a failing forward")
+        return super().forward(x)
+
+
+def test_a_forward_that_raises_leaves_no_open_forward():
+    together, alone = converted_and_alone(Raising)
+    together.raise_now = True
+    with pytest.raises(ValueError, match="a failing forward"):
+        together(batch())
+    assert not getattr(_kernels._LOCAL, "stack", [])
+    together.raise_now = False
+    # a block called by itself decides alone; the model trains as before
+    for model in (together, alone):
+        with CountNonzero() as counter:
+            model.blocks[1](batch())
+        assert counter.count == 2
+    assert_bitwise(train(together, 3), train(alone, 3))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copied_model_decides_together_with_its_own_norms(how):
+    together, alone = converted_and_alone()
+    if how == "deepcopy":
+        copied = copy.deepcopy(together)
+    elif how == "pickle":
+        copied = pickle.loads(pickle.dumps(together))
+    else:
+        buffer = io.BytesIO()
+        torch.save(together, buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)
+    assert_bitwise(train(copied, 4), train(alone, 4))
+    assert_bitwise(train(together, 4), [p.detach() for p in copied.parameters()])
+    with CountNonzero() as counter:
+        copied(batch())
+    assert counter.count == 1
+
+
+def test_a_second_convert_adds_no_hooks():
+    together, _ = converted_and_alone()
+    hooks = (len(together._forward_pre_hooks), len(together._forward_hooks))
+    memtrim.convert(together, example_inputs=(batch(),))
+    assert (len(together._forward_pre_hooks), len(together._forward_hooks)) == hooks
+
+
+def test_a_model_without_deciding_norms_gets_no_hooks():
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+    _, report = memtrim.convert(model, example_inputs=(torch.randn(4, 16),))
+    assert report.changes and not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_the_hooks_add_no_graph_break():
+    torch.manual_seed(0)
+    plain = trained_looking(Net())
+    together, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=(batch(),))
+    counts = []
+    for model in (plain, together):
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(model)(batch())
+        counts.append((explanation.graph_count, explanation.graph_break_count))
+    torch._dynamo.reset()
+    assert counts[1] == counts[0], counts
+
+
+def test_a_converted_hf_llama_decides_once_a_forward_and_trains_as_before():
+    from tests.techniques.test_convert_models import ids, llama
+
+    torch.manual_seed(0)
+    plain = llama()
+    together, report = memtrim.convert(copy.deepcopy(plain), example_inputs=ids())
+    assert sum(c.rule == "norm_by_behaviour" for c in report.changes) == 5  # 2 a layer and the final one
+    alone = copy.deepcopy(together)
+    alone._forward_pre_hooks.clear()
+    alone._forward_hooks.clear()
+    counts, found = [], []
+    for model in (together, alone):
+        trained_looking_llama(model)
+        model(**ids())  # (the first forward meets each norm once)
+        with CountNonzero() as counter:
+            model(**ids()).logits.square().mean().backward()
+        counts.append(counter.count)
+        found.append([p.grad for p in model.parameters()])
+    assert counts == [1, 5], counts
+    assert_bitwise(*found)
+
+
+def trained_looking_llama(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p[0], p[1:3] = 0.0, 1e-3
