@@ -168,16 +168,99 @@ def test_a_data_write_between_forwards_is_seen():
     assert_bitwise(*found)
 
 
-def test_an_in_place_write_during_the_forward_is_seen():
-    # a pre-hook of the last block zeroes its norm's weight features after the first norm decided for all
-    def zero_in_place(module, args):
+class WritesMidForward(Net):
+    """Changes the last block's norm weight inside its own forward, after the first norm decided for all: in place
+    (its version moves) or through ``.data`` (it does not)."""
+
+    write, calls = "in place", 0
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        self.calls += 1  # (another feature each forward)
         with torch.no_grad():
-            module.rms.weight[4:8] = 0.0
+            weight = self.blocks[2].rms.weight
+            (weight.data if self.write == ".data" else weight)[4 + self.calls % 10] = 0.0
+        x = self.blocks[2](self.blocks[1](x))
+        return self.head(self.act(self.bn(x.transpose(1, 2))).transpose(1, 2))
+
+
+def test_an_in_place_write_during_the_forward_is_seen():
+    together, alone = converted_and_alone(WritesMidForward)
+    counts = []
+    for model in (together, alone):
+        model(batch())  # (the first forward meets each norm once)
+        with CountNonzero() as counter:
+            model(batch())
+        counts.append(counter.count)
+    assert counts == [2, 7]  # the write moved the version: that norm decided again
+    assert_bitwise(train(together, 4), train(alone, 4))
+
+
+def test_a_data_write_during_the_forward_is_refused_then_the_norms_decide_alone():
+    together, alone = converted_and_alone(WritesMidForward)
+    for model in (together, alone):
+        model.write = ".data"
+    together(batch())  # (the first forward meets each norm once: each decides alone)
+    alone(batch())
+    with pytest.raises(memtrim.ConvertError, match="without its version moving"):
+        together(batch())
+    alone(batch())
+    with CountNonzero() as counter:
+        together(batch())
+    alone(batch())
+    assert counter.count == 7  # alone from now on
+    assert_bitwise(train(together, 4), train(alone, 4))
+
+
+def test_a_model_with_a_users_forward_hooks_decides_alone():
+    # network slimming: a pre-hook re-zeroes the pruned gammas through .data before each norm runs (no version moves)
+    def prune(module, args):
+        module.weight.data.mul_(module.keep)
 
     together, alone = converted_and_alone()
     for model in (together, alone):
-        model.blocks[2].register_forward_pre_hook(zero_in_place)
-    assert_bitwise(train(together, 4), train(alone, 4))
+        for block in model.blocks:
+            block.rms.keep = (torch.arange(16) % 4 != 1).float()
+            block.rms.register_forward_pre_hook(prune)
+    together(batch())
+    with CountNonzero() as counter:
+        together(batch())
+    assert counter.count == 7
+    assert_bitwise(train(together, 5), train(alone, 5))
+
+
+class Interrupted(Net):
+    interrupt = False
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        if self.interrupt:
+            raise KeyboardInterrupt
+        return super().forward(x)
+
+
+def test_a_forward_interrupted_by_keyboard_interrupt_leaves_no_open_forward():
+    # torch runs no forward hook, not even an always-called one, on a KeyboardInterrupt: the open forward it leaves
+    # must not serve the norms called after it
+    together, alone = converted_and_alone(Interrupted)
+
+    for model in (alone, together):
+        model.interrupt = True
+        with pytest.raises(KeyboardInterrupt):
+            model(batch())
+        model.interrupt = False
+    assert len(_kernels._LOCAL.stack) == 1  # (left open by together's forward)
+    found = []
+    for model in (together, alone):  # a block called by itself, its weights written through .data between calls
+        grads = []
+        for step in range(3):
+            model.blocks[0].rms.weight.data[6 + step] = 0.0
+            out = model.blocks[0](batch(step))
+            grads.append(torch.autograd.grad(out.square().mean(), list(model.blocks[0].parameters())))
+        found.append(grads)
+    assert not _kernels._LOCAL.stack
+    for a, b in zip(*found):
+        assert_bitwise(a, b)
 
 
 def test_functional_call_with_fast_weights_decides_for_them():

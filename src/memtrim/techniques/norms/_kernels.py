@@ -4,6 +4,7 @@ and the errors they raise are in :mod:`memtrim.techniques.guards`."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -12,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..guards import plain_only
+from ...errors import ConvertError
+from ..guards import memtrims, plain_only
 
 __all__ = ["CACHE_SIZE", "HALF_PRECISION", "KEEP_BOUND", "DecidedTogether", "keep_input_features", "zeros_and_ones"]
 
@@ -88,10 +90,10 @@ def keep_input_features(gamma: torch.Tensor, beta: torch.Tensor | None, extra: t
     feature; ``floor``: a user's ``gamma_threshold``, below which features keep their ``xhat`` anyway. Inside the
     forward of a model ``convert`` changed, decided with the model's other norms (NOTE [ keep decisions made
     together ])."""
-    stack = getattr(_LOCAL, "stack", None)
-    if stack and extra is None and stack[-1][0] is not None and _plain_tensors(gamma, beta):
-        group, epoch = stack[-1]
-        return group.kept(gamma, beta, floor, epoch)
+    if extra is None and getattr(_LOCAL, "stack", None) and _plain_tensors(gamma, beta):
+        open_ = _open_forward()
+        if open_ is not None and open_.group is not None:
+            return open_.group.kept(gamma, beta, floor, open_)
     return _keep_mask(gamma, beta, extra, floor).flatten().nonzero().flatten()
 
 
@@ -117,8 +119,8 @@ def _plain_tensors(*tensors: torch.Tensor | None) -> bool:
 # and a step that waits on the host pays the whole queue again each time (a converted Llama: 9 waits a step, 8 % of
 # its step on an H200; benchmarks/convert_waits.py). ``convert`` therefore makes the model's norms decide together:
 # a forward pre-hook of the converted model opens a forward; the first norm to decide in it decides for every norm
-# of the model seen before, on its device, in one ``nonzero`` (one wait a forward), and each later norm of that
-# forward takes its decision if it was made
+# of the model seen before, on its device, in one ``nonzero`` (one wait), and each later norm of that forward takes
+# its decision if it was made
 #
 # * in this forward of the model (a ``.data`` write between forwards moves no version: every forward decides
 #   afresh),
@@ -126,17 +128,55 @@ def _plain_tensors(*tensors: torch.Tensor | None) -> bool:
 #   parametrization's recomputed weight, a cast copy: anything else decides for itself), at the versions they have
 #   now (a weight changed in place since, by an optimizer or a user, decides again).
 #
-# A decision is a function of the weights alone (the ELU term, which reads the output, decides at each call), so a
-# decision made earlier in the forward from the same weights at the same versions is the one the call would make.
-# A norm called outside such a forward (a submodule called by itself, a checkpoint's recomputation in backward, a
-# norm that is not converted) decides at its call, as before. The hooks do nothing under torch.compile.
-_LOCAL = threading.local()  # .stack: [(DecidedTogether or None, epoch)], one entry per open forward of a model
+# A decision is a function of the weights alone (the ELU term, which reads the output, decides at each call). What
+# no version shows is a ``.data`` write during the forward, before the norm runs: a pruning or masking hook
+# (network slimming re-zeroes pruned gammas in a pre-hook). So
+#
+# * a forward of a model with forward hooks or pre-hooks not memtrim's (on any of its modules, or global ones) does
+#   not decide together: each norm decides at its call, as before;
+# * each norm that takes an earlier decision also computes its own on the device (no wait) and compares; the
+#   model's forward hook checks them all at once at the end of the forward (a second wait): a difference raises
+#   ``ConvertError`` (that forward's saved tensors cannot give torch's gradients) and the model's norms decide
+#   alone from then on.
+#
+# A norm called outside the model's forward (a submodule called by itself, a checkpoint's recomputation in backward,
+# a norm that is not converted) decides at its call. A forward is open while the model's ``_call_impl`` frame is on
+# the thread's stack: a ``KeyboardInterrupt`` skips even always-called forward hooks, and an entry it left is dropped
+# at the next norm. The hooks do nothing under torch.compile.
+_LOCAL = threading.local()  # .stack: [_Open], one entry per open forward of a converted model on this thread
+
+
+class _Open:
+    """One open forward of a converted model on this thread: its decisions (None: its norms decide alone), the
+    epoch, the frame of the model's call, and the device flags of the decisions taken that the norm would now make
+    otherwise."""
+
+    __slots__ = ("differs", "epoch", "frame", "group")
+
+    def __init__(self, group: DecidedTogether | None, epoch: int, frame: Any) -> None:
+        self.group, self.epoch, self.frame = group, epoch, frame
+        self.differs: list[torch.Tensor] = []
+
+
+def _open_forward() -> _Open | None:
+    """This thread's innermost open forward of a converted model, or None; entries whose forward a
+    ``KeyboardInterrupt`` left are dropped."""
+    stack = getattr(_LOCAL, "stack", None)
+    while stack:
+        top = stack[-1]
+        frame = sys._getframe(1)
+        while frame is not None and frame is not top.frame:
+            frame = frame.f_back
+        if frame is not None:
+            return top
+        stack.pop()
+    return None
 
 
 class _Decision:
     """One norm's weights (held weakly: a fast weight is not kept alive by this), and what was decided from them."""
 
-    __slots__ = ("beta", "epoch", "floor", "gamma", "kept", "versions")
+    __slots__ = ("beta", "epoch", "floor", "gamma", "kept", "mask", "versions")
 
     def __init__(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float) -> None:
         self.gamma = weakref.ref(gamma)
@@ -145,6 +185,7 @@ class _Decision:
         self.epoch = -1
         self.versions: tuple[int, int] | None = None
         self.kept: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         gamma = self.gamma()
@@ -164,6 +205,19 @@ def _versions(gamma: torch.Tensor, beta: torch.Tensor | None) -> tuple[int, int]
     return gamma._version, -1 if beta is None else beta._version
 
 
+def _hooked(model: nn.Module) -> bool:
+    """Whether a forward of ``model`` runs forward hooks or pre-hooks not memtrim's (which may write a norm's weight
+    through ``.data`` before the norm runs)."""
+    for hooks in (_global_hooks.get("_global_forward_pre_hooks"), _global_hooks.get("_global_forward_hooks")):
+        if hooks and not all(memtrims(h) for h in hooks.values()):
+            return True
+    return any(not memtrims(h) for m in model.modules() for hooks in (m._forward_pre_hooks, m._forward_hooks)
+               for h in hooks.values())
+
+
+_global_hooks = vars(torch.nn.modules.module)
+
+
 class DecidedTogether:
     """The keep decisions of one converted model's norms, made together once a forward (NOTE [ keep decisions made
     together ]). ``enter`` and ``leave`` are the model's forward pre-hook and (always called) forward hook."""
@@ -172,6 +226,7 @@ class DecidedTogether:
         self._lock = threading.Lock()
         self._epoch = 0
         self._decisions: dict[tuple[int, int, float], _Decision] = {}
+        self._alone = False  # (after a decision taken differed from the norm's own: NOTE above)
 
     def __getstate__(self) -> dict[str, Any]:  # (a pickled or copied model decides afresh)
         return {}
@@ -183,31 +238,44 @@ class DecidedTogether:
         if torch.compiler.is_compiling():
             return
         stack = _LOCAL.__dict__.setdefault("stack", [])
-        if plain_only():
-            stack.append((None, 0))  # (a forward whose norms run as torch's: nothing to decide)
+        frame = sys._getframe(1)  # the model's _call_impl
+        if self._alone or plain_only() or _hooked(module):
+            stack.append(_Open(None, 0, frame))  # its norms decide alone (or run as torch's: nothing to decide)
             return
         with self._lock:
             self._epoch += 1
-            stack.append((self, self._epoch))
+            stack.append(_Open(self, self._epoch, frame))
 
     def leave(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
         stack = getattr(_LOCAL, "stack", None)
-        if stack and stack[-1][0] in (self, None):
-            stack.pop()
+        if not stack or stack[-1].group not in (self, None):
+            return
+        top = stack.pop()
+        if top.differs and bool(torch.stack(top.differs).any()):  # (the second wait)
+            self._alone = True
+            raise ConvertError(
+                "memtrim.convert: a norm's weight changed during this forward of the converted model without its "
+                "version moving (a .data write in the model's own code), after the model's norms had decided "
+                "together which features keep their input (NOTE [ keep decisions made together ] in "
+                "memtrim/techniques/norms/_kernels.py). This forward's saved tensors cannot give torch's gradients, "
+                "so it is refused. Expected a norm's weight to change in place (which moves its version) or in a "
+                "forward hook; the model's norms now decide at each call: run this step again.")
 
-    def kept(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, epoch: int) -> torch.Tensor:
+    def kept(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, open_: _Open) -> torch.Tensor:
         """``keep_input_features(gamma, beta, None, floor)``, decided with the model's other norms."""
         key = (id(gamma), -1 if beta is None else id(beta), floor)
         with self._lock:
             found = self._decisions.get(key)
-            if found is not None and found.holds(epoch, gamma, beta):
-                assert found.kept is not None
+            if found is not None and found.holds(open_.epoch, gamma, beta):
+                assert found.kept is not None and found.mask is not None
+                # the decision this call would make, on the device, checked at the forward's end
+                open_.differs.append(_keep_mask(gamma, beta, None, floor).flatten().ne(found.mask).any())
                 return found.kept
             if found is None or not found.of(gamma, beta):
                 found = self._decisions[key] = _Decision(gamma, beta, floor)
-            self._decide(gamma.device, epoch)
+            self._decide(gamma.device, open_.epoch)
             assert found.kept is not None
             return found.kept
 
@@ -228,5 +296,5 @@ class DecidedTogether:
             end = start + mask.numel()
             mine = [i - start for i in indices if start <= i < end]
             decision.kept = (found[:0] if not mine else torch.tensor(mine, dtype=found.dtype, device=device))
-            decision.epoch, decision.versions = epoch, _versions(gamma, beta)
+            decision.mask, decision.epoch, decision.versions = mask, epoch, _versions(gamma, beta)
             start = end
