@@ -70,6 +70,7 @@ from ...measure.hooks import check_saved_version, hold_for_backward, tensors_in
 from .._bound import InstanceForward
 from .._generators import GeneratorDraws
 from .._modes import TrainingFlags, set_training_flags, training_flags
+from ..guards import plain_only, saves_checked
 from ..recompute import recipes_honoured
 
 _API = "memtrim.checkpoint_modules"
@@ -133,6 +134,9 @@ class CheckpointHandle:
     policy: str | None
     _modules: list[nn.Module] = field(default_factory=list, repr=False)
     _selective: Callable[[str], tuple[Any, Any]] | None = field(default=None, repr=False)
+    # convert's recomputed norms: their own forward under torch.compile and torch.func and inside a checkpointed
+    # region (which keeps the region's inputs alone; a recomputation of its own would run the norm a second time)
+    _steps_aside: bool = field(default=False, repr=False)
 
     def remove(self) -> None:
         """Undo: the modules run their own forward again (a second call does nothing)."""
@@ -490,6 +494,8 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
     handle: CheckpointHandle = self.__dict__[_MARK]
+    if handle._steps_aside and (plain_only() or not saves_checked()):
+        return inner(*args, **kwargs)
     if handle._selective is not None:
         _SELECTIVE_RAN.add(self)
     cache = _cache_argument(self, args, kwargs)
@@ -547,6 +553,14 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             "the modules after it."
         )
     return out
+
+
+def checkpoint_stepping_aside(model: nn.Module, name: str) -> CheckpointHandle:
+    """:func:`checkpoint_modules` of one submodule, whose own forward runs under torch.compile and torch.func and
+    inside a checkpointed region (``convert``'s recomputed norms)."""
+    handle = checkpoint_modules(model, [name])
+    handle._steps_aside = True
+    return handle
 
 
 def checkpoint_modules(model: nn.Module, modules: ModuleSelector, *, policy: Policy = None) -> CheckpointHandle:

@@ -35,6 +35,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ...proof.compare import bitwise_equal
+from ..checkpoint._core import _MARK as _CHECKPOINTED
+from ..checkpoint._core import checkpoint_stepping_aside
 from ..guards import autocasting, owner, plain_only, saves_checked
 from ..norms import NormKeepOutput
 from ..norms._kernels import HALF_PRECISION
@@ -251,6 +253,46 @@ def _expected(trace: ModelTrace, site: CallSite) -> tuple[int, bool]:
     return dropped - (0 if kept_after else big), kept_after
 
 
+RECOMPUTED_NORM = (
+    "its forward runs again in backward (memtrim.checkpoint_modules' checkpoint of the call: the weight the forward "
+    "read, version-checked; RNG state preserved), bitwise",
+    "its input is kept for the recomputation: an input changed in place between forward and backward raises "
+    "autograd's in-place error, where torch's module, keeping copies of it, would not need it",
+    "runs as its own forward under torch.compile and torch.func, without grad, and inside a checkpointed region "
+    "(HF gradient checkpointing), which keeps its inputs itself",
+)
+
+
+def _recomputed(ctx: Context, trace: ModelTrace, site: CallSite, why: str) -> Candidate:
+    """An RMSNorm the keep-output form cannot take (``why``: an upcast, half precision) recomputed in backward
+    instead, keeping its input (HF's Llama RMSNorm in bfloat16 keeps float32 copies of it besides its output); or the
+    skip with ``why`` where it cannot be, or would save nothing."""
+    from .recompute_rules import _kept_inside  # (that module imports this one)
+
+    module = site.module
+    sites = trace.sites_of(site.path)
+    acts = [k for k in site.inputs if trace.storages[k].kind != "parameter"]
+    hooks = ctx.user_hooks(module)
+    later = next((trace.site_name(op.site) for s in sites for op in trace.ops
+                  if op.time > s.end and set(op.writes) & set(acts)), None)
+    cannot = ("it takes more than one tensor" if len(acts) != 1 else
+              f"it has {', '.join(hooks)}, which a recomputation would run again" if hooks else
+              f"its input is changed in place after it (in {later or 'the top-level forward'}), and a recomputation "
+              "needs it as it was" if later is not None else
+              "it is checkpointed already" if _CHECKPOINTED in module.__dict__ or not site.path else None)
+    if cannot is not None:
+        return Candidate((site.path,), reason=f"{why}; not recomputed either: {cannot}", skip=True)
+    # the checkpoint keeps the input: a cost where nothing else keeps it
+    kept_anyway = any(trace.holders_outside(k, s) for k in acts for s in sites)
+    expected = _kept_inside(trace, site) - (0 if kept_anyway else sum(trace.storages[k].nbytes for k in acts))
+    if expected <= 0:
+        return Candidate((site.path,), reason=f"{why}; a recomputation would save nothing", skip=True)
+    return Candidate((site.path,), type(module).__name__, "recomputed in backward (checkpoint of the call)",
+                     reason=f"{why}: recomputed in backward instead", targets=(module,), expected_bytes=expected,
+                     limits=RECOMPUTED_NORM,
+                     apply=lambda: checkpoint_stepping_aside(ctx.model, site.path).remove)
+
+
 @register_rule("norm_by_behaviour")
 def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
     """LayerNorm / RMSNorm in any library's spelling, recognised by traced ops, keep their output."""
@@ -273,14 +315,17 @@ def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
             yield Candidate((site.path,), reason=f"{type(module).__name__} computes different things at its "
                                                  f"{len(sites)} calls", skip=True)
             continue
-        if any(o.name == "_to_copy" for s in sites for o in trace.ops_in(s, compute_only=False)):
-            yield Candidate((site.path,), reason=f"{type(module).__name__} computes in another dtype than its input "
-                                                 "(an upcast): its output would be a rounded copy of what backward "
-                                                 "needs (precision guard)", skip=True)
+        edited = ctx.edited(site.path)
+        if edited:
+            yield Candidate((site.path,), reason=edited, skip=True)
             continue
-        why = ctx.edited(site.path) or half_precision_guard(ctx, site.path, module, "keeping its output, it")
+        why = (f"{type(module).__name__} computes in another dtype than its input (an upcast): its output would be a "
+               "rounded copy of what backward needs (precision guard)"
+               if any(o.name == "_to_copy" for s in sites for o in trace.ops_in(s, compute_only=False))
+               else half_precision_guard(ctx, site.path, module, "keeping its output, it"))
         if why:
-            yield Candidate((site.path,), reason=why, skip=True)
+            yield _recomputed(ctx, trace, site, why) if kind == "rms" else Candidate((site.path,), reason=why,
+                                                                                       skip=True)
             continue
         expected = sum(_expected(trace, s)[0] for s in sites)
         if expected <= 0:

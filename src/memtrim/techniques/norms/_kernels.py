@@ -164,7 +164,7 @@ def _open_forward() -> _Open | None:
     stack = getattr(_LOCAL, "stack", None)
     while stack:
         top = stack[-1]
-        frame = sys._getframe(1)
+        frame: Any = sys._getframe(1)
         while frame is not None and frame is not top.frame:
             frame = frame.f_back
         if frame is not None:
