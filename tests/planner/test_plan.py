@@ -353,6 +353,33 @@ def test_an_optimizer_plan_refuses_what_it_cannot_see_or_rebuild(case):
         plan_of("offload_state").apply(model, optimizer)
 
 
+class _HutchinsonSGD(torch.optim.SGD):
+    """A second-order optimizer as timm's Adahessian is one: its step differentiates the gradients (a Hessian-vector
+    product; backward(create_graph=True))."""
+
+    is_second_order = True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        with torch.enable_grad():
+            hvp = torch.autograd.grad([p.grad for p in params], params, [torch.ones_like(p) for p in params])
+        for p, h in zip(params, hvp):
+            p.sub_(0.1 * p.grad / (h.abs() + 1.0))
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True:UserWarning")
+def test_offload_state_refuses_a_second_order_optimizer():
+    # found by an attack pass (timm's Adahessian): the host copies of the gradients have no graph, and the first step
+    # failed inside autograd ("appears to not have been used in the graph")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    optimizer = _HutchinsonSGD(model.parameters(), lr=0.1)
+    model(torch.randn(5, 8)).pow(2).sum().backward(create_graph=True)
+    optimizer.step()  # (it steps as it is)
+    with pytest.raises(MemtrimStateError, match="second-order optimizer"):
+        plan_of("offload_state").apply(model, optimizer)
+
+
 def test_parse_bytes():
     assert parse_bytes("24GiB") == 24 * 2**30
     assert parse_bytes("1.5 GB") == 1_500_000_000

@@ -225,6 +225,12 @@ def _offload_state(applied: Applied) -> list[str]:
     optimizer = applied.optimizer
     _applied_twice(optimizer, CPUOffloadOptimizer, "offload_state")
     _check_replaceable(optimizer, "offload_state")
+    if getattr(optimizer, "is_second_order", False):  # (timm's convention: Adahessian)
+        raise MemtrimStateError(
+            f"memtrim.Plan.apply: offload_state steps a host copy of this {type(optimizer).__name__} on host copies "
+            "of the gradients, which have no graph, but it is a second-order optimizer (is_second_order): its step "
+            "differentiates the gradients. Plan without offload_state (techniques=...)."
+        )
     groups = [dict(group) for group in optimizer.param_groups]  # every option of each group, with its params
     applied.optimizer = _rebuilt(optimizer, lambda **options: CPUOffloadOptimizer(
         groups, type(optimizer), host=applied.host, **options), "offload_state")
