@@ -253,7 +253,10 @@ class DecidedTogether:
         if not stack or stack[-1].group not in (self, None):
             return
         top = stack.pop()
-        if top.differs and bool(torch.stack(top.differs).any()):  # (the second wait)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}  # (one wait a device: a model split over two)
+        for flag in top.differs:
+            by_device.setdefault(flag.device, []).append(flag)
+        if any(bool(torch.stack(flags).any()) for flags in by_device.values()):  # (the second wait)
             self._alone = True
             raise ConvertError(
                 "memtrim.convert: a norm's weight changed during this forward of the converted model without its "
