@@ -275,7 +275,15 @@ def _recomputed(ctx: Context, trace: ModelTrace, site: CallSite, why: str) -> Ca
     hooks = ctx.user_hooks(module)
     later = next((trace.site_name(op.site) for s in sites for op in trace.ops
                   if op.time > s.end and set(op.writes) & set(acts)), None)
+    # the recomputation reads the module's weight as the forward left it (version-checked) and its numbers as the
+    # forward read them; a gain set on the module from outside (AdaLN's `self.norm.gain = ...`) it would read as
+    # backward finds it
+    own = {id(p.untyped_storage()) for p in module.parameters(recurse=False) if p.dim() == 1}
+    weighted = all(len(set(ops[-1].inputs) & own) == 1 and len(set(ops[-1].inputs) - own) == 1
+                   for ops in (trace.ops_in(s) for s in sites))
     cannot = ("it takes more than one tensor" if len(acts) != 1 else
+              "its last multiply is not by a 1-D parameter of its own (a gain set on it from outside), which a "
+              "recomputation would read as backward finds it" if not weighted else
               f"it has {', '.join(hooks)}, which a recomputation would run again" if hooks else
               f"its input is changed in place after it (in {later or 'the top-level forward'}), and a recomputation "
               "needs it as it was" if later is not None else

@@ -4,6 +4,7 @@ and the errors they raise are in :mod:`memtrim.techniques.guards`."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import weakref
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ...errors import ConvertError
 from ..guards import memtrims, plain_only
@@ -109,8 +111,9 @@ def _keep_mask(gamma: torch.Tensor, beta: torch.Tensor | None, extra: torch.Tens
 
 
 def _plain_tensors(*tensors: torch.Tensor | None) -> bool:
-    """Real tensors with values (no fake, meta or other subclass: those decide at each call, as before)."""
-    return all(t is None or (type(t) in (torch.Tensor, nn.Parameter) and not t.is_meta) for t in tensors)
+    """Tensors with values, or fake ones (a plan traces the same ops as the real step: NOTE [ known values in a
+    trace ]); meta tensors and other subclasses decide at each call."""
+    return all(t is None or (type(t) in (torch.Tensor, nn.Parameter, FakeTensor) and not t.is_meta) for t in tensors)
 
 
 # ---------------------------------------------------------------------- NOTE [ keep decisions made together ]
@@ -206,13 +209,24 @@ def _versions(gamma: torch.Tensor, beta: torch.Tensor | None) -> tuple[int, int]
 
 
 def _hooked(model: nn.Module) -> bool:
-    """Whether a forward of ``model`` runs forward hooks or pre-hooks not memtrim's (which may write a norm's weight
-    through ``.data`` before the norm runs)."""
+    """Whether a forward of ``model`` runs forward hooks or pre-hooks that may write a norm's weight through ``.data``
+    before the norm runs: any but memtrim's and transformers' own (which record outputs, or make the embeddings'
+    output need a gradient: ``enable_input_require_grads``; they stay on a model once a call asked for attentions)."""
     for hooks in (_global_hooks.get("_global_forward_pre_hooks"), _global_hooks.get("_global_forward_hooks")):
-        if hooks and not all(memtrims(h) for h in hooks.values()):
+        if hooks and not all(_trusted(h) for h in hooks.values()):
             return True
-    return any(not memtrims(h) for m in model.modules() for hooks in (m._forward_pre_hooks, m._forward_hooks)
+    return any(not _trusted(h) for m in model.modules() for hooks in (m._forward_pre_hooks, m._forward_hooks)
                for h in hooks.values())
+
+
+def _trusted(hook: Any) -> bool:
+    if memtrims(hook):
+        return True
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    found = getattr(hook, "__self__", None)
+    where = type(found).__module__ if found is not None else getattr(hook, "__module__", "") or ""
+    return where.startswith("transformers.")
 
 
 _global_hooks = vars(torch.nn.modules.module)
@@ -256,7 +270,9 @@ class DecidedTogether:
         by_device: dict[torch.device, list[torch.Tensor]] = {}  # (one wait a device: a model split over two)
         for flag in top.differs:
             by_device.setdefault(flag.device, []).append(flag)
-        if any(bool(torch.stack(flags).any()) for flags in by_device.values()):  # (the second wait)
+        found = [torch.stack(flags).any() for flags in by_device.values()]
+        # (a plan's trace has no values to read there, and makes the same tensors)
+        if any(not isinstance(f, FakeTensor) and bool(f) for f in found):  # (the second wait)
             self._alone = True
             raise ConvertError(
                 "memtrim.convert: a norm's weight changed during this forward of the converted model without its "
@@ -293,11 +309,9 @@ class DecidedTogether:
                 todo.append((decision, *tensors))
         masks = [_keep_mask(gamma, beta, None, d.floor).flatten() for d, gamma, beta in todo]
         found = torch.cat(masks).nonzero().flatten()  # the one wait
-        indices = found.tolist() if found.numel() else []
-        start = 0
         for (decision, gamma, beta), mask in zip(todo, masks):
-            end = start + mask.numel()
-            mine = [i - start for i in indices if start <= i < end]
-            decision.kept = (found[:0] if not mine else torch.tensor(mine, dtype=found.dtype, device=device))
+            # where no feature keeps its input (what trained weights mostly give), none of this norm's does; else
+            # each norm gathers its own, one wait each (their counts, read from the values, a plan's trace may not
+            # know: NOTE [ known values ] in planner/_values.py; it knows the shapes nonzero gives)
+            decision.kept = found[:0] if found.numel() == 0 else mask.nonzero().flatten()
             decision.mask, decision.epoch, decision.versions = mask, epoch, _versions(gamma, beta)
-            start = end
