@@ -52,7 +52,6 @@ precision: other bits than the plain loop's.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import weakref
@@ -71,8 +70,7 @@ from ...measure.hooks import check_saved_version, hold_for_backward, tensors_in
 from .._bound import InstanceForward
 from .._generators import GeneratorDraws
 from .._modes import TrainingFlags, set_training_flags, training_flags
-from ..guards import plain_only, saves_checked
-from ..recompute import kept_as_sources, recipes_honoured
+from ..recompute import recipes_honoured
 
 _API = "memtrim.checkpoint_modules"
 _MARK = "_memtrim_checkpointed"  # instance attribute: the CheckpointHandle
@@ -135,9 +133,6 @@ class CheckpointHandle:
     policy: str | None
     _modules: list[nn.Module] = field(default_factory=list, repr=False)
     _selective: Callable[[str], tuple[Any, Any]] | None = field(default=None, repr=False)
-    # convert's recomputed norms: their own forward under torch.compile and torch.func and inside a checkpointed
-    # region (which keeps the region's inputs alone; a recomputation of its own would run the norm a second time)
-    _steps_aside: bool = field(default=False, repr=False)
 
     def remove(self) -> None:
         """Undo: the modules run their own forward again (a second call does nothing)."""
@@ -344,7 +339,6 @@ class _Recompute:
         # reusing one output) changes them; the recomputation must read what the forward read, or raise as autograd
         # does (for the modules it calls: a module registered inside but called outside it is not read again)
         self.params: list[tuple[nn.Module, str, Any, int]] = []
-        self.settings: list[tuple[nn.Module, str, Any]] = []  # (set by _context_fn for convert's recomputed norms)
         self.swapped: list[tuple[list[tuple[dict[str, Any], str, Any]], GeneratorDraws, TrainingFlags,
                                  list[torch.Tensor]]] = []
 
@@ -377,9 +371,6 @@ class _Recompute:
             if now is not param:  # functional_call's tensors, put back since: the forward's again for the recompute
                 swapped.append((sub._parameters, name, now))
                 sub._parameters[name] = param
-        for sub, key, value in self.settings:
-            swapped.append((vars(sub), key, vars(sub).get(key)))
-            vars(sub)[key] = value
         for sub, name, value in self.snapshot:
             original = sub._buffers[name]
             assert original is not None  # the snapshot lists buffers that are set
@@ -445,8 +436,7 @@ class _Forward:
             self.owner.draws.__exit__(*exc)
 
 
-def _context_fn(module: nn.Module, selective: Callable[[str], tuple[Any, Any]] | None,
-                settings: bool = False) -> Callable[[], Any]:
+def _context_fn(module: nn.Module, selective: Callable[[str], tuple[Any, Any]] | None) -> Callable[[], Any]:
     def contexts() -> tuple[_Forward, _Recompute]:
         with torch.no_grad():
             snapshot = {id(b): b.clone() for sub in module.modules() for b in sub._buffers.values() if b is not None}
@@ -456,10 +446,6 @@ def _context_fn(module: nn.Module, selective: Callable[[str], tuple[Any, Any]] |
         draws = GeneratorDraws(f"{_API}: {type(module).__name__}", "leave this module out of checkpoint_modules",
                                InvalidInputError)
         owner = _Recompute(entries, recompute, draws, module)
-        if settings:  # convert's recomputed norms: the numbers the forward read (an eps set between calls)
-            owner.settings = [(sub, key, value) for sub in module.modules() for key, value in vars(sub).items()
-                              if type(value) in (int, float, bool, str) and not key.startswith("_")
-                              and key != "training"]
         return _Forward(forward, owner), owner
 
     return contexts
@@ -504,8 +490,6 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
     handle: CheckpointHandle = self.__dict__[_MARK]
-    if handle._steps_aside and (plain_only() or not saves_checked()):
-        return inner(*args, **kwargs)
     if handle._selective is not None:
         _SELECTIVE_RAN.add(self)
     cache = _cache_argument(self, args, kwargs)
@@ -550,11 +534,9 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return inner(*call_args, **call_kwargs)
 
     versions = [t._version for t in inputs]
-    # torch saves the inputs for the recomputation: a recomputable one keeps its recipe (convert's recomputed norms:
-    # kept where torch's own module keeps copies instead, and a change in place is reported as such)
-    with recipes_honoured(), kept_as_sources() if handle._steps_aside else contextlib.nullcontext():
+    with recipes_honoured():  # torch saves the inputs for the recomputation: a recomputable one keeps its recipe
         out = tuc.checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=True,
-                             context_fn=_context_fn(self, handle._selective, handle._steps_aside))
+                             context_fn=_context_fn(self, handle._selective))
     if any(t._version != v for t, v in zip(inputs, versions)):
         # torch saved the input for the recomputation: its backward would fail with autograd's in-place error
         name = _name(self, handle)
@@ -565,14 +547,6 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             "the modules after it."
         )
     return out
-
-
-def checkpoint_stepping_aside(model: nn.Module, name: str) -> CheckpointHandle:
-    """:func:`checkpoint_modules` of one submodule, whose own forward runs under torch.compile and torch.func and
-    inside a checkpointed region (``convert``'s recomputed norms)."""
-    handle = checkpoint_modules(model, [name])
-    handle._steps_aside = True
-    return handle
 
 
 def checkpoint_modules(model: nn.Module, modules: ModuleSelector, *, policy: Policy = None) -> CheckpointHandle:
@@ -612,13 +586,6 @@ def checkpoint_modules(model: nn.Module, modules: ModuleSelector, *, policy: Pol
                                 "Pass the model whose submodules to checkpoint.")
     chosen = _select(model, modules)
     done = [n for n, m in chosen if _MARK in m.__dict__]
-    by_convert = [n for n, m in chosen if n in done and m.__dict__[_MARK]._steps_aside]
-    if by_convert:
-        raise MemtrimStateError(
-            f"{_API}: expected modules not checkpointed yet; found {by_convert!r} recomputed in backward by "
-            "memtrim.convert already (norms it could not make keep their output). Leave them out of the selection: "
-            "they keep only their input already."
-        )
     if done:
         raise MemtrimStateError(
             f"{_API}: expected modules not checkpointed yet; found {done!r} checkpointed already. Call .remove() "

@@ -8,7 +8,10 @@ of the module is an RMSNorm (HF ``LlamaRMSNorm`` and its copies in Mistral/Qwen/
 becomes a norm that keeps its output (NOTE [ norms that keep their output ] in norms/keep_output.py) when its
 output is kept by a later op anyway (else it would save nothing), it computes in its input's dtype (an upcast,
 as in a bfloat16 Llama, would make the output a rounded copy of what backward needs: precision guard) and its
-weights are not float16 or bfloat16 (NOTE [ norms in half precision ] in norms/_kernels.py). A LayerNorm
+weights are not float16 or bfloat16 (NOTE [ norms in half precision ] in norms/_kernels.py). An RMSNorm that cannot
+for those two reasons is recomputed in backward instead where it keeps more than its input (HF's Llama RMSNorm in
+bfloat16 keeps float32 copies of it): ``_Recomputed`` keeps the input and the weight and runs the module's own
+forward again, with the weight and the numbers the forward read, bitwise. A LayerNorm
 whose output only later call sites keep is decided before, by ``layer_norm_consumer`` (NOTE [ recompute rules ]):
 it stays torch's own, bitwise.
 
@@ -36,8 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from ...proof.compare import bitwise_equal
 from ..checkpoint._core import _MARK as _CHECKPOINTED
-from ..checkpoint._core import checkpoint_stepping_aside
-from ..guards import autocasting, owner, plain_only, saves_checked
+from ..guards import autocasting, no_double_backward, owner, plain_only, saves_checked
 from ..norms import NormKeepOutput
 from ..norms._kernels import HALF_PRECISION
 from .builtin import KEEP_OUTPUT_FORMS, NO_AUTOCAST, NO_DOUBLE_BACKWARD, REBUILT_INPUT, half_precision_guard
@@ -96,6 +98,17 @@ def _form(base: type[nn.Module], kind: str) -> type:
                 return base.forward(self, *args, **kwargs)
             with _LayerNormKeepsOutput(self):
                 return base.forward(self, *args, **kwargs)
+    elif kind == "recomputed":
+        name = f"Recomputed{base.__name__}"
+
+        def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            x = args[0] if args else next(iter(kwargs.values()), None)
+            weight = getattr(self, cast(str, self.memtrim_weight))
+            if (not isinstance(x, torch.Tensor) or len(args) + len(kwargs) != 1 or not torch.is_grad_enabled()
+                    or plain_only() or not saves_checked() or autocasting(x)
+                    or not (x.requires_grad or weight.requires_grad)):
+                return base.forward(self, *args, **kwargs)
+            return _Recomputed.apply(x, weight, self, partial(base.forward, self), _settings(self))
     else:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             weight_name, eps = cast("tuple[str, float]", self.memtrim_rms)
@@ -111,10 +124,13 @@ def _form(base: type[nn.Module], kind: str) -> type:
             return NormKeepOutput.apply(x, weight, None, tuple(weight.shape), eps, "rms",
                                          getattr(self, "gamma_threshold", 0.0), owner(self))
 
-    doc = (f"{base.__qualname__} keeping its output instead of its input (made by memtrim.convert; see NOTE [ norms "
-           "by behaviour ] in memtrim/techniques/convert/norms.py).")
+    doc = (f"{base.__qualname__} "
+           f"{'recomputed in backward from its input' if kind == 'recomputed' else 'keeping its output'} instead of "
+           "what it keeps (made by memtrim.convert; see NOTE [ norms by behaviour ] in "
+           "memtrim/techniques/convert/norms.py).")
     form = type(name, (base,), {"forward": forward, "__doc__": doc, "__module__": __name__, "__qualname__": name,
-                                "memtrim_keep_decisions": True})  # (NOTE [ keep decisions made together ])
+                                # (NOTE [ keep decisions made together ])
+                                "memtrim_keep_decisions": kind != "recomputed"})
     _FORMS[(base, kind)] = form
     globals().setdefault(name, form)
     return form
@@ -147,6 +163,46 @@ def _settings_changed(module: nn.Module) -> bool:
                           stacklevel=3)
             return True
     return False
+
+
+class _Recomputed(torch.autograd.Function):
+    """A norm's own forward, keeping its input and weight (autograd checks their versions) instead of what its ops
+    keep; backward runs the forward again on them, with the weight and the numbers (its eps) the forward read, and
+    differentiates it: the same ops on the same values, so torch's gradients bit for bit. No second derivative
+    (``no_double_backward``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, module: nn.Module, run: Any,
+                settings: tuple[tuple[str, Any], ...]) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.module, ctx.run, ctx.settings, ctx.owner = module, run, settings, owner(module)
+        return run(x)
+
+    @staticmethod
+    @no_double_backward
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x, weight = ctx.saved_tensors
+        module, name = ctx.module, cast(str, ctx.module.memtrim_weight)
+        leaves = (x.detach().requires_grad_(ctx.needs_input_grad[0]),
+                  weight.detach().requires_grad_(ctx.needs_input_grad[1]))
+        state = vars(module)
+        held, now = module._parameters[name], [(k, state.get(k)) for k, _ in ctx.settings]
+        module._parameters[name] = leaves[1]  # (functional_call's fast weight, or one the module holds no more)
+        state.update(ctx.settings)
+        try:
+            with torch.enable_grad():
+                out = ctx.run(leaves[0])
+        finally:
+            module._parameters[name] = held
+            state.update(now)
+        wanted = [t for t in leaves if t.requires_grad]
+        found = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        return (*(next(found) if t.requires_grad else None for t in leaves), None, None, None)
+
+
+def recomputed_form(base: type[nn.Module]) -> type:
+    """The subclass of an RMSNorm-like class ``base`` recomputed in backward (needs ``memtrim_weight``)."""
+    return _form(base, "recomputed")
 
 
 def rms_norm_form(base: type[nn.Module]) -> type:
@@ -254,12 +310,13 @@ def _expected(trace: ModelTrace, site: CallSite) -> tuple[int, bool]:
 
 
 RECOMPUTED_NORM = (
-    "its forward runs again in backward (memtrim.checkpoint_modules' checkpoint of the call: the weight the forward "
-    "read, version-checked; RNG state preserved), bitwise",
+    "its forward runs again in backward on its kept input, with the weight and the numbers the forward read (the "
+    "weight version-checked), bitwise",
     "its input is kept for the recomputation: an input changed in place between forward and backward raises "
     "autograd's in-place error, where torch's module, keeping copies of it, would not need it",
-    "runs as its own forward under torch.compile and torch.func, without grad, and inside a checkpointed region "
-    "(HF gradient checkpointing), which keeps its inputs itself",
+    NO_DOUBLE_BACKWARD,
+    "runs as its own forward under torch.compile, torch.func and autocast, without grad, and inside a checkpointed "
+    "region (HF gradient checkpointing), which keeps its inputs itself",
 )
 
 
@@ -287,7 +344,8 @@ def _recomputed(ctx: Context, trace: ModelTrace, site: CallSite, why: str) -> Ca
               f"it has {', '.join(hooks)}, which a recomputation would run again" if hooks else
               f"its input is changed in place after it (in {later or 'the top-level forward'}), and a recomputation "
               "needs it as it was" if later is not None else
-              "it is checkpointed already" if _CHECKPOINTED in module.__dict__ or not site.path else None)
+              "it is checkpointed already" if _CHECKPOINTED in module.__dict__ else
+              "it has buffers, which a recomputation would read as backward finds them" if module._buffers else None)
     if cannot is not None:
         return Candidate((site.path,), reason=f"{why}; not recomputed either: {cannot}", skip=True)
     # the checkpoint keeps the input: a cost where nothing else keeps it
@@ -295,10 +353,12 @@ def _recomputed(ctx: Context, trace: ModelTrace, site: CallSite, why: str) -> Ca
     expected = _kept_inside(trace, site) - (0 if kept_anyway else sum(trace.storages[k].nbytes for k in acts))
     if expected <= 0:
         return Candidate((site.path,), reason=f"{why}; a recomputation would save nothing", skip=True)
-    return Candidate((site.path,), type(module).__name__, "recomputed in backward (checkpoint of the call)",
+    weight = next(n for n, p in module.named_parameters(recurse=False) if id(p.untyped_storage()) in own)
+    target = recomputed_form(type(module))
+    return Candidate((site.path,), type(module).__name__, f"recomputed in backward ({target.__name__})",
                      reason=f"{why}: recomputed in backward instead", targets=(module,), expected_bytes=expected,
-                     limits=RECOMPUTED_NORM,
-                     apply=lambda: checkpoint_stepping_aside(ctx.model, site.path).remove)
+                     limits=RECOMPUTED_NORM, apply=partial(class_swap, module, target, memtrim_weight=weight,
+                                                           memtrim_owner=label((site.path,), "a recomputed norm")))
 
 
 @register_rule("norm_by_behaviour")

@@ -6,7 +6,6 @@ from ...errors import ConvertError
 from ._core import (
     Recipe,
     is_recomputable,
-    kept_as_sources,
     mark_recomputable,
     producing,
     recipe_of,
@@ -26,6 +25,6 @@ from ._sites import (
 
 __all__ = [
     "LIMITS", "ConvertError", "Handle", "PassThroughReLU", "Recipe", "checkpoint_call", "is_recomputable",
-    "keep_recipes_in", "kept_as_sources", "mark_recomputable", "producing", "recipe_of", "recipes_honoured",
-    "recompute_gated_mlp", "recompute_op_output", "recompute_output", "recompute_sum",
+    "keep_recipes_in", "mark_recomputable", "producing", "recipe_of", "recipes_honoured", "recompute_gated_mlp",
+    "recompute_op_output", "recompute_output", "recompute_sum",
 ]

@@ -57,8 +57,7 @@ from ..guards import RECOMPUTE_HOOKS, memtrims, plain_only, saves_checked
 
 __all__ = [
     "Recipe", "enter_consumer_scope", "entry_of", "exit_consumer_scope", "exit_if_on_top", "is_recomputable",
-    "kept_as_sources", "mark_recomputable", "producing", "recipe_of", "recipes_honoured", "register", "source_of",
-    "tag_output",
+    "mark_recomputable", "producing", "recipe_of", "recipes_honoured", "register", "source_of", "tag_output",
 ]
 
 
@@ -591,33 +590,14 @@ def _outer_of(top: Any) -> Any:
     return getattr(top[0], _MARK, top)
 
 
-_SOURCES = threading.local()  # .on: what is kept now is kept to recompute from (kept_as_sources)
-
-
-def kept_as_sources() -> Any:
-    """Inside: what the hooks here keep is kept for a recomputation memtrim chose (convert's recomputed norms), which
-    torch's own module need not keep: a change in place is reported as such, not as autograd's own check."""
-    return _SourcesOn()
-
-
-class _SourcesOn:
-    def __enter__(self) -> None:
-        self.before = getattr(_SOURCES, "on", False)
-        _SOURCES.on = True
-
-    def __exit__(self, *exc: Any) -> None:
-        _SOURCES.on = self.before
-
-
 def _consumer_pack(outer: Any) -> Callable[[torch.Tensor], Any]:
     def pack(tensor: torch.Tensor) -> Any:
-        source = getattr(_SOURCES, "on", False)
         if type(tensor) is torch.nn.Parameter:  # a consumer's weight: never a producer's output, kept as itself
-            return _keep(tensor, outer, "memtrim's recompute hooks", source)
+            return _keep(tensor, outer, "memtrim's recompute hooks")
         handle = _handle_of(tensor, outer)
         if handle is not None:
             return handle
-        return _keep(tensor, outer, "memtrim's recompute hooks", source)
+        return _keep(tensor, outer, "memtrim's recompute hooks")
 
     setattr(pack, _MARK, outer)
     return pack
