@@ -438,6 +438,29 @@ def test_a_recomputed_rmsnorms_input_changed_before_backward_raises_autograds_er
     assert "without memtrim" not in str(raised.value)
 
 
+class WatchingRMSNorm(UpcastingRMSNorm):
+    """Records, at each forward, what its original module holds as its weight (what another thread's forward of it
+    would read)."""
+
+    def forward(self, h):
+        self.seen.append(type(self.original._parameters["weight"]))
+        return super().forward(h)
+
+
+def test_a_recomputed_rmsnorm_leaves_the_module_alone_in_backward():
+    # the recomputation swapped the module's weight for a detached leaf while it ran: another thread's forward of the
+    # same model in that moment would have read the leaf, and its weight's gradient would have been lost
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), WatchingRMSNorm(16), nn.Linear(16, 16)).to(torch.bfloat16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    vars(model[1]).update(seen=[], original=model[1])  # (not registered as a submodule of itself)
+    converted, report = memtrim.convert(model, example_inputs=(x,))
+    assert [c.modules for c in report.changes] == [("1",)], str(report)
+    converted[1].seen.clear()
+    converted(x).float().square().mean().backward()
+    assert converted[1].seen == [nn.Parameter, nn.Parameter]  # the forward and its recomputation
+
+
 def test_a_recomputed_rmsnorm_inside_checkpointed_blocks_trains_bitwise():
     # checkpoint_modules on the blocks after convert: inside a checkpointed region the norm runs its own forward
     plain = upcast_model()

@@ -108,7 +108,7 @@ def _form(base: type[nn.Module], kind: str) -> type:
                     or plain_only() or not saves_checked() or autocasting(x)
                     or not (x.requires_grad or weight.requires_grad)):
                 return base.forward(self, *args, **kwargs)
-            return _Recomputed.apply(x, weight, self, partial(base.forward, self), _settings(self))
+            return _Recomputed.apply(x, weight, self, base.forward, _settings(self))
     else:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             weight_name, eps = cast("tuple[str, float]", self.memtrim_rms)
@@ -176,7 +176,7 @@ class _Recomputed(torch.autograd.Function):
                 settings: tuple[tuple[str, Any], ...]) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.module, ctx.run, ctx.settings, ctx.owner = module, run, settings, owner(module)
-        return run(x)
+        return run(module, x)
 
     @staticmethod
     @no_double_backward
@@ -185,16 +185,13 @@ class _Recomputed(torch.autograd.Function):
         module, name = ctx.module, cast(str, ctx.module.memtrim_weight)
         leaves = (x.detach().requires_grad_(ctx.needs_input_grad[0]),
                   weight.detach().requires_grad_(ctx.needs_input_grad[1]))
-        state = vars(module)
-        held, now = module._parameters[name], [(k, state.get(k)) for k, _ in ctx.settings]
-        module._parameters[name] = leaves[1]  # (functional_call's fast weight, or one the module holds no more)
-        state.update(ctx.settings)
-        try:
-            with torch.enable_grad():
-                out = ctx.run(leaves[0])
-        finally:
-            module._parameters[name] = held
-            state.update(now)
+        # the forward again on a stand-in of the module (its attributes, the weight and numbers the forward read): the
+        # module itself is left alone, so another thread's forward of it reads its own weight meanwhile
+        stand_in = object.__new__(type(module))
+        vars(stand_in).update(vars(module))
+        vars(stand_in).update(ctx.settings, _parameters={**module._parameters, name: leaves[1]})
+        with torch.enable_grad():
+            out = ctx.run(stand_in, leaves[0])
         wanted = [t for t in leaves if t.requires_grad]
         found = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
         return (*(next(found) if t.requires_grad else None for t in leaves), None, None, None)
