@@ -461,6 +461,39 @@ def test_a_recomputed_rmsnorm_leaves_the_module_alone_in_backward():
     assert converted[1].seen == [nn.Parameter, nn.Parameter]  # the forward and its recomputation
 
 
+class Doubled(nn.Module):
+    def forward(self, x):
+        return x * 2.0
+
+
+def test_a_recomputed_rmsnorm_cast_or_parametrized_after_convert_runs_its_own_forward():
+    # found by an adversarial pass: converted in bfloat16, then model.float(), the upcast is no copy and the input
+    # feeds two ops, whose gradients autograd adds in another order than the recomputation (6e-5 off after 2 steps);
+    # a parametrization registered after convert failed with a KeyError in backward. Both run the module's own forward
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    for change in ("float", "parametrize"):
+        plain = upcast_model()
+        converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
+        assert len(report.changes) == 2, str(report)
+        if change == "float":
+            plain, converted, batch = plain.float(), converted.float(), x.float()
+        else:
+            batch = x
+            for model in (plain, converted):
+                torch.nn.utils.parametrize.register_parametrization(model[1].norm, "weight", Doubled())
+        train_both(plain, converted, batch=lambda batch=batch: {"input": batch},
+                   loss=lambda out: out.float().square().mean())
+
+
+def test_a_recomputed_rmsnorm_refuses_a_second_derivative_saying_what_it_does():
+    plain = upcast_model()
+    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+    converted, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=(x.detach(),))
+    (grad,) = torch.autograd.grad(converted(x).float().square().sum(), x, create_graph=True)
+    with pytest.raises(memtrim.ConvertError, match="keeps its input and runs its forward again in backward"):
+        grad.float().square().sum().backward()
+
+
 def test_a_recomputed_rmsnorm_inside_checkpointed_blocks_trains_bitwise():
     # checkpoint_modules on the blocks after convert: inside a checkpointed region the norm runs its own forward
     plain = upcast_model()

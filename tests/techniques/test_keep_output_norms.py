@@ -184,19 +184,19 @@ def test_convert_leaves_half_precision_norms_torchs_by_the_precision_guard():
     # the norms keeping their output lose a weight gradient's bits where its sum cancels in half precision (NOTE
     # [ norms in half precision ]): in a bfloat16 model convert swapped torch's nn.RMSNorm and the norms by behaviour
     # for their keep-output forms (and a bfloat16 BatchNorm + LeakyReLU: tests/techniques/test_norm_act.py). They
-    # stay torch's now, each skipped with its reason, and the model trains bitwise; the RMSNorm recognised by its ops
-    # is recomputed in backward instead (its input kept, bitwise), the others are left torch's
+    # stay torch's now, each skipped with its reason, and the model trains bitwise. The RMSNorm recognised by its ops
+    # is not recomputed either: two of its ops read its input (an adversarial pass found the recomputation's one
+    # gradient for them added in another order than autograd adds theirs: 0.027 off after 3 steps)
     torch.manual_seed(0)
     plain = _ThreeNorms().to(torch.bfloat16)
     x = torch.randn(8, 16, dtype=torch.bfloat16)
     converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=x)
-    assert [(c.modules, c.after) for c in report.changes] == [(("like",), "recomputed in backward "
-                                                                          "(Recomputed_RMSNormLike)")], str(report)
-    assert report.bitwise
-    for name in ("rms", "ln"):
+    assert not report.changes, str(report)
+    for name in ("rms", "like", "ln"):
         reasons = [s.reason for s in report.skipped if name in s.modules]
         assert any("precision guard" in r and "bfloat16" in r for r in reasons), (name, str(report))
-    assert activation_bytes(plain, x) - activation_bytes(converted, x) == report.changes[0].bytes_saved > 0
+    assert "2 of its ops read its input" in next(s.reason for s in report.skipped if s.modules == ("like",))
+    assert activation_bytes(converted, x) == activation_bytes(plain, x)
     assert all(torch.equal(a, b) for a, b in zip(_outputs_and_grads(plain, x), _outputs_and_grads(converted, x)))
 
 

@@ -364,7 +364,8 @@ def no_double_backward(backward: Callable[..., tuple]) -> Callable[..., tuple]:
         found = ("a vmapped backward with create_graph=True (autograd.grad(is_grads_batched=True), jacobian or "
                  "hessian with vectorize=True), which hides the gradient's graph from memtrim: its second-order "
                  "terms would be lost" if vmapped else "a backward through its gradient")
-        message = (f"memtrim: {ctx.owner} rebuilds its input from its output in backward, so it has no second "
+        what = getattr(ctx, "rebuilds", "rebuilds its input from its output")  # (what ``ctx`` says it does instead)
+        message = (f"memtrim: {ctx.owner} {what} in backward, so it has no second "
                    "derivative (double backward: create_graph=True followed by a backward through the gradient, "
                    f"as in a gradient penalty). Expected a single backward; found {found}. "
                    "To fix: leave this module out of memtrim.convert (module_filter), or use torch's module here.")

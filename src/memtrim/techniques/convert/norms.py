@@ -103,10 +103,13 @@ def _form(base: type[nn.Module], kind: str) -> type:
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             x = args[0] if args else next(iter(kwargs.values()), None)
-            weight = getattr(self, cast(str, self.memtrim_weight))
-            if (not isinstance(x, torch.Tensor) or len(args) + len(kwargs) != 1 or not torch.is_grad_enabled()
-                    or plain_only() or not saves_checked() or autocasting(x)
-                    or not (x.requires_grad or weight.requires_grad)):
+            # its weight is the module's own parameter (not a parametrization registered since), and the input has
+            # the dtype convert traced (after model.float(), the upcast is no copy: the input feeds two ops, whose
+            # gradients autograd adds in another order than the recomputation would)
+            weight = self._parameters.get(cast(str, self.memtrim_weight))
+            if (weight is None or not isinstance(x, torch.Tensor) or x.dtype != self.memtrim_dtype
+                    or len(args) + len(kwargs) != 1 or not torch.is_grad_enabled() or plain_only()
+                    or not saves_checked() or autocasting(x) or not (x.requires_grad or weight.requires_grad)):
                 return base.forward(self, *args, **kwargs)
             return _Recomputed.apply(x, weight, self, base.forward, _settings(self))
     else:
@@ -176,6 +179,7 @@ class _Recomputed(torch.autograd.Function):
                 settings: tuple[tuple[str, Any], ...]) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.module, ctx.run, ctx.settings, ctx.owner = module, run, settings, owner(module)
+        ctx.rebuilds = "keeps its input and runs its forward again"  # (no_double_backward's message)
         return run(module, x)
 
     @staticmethod
@@ -335,7 +339,15 @@ def _recomputed(ctx: Context, trace: ModelTrace, site: CallSite, why: str) -> Ca
     own = {id(p.untyped_storage()) for p in module.parameters(recurse=False) if p.dim() == 1}
     weighted = all(len(set(ops[-1].inputs) & own) == 1 and len(set(ops[-1].inputs) - own) == 1
                    for ops in (trace.ops_in(s) for s in sites))
-    cannot = ("it takes more than one tensor" if len(acts) != 1 else
+    # autograd adds the gradients of an input two ops read inside the norm before the one from outside; the
+    # recomputation hands back their sum, added after it: another rounding (T5's LayerNorm, an RMSNorm in bfloat16
+    # that does not upcast). One reader (HF's Llama upcast: the float32 copy reads it) gives the same sum
+    # (detaches left out: the trace's own saves make them)
+    readers = max((sum(1 for o in trace.ops_in(s, compute_only=False)
+                       if o.name != "detach" and set(o.inputs) & set(acts)) for s in sites), default=0)
+    cannot = ("it takes more than one tensor" if len(acts) != 1 or len(site.input_dtypes) != 1 else
+              f"{readers} of its ops read its input, whose gradients the recomputation would add in another order"
+              if readers != 1 else
               "its last multiply is not by a 1-D parameter of its own (a gain set on it from outside), which a "
               "recomputation would read as backward finds it" if not weighted else
               f"it has {', '.join(hooks)}, which a recomputation would run again" if hooks else
@@ -355,6 +367,7 @@ def _recomputed(ctx: Context, trace: ModelTrace, site: CallSite, why: str) -> Ca
     return Candidate((site.path,), type(module).__name__, f"recomputed in backward ({target.__name__})",
                      reason=f"{why}: recomputed in backward instead", targets=(module,), expected_bytes=expected,
                      limits=RECOMPUTED_NORM, apply=partial(class_swap, module, target, memtrim_weight=weight,
+                                                           memtrim_dtype=site.input_dtypes[0],
                                                            memtrim_owner=label((site.path,), "a recomputed norm")))
 
 
