@@ -485,6 +485,24 @@ def test_a_recomputed_rmsnorm_cast_or_parametrized_after_convert_runs_its_own_fo
                    loss=lambda out: out.float().square().mean())
 
 
+class SpareFirstRMSNorm(UpcastingRMSNorm):
+    """A 1-D parameter it does not use, registered before its weight."""
+
+    def __init__(self, n):
+        nn.Module.__init__(self)
+        self.spare = nn.Parameter(torch.zeros(n))
+        self.weight, self.eps = nn.Parameter(torch.randn(n)), 1e-6
+
+
+def test_a_recomputed_rmsnorm_recomputes_with_the_parameter_it_multiplies_by():
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), SpareFirstRMSNorm(16), nn.Linear(16, 16)).to(torch.bfloat16)
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
+    assert [c.modules for c in report.changes] == [("1",)] and converted[1].memtrim_weight == "weight", str(report)
+    train_both(plain, converted, batch=lambda: {"input": x}, loss=lambda out: out.float().square().mean())
+
+
 def test_a_recomputed_rmsnorm_refuses_a_second_derivative_saying_what_it_does():
     plain = upcast_model()
     x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)

@@ -357,12 +357,13 @@ def _recomputed(ctx: Context, trace: ModelTrace, site: CallSite, why: str) -> Ca
               "it has buffers, which a recomputation would read as backward finds them" if module._buffers else None)
     if cannot is not None:
         return Candidate((site.path,), reason=f"{why}; not recomputed either: {cannot}", skip=True)
-    # the checkpoint keeps the input: a cost where nothing else keeps it
+    # the recomputation keeps the input: a cost where nothing else keeps it
     kept_anyway = any(trace.holders_outside(k, s) for k in acts for s in sites)
     expected = _kept_inside(trace, site) - (0 if kept_anyway else sum(trace.storages[k].nbytes for k in acts))
     if expected <= 0:
         return Candidate((site.path,), reason=f"{why}; a recomputation would save nothing", skip=True)
-    weight = next(n for n, p in module.named_parameters(recurse=False) if id(p.untyped_storage()) in own)
+    multiplied = set(trace.ops_in(site)[-1].inputs) & own  # (the one parameter the last multiply reads)
+    weight = next(n for n, p in module.named_parameters(recurse=False) if id(p.untyped_storage()) in multiplied)
     target = recomputed_form(type(module))
     return Candidate((site.path,), type(module).__name__, f"recomputed in backward ({target.__name__})",
                      reason=f"{why}: recomputed in backward instead", targets=(module,), expected_bytes=expected,
