@@ -31,13 +31,18 @@ __all__ = [
 ]
 
 
-def memtrims(hook: Any) -> bool:
-    """Whether ``hook`` is one of memtrim's own (a function, bound method or partial of one defined in memtrim)."""
+def defined_in(hook: Any, package: str) -> bool:
+    """Whether ``hook`` (a function, bound method or partial of one) is defined in ``package``."""
     while isinstance(hook, functools.partial):
         hook = hook.func
     found = getattr(hook, "__self__", None)
     where = type(found).__module__ if found is not None else getattr(hook, "__module__", "") or ""
-    return where == "memtrim" or where.startswith("memtrim.")
+    return where == package or where.startswith(package + ".")
+
+
+def memtrims(hook: Any) -> bool:
+    """Whether ``hook`` is one of memtrim's own (a function, bound method or partial of one defined in memtrim)."""
+    return defined_in(hook, "memtrim")
 
 
 # ---------------------------------------------------------------------- where the modules step aside

@@ -4,7 +4,6 @@ and the errors they raise are in :mod:`memtrim.techniques.guards`."""
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 import weakref
@@ -16,7 +15,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from ...errors import ConvertError
-from ..guards import memtrims, plain_only
+from ..guards import defined_in, memtrims, plain_only
 
 __all__ = ["CACHE_SIZE", "HALF_PRECISION", "KEEP_BOUND", "DecidedTogether", "keep_input_features", "zeros_and_ones"]
 
@@ -220,13 +219,7 @@ def _hooked(model: nn.Module) -> bool:
 
 
 def _trusted(hook: Any) -> bool:
-    if memtrims(hook):
-        return True
-    while isinstance(hook, functools.partial):
-        hook = hook.func
-    found = getattr(hook, "__self__", None)
-    where = type(found).__module__ if found is not None else getattr(hook, "__module__", "") or ""
-    return where.startswith("transformers.")
+    return memtrims(hook) or defined_in(hook, "transformers")
 
 
 _global_hooks = vars(torch.nn.modules.module)
