@@ -86,6 +86,18 @@ class AllocatorAtOpEnds(TorchDispatchMode):
         return out
 
 
+class CountOp(TorchDispatchMode):
+    """Counts the calls of one aten op (``count``) while active."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.op, self.count = op, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is self.op
+        return func(*args, **(kwargs or {}))
+
+
 def workers_can_fork() -> bool:
     """Whether the planner's workers would trace plans here: fork is safe, and a forked child can run a backward
     (torch 2.11's CUDA build refuses one in a child forked after a backward in this process)."""
@@ -100,3 +112,13 @@ def plan_of(*techniques: str):
     from memtrim.planner.api import Plan
 
     return Plan(techniques, 0, {}, "optimizer", 1.0, "bitwise", True)
+
+
+def graph_counts(model, *args, **kwargs) -> tuple[int, int]:
+    """(graphs, graph breaks) torch.compile makes of ``model(*args, **kwargs)`` (dynamo reset before and after)."""
+    torch._dynamo.reset()
+    try:
+        explanation = torch._dynamo.explain(model)(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    return explanation.graph_count, explanation.graph_break_count

@@ -16,6 +16,8 @@ from torch import nn
 import memtrim
 from memtrim.models.torchvision_resnet import TorchvisionBasicBlock, TorchvisionBottleneck, TorchvisionResNet
 
+from ..helpers import graph_counts
+
 
 # ---------------------------------------------------------------------- helpers
 def import_transformers():
@@ -331,23 +333,32 @@ def upcast_model(in_place_residual=False):
     return nn.Sequential(nn.Linear(16, 16), UpcastBlock(16, in_place_residual), UpcastBlock(16)).to(torch.bfloat16)
 
 
-def test_an_upcasting_rmsnorm_whose_input_is_written_later_is_left_alone_and_says_why():
-    plain = upcast_model(in_place_residual=True)
+def upcast_pair(in_place_residual=False):
+    """The upcasting model, a converted copy, a batch for it and the report (both norms recomputed, where neither
+    input is written later)."""
+    plain = upcast_model(in_place_residual)
     x = torch.randn(4, 16, dtype=torch.bfloat16)
     converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
+    assert in_place_residual or len(report.changes) == 2, str(report)
+    return plain, converted, x, report
+
+
+def train_upcast(plain, converted, x):
+    train_both(plain, converted, batch=lambda: {"input": x}, loss=lambda out: out.float().square().mean())
+
+
+def test_an_upcasting_rmsnorm_whose_input_is_written_later_is_left_alone_and_says_why():
+    plain, converted, x, report = upcast_pair(in_place_residual=True)
     skipped = [s for s in report.skipped if s.modules == ("1.norm",)]
     assert len(skipped) == 1 and "input is changed in place after it" in skipped[0].reason, str(report)
     assert [c.modules for c in report.changes] == [("2.norm",)], str(report)
-    train_both(plain, converted, batch=lambda: {"input": x}, loss=lambda out: out.float().square().mean())
+    train_upcast(plain, converted, x)
 
 
 def test_a_recomputed_rmsnorm_reads_the_weights_the_forward_read():
     # MAML's fast weights through torch.func.functional_call, and a weight changed in place between forward and
     # backward (raised, as by plain training, which keeps the weight)
-    plain = upcast_model()
-    x = torch.randn(4, 16, dtype=torch.bfloat16)
-    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
-    assert len(report.changes) == 2, str(report)
+    plain, converted, x, _ = upcast_pair()
     found = []
     for model in (plain, converted):
         params = dict(model.named_parameters())
@@ -425,9 +436,7 @@ def test_a_recomputed_rmsnorm_reads_what_its_forward_read_or_is_left_alone():
 def test_a_recomputed_rmsnorms_input_changed_before_backward_raises_autograds_error_and_nothing_more():
     # (an adversarial pass found the message claiming the same code fails without memtrim: torch's norm, keeping
     # copies, would not need the input)
-    plain = upcast_model()
-    x = torch.randn(4, 16, dtype=torch.bfloat16)
-    converted, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
+    _, converted, x, _ = upcast_pair()
     inputs = []
     converted[1].norm.register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
     loss = converted(x).float().square().mean()
@@ -470,19 +479,14 @@ def test_a_recomputed_rmsnorm_cast_or_parametrized_after_convert_runs_its_own_fo
     # found by an adversarial pass: converted in bfloat16, then model.float(), the upcast is no copy and the input
     # feeds two ops, whose gradients autograd adds in another order than the recomputation (6e-5 off after 2 steps);
     # a parametrization registered after convert failed with a KeyError in backward. Both run the module's own forward
-    x = torch.randn(4, 16, dtype=torch.bfloat16)
     for change in ("float", "parametrize"):
-        plain = upcast_model()
-        converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
-        assert len(report.changes) == 2, str(report)
+        plain, converted, x, _ = upcast_pair()
         if change == "float":
-            plain, converted, batch = plain.float(), converted.float(), x.float()
+            plain, converted, x = plain.float(), converted.float(), x.float()
         else:
-            batch = x
             for model in (plain, converted):
                 torch.nn.utils.parametrize.register_parametrization(model[1].norm, "weight", Doubled())
-        train_both(plain, converted, batch=lambda batch=batch: {"input": batch},
-                   loss=lambda out: out.float().square().mean())
+        train_upcast(plain, converted, x)
 
 
 class SpareFirstRMSNorm(UpcastingRMSNorm):
@@ -500,13 +504,12 @@ def test_a_recomputed_rmsnorm_recomputes_with_the_parameter_it_multiplies_by():
     plain = nn.Sequential(nn.Linear(16, 16), SpareFirstRMSNorm(16), nn.Linear(16, 16)).to(torch.bfloat16)
     converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
     assert [c.modules for c in report.changes] == [("1",)] and converted[1].memtrim_weight == "weight", str(report)
-    train_both(plain, converted, batch=lambda: {"input": x}, loss=lambda out: out.float().square().mean())
+    train_upcast(plain, converted, x)
 
 
 def test_a_recomputed_rmsnorm_refuses_a_second_derivative_saying_what_it_does():
-    plain = upcast_model()
-    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
-    converted, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=(x.detach(),))
+    _, converted, x, _ = upcast_pair()
+    x.requires_grad_()
     (grad,) = torch.autograd.grad(converted(x).float().square().sum(), x, create_graph=True)
     with pytest.raises(memtrim.ConvertError, match="keeps its input and runs its forward again in backward"):
         grad.float().square().sum().backward()
@@ -514,25 +517,14 @@ def test_a_recomputed_rmsnorm_refuses_a_second_derivative_saying_what_it_does():
 
 def test_a_recomputed_rmsnorm_inside_checkpointed_blocks_trains_bitwise():
     # checkpoint_modules on the blocks after convert: inside a checkpointed region the norm runs its own forward
-    plain = upcast_model()
-    x = torch.randn(4, 16, dtype=torch.bfloat16)
-    converted, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
+    plain, converted, x, _ = upcast_pair()
     memtrim.checkpoint_modules(converted, UpcastBlock)
-    train_both(plain, converted, batch=lambda: {"input": x}, loss=lambda out: out.float().square().mean())
+    train_upcast(plain, converted, x)
 
 
 def test_a_recomputed_rmsnorm_adds_no_graph_break():
-    plain = upcast_model()
-    x = torch.randn(4, 16, dtype=torch.bfloat16)
-    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
-    assert len(report.changes) == 2, str(report)
-    counts = []
-    for model in (plain, converted):
-        torch._dynamo.reset()
-        explanation = torch._dynamo.explain(model)(x)
-        counts.append((explanation.graph_count, explanation.graph_break_count))
-    torch._dynamo.reset()
-    assert counts[1] == counts[0], counts
+    plain, converted, x, _ = upcast_pair()
+    assert graph_counts(converted, x) == graph_counts(plain, x)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
@@ -596,17 +588,11 @@ def test_gpt2_layernorm_newgelu_and_conv1d():
 
 def test_gpt2_compiles_without_new_graph_breaks():
     plain, converted, _ = converted_pair(gpt2, ids())
-    counts = []
-    for model in (plain, converted):
-        torch._dynamo.reset()
-        try:
-            explanation = torch._dynamo.explain(model)(**ids())
-        except torch._dynamo.exc.TorchRuntimeError as e:
-            if model is converted:
-                raise
-            pytest.skip(f"this torch cannot compile transformers' own GPT-2 ({str(e).splitlines()[0]})")  # torch 2.4
-        counts.append((explanation.graph_count, explanation.graph_break_count))
-    assert counts[1] == counts[0], counts
+    try:
+        expected = graph_counts(plain, **ids())
+    except torch._dynamo.exc.TorchRuntimeError as e:
+        pytest.skip(f"this torch cannot compile transformers' own GPT-2 ({str(e).splitlines()[0]})")  # torch 2.4
+    assert graph_counts(converted, **ids()) == expected
 
 
 # ---------------------------------------------------------------------- HF BERT and ViT

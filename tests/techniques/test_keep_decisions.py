@@ -11,10 +11,11 @@ import threading
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import memtrim
 from memtrim.techniques.norms import _kernels
+
+from ..helpers import CountOp, graph_counts
 
 
 class SpelledRMSNorm(nn.Module):
@@ -86,14 +87,8 @@ def converted_and_alone(make=Net, trained=True):
     return together, alone
 
 
-class CountNonzero(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.aten.nonzero.default
-        return func(*args, **(kwargs or {}))
+def count_nonzero():
+    return CountOp(torch.ops.aten.nonzero.default)
 
 
 class KeptSeen:
@@ -136,7 +131,7 @@ def test_one_decision_a_forward_where_each_norm_made_its_own():
         together, alone = converted_and_alone(trained=trained)
         for model in (together, alone):
             model(batch())  # (the first forward meets each norm once)
-            with CountNonzero() as counter:
+            with count_nonzero() as counter:
                 model(batch(1))
             counts.append(counter.count)
     # 3 RMSNorms, 3 LayerNorms and a BatchNorm decide alone; together, where a feature keeps its input (the trained
@@ -201,7 +196,7 @@ def test_a_data_write_during_the_forward_is_refused_then_the_norms_decide_alone(
     with pytest.raises(memtrim.ConvertError, match="without its version moving"):
         together(batch())
     alone(batch())
-    with CountNonzero() as counter:
+    with count_nonzero() as counter:
         together(batch())
     alone(batch())
     assert counter.count == 7  # alone from now on
@@ -219,7 +214,7 @@ def test_a_model_with_a_users_forward_hooks_decides_alone():
             block.rms.keep = (torch.arange(16) % 4 != 1).float()
             block.rms.register_forward_pre_hook(prune)
     together(batch())
-    with CountNonzero() as counter:
+    with count_nonzero() as counter:
         together(batch())
     assert counter.count == 7
     assert_bitwise(train(together, 5), train(alone, 5))
@@ -316,7 +311,7 @@ def test_a_forward_that_raises_leaves_no_open_forward():
     together.raise_now = False
     # a block called by itself decides alone; the model trains as before
     for model in (together, alone):
-        with CountNonzero() as counter:
+        with count_nonzero() as counter:
             model.blocks[1](batch())
         assert counter.count == 2
     assert_bitwise(train(together, 3), train(alone, 3))
@@ -336,7 +331,7 @@ def test_a_copied_model_decides_together_with_its_own_norms(how):
         copied = torch.load(buffer, weights_only=False)
     assert_bitwise(train(copied, 4), train(alone, 4))
     assert_bitwise(train(together, 4), [p.detach() for p in copied.parameters()])
-    with CountNonzero() as counter:
+    with count_nonzero() as counter:
         copied(batch())
     assert counter.count == 1
 
@@ -358,13 +353,7 @@ def test_the_hooks_add_no_graph_break():
     torch.manual_seed(0)
     plain = trained_looking(Net())
     together, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=(batch(),))
-    counts = []
-    for model in (plain, together):
-        torch._dynamo.reset()
-        explanation = torch._dynamo.explain(model)(batch())
-        counts.append((explanation.graph_count, explanation.graph_break_count))
-    torch._dynamo.reset()
-    assert counts[1] == counts[0], counts
+    assert graph_counts(together, batch()) == graph_counts(plain, batch())
 
 
 def test_a_converted_hf_llama_decides_once_a_forward_and_trains_as_before():
@@ -380,7 +369,7 @@ def test_a_converted_hf_llama_decides_once_a_forward_and_trains_as_before():
     counts, found = [], []
     for model in (together, alone):
         model(**ids())  # (the first forward meets each norm once)
-        with CountNonzero() as counter:
+        with count_nonzero() as counter:
             model(**ids())
         counts.append(counter.count)
         trained_looking_llama(model)  # (features that keep their input: each norm then gathers its own)
@@ -415,6 +404,6 @@ def test_transformers_own_hooks_leave_the_decisions_together():
                                                                    *m._forward_pre_hooks.values()))
     assert _kernels._hooked(model) is False
     model(**ids())
-    with CountNonzero() as counter:
+    with count_nonzero() as counter:
         model(**ids())
     assert counter.count == 1

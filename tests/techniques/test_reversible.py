@@ -350,26 +350,17 @@ def test_any_block_with_inverse_mixed_with_couplings_of_other_split_dims(dropout
 
 
 def test_couplings_pass_the_stream_split_between_them():
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class CountCat(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.cats = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.cats += func is torch.ops.aten.cat.default
-            return func(*args, **(kwargs or {}))
+    from ..helpers import CountOp
 
     plain, rev = twins(depth=6)
     counts = []
     for model in (plain, rev):
         x = torch.randn(8, 32, dtype=torch.float64, requires_grad=True)
-        with CountCat() as forward:
+        with CountOp(torch.ops.aten.cat.default) as forward:
             out = model(x)
-        with CountCat() as backward:
+        with CountOp(torch.ops.aten.cat.default) as backward:
             out.sum().backward()
-        counts.append((forward.cats, backward.cats))
+        counts.append((forward.count, backward.count))
     assert counts[0] == (6, 6)  # plain: every block concatenates its halves; backward joins the halves' gradients
     assert counts[1] == (1, 1)  # reversible: only the stack's output, and the input's gradient
 
