@@ -203,6 +203,48 @@ def test_a_data_write_during_the_forward_is_refused_then_the_norms_decide_alone(
     assert_bitwise(train(together, 4), train(alone, 4))
 
 
+class WritesAfterUse(Net):
+    """Writes the second block's norm weight through ``.data`` in its own forward, after that norm ran."""
+
+    calls = 0
+
+    def forward(self, x):
+        x = self.blocks[1](self.blocks[0](x))
+        self.calls += 1
+        self.blocks[1].rms.weight.data[4 + self.calls % 10] = 0.0
+        x = self.blocks[2](x)
+        return self.head(self.act(self.bn(x.transpose(1, 2))).transpose(1, 2))
+
+
+def test_a_data_write_after_the_norm_ran_is_refused():
+    # the norm rebuilds its input from its output and weight in backward, where torch's keeps the input: a weight
+    # written after the norm's call (no version moves) gives other gradients. The decisions taken are checked at the
+    # forward's end, so the write is seen there
+    torch.manual_seed(0)
+    plain = trained_looking(WritesAfterUse())
+    together, alone = converted_and_alone(WritesAfterUse)
+    for model in (plain, alone):
+        model(batch()).square().mean().backward()
+    assert not all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), alone.parameters()))
+    together(batch())  # (the first forward meets each norm once: each decides alone)
+    with pytest.raises(memtrim.ConvertError, match="without its version moving"):
+        together(batch())
+
+
+def test_the_decisions_cost_as_many_ops_at_any_depth():
+    # the norms' masks are computed at once on their concatenated weights, at the decision and at the forward's end:
+    # on a GPU each op is a kernel launch, at every forward
+    counts = []
+    for depth in (2, 6):
+        torch.manual_seed(0)
+        model, _ = memtrim.convert(Net(depth=depth), example_inputs=(batch(),))
+        model(batch())
+        with CountOp(torch.ops.aten.abs.default) as counter:
+            model(batch(1))
+        counts.append(counter.count)
+    assert counts[0] == counts[1] > 0, counts
+
+
 def test_a_model_with_a_users_forward_hooks_decides_alone():
     # network slimming: a pre-hook re-zeroes the pruned gammas through .data before each norm runs (no version moves)
     def prune(module, args):

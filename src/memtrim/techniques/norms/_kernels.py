@@ -109,6 +109,28 @@ def _keep_mask(gamma: torch.Tensor, beta: torch.Tensor | None, extra: torch.Tens
     return ~(g * KEEP_BOUND > limit) | (g < max(torch.finfo(g.dtype).tiny ** 0.25, floor))
 
 
+def _masks(norms: list[tuple[torch.Tensor, torch.Tensor | None, float]]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``_keep_mask(gamma, beta, None, floor).flatten()`` for each (gamma, beta, floor) of one device, and all of them
+    concatenated; computed once for all norms alike (dtypes, a beta or none, floor) on their concatenated weights: a
+    handful of ops where each norm's own were six, at every forward (on a GPU each is a kernel launch). Elementwise
+    comparisons, so each mask is the one the norm computes by itself."""
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, (gamma, beta, floor) in enumerate(norms):
+        groups.setdefault((gamma.dtype, None if beta is None else beta.dtype, floor), []).append(i)
+    masks: list[torch.Tensor] = [gamma for gamma, _, _ in norms]  # (each replaced below)
+    with torch.no_grad():
+        for (_, has_beta, floor), members in groups.items():
+            gamma = torch.cat([norms[i][0].flatten() for i in members]) if len(members) > 1 else norms[members[0]][0]
+            beta = None
+            if has_beta is not None:
+                beta = (torch.cat([norms[i][1].flatten() for i in members])  # type: ignore[union-attr]
+                        if len(members) > 1 else norms[members[0]][1])
+            mask = _keep_mask(gamma, beta, None, floor).flatten()
+            for i, part in zip(members, mask.split([norms[i][0].numel() for i in members])):
+                masks[i] = part
+    return masks, mask if len(groups) == 1 else torch.cat(masks)  # (one group: its members in order)
+
+
 def _plain_tensors(*tensors: torch.Tensor | None) -> bool:
     """Tensors with values, or fake ones (a plan traces the same ops as the real step: NOTE [ known values in a
     trace ]); meta tensors and other subclasses decide at each call."""
@@ -136,10 +158,15 @@ def _plain_tensors(*tensors: torch.Tensor | None) -> bool:
 #
 # * a forward of a model with forward hooks or pre-hooks not memtrim's (on any of its modules, or global ones) does
 #   not decide together: each norm decides at its call, as before;
-# * each norm that takes an earlier decision also computes its own on the device (no wait) and compares; the
-#   model's forward hook checks them all at once at the end of the forward (a second wait): a difference raises
+# * the model's forward hook computes, at the end of the forward, the decisions of the norms that took an earlier
+#   one from their weights then, and compares them with the ones taken (a second wait): a difference raises
 #   ``ConvertError`` (that forward's saved tensors cannot give torch's gradients) and the model's norms decide
-#   alone from then on.
+#   alone from then on. This also sees a ``.data`` write after the norm ran, which the rebuild in backward would
+#   read where torch's backward reads the input it kept.
+#
+# The masks of all the norms deciding (or checked) at once are computed together, on their concatenated weights
+# (``_masks``): about ten small ops a forward, not six a norm and two more a check (a converted Llama: 18 ops a
+# forward instead of 72; on a GPU each is a kernel launch).
 #
 # A norm called outside the model's forward (a submodule called by itself, a checkpoint's recomputation in backward,
 # a norm that is not converted) decides at its call. A forward is open while the model's ``_call_impl`` frame is on
@@ -150,14 +177,14 @@ _LOCAL = threading.local()  # .stack: [_Open], one entry per open forward of a c
 
 class _Open:
     """One open forward of a converted model on this thread: its decisions (None: its norms decide alone), the
-    epoch, the frame of the model's call, and the device flags of the decisions taken that the norm would now make
-    otherwise."""
+    epoch, the frame of the model's call, and each decision a norm took that was made before its call (its weights,
+    floor and mask: checked together at the forward's end)."""
 
-    __slots__ = ("differs", "epoch", "frame", "group")
+    __slots__ = ("epoch", "frame", "group", "taken")
 
     def __init__(self, group: DecidedTogether | None, epoch: int, frame: Any) -> None:
         self.group, self.epoch, self.frame = group, epoch, frame
-        self.differs: list[torch.Tensor] = []
+        self.taken: list[tuple[torch.Tensor, torch.Tensor | None, float, torch.Tensor]] = []
 
 
 def _open_forward() -> _Open | None:
@@ -260,10 +287,12 @@ class DecidedTogether:
         if not stack or stack[-1].group not in (self, None):
             return
         top = stack.pop()
-        by_device: dict[torch.device, list[torch.Tensor]] = {}  # (one wait a device: a model split over two)
-        for flag in top.differs:
-            by_device.setdefault(flag.device, []).append(flag)
-        found = [torch.stack(flags).any() for flags in by_device.values()]
+        by_device: dict[torch.device, list[Any]] = {}  # (one wait a device: a model split over two)
+        for taken in top.taken:
+            by_device.setdefault(taken[0].device, []).append(taken)
+        # the decisions the norms that took one would make from their weights now, all at once (NOTE above)
+        found = [_masks([t[:3] for t in taken])[1].ne(torch.cat([t[3] for t in taken])).any()
+                 for taken in by_device.values()]
         # (a plan's trace has no values to read there, and makes the same tensors)
         if any(not isinstance(f, FakeTensor) and bool(f) for f in found):  # (the second wait)
             self._alone = True
@@ -282,8 +311,7 @@ class DecidedTogether:
             found = self._decisions.get(key)
             if found is not None and found.holds(open_.epoch, gamma, beta):
                 assert found.kept is not None and found.mask is not None
-                # the decision this call would make, on the device, checked at the forward's end
-                open_.differs.append(_keep_mask(gamma, beta, None, floor).flatten().ne(found.mask).any())
+                open_.taken.append((gamma, beta, floor, found.mask))  # (checked at the forward's end)
                 return found.kept
             if found is None or not found.of(gamma, beta):
                 found = self._decisions[key] = _Decision(gamma, beta, floor)
@@ -300,8 +328,8 @@ class DecidedTogether:
                 del self._decisions[key]
             elif tensors[0].device == device and not decision.holds(epoch, *tensors):
                 todo.append((decision, *tensors))
-        masks = [_keep_mask(gamma, beta, None, d.floor).flatten() for d, gamma, beta in todo]
-        found = torch.cat(masks).nonzero().flatten()  # the one wait
+        masks, whole = _masks([(gamma, beta, d.floor) for d, gamma, beta in todo])
+        found = whole.nonzero().flatten()  # the one wait
         for (decision, gamma, beta), mask in zip(todo, masks):
             # where no feature keeps its input (what trained weights mostly give), none of this norm's does; else
             # each norm gathers its own, one wait each (their counts, read from the values, a plan's trace may not
