@@ -100,6 +100,16 @@ def hf_llama():
     return LlamaForCausalLM(config), tokens(1024), "transformers"
 
 
+def hf_gemma():
+    import_torchvision()  # transformers imports torchvision when it is installed
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    config = GemmaConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=64, max_position_embeddings=SEQ,
+                         use_cache=False)
+    return GemmaForCausalLM(config), tokens(1024), "transformers"
+
+
 def hf_gpt2():
     import_torchvision()  # transformers imports torchvision when it is installed
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -170,6 +180,7 @@ def pattern_model(block: type, layers: list[int]) -> Callable:
 
 MODELS = {
     "hf_llama": ("HF Llama (LlamaForCausalLM, d=256, 4 layers, mlp 688, batch 2, seq 128)", hf_llama),
+    "hf_gemma": ("HF Gemma (GemmaForCausalLM, d=256, 4 layers, mlp 688, batch 2, seq 128)", hf_gemma),
     "hf_gpt2": ("HF GPT-2 (GPT2LMHeadModel, d=256, 4 layers, batch 2, seq 128)", hf_gpt2),
     "hf_bert": ("HF BERT (BertForMaskedLM, d=256, 4 layers, mlp 1024, batch 2, seq 128)", hf_bert),
     "hf_vit": ("HF ViT (ViTForImageClassification, d=192, 4 layers, patch 8, batch 2, 64x64)", hf_vit),

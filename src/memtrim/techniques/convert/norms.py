@@ -10,8 +10,11 @@ output is kept by a later op anyway (else it would save nothing), it computes in
 as in a bfloat16 Llama, would make the output a rounded copy of what backward needs: precision guard) and its
 weights are not float16 or bfloat16 (NOTE [ norms in half precision ] in norms/_kernels.py). An RMSNorm that cannot
 for those two reasons is recomputed in backward instead where it keeps more than its input (HF's Llama RMSNorm in
-bfloat16 keeps float32 copies of it): ``_Recomputed`` keeps the input and the weight and runs the module's own
-forward again, with the weight and the numbers the forward read, bitwise. A LayerNorm
+bfloat16 keeps float32 copies of it): ``_Recomputed`` keeps the input and the module's parameters and runs the
+module's own forward again, with the parameters and the numbers the forward read, bitwise. So is a leaf norm with an
+``rsqrt`` whose ops are not the canonical ones (Gemma's ``x * rsqrt(mean(x^2) + eps) * (1 + w)``, which no keep-output
+form computes), where every op it runs reads only its input, its own parameters and what it computed from those
+(``1 + w``; NOTE [ what a recomputed norm may read ]). A LayerNorm
 whose output only later call sites keep is decided before, by ``layer_norm_consumer`` (NOTE [ recompute rules ]):
 it stays torch's own, bitwise.
 
@@ -53,6 +56,14 @@ IN_TRACED_DTYPE = ("keeps its output for {} inputs, the dtype convert traced it 
                    "runs the module's own forward (which may upcast) and saves nothing: convert after casting")
 """The limit of the RMSNorm form: its forward is the module's, bitwise, only in the dtype convert traced."""
 _LAYER_NORM_FUNCTIONS = {torch.nn.functional.layer_norm, torch.layer_norm}
+# the compute ops a norm recomputed by its own forward may run besides the canonical ones (Gemma's `* (1 + w)`):
+# pointwise ops and plain reductions, whose kernels give the same bits when run again on the same values (no
+# scatter or index_add, which may not on CUDA, no matmul whose kernel a recomputation could pick otherwise)
+_NORM_OPS = frozenset({
+    "mul", "add", "sub", "div", "pow", "rsqrt", "sqrt", "reciprocal", "neg", "rsub", "abs", "square", "exp", "log",
+    "tanh", "sigmoid", "clamp", "clamp_min", "clamp_max", "minimum", "maximum", "where", "mean", "sum", "var",
+    "var_mean", "std", "amax", "amin", "linalg_vector_norm", "norm",
+})
 
 
 def _wants_plain(x: Any, params: list[torch.Tensor]) -> bool:
@@ -103,15 +114,23 @@ def _form(base: type[nn.Module], kind: str) -> type:
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             x = args[0] if args else next(iter(kwargs.values()), None)
-            # its weight is the module's own parameter (not a parametrization registered since), and the input has
-            # the dtype convert traced (after model.float(), the upcast is no copy: the input feeds two ops, whose
-            # gradients autograd adds in another order than the recomputation would)
-            weight = self._parameters.get(cast(str, self.memtrim_weight))
-            if (weight is None or not isinstance(x, torch.Tensor) or x.dtype != self.memtrim_dtype
+            # its parameters are the ones convert saw, its own (no parametrization registered since; no parameter,
+            # buffer or submodule added since, which the recomputation would read as backward finds it), and the
+            # input has the dtype convert traced (after model.float(), the upcast is no copy: the input feeds two
+            # ops, whose gradients autograd adds in another order than the recomputation would)
+            # (a module pickled by a memtrim before these names, with `memtrim_weight`, runs its own forward)
+            names = cast("tuple[str, ...]", self.__dict__.get("memtrim_params", ()))
+            found = [self._parameters.get(n) for n in names]
+            params = [p for p in found if p is not None]
+            if ("memtrim_params" not in self.__dict__ or len(params) != len(names)
+                    or sum(p is not None for p in self._parameters.values()) != len(names)
+                    or tuple(self._modules) != self.__dict__.get("memtrim_modules") or self._buffers
+                    or not isinstance(x, torch.Tensor) or x.dtype != self.memtrim_dtype
                     or len(args) + len(kwargs) != 1 or not torch.is_grad_enabled() or plain_only()
-                    or not saves_checked() or autocasting(x) or not (x.requires_grad or weight.requires_grad)):
+                    or not saves_checked() or autocasting(x)
+                    or not (x.requires_grad or any(p.requires_grad for p in params))):
                 return base.forward(self, *args, **kwargs)
-            return _Recomputed.apply(x, weight, self, base.forward, _settings(self))
+            return _Recomputed.apply(self, base.forward, _settings(self), names, x, *params)
     else:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             weight_name, eps = cast("tuple[str, float]", self.memtrim_rms)
@@ -169,40 +188,44 @@ def _settings_changed(module: nn.Module) -> bool:
 
 
 class _Recomputed(torch.autograd.Function):
-    """A norm's own forward, keeping its input and weight (autograd checks their versions) instead of what its ops
-    keep; backward runs the forward again on them, with the weight and the numbers (its eps) the forward read, and
-    differentiates it: the same ops on the same values, so torch's gradients bit for bit. No second derivative
-    (``no_double_backward``)."""
+    """A norm's own forward, keeping its input and its parameters (autograd checks their versions) instead of what its
+    ops keep; backward runs the forward again on them, with the parameters, the numbers (its eps) and the training
+    flag the forward read, and differentiates it: the same ops on the same values, so torch's gradients bit for bit.
+    No second derivative (``no_double_backward``)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, module: nn.Module, run: Any,
-                settings: tuple[tuple[str, Any], ...]) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.module, ctx.run, ctx.settings, ctx.owner = module, run, settings, owner(module)
+    def forward(ctx: Any, module: nn.Module, run: Any, settings: tuple[tuple[str, Any], ...], names: tuple[str, ...],
+                x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, *params)
+        ctx.module, ctx.run, ctx.settings, ctx.names, ctx.owner = module, run, settings, names, owner(module)
+        ctx.training = module.training
         ctx.rebuilds = "keeps its input and runs its forward again"  # (no_double_backward's message)
         return run(module, x)
 
     @staticmethod
     @no_double_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        x, weight = ctx.saved_tensors
-        module, name = ctx.module, cast(str, ctx.module.memtrim_weight)
-        leaves = (x.detach().requires_grad_(ctx.needs_input_grad[0]),
-                  weight.detach().requires_grad_(ctx.needs_input_grad[1]))
-        # the forward again on a stand-in of the module (its attributes, the weight and numbers the forward read): the
-        # module itself is left alone, so another thread's forward of it reads its own weight meanwhile
+        saved = ctx.saved_tensors
+        module = ctx.module
+        leaves = tuple(t.detach().requires_grad_(needs) for t, needs in zip(saved, ctx.needs_input_grad[4:]))
+        # the forward again on a stand-in of the module (its attributes, the parameters, numbers and training flag the
+        # forward read): the module itself is left alone, so another thread's forward of it reads its own weight
+        # meanwhile
         stand_in = object.__new__(type(module))
         vars(stand_in).update(vars(module))
-        vars(stand_in).update(ctx.settings, _parameters={**module._parameters, name: leaves[1]})
+        vars(stand_in).update(ctx.settings, training=ctx.training,
+                              _parameters={**module._parameters, **dict(zip(ctx.names, leaves[1:]))})
         with torch.enable_grad():
             out = ctx.run(stand_in, leaves[0])
         wanted = [t for t in leaves if t.requires_grad]
-        found = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-        return (*(next(found) if t.requires_grad else None for t in leaves), None, None, None)
+        found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
+        return (None, None, None, None, *(next(found) if t.requires_grad else None for t in leaves))
 
 
 def recomputed_form(base: type[nn.Module]) -> type:
-    """The subclass of an RMSNorm-like class ``base`` recomputed in backward (needs ``memtrim_weight``)."""
+    """The subclass of an RMSNorm-like class ``base`` recomputed in backward (needs ``memtrim_params`` and
+    ``memtrim_modules``, the names of its parameters and submodules, and ``memtrim_dtype``, the input dtype convert
+    traced)."""
     return _form(base, "recomputed")
 
 
@@ -311,8 +334,8 @@ def _expected(trace: ModelTrace, site: CallSite) -> tuple[int, bool]:
 
 
 RECOMPUTED_NORM = (
-    "its forward runs again in backward on its kept input, with the weight and the numbers the forward read (the "
-    "weight version-checked), bitwise",
+    "its forward runs again in backward on its kept input, with the parameters and the numbers the forward read "
+    "(the parameters version-checked), bitwise",
     "its input is kept for the recomputation: an input changed in place between forward and backward raises "
     "autograd's in-place error, where torch's module, keeping copies of it, would not need it",
     NO_DOUBLE_BACKWARD,
@@ -325,7 +348,7 @@ def _recomputed(ctx: Context, trace: ModelTrace, site: CallSite, why: str) -> Ca
     """An RMSNorm the keep-output form cannot take (``why``: an upcast, half precision) recomputed in backward
     instead, keeping its input (HF's Llama RMSNorm in bfloat16 keeps float32 copies of it besides its output); or the
     skip with ``why`` where it cannot be, or would save nothing."""
-    from .recompute_rules import _kept_inside  # (that module imports this one)
+    from .recompute_rules import _kept_inside, _random_ops  # (that module imports this one)
 
     module = site.module
     sites = trace.sites_of(site.path)
@@ -333,28 +356,55 @@ def _recomputed(ctx: Context, trace: ModelTrace, site: CallSite, why: str) -> Ca
     hooks = ctx.user_hooks(module)
     later = next((trace.site_name(op.site) for s in sites for op in trace.ops
                   if op.time > s.end and set(op.writes) & set(acts)), None)
-    # the recomputation reads the module's weight as the forward left it (version-checked) and its numbers as the
-    # forward read them; a gain set on the module from outside (AdaLN's `self.norm.gain = ...`) it would read as
-    # backward finds it
-    own = {id(p.untyped_storage()) for p in module.parameters(recurse=False) if p.dim() == 1}
-    weighted = all(len(set(ops[-1].inputs) & own) == 1 and len(set(ops[-1].inputs) - own) == 1
-                   for ops in (trace.ops_in(s) for s in sites))
+    # NOTE [ what a recomputed norm may read ]
+    # the recomputation reads the module's parameters as the forward left them (version-checked) and its numbers as
+    # the forward read them; anything else its ops read it would read as backward finds it: a gain set on the module
+    # from outside (AdaLN's `self.norm.gain = ...`), a global tensor. So every tensor an op of each call reads must
+    # be the call's input, a parameter of the module's own, or made by an earlier op of the call (Gemma's `1 + w`),
+    # nothing it writes in place may come from outside the call, and nothing may draw random numbers
+    own = {id(p.untyped_storage()): n for n, p in module.named_parameters(recurse=False)}
+    strangers: list[int] = []
+    written: list[int] = []
+    params_read: dict[tuple[int, int], int] = {}
+    for s in sites:
+        allowed = set(own) | {k for k in s.inputs if trace.storages[k].kind != "parameter"}
+        made: set[int] = set()
+        for op in trace.ops_in(s, compute_only=False):
+            strangers += [k for k in op.inputs if k not in allowed and k not in made]
+            written += [k for k in op.writes if k not in made]
+            made.update(k for k in op.outputs if (p := trace.storages[k].producer) is not None
+                        and s.first_op <= p < s.last_op)
+            for k in set(op.inputs) & set(own):  # (a view of a parameter reads it once: its reader reads it)
+                if k not in op.outputs:
+                    params_read[(s.index, k)] = params_read.get((s.index, k), 0) + 1
+    random = sorted({name for s in sites for name in _random_ops(trace, s)})
     # autograd adds the gradients of an input two ops read inside the norm before the one from outside; the
     # recomputation hands back their sum, added after it: another rounding (T5's LayerNorm, an RMSNorm in bfloat16
-    # that does not upcast). One reader (HF's Llama upcast: the float32 copy reads it) gives the same sum
-    # (detaches left out: the trace's own saves make them)
-    readers = max((sum(1 for o in trace.ops_in(s, compute_only=False)
-                       if o.name != "detach" and set(o.inputs) & set(acts)) for s in sites), default=0)
+    # that does not upcast, Gemma's in float32). One reader (HF's Llama and Gemma upcasts: the float32 copy reads it)
+    # gives the same sum (detaches left out: the trace's own saves make them). Counted at each call, on its own input
+    inputs_of = {s.index: {k for k in s.inputs if trace.storages[k].kind != "parameter"} for s in sites}
+    counts = [sum(1 for o in trace.ops_in(s, compute_only=False)
+                  if o.name != "detach" and set(o.inputs) & inputs_of[s.index]) for s in sites]
+    readers = next((n for n in counts if n != 1), 1)
+    many = sorted({own[k] for (_, k), n in params_read.items() if n > 1})
     cannot = ("it takes more than one tensor" if len(acts) != 1 or len(site.input_dtypes) != 1 else
               f"{readers} of its ops read its input, whose gradients the recomputation would add in another order"
               if readers != 1 else
-              "its last multiply is not by a 1-D parameter of its own (a gain set on it from outside), which a "
-              "recomputation would read as backward finds it" if not weighted else
+              "it has buffers, which a recomputation would read as backward finds them" if module._buffers else
+              "its ops read a tensor that is neither its input, a parameter of its own nor made from those (a gain "
+              "set on it from outside, not by a parameter of its own), which a recomputation would read as backward "
+              "finds it" if strangers else
+              "it writes its input or a tensor from outside in place, which a recomputation would write again"
+              if written else
+              f"it draws random numbers ({', '.join(random)}), which a recomputation would draw anew" if random else
+              f"its parameter{'s' if len(many) > 1 else ''} {', '.join(many)} "
+              f"{'are' if len(many) > 1 else 'is'} read by more than one of its ops, whose gradients the "
+              "recomputation would add in another order" if many else
               f"it has {', '.join(hooks)}, which a recomputation would run again" if hooks else
               f"its input is changed in place after it (in {later or 'the top-level forward'}), and a recomputation "
               "needs it as it was" if later is not None else
               "it is checkpointed already" if _CHECKPOINTED in module.__dict__ else
-              "it has buffers, which a recomputation would read as backward finds them" if module._buffers else None)
+              None)
     if cannot is not None:
         return Candidate((site.path,), reason=f"{why}; not recomputed either: {cannot}", skip=True)
     # the recomputation keeps the input: a cost where nothing else keeps it
@@ -362,12 +412,12 @@ def _recomputed(ctx: Context, trace: ModelTrace, site: CallSite, why: str) -> Ca
     expected = _kept_inside(trace, site) - (0 if kept_anyway else sum(trace.storages[k].nbytes for k in acts))
     if expected <= 0:
         return Candidate((site.path,), reason=f"{why}; a recomputation would save nothing", skip=True)
-    multiplied = set(trace.ops_in(site)[-1].inputs) & own  # (the one parameter the last multiply reads)
-    weight = next(n for n, p in module.named_parameters(recurse=False) if id(p.untyped_storage()) in multiplied)
+    names = tuple(n for n, p in module._parameters.items() if p is not None)
     target = recomputed_form(type(module))
     return Candidate((site.path,), type(module).__name__, f"recomputed in backward ({target.__name__})",
                      reason=f"{why}: recomputed in backward instead", targets=(module,), expected_bytes=expected,
-                     limits=RECOMPUTED_NORM, apply=partial(class_swap, module, target, memtrim_weight=weight,
+                     limits=RECOMPUTED_NORM, apply=partial(class_swap, module, target, memtrim_params=names,
+                                                           memtrim_modules=tuple(module._modules),
                                                            memtrim_dtype=site.input_dtypes[0],
                                                            memtrim_owner=label((site.path,), "a recomputed norm")))
 
@@ -382,6 +432,8 @@ def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
             continue
         names = ctx.op_names(site)
         kind = "layer" if names == ["native_layer_norm"] else "rms" if names == RMS_OPS else None
+        if kind is None and "rsqrt" in names and set(names) <= _NORM_OPS and trace.leaf(site):
+            kind = "other"  # an RMS-style norm no keep-output form computes (Gemma's `* (1 + w)`): recomputed, or not
         if kind is None:
             if ("native_layer_norm" in names or "rsqrt" in names) and trace.leaf(site):
                 done.add(id(module))
@@ -402,6 +454,11 @@ def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
                "rounded copy of what backward needs (precision guard)"
                if any(o.name == "_to_copy" for s in sites for o in trace.ops_in(s, compute_only=False))
                else half_precision_guard(ctx, site.path, module, "keeping its output, it"))
+        if kind == "other":
+            why = (f"{type(module).__name__} computes a norm no keep-output form has a rule for (ops: "
+                   f"{', '.join(names)})" + (f"; {why}" if why else ""))
+            yield _recomputed(ctx, trace, site, why)
+            continue
         if why:
             yield _recomputed(ctx, trace, site, why) if kind == "rms" else Candidate((site.path,), reason=why,
                                                                                        skip=True)
