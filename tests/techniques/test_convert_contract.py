@@ -1613,6 +1613,51 @@ def test_a_rebuilt_norms_parameter_changed_before_backward_is_named(param):
         loss.backward()
 
 
+class SpelledRMSNorm(nn.Module):
+    """An RMSNorm as HF's are written (its multiply by the weight keeps the weight only where its input needs a
+    gradient)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class EmbeddedRMS(nn.Module):
+    """Frozen embeddings, then the RMSNorm, whose output a Linear keeps."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.norm, self.head = nn.Embedding(50, 16).requires_grad_(False), SpelledRMSNorm(16), \
+            nn.Linear(16, 4)
+
+    def forward(self, idx):
+        return self.head(self.norm(self.emb(idx)))
+
+
+def test_a_rebuilt_norms_weight_changed_before_backward_after_frozen_embeddings_says_plain_may_train():
+    # found by an adversarial pass: plain torch trains through this edit (the norm's input needs no gradient, so its
+    # multiply keeps no weight); the converted norm rebuilds its input from its weight and must refuse, and now says
+    # why the unconverted model did not
+    torch.manual_seed(0)
+    plain = EmbeddedRMS()
+    idx = torch.randint(0, 50, (4, 6))
+    model, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(idx,))
+    assert [c.rule for c in report.changes] == ["norm_by_behaviour"], str(report)
+    for m in (plain, model):
+        loss = m(idx).square().mean()
+        with torch.no_grad():
+            m.norm.weight.mul_(0.9)
+        if m is plain:
+            loss.backward()
+        else:
+            with pytest.raises(memtrim.ConvertError, match="from its output and its weight.*its input needs no "
+                                                           "gradient here.*may train through such a change"):
+                loss.backward()
+
+
 def test_a_fused_activation_replaced_in_a_converted_model_loaded_in_a_new_process_raises(tmp_path):
     # the watch on a fused activation is torch's global registration hook, installed at convert: a converted model
     # saved whole and loaded in a new process installs it again, so a replacement there raises too
@@ -1976,3 +2021,4 @@ def test_data_parallel_replicas_do_not_mark_the_fused_activation_replaced():
             setattr(replica, name, child._replicate_for_data_parallel())
     x = torch.randn(2, 3, 12, 12)
     assert torch.equal(copy.deepcopy(model)(x), model(x))
+

@@ -288,14 +288,19 @@ def owner(module: nn.Module) -> str:
     return getattr(module, "memtrim_owner", None) or f"memtrim.nn.{type(module).__name__}"
 
 
-def inplace_error(owner: str, error: RuntimeError, params: tuple[str, ...] = ()) -> BaseException:
+def inplace_error(owner: str, error: RuntimeError, params: tuple[str, ...] = (),
+                  input_needs_grad: bool = True) -> BaseException:
     """The error for an in-place change of a tensor ``owner`` keeps (torch's message otherwise names only a node).
-    ``params``: the names of the parameters it rebuilds its input from that were changed (else its output was)."""
+    ``params``: the names of the parameters it rebuilds its input from that were changed (else its output was);
+    ``input_needs_grad``: whether the module's input needed a gradient."""
     if "modified by an inplace operation" not in str(error):
         return error
     if params:
         unread = (" (torch's own norm does not read its bias in backward: the unconverted model trains through such "
-                  "a change of the bias)" if "bias" in params else "")
+                  "a change of the bias)" if "bias" in params else
+                  " (its input needs no gradient here, as after frozen embeddings: the unconverted model, whose "
+                  "backward then needs its weight only for the weight's own gradient, may train through such a "
+                  "change)" if not input_needs_grad else "")
         return ConvertError(
             f"memtrim: {owner} rebuilds its input in backward from its output and its {' and '.join(params)}, and "
             f"{'they were' if len(params) > 1 else 'it was'} changed in place after the forward (an optimizer step "
@@ -319,7 +324,8 @@ def saved_tensors(ctx: Any) -> tuple[Any, ...]:
     except RuntimeError as e:
         changed = tuple(name for name, t, version in getattr(ctx, "kept_params", ())
                         if t is not None and t._version != version)
-        raise inplace_error(ctx.owner, e, changed) from e
+        needs = getattr(ctx, "needs_input_grad", None)  # (the input is the Function's first argument)
+        raise inplace_error(ctx.owner, e, changed, bool(needs[0]) if needs else True) from e
 
 
 def kept_params(weight: torch.Tensor | None, bias: torch.Tensor | None) -> tuple[tuple[str, Any, int], ...]:
