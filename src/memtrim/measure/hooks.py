@@ -51,6 +51,7 @@ working.
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -71,6 +72,7 @@ __all__ = [
     "TrackerListener",
     "active",
     "check_saved_version",
+    "compiled_autograd_running",
     "current",
     "hold_for_backward",
     "note_gradients",
@@ -187,6 +189,15 @@ def _collect(obj: Any, found: list[torch.Tensor]) -> None:
             _collect(item, found)
 
 
+def compiled_autograd_running() -> bool:
+    """Whether torch's compiled autograd is on (``torch._dynamo.compiled_autograd._enable``, or its compiled graph
+    running a backward now). It runs saved-tensor unpack hooks inside its own graph, after it has released what the
+    eager nodes saved, so a rebuild from a node's saved tensors finds them freed. Read without importing dynamo."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and bool(getattr(ca, "in_compiled_autograd_region", False)
+                                   or getattr(ca, "compiled_autograd_enabled", False))
+
+
 def check_saved_version(tensor: torch.Tensor, version: int, who: str, *, source: bool = False) -> None:
     """Autograd's in-place check, which autograd skips for tensors that go through saved-tensor hooks.
 
@@ -202,6 +213,9 @@ def check_saved_version(tensor: torch.Tensor, version: int, who: str, *, source:
     if tensor._version != version:
         why = (f"{who} rebuilds in backward a tensor torch keeps, from this one; torch itself may not need it, so "
                "change it after backward or leave the module out of memtrim" if source else
+               f"{who} repeats autograd's own check under its saved-tensor hooks, here inside torch's compiled "
+               "autograd, whose graph runs these hooks; the plain model may not fail there: run this backward "
+               "without compiled autograd, or leave the module out of memtrim" if compiled_autograd_running() else
                f"{who} repeats autograd's own check under its saved-tensor hooks; the same code fails without memtrim")
         raise RuntimeError(
             "one of the variables needed for gradient computation has been modified by an inplace operation: "

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from ...errors import ConvertError
-from ...measure.hooks import check_saved_version, top_saved_tensors_hooks
+from ...measure.hooks import check_saved_version, compiled_autograd_running, top_saved_tensors_hooks
 from ..guards import RECOMPUTE_HOOKS, memtrims, plain_only, saves_checked
 
 __all__ = [
@@ -343,6 +343,16 @@ class _NodeRecipe(Recipe):
         except RuntimeError as e:
             if "freed" not in str(e):
                 raise
+            if compiled_autograd_running():
+                raise ConvertError(
+                    f"memtrim: {self.owner} does not keep its output; backward rebuilds it from what its autograd "
+                    "node saved, and torch's compiled autograd (torch._dynamo.compiled_autograd) released those "
+                    "saved tensors before its graph ran memtrim's saved-tensor hooks. Expected the eager autograd "
+                    "engine for this backward; found compiled autograd. To fix: run the backward without compiled "
+                    "autograd, enable compiled autograd around the forward too (the module then keeps its output as "
+                    "torch does), compile the model itself (torch.compile(model): converted modules run as torch's "
+                    "own ops), or leave this module out of memtrim.convert (module_filter)."
+                ) from e
             raise ConvertError(
                 f"memtrim: {self.owner} does not keep its output; backward rebuilds it from what its autograd node "
                 "saved, and an earlier backward through that node freed it (retain_graph=False). Expected the node's "
@@ -405,7 +415,7 @@ def tag_output(tensor: torch.Tensor, owner: str, eps: float | None = None) -> bo
         then the in-place op's), or made under saved-tensor hooks that skip autograd's in-place check
         (:func:`saves_checked`).
     """
-    if not saves_checked():
+    if not saves_checked() or compiled_autograd_running():  # compiled autograd frees the node's saves first
         return False
     base = tensor._base
     if base is None:
