@@ -378,6 +378,55 @@ def test_a_copied_model_decides_together_with_its_own_norms(how):
     assert counter.count == 1
 
 
+class SameName(SpelledRMSNorm):
+    """Another class named ``SpelledRMSNorm`` (as in another module; pickle finds it by its qualified name)."""
+
+
+SameName.__name__ = "SpelledRMSNorm"
+
+
+def test_two_norm_classes_of_one_name_pickle_each_as_its_own():
+    # found by the full suite: a converted norm's class is made per base class and was pickled by its name, which
+    # two base classes of one name (a library's RMSNorm and a user's) share: pickling the second failed
+    other = SameName
+    torch.manual_seed(0)
+    models = [nn.Sequential(nn.Linear(16, 16), cls(16), nn.Linear(16, 4)) for cls in (SpelledRMSNorm, other)]
+    for model in models:
+        _, report = memtrim.convert(model, example_inputs=(batch(),))
+        assert [c.rule for c in report.changes] == ["norm_by_behaviour"], str(report)
+    assert type(models[0][1]).__name__ == type(models[1][1]).__name__ and type(models[0][1]) is not type(models[1][1])
+    for model in models:
+        copied = pickle.loads(pickle.dumps(model))
+        assert type(copied[1]) is type(model[1])
+        assert torch.equal(copied(batch()), model(batch()))
+
+
+def test_a_converted_model_saved_whole_loads_in_a_new_process(tmp_path):
+    # its norms' classes are made again from their base classes there (before, only where convert had run)
+    import subprocess
+    import sys
+
+    together, _ = converted_and_alone()
+    torch.save(together, tmp_path / "model.pt")
+    torch.save(batch(), tmp_path / "x.pt")
+    script = (
+        "import torch\n"
+        f"model = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+        f"out = model(torch.load({str(tmp_path / 'x.pt')!r}))\n"
+        "out.square().mean().backward()\n"
+        f"torch.save((out.detach(), [p.grad for p in model.parameters()]), {str(tmp_path / 'out.pt')!r})\n"
+        "print(type(model.blocks[0].rms).__name__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == type(together.blocks[0].rms).__name__
+    out, grads = torch.load(tmp_path / "out.pt")
+    expected = together(batch())
+    expected.square().mean().backward()
+    assert torch.equal(out, expected)
+    assert_bitwise(grads, [p.grad for p in together.parameters()])
+
+
 def test_a_second_convert_adds_no_hooks():
     together, _ = converted_and_alone()
     hooks = (len(together._forward_pre_hooks), len(together._forward_hooks))

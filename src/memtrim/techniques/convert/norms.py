@@ -31,6 +31,7 @@ warning.
 
 from __future__ import annotations
 
+import copyreg
 import warnings
 from collections.abc import Iterator
 from functools import partial
@@ -150,12 +151,30 @@ def _form(base: type[nn.Module], kind: str) -> type:
            f"{'recomputed in backward from its input' if kind == 'recomputed' else 'keeping its output'} instead of "
            "what it keeps (made by memtrim.convert; see NOTE [ norms by behaviour ] in "
            "memtrim/techniques/convert/norms.py).")
+    def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+        # pickled as (its base class, its kind) and made again from them, not by its name: two classes of one name
+        # (a library's RMSNorm and a user's) make two forms of one name, and a new process has made none yet
+        reduced = base.__reduce_ex__(self, protocol)  # (what pickling the base does)
+        if isinstance(reduced, tuple) and reduced[0] is _NEWOBJ and reduced[1] == (form,):
+            return (_made_again, (base, kind), *reduced[2:])
+        return reduced  # (a base with a pickling of its own)
+
     form = type(name, (base,), {"forward": forward, "__doc__": doc, "__module__": __name__, "__qualname__": name,
+                                "__reduce_ex__": __reduce_ex__,
                                 # (NOTE [ keep decisions made together ])
                                 "memtrim_keep_decisions": kind != "recomputed"})
     _FORMS[(base, kind)] = form
     globals().setdefault(name, form)
     return form
+
+
+def _made_again(base: type[nn.Module], kind: str) -> nn.Module:
+    """An empty module of ``base``'s form of ``kind`` (unpickling: its state is set after)."""
+    form = _form(base, kind)
+    return cast(nn.Module, object.__new__(form))
+
+
+_NEWOBJ = copyreg.__newobj__  # type: ignore[attr-defined]  # what object.__reduce_ex__ builds an instance with
 
 
 def layer_norm_form(base: type[nn.Module]) -> type:
