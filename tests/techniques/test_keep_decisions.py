@@ -412,7 +412,7 @@ def test_a_converted_model_saved_whole_loads_in_a_new_process(tmp_path):
     script = (
         "import torch\n"
         f"model = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
-        f"out = model(torch.load({str(tmp_path / 'x.pt')!r}))\n"
+        f"out = model(torch.load({str(tmp_path / 'x.pt')!r}, weights_only=True))\n"
         "out.square().mean().backward()\n"
         f"torch.save((out.detach(), [p.grad for p in model.parameters()]), {str(tmp_path / 'out.pt')!r})\n"
         "print(type(model.blocks[0].rms).__name__)\n"
@@ -420,7 +420,7 @@ def test_a_converted_model_saved_whole_loads_in_a_new_process(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == type(together.blocks[0].rms).__name__
-    out, grads = torch.load(tmp_path / "out.pt")
+    out, grads = torch.load(tmp_path / "out.pt", weights_only=True)
     expected = together(batch())
     expected.square().mean().backward()
     assert torch.equal(out, expected)
