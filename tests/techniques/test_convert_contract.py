@@ -2081,3 +2081,28 @@ def test_compiled_autograd_around_forward_and_backward_trains_bitwise():
             opt.zero_grad()
         found.append([p.detach().clone() for p in m.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*found))
+
+
+class Vmapped(nn.Module):
+    """Runs a torch.func transform in its forward (as transformers' eager-attention mask does on torch 2.4)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.head = nn.LayerNorm(4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.head(self.norm(x + torch.vmap(lambda row: row * 2)(x)))
+
+
+def test_a_forward_running_vmap_where_torch_refuses_it_under_saved_tensor_hooks_says_what_to_do():
+    # found running the new tests on torch 2.4: its vmap raises under saved-tensor hooks, which convert's trace runs
+    # the forward under, and the error told the user to pass a tensor or a tuple
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        try:
+            torch.vmap(lambda row: row * 2)(torch.randn(3, 4))
+        except RuntimeError:
+            pass
+        else:
+            pytest.skip("this torch runs torch.func transforms under saved-tensor hooks (torch 2.11 and later)")
+    with pytest.raises(memtrim.InvalidInputError, match="refuses a torch.func transform.*attn_implementation='sdpa'"):
+        memtrim.convert(Vmapped(), example_inputs=(torch.randn(3, 4),))

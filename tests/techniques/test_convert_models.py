@@ -534,7 +534,7 @@ def gemma(dtype, which="gemma"):
     transformers = import_transformers()
     torch.manual_seed(0)
     common = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=4, head_dim=16, vocab_size=64, attn_implementation="eager", use_cache=False)
+                  num_key_value_heads=4, head_dim=16, vocab_size=64, use_cache=False)
     model = {"gemma": lambda: transformers.GemmaForCausalLM(transformers.GemmaConfig(**common)),
              "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**common)),
              "gemma3": lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**common))}[which]()

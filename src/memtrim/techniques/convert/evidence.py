@@ -514,6 +514,10 @@ def collect(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             f"{api.removeprefix('memtrim.')} traces a training-mode forward (what autograd keeps there), where "
             "BatchNorm needs more than one value per channel: pass example_inputs with a batch of at least 2"
             if "Expected more than 1 value per channel" in str(e) else
+            f"{api.removeprefix('memtrim.')} traces the forward under saved-tensor hooks (to see what autograd keeps), "
+            "and this torch refuses a torch.func transform there, which the model's forward runs (transformers' "
+            "eager-attention mask calls vmap on torch 2.4; torch 2.11 takes it): use attn_implementation='sdpa', or a "
+            "newer torch" if "don't yet support saved tensor hooks" in str(e) else
             "Pass a tensor, a tuple of arguments (model(*example_inputs)) or a dict of keyword arguments "
             "(model(**example_inputs))"
         )
