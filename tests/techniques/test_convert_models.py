@@ -760,6 +760,49 @@ def test_a_recomputed_norm_reruns_with_the_training_flag_its_forward_read():
     assert all(torch.equal(a, b) for a, b in zip(*found))
 
 
+class GradModeAware(GemmaSpelledRMSNorm):
+    """Its eps chosen by grad mode (the forward ran inside an autograd.Function's forward, where it is off)."""
+
+    def forward(self, h):
+        self.eps = 1e-6 if torch.is_grad_enabled() else 0.1
+        return super().forward(h)
+
+
+class ShiftedPerCall(GemmaSpelledRMSNorm):
+    """Scaled by ``shift``, which its parent sets before each call (None or a number)."""
+
+    shift = None
+
+    def forward(self, h):
+        return super().forward(h) * (1.0 if self.shift is None else self.shift)
+
+
+class TwoCalls(nn.Module):
+    def __init__(self, norm):
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(16, 16), norm, nn.Linear(16, 16)
+
+    def forward(self, input):
+        h = self.a(input)
+        self.norm.shift = None
+        h = self.norm(h)
+        self.norm.shift = 3.0
+        return self.b(self.norm(h * 2))
+
+
+@pytest.mark.parametrize("make", [lambda: nn.Sequential(nn.Linear(16, 16), GradModeAware(16), nn.Linear(16, 16)),
+                                  lambda: TwoCalls(ShiftedPerCall(16))], ids=["grad mode", "set per call"])
+def test_a_recomputed_norm_runs_as_its_forward_ran(make):
+    # found by an adversarial pass: the forward ran with grad mode off (0.25 off plain's output), and the
+    # recomputation read an attribute that is no number (None) as backward found it (gradients 1.1 off)
+    torch.manual_seed(0)
+    plain = make().to(torch.bfloat16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
+    assert sum("recomputed" in c.after for c in report.changes) == 1, str(report)
+    train_upcast(plain, converted, x)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_llama_converted_in_float32_then_cast_trains_like_the_cast_model(dtype):
     # found by an adversarial pass: converted in float32 (where LlamaRMSNorm's upcast does nothing), then cast, the

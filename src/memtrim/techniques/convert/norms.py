@@ -131,7 +131,7 @@ def _form(base: type[nn.Module], kind: str) -> type:
                     or not saves_checked() or autocasting(x)
                     or not (x.requires_grad or any(p.requires_grad for p in params))):
                 return base.forward(self, *args, **kwargs)
-            return _Recomputed.apply(self, base.forward, _settings(self), names, x, *params)
+            return _Recomputed.apply(self, base.forward, names, x, *params)
     else:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             weight_name, eps = cast("tuple[str, float]", self.memtrim_rms)
@@ -208,37 +208,39 @@ def _settings_changed(module: nn.Module) -> bool:
 
 class _Recomputed(torch.autograd.Function):
     """A norm's own forward, keeping its input and its parameters (autograd checks their versions) instead of what its
-    ops keep; backward runs the forward again on them, with the parameters, the numbers (its eps) and the training
-    flag the forward read, and differentiates it: the same ops on the same values, so torch's gradients bit for bit.
-    No second derivative (``no_double_backward``)."""
+    ops keep; backward runs the forward again on them, with the parameters and the module's attributes as the forward
+    read them (its eps, its training flag, anything set on it per call), and differentiates it: the same ops on the
+    same values, so torch's gradients bit for bit. No second derivative (``no_double_backward``). Not seen, as with
+    torch's own checkpoint: a global, or an object the module holds, changed between forward and backward."""
 
     @staticmethod
-    def forward(ctx: Any, module: nn.Module, run: Any, settings: tuple[tuple[str, Any], ...], names: tuple[str, ...],
-                x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, module: nn.Module, run: Any, names: tuple[str, ...], x: torch.Tensor,
+                *params: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, *params)
-        ctx.module, ctx.run, ctx.settings, ctx.names, ctx.owner = module, run, settings, names, owner(module)
-        ctx.training = module.training
+        ctx.module, ctx.run, ctx.names, ctx.owner = module, run, names, owner(module)
+        ctx.attributes = dict(vars(module))  # (the values its forward reads now: a parent may set one per call)
         ctx.rebuilds = "keeps its input and runs its forward again"  # (no_double_backward's message)
-        return run(module, x)
+        # with grad mode on, as the unconverted forward runs (a forward may read it); what its ops save is freed with
+        # the graph at the return
+        with torch.enable_grad():
+            return run(module, x).detach()
 
     @staticmethod
     @no_double_backward
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         saved = ctx.saved_tensors
         module = ctx.module
-        leaves = tuple(t.detach().requires_grad_(needs) for t, needs in zip(saved, ctx.needs_input_grad[4:]))
-        # the forward again on a stand-in of the module (its attributes, the parameters, numbers and training flag the
-        # forward read): the module itself is left alone, so another thread's forward of it reads its own weight
-        # meanwhile
+        leaves = tuple(t.detach().requires_grad_(needs) for t, needs in zip(saved, ctx.needs_input_grad[3:]))
+        # the forward again on a stand-in of the module (the attributes and parameters the forward read): the module
+        # itself is left alone, so another thread's forward of it reads its own weight meanwhile
         stand_in = object.__new__(type(module))
-        vars(stand_in).update(vars(module))
-        vars(stand_in).update(ctx.settings, training=ctx.training,
-                              _parameters={**module._parameters, **dict(zip(ctx.names, leaves[1:]))})
+        vars(stand_in).update(ctx.attributes, _parameters={**ctx.attributes["_parameters"],
+                                                           **dict(zip(ctx.names, leaves[1:]))})
         with torch.enable_grad():
             out = ctx.run(stand_in, leaves[0])
         wanted = [t for t in leaves if t.requires_grad]
         found = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True) if wanted else ())
-        return (None, None, None, None, *(next(found) if t.requires_grad else None for t in leaves))
+        return (None, None, None, *(next(found) if t.requires_grad else None for t in leaves))
 
 
 def recomputed_form(base: type[nn.Module]) -> type:
