@@ -231,6 +231,30 @@ def test_a_data_write_after_the_norm_ran_is_refused():
         together(batch())
 
 
+class WritesAndRestores(Net):
+    """Writes the second block's norm weight through ``.data`` before that norm runs, and restores it after."""
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        weight = self.blocks[1].rms.weight
+        kept = weight.detach().clone()
+        weight.data[4:8] = 0.0
+        x = self.blocks[1](x)
+        weight.data.copy_(kept)
+        x = self.blocks[2](x)
+        return self.head(self.act(self.bn(x.transpose(1, 2))).transpose(1, 2))
+
+
+def test_a_data_write_restored_before_the_forward_ends_is_refused():
+    # found by an adversarial pass: the check at the forward's end read the weights as they were then, restored, and
+    # the norm had used a decision made from the old ones (gradients 4e-3 off deciding alone, silently); the check now
+    # reads a copy of what each norm read
+    together, _ = converted_and_alone(WritesAndRestores)
+    together(batch())  # (the first forward meets each norm once: each decides alone)
+    with pytest.raises(memtrim.ConvertError, match="without its version moving"):
+        together(batch())
+
+
 def test_the_decisions_cost_as_many_ops_at_any_depth():
     # the norms' masks are computed at once on their concatenated weights, at the decision and at the forward's end:
     # on a GPU each op is a kernel launch, at every forward

@@ -158,14 +158,16 @@ def _plain_tensors(*tensors: torch.Tensor | None) -> bool:
 #
 # * a forward of a model with forward hooks or pre-hooks not memtrim's (on any of its modules, or global ones) does
 #   not decide together: each norm decides at its call, as before;
-# * the model's forward hook computes, at the end of the forward, the decisions of the norms that took an earlier
-#   one from their weights then, and compares them with the ones taken (a second wait): a difference raises
+# * each norm that takes an earlier decision copies its weights as it reads them (one small copy each); the model's
+#   forward hook computes the decisions from those copies and from the weights as they are then at the end of the
+#   forward, all at once, and compares them with the ones taken (a second wait): a difference raises
 #   ``ConvertError`` (that forward's saved tensors cannot give torch's gradients) and the model's norms decide
-#   alone from then on. This also sees a ``.data`` write after the norm ran, which the rebuild in backward would
-#   read where torch's backward reads the input it kept.
+#   alone from then on. The end of the forward also sees a ``.data`` write after a norm ran, which its rebuild in
+#   backward would read where torch's backward reads the input it kept: that raises too.
 #
 # The masks of all the norms deciding (or checked) at once are computed together, on their concatenated weights
-# (``_masks``): about ten small ops a forward, not six a norm and two more a check (on a GPU each is a kernel launch;
+# (``_masks``): about ten small ops a forward and a copy a norm, not six a norm and two more a check (on a GPU each
+# is a kernel launch;
 # a converted HF Llama step: 1,415 ops against 1,463, benchmarks/results/convert_zoo_ops_cpu.json).
 #
 # A norm called outside the model's forward (a submodule called by itself, a checkpoint's recomputation in backward,
@@ -184,7 +186,8 @@ class _Open:
 
     def __init__(self, group: DecidedTogether | None, epoch: int, frame: Any) -> None:
         self.group, self.epoch, self.frame = group, epoch, frame
-        self.taken: list[tuple[torch.Tensor, torch.Tensor | None, float, torch.Tensor]] = []
+        # (weight and bias as the norm read them, copied; floor; the mask taken; weight and bias)
+        self.taken: list[tuple[Any, ...]] = []
 
 
 def _open_forward() -> _Open | None:
@@ -290,9 +293,10 @@ class DecidedTogether:
         by_device: dict[torch.device, list[Any]] = {}  # (one wait a device: a model split over two)
         for taken in top.taken:
             by_device.setdefault(taken[0].device, []).append(taken)
-        # the decisions the norms that took one would make from their weights now, all at once (NOTE above)
-        found = [_masks([t[:3] for t in taken])[1].ne(torch.cat([t[3] for t in taken])).any()
-                 for taken in by_device.values()]
+        # the decisions the norms that took one would make from their weights as they read them and as they are
+        # now, all at once (NOTE above)
+        found = [_masks([t[:3] for t in taken] + [(t[4], t[5], t[2]) for t in taken])[1]
+                 .ne(torch.cat([t[3] for t in taken] * 2)).any() for taken in by_device.values()]
         # (a plan's trace has no values to read there, and makes the same tensors)
         if any(not isinstance(f, FakeTensor) and bool(f) for f in found):  # (the second wait)
             self._alone = True
@@ -311,7 +315,10 @@ class DecidedTogether:
             found = self._decisions.get(key)
             if found is not None and found.holds(open_.epoch, gamma, beta):
                 assert found.kept is not None and found.mask is not None
-                open_.taken.append((gamma, beta, floor, found.mask))  # (checked at the forward's end)
+                # checked at the forward's end, on the values the norm reads now (a copy: a .data write may change
+                # and restore them before the end)
+                open_.taken.append((gamma.detach().clone(), None if beta is None else beta.detach().clone(), floor,
+                                    found.mask, gamma, beta))
                 return found.kept
             if found is None or not found.of(gamma, beta):
                 found = self._decisions[key] = _Decision(gamma, beta, floor)
