@@ -803,6 +803,30 @@ def test_a_recomputed_norm_runs_as_its_forward_ran(make):
     train_upcast(plain, converted, x)
 
 
+def test_a_recomputed_norm_hands_offload_less_than_plain(monkeypatch):
+    # found by an adversarial pass: with grad mode on in its forward, what the norm's own ops save went through
+    # OffloadActivations' hooks (copied to the host) and was thrown away at once: more bytes packed than plain
+    from memtrim.techniques.offload import _core
+
+    packed: list[int] = []
+    pack = _core.OffloadActivations._pack
+    monkeypatch.setattr(_core.OffloadActivations, "_pack",
+                        lambda self, t: packed.append(t.numel() * t.element_size()) or pack(self, t))
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), GemmaSpelledRMSNorm(16), nn.Linear(16, 16)).to(torch.bfloat16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
+    assert sum("recomputed" in c.after for c in report.changes) == 1, str(report)
+    found = []
+    for model in (plain, converted):
+        packed.clear()
+        with memtrim.OffloadActivations(min_bytes=0, include_cpu=True):
+            out = model(x)
+        out.float().square().mean().backward()
+        found.append(sum(packed))
+    assert found[1] < found[0], found
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_llama_converted_in_float32_then_cast_trains_like_the_cast_model(dtype):
     # found by an adversarial pass: converted in float32 (where LlamaRMSNorm's upcast does nothing), then cast, the

@@ -206,6 +206,10 @@ def _settings_changed(module: nn.Module) -> bool:
     return False
 
 
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 class _Recomputed(torch.autograd.Function):
     """A norm's own forward, keeping its input and its parameters (autograd checks their versions) instead of what its
     ops keep; backward runs the forward again on them, with the parameters and the module's attributes as the forward
@@ -221,8 +225,9 @@ class _Recomputed(torch.autograd.Function):
         ctx.attributes = dict(vars(module))  # (the values its forward reads now: a parent may set one per call)
         ctx.rebuilds = "keeps its input and runs its forward again"  # (no_double_backward's message)
         # with grad mode on, as the unconverted forward runs (a forward may read it); what its ops save is freed with
-        # the graph at the return
-        with torch.enable_grad():
+        # the graph at the return, kept as it is meanwhile (not handed to a user's saved-tensor hooks: an offload
+        # would copy it for nothing)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
             return run(module, x).detach()
 
     @staticmethod
