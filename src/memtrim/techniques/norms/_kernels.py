@@ -167,8 +167,7 @@ def _plain_tensors(*tensors: torch.Tensor | None) -> bool:
 #
 # The masks of all the norms deciding (or checked) at once are computed together, on their concatenated weights
 # (``_masks``): about ten small ops a forward and a copy a norm, not six a norm and two more a check (on a GPU each
-# is a kernel launch;
-# a converted HF Llama step: 1,431 ops against 1,463, benchmarks/results/convert_zoo_ops_cpu.json).
+# is a kernel launch; a converted HF Llama step: 1,431 ops against 1,463, benchmarks/results/convert_zoo_ops_cpu.json).
 #
 # A norm called outside the model's forward (a submodule called by itself, a checkpoint's recomputation in backward,
 # a norm that is not converted) decides at its call. A forward is open while the model's ``_call_impl`` frame is on
