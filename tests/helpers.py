@@ -7,6 +7,18 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memtrim.models import SeedMLP, SmallGPT
 
 
+class SpelledRMSNorm(torch.nn.Module):
+    """An RMSNorm as HF's are written (convert recognises it by its ops; its multiply by the weight keeps the weight
+    only where its input needs a gradient)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(n))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
 def mlp_step_setup(batch: int = 64, inplace: bool = False):
     torch.manual_seed(0)
     model = SeedMLP(inplace=inplace)

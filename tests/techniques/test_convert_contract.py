@@ -16,6 +16,8 @@ from memtrim.models.torchvision_resnet import TorchvisionBasicBlock, Torchvision
 from memtrim.techniques.convert.builtin import HARDSIGMOID_EDGE
 from memtrim.techniques.norms import _kernels
 
+from ..helpers import SpelledRMSNorm
+
 
 def grads_of(model, x, params=True, grad_out=None):
     """Output, input gradient and every parameter gradient of ``model`` on ``x``."""
@@ -1612,18 +1614,6 @@ def test_a_rebuilt_norms_parameter_changed_before_backward_is_named(param):
     with pytest.raises(memtrim.ConvertError, match=rf"'1' \+ '2'.*from its output and its {param}, and it was changed"
                                                    rf"{unread}.*loss.backward\(\) before optimizer.step\(\)"):
         loss.backward()
-
-
-class SpelledRMSNorm(nn.Module):
-    """An RMSNorm as HF's are written (its multiply by the weight keeps the weight only where its input needs a
-    gradient)."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
 class EmbeddedRMS(nn.Module):

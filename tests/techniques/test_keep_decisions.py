@@ -15,18 +15,7 @@ from torch import nn
 import memtrim
 from memtrim.techniques.norms import _kernels
 
-from ..helpers import CountOp, graph_counts
-
-
-class SpelledRMSNorm(nn.Module):
-    """An RMSNorm as HF's are written (convert recognises it by its ops)."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+from ..helpers import CountOp, SpelledRMSNorm, graph_counts
 
 
 class Block(nn.Module):
