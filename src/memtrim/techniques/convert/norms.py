@@ -98,7 +98,9 @@ _FORMS: dict[tuple[type, str], type] = {}
 
 
 def _form(base: type[nn.Module], kind: str) -> type:
-    """The keep-output subclass of ``base`` (made once per class; registered in this module so it pickles)."""
+    """The keep-output (or ``kind="recomputed"``) subclass of ``base``, made once per class. It pickles as (``base``,
+    ``kind``) and is made again from them (``__reduce_ex__`` below); its name is also bound in this module for pickles
+    made before that, which name it."""
     found = _FORMS.get((base, kind))
     if found is not None:
         return found
