@@ -258,21 +258,46 @@ def test_the_decisions_cost_as_many_ops_at_any_depth():
     assert counts[0] == counts[1] > 0, counts
 
 
-def test_a_model_with_a_users_forward_hooks_decides_alone():
-    # network slimming: a pre-hook re-zeroes the pruned gammas through .data before each norm runs (no version moves)
-    def prune(module, args):
-        module.weight.data.mul_(module.keep)
+def prune(module, args):
+    """Network slimming: a pre-hook re-zeroes the pruned gammas through .data before each norm runs (no version
+    moves)."""
+    module.weight.data.mul_(module.keep)
 
+
+def slimmed(block):
+    block.rms.keep = (torch.arange(16) % 4 != 1).float()
+    block.rms.register_forward_pre_hook(prune)
+
+
+@pytest.mark.parametrize("forwards_before", [0, 2])
+def test_a_model_with_a_users_forward_hooks_decides_alone(forwards_before):
+    # forwards_before: the modules are walked for hooks again only when torch made a hook handle since the last walk;
+    # one registered after the model ran (and found no hooks) must still be seen at the next forward
     together, alone = converted_and_alone()
     for model in (together, alone):
+        for _ in range(forwards_before):
+            model(batch())
         for block in model.blocks:
-            block.rms.keep = (torch.arange(16) % 4 != 1).float()
-            block.rms.register_forward_pre_hook(prune)
+            slimmed(block)
     together(batch())
     with count_nonzero() as counter:
         together(batch())
     assert counter.count == 7
     assert_bitwise(train(together, 5), train(alone, 5))
+
+
+def test_a_hooked_block_attached_after_forwards_is_refused_not_silent():
+    # a submodule attached with its hooks already registered makes no hook handle: not walked until another one is
+    # made, so its norms decide together; the pruning write its hook makes is then seen at the forward's end
+    together, _ = converted_and_alone()
+    together(batch())
+    block = together.blocks[2]
+    del together.blocks[2]
+    slimmed(block)
+    together(batch())  # (hooks registered since: walked again, no hook in the model then)
+    together.blocks.append(block)
+    with pytest.raises(memtrim.ConvertError, match="without its version moving"):
+        together(batch())
 
 
 class Interrupted(Net):

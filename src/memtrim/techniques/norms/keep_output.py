@@ -79,10 +79,9 @@ class NormKeepOutput(torch.autograd.Function):
         """The gradients of input, weight and bias, from the kept output (LayerNorm: by torch's fused backward)."""
         out, mean, rstd, weight, bias, kept, xhat_kept = saved_tensors(ctx)
         dims = ctx.dims
-        if weight is not None:  # xhat = (out - beta) / gamma in one pass
-            inv_gamma = torch.where(weight == 0, torch.ones_like(weight), weight).reciprocal()
-            offset = -bias * inv_gamma if bias is not None else torch.zeros_like(inv_gamma)
-            xhat = torch.addcmul(offset, out, inv_gamma)
+        if weight is not None:  # xhat = (out - beta) / gamma in one pass (a gamma of 0: its feature is kept)
+            inv_gamma = torch.where(weight == 0, 1.0, weight).reciprocal()
+            xhat = torch.addcmul(-bias * inv_gamma, out, inv_gamma) if bias is not None else out * inv_gamma
             if kept is not None:  # the kept features' own xhat
                 xhat.view(*xhat.shape[: xhat.dim() - len(dims)], -1).index_copy_(-1, kept, xhat_kept)
         else:
