@@ -15,8 +15,9 @@ from torch import nn
 
 import memtrim
 from memtrim.models.torchvision_resnet import TorchvisionBasicBlock, TorchvisionBottleneck, TorchvisionResNet
+from memtrim.techniques.norms._kernels import keep_input_features
 
-from ..helpers import graph_counts
+from ..helpers import CountOp, graph_counts
 
 
 # ---------------------------------------------------------------------- helpers
@@ -168,6 +169,12 @@ class RMSLookAlike(nn.Module):
             return x * torch.rsqrt(t.pow(2).mean(-1, keepdim=True).transpose(-1, -2) + 1e-6) * w
         if kind == "mean not kept":  # broadcasts over the other axis where the input is square
             return x * torch.rsqrt(x.pow(2).mean(-1) + 1e-6) * w
+        if kind == "shifted by alpha":  # Gemma's ops, `w + 2 * 1.0` (alpha as a keyword: not among the traced scalars)
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.add(1.0, alpha=2.0)
+        if kind == "shifted by itself":
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (w + w)
+        if kind == "shifted output":  # the 7 ops of Gemma's, in its order, the add elsewhere
+            return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) + 1.0) * w
         statistic = x.pow(2).mean(-1, keepdim=True)
         if (kind == "detached at the traced batch" and x.shape[0] >= 8) or (kind == "detached in training"
                                                                              and self.training):
@@ -176,7 +183,8 @@ class RMSLookAlike(nn.Module):
 
 
 @pytest.mark.parametrize("kind", ["fourth power", "statistic under no_grad", "detached input", "statistic over rows",
-                                  "mean not kept", "detached at the traced batch", "detached in training"])
+                                  "mean not kept", "detached at the traced batch", "detached in training",
+                                  "shifted by alpha", "shifted by itself", "shifted output"])
 def test_an_rmsnorm_look_alike_is_left_alone(kind):
     # found by an adversarial pass: the rule matched op names only, swapped in an RMSNorm and trained silently
     # differently (a 4th-moment norm: loss 1.20 against 0.60; a detached statistic: gradient 0.34 off)
@@ -564,16 +572,31 @@ def test_gemma_bfloat16_rmsnorm_is_recomputed_and_trains_bitwise(which):
     train_both(plain, converted)
 
 
-def test_gemma_float32_rmsnorm_is_left_alone_its_input_read_twice():
+@pytest.mark.parametrize("which", ["gemma", "gemma2", "gemma3"])
+def test_gemma_float32_rmsnorm_keeps_its_output(which):
     # in float32 `x.float()` is x itself: pow and the multiply both read the input, whose gradients autograd adds in
-    # another order than a recomputation (forced by hand: gradients 9e-10 off at the first step, parameters 9e-7 after
-    # 3 AdamW steps)
-    plain = gemma(torch.float32)
+    # another order than a recomputation would (forced by hand: 9e-10 off), so it was left alone; it keeps its output
+    # instead, dividing by its `1 + w` in backward (the keep-output form with an offset), as Llama's does by w
+    plain = gemma(torch.float32, which)
     converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=ids())
-    skipped = [s.reason for s in report.skipped if s.rule == "norm_by_behaviour" and "norm" in s.modules[0]]
-    assert len(skipped) == 5 and all("2 of its ops read its input" in r for r in skipped), str(report)
-    assert not [c for c in report.changes if c.before == "GemmaRMSNorm"], str(report)
-    train_both(plain, converted)
+    norms = [c for c in report.changes if c.before.endswith("RMSNorm")]
+    assert len(norms) == {"gemma": 5, "gemma2": 9, "gemma3": 13}[which], str(report)
+    assert all("keep-output" in c.after and not c.bitwise for c in norms), str(report)
+    assert not [s for s in report.skipped if s.rule == "norm_by_behaviour"], str(report)
+    one = 2 * 32 * 64 * 4  # batch x seq x hidden float32
+
+    def expected(name):
+        # x and x * r dropped, as Llama's; where only a residual add reads the output (Gemma2's and Gemma3's
+        # post-norms), the output is kept now: one less (q_norm and k_norm, over a head: only said to save)
+        if name.endswith(("q_norm", "k_norm")):
+            return None
+        post = which != "gemma" and name.endswith(("post_attention_layernorm", "post_feedforward_layernorm"))
+        return one if post else 2 * one
+
+    assert all(c.bytes_saved == expected(c.modules[0]) or (expected(c.modules[0]) is None and c.bytes_saved > 0)
+               for c in norms), str(report)
+    assert_equal_training(plain, converted, ids(), tol=2e-5)  # (float32, as Llama's: the same arithmetic below)
+    type(plain)(plain.config).load_state_dict(converted.state_dict())
 
 
 class GemmaSpelledRMSNorm(nn.Module):
@@ -703,6 +726,52 @@ def test_a_gemma_spelled_norm_that_a_recomputation_would_change_is_left_alone_an
     assert not [c for c in report.changes if "norm" in c.modules[0]], str(report)
     if case != "dropout":
         train_upcast(plain, converted, x)
+
+
+class ShiftedRMSNorm(GemmaSpelledRMSNorm):
+    """Gemma's RMSNorm in its input's dtype (no upcast): float64 end to end."""
+
+    def __init__(self, n):
+        super().__init__(n, upcast=False)
+
+
+def test_a_shifted_rmsnorm_float64_within_1e9_with_trained_looking_weights():
+    # `1 + w` at 0 (w = -1: a feature that keeps its input), near it (w = -1 + 1e-3: a tiny gamma, rebuilt) and far
+    # from it; every norm decides from `1 + w` (NOTE [ when a norm keeps its input ]), together, one nonzero a forward
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), GemmaBlock(ShiftedRMSNorm(16)), GemmaBlock(ShiftedRMSNorm(16))).double()
+    with torch.no_grad():
+        for block in plain[1:]:
+            block.norm.weight.uniform_(-3, 2)
+            block.norm.weight[0], block.norm.weight[1:3] = -1.0, -1.0 + 1e-3
+    x = torch.randn(4, 6, 16, dtype=torch.float64)
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
+    assert [c.modules for c in report.changes] == [("1.norm",), ("2.norm",)], str(report)
+    # x and x * r, less feature 0's kept xhat (a column) and its index
+    assert all(c.bytes_saved == 2 * 4 * 6 * 16 * 8 - (4 * 6 * 8 + 8) for c in report.changes), str(report)
+    for block in converted[1:]:
+        assert keep_input_features(block.norm.weight, None, None, 0.0, 1.0).tolist() == [0]
+    converted(x)
+    with CountOp(torch.ops.aten.nonzero.default) as counter:
+        converted(x)
+    assert counter.count == 1 + 2  # one decision for both, then each norm that keeps a feature gathers its own
+    with torch.no_grad():
+        converted[1].norm.weight[0] = converted[2].norm.weight[0] = -0.5
+    with CountOp(torch.ops.aten.nonzero.default) as counter:
+        converted(x)
+    assert counter.count == 1  # (each alone: 2)
+    with torch.no_grad():
+        converted[1].norm.weight[0] = converted[2].norm.weight[0] = -1.0
+    batch = {"input": x}
+    assert_equal_training(plain, converted, batch)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, converted)]
+    for _ in range(3):
+        for model, opt in zip((plain, converted), optimizers):
+            opt.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            opt.step()
+    for a, b in zip(plain.parameters(), converted.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-9)
 
 
 def test_a_gemma_spelled_norm_reading_values_made_from_its_weight_twice_is_recomputed_bitwise():

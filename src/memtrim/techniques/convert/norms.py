@@ -53,6 +53,7 @@ from .rules import Candidate, Context, class_swap, label, register_rule
 __all__ = ["IN_TRACED_DTYPE", "RMS_OPS", "layer_norm_form", "rms_norm_form"]
 
 RMS_OPS = ["pow", "mean", "add", "rsqrt", "mul", "mul"]
+SHIFTED_RMS_OPS = ["pow", "mean", "add", "rsqrt", "mul", "add", "mul"]  # Gemma's `* (1 + w)`, in its own dtype
 IN_TRACED_DTYPE = ("keeps its output for {} inputs, the dtype convert traced it in; after model.to() another dtype "
                    "runs the module's own forward (which may upcast) and saves nothing: convert after casting")
 """The limit of the RMSNorm form: its forward is the module's, bitwise, only in the dtype convert traced."""
@@ -136,7 +137,8 @@ def _form(base: type[nn.Module], kind: str) -> type:
             return _Recomputed.apply(self, base.forward, names, x, *params)
     else:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            weight_name, eps = cast("tuple[str, float]", self.memtrim_rms)
+            # (weight name, eps, and what Gemma's RMSNorm adds to the weight; pickled before that: no offset)
+            weight_name, eps, *shift = cast("tuple[Any, ...]", self.memtrim_rms)
             weight = getattr(self, weight_name)
             x = args[0] if args else next(iter(kwargs.values()), None)
             # the dtype convert traced it in (where it computed in its input's dtype; HF's RMSNorms upcast any other
@@ -147,7 +149,7 @@ def _form(base: type[nn.Module], kind: str) -> type:
                     or x.dim() <= 1 or x.numel() == 0 or _settings_changed(self)):
                 return base.forward(self, *args, **kwargs)
             return NormKeepOutput.apply(x, weight, None, tuple(weight.shape), eps, "rms",
-                                         getattr(self, "gamma_threshold", 0.0), owner(self))
+                                         getattr(self, "gamma_threshold", 0.0), owner(self), *shift)
 
     doc = (f"{base.__qualname__} "
            f"{'recomputed in backward from its input' if kind == 'recomputed' else 'keeping its output'} instead of "
@@ -258,7 +260,8 @@ def recomputed_form(base: type[nn.Module]) -> type:
 
 
 def rms_norm_form(base: type[nn.Module]) -> type:
-    """The keep-output subclass of an RMSNorm-like class ``base`` (needs ``memtrim_rms = (weight name, eps)``)."""
+    """The keep-output subclass of an RMSNorm-like class ``base`` (needs ``memtrim_rms = (weight name, eps)``, or
+    ``(weight name, eps, offset)`` for a norm that multiplies by ``offset + weight``: Gemma's ``1 + w``)."""
     return _form(base, "rms")
 
 
@@ -268,19 +271,21 @@ def _innermost(trace: ModelTrace, site: CallSite) -> bool:
                    for s in trace.sites[site.index + 1:])
 
 
-def _rms_spec(trace: ModelTrace, site: CallSite, module: nn.Module) -> tuple[str, float] | str:
-    """``(weight name, eps)`` of an RMSNorm-shaped call site, or why it is not one convert can rebuild.
+def _rms_spec(trace: ModelTrace, site: CallSite, module: nn.Module) -> tuple[str, float, float] | str:
+    """``(weight name, eps, offset)`` of an RMSNorm-shaped call site, or why it is not one convert can rebuild.
 
     The op names are not enough (a 4th-moment norm, a statistic over another axis through a view, a gated norm
     grouping features have them too): the call must run exactly ``pow(x, 2)``, ``mean(-1, keepdim=True)``, ``+ eps``,
-    ``rsqrt``, ``x *`` and ``* weight`` on its own input, nothing else (no view, no in-place op), and its forward must
-    then give the canonical formula's output and gradients bit for bit (:func:`_behaves_as_rms_norm`: what aten ops
-    cannot show, a statistic computed under no_grad or through ``.data``)."""
+    ``rsqrt``, ``x *`` and ``* weight`` (or ``* (offset + weight)``, Gemma's ``1 + w``) on its own input, nothing else
+    (no view, no in-place op), and its forward must then give the canonical formula's output and gradients bit for
+    bit (:func:`_behaves_as_rms_norm`: what aten ops cannot show, a statistic computed under no_grad or through
+    ``.data``)."""
     # (detaches left out: the trace's own saves make them; a detach of the module's is in the gradients checked below)
     ops = [o for o in trace.ops_in(site, compute_only=False) if o.name != "detach"]
-    if [o.name for o in ops] != RMS_OPS or len(site.inputs) != 1 or len(site.outputs) != 1:
+    if [o.name for o in ops] not in (RMS_OPS, SHIFTED_RMS_OPS) or len(site.inputs) != 1 or len(site.outputs) != 1:
         return ("an RMSNorm-like call that runs other ops too (a view, an in-place op: "
                 f"{', '.join(o.name for o in ops)}) or takes more than its input")
+    shift = ops.pop(5) if len(ops) == len(SHIFTED_RMS_OPS) else None
     pow_, mean, add, rsqrt, first, last = ops
     x = site.inputs[0]
     dims = mean.scalars[0] if mean.scalars else None
@@ -290,30 +295,41 @@ def _rms_spec(trace: ModelTrace, site: CallSite, module: nn.Module) -> tuple[str
     if eps is None:
         return "an RMSNorm-like call whose eps is not a constant"
     own = {id(p.untyped_storage()): n for n, p in module.named_parameters(recurse=False)}
-    weights = [own[k] for k in last.inputs if k in own]
+    gain = shift if shift is not None else last  # (the op that reads the weight)
+    weights = [own[k] for k in gain.inputs if k in own]
     if len(weights) != 1 or getattr(module, weights[0]).dim() != 1:
         return "an RMSNorm-like call whose last multiply is not by a 1-D parameter of the module"
-    weight_key = next(k for k in last.inputs if k in own)
+    weight_key = next(k for k in gain.inputs if k in own)
+    offset = 0.0
+    if shift is not None:
+        found = [s for s in shift.scalars if isinstance(s, float)]
+        if shift.inputs != (weight_key,) or len(found) != 1 or found[0] == 0.0 or len(shift.scalars) != 1:
+            return "an RMSNorm-like call whose weight is shifted by other than one constant (as Gemma's 1 + w)"
+        offset = found[0]
+    factor = weight_key if shift is None else shift.outputs[0]
     flow = (pow_.inputs == (x,) and pow_.scalars[:1] in ((2,), (2.0,)) and mean.inputs == pow_.outputs
             and add.inputs == mean.outputs and rsqrt.inputs == add.outputs
             and sorted(first.inputs) == sorted((x, *rsqrt.outputs))
-            and sorted(last.inputs) == sorted((weight_key, *first.outputs)) and last.outputs == site.outputs)
+            and sorted(last.inputs) == sorted((factor, *first.outputs)) and last.outputs == site.outputs
+            and (shift is None or len(shift.outputs) == 1))
     if not flow:
         return ("an RMSNorm-like call that computes something else than x * rsqrt(mean(x^2, -1) + eps) * weight "
                 "(another power, axis or operand)")
     with buffers_kept(module):  # (a forward that counts its calls in an attribute, as convert's own runs do)
-        why = _behaves_as_rms_norm(module, weights[0], float(eps), site.input_shapes[0])
+        why = _behaves_as_rms_norm(module, weights[0], float(eps), site.input_shapes[0], offset)
     if why:
         return f"an RMSNorm-like call whose forward, run again on a random input of its traced shape, {why}"
-    return weights[0], float(eps)
+    return weights[0], float(eps), offset
 
 
-def _behaves_as_rms_norm(module: nn.Module, weight_name: str, eps: float, shape: tuple[int, ...]) -> str:
+def _behaves_as_rms_norm(module: nn.Module, weight_name: str, eps: float, shape: tuple[int, ...],
+                         offset: float = 0.0) -> str:
     """Why ``module``'s own forward, in training mode, with random weights on a random input of the traced
     ``shape``, does not give the output and the input and weight gradients that autograd gives for ``x *
-    rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight`` bit for bit (the same ops in the same order give the
-    same bits): "" where it does. Run on the CPU outside any fake or dispatch mode (a plan's trace), the module's
-    parameters swapped for the call and its training flag set as in training, both put back."""
+    rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight`` (``* (weight + offset)`` with an offset) bit for bit (the
+    same ops in the same order give the same bits): "" where it does. Run on the CPU outside any fake or dispatch mode
+    (a plan's trace), the module's parameters swapped for the call and its training flag set as in training, both put
+    back."""
     params = module._parameters
     held, training = dict(params), module.training
     weight = held[weight_name]
@@ -331,7 +347,7 @@ def _behaves_as_rms_norm(module: nn.Module, weight_name: str, eps: float, shape:
             module.training = True  # convert traced it in training mode (as_training); it trains in it
             x = torch.randn(shape, generator=generator, dtype=weight.dtype, requires_grad=True)
             out = module.forward(x)
-            expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+            expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (w + offset if offset else w)
             if not isinstance(out, torch.Tensor) or not bitwise_equal(out.detach(), expected.detach()):
                 return "gives another output than the formula"
             grad = torch.randn(shape, generator=generator, dtype=weight.dtype)
@@ -459,7 +475,7 @@ def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
         if type(module) in KEEP_OUTPUT_FORMS or not _innermost(trace, site):
             continue
         names = ctx.op_names(site)
-        kind = "layer" if names == ["native_layer_norm"] else "rms" if names == RMS_OPS else None
+        kind = "layer" if names == ["native_layer_norm"] else "rms" if names in (RMS_OPS, SHIFTED_RMS_OPS) else None
         if kind is None and "rsqrt" in names and set(names) <= _NORM_OPS and trace.leaf(site):
             kind = "other"  # an RMS-style norm no keep-output form computes (Gemma's `* (1 + w)`): recomputed, or not
         if kind is None:

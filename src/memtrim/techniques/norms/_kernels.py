@@ -86,23 +86,25 @@ with these modules rather than train differently; ``convert`` leaves such norms 
 
 
 def keep_input_features(gamma: torch.Tensor, beta: torch.Tensor | None, extra: torch.Tensor | None = None,
-                        floor: float = 0.0) -> torch.Tensor:
+                        floor: float = 0.0, offset: float = 0.0) -> torch.Tensor:
     """Indices (flattened) of the features whose ``xhat`` cannot be rebuilt from the output to within KEEP_BOUND
     times torch's own error (NOTE [ when a norm keeps its input ] in this file). ``extra``: the ELU term s, per
-    feature; ``floor``: a user's ``gamma_threshold``, below which features keep their ``xhat`` anyway. Inside the
+    feature; ``floor``: a user's ``gamma_threshold``, below which features keep their ``xhat`` anyway; ``offset``: the
+    norm multiplies by ``gamma + offset`` (Gemma's RMSNorm: ``1 + w``), from which it decides. Inside the
     forward of a model ``convert`` changed, decided with the model's other norms (NOTE [ keep decisions made
     together ])."""
     if extra is None and getattr(_LOCAL, "stack", None) and _plain_tensors(gamma, beta):
         open_ = _open_forward()
         if open_ is not None and open_.group is not None:
-            return open_.group.kept(gamma, beta, floor, open_)
-    return _keep_mask(gamma, beta, extra, floor).flatten().nonzero().flatten()
+            return open_.group.kept(gamma, beta, floor, offset, open_)
+    return _keep_mask(gamma, beta, extra, floor, offset).flatten().nonzero().flatten()
 
 
 def _keep_mask(gamma: torch.Tensor, beta: torch.Tensor | None, extra: torch.Tensor | None,
-               floor: float) -> torch.Tensor:
-    """Per feature, whether it keeps its ``xhat`` (NOTE [ when a norm keeps its input ])."""
-    g = gamma.detach().abs()
+               floor: float, offset: float = 0.0) -> torch.Tensor:
+    """Per feature, whether it keeps its ``xhat`` (NOTE [ when a norm keeps its input ]), for a norm that multiplies
+    by ``gamma + offset`` (the same bits as the norm's own sum: one rounding)."""
+    g = (gamma.detach() + offset if offset else gamma.detach()).abs()
     # without beta the limit is 0, a scalar (a zeros tensor was one more op, on a GPU a kernel, at every call)
     limit: torch.Tensor | float = beta.detach().abs() if beta is not None else 0.0
     if extra is not None:
@@ -110,23 +112,25 @@ def _keep_mask(gamma: torch.Tensor, beta: torch.Tensor | None, extra: torch.Tens
     return ~(g * KEEP_BOUND > limit) | (g < max(torch.finfo(g.dtype).tiny ** 0.25, floor))
 
 
-def _masks(norms: list[tuple[torch.Tensor, torch.Tensor | None, float]]) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """``_keep_mask(gamma, beta, None, floor).flatten()`` for each (gamma, beta, floor) of one device, and all of them
-    concatenated; computed once for all norms alike (dtypes, a beta or none, floor) on their concatenated weights: a
+def _masks(norms: list[tuple[torch.Tensor, torch.Tensor | None, float, float]]
+           ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """``_keep_mask(gamma, beta, None, floor, offset).flatten()`` for each (gamma, beta, floor, offset) of one device,
+    and all of them concatenated; computed once for all norms alike (dtypes, a beta or none, floor, offset) on their
+    concatenated weights: a
     handful of ops where each norm's own were six, at every forward (on a GPU each is a kernel launch). Elementwise
     comparisons, so each mask is the one the norm computes by itself."""
     groups: dict[tuple[Any, ...], list[int]] = {}
-    for i, (gamma, beta, floor) in enumerate(norms):
-        groups.setdefault((gamma.dtype, None if beta is None else beta.dtype, floor), []).append(i)
-    masks: list[torch.Tensor] = [gamma for gamma, _, _ in norms]  # (each replaced below)
+    for i, (gamma, beta, floor, offset) in enumerate(norms):
+        groups.setdefault((gamma.dtype, None if beta is None else beta.dtype, floor, offset), []).append(i)
+    masks: list[torch.Tensor] = [norm[0] for norm in norms]  # (each replaced below)
     with torch.no_grad():
-        for (_, has_beta, floor), members in groups.items():
+        for (_, has_beta, floor, offset), members in groups.items():
             gamma = torch.cat([norms[i][0].flatten() for i in members]) if len(members) > 1 else norms[members[0]][0]
             beta = None
             if has_beta is not None:
                 beta = (torch.cat([norms[i][1].flatten() for i in members])  # type: ignore[union-attr]
                         if len(members) > 1 else norms[members[0]][1])
-            mask = _keep_mask(gamma, beta, None, floor).flatten()
+            mask = _keep_mask(gamma, beta, None, floor, offset).flatten()
             for i, part in zip(members, mask.split([norms[i][0].numel() for i in members])):
                 masks[i] = part
     return masks, mask if len(groups) == 1 else torch.cat(masks)  # (one group: its members in order)
@@ -187,7 +191,7 @@ class _Open:
 
     def __init__(self, group: DecidedTogether | None, epoch: int, frame: Any) -> None:
         self.group, self.epoch, self.frame = group, epoch, frame
-        # (weight and bias as the norm read them, copied; floor; the mask taken; weight and bias)
+        # (weight and bias as the norm read them, copied; floor; offset; the mask taken; weight and bias)
         self.taken: list[tuple[Any, ...]] = []
 
 
@@ -209,12 +213,12 @@ def _open_forward() -> _Open | None:
 class _Decision:
     """One norm's weights (held weakly: a fast weight is not kept alive by this), and what was decided from them."""
 
-    __slots__ = ("beta", "epoch", "floor", "gamma", "kept", "mask", "versions")
+    __slots__ = ("beta", "epoch", "floor", "gamma", "kept", "mask", "offset", "versions")
 
-    def __init__(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float) -> None:
+    def __init__(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float) -> None:
         self.gamma = weakref.ref(gamma)
         self.beta = None if beta is None else weakref.ref(beta)
-        self.floor = floor
+        self.floor, self.offset = floor, offset
         self.epoch = -1
         self.versions: tuple[int, int] | None = None
         self.kept: torch.Tensor | None = None
@@ -263,7 +267,7 @@ class DecidedTogether:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._epoch = 0
-        self._decisions: dict[tuple[int, int, float], _Decision] = {}
+        self._decisions: dict[tuple[int, int, float, float], _Decision] = {}
         self._alone = False  # (after a decision taken differed from the norm's own: NOTE above)
         # (the model, torch's hook count, and whether it had hooks not memtrim's then: _hooked_now)
         self._hooks_seen: tuple[int, int, bool] | None = None
@@ -308,8 +312,8 @@ class DecidedTogether:
             by_device.setdefault(taken[0].device, []).append(taken)
         # the decisions the norms that took one would make from their weights as they read them and as they are
         # now, all at once (NOTE above)
-        found = [_masks([t[:3] for t in taken] + [(t[4], t[5], t[2]) for t in taken])[1]
-                 .ne(torch.cat([t[3] for t in taken] * 2)).any() for taken in by_device.values()]
+        found = [_masks([t[:4] for t in taken] + [(t[5], t[6], t[2], t[3]) for t in taken])[1]
+                 .ne(torch.cat([t[4] for t in taken] * 2)).any() for taken in by_device.values()]
         # (a plan's trace has no values to read there, and makes the same tensors)
         if any(not isinstance(f, FakeTensor) and bool(f) for f in found):  # (the second wait)
             self._alone = True
@@ -321,9 +325,10 @@ class DecidedTogether:
                 "so it is refused. Expected a norm's weight to change in place (which moves its version) or in a "
                 "forward hook; the model's norms now decide at each call: run this step again.")
 
-    def kept(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, open_: _Open) -> torch.Tensor:
-        """``keep_input_features(gamma, beta, None, floor)``, decided with the model's other norms."""
-        key = (id(gamma), -1 if beta is None else id(beta), floor)
+    def kept(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float,
+             open_: _Open) -> torch.Tensor:
+        """``keep_input_features(gamma, beta, None, floor, offset)``, decided with the model's other norms."""
+        key = (id(gamma), -1 if beta is None else id(beta), floor, offset)
         with self._lock:
             found = self._decisions.get(key)
             if found is not None and found.holds(open_.epoch, gamma, beta):
@@ -331,10 +336,10 @@ class DecidedTogether:
                 # checked at the forward's end, on the values the norm reads now (a copy: a .data write may change
                 # and restore them before the end)
                 open_.taken.append((gamma.detach().clone(), None if beta is None else beta.detach().clone(), floor,
-                                    found.mask, gamma, beta))
+                                    offset, found.mask, gamma, beta))
                 return found.kept
             if found is None or not found.of(gamma, beta):
-                found = self._decisions[key] = _Decision(gamma, beta, floor)
+                found = self._decisions[key] = _Decision(gamma, beta, floor, offset)
             self._decide(gamma.device, open_.epoch)
             assert found.kept is not None
             return found.kept
@@ -348,7 +353,7 @@ class DecidedTogether:
                 del self._decisions[key]
             elif tensors[0].device == device and not decision.holds(epoch, *tensors):
                 todo.append((decision, *tensors))
-        masks, whole = _masks([(gamma, beta, d.floor) for d, gamma, beta in todo])
+        masks, whole = _masks([(gamma, beta, d.floor, d.offset) for d, gamma, beta in todo])
         found = whole.nonzero().flatten()  # the one wait
         for (decision, gamma, beta), mask in zip(todo, masks):
             # where no feature keeps its input (what trained weights mostly give), none of this norm's does; else

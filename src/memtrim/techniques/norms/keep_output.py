@@ -37,17 +37,20 @@ class NormKeepOutput(torch.autograd.Function):
     """A norm over the last ``len(normalized_shape)`` dimensions, keeping its output instead of its input; shared by
     :class:`LayerNorm`, :class:`RMSNorm` and convert's norms by behaviour. ``form``: ``"layer"`` (torch's
     ``native_layer_norm``), ``"rms_norm"`` (torch's ``F.rms_norm``, as ``nn.RMSNorm`` computes it) or ``"rms"`` (the
-    ops ``x * rsqrt(mean(x^2) + eps) * weight`` in this order, as HF's RMSNorms compute in their dtype). See NOTE
-    [ norms that keep their output ]."""
+    ops ``x * rsqrt(mean(x^2) + eps) * weight`` in this order, as HF's RMSNorms compute in their dtype; with
+    ``offset``, ``* (weight + offset)``: Gemma's ``1 + w``, whose sum is kept for backward as torch keeps it). See
+    NOTE [ norms that keep their output ]."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 normalized_shape: tuple[int, ...], eps: float, form: str, gamma_threshold: float,
-                owner: str) -> torch.Tensor:
+                owner: str, offset: float = 0.0) -> torch.Tensor:
         """The norm's output, keeping it (and the features of ``x`` whose ``xhat`` it cannot rebuild) for backward."""
         nd = len(normalized_shape)
         dims = tuple(range(x.dim() - nd, x.dim()))
         rms = form != "layer"
+        # (Gemma's ``1 + w``: what the norm multiplies by, kept for the rebuild; the parameter's gradient is its own)
+        gamma = weight + offset if offset and weight is not None else weight
         if form == "rms_norm":  # torch's own forward, bitwise (float32 and float64: NOTE [ norms in half precision ])
             out = torch.nn.functional.rms_norm(x, list(normalized_shape), weight, eps)
             rstd = torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
@@ -55,14 +58,14 @@ class NormKeepOutput(torch.autograd.Function):
         elif rms:
             rstd = torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
             out = x * rstd
-            if weight is not None:
-                out = out * weight
+            if gamma is not None:
+                out = out * gamma
             mean = None
         else:
             out, mean, rstd = torch.ops.aten.native_layer_norm(x, list(normalized_shape), weight, bias, eps)
         kept = xhat_kept = None
         if weight is not None:  # NOTE [ when a norm keeps its input ] (in _kernels.py)
-            kept = keep_input_features(weight, bias, None, gamma_threshold)
+            kept = keep_input_features(weight, bias, None, gamma_threshold, offset)
             if kept.numel() == 0:
                 kept = None
             else:
@@ -70,7 +73,7 @@ class NormKeepOutput(torch.autograd.Function):
                 r = rstd.reshape(*rstd.shape[: x.dim() - nd], 1)
                 xhat_kept = (columns * r if mean is None else (columns - mean.reshape(r.shape)) * r).to(x.dtype)
         ctx.dims, ctx.rms, ctx.owner, ctx.kept_params = dims, rms, owner, kept_params(weight, bias)
-        ctx.save_for_backward(out, mean, rstd, weight, bias, kept, xhat_kept)
+        ctx.save_for_backward(out, mean, rstd, gamma, bias, kept, xhat_kept)
         return out
 
     @staticmethod
@@ -97,13 +100,13 @@ class NormKeepOutput(torch.autograd.Function):
             )
             if dx is not None:
                 dx.mul_(rstd)
-            return dx, dweight, dbias, None, None, None, None, None
+            return dx, dweight, dbias, None, None, None, None, None, None
         g = dn * weight if weight is not None else dn  # RMSNorm
         dx = rstd * (g - xhat * (g * xhat).mean(dims, keepdim=True))
         batch_dims = tuple(range(dn.dim() - len(dims)))
         dweight = (dn * xhat).sum(batch_dims) if weight is not None else None
         dbias = dn.sum(batch_dims) if bias is not None else None
-        return dx, dweight, dbias, None, None, None, None, None
+        return dx, dweight, dbias, None, None, None, None, None, None
 
 
 class LayerNorm(nn.LayerNorm):
