@@ -729,17 +729,24 @@ def test_a_gemma_spelled_norm_that_a_recomputation_would_change_is_left_alone_an
 
 
 class ShiftedRMSNorm(GemmaSpelledRMSNorm):
-    """Gemma's RMSNorm in its input's dtype (no upcast): float64 end to end."""
+    """Gemma's RMSNorm in its input's dtype (no upcast): float64 end to end; ``one``: the 1 it adds (an int or a
+    float)."""
 
-    def __init__(self, n):
+    def __init__(self, n, one=1.0):
         super().__init__(n, upcast=False)
+        self.one = one
+
+    def forward(self, h):
+        return self.normalized(h) * (self.one + self.weight)
 
 
-def test_a_shifted_rmsnorm_float64_within_1e9_with_trained_looking_weights():
+@pytest.mark.parametrize("one", [1.0, 1])
+def test_a_shifted_rmsnorm_float64_within_1e9_with_trained_looking_weights(one):
     # `1 + w` at 0 (w = -1: a feature that keeps its input), near it (w = -1 + 1e-3: a tiny gamma, rebuilt) and far
     # from it; every norm decides from `1 + w` (NOTE [ when a norm keeps its input ]), together, one nonzero a forward
     torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(16, 16), GemmaBlock(ShiftedRMSNorm(16)), GemmaBlock(ShiftedRMSNorm(16))).double()
+    plain = nn.Sequential(nn.Linear(16, 16), GemmaBlock(ShiftedRMSNorm(16, one)),
+                          GemmaBlock(ShiftedRMSNorm(16, one))).double()
     with torch.no_grad():
         for block in plain[1:]:
             block.norm.weight.uniform_(-3, 2)

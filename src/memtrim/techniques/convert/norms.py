@@ -302,10 +302,10 @@ def _rms_spec(trace: ModelTrace, site: CallSite, module: nn.Module) -> tuple[str
     weight_key = next(k for k in gain.inputs if k in own)
     offset = 0.0
     if shift is not None:
-        found = [s for s in shift.scalars if isinstance(s, float)]
+        found = [s for s in shift.scalars if isinstance(s, (int, float)) and not isinstance(s, bool)]
         if shift.inputs != (weight_key,) or len(found) != 1 or found[0] == 0.0 or len(shift.scalars) != 1:
             return "an RMSNorm-like call whose weight is shifted by other than one constant (as Gemma's 1 + w)"
-        offset = found[0]
+        offset = float(found[0])  # (`1 + w` and `1.0 + w` add the same value)
     factor = weight_key if shift is None else shift.outputs[0]
     flow = (pow_.inputs == (x,) and pow_.scalars[:1] in ((2,), (2.0,)) and mean.inputs == pow_.outputs
             and add.inputs == mean.outputs and rsqrt.inputs == add.outputs
