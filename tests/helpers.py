@@ -1,5 +1,7 @@
 """Small shared pieces for the tests."""
 
+import gc
+
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -134,3 +136,11 @@ def graph_counts(model, *args, **kwargs) -> tuple[int, int]:
     finally:
         torch._dynamo.reset()
     return explanation.graph_count, explanation.graph_break_count
+
+
+def graphs_alive():
+    """Tensors anywhere in the process that still carry an autograd graph (after a collection): a graph left behind
+    by a forward whose graph should be gone is a leak."""
+    gc.collect()
+    # (by exact type: isinstance on every object wakes deprecated module attributes that warn)
+    return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.grad_fn is not None)

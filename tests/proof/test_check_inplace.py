@@ -10,6 +10,8 @@ import memtrim
 import memtrim.functional as MF
 from memtrim.models.seed_silu import silu_inplace_1, silu_inplace_2, silu_inplace_2_corrected
 
+from ..helpers import graphs_alive
+
 
 def sin_then_overwrite(x):  # sin keeps its input for backward; mul_ overwrites that input
     h = x.clone()
@@ -72,6 +74,17 @@ def test_seed_silu_inplace_2_right_values_but_backward_fails_naming_both_ops():
     message = next(p for p in result.problems if "backward" in p)
     assert "sigmoid_ keeps its output for backward, and mul_ then overwrote it in place" in message, message
     assert "modified by an inplace operation" in message  # torch's own words, quoted after memtrim's
+
+
+def test_explaining_a_backward_error_leaves_no_graph_behind():
+    # the explanation's tracer held what the forward saved as itself: sigmoid_'s saved output held its own node, a
+    # cycle gc cannot free, so each explained check leaked its forward's graph
+    before = graphs_alive()
+    for _ in range(2):
+        result = memtrim.check_inplace(silu_inplace_2, F.silu, torch.randn(8, 8))
+        assert any("overwrote it in place" in p for p in result.problems), result.problems
+    del result
+    assert graphs_alive() == before
 
 
 def test_overwritten_saved_input_names_both_ops():

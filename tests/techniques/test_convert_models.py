@@ -17,7 +17,7 @@ import memtrim
 from memtrim.models.torchvision_resnet import TorchvisionBasicBlock, TorchvisionBottleneck, TorchvisionResNet
 from memtrim.techniques.norms._kernels import keep_input_features
 
-from ..helpers import CountOp, graph_counts
+from ..helpers import CountOp, graph_counts, graphs_alive
 
 
 # ---------------------------------------------------------------------- helpers
@@ -353,6 +353,23 @@ def upcast_pair(in_place_residual=False):
 
 def train_upcast(plain, converted, x):
     train_both(plain, converted, batch=lambda: {"input": x}, loss=lambda out: out.float().square().mean())
+
+
+def test_a_recomputed_rmsnorm_leaves_no_graph_behind():
+    # found by an adversarial pass: the forward's own graph (built with grad on, thrown away at its return) kept what
+    # its ops saved through identity hooks; rsqrt saves its output, so the output held its own node, a cycle through
+    # C++ that gc cannot see: every call leaked its float32 copies and the input's graph (the embeddings' gradient
+    # accumulator too: resize_token_embeddings then failed in backward). Plain training leaves nothing
+    _, converted, x, _ = upcast_pair()
+    opt = torch.optim.AdamW(converted.parameters(), lr=1e-3)
+    before = graphs_alive()
+    for _ in range(3):
+        converted(x).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        converted(x.requires_grad_())  # (a forward without backward, as an evaluation with grad on)
+        x.requires_grad_(False)
+    assert graphs_alive() == before
 
 
 def test_an_upcasting_rmsnorm_whose_input_is_written_later_is_left_alone_and_says_why():

@@ -401,8 +401,11 @@ class _SaveTracer(TorchFunctionMode):
         return out
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.saved.append((self.current, tensor, tensor._version))
-        return tensor
+        # detached: a saved output held as itself holds its own node, a cycle through C++ that gc cannot free (the
+        # forward's graph then outlived every check that explained a backward error)
+        detached = tensor.detach()
+        self.saved.append((self.current, detached, tensor._version))
+        return detached
 
     def explain(self) -> str | None:
         """'S keeps its output/input for backward, and W then overwrote it in place', for the first saved tensor

@@ -210,6 +210,10 @@ def _settings_changed(module: nn.Module) -> bool:
     return False
 
 
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach()
+
+
 def _as_is(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
@@ -229,9 +233,11 @@ class _Recomputed(torch.autograd.Function):
         ctx.attributes = dict(vars(module))  # (the values its forward reads now: a parent may set one per call)
         ctx.rebuilds = "keeps its input and runs its forward again"  # (no_double_backward's message)
         # with grad mode on, as the unconverted forward runs (a forward may read it); what its ops save is freed with
-        # the graph at the return, kept as it is meanwhile (not handed to a user's saved-tensor hooks: an offload
-        # would copy it for nothing)
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+        # the graph at the return, kept detached meanwhile: not handed to a user's saved-tensor hooks (an offload
+        # would copy it for nothing), and not as itself, which for an op that saves its output (rsqrt) holds the
+        # output's own node, a cycle through C++ that gc cannot free (it kept every call's graph alive, the input's
+        # too; found by an adversarial pass)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_detached, _as_is):
             return run(module, x).detach()
 
     @staticmethod
