@@ -2096,3 +2096,29 @@ def test_a_forward_running_vmap_where_torch_refuses_it_under_saved_tensor_hooks_
             pytest.skip("this torch runs torch.func transforms under saved-tensor hooks (torch 2.11 and later)")
     with pytest.raises(memtrim.InvalidInputError, match="refuses a torch.func transform.*attn_implementation='sdpa'"):
         memtrim.convert(Vmapped(), example_inputs=(torch.randn(3, 4),))
+
+
+class NormReadTwice(nn.Module):
+    """A LayerNorm whose output a copy (roll) reads, not a Linear, and whose input ``sin`` keeps anyway (``kept``) or
+    nothing else keeps."""
+
+    def __init__(self, kept):
+        super().__init__()
+        self.a, self.norm, self.lin, self.kept = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8), kept
+
+    def forward(self, x):
+        h = self.a(x)
+        return (h.sin() if self.kept else h) + self.lin(torch.roll(self.norm(h), 1, 1))
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_change_that_would_keep_more_says_how_much(kept):
+    # found by an adversarial pass (timm swin_tiny's norm1): the skip said "saves -50,176 B"
+    torch.manual_seed(0)
+    x = torch.randn(4, 6, 8)
+    _, report = memtrim.convert(NormReadTwice(kept), example_inputs=(x,))
+    assert not report.changes, str(report)
+    # keeping the output adds 4 x 6 x 8 float32; dropping the input frees as much only where nothing else keeps it
+    expected = f"would keep {4 * 6 * 8 * 4:,} B more than it drops" if kept else "would save nothing"
+    assert [s.reason for s in report.skipped] == [f"LayerNorm -> memtrim.nn.LayerNorm {expected} (measured on the "
+                                                  "example inputs): not applied"], str(report)
