@@ -2122,3 +2122,21 @@ def test_a_change_that_would_keep_more_says_how_much(kept):
     expected = f"would keep {4 * 6 * 8 * 4:,} B more than it drops" if kept else "would save nothing"
     assert [s.reason for s in report.skipped] == [f"LayerNorm -> memtrim.nn.LayerNorm {expected} (measured on the "
                                                   "example inputs): not applied"], str(report)
+
+
+@pytest.mark.parametrize("how", ["method", "wrapper", "block"])
+def test_a_model_compiled_before_convert_is_refused(how):
+    # found by an adversarial pass: a HF Llama compiled first, then converted, ran its keep-output norms outside the
+    # compiled graph (15 eager calls in 3 steps, 6e-8 off the compiled plain model); convert then compile is bitwise
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)))
+    if how == "method":
+        model.compile()
+    elif how == "wrapper":
+        model = torch.compile(model)
+    else:
+        model[1].compile()
+    where = "the model's module '1'" if how == "block" else "the model"
+    with pytest.raises(memtrim.InvalidInputError, match=f"{re.escape(where)} was compiled .* convert first, then "
+                                                        "compile"):
+        memtrim.convert(model, example_inputs=(torch.randn(4, 8),))

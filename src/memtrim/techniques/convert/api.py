@@ -86,8 +86,8 @@ def convert(
         bytes or skipped with its reason.
 
     Raises:
-        InvalidInputError: ``model`` is not a module, has uninitialized lazy parameters, or the example inputs fail
-            to run through it.
+        InvalidInputError: ``model`` is not a module, has uninitialized lazy parameters, was compiled (or holds a
+            compiled module: convert first, then compile), or the example inputs fail to run through it.
 
     Example::
 
@@ -105,10 +105,28 @@ def convert(
         raise InvalidInputError(f"memtrim.convert: {len(lazy)} parameters are uninitialized lazy parameters "
                                 f"({lazy[0]}, ...): run one forward of the model (which materialises them) before "
                                 "convert.")
+    compiled = _compiled(model)
+    if compiled is not None:
+        raise InvalidInputError(
+            f"memtrim.convert: {compiled} was compiled (torch.compile or Module.compile()) before convert. The code "
+            "torch.compile made before does not see the changed modules (a converted HF Llama then ran its norms "
+            "outside the compiled graph, found by an adversarial pass). Expected an uncompiled model; to fix: "
+            "convert first, then compile (model, report = memtrim.convert(model, ...); model.compile()).")
     given = example_inputs is not None or bool(example_kwargs)
     args, kwargs = split_inputs(example_inputs, example_kwargs)
     with as_training(model, args, kwargs):
         return _convert(model, args, kwargs, given, module_filter)
+
+
+def _compiled(model: nn.Module) -> str | None:
+    """The name of the first module of ``model`` that was compiled (``Module.compile()``, or a ``torch.compile``
+    wrapper), or None."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # (not imported: nothing was compiled)
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    for name, module in model.named_modules():
+        if (wrapper is not None and isinstance(module, wrapper)) or getattr(module, "_compiled_call_impl", None):
+            return f"the model's module {name!r}" if name else "the model"
+    return None
 
 
 @contextlib.contextmanager
