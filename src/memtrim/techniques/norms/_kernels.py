@@ -93,10 +93,12 @@ def keep_input_features(gamma: torch.Tensor, beta: torch.Tensor | None, extra: t
     norm multiplies by ``gamma + offset`` (Gemma's RMSNorm: ``1 + w``), from which it decides. Inside the
     forward of a model ``convert`` changed, decided with the model's other norms (NOTE [ keep decisions made
     together ])."""
-    if extra is None and getattr(_LOCAL, "stack", None) and _plain_tensors(gamma, beta):
+    if getattr(_LOCAL, "stack", None) and _plain_tensors(gamma, beta):
         open_ = _open_forward()
-        if open_ is not None and open_.group is not None:
-            return open_.group.kept(gamma, beta, floor, offset, open_)
+        if open_ is not None:
+            if extra is None and open_.group is not None:
+                return open_.group.kept(gamma, beta, floor, offset, open_)
+            open_.read(gamma, beta, floor, offset, None)  # (decided here from what it reads: checked at the end)
     return _keep_mask(gamma, beta, extra, floor, offset).flatten().nonzero().flatten()
 
 
@@ -164,16 +166,21 @@ def _plain_tensors(*tensors: torch.Tensor | None) -> bool:
 # * a forward of a model with forward hooks or pre-hooks not memtrim's (on any of its modules, or global ones) does
 #   not decide together: each norm decides at its call, as before (the modules are walked again only after torch
 #   made a hook handle somewhere since the last walk);
-# * each norm that takes an earlier decision copies its weights as it reads them (one small copy each); the model's
-#   forward hook computes the decisions from those copies and from the weights as they are then at the end of the
-#   forward, all at once, and compares them with the ones taken (a second wait): a difference raises
-#   ``ConvertError`` (that forward's saved tensors cannot give torch's gradients) and the model's norms decide
-#   alone from then on. The end of the forward also sees a ``.data`` write after a norm ran, which its rebuild in
-#   backward would read where torch's backward reads the input it kept: that raises too.
+# * each norm called in an open forward (deciding together or alone) copies its weights as it reads them (one small
+#   copy each); the model's forward hook then checks, all at once (a second wait), that the weights are still those
+#   bits (a ``.data`` write after the norm ran, which its rebuild in backward would read where torch's backward
+#   reads the input it kept; a write that changes no decision, a clamp, too) unless their version moved (autograd's
+#   own check then stands, as for torch's norm), and that each decision taken from an earlier norm's is the one the
+#   copies give (a write before the norm ran, after the decision). A difference raises ``ConvertError`` (that
+#   forward's saved tensors cannot give torch's gradients) and the model's norms decide alone from then on (still
+#   checked). Before 2026-11-30 only the decisions taken from earlier were checked, and by their masks: a write to
+#   the deciding norm's weight, a clamp, and any write in a model with a user's hook went unseen (an adversarial
+#   pass: 1e-3 off plain).
 #
 # The masks of all the norms deciding (or checked) at once are computed together, on their concatenated weights
 # (``_masks``): about ten small ops a forward and a copy a norm, not six a norm and two more a check (on a GPU each
-# is a kernel launch; a converted HF Llama step: 1,431 ops against 1,463, benchmarks/results/convert_zoo_ops_cpu.json).
+# is a kernel launch; a converted HF Llama step: 1,422 ops against 1,312 plain,
+# benchmarks/results/convert_zoo_ops_cpu.json).
 #
 # A norm called outside the model's forward (a submodule called by itself, a checkpoint's recomputation in backward,
 # a norm that is not converted) decides at its call. A forward is open while the model's ``_call_impl`` frame is on
@@ -184,15 +191,22 @@ _LOCAL = threading.local()  # .stack: [_Open], one entry per open forward of a c
 
 class _Open:
     """One open forward of a converted model on this thread: its decisions (None: its norms decide alone), the
-    epoch, the frame of the model's call, and each decision a norm took that was made before its call (its weights,
-    floor and mask: checked together at the forward's end)."""
+    epoch, the frame of the model's call, and the weights each norm read (copied; with the decision it took where that
+    was made before its call: checked together at the forward's end)."""
 
     __slots__ = ("epoch", "frame", "group", "taken")
 
     def __init__(self, group: DecidedTogether | None, epoch: int, frame: Any) -> None:
         self.group, self.epoch, self.frame = group, epoch, frame
-        # (weight and bias as the norm read them, copied; floor; offset; the mask taken; weight and bias)
+        # (weight and bias as the norm read them, copied; floor; offset; the mask taken, or None where the norm
+        # decided from what it read; weight and bias; their versions then)
         self.taken: list[tuple[Any, ...]] = []
+
+    def read(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float,
+             mask: torch.Tensor | None) -> None:
+        """Record what a norm read (a copy: a .data write may change and restore it before the end)."""
+        self.taken.append((gamma.detach().clone(), None if beta is None else beta.detach().clone(), floor, offset,
+                           mask, gamma, beta, _versions(gamma, beta)))
 
 
 def _open_forward() -> _Open | None:
@@ -260,6 +274,34 @@ def _trusted(hook: Any) -> bool:
 _global_hooks = vars(torch.nn.modules.module)
 
 
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}  # (element size -> an int of that size)
+
+
+def _changed(taken: list[tuple[Any, ...]]) -> torch.Tensor:
+    """Whether a norm's weights changed since it read them without their versions moving (compared bit for bit: a
+    NaN weight is no change), or a decision it took from earlier would not be made from what it read: one boolean
+    tensor for all of them (one wait). A weight whose version moved since is left to autograd's in-place check, as
+    torch's own norm leaves it."""
+    checks = []
+    decided = [t for t in taken if t[4] is not None]
+    if decided:
+        checks.append(_masks([t[:4] for t in decided])[1].ne(torch.cat([t[4] for t in decided])).any())
+    pairs = [(t[0], t[5]) for t in taken if t[5]._version == t[7][0]]
+    pairs += [(t[1], t[6]) for t in taken if t[6] is not None and t[6]._version == t[7][1]]
+    by_size: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for copy, live in pairs:
+        by_size.setdefault(copy.element_size(), []).append((copy, live))
+    with torch.no_grad():
+        for size, group in by_size.items():
+            bits = _BITS[size]
+            read = torch.cat([copy.flatten().view(bits) for copy, _ in group])
+            now = torch.cat([live.detach().flatten().view(bits) for _, live in group])
+            checks.append(read.ne(now).any())
+    if not checks:
+        return torch.zeros((), dtype=torch.bool)
+    return checks[0] if len(checks) == 1 else torch.stack(checks).any()
+
+
 class DecidedTogether:
     """The keep decisions of one converted model's norms, made together once a forward (NOTE [ keep decisions made
     together ]). ``enter`` and ``leave`` are the model's forward pre-hook and (always called) forward hook."""
@@ -293,8 +335,9 @@ class DecidedTogether:
     def _hooked_now(self, module: nn.Module) -> bool:
         """:func:`_hooked`, walked again only where a hook was registered anywhere since the last walk (torch numbers
         every hook handle it makes): a walk over every module at every forward was about 0.2 ms of a small converted
-        Llama's step on the CPU. A submodule attached since with hooks of its own is not seen until then; a ``.data``
-        write such a hook makes is refused at the forward's end all the same (NOTE above)."""
+        Llama's step on the CPU. A submodule attached since with hooks of its own is not seen until then, and a hook
+        removed leaves the model deciding alone until then; a ``.data`` write such a hook makes after a norm read the
+        weight, or before it but after the decision, is refused at the forward's end all the same (NOTE above)."""
         seen, count = self._hooks_seen, getattr(RemovableHandle, "next_id", None)
         if seen is None or count is None or seen[:2] != (id(module), count):
             seen = self._hooks_seen = (id(module), -1 if count is None else count, _hooked(module))
@@ -307,23 +350,24 @@ class DecidedTogether:
         if not stack or stack[-1].group not in (self, None):
             return
         top = stack.pop()
+        if not top.taken:
+            return
         by_device: dict[torch.device, list[Any]] = {}  # (one wait a device: a model split over two)
         for taken in top.taken:
             by_device.setdefault(taken[0].device, []).append(taken)
-        # the decisions the norms that took one would make from their weights as they read them and as they are
-        # now, all at once (NOTE above)
-        found = [_masks([t[:4] for t in taken] + [(t[5], t[6], t[2], t[3]) for t in taken])[1]
-                 .ne(torch.cat([t[4] for t in taken] * 2)).any() for taken in by_device.values()]
+        found = [_changed(taken) for taken in by_device.values()]
         # (a plan's trace has no values to read there, and makes the same tensors)
         if any(not isinstance(f, FakeTensor) and bool(f) for f in found):  # (the second wait)
             self._alone = True
             raise ConvertError(
                 "memtrim.convert: a norm's weight changed during this forward of the converted model without its "
-                "version moving (a .data write in the model's own code), after the model's norms had decided "
-                "together which features keep their input (NOTE [ keep decisions made together ] in "
+                "version moving (a .data write, in the model's own code or a hook), before the norm ran but after "
+                "the model's norms had decided together which features keep their input, or after the norm ran, "
+                "whose backward reads it (NOTE [ keep decisions made together ] in "
                 "memtrim/techniques/norms/_kernels.py). This forward's saved tensors cannot give torch's gradients, "
-                "so it is refused. Expected a norm's weight to change in place (which moves its version) or in a "
-                "forward hook; the model's norms now decide at each call: run this step again.")
+                "so it is refused. Expected a norm's weight to change in place (which moves its version), or through "
+                ".data before the norm runs in a forward pre-hook; the model's norms now decide at each call: run "
+                "this step again.")
 
     def kept(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float,
              open_: _Open) -> torch.Tensor:
@@ -333,14 +377,12 @@ class DecidedTogether:
             found = self._decisions.get(key)
             if found is not None and found.holds(open_.epoch, gamma, beta):
                 assert found.kept is not None and found.mask is not None
-                # checked at the forward's end, on the values the norm reads now (a copy: a .data write may change
-                # and restore them before the end)
-                open_.taken.append((gamma.detach().clone(), None if beta is None else beta.detach().clone(), floor,
-                                    offset, found.mask, gamma, beta))
+                open_.read(gamma, beta, floor, offset, found.mask)  # (checked at the forward's end)
                 return found.kept
             if found is None or not found.of(gamma, beta):
                 found = self._decisions[key] = _Decision(gamma, beta, floor, offset)
             self._decide(gamma.device, open_.epoch)
+            open_.read(gamma, beta, floor, offset, None)  # (decided from what it read: its values checked at the end)
             assert found.kept is not None
             return found.kept
 
