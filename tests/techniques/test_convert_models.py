@@ -169,6 +169,10 @@ class RMSLookAlike(nn.Module):
             return x * torch.rsqrt(t.pow(2).mean(-1, keepdim=True).transpose(-1, -2) + 1e-6) * w
         if kind == "mean not kept":  # broadcasts over the other axis where the input is square
             return x * torch.rsqrt(x.pow(2).mean(-1) + 1e-6) * w
+        if kind == "caches its gain":  # read again in evaluation, refreshed in training: the form runs no forward
+            if self.training or getattr(self, "cached", None) is None:
+                self.cached = w
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.cached
         if kind == "shifted by alpha":  # Gemma's ops, `w + 2 * 1.0` (alpha as a keyword: not among the traced scalars)
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w.add(1.0, alpha=2.0)
         if kind == "shifted by itself":
@@ -184,7 +188,7 @@ class RMSLookAlike(nn.Module):
 
 @pytest.mark.parametrize("kind", ["fourth power", "statistic under no_grad", "detached input", "statistic over rows",
                                   "mean not kept", "detached at the traced batch", "detached in training",
-                                  "shifted by alpha", "shifted by itself", "shifted output"])
+                                  "shifted by alpha", "shifted by itself", "shifted output", "caches its gain"])
 def test_an_rmsnorm_look_alike_is_left_alone(kind):
     # found by an adversarial pass: the rule matched op names only, swapped in an RMSNorm and trained silently
     # differently (a 4th-moment norm: loss 1.20 against 0.60; a detached statistic: gradient 0.34 off)
@@ -826,6 +830,27 @@ def test_a_recomputed_gemma_norm_given_a_parameter_after_convert_runs_its_own_fo
         train_upcast(plain, converted, x)
         new = converted[1].norm.extra if added == "extra" else converted[1].norm.adapter.weight
         assert new.grad is not None, added
+
+
+class CheckpointedInside(GemmaSpelledRMSNorm):
+    """Gemma's norm whose normalisation runs under torch's reentrant checkpoint (inside its own forward)."""
+
+    def forward(self, h):
+        normalized = torch.utils.checkpoint.checkpoint(self.normalized, h, use_reentrant=True)
+        return (normalized * (1.0 + self.weight.float())).type_as(h)
+
+
+def test_a_recomputed_norm_with_a_reentrant_checkpoint_inside_says_why_it_fails():
+    # found by an adversarial pass: the recomputation differentiates with torch.autograd.grad, which torch's reentrant
+    # checkpoint refuses; its error named a call the user never made
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(16, 16), GemmaBlock(CheckpointedInside(16))).to(torch.bfloat16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
+    assert [c.modules for c in report.changes] == [("1.norm",)], str(report)
+    with pytest.raises(memtrim.ConvertError,
+                       match=r"'1\.norm' .* is recomputed in backward .* use_reentrant=False inside it"):
+        converted(x).float().square().mean().backward()
 
 
 class TrainingAware(GemmaSpelledRMSNorm):
