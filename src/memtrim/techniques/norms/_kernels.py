@@ -288,18 +288,22 @@ def _changed(taken: list[tuple[Any, ...]]) -> torch.Tensor:
         checks.append(_masks([t[:4] for t in decided])[1].ne(torch.cat([t[4] for t in decided])).any())
     pairs = [(t[0], t[5]) for t in taken if t[5]._version == t[7][0]]
     pairs += [(t[1], t[6]) for t in taken if t[6] is not None and t[6]._version == t[7][1]]
-    by_size: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for copy, live in pairs:
-        by_size.setdefault(copy.element_size(), []).append((copy, live))
-    with torch.no_grad():
-        for size, group in by_size.items():
-            bits = _BITS[size]
-            read = torch.cat([copy.flatten().view(bits) for copy, _ in group])
-            now = torch.cat([live.detach().flatten().view(bits) for _, live in group])
-            checks.append(read.ne(now).any())
+        by_dtype.setdefault(copy.dtype, []).append((copy, live))
+    with torch.no_grad():  # (a handful of ops a dtype, however many norms: on a GPU each is a kernel launch)
+        for group in by_dtype.values():
+            read = torch.cat([_flat(copy) for copy, _ in group])
+            now = torch.cat([_flat(live) for _, live in group])
+            bits = _BITS[read.element_size()]
+            checks.append(read.view(bits).ne(now.view(bits)).any())
     if not checks:
         return torch.zeros((), dtype=torch.bool)
     return checks[0] if len(checks) == 1 else torch.stack(checks).any()
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 1 else t.flatten()  # (a norm's weight is mostly 1-D: no op for it)
 
 
 class DecidedTogether:
