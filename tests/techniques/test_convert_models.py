@@ -224,10 +224,12 @@ class CountingRMSNorm(LlamaSpelledRMSNorm):
 
 def test_the_rmsnorm_behaviour_check_leaves_the_modules_attributes_as_they_were():
     # attacking the fix: the check's own forward left a count behind (0 -> 1); convert's traces put such attributes
-    # back, the check did not
+    # back, the check did not. Since 2026-11-30 such a norm is left alone: the converted norm runs none of its
+    # forward, so its count (or a cached gain) would stop moving in training
     plain, batch = between_linears(CountingRMSNorm(32))
     converted, report = memtrim.convert(plain, example_inputs=batch)
-    assert [c.modules for c in report.changes] == [("1",)], str(report)
+    assert not report.changes, str(report)
+    assert [s.modules for s in report.skipped if "sets an attribute of its own" in s.reason] == [("1",)], str(report)
     assert converted[1].calls == 0 and "calls" not in vars(converted[1])
 
 
