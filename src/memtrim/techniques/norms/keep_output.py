@@ -82,9 +82,8 @@ class NormKeepOutput(torch.autograd.Function):
         """The gradients of input, weight and bias, from the kept output (LayerNorm: by torch's fused backward)."""
         out, mean, rstd, weight, bias, kept, xhat_kept = saved_tensors(ctx)
         dims = ctx.dims
-        if weight is not None:  # xhat = (out - beta) / gamma in one pass (a gamma of 0: its feature is kept)
-            inv_gamma = torch.where(weight == 0, 1.0, weight).reciprocal()
-            xhat = torch.addcmul(-bias * inv_gamma, out, inv_gamma) if bias is not None else out * inv_gamma
+        if weight is not None:  # xhat = (out - beta) / gamma (a gamma of 0 makes inf or NaN: its feature is kept,
+            xhat = (out - bias if bias is not None else out) / weight  # its column replaced below)
             if kept is not None:  # the kept features' own xhat
                 xhat.view(*xhat.shape[: xhat.dim() - len(dims)], -1).index_copy_(-1, kept, xhat_kept)
         else:
