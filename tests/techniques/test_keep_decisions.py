@@ -309,6 +309,19 @@ def slimmed(block):
     block.rms.register_forward_pre_hook(prune)
 
 
+def test_a_hook_removed_lets_the_norms_decide_together_again():
+    # found by an adversarial pass: removing a hook makes no hook handle, so the cached walk said "hooked" for good and
+    # every later forward decided norm by norm (a wait each on a GPU)
+    together, _ = converted_and_alone(trained=False)
+    handle = together.head.register_forward_hook(lambda module, args, out: None)
+    together(batch())
+    handle.remove()
+    together(batch())
+    with count_nonzero() as counter:
+        together(batch())
+    assert counter.count == 1
+
+
 @pytest.mark.parametrize("forwards_before", [0, 2])
 def test_a_model_with_a_users_forward_hooks_decides_alone(forwards_before):
     # forwards_before: the modules are walked for hooks again only when torch made a hook handle since the last walk;

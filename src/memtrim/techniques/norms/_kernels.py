@@ -339,11 +339,12 @@ class DecidedTogether:
     def _hooked_now(self, module: nn.Module) -> bool:
         """:func:`_hooked`, walked again only where a hook was registered anywhere since the last walk (torch numbers
         every hook handle it makes): a walk over every module at every forward was about 0.2 ms of a small converted
-        Llama's step on the CPU. A submodule attached since with hooks of its own is not seen until then, and a hook
-        removed leaves the model deciding alone until then; a ``.data`` write such a hook makes after a norm read the
-        weight, or before it but after the decision, is refused at the forward's end all the same (NOTE above)."""
+        Llama's step on the CPU. A submodule attached since with hooks of its own is not seen until then; a ``.data``
+        write such a hook makes after a norm read the weight, or before it but after the decision, is refused at the
+        forward's end all the same (NOTE above)."""
         seen, count = self._hooks_seen, getattr(RemovableHandle, "next_id", None)
-        if seen is None or count is None or seen[:2] != (id(module), count):
+        # (a hooked model is walked at every forward, as before: removing a hook makes no handle)
+        if seen is None or seen[2] or count is None or seen[:2] != (id(module), count):
             seen = self._hooks_seen = (id(module), -1 if count is None else count, _hooked(module))
         return seen[2]
 
