@@ -387,6 +387,94 @@ def test_a_forward_interrupted_by_keyboard_interrupt_leaves_no_open_forward():
         assert_bitwise(a, b)
 
 
+def test_forwards_interrupted_again_and_again_leave_no_open_forward():
+    # found by an adversarial pass: each interrupted forward left its entry (its frame, the weights' copies) under the
+    # next forward's, for good; the next forward of the model drops them now
+    together, _ = converted_and_alone(Interrupted)
+    for _ in range(3):
+        together.interrupt = True
+        with pytest.raises(KeyboardInterrupt):
+            together(batch())
+        together.interrupt = False
+    for _ in range(2):
+        together(batch())
+    assert not _kernels._LOCAL.stack
+
+
+def released(model):
+    """ZeRO-3's parameter release in plain torch: each block's parameters set to an empty tensor through ``.data``
+    after its forward, gathered again in its forward pre-hook and before its backward."""
+    store = {}
+
+    def gather(block, args=None):
+        for p in block.parameters():
+            p.data = store[p]
+
+    def release(block, args, out):
+        for p in block.parameters():
+            store[p], p.data = p.data, torch.empty(0, dtype=p.dtype)
+        out.register_hook(lambda grad: gather(block))
+
+    for block in model.blocks:
+        store.update((p, p.data) for p in block.parameters())
+        block.register_forward_pre_hook(gather)
+        block.register_forward_hook(release)
+    return model
+
+
+def test_parameters_released_after_their_block_train_as_when_each_norm_decides_alone():
+    # found by an adversarial pass: the end-of-forward check read weights a sharding framework had freed or set to a
+    # shard after their block ran (FSDP2 crashed, ZeRO-3's release raised a size mismatch); those are left out now
+    together, alone = converted_and_alone()
+    assert_bitwise(train(released(together), 3), train(released(alone), 3))
+
+
+class MeanTeacher(nn.Module):
+    """A student and its teacher (a copy whose parameters still require grad); the teacher's output is detached,
+    and the forward moves the teacher towards the student through ``.data`` after it ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.student = trained_looking(Net())
+        self.teacher = copy.deepcopy(self.student)
+
+    def forward(self, x):
+        target = self.teacher(x).detach()
+        for s, t in zip(self.student.parameters(), self.teacher.parameters()):
+            t.data.mul_(0.9).add_(0.1 * s.data)
+        return self.student(x) - target
+
+
+def test_a_teacher_written_after_its_detached_forward_is_not_refused():
+    # found by an adversarial pass: the teacher's norms' reads were checked though their graph was gone (its output
+    # detached: no backward reads them), and every step raised
+    torch.manual_seed(0)
+    together, _ = memtrim.convert(MeanTeacher(), example_inputs=(batch(),))
+    alone = copy.deepcopy(together)
+    alone._forward_pre_hooks.clear()
+    alone._forward_hooks.clear()
+    assert_bitwise(train(together, 3), train(alone, 3))
+
+
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # (the decisions read values: a trace warns)
+def test_jit_trace_of_a_converted_model_with_grad_on():
+    # found by an adversarial pass: the check's dtype views are no op torch.jit.trace records (an internal assert);
+    # under tracing the check stands aside
+    together, _ = converted_and_alone()
+    traced = torch.jit.trace(together, (batch(),), check_trace=False)
+    assert traced(batch()).shape == together(batch()).shape
+
+
+def test_a_model_in_shared_memory_is_not_checked():
+    # Hogwild (torch's mnist_hogwild): other processes step the shared weights in place, which moves no version here;
+    # plain training reads them racily too, so the check leaves weights in shared memory out (an adversarial pass:
+    # 33 of 120 steps raised)
+    together, _ = converted_and_alone(WritesAfterItRan)
+    together.share_memory()
+    together.block, together.write = 1, "clamp"
+    together(batch())
+
+
 def test_functional_call_with_fast_weights_decides_for_them():
     together, alone = converted_and_alone()
     found = []

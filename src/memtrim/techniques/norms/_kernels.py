@@ -86,19 +86,21 @@ with these modules rather than train differently; ``convert`` leaves such norms 
 
 
 def keep_input_features(gamma: torch.Tensor, beta: torch.Tensor | None, extra: torch.Tensor | None = None,
-                        floor: float = 0.0, offset: float = 0.0) -> torch.Tensor:
+                        floor: float = 0.0, offset: float = 0.0, node: Any = None) -> torch.Tensor:
     """Indices (flattened) of the features whose ``xhat`` cannot be rebuilt from the output to within KEEP_BOUND
     times torch's own error (NOTE [ when a norm keeps its input ] in this file). ``extra``: the ELU term s, per
     feature; ``floor``: a user's ``gamma_threshold``, below which features keep their ``xhat`` anyway; ``offset``: the
-    norm multiplies by ``gamma + offset`` (Gemma's RMSNorm: ``1 + w``), from which it decides. Inside the
+    norm multiplies by ``gamma + offset`` (Gemma's RMSNorm: ``1 + w``), from which it decides; ``node``: the norm's
+    autograd ``ctx``, whose backward reads the weights (the end-of-forward check skips a norm whose graph is gone).
+    Inside the
     forward of a model ``convert`` changed, decided with the model's other norms (NOTE [ keep decisions made
     together ])."""
     if getattr(_LOCAL, "stack", None) and _plain_tensors(gamma, beta):
         open_ = _open_forward()
         if open_ is not None:
             if extra is None and open_.group is not None:
-                return open_.group.kept(gamma, beta, floor, offset, open_)
-            open_.read(gamma, beta, floor, offset, None)  # (decided here from what it reads: checked at the end)
+                return open_.group.kept(gamma, beta, floor, offset, open_, node)
+            open_.read(gamma, beta, floor, offset, None, node)  # (decided here from what it reads: checked at the end)
     return _keep_mask(gamma, beta, extra, floor, offset).flatten().nonzero().flatten()
 
 
@@ -199,14 +201,23 @@ class _Open:
     def __init__(self, group: DecidedTogether | None, epoch: int, frame: Any) -> None:
         self.group, self.epoch, self.frame = group, epoch, frame
         # (weight and bias as the norm read them, copied; floor; offset; the mask taken, or None where the norm
-        # decided from what it read; weight and bias; their versions then)
+        # decided from what it read; weight and bias; their versions and data pointers then; the norm's node, weakly)
         self.taken: list[tuple[Any, ...]] = []
 
     def read(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float,
-             mask: torch.Tensor | None) -> None:
+             mask: torch.Tensor | None, node: Any = None) -> None:
         """Record what a norm read (a copy: a .data write may change and restore it before the end)."""
         self.taken.append((gamma.detach().clone(), None if beta is None else beta.detach().clone(), floor, offset,
-                           mask, gamma, beta, _versions(gamma, beta)))
+                           mask, gamma, beta, _versions(gamma, beta),
+                           (gamma.data_ptr(), -1 if beta is None else beta.data_ptr()),
+                           None if node is None else weakref.ref(node)))
+
+
+def _on_stack(target: Any, frame: Any) -> bool:
+    """Whether ``target`` is ``frame`` or one of its callers."""
+    while frame is not None and frame is not target:
+        frame = frame.f_back
+    return frame is not None
 
 
 def _open_forward() -> _Open | None:
@@ -286,8 +297,13 @@ def _changed(taken: list[tuple[Any, ...]]) -> torch.Tensor:
     decided = [t for t in taken if t[4] is not None]
     if decided:
         checks.append(_masks([t[:4] for t in decided])[1].ne(torch.cat([t[4] for t in decided])).any())
-    pairs = [(t[0], t[5]) for t in taken if t[5]._version == t[7][0]]
-    pairs += [(t[1], t[6]) for t in taken if t[6] is not None and t[6]._version == t[7][1]]
+    # compared: weights whose version has not moved, held where they were read (a sharding framework frees an
+    # unsharded weight, or sets .data to a shard, after its block ran: FSDP, ZeRO-3; it gathers them again for
+    # backward), not in shared memory (Hogwild: another process steps them, and plain training is racy there too), of
+    # a norm whose graph is alive (a teacher whose output was detached: its backward never runs)
+    live = [t for t in taken if t[9] is None or t[9]() is not None]
+    pairs = [(t[0], t[5]) for t in live if _unmoved(t[5], t[7][0], t[8][0])]
+    pairs += [(t[1], t[6]) for t in live if t[6] is not None and _unmoved(t[6], t[7][1], t[8][1])]
     by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for copy, live in pairs:
         by_dtype.setdefault(copy.dtype, []).append((copy, live))
@@ -300,6 +316,10 @@ def _changed(taken: list[tuple[Any, ...]]) -> torch.Tensor:
     if not checks:
         return torch.zeros((), dtype=torch.bool)
     return checks[0] if len(checks) == 1 else torch.stack(checks).any()
+
+
+def _unmoved(t: torch.Tensor, version: int, pointer: int) -> bool:
+    return t._version == version and t.data_ptr() == pointer and not (t.is_cpu and t.is_shared())
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -329,6 +349,8 @@ class DecidedTogether:
             return
         stack = _LOCAL.__dict__.setdefault("stack", [])
         frame = sys._getframe(1)  # the model's _call_impl
+        while stack and not _on_stack(stack[-1].frame, frame):  # (left by a KeyboardInterrupt: dropped here too,
+            stack.pop()                                          # not only under a later open forward)
         if self._alone or plain_only() or self._hooked_now(module):
             stack.append(_Open(None, 0, frame))  # its norms decide alone (or run as torch's: nothing to decide)
             return
@@ -351,6 +373,11 @@ class DecidedTogether:
     def leave(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
+        if torch.jit.is_tracing():  # (torch.jit.trace records no dtype views: the check would fail its trace)
+            stack = getattr(_LOCAL, "stack", None)
+            if stack and stack[-1].group in (self, None):
+                stack.pop()
+            return
         stack = getattr(_LOCAL, "stack", None)
         if not stack or stack[-1].group not in (self, None):
             return
@@ -370,24 +397,25 @@ class DecidedTogether:
                 "the model's norms had decided together which features keep their input, or after the norm ran, "
                 "whose backward reads it (NOTE [ keep decisions made together ] in "
                 "memtrim/techniques/norms/_kernels.py). This forward's saved tensors cannot give torch's gradients, "
-                "so it is refused. Expected a norm's weight to change in place (which moves its version), or through "
-                ".data before the norm runs in a forward pre-hook; the model's norms now decide at each call: run "
-                "this step again.")
+                "so it is refused. Expected a norm's weight to change in place (which moves its version: under "
+                "torch.no_grad(), not through .data), or through .data before the norm runs (a forward pre-hook). "
+                "The model's norms now decide at each call: a write made once, run this step again; one made at "
+                "every forward, move it before the norm or make it move the version.")
 
     def kept(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float,
-             open_: _Open) -> torch.Tensor:
+             open_: _Open, node: Any = None) -> torch.Tensor:
         """``keep_input_features(gamma, beta, None, floor, offset)``, decided with the model's other norms."""
         key = (id(gamma), -1 if beta is None else id(beta), floor, offset)
         with self._lock:
             found = self._decisions.get(key)
             if found is not None and found.holds(open_.epoch, gamma, beta):
                 assert found.kept is not None and found.mask is not None
-                open_.read(gamma, beta, floor, offset, found.mask)  # (checked at the forward's end)
+                open_.read(gamma, beta, floor, offset, found.mask, node)  # (checked at the forward's end)
                 return found.kept
             if found is None or not found.of(gamma, beta):
                 found = self._decisions[key] = _Decision(gamma, beta, floor, offset)
             self._decide(gamma.device, open_.epoch)
-            open_.read(gamma, beta, floor, offset, None)  # (decided from what it read: its values checked at the end)
+            open_.read(gamma, beta, floor, offset, None, node)  # (decided from what it read: its values checked)
             assert found.kept is not None
             return found.kept
 
@@ -398,6 +426,8 @@ class DecidedTogether:
             tensors = decision.tensors()
             if tensors is None:  # (its weights are gone)
                 del self._decisions[key]
+            elif any(t is not None and t.untyped_storage().nbytes() == 0 for t in tensors):
+                continue  # (freed by a sharding framework after its block ran, FSDP's flat parameters: not read)
             elif tensors[0].device == device and not decision.holds(epoch, *tensors):
                 todo.append((decision, *tensors))
         masks, whole = _masks([(gamma, beta, d.floor, d.offset) for d, gamma, beta in todo])

@@ -65,7 +65,7 @@ class NormKeepOutput(torch.autograd.Function):
             out, mean, rstd = torch.ops.aten.native_layer_norm(x, list(normalized_shape), weight, bias, eps)
         kept = xhat_kept = None
         if weight is not None:  # NOTE [ when a norm keeps its input ] (in _kernels.py)
-            kept = keep_input_features(weight, bias, None, gamma_threshold, offset)
+            kept = keep_input_features(weight, bias, None, gamma_threshold, offset, ctx)
             if kept.numel() == 0:
                 kept = None
             else:

@@ -76,7 +76,7 @@ class _BatchNormActFunction(torch.autograd.Function):
         kept = xhat_kept = None
         if weight is not None:  # NOTE [ when a norm keeps its input ] (in _kernels.py)
             extra = elu_term(out, dims) if activation == "elu" else None
-            kept = keep_input_features(weight, bias, extra, gamma_threshold)
+            kept = keep_input_features(weight, bias, extra, gamma_threshold, node=ctx)
             if kept.numel() == 0:
                 kept = None
             else:
