@@ -209,7 +209,7 @@ class _Open:
         """Record what a norm read (a copy: a .data write may change and restore it before the end)."""
         self.taken.append((gamma.detach().clone(), None if beta is None else beta.detach().clone(), floor, offset,
                            mask, gamma, beta, _versions(gamma, beta),
-                           (gamma.data_ptr(), -1 if beta is None else beta.data_ptr()),
+                           (_pointer(gamma), -1 if beta is None else _pointer(beta)),
                            None if node is None else weakref.ref(node)))
 
 
@@ -319,7 +319,13 @@ def _changed(taken: list[tuple[Any, ...]]) -> torch.Tensor:
 
 
 def _unmoved(t: torch.Tensor, version: int, pointer: int) -> bool:
+    if type(t) is FakeTensor:  # (a plan's trace: no values, no memory to compare)
+        return t._version == version
     return t._version == version and t.data_ptr() == pointer and not (t.is_cpu and t.is_shared())
+
+
+def _pointer(t: torch.Tensor) -> int:
+    return -1 if type(t) is FakeTensor else t.data_ptr()
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
