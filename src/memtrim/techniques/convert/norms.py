@@ -362,10 +362,11 @@ def _behaves_as_rms_norm(module: nn.Module, weight_name: str, eps: float, shape:
             assert w is not None
             module.training = True  # convert traced it in training mode (as_training); it trains in it
             x = torch.randn(shape, generator=generator, dtype=weight.dtype, requires_grad=True)
-            state = (dict(vars(module)), dict(module._buffers), dict(params))
+            tables: tuple[dict[str, Any], ...] = (vars(module), module._buffers, params)
+            state = [dict(table) for table in tables]
             out = module.forward(x)
             if not all(before.keys() == now.keys() and all(now[k] is v for k, v in before.items())
-                       for before, now in zip(state, (vars(module), module._buffers, params))):
+                       for before, now in zip(state, tables)):
                 # (the form computes the formula and runs no forward of the module's: a cache its forward keeps, as
                 # `self.scale = 1 + self.weight` read again under no_grad, would be stale; found by an adversarial
                 # pass, 0.013 off in evaluation)
