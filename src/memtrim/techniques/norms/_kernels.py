@@ -181,7 +181,7 @@ def _plain_tensors(*tensors: torch.Tensor | None) -> bool:
 #
 # The masks of all the norms deciding (or checked) at once are computed together, on their concatenated weights
 # (``_masks``): about ten small ops a forward and a copy a norm, not six a norm and two more a check (on a GPU each
-# is a kernel launch; a converted HF Llama step: 1,434 ops against 1,312 plain,
+# is a kernel launch; a converted HF Llama step: 1,398 ops against 1,312 plain,
 # benchmarks/results/convert_zoo_ops_cpu.json).
 #
 # A norm called outside the model's forward (a submodule called by itself, a checkpoint's recomputation in backward,
