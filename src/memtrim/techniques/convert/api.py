@@ -53,11 +53,11 @@ from .rules import Candidate, Context, registered_rules
 __all__ = ["activation_bytes", "convert"]
 
 
-
 def _no_gain(cand: Candidate, saved: int, how: str) -> str:
     """The skip reason of a change that saves nothing: how many bytes it would keep beyond what it drops."""
     gain = "would save nothing" if saved == 0 else f"would keep {-saved:,} B more than it drops"
     return f"{cand.before} -> {cand.after} {gain} ({how}): not applied"
+
 
 def convert(
     model: nn.Module,
@@ -174,8 +174,8 @@ def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], gi
                 skipped.append(Skipped((excluded,), "excluded by module_filter", rule.name))
                 continue
             if measure is not None and cand.expected_bytes is not None and cand.expected_bytes <= 0:
-                skipped.append(Skipped(cand.modules, _no_gain(cand, cand.expected_bytes, "by the trace of the example "
-                                                                               "inputs"), rule.name))
+                reason = _no_gain(cand, cand.expected_bytes, "by the trace of the example inputs")
+                skipped.append(Skipped(cand.modules, reason, rule.name))
                 continue
             assert cand.apply is not None, f"rule {rule.name} yielded a change without apply"
             if cand.same_outputs and measure is None:

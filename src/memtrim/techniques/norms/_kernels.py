@@ -92,9 +92,8 @@ def keep_input_features(gamma: torch.Tensor, beta: torch.Tensor | None, extra: t
     feature; ``floor``: a user's ``gamma_threshold``, below which features keep their ``xhat`` anyway; ``offset``: the
     norm multiplies by ``gamma + offset`` (Gemma's RMSNorm: ``1 + w``), from which it decides; ``node``: the norm's
     autograd ``ctx``, whose backward reads the weights (the end-of-forward check skips a norm whose graph is gone).
-    Inside the
-    forward of a model ``convert`` changed, decided with the model's other norms (NOTE [ keep decisions made
-    together ])."""
+    Inside the forward of a model ``convert`` changed, decided with the model's other norms (NOTE [ keep decisions
+    made together ])."""
     if getattr(_LOCAL, "stack", None) and _plain_tensors(gamma, beta):
         open_ = _open_forward()
         if open_ is not None:
@@ -120,9 +119,8 @@ def _masks(norms: list[tuple[torch.Tensor, torch.Tensor | None, float, float]]
            ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """``_keep_mask(gamma, beta, None, floor, offset).flatten()`` for each (gamma, beta, floor, offset) of one device,
     and all of them concatenated; computed once for all norms alike (dtypes, a beta or none, floor, offset) on their
-    concatenated weights: a
-    handful of ops where each norm's own were six, at every forward (on a GPU each is a kernel launch). Elementwise
-    comparisons, so each mask is the one the norm computes by itself."""
+    concatenated weights: a handful of ops where each norm's own were six, at every forward (on a GPU each is a kernel
+    launch). Elementwise comparisons, so each mask is the one the norm computes by itself."""
     groups: dict[tuple[Any, ...], list[int]] = {}
     for i, (gamma, beta, floor, offset) in enumerate(norms):
         groups.setdefault((gamma.dtype, None if beta is None else beta.dtype, floor, offset), []).append(i)
@@ -301,9 +299,9 @@ def _changed(taken: list[tuple[Any, ...]]) -> torch.Tensor:
     # unsharded weight, or sets .data to a shard, after its block ran: FSDP, ZeRO-3; it gathers them again for
     # backward), not in shared memory (Hogwild: another process steps them, and plain training is racy there too), of
     # a norm whose graph is alive (a teacher whose output was detached: its backward never runs)
-    live = [t for t in taken if t[9] is None or t[9]() is not None]
-    pairs = [(t[0], t[5]) for t in live if _unmoved(t[5], t[7][0], t[8][0])]
-    pairs += [(t[1], t[6]) for t in live if t[6] is not None and _unmoved(t[6], t[7][1], t[8][1])]
+    alive = [t for t in taken if t[9] is None or t[9]() is not None]
+    pairs = [(t[0], t[5]) for t in alive if _unmoved(t[5], t[7][0], t[8][0])]
+    pairs += [(t[1], t[6]) for t in alive if t[6] is not None and _unmoved(t[6], t[7][1], t[8][1])]
     by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for copy, live in pairs:
         by_dtype.setdefault(copy.dtype, []).append((copy, live))
