@@ -475,6 +475,22 @@ def test_a_model_in_shared_memory_is_not_checked():
     together(batch())
 
 
+def test_a_converted_model_runs_on_meta_and_under_a_fake_mode():
+    # found by an adversarial pass: the decisions' nonzero raised on meta tensors and under a FakeTensorMode without a
+    # shape environment (memory estimates of models bigger than the machine); there no feature keeps its input
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    together, _ = converted_and_alone()
+    on_meta = copy.deepcopy(together).to("meta")
+    out = on_meta(batch().to("meta"))
+    out.square().mean().backward()
+    assert out.is_meta and all(p.grad is not None and p.grad.is_meta for p in on_meta.parameters())
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        out = together(mode.from_tensor(batch()))
+        out.square().mean().backward()
+    assert isinstance(out, FakeTensor)
+
+
 def test_functional_call_with_fast_weights_decides_for_them():
     together, alone = converted_and_alone()
     found = []

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_modes
 from torch.utils.hooks import RemovableHandle
 
 from ...errors import ConvertError
@@ -100,7 +101,21 @@ def keep_input_features(gamma: torch.Tensor, beta: torch.Tensor | None, extra: t
             if extra is None and open_.group is not None:
                 return open_.group.kept(gamma, beta, floor, offset, open_, node)
             open_.read(gamma, beta, floor, offset, None, node)  # (decided here from what it reads: checked at the end)
-    return _keep_mask(gamma, beta, extra, floor, offset).flatten().nonzero().flatten()
+    return _indices(_keep_mask(gamma, beta, extra, floor, offset).flatten())
+
+
+def _indices(mask: torch.Tensor) -> torch.Tensor:
+    """``mask.nonzero().flatten()``; none on the meta device or under a fake mode without a shape environment (the
+    values that decide are not there: a model measured on meta or fake tensors keeps no feature's input; found by an
+    adversarial pass, nonzero raised there)."""
+    if mask.is_meta:
+        return torch.empty(0, dtype=torch.long, device=mask.device)
+    try:
+        return mask.nonzero().flatten()
+    except DynamicOutputShapeException:
+        if any(type(mode).__module__.startswith("memtrim.planner") for mode in _dispatch_modes()):
+            raise  # (a plan's trace says which values it lacks: memtrim.plan turns this into its error)
+        return torch.empty(0, dtype=torch.long, device=mask.device)
 
 
 def _keep_mask(gamma: torch.Tensor, beta: torch.Tensor | None, extra: torch.Tensor | None,
@@ -435,10 +450,10 @@ class DecidedTogether:
             elif tensors[0].device == device and not decision.holds(epoch, *tensors):
                 todo.append((decision, *tensors))
         masks, whole = _masks([(gamma, beta, d.floor, d.offset) for d, gamma, beta in todo])
-        found = whole.nonzero().flatten()  # the one wait
+        found = _indices(whole)  # the one wait
         for (decision, gamma, beta), mask in zip(todo, masks):
             # where no feature keeps its input (what trained weights mostly give), none of this norm's does; else
             # each norm gathers its own, one wait each (their counts, read from the values, a plan's trace may not
             # know: NOTE [ known values ] in planner/_values.py; it knows the shapes nonzero gives)
-            decision.kept = found[:0] if found.numel() == 0 else mask.nonzero().flatten()
+            decision.kept = found[:0] if found.numel() == 0 else _indices(mask)
             decision.mask, decision.epoch, decision.versions = mask, epoch, _versions(gamma, beta)
