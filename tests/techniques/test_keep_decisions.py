@@ -237,12 +237,14 @@ class WritesAfterItRan(Net):
             weight.data[4:6] = 0.0
         elif self.write == "clamp":
             weight.data.clamp_(max=1.0)
+        elif self.write == "replace":  # (a same-size tensor set through .data: compared, not taken for a shard)
+            weight.data = weight.data.clamp(max=1.0)
         x = self.blocks[2](x)
         return self.head(self.act(self.bn(x.transpose(1, 2))).transpose(1, 2))
 
 
 @pytest.mark.parametrize("block, write, hooks", [(0, "zero", None), (0, "clamp", None), (1, "clamp", None),
-                                                 (0, "zero", "hooked"), (0, "zero", "removed")])
+                                                 (0, "replace", None), (0, "zero", "hooked"), (0, "zero", "removed")])
 def test_any_data_write_after_a_norm_ran_is_refused(block, write, hooks):
     # found by an adversarial pass: the check at the forward's end compared only the decisions taken from an earlier
     # norm's, so a write to the weight of the norm that decided, or one that changed no decision (a clamp), or any

@@ -214,15 +214,14 @@ class _Open:
     def __init__(self, group: DecidedTogether | None, epoch: int, frame: Any) -> None:
         self.group, self.epoch, self.frame = group, epoch, frame
         # (weight and bias as the norm read them, copied; floor; offset; the mask taken, or None where the norm
-        # decided from what it read; weight and bias; their versions and data pointers then; the norm's node, weakly)
+        # decided from what it read; weight and bias; their versions then; (unused); the norm's node, weakly)
         self.taken: list[tuple[Any, ...]] = []
 
     def read(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float,
              mask: torch.Tensor | None, node: Any = None) -> None:
         """Record what a norm read (a copy: a .data write may change and restore it before the end)."""
         self.taken.append((gamma.detach().clone(), None if beta is None else beta.detach().clone(), floor, offset,
-                           mask, gamma, beta, _versions(gamma, beta),
-                           (_pointer(gamma), -1 if beta is None else _pointer(beta)),
+                           mask, gamma, beta, _versions(gamma, beta), None,
                            None if node is None else weakref.ref(node)))
 
 
@@ -310,13 +309,14 @@ def _changed(taken: list[tuple[Any, ...]]) -> torch.Tensor:
     decided = [t for t in taken if t[4] is not None]
     if decided:
         checks.append(_masks([t[:4] for t in decided])[1].ne(torch.cat([t[4] for t in decided])).any())
-    # compared: weights whose version has not moved, held where they were read (a sharding framework frees an
-    # unsharded weight, or sets .data to a shard, after its block ran: FSDP, ZeRO-3; it gathers them again for
-    # backward), not in shared memory (Hogwild: another process steps them, and plain training is racy there too), of
-    # a norm whose graph is alive (a teacher whose output was detached: its backward never runs)
+    # compared: weights whose version has not moved, still of their size in memory (a sharding framework frees an
+    # unsharded weight, or sets .data to an empty tensor or a shard, after its block ran: FSDP, ZeRO-3; it gathers
+    # them again for backward; a same-size tensor set through .data is compared), not in shared memory (Hogwild:
+    # another process steps them, and plain training is racy there too), of a norm whose graph is alive (a teacher
+    # whose output was detached: its backward never runs)
     alive = [t for t in taken if t[9] is None or t[9]() is not None]
-    pairs = [(t[0], t[5]) for t in alive if _unmoved(t[5], t[7][0], t[8][0])]
-    pairs += [(t[1], t[6]) for t in alive if t[6] is not None and _unmoved(t[6], t[7][1], t[8][1])]
+    pairs = [(t[0], t[5]) for t in alive if _unmoved(t[5], t[0], t[7][0])]
+    pairs += [(t[1], t[6]) for t in alive if t[6] is not None and _unmoved(t[6], t[1], t[7][1])]
     by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for copy, live in pairs:
         by_dtype.setdefault(copy.dtype, []).append((copy, live))
@@ -331,14 +331,13 @@ def _changed(taken: list[tuple[Any, ...]]) -> torch.Tensor:
     return checks[0] if len(checks) == 1 else torch.stack(checks).any()
 
 
-def _unmoved(t: torch.Tensor, version: int, pointer: int) -> bool:
+def _unmoved(t: torch.Tensor, copy: torch.Tensor, version: int) -> bool:
+    if t._version != version or t.shape != copy.shape:
+        return False
     if type(t) is FakeTensor:  # (a plan's trace: no values, no memory to compare)
-        return t._version == version
-    return t._version == version and t.data_ptr() == pointer and not (t.is_cpu and t.is_shared())
-
-
-def _pointer(t: torch.Tensor) -> int:
-    return -1 if type(t) is FakeTensor else t.data_ptr()
+        return True
+    return (t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+            and not (t.is_cpu and t.is_shared()))
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
