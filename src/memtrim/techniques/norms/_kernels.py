@@ -213,16 +213,28 @@ class _Open:
 
     def __init__(self, group: DecidedTogether | None, epoch: int, frame: Any) -> None:
         self.group, self.epoch, self.frame = group, epoch, frame
-        # (weight and bias as the norm read them, copied; floor; offset; the mask taken, or None where the norm
-        # decided from what it read; weight and bias; their versions then; (unused); the norm's node, weakly)
-        self.taken: list[tuple[Any, ...]] = []
+        self.taken: list[_Read] = []
 
     def read(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float,
              mask: torch.Tensor | None, node: Any = None) -> None:
         """Record what a norm read (a copy: a .data write may change and restore it before the end)."""
-        self.taken.append((gamma.detach().clone(), None if beta is None else beta.detach().clone(), floor, offset,
-                           mask, gamma, beta, _versions(gamma, beta), None,
-                           None if node is None else weakref.ref(node)))
+        self.taken.append(_Read(gamma, beta, floor, offset, mask, node))
+
+
+class _Read:
+    """What a norm read in an open forward: its weight and bias (``read_*``: copies as read; the tensors themselves,
+    and their versions then), its floor and offset, the mask it took from an earlier norm's decision (None where it
+    decided from what it read), and its autograd node, weakly (gone: no backward will read the weights)."""
+
+    __slots__ = ("beta", "floor", "gamma", "mask", "node", "offset", "read_beta", "read_gamma", "versions")
+
+    def __init__(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float,
+                 mask: torch.Tensor | None, node: Any) -> None:
+        self.read_gamma = gamma.detach().clone()
+        self.read_beta = None if beta is None else beta.detach().clone()
+        self.gamma, self.beta, self.floor, self.offset, self.mask = gamma, beta, floor, offset, mask
+        self.versions = _versions(gamma, beta)
+        self.node = None if node is None else weakref.ref(node)
 
 
 def _on_stack(target: Any, frame: Any) -> bool:
@@ -300,23 +312,25 @@ _global_hooks = vars(torch.nn.modules.module)
 _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}  # (element size -> an int of that size)
 
 
-def _changed(taken: list[tuple[Any, ...]]) -> torch.Tensor:
+def _changed(taken: list[_Read]) -> torch.Tensor:
     """Whether a norm's weights changed since it read them without their versions moving (compared bit for bit: a
     NaN weight is no change), or a decision it took from earlier would not be made from what it read: one boolean
     tensor for all of them (one wait). A weight whose version moved since is left to autograd's in-place check, as
     torch's own norm leaves it."""
     checks = []
-    decided = [t for t in taken if t[4] is not None]
+    decided = [r for r in taken if r.mask is not None]
     if decided:
-        checks.append(_masks([t[:4] for t in decided])[1].ne(torch.cat([t[4] for t in decided])).any())
+        masks = _masks([(r.read_gamma, r.read_beta, r.floor, r.offset) for r in decided])[1]
+        checks.append(masks.ne(torch.cat([r.mask for r in decided if r.mask is not None])).any())
     # compared: weights whose version has not moved, still of their size in memory (a sharding framework frees an
     # unsharded weight, or sets .data to an empty tensor or a shard, after its block ran: FSDP, ZeRO-3; it gathers
     # them again for backward; a same-size tensor set through .data is compared), not in shared memory (Hogwild:
     # another process steps them, and plain training is racy there too), of a norm whose graph is alive (a teacher
     # whose output was detached: its backward never runs)
-    alive = [t for t in taken if t[9] is None or t[9]() is not None]
-    pairs = [(t[0], t[5]) for t in alive if _unmoved(t[5], t[0], t[7][0])]
-    pairs += [(t[1], t[6]) for t in alive if t[6] is not None and _unmoved(t[6], t[1], t[7][1])]
+    alive = [r for r in taken if r.node is None or r.node() is not None]
+    pairs = [(r.read_gamma, r.gamma) for r in alive if _unmoved(r.gamma, r.read_gamma, r.versions[0])]
+    pairs += [(r.read_beta, r.beta) for r in alive
+              if r.beta is not None and r.read_beta is not None and _unmoved(r.beta, r.read_beta, r.versions[1])]
     by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for copy, live in pairs:
         by_dtype.setdefault(copy.dtype, []).append((copy, live))
@@ -402,9 +416,9 @@ class DecidedTogether:
         top = stack.pop()
         if not top.taken:
             return
-        by_device: dict[torch.device, list[Any]] = {}  # (one wait a device: a model split over two)
-        for taken in top.taken:
-            by_device.setdefault(taken[0].device, []).append(taken)
+        by_device: dict[torch.device, list[_Read]] = {}  # (one wait a device: a model split over two)
+        for read in top.taken:
+            by_device.setdefault(read.read_gamma.device, []).append(read)
         found = [_changed(taken) for taken in by_device.values()]
         # (a plan's trace has no values to read there, and makes the same tensors)
         if any(not isinstance(f, FakeTensor) and bool(f) for f in found):  # (the second wait)
