@@ -289,6 +289,8 @@ def main() -> None:
     parser.add_argument("--batch-mult", type=int, default=1, help="repeat each batch N times (GPU-sized batches)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="cast each model and its batch's floating tensors (written to ..._<dtype>_<device>.json)")
+    parser.add_argument("--suffix", default="", help="added to the file's name before the device (a second batch size "
+                                                    "of some models: --only tv_resnet50 --batch-mult 64 --suffix _bm64)")
     parser.add_argument("--ops-only", action="store_true",
                         help="count the ops and bytes of a step, no clock (writes convert_zoo_ops_<device>.json)")
     args = parser.parse_args()
@@ -314,7 +316,7 @@ def main() -> None:
                    "torchvision": version("torchvision"), "torchvision_import": tv_note}
     kind = "ops" if args.ops_only else "time"
     precision = "" if args.dtype == "float32" else f"_{args.dtype}"
-    name = f"convert_zoo_{kind}{'_wide' if args.wide else ''}{precision}_{args.device.split(':')[0]}.json"
+    name = f"convert_zoo_{kind}{'_wide' if args.wide else ''}{precision}{args.suffix}_{args.device.split(':')[0]}.json"
     print("wrote", write(name, {"machine": machine(), "environment": environment, "rounds": args.rounds,
                                 "results": results}))
 

@@ -6,8 +6,9 @@
 # convert rows; pytest-xdist for the last part):   bash benchmarks/gpu.sh
 # Writes logs, convert_cuda_check_cuda.txt and the *_cuda.json results to $OUT (default benchmarks/results/gpu_run);
 # the JSON files are also left in benchmarks/results/, where the other results are. About 9 minutes on an H200 (before
-# convert_waits.py was added; its part is limited to 90 s and the full suite's cut by 60 s). SUITE_S=0 leaves the
-# full suite out (its limit in seconds; 180 by default).
+# convert_waits.py and the batch-128 ResNets were added; their parts are limited to 90 and 150 s, and the full suite's
+# cut by 60 s): more than one command's 10 minutes where every part runs to its limit, so run it with SUITE_S=0 first.
+# SUITE_S=0 leaves the full suite out (its limit in seconds; 180 by default).
 set -u
 OUT=${OUT:-$PWD/benchmarks/results/gpu_run}
 mkdir -p "$OUT"
@@ -35,6 +36,9 @@ part 150 "$OUT/cuda_tests.log" $PY -m pytest -m cuda -q -rA -p no:cacheprovider 
 tail -n 25 "$OUT/cuda_tests.log"
 cd benchmarks
 # the newest measurements first, so that a run cut short by a lease's time keeps them
+# the ResNets at batch 128 (batch 32 waits on the host: 9-26 ms a plain step), where a GPU is busy as in training
+part 150 "$OUT/bench.log" $PY convert_zoo_time.py --wide --device cuda --batch-mult 64 --rounds 5 --only tv_resnet18 tv_resnet50 --suffix _bm64
+grep -E "converted|rc=" "$OUT/bench.log" | tail -n 3
 part 150 "$OUT/bench.log" $PY convert_zoo_time.py --wide --device cuda --batch-mult 16 --rounds 7 --dtype bfloat16
 part 90 "$OUT/bench.log" $PY convert_waits.py --rounds 7 --batch-mult 16  # what converted Llama's waits cost
 grep -E "step_ms_plain|rc=" "$OUT/bench.log" | tail -n 2

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _di
 from torch.utils.hooks import RemovableHandle
 
 from ...errors import ConvertError
+from ...measure.hooks import compiled_autograd_running
 from ..guards import defined_in, memtrims, plain_only
 
 __all__ = ["CACHE_SIZE", "HALF_PRECISION", "KEEP_BOUND", "DecidedTogether", "keep_input_features", "zeros_and_ones"]
@@ -86,21 +87,32 @@ every feature's xhat in half precision still gave 56-68x (measured on 2026-11-29
 with these modules rather than train differently; ``convert`` leaves such norms torch's and says so."""
 
 
+# ---------------------------------------------------------------------- NOTE [ the weights a rebuild reads ]
+# torch's norms keep their input and read their weight in backward (dx = weight * ...): a weight written through
+# ``.data`` between forward and backward (no version moves: autograd does not refuse it) gives torch's backward the new
+# weight with the input the forward kept. A norm that rebuilds its input from its output must divide by the weight
+# and subtract the bias the forward computed with, or it rebuilds another input. So each rebuilding norm (the output-
+# keeping LayerNorm and RMSNorms, BatchNorm + LeakyReLU/ELU) copies its weight and bias at each forward (two small
+# copies; Gemma's ``1 + w`` is a new tensor already) and rebuilds from the copies, and reads the weight itself where
+# torch's backward does: its gradients are torch's for any such write, at any time before the backward. Before
+# 2026-12-01 the rebuild read the live weights, and a write after the norm ran was refused at the forward's end, or
+# not seen after it (1e-4 off plain). The copies are held with the output, as saved tensors (the tracker counts them).
+
+
 def keep_input_features(gamma: torch.Tensor, beta: torch.Tensor | None, extra: torch.Tensor | None = None,
-                        floor: float = 0.0, offset: float = 0.0, node: Any = None) -> torch.Tensor:
+                        floor: float = 0.0, offset: float = 0.0, node: Any = None,
+                        read: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """Indices (flattened) of the features whose ``xhat`` cannot be rebuilt from the output to within KEEP_BOUND
     times torch's own error (NOTE [ when a norm keeps its input ] in this file). ``extra``: the ELU term s, per
     feature; ``floor``: a user's ``gamma_threshold``, below which features keep their ``xhat`` anyway; ``offset``: the
-    norm multiplies by ``gamma + offset`` (Gemma's RMSNorm: ``1 + w``), from which it decides; ``node``: the norm's
-    autograd ``ctx``, whose backward reads the weights (the end-of-forward check skips a norm whose graph is gone).
-    Inside the forward of a model ``convert`` changed, decided with the model's other norms (NOTE [ keep decisions
-    made together ])."""
-    if getattr(_LOCAL, "stack", None) and _plain_tensors(gamma, beta):
+    norm multiplies by ``gamma + offset`` (Gemma's RMSNorm: ``1 + w``), from which it decides. Inside the forward of a
+    model ``convert`` changed, decided with the model's other norms (NOTE [ keep decisions made together ]): ``node``,
+    the norm's autograd ``ctx``, and ``read``, the copies of ``gamma + offset`` and ``beta`` it computed with (which
+    its backward rebuilds from), let a decision taken from an earlier norm's be checked."""
+    if getattr(_LOCAL, "stack", None) and extra is None and read is not None and _plain_tensors(gamma, beta):
         open_ = _open_forward()
-        if open_ is not None:
-            if extra is None and open_.group is not None:
-                return open_.group.kept(gamma, beta, floor, offset, open_, node)
-            open_.read(gamma, beta, floor, offset, None, node)  # (decided here from what it reads: checked at the end)
+        if open_ is not None and open_.group is not None:
+            return open_.group.kept(gamma, beta, floor, offset, open_, node, read)
     return _indices(_keep_mask(gamma, beta, extra, floor, offset).flatten())
 
 
@@ -181,21 +193,20 @@ def _plain_tensors(*tensors: torch.Tensor | None) -> bool:
 # * a forward of a model with forward hooks or pre-hooks not memtrim's (on any of its modules, or global ones) does
 #   not decide together: each norm decides at its call, as before (the modules are walked again only after torch
 #   made a hook handle somewhere since the last walk);
-# * each norm called in an open forward (deciding together or alone) copies its weights as it reads them (one small
-#   copy each); the model's forward hook then checks, all at once (a second wait), that the weights are still those
-#   bits (a ``.data`` write after the norm ran, which its rebuild in backward would read where torch's backward
-#   reads the input it kept; a write that changes no decision, a clamp, too) unless their version moved (autograd's
-#   own check then stands, as for torch's norm), and that each decision taken from an earlier norm's is the one the
-#   copies give (a write before the norm ran, after the decision). A difference raises ``ConvertError`` (that
-#   forward's saved tensors cannot give torch's gradients) and the model's norms decide alone from then on (still
-#   checked). Before 2026-11-30 only the decisions taken from earlier were checked, and by their masks: a write to
-#   the deciding norm's weight, a clamp, and any write in a model with a user's hook went unseen (an adversarial
-#   pass: 1e-3 off plain).
+# * a decision taken from an earlier norm's is checked: each norm rebuilds from copies of the weights it computed
+#   with (NOTE [ the weights a rebuild reads ]), so a write after it ran changes nothing it needs; a write before it
+#   ran but after the decision may have changed which features need their input. At the forward's end the model's
+#   forward hook compares, all at once on the device, each decision taken with the one the copies give (about ten
+#   small ops), and the backward of any of those norms reads the result at the end of that backward (autograd's
+#   engine runs the callback it queues): a difference raises ``ConvertError`` (that forward's saved tensors cannot
+#   give torch's gradients) and the model's norms decide alone from then on. On a GPU the result is copied to the host
+#   without a wait and read after its event, which the GPU has long passed by then: the forward has one wait, the
+#   decision's. Before 2026-12-01 the weights themselves were compared at the forward's end (a second wait, for the
+#   whole forward), since the rebuild read the live weights; a write between the forward and the backward went
+#   unseen.
 #
-# The masks of all the norms deciding (or checked) at once are computed together, on their concatenated weights
-# (``_masks``): about ten small ops a forward and a copy a norm, not six a norm and two more a check (on a GPU each
-# is a kernel launch; a converted HF Llama step: 1,398 ops against 1,312 plain,
-# benchmarks/results/convert_zoo_ops_cpu.json).
+# The masks of all the norms deciding at once are computed together, on their concatenated weights (``_masks``), and
+# so are the checks: a handful of small ops a forward, not six a norm (on a GPU each is a kernel launch).
 #
 # A norm called outside the model's forward (a submodule called by itself, a checkpoint's recomputation in backward,
 # a norm that is not converted) decides at its call. A forward is open while the model's ``_call_impl`` frame is on
@@ -206,35 +217,100 @@ _LOCAL = threading.local()  # .stack: [_Open], one entry per open forward of a c
 
 class _Open:
     """One open forward of a converted model on this thread: its decisions (None: its norms decide alone), the
-    epoch, the frame of the model's call, and the weights each norm read (copied; with the decision it took where that
-    was made before its call: checked together at the forward's end)."""
+    epoch, the frame of the model's call, and the decisions its norms took from an earlier norm's, with the weights
+    each norm computed with (its copies), checked together at the forward's end (``check``, held by those norms'
+    nodes)."""
 
-    __slots__ = ("epoch", "frame", "group", "taken")
+    __slots__ = ("check", "epoch", "frame", "group", "taken")
 
     def __init__(self, group: DecidedTogether | None, epoch: int, frame: Any) -> None:
         self.group, self.epoch, self.frame = group, epoch, frame
-        self.taken: list[_Read] = []
+        self.taken: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]] = []
+        self.check: _Check | None = None
 
-    def read(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float,
-             mask: torch.Tensor | None, node: Any = None) -> None:
-        """Record what a norm read (a copy: a .data write may change and restore it before the end)."""
-        self.taken.append(_Read(gamma, beta, floor, offset, mask, node))
+    def take(self, mask: torch.Tensor, read: tuple[torch.Tensor, torch.Tensor | None], floor: float,
+             node: Any) -> None:
+        """Record a decision a norm took from an earlier norm's, and the weights it computed with (``gamma +
+        offset``: its mask is decided with offset 0); its node holds the check, which its backward reads."""
+        self.taken.append((mask, read[0], read[1], floor))
+        if self.check is None:
+            assert self.group is not None
+            self.check = _Check(self.group)
+        if node is not None:
+            node.memtrim_check = self.check
 
 
-class _Read:
-    """What a norm read in an open forward: its weight and bias (``read_*``: copies as read; the tensors themselves,
-    and their versions then), its floor and offset, the mask it took from an earlier norm's decision (None where it
-    decided from what it read), and its autograd node, weakly (gone: no backward will read the weights)."""
+READ_AT_BACKWARD_ON_CPU = False
+"""Whether a check on the CPU is read at the end of the backward, as on an accelerator, instead of at the forward's end
+(``_Check``): for tests of that path on a machine without one."""
 
-    __slots__ = ("beta", "floor", "gamma", "mask", "node", "offset", "read_beta", "read_gamma", "versions")
 
-    def __init__(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float,
-                 mask: torch.Tensor | None, node: Any) -> None:
-        self.read_gamma = gamma.detach().clone()
-        self.read_beta = None if beta is None else beta.detach().clone()
-        self.gamma, self.beta, self.floor, self.offset, self.mask = gamma, beta, floor, offset, mask
-        self.versions = _versions(gamma, beta)
-        self.node = None if node is None else weakref.ref(node)
+class _Check:
+    """Whether the decisions one forward's norms took from an earlier norm's are those the weights they computed with
+    give (NOTE [ keep decisions made together ]), computed on the device at the forward's end. On the CPU it is read
+    there (no wait). On an accelerator, reading it there would make the host wait for the whole forward: it is read at
+    the end of a backward through those norms instead (each queues :meth:`verify` with autograd's engine), which is
+    where their saved tensors are first used; on a GPU it is copied to the host without a wait and read after its
+    event, which the GPU has long passed by then. Under torch's compiled autograd (which runs no callback and traces
+    the norms' backward once) it is read at the forward's end."""
+
+    __slots__ = ("found", "group")
+
+    def __init__(self, group: DecidedTogether) -> None:
+        self.group = group
+        self.found: list[tuple[torch.Tensor, Any]] = []  # (flag on the host or the device, its CUDA event or None)
+
+    def start(self, taken: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]]) -> None:
+        by_device: dict[torch.device, list[Any]] = {}  # (one flag a device: a model split over two)
+        for entry in taken:
+            by_device.setdefault(entry[1].device, []).append(entry)
+        now = []
+        for entries in by_device.values():
+            flag = _changed(entries)
+            if isinstance(flag, FakeTensor) or (flag.is_cpu and not READ_AT_BACKWARD_ON_CPU) or _compiled_backward():
+                now.append((flag, None))
+            elif flag.is_cuda:
+                host = flag.to("cpu", non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                self.found.append((host, event))
+            else:  # (another accelerator: read at the end of the backward, with a wait there)
+                self.found.append((flag, None))
+        self._raise_if(now)
+
+    def queue(self) -> None:
+        """Called by a norm's backward: :meth:`verify` at the end of this backward."""
+        if self.found and not torch.compiler.is_compiling():
+            torch.autograd.Variable._execution_engine.queue_callback(self.verify)
+
+    def verify(self) -> None:
+        for _, event in self.found:
+            if event is not None:
+                event.synchronize()
+        self._raise_if(self.found)
+
+    def _raise_if(self, found: list[tuple[torch.Tensor, Any]]) -> None:
+        if any(not isinstance(flag, FakeTensor) and bool(flag) for flag, _ in found):  # (a plan's trace: no values)
+            self.group._alone = True
+            raise ConvertError(
+                "memtrim.convert: a norm's weight changed during a forward of the converted model without its "
+                "version moving (a .data write, in the model's own code or a hook), after the model's norms had "
+                "decided together which features keep their input and before the norm ran, so that the features "
+                "it keeps are not those its weight needs (NOTE [ keep decisions made together ] in "
+                "memtrim/techniques/norms/_kernels.py). That forward's saved tensors cannot give torch's "
+                "gradients, so it is refused (on an accelerator, at the end of its backward). Expected a norm's "
+                "weight to change in place (which moves its version: under torch.no_grad(), not through .data), "
+                "or through .data before the model's forward or in a forward pre-hook. The model's norms now "
+                "decide at each call: run the step again.")
+
+
+def _compiled_backward() -> bool:
+    """Whether a backward may run under torch's compiled autograd: on now, or set in dynamo's config (read without
+    importing dynamo)."""
+    if compiled_autograd_running():
+        return True
+    config = sys.modules.get("torch._dynamo.config")
+    return bool(getattr(config, "compiled_autograd", False))
 
 
 def _on_stack(target: Any, frame: Any) -> bool:
@@ -309,53 +385,12 @@ def _trusted(hook: Any) -> bool:
 _global_hooks = vars(torch.nn.modules.module)
 
 
-_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}  # (element size -> an int of that size)
-
-
-def _changed(taken: list[_Read]) -> torch.Tensor:
-    """Whether a norm's weights changed since it read them without their versions moving (compared bit for bit: a
-    NaN weight is no change), or a decision it took from earlier would not be made from what it read: one boolean
-    tensor for all of them (one wait). A weight whose version moved since is left to autograd's in-place check, as
-    torch's own norm leaves it."""
-    checks = []
-    decided = [r for r in taken if r.mask is not None]
-    if decided:
-        masks = _masks([(r.read_gamma, r.read_beta, r.floor, r.offset) for r in decided])[1]
-        checks.append(masks.ne(torch.cat([r.mask for r in decided if r.mask is not None])).any())
-    # compared: weights whose version has not moved, still of their size in memory (a sharding framework frees an
-    # unsharded weight, or sets .data to an empty tensor or a shard, after its block ran: FSDP, ZeRO-3; it gathers
-    # them again for backward; a same-size tensor set through .data is compared), not in shared memory (Hogwild:
-    # another process steps them, and plain training is racy there too), of a norm whose graph is alive (a teacher
-    # whose output was detached: its backward never runs)
-    alive = [r for r in taken if r.node is None or r.node() is not None]
-    pairs = [(r.read_gamma, r.gamma) for r in alive if _unmoved(r.gamma, r.read_gamma, r.versions[0])]
-    pairs += [(r.read_beta, r.beta) for r in alive
-              if r.beta is not None and r.read_beta is not None and _unmoved(r.beta, r.read_beta, r.versions[1])]
-    by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for copy, live in pairs:
-        by_dtype.setdefault(copy.dtype, []).append((copy, live))
-    with torch.no_grad():  # (a handful of ops a dtype, however many norms: on a GPU each is a kernel launch)
-        for group in by_dtype.values():
-            read = torch.cat([_flat(copy) for copy, _ in group])
-            now = torch.cat([_flat(live) for _, live in group])
-            bits = _BITS[read.element_size()]
-            checks.append(read.view(bits).ne(now.view(bits)).any())
-    if not checks:
-        return torch.zeros((), dtype=torch.bool)
-    return checks[0] if len(checks) == 1 else torch.stack(checks).any()
-
-
-def _unmoved(t: torch.Tensor, copy: torch.Tensor, version: int) -> bool:
-    if t._version != version or t.shape != copy.shape:
-        return False
-    if type(t) is FakeTensor:  # (a plan's trace: no values, no memory to compare)
-        return True
-    return (t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
-            and not (t.is_cpu and t.is_shared()))
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dim() == 1 else t.flatten()  # (a norm's weight is mostly 1-D: no op for it)
+def _changed(taken: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]]) -> torch.Tensor:
+    """Whether a decision a norm took from an earlier norm's (mask, the copies of ``gamma + offset`` and ``beta`` it
+    computed with, floor) is not the one those weights give: one boolean tensor for all of them (one flag)."""
+    masks = _masks([(gamma, beta, floor, 0.0) for _, gamma, beta, floor in taken])[1]
+    taken_masks = [mask for mask, *_ in taken]
+    return masks.ne(torch.cat(taken_masks) if len(taken_masks) > 1 else taken_masks[0]).any()
 
 
 class DecidedTogether:
@@ -405,49 +440,28 @@ class DecidedTogether:
     def leave(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        if torch.jit.is_tracing():  # (torch.jit.trace records no dtype views: the check would fail its trace)
-            stack = getattr(_LOCAL, "stack", None)
-            if stack and stack[-1].group in (self, None):
-                stack.pop()
-            return
         stack = getattr(_LOCAL, "stack", None)
         if not stack or stack[-1].group not in (self, None):
             return
         top = stack.pop()
-        if not top.taken:
-            return
-        by_device: dict[torch.device, list[_Read]] = {}  # (one wait a device: a model split over two)
-        for read in top.taken:
-            by_device.setdefault(read.read_gamma.device, []).append(read)
-        found = [_changed(taken) for taken in by_device.values()]
-        # (a plan's trace has no values to read there, and makes the same tensors)
-        if any(not isinstance(f, FakeTensor) and bool(f) for f in found):  # (the second wait)
-            self._alone = True
-            raise ConvertError(
-                "memtrim.convert: a norm's weight changed during this forward of the converted model without its "
-                "version moving (a .data write, in the model's own code or a hook), before the norm ran but after "
-                "the model's norms had decided together which features keep their input, or after the norm ran, "
-                "whose backward reads it (NOTE [ keep decisions made together ] in "
-                "memtrim/techniques/norms/_kernels.py). This forward's saved tensors cannot give torch's gradients, "
-                "so it is refused. Expected a norm's weight to change in place (which moves its version: under "
-                "torch.no_grad(), not through .data), or through .data before the norm runs (a forward pre-hook). "
-                "The model's norms now decide at each call: a write made once, run this step again; one made at "
-                "every forward, move it before the norm or make it move the version.")
+        # (under torch.jit.trace the check's ops would join the traced graph: it stands aside)
+        if top.check is not None and not torch.jit.is_tracing():
+            top.check.start(top.taken)
 
-    def kept(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float,
-             open_: _Open, node: Any = None) -> torch.Tensor:
-        """``keep_input_features(gamma, beta, None, floor, offset)``, decided with the model's other norms."""
+    def kept(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float, open_: _Open,
+             node: Any, read: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        """``keep_input_features(gamma, beta, None, floor, offset)``, decided with the model's other norms; a decision
+        taken from an earlier norm's is checked against ``read`` (NOTE [ keep decisions made together ])."""
         key = (id(gamma), -1 if beta is None else id(beta), floor, offset)
         with self._lock:
             found = self._decisions.get(key)
             if found is not None and found.holds(open_.epoch, gamma, beta):
                 assert found.kept is not None and found.mask is not None
-                open_.read(gamma, beta, floor, offset, found.mask, node)  # (checked at the forward's end)
+                open_.take(found.mask, read, floor, node)  # (checked at the forward's end)
                 return found.kept
             if found is None or not found.of(gamma, beta):
                 found = self._decisions[key] = _Decision(gamma, beta, floor, offset)
-            self._decide(gamma.device, open_.epoch)
-            open_.read(gamma, beta, floor, offset, None, node)  # (decided from what it read: its values checked)
+            self._decide(gamma.device, open_.epoch)  # (from the weights it computed with: nothing to check)
             assert found.kept is not None
             return found.kept
 

@@ -63,9 +63,13 @@ class NormKeepOutput(torch.autograd.Function):
             mean = None
         else:
             out, mean, rstd = torch.ops.aten.native_layer_norm(x, list(normalized_shape), weight, bias, eps)
-        kept = xhat_kept = None
-        if weight is not None:  # NOTE [ when a norm keeps its input ] (in _kernels.py)
-            kept = keep_input_features(weight, bias, None, gamma_threshold, offset, ctx)
+        kept = xhat_kept = read_gamma = None
+        # the weights as this forward computed with them, which the rebuild reads (NOTE [ the weights a rebuild
+        # reads ]): copies (Gemma's sum is one already); torch's backward reads the weight itself for dx, as below
+        read_beta = None if bias is None else bias.detach().clone()
+        if weight is not None and gamma is not None:  # NOTE [ when a norm keeps its input ] (in _kernels.py)
+            read_gamma = gamma if offset else weight.detach().clone()
+            kept = keep_input_features(weight, bias, None, gamma_threshold, offset, ctx, (read_gamma, read_beta))
             if kept.numel() == 0:
                 kept = None
             else:
@@ -73,21 +77,25 @@ class NormKeepOutput(torch.autograd.Function):
                 r = rstd.reshape(*rstd.shape[: x.dim() - nd], 1)
                 xhat_kept = (columns * r if mean is None else (columns - mean.reshape(r.shape)) * r).to(x.dtype)
         ctx.dims, ctx.rms, ctx.owner, ctx.kept_params = dims, rms, owner, kept_params(weight, bias)
-        ctx.save_for_backward(out, mean, rstd, gamma, bias, kept, xhat_kept)
+        ctx.save_for_backward(out, mean, rstd, gamma, bias, read_gamma, read_beta, kept, xhat_kept)
         return out
 
     @staticmethod
     @no_double_backward
     def backward(ctx: Any, dn: torch.Tensor) -> tuple:
         """The gradients of input, weight and bias, from the kept output (LayerNorm: by torch's fused backward)."""
-        out, mean, rstd, weight, bias, kept, xhat_kept = saved_tensors(ctx)
+        out, mean, rstd, weight, bias, read_gamma, read_beta, kept, xhat_kept = saved_tensors(ctx)
+        check = getattr(ctx, "memtrim_check", None)  # (a decision taken from an earlier norm's: NOTE [ keep
+        if check is not None:                        # decisions made together ] in _kernels.py)
+            check.queue()
         dims = ctx.dims
-        if weight is not None:  # xhat = (out - beta) / gamma (a gamma of 0 makes inf or NaN: its feature is kept,
-            xhat = (out - bias if bias is not None else out) / weight  # its column replaced below)
+        shifted = out - read_beta if read_beta is not None else out
+        if read_gamma is not None:  # xhat = (out - beta) / gamma (a gamma of 0 makes inf or NaN: its feature is
+            xhat = shifted / read_gamma  # kept, its column replaced below)
             if kept is not None:  # the kept features' own xhat
                 xhat.view(*xhat.shape[: xhat.dim() - len(dims)], -1).index_copy_(-1, kept, xhat_kept)
         else:
-            xhat = out - bias if bias is not None else out
+            xhat = shifted
         if not ctx.rms:
             # torch's own fused LayerNorm backward, fed xhat as the input with mean 0 and rstd 1: its weight and bias
             # gradients are then exact, and its input gradient is the true one divided by rstd (per row)

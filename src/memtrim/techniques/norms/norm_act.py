@@ -73,10 +73,14 @@ class _BatchNormActFunction(torch.autograd.Function):
             save_mean, save_invstd = running_mean.clone(), torch.rsqrt(running_var + eps)
         shape = [1, x.shape[1]] + [1] * (x.dim() - 2)
         dims = [0] + list(range(2, x.dim()))
-        kept = xhat_kept = None
+        kept = xhat_kept = read_gamma = None
+        # the weights as this forward computed with them, which the rebuild reads (NOTE [ the weights a rebuild
+        # reads ] in _kernels.py); torch's backward reads the weight itself for dx, as below
+        read_beta = None if bias is None else bias.detach().clone()
         if weight is not None:  # NOTE [ when a norm keeps its input ] (in _kernels.py)
+            read_gamma = weight.detach().clone()
             extra = elu_term(out, dims) if activation == "elu" else None
-            kept = keep_input_features(weight, bias, extra, gamma_threshold, node=ctx)
+            kept = keep_input_features(weight, bias, extra, gamma_threshold, node=ctx, read=(read_gamma, read_beta))
             if kept.numel() == 0:
                 kept = None
             else:
@@ -90,13 +94,16 @@ class _BatchNormActFunction(torch.autograd.Function):
         ctx.activation, ctx.param, ctx.training, ctx.shape, ctx.owner = activation, param, training, shape, owner
         ctx.elu_from_output = elu_from_output
         ctx.kept_params = kept_params(weight, bias)
-        ctx.save_for_backward(out, save_mean, save_invstd, weight, bias, kept, xhat_kept)
+        ctx.save_for_backward(out, save_mean, save_invstd, weight, bias, read_gamma, read_beta, kept, xhat_kept)
         return out
 
     @staticmethod
     @no_double_backward
     def backward(ctx: Any, dz: torch.Tensor) -> tuple:
-        z, mean, invstd, weight, bias, kept, xhat_kept = saved_tensors(ctx)
+        z, mean, invstd, weight, bias, read_gamma, read_beta, kept, xhat_kept = saved_tensors(ctx)
+        check = getattr(ctx, "memtrim_check", None)  # (a decision taken from an earlier norm's: NOTE [ keep
+        if check is not None:                        # decisions made together ] in _kernels.py)
+            check.queue()
         shape, activation, param = ctx.shape, ctx.activation, ctx.param
         if activation == "leaky_relu":
             y = torch.nn.functional.leaky_relu(z, 1.0 / param)  # the inverse of a leaky ReLU is a leaky ReLU
@@ -111,8 +118,8 @@ class _BatchNormActFunction(torch.autograd.Function):
         if ctx.training and kept is None and weight is not None:
             xhat = None  # not needed: the kernel below is fed y directly
         elif weight is not None:
-            inv_gamma = torch.where(weight == 0, torch.ones_like(weight), weight).reciprocal()
-            offset = -bias * inv_gamma if bias is not None else torch.zeros_like(inv_gamma)
+            inv_gamma = torch.where(read_gamma == 0, torch.ones_like(read_gamma), read_gamma).reciprocal()
+            offset = -read_beta * inv_gamma if read_beta is not None else torch.zeros_like(inv_gamma)
             xhat = torch.addcmul(offset.view(shape), y, inv_gamma.view(shape))
             if kept is not None:
                 xhat.index_copy_(1, kept, xhat_kept)
@@ -121,23 +128,24 @@ class _BatchNormActFunction(torch.autograd.Function):
                     # at beta -10 in float32); but where convert fused an in-place ELU, whose torch op differentiates
                     # from its output (0 where z rounds to -alpha), from the output as torch's
                     view = [1, -1] + shape[2:]
-                    pre = xhat_kept * weight.index_select(0, kept).view(view)
-                    if bias is not None:
-                        pre = pre + bias.index_select(0, kept).view(view)
+                    pre = xhat_kept * read_gamma.index_select(0, kept).view(view)
+                    if read_beta is not None:
+                        pre = pre + read_beta.index_select(0, kept).view(view)
                     dy.index_copy_(1, kept, torch.ops.aten.elu_backward(dz.index_select(1, kept), param, 1.0, 1.0,
                                                                         False, pre))
         else:
-            xhat = y - bias.view(shape) if bias is not None else y
+            xhat = y - read_beta.view(shape) if read_beta is not None else y
         if ctx.training:
             # torch's own fused BatchNorm backward
             mask = [ctx.needs_input_grad[0], weight is not None, bias is not None]
             if xhat is None:
-                # No pass to rebuild x: hand the kernel y as its "input" with mean beta and invstd 1/gamma, so the
-                # xhat it computes is (y - beta) / gamma, and weight gamma^2 * invstd, so its dx scale
-                # (weight * its invstd) is gamma * invstd. dgamma = sum(dy * xhat) and dbeta = sum(dy) are unchanged.
-                beta = bias if bias is not None else torch.zeros_like(weight)
+                # No pass to rebuild x: hand the kernel y as its "input" with mean beta and invstd 1/gamma (as the
+                # forward computed with them), so the xhat it computes is (y - beta) / gamma, and weight gamma *
+                # gamma' * invstd (gamma': the weight torch's backward reads), so its dx scale (weight * its invstd)
+                # is gamma' * invstd. dgamma = sum(dy * xhat) and dbeta = sum(dy) are unchanged.
+                beta = read_beta if read_beta is not None else torch.zeros_like(read_gamma)
                 dx, dgamma, dbeta = torch.ops.aten.native_batch_norm_backward(
-                    dy, y, weight * weight * invstd, None, None, beta, weight.reciprocal(), True, 0.0, mask,
+                    dy, y, weight * read_gamma * invstd, None, None, beta, read_gamma.reciprocal(), True, 0.0, mask,
                 )
             else:  # fed the input rebuilt from xhat (x = mean + xhat / invstd)
                 x = torch.addcmul(mean.view(shape), xhat, invstd.reciprocal().view(shape))
