@@ -31,10 +31,10 @@ def decisions_reused(store: dict):
     """Every norm's keep decision, made at its first call in here and reused after (keyed by its gamma)."""
     decide = keep_output.keep_input_features
 
-    def reused(gamma, beta, extra=None, floor=0.0):
+    def reused(gamma, beta, extra=None, floor=0.0, offset=0.0, node=None, read=None):
         key = id(gamma)
         if key not in store:
-            store[key] = (gamma, beta, extra, floor, decide(gamma, beta, extra, floor))
+            store[key] = (gamma, beta, extra, floor, offset, decide(gamma, beta, extra, floor, offset))
         return store[key][-1]
 
     keep_output.keep_input_features = reused
@@ -46,8 +46,8 @@ def decisions_reused(store: dict):
 
 def still_valid(store: dict) -> bool:
     """Whether every reused decision is the one the weights give now."""
-    return all(torch.equal(kept, keep_output.keep_input_features(gamma, beta, extra, floor))
-               for gamma, beta, extra, floor, kept in store.values())
+    return all(torch.equal(kept, keep_output.keep_input_features(gamma, beta, extra, floor, offset))
+               for gamma, beta, extra, floor, offset, kept in store.values())
 
 
 def main() -> None:

@@ -289,8 +289,9 @@ def main() -> None:
     parser.add_argument("--batch-mult", type=int, default=1, help="repeat each batch N times (GPU-sized batches)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="cast each model and its batch's floating tensors (written to ..._<dtype>_<device>.json)")
-    parser.add_argument("--suffix", default="", help="added to the file's name before the device (a second batch size "
-                                                    "of some models: --only tv_resnet50 --batch-mult 64 --suffix _bm64)")
+    parser.add_argument("--suffix", default="",
+                        help="added to the file's name before the device (a second batch size of some models: "
+                             "--only tv_resnet50 --batch-mult 64 --suffix _bm64)")
     parser.add_argument("--ops-only", action="store_true",
                         help="count the ops and bytes of a step, no clock (writes convert_zoo_ops_<device>.json)")
     args = parser.parse_args()

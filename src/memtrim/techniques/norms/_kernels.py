@@ -17,7 +17,6 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _di
 from torch.utils.hooks import RemovableHandle
 
 from ...errors import ConvertError
-from ...measure.hooks import compiled_autograd_running
 from ..guards import defined_in, memtrims, plain_only
 
 __all__ = ["CACHE_SIZE", "HALF_PRECISION", "KEEP_BOUND", "DecidedTogether", "keep_input_features", "zeros_and_ones"]
@@ -95,7 +94,7 @@ with these modules rather than train differently; ``convert`` leaves such norms 
 # keeping LayerNorm and RMSNorms, BatchNorm + LeakyReLU/ELU) copies its weight and bias at each forward (two small
 # copies; Gemma's ``1 + w`` is a new tensor already) and rebuilds from the copies, and reads the weight itself where
 # torch's backward does: its gradients are torch's for any such write, at any time before the backward. Before
-# 2026-12-01 the rebuild read the live weights, and a write after the norm ran was refused at the forward's end, or
+# e406254 the rebuild read the live weights, and a write after the norm ran was refused at the forward's end, or
 # not seen after it (1e-4 off plain). The copies are held with the output, as saved tensors (the tracker counts them).
 
 
@@ -195,15 +194,18 @@ def _plain_tensors(*tensors: torch.Tensor | None) -> bool:
 #   made a hook handle somewhere since the last walk);
 # * a decision taken from an earlier norm's is checked: each norm rebuilds from copies of the weights it computed
 #   with (NOTE [ the weights a rebuild reads ]), so a write after it ran changes nothing it needs; a write before it
-#   ran but after the decision may have changed which features need their input. At the forward's end the model's
-#   forward hook compares, all at once on the device, each decision taken with the one the copies give (about ten
-#   small ops), and the backward of any of those norms reads the result at the end of that backward (autograd's
-#   engine runs the callback it queues): a difference raises ``ConvertError`` (that forward's saved tensors cannot
-#   give torch's gradients) and the model's norms decide alone from then on. On a GPU the result is copied to the host
-#   without a wait and read after its event, which the GPU has long passed by then: the forward has one wait, the
-#   decision's. Before 2026-12-01 the weights themselves were compared at the forward's end (a second wait, for the
-#   whole forward), since the rebuild read the live weights; a write between the forward and the backward went
-#   unseen.
+#   ran but after the decision may have made a feature need its input that the decision left out. At the forward's
+#   end the model's forward hook makes, all at once on the device, each decision taken again from the copies (about
+#   ten small ops) and reads whether one left out a feature they need (a second wait on a GPU; a decision that keeps
+#   more than they need is exact, and a norm whose graph is gone by then, a teacher's whose output was detached, is
+#   not read): ``ConvertError`` (that forward's saved tensors cannot give torch's gradients), and the model's norms
+#   decide alone from then on. A backward through such a norm run before the forward's end (a local loss
+#   backpropagated inside the model's forward) reads what was taken so far, in that norm's backward. Before e406254
+#   the weights themselves were compared at the forward's end, as the rebuild read the live weights, and a write
+#   between the forward and the backward went unseen (an adversarial pass, 2026-11-30: 1e-4 off plain). Reading the
+#   flag at the end of the backward instead (no wait on a GPU) was tried and dropped: an optimizer stepped inside the
+#   backward (OptimizerInBackward, post-accumulate-grad hooks) or DDP's reducer had used the gradients by then (an
+#   adversarial pass: NaN parameters, then DDP's internal assert at every later step).
 #
 # The masks of all the norms deciding at once are computed together, on their concatenated weights (``_masks``), and
 # so are the checks: a handful of small ops a forward, not six a norm (on a GPU each is a kernel launch).
@@ -218,99 +220,73 @@ _LOCAL = threading.local()  # .stack: [_Open], one entry per open forward of a c
 class _Open:
     """One open forward of a converted model on this thread: its decisions (None: its norms decide alone), the
     epoch, the frame of the model's call, and the decisions its norms took from an earlier norm's, with the weights
-    each norm computed with (its copies), checked together at the forward's end (``check``, held by those norms'
-    nodes)."""
+    each norm computed with (its copies) and its node (weakly), checked together at the forward's end (``check``, which
+    those norms' nodes hold: a backward run before that end checks what was taken so far)."""
 
     __slots__ = ("check", "epoch", "frame", "group", "taken")
 
     def __init__(self, group: DecidedTogether | None, epoch: int, frame: Any) -> None:
         self.group, self.epoch, self.frame = group, epoch, frame
-        self.taken: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]] = []
+        self.taken: list[_Taken] = []
         self.check: _Check | None = None
 
     def take(self, mask: torch.Tensor, read: tuple[torch.Tensor, torch.Tensor | None], floor: float,
              node: Any) -> None:
         """Record a decision a norm took from an earlier norm's, and the weights it computed with (``gamma +
-        offset``: its mask is decided with offset 0); its node holds the check, which its backward reads."""
-        self.taken.append((mask, read[0], read[1], floor))
+        offset``: its mask is decided with offset 0)."""
+        self.taken.append((mask, read[0], read[1], floor, None if node is None else weakref.ref(node)))
         if self.check is None:
             assert self.group is not None
-            self.check = _Check(self.group)
+            self.check = _Check(self.group, self.taken)
         if node is not None:
             node.memtrim_check = self.check
 
 
-READ_AT_BACKWARD_ON_CPU = False
-"""Whether a check on the CPU is read at the end of the backward, as on an accelerator, instead of at the forward's end
-(``_Check``): for tests of that path on a machine without one."""
+# (the mask taken, the copies of gamma + offset and beta the norm computed with, its floor, its node weakly)
+_Taken = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float, Any]
 
 
 class _Check:
-    """Whether the decisions one forward's norms took from an earlier norm's are those the weights they computed with
-    give (NOTE [ keep decisions made together ]), computed on the device at the forward's end. On the CPU it is read
-    there (no wait). On an accelerator, reading it there would make the host wait for the whole forward: it is read at
-    the end of a backward through those norms instead (each queues :meth:`verify` with autograd's engine), which is
-    where their saved tensors are first used; on a GPU it is copied to the host without a wait and read after its
-    event, which the GPU has long passed by then. Under torch's compiled autograd (which runs no callback and traces
-    the norms' backward once) it is read at the forward's end."""
+    """Whether the decisions one forward's norms took from an earlier norm's left out a feature the weights they
+    computed with need (NOTE [ keep decisions made together ]): read at the forward's end (on a GPU one wait), or, for
+    a backward through those norms that runs before it (a local loss backpropagated inside the model's forward), by
+    that norm's backward for what was taken so far (:meth:`before_end`)."""
 
-    __slots__ = ("found", "group")
+    __slots__ = ("done", "group", "taken")
 
-    def __init__(self, group: DecidedTogether) -> None:
-        self.group = group
-        self.found: list[tuple[torch.Tensor, Any]] = []  # (flag on the host or the device, its CUDA event or None)
+    def __init__(self, group: DecidedTogether, taken: list[_Taken]) -> None:
+        self.group, self.taken, self.done = group, taken, False
 
-    def start(self, taken: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]]) -> None:
-        by_device: dict[torch.device, list[Any]] = {}  # (one flag a device: a model split over two)
-        for entry in taken:
-            by_device.setdefault(entry[1].device, []).append(entry)
-        now = []
-        for entries in by_device.values():
-            flag = _changed(entries)
-            if isinstance(flag, FakeTensor) or (flag.is_cpu and not READ_AT_BACKWARD_ON_CPU) or _compiled_backward():
-                now.append((flag, None))
-            elif flag.is_cuda:
-                host = flag.to("cpu", non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                self.found.append((host, event))
-            else:  # (another accelerator: read at the end of the backward, with a wait there)
-                self.found.append((flag, None))
-        self._raise_if(now)
+    def at_end(self) -> None:
+        if not self.done:  # (refused already by a backward before the end, whose error the forward raises)
+            self.done = True
+            self._read()
 
-    def queue(self) -> None:
-        """Called by a norm's backward: :meth:`verify` at the end of this backward."""
-        if self.found and not torch.compiler.is_compiling():
-            torch.autograd.Variable._execution_engine.queue_callback(self.verify)
+    def before_end(self) -> None:
+        """Called by a checked norm's backward."""
+        if not self.done:
+            self._read()
 
-    def verify(self) -> None:
-        for _, event in self.found:
-            if event is not None:
-                event.synchronize()
-        self._raise_if(self.found)
-
-    def _raise_if(self, found: list[tuple[torch.Tensor, Any]]) -> None:
-        if any(not isinstance(flag, FakeTensor) and bool(flag) for flag, _ in found):  # (a plan's trace: no values)
-            self.group._alone = True
+    def _read(self) -> None:
+        by_device: dict[torch.device, list[_Taken]] = {}  # (one flag a device: a model split over two)
+        for entry in self.taken:
+            # (a norm whose graph is gone by now, a teacher's whose output was detached: no backward reads it)
+            if entry[4] is None or entry[4]() is not None:
+                by_device.setdefault(entry[1].device, []).append(entry)
+        found = [_changed(entries) for entries in by_device.values()]
+        # (a plan's trace has no values to read there, and makes the same tensors)
+        if any(not isinstance(flag, FakeTensor) and bool(flag) for flag in found):  # (the wait)
+            self.group._alone = self.done = True
             raise ConvertError(
                 "memtrim.convert: a norm's weight changed during a forward of the converted model without its "
                 "version moving (a .data write, in the model's own code or a hook), after the model's norms had "
-                "decided together which features keep their input and before the norm ran, so that the features "
-                "it keeps are not those its weight needs (NOTE [ keep decisions made together ] in "
-                "memtrim/techniques/norms/_kernels.py). That forward's saved tensors cannot give torch's "
-                "gradients, so it is refused (on an accelerator, at the end of its backward). Expected a norm's "
-                "weight to change in place (which moves its version: under torch.no_grad(), not through .data), "
-                "or through .data before the model's forward or in a forward pre-hook. The model's norms now "
-                "decide at each call: run the step again.")
-
-
-def _compiled_backward() -> bool:
-    """Whether a backward may run under torch's compiled autograd: on now, or set in dynamo's config (read without
-    importing dynamo)."""
-    if compiled_autograd_running():
-        return True
-    config = sys.modules.get("torch._dynamo.config")
-    return bool(getattr(config, "compiled_autograd", False))
+                "decided together which features keep their input and before the norm ran, so that a feature its "
+                "weight now needs kept is not (NOTE [ keep decisions made together ] in "
+                "memtrim/techniques/norms/_kernels.py). That forward's saved tensors cannot give torch's gradients, "
+                "so it is refused. Expected a norm's weight to change in place (which moves its version: under "
+                "torch.no_grad(), not through .data), or through .data before the model's forward or in a forward "
+                "pre-hook. The model's norms now decide at each call: run the step again (the refused forward has "
+                "updated any BatchNorm running statistics once already).")
 
 
 def _on_stack(target: Any, frame: Any) -> bool:
@@ -385,12 +361,13 @@ def _trusted(hook: Any) -> bool:
 _global_hooks = vars(torch.nn.modules.module)
 
 
-def _changed(taken: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float]]) -> torch.Tensor:
-    """Whether a decision a norm took from an earlier norm's (mask, the copies of ``gamma + offset`` and ``beta`` it
-    computed with, floor) is not the one those weights give: one boolean tensor for all of them (one flag)."""
-    masks = _masks([(gamma, beta, floor, 0.0) for _, gamma, beta, floor in taken])[1]
-    taken_masks = [mask for mask, *_ in taken]
-    return masks.ne(torch.cat(taken_masks) if len(taken_masks) > 1 else taken_masks[0]).any()
+def _changed(taken: list[_Taken]) -> torch.Tensor:
+    """Whether a decision a norm took from an earlier norm's left out a feature that the weights it computed with need
+    kept (keeping more than they need is harmless: a kept feature's xhat is exact): one boolean tensor for all of
+    them."""
+    masks = _masks([(gamma, beta, floor, 0.0) for _, gamma, beta, floor, _ in taken])[1]
+    taken_masks = [entry[0] for entry in taken]
+    return (masks & ~(torch.cat(taken_masks) if len(taken_masks) > 1 else taken_masks[0])).any()
 
 
 class DecidedTogether:
@@ -446,7 +423,7 @@ class DecidedTogether:
         top = stack.pop()
         # (under torch.jit.trace the check's ops would join the traced graph: it stands aside)
         if top.check is not None and not torch.jit.is_tracing():
-            top.check.start(top.taken)
+            top.check.at_end()
 
     def kept(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float, open_: _Open,
              node: Any, read: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:

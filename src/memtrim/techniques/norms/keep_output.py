@@ -85,9 +85,9 @@ class NormKeepOutput(torch.autograd.Function):
     def backward(ctx: Any, dn: torch.Tensor) -> tuple:
         """The gradients of input, weight and bias, from the kept output (LayerNorm: by torch's fused backward)."""
         out, mean, rstd, weight, bias, read_gamma, read_beta, kept, xhat_kept = saved_tensors(ctx)
-        check = getattr(ctx, "memtrim_check", None)  # (a decision taken from an earlier norm's: NOTE [ keep
-        if check is not None:                        # decisions made together ] in _kernels.py)
-            check.queue()
+        check = getattr(ctx, "memtrim_check", None)  # (a decision taken from an earlier norm's, in a backward run
+        if check is not None:                        # before its forward's end: NOTE [ keep decisions made together ])
+            check.before_end()
         dims = ctx.dims
         shifted = out - read_beta if read_beta is not None else out
         if read_gamma is not None:  # xhat = (out - beta) / gamma (a gamma of 0 makes inf or NaN: its feature is
