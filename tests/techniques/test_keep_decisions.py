@@ -121,7 +121,7 @@ def grads(model, x, plain=False, between=lambda model: None):
         loss = model(x.to(torch.float64)).square().mean()
     between(model)
     loss.backward()
-    found = [p.grad.clone() for p in model.parameters()]
+    found = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     return found
 
@@ -131,7 +131,8 @@ def assert_close_to_plain(converted, plain):
     output ]), so not bitwise; a rebuild from the wrong weights is off by 1e-4 and more."""
     assert len(converted) == len(plain)
     for a, b in zip(converted, plain):
-        assert torch.allclose(a, b, rtol=1e-9, atol=1e-12), (a - b).abs().max()
+        assert (a is None) == (b is None)
+        assert a is None or torch.allclose(a, b, rtol=1e-9, atol=1e-12), (a - b).abs().max()
 
 
 def assert_refused(model, x):
@@ -823,3 +824,93 @@ def test_a_backward_inside_the_forward_checks_what_was_taken_so_far():
     with pytest.raises(memtrim.ConvertError, match="without its version moving"):
         together(batch())
     assert all(p.grad is None or torch.isfinite(p.grad).all() for p in together.parameters())
+
+
+class ShardedBetween(nn.Module):
+    """FSDP1's sharded views (``use_orig_params=True``) in plain torch: between its calls, a norm's weight and bias are
+    views of this rank's shard (``.data`` set to a slice of the flat parameter, which moves no version), gathered
+    again for its call and for its backward; the first norm decides for it from the shard."""
+
+    def __init__(self, shard):
+        super().__init__()
+        self.a, self.lin, self.b = memtrim.nn.LayerNorm(16), nn.Linear(16, 16), memtrim.nn.LayerNorm(16)
+        with torch.no_grad():
+            for norm in (self.a, self.b):
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.normal_()
+            self.b.weight[0] = self.b.weight[5] = 0.0  # (features that keep their input)
+        self.shard, self.full = shard, None
+
+    def start(self):
+        self.full = {p: p.data for p in (self.b.weight, self.b.bias)}
+        self.release()
+
+    def release(self):
+        for p, full in self.full.items():
+            p.data = full[: self.shard]
+
+    def gather(self):
+        for p, full in self.full.items():
+            p.data = full
+
+    def forward(self, x):
+        h = self.lin(self.a(x))
+        if self.full is None:
+            return self.b(h)
+        self.gather()
+        out = self.b(h)
+        self.release()
+        out.register_hook(lambda grad: self.gather())
+        return out
+
+
+@pytest.mark.parametrize("shard", [1, 8])
+def test_a_norm_sharded_between_its_calls_decides_from_its_full_weight(shard):
+    # found by an adversarial pass: the first norm decided for the second from its one-element shard, the decision
+    # held (no version moved) and kept one feature of the full weight: NaN gradients from the next step, unseen; with a
+    # shard of 8, every step raised a size mismatch in the check. A decision now holds only for the shapes it was
+    # made from
+    torch.manual_seed(0)
+    model = ShardedBetween(shard).double()
+    plain = copy.deepcopy(model)
+    converted, _ = memtrim.convert(model, example_inputs=(batch().double(),))
+    for m in (converted, plain):
+        m.start()
+    for step in range(3):
+        found = []
+        for m, is_plain in ((converted, False), (plain, True)):
+            found.append(grads(m, batch(step), plain=is_plain))
+            m.release()
+        assert_close_to_plain(*found)
+
+
+class AuxiliaryNorm(Net):
+    """A diagnostic LayerNorm whose output is only used detached, its gamma written through ``.data`` before it runs
+    (``mask``), and the first two blocks' own loss backpropagated inside the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.aux = memtrim.nn.LayerNorm(16)
+        self.mask = False
+
+    def forward(self, x):
+        h = self.blocks[0](x)
+        self.aux.weight.data[2] = 0.0 if self.mask else 1.0
+        diagnostic = self.aux(h)
+        h = self.blocks[1](h)
+        h.square().mean().backward()
+        self.stat = diagnostic.detach().abs().mean()
+        h = self.blocks[2](h.detach())
+        return self.head(self.act(self.bn(h.transpose(1, 2))).transpose(1, 2))
+
+
+def test_a_backward_inside_the_forward_reads_only_its_own_norms_decisions():
+    # found by an adversarial pass: the backward inside the forward read every decision taken so far, so a norm off its
+    # path (a diagnostic used detached), whose graph is gone by the forward's end, was refused where plain trains
+    plain = []
+    together, _ = converted_and_alone(AuxiliaryNorm, plain=plain, dtype=torch.float64)
+    assert all(p.grad is None for p in together.parameters())  # (convert leaves the inner backward's gradients alone)
+    for step in range(3):
+        for m in (together, plain[0]):
+            m.mask = step >= 1
+        assert_close_to_plain(grads(together, batch(step)), grads(plain[0], batch(step), plain=True))

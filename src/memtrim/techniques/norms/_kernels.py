@@ -182,8 +182,9 @@ def _plain_tensors(*tensors: torch.Tensor | None) -> bool:
 # * in this forward of the model (a ``.data`` write between forwards moves no version: every forward decides
 #   afresh),
 # * from the same weight and bias objects the norm passes now (``functional_call``'s fast weights, a
-#   parametrization's recomputed weight, a cast copy: anything else decides for itself), at the versions they have
-#   now (a weight changed in place since, by an optimizer or a user, decides again).
+#   parametrization's recomputed weight, a cast copy: anything else decides for itself), at the versions and shapes
+#   they have now (a weight changed in place since, by an optimizer or a user, decides again; so does one a sharding
+#   framework set through ``.data`` to a view of its shard between its calls, FSDP1's sharded views).
 #
 # A decision is a function of the weights alone (the ELU term, which reads the output, decides at each call). What
 # no version shows is a ``.data`` write during the forward, before the norm runs: a pruning or masking hook
@@ -260,19 +261,20 @@ class _Check:
     def at_end(self) -> None:
         if not self.done:  # (refused already by a backward before the end, whose error the forward raises)
             self.done = True
-            self._read()
-
-    def before_end(self) -> None:
-        """Called by a checked norm's backward."""
-        if not self.done:
-            self._read()
-
-    def _read(self) -> None:
-        by_device: dict[torch.device, list[_Taken]] = {}  # (one flag a device: a model split over two)
-        for entry in self.taken:
             # (a norm whose graph is gone by now, a teacher's whose output was detached: no backward reads it)
-            if entry[4] is None or entry[4]() is not None:
-                by_device.setdefault(entry[1].device, []).append(entry)
+            taken, self.taken = self.taken, []  # (a graph the user keeps holds this check, not the copies)
+            self._read([entry for entry in taken if entry[4] is None or entry[4]() is not None])
+
+    def before_end(self, node: Any) -> None:
+        """Called by a checked norm's backward (``node``: its ctx): before the forward's end, its own decision is
+        read (the other norms taken so far may be off this backward's path)."""
+        if not self.done:
+            self._read([entry for entry in self.taken if entry[4] is not None and entry[4]() is node])
+
+    def _read(self, taken: list[_Taken]) -> None:
+        by_device: dict[torch.device, list[_Taken]] = {}  # (one flag a device: a model split over two)
+        for entry in taken:
+            by_device.setdefault(entry[1].device, []).append(entry)
         found = [_changed(entries) for entries in by_device.values()]
         # (a plan's trace has no values to read there, and makes the same tensors)
         if any(not isinstance(flag, FakeTensor) and bool(flag) for flag in found):  # (the wait)
@@ -285,8 +287,8 @@ class _Check:
                 "memtrim/techniques/norms/_kernels.py). That forward's saved tensors cannot give torch's gradients, "
                 "so it is refused. Expected a norm's weight to change in place (which moves its version: under "
                 "torch.no_grad(), not through .data), or through .data before the model's forward or in a forward "
-                "pre-hook. The model's norms now decide at each call: run the step again (the refused forward has "
-                "updated any BatchNorm running statistics once already).")
+                "pre-hook. The model's norms now decide at each call: run the step again (what the refused forward "
+                "changed, a BatchNorm's running statistics, an EMA, it has changed once already).")
 
 
 def _on_stack(target: Any, frame: Any) -> bool:
@@ -314,7 +316,7 @@ def _open_forward() -> _Open | None:
 class _Decision:
     """One norm's weights (held weakly: a fast weight is not kept alive by this), and what was decided from them."""
 
-    __slots__ = ("beta", "epoch", "floor", "gamma", "kept", "mask", "offset", "versions")
+    __slots__ = ("beta", "epoch", "floor", "gamma", "kept", "mask", "offset", "shapes", "versions")
 
     def __init__(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float) -> None:
         self.gamma = weakref.ref(gamma)
@@ -322,6 +324,7 @@ class _Decision:
         self.floor, self.offset = floor, offset
         self.epoch = -1
         self.versions: tuple[int, int] | None = None
+        self.shapes: tuple[Any, Any] | None = None
         self.kept: torch.Tensor | None = None
         self.mask: torch.Tensor | None = None
 
@@ -335,12 +338,20 @@ class _Decision:
         return self.gamma() is gamma and (None if self.beta is None else self.beta()) is beta
 
     def holds(self, epoch: int, gamma: torch.Tensor, beta: torch.Tensor | None) -> bool:
-        """Whether it was decided in this forward from these weights at the versions they have now."""
-        return self.epoch == epoch and self.of(gamma, beta) and self.versions == _versions(gamma, beta)
+        """Whether it was decided in this forward from these weights at the versions and shapes they have now (a
+        sharding framework sets ``.data`` to a view of a shard between a block's calls, which moves no version: a
+        decision made from the shard, for every norm seen before, once kept one feature for a full weight and trained
+        NaN; an adversarial pass)."""
+        return (self.epoch == epoch and self.of(gamma, beta) and self.versions == _versions(gamma, beta)
+                and self.shapes == _shapes(gamma, beta))
 
 
 def _versions(gamma: torch.Tensor, beta: torch.Tensor | None) -> tuple[int, int]:
     return gamma._version, -1 if beta is None else beta._version
+
+
+def _shapes(gamma: torch.Tensor, beta: torch.Tensor | None) -> tuple[Any, Any]:
+    return gamma.shape, None if beta is None else beta.shape
 
 
 def _hooked(model: nn.Module) -> bool:
@@ -395,7 +406,8 @@ class DecidedTogether:
         frame = sys._getframe(1)  # the model's _call_impl
         while stack and not _on_stack(stack[-1].frame, frame):  # (left by a KeyboardInterrupt: dropped here too,
             stack.pop()                                          # not only under a later open forward)
-        if self._alone or plain_only() or self._hooked_now(module):
+        # (under torch.jit.trace the decisions' bookkeeping would join the traced graph: its norms decide alone)
+        if self._alone or plain_only() or torch.jit.is_tracing() or self._hooked_now(module):
             stack.append(_Open(None, 0, frame))  # its norms decide alone (or run as torch's: nothing to decide)
             return
         with self._lock:
@@ -421,8 +433,7 @@ class DecidedTogether:
         if not stack or stack[-1].group not in (self, None):
             return
         top = stack.pop()
-        # (under torch.jit.trace the check's ops would join the traced graph: it stands aside)
-        if top.check is not None and not torch.jit.is_tracing():
+        if top.check is not None:
             top.check.at_end()
 
     def kept(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float, open_: _Open,
@@ -461,3 +472,4 @@ class DecidedTogether:
             # know: NOTE [ known values ] in planner/_values.py; it knows the shapes nonzero gives)
             decision.kept = found[:0] if found.numel() == 0 else _indices(mask)
             decision.mask, decision.epoch, decision.versions = mask, epoch, _versions(gamma, beta)
+            decision.shapes = _shapes(gamma, beta)

@@ -87,7 +87,7 @@ class NormKeepOutput(torch.autograd.Function):
         out, mean, rstd, weight, bias, read_gamma, read_beta, kept, xhat_kept = saved_tensors(ctx)
         check = getattr(ctx, "memtrim_check", None)  # (a decision taken from an earlier norm's, in a backward run
         if check is not None:                        # before its forward's end: NOTE [ keep decisions made together ])
-            check.before_end()
+            check.before_end(ctx)
         dims = ctx.dims
         shifted = out - read_beta if read_beta is not None else out
         if read_gamma is not None:  # xhat = (out - beta) / gamma (a gamma of 0 makes inf or NaN: its feature is

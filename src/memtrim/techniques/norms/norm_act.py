@@ -103,7 +103,7 @@ class _BatchNormActFunction(torch.autograd.Function):
         z, mean, invstd, weight, bias, read_gamma, read_beta, kept, xhat_kept = saved_tensors(ctx)
         check = getattr(ctx, "memtrim_check", None)  # (a decision taken from an earlier norm's, in a backward run
         if check is not None:                        # before its forward's end: NOTE [ keep decisions made together ])
-            check.before_end()
+            check.before_end(ctx)
         shape, activation, param = ctx.shape, ctx.activation, ctx.param
         if activation == "leaky_relu":
             y = torch.nn.functional.leaky_relu(z, 1.0 / param)  # the inverse of a leaky ReLU is a leaky ReLU
