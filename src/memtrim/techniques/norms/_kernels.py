@@ -201,7 +201,7 @@ def _plain_tensors(*tensors: torch.Tensor | None) -> bool:
 #   more than they need is exact, and a norm whose graph is gone by then, a teacher's whose output was detached, is
 #   not read): ``ConvertError`` (that forward's saved tensors cannot give torch's gradients), and the model's norms
 #   decide alone from then on. A backward through such a norm run before the forward's end (a local loss
-#   backpropagated inside the model's forward) reads what was taken so far, in that norm's backward. Before e406254
+#   backpropagated inside the model's forward) reads that norm's own decision, in its backward. Before e406254
 #   the weights themselves were compared at the forward's end, as the rebuild read the live weights, and a write
 #   between the forward and the backward went unseen (an adversarial pass, 2026-11-30: 1e-4 off plain). Reading the
 #   flag at the end of the backward instead (no wait on a GPU) was tried and dropped: an optimizer stepped inside the
@@ -222,7 +222,7 @@ class _Open:
     """One open forward of a converted model on this thread: its decisions (None: its norms decide alone), the
     epoch, the frame of the model's call, and the decisions its norms took from an earlier norm's, with the weights
     each norm computed with (its copies) and its node (weakly), checked together at the forward's end (``check``, which
-    those norms' nodes hold: a backward run before that end checks what was taken so far)."""
+    those norms' nodes hold: a backward through one of them run before that end checks its own decision)."""
 
     __slots__ = ("check", "epoch", "frame", "group", "taken")
 
@@ -250,8 +250,8 @@ _Taken = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float, Any]
 class _Check:
     """Whether the decisions one forward's norms took from an earlier norm's left out a feature the weights they
     computed with need (NOTE [ keep decisions made together ]): read at the forward's end (on a GPU one wait), or, for
-    a backward through those norms that runs before it (a local loss backpropagated inside the model's forward), by
-    that norm's backward for what was taken so far (:meth:`before_end`)."""
+    a backward through one of those norms that runs before it (a local loss backpropagated inside the model's
+    forward), by that norm's backward for its own decision (:meth:`before_end`)."""
 
     __slots__ = ("done", "group", "taken")
 
@@ -418,8 +418,8 @@ class DecidedTogether:
         """:func:`_hooked`, walked again only where a hook was registered anywhere since the last walk (torch numbers
         every hook handle it makes): a walk over every module at every forward was about 0.2 ms of a small converted
         Llama's step on the CPU. A submodule attached since with hooks of its own is not seen until then; a ``.data``
-        write such a hook makes after a norm read the weight, or before it but after the decision, is refused at the
-        forward's end all the same (NOTE above)."""
+        write such a hook makes before a norm runs but after the decision is refused at the forward's end all the same
+        (NOTE above; one after the norm ran trains as torch: NOTE [ the weights a rebuild reads ])."""
         seen, count = self._hooks_seen, getattr(RemovableHandle, "next_id", None)
         # (a hooked model is walked at every forward, as before: removing a hook makes no handle)
         if seen is None or seen[2] or count is None or seen[:2] != (id(module), count):
