@@ -909,7 +909,7 @@ def test_a_backward_inside_the_forward_reads_only_its_own_norms_decisions():
     # path (a diagnostic used detached), whose graph is gone by the forward's end, was refused where plain trains
     plain = []
     together, _ = converted_and_alone(AuxiliaryNorm, plain=plain, dtype=torch.float64)
-    assert all(p.grad is None for p in together.parameters())  # (convert leaves the inner backward's gradients alone)
+    together.zero_grad(set_to_none=True)  # (convert's traced forwards ran the inner backward too: README)
     for step in range(3):
         for m in (together, plain[0]):
             m.mask = step >= 1

@@ -132,15 +132,13 @@ def _compiled(model: nn.Module) -> str | None:
 @contextlib.contextmanager
 def as_training(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
     """Tracing and measuring draw from no RNG (the global and CUDA generators, every torch.Generator the model passes
-    to a torch call, Python's ``random`` and NumPy's global generator are restored after), leave the parameters'
-    gradients as they were (a forward that runs a backward of its own, a local loss, wrote them: an adversarial pass),
-    and see what autograd keeps in training: grad on, even when called under torch.no_grad() or
-    torch.inference_mode()."""
+    to a torch call, Python's ``random`` and NumPy's global generator are restored after), and see what autograd keeps
+    in training: grad on, even when called under torch.no_grad() or torch.inference_mode(). A forward that runs a
+    backward of its own (a local loss) runs it here too: its gradients, and the hooks on them, see it (putting the
+    gradients back broke a flat gradient buffer and a graph made with create_graph; README)."""
     numpy = sys.modules.get("numpy")  # imported by the user's code, or not at all
     python_state = random.getstate()
     numpy_state = numpy.random.get_state() if numpy is not None else None
-    # (copies of the gradients there are: a backward accumulates into them in place; mostly there are none)
-    grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()]
     try:
         with torch.random.fork_rng(devices=_cuda_devices(model, (args, kwargs))), torch.inference_mode(False), \
                 torch.enable_grad(), GeneratorsKept():
@@ -149,8 +147,6 @@ def as_training(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
         random.setstate(python_state)
         if numpy is not None:
             numpy.random.set_state(numpy_state)
-        for p, grad in grads:
-            p.grad = grad
 
 
 def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], given: bool,
