@@ -815,7 +815,7 @@ class LocalLosses(Net):
         return self.head(self.act(self.bn(x.transpose(1, 2))).transpose(1, 2))
 
 
-def test_a_backward_inside_the_forward_checks_what_was_taken_so_far():
+def test_a_backward_inside_the_forward_checks_its_norms_decision_before_using_it():
     # found by an adversarial pass: a backward through a norm run before its forward's end used a stale decision
     # (NaN gradients) before the check at the end refused the forward; that norm's backward reads it now
     together, _ = converted_and_alone(LocalLosses)
