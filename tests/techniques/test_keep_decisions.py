@@ -64,6 +64,14 @@ def batch(seed=0):
     return torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(seed))
 
 
+def deciding_alone(together):
+    """A copy of a converted model whose norms decide alone (the model's hooks that group them taken off)."""
+    alone = copy.deepcopy(together)
+    alone._forward_pre_hooks.clear()
+    alone._forward_hooks.clear()
+    return alone
+
+
 def converted_and_alone(make=Net, trained=True, plain=None, dtype=torch.float32):
     """The converted model and a copy whose norms decide alone; ``plain``, a list, gets the unconverted model."""
     torch.manual_seed(0)
@@ -74,10 +82,7 @@ def converted_and_alone(make=Net, trained=True, plain=None, dtype=torch.float32)
     kinds = {c.rule for c in report.changes}
     assert {"norm_by_behaviour", "batchnorm_activation"} <= kinds, str(report)
     assert together._forward_pre_hooks and together._forward_hooks
-    alone = copy.deepcopy(together)
-    alone._forward_pre_hooks.clear()
-    alone._forward_hooks.clear()
-    return together, alone
+    return together, deciding_alone(together)
 
 
 def count_nonzero():
@@ -510,9 +515,7 @@ def test_a_teacher_written_around_its_detached_forward_is_not_refused(make):
     # crossing the keep bound between the decision and its call raised
     torch.manual_seed(0)
     together, _ = memtrim.convert(globals()[make](), example_inputs=(batch(),))
-    alone = copy.deepcopy(together)
-    alone._forward_pre_hooks.clear()
-    alone._forward_hooks.clear()
+    alone = deciding_alone(together)
     assert_bitwise(train(together, 3), train(alone, 3))
 
 
@@ -709,9 +712,7 @@ def test_a_converted_hf_llama_decides_once_a_forward_and_trains_as_before():
     plain = llama()
     together, report = memtrim.convert(copy.deepcopy(plain), example_inputs=ids())
     assert sum(c.rule == "norm_by_behaviour" for c in report.changes) == 5  # 2 a layer and the final one
-    alone = copy.deepcopy(together)
-    alone._forward_pre_hooks.clear()
-    alone._forward_hooks.clear()
+    alone = deciding_alone(together)
     counts, found = [], []
     for model in (together, alone):
         model(**ids())  # (the first forward meets each norm once)

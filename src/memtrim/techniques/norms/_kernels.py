@@ -19,7 +19,8 @@ from torch.utils.hooks import RemovableHandle
 from ...errors import ConvertError
 from ..guards import defined_in, memtrims, plain_only
 
-__all__ = ["CACHE_SIZE", "HALF_PRECISION", "KEEP_BOUND", "DecidedTogether", "keep_input_features", "zeros_and_ones"]
+__all__ = ["CACHE_SIZE", "HALF_PRECISION", "KEEP_BOUND", "DecidedTogether", "check_taken", "keep_input_features",
+           "zeros_and_ones"]
 
 
 # ---------------------------------------------------------------------- bounded constant cache
@@ -289,6 +290,14 @@ class _Check:
                 "torch.no_grad(), not through .data), or through .data before the model's forward or in a forward "
                 "pre-hook. The model's norms now decide at each call: run the step again (what the refused forward "
                 "changed, a BatchNorm's running statistics, an EMA, it has changed once already).")
+
+
+def check_taken(ctx: Any) -> None:
+    """Called first by a rebuilding norm's backward: where its decision was taken from an earlier norm's and its
+    forward has not ended yet (a backward inside the model's forward), read whether that decision holds."""
+    check = getattr(ctx, "memtrim_check", None)
+    if check is not None:
+        check.before_end(ctx)
 
 
 def _on_stack(target: Any, frame: Any) -> bool:

@@ -28,7 +28,7 @@ from ..guards import (
     saved_tensors,
     saves_checked,
 )
-from ._kernels import HALF_PRECISION, keep_input_features, zeros_and_ones
+from ._kernels import HALF_PRECISION, check_taken, keep_input_features, zeros_and_ones
 
 __all__ = ["LayerNorm", "NormKeepOutput", "RMSNorm"]
 
@@ -85,9 +85,7 @@ class NormKeepOutput(torch.autograd.Function):
     def backward(ctx: Any, dn: torch.Tensor) -> tuple:
         """The gradients of input, weight and bias, from the kept output (LayerNorm: by torch's fused backward)."""
         out, mean, rstd, weight, bias, read_gamma, read_beta, kept, xhat_kept = saved_tensors(ctx)
-        check = getattr(ctx, "memtrim_check", None)  # (a decision taken from an earlier norm's, in a backward run
-        if check is not None:                        # before its forward's end: NOTE [ keep decisions made together ])
-            check.before_end(ctx)
+        check_taken(ctx)  # (NOTE [ keep decisions made together ] in _kernels.py)
         dims = ctx.dims
         shifted = out - read_beta if read_beta is not None else out
         if read_gamma is not None:  # xhat = (out - beta) / gamma (a gamma of 0 makes inf or NaN: its feature is

@@ -44,7 +44,7 @@ from ..guards import (
     saved_tensors,
     saves_checked,
 )
-from ._kernels import HALF_PRECISION, keep_input_features
+from ._kernels import HALF_PRECISION, check_taken, keep_input_features
 
 __all__ = ["BatchNormAct1d", "BatchNormAct2d", "BatchNormAct3d"]
 
@@ -101,9 +101,7 @@ class _BatchNormActFunction(torch.autograd.Function):
     @no_double_backward
     def backward(ctx: Any, dz: torch.Tensor) -> tuple:
         z, mean, invstd, weight, bias, read_gamma, read_beta, kept, xhat_kept = saved_tensors(ctx)
-        check = getattr(ctx, "memtrim_check", None)  # (a decision taken from an earlier norm's, in a backward run
-        if check is not None:                        # before its forward's end: NOTE [ keep decisions made together ])
-            check.before_end(ctx)
+        check_taken(ctx)  # (NOTE [ keep decisions made together ] in _kernels.py)
         shape, activation, param = ctx.shape, ctx.activation, ctx.param
         if activation == "leaky_relu":
             y = torch.nn.functional.leaky_relu(z, 1.0 / param)  # the inverse of a leaky ReLU is a leaky ReLU
