@@ -227,6 +227,16 @@ def test_rebuilt_once_per_backward_and_shared_by_every_holder():
 
 
 # ---------------------------------------------------------------------- 1b. rebuilt from the producer's own node
+def _clamp_output(module, args, output):
+    with torch.no_grad():  # no graph: the output keeps its grad_fn, only its version moves
+        output.clamp_(max=0.05)
+
+
+def _clamp_input(module, args):
+    with torch.no_grad():
+        args[0].clamp_(max=0.01)
+
+
 NODE_ACTS = [nn.GELU(), nn.GELU("tanh"), nn.SiLU(), nn.Mish(), nn.Hardswish(), nn.Hardsigmoid(), nn.Softplus(2, 10),
              nn.ELU(0.5), nn.SELU(), nn.CELU(0.7), nn.LeakyReLU(0.2), nn.Hardtanh(-2, 2), nn.ReLU6(), nn.LogSigmoid()]
 
@@ -249,6 +259,26 @@ def test_op_output_rebuilt_from_its_own_node_bitwise(act, consumer):
     else:
         assert_bitwise(run(converted, x, create_graph=True), twice)  # double backward exact
     assert held(converted, x) == held(plain, x) - INTER * 2  # float64
+
+
+@pytest.mark.parametrize("global_hook", [False, True], ids=["prepended", "global"])
+def test_op_output_changed_in_place_by_a_hook_before_the_tag_is_kept(global_hook):
+    # found by an adversarial pass: a user's forward hook that runs before memtrim's (prepend=True, or a global one)
+    # and clamps the output in place under no_grad leaves the op's node; the tag took the clamped version for the op's
+    # own, and the consumer rebuilt the unclamped output (0.17 off plain in float64)
+    plain, converted, x = float64_pair(nn.GELU(), "linear", op_output_to_consumer)
+    handles = []
+    for m in (plain, converted):
+        if global_hook:
+            handles.append(torch.nn.modules.module.register_module_forward_hook(
+                lambda module, args, out, m=m: _clamp_output(module, args, out) if module is m.act else None))
+        else:
+            m.act.register_forward_hook(_clamp_output, prepend=True)
+    try:
+        assert_bitwise(run(converted, x), run(plain, x))
+    finally:
+        for h in handles:
+            h.remove()
 
 
 class NormLinear(nn.Module):
@@ -516,6 +546,58 @@ def test_gated_mlp_with_another_product_keeps_it():
     R.recompute_gated_mlp(converted)
     assert held(converted, X) == held(plain, X) - INTER  # a still rebuilt; the product (not a * u) is kept
     assert_bitwise(run(converted, X), run(plain, X))
+
+
+@pytest.mark.parametrize("where", ["act after", "act first", "up after", "down before", "down first"])
+def test_gated_mlp_keeps_what_was_changed_in_place_without_a_graph(where):
+    # found by an adversarial pass: an act output, up output or product clamped in place under no_grad (a forward
+    # hook, activation clipping) kept its node, and the product was rebuilt from the values before the clamp (7e-2
+    # off plain in float64 after 4 steps); down's input was recorded at its version then
+    torch.manual_seed(0)
+    plain = GatedMLP().double()
+    model = copy.deepcopy(plain)
+    name, early = {"act after": ("act_fn", False), "act first": ("act_fn", True), "up after": ("up_proj", False),
+                   "down before": ("down_proj", None), "down first": ("down_proj", True)}[where]
+    for m in (plain, model):
+        if m is model and early is not None:
+            R.recompute_gated_mlp(model)
+        sub = m.get_submodule(name)
+        if name == "down_proj":
+            sub.register_forward_pre_hook(_clamp_input, prepend=bool(early))
+        else:
+            sub.register_forward_hook(_clamp_output, prepend=early)
+    if early is None:
+        R.recompute_gated_mlp(model)
+    assert_bitwise(run(model, X.double()), run(plain, X.double()))
+
+
+def test_gated_mlps_sharing_one_act_module_keep_nothing_outside_their_calls():
+    # recompute_gated_mlp on two MLPs whose act is one module: each act call runs both MLPs' act hooks; the MLP not
+    # running must keep nothing (its call's end, which clears its state, never comes)
+    torch.manual_seed(0)
+    plain = nn.Sequential(GatedMLP(), GatedMLP())
+    plain[1].act_fn = plain[0].act_fn
+    model = copy.deepcopy(plain)
+    for mlp in model:
+        R.recompute_gated_mlp(mlp)
+    assert_bitwise(run(model, X), run(plain, X))
+    assert top_saved_tensors_hooks() is None
+    assert held(model, X) == held(plain, X) - 4 * INTER  # each MLP: a and m
+    gc.collect()
+    assert not _core._REGISTRY  # the first MLP's hooks, run by its act outside its call, hold no output
+
+
+def test_gated_mlp_calling_its_act_twice_opens_one_scope():
+    class Twice(GatedMLP):
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)) + self.act_fn(x).sum()
+
+    torch.manual_seed(0)
+    plain = Twice()
+    model = copy.deepcopy(plain)
+    R.recompute_gated_mlp(model)
+    assert_bitwise(run(model, X), run(plain, X))
+    assert top_saved_tensors_hooks() is None
 
 
 # ---------------------------------------------------------------------- 4. BatchNorm + ReLU with a shared ReLU

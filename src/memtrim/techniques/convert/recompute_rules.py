@@ -420,7 +420,8 @@ def gated_mlp(ctx: Context) -> Iterator[Candidate]:
         owner = label(modules, "a gated MLP recomputing act(gate) * up")
 
         def apply(mlp: nn.Module = parent.module, names: dict = names, owner: str = owner) -> Undo:
-            return recompute_gated_mlp(mlp, owner=owner, **names).remove
+            # (the act's op is silu or gelu, which keep their input: no producer scope needed around it)
+            return recompute_gated_mlp(mlp, owner=owner, act_keeps_output=False, **names).remove
 
         yield Candidate(modules, type(parent.module).__name__, "gated MLP keeping gate(x) and up(x) only",
                         reason=f"traced: {names['act']}({names['gate']}(x)) * {names['up']}(x) -> {names['down']}",

@@ -471,6 +471,8 @@ def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None =
 class _OpTag:
     """The forward hook of :func:`recompute_op_output`: tags the node that made the output (one per module)."""
 
+    hook_id: int | None = None  # the id of this hook (pickled before it existed: None, nothing checked)
+
     def __init__(self, owner: str, eps: str | None) -> None:
         self.owner, self.eps = owner, eps
 
@@ -480,6 +482,10 @@ class _OpTag:
             return
         if "forward" in module.__dict__:  # a forward set on the instance (memtrim.checkpoint_modules, a user's) may
             return                         # run the op under hooks this hook, outside it, does not see
+        if self.hook_id is not None and _hook_before(module, self.hook_id):
+            # a user's hook ran first (prepend=True, or a global one): it may have changed the output in place
+            # under no_grad, which leaves its node and moves only the version this tag would take as the op's
+            return
         if self.eps is None:
             tag_output(output, self.owner)
             return
@@ -508,7 +514,9 @@ def recompute_op_output(module: nn.Module, *, owner: str | None = None, eps: str
     """
     if isinstance(module.__dict__.get("forward"), _Checkpointed):  # one recompute serves both (recompute_output)
         return recompute_output(module, owner=owner)
-    hook = module.register_forward_hook(_OpTag(_name(module, owner), eps).tag)
+    tagger = _OpTag(_name(module, owner), eps)
+    hook = module.register_forward_hook(tagger.tag)
+    tagger.hook_id = hook.id
     return Handle(hook.remove)
 
 
@@ -536,42 +544,55 @@ class _GatedMLP:
             state = self._local.state = {}
         return state
 
+    # NOTE: these hooks run at every call of every converted MLP: each checks plain_only once, and a tensor with a
+    # grad_fn stands for grad mode on (a module's hooks run in its forward's grad mode). The consumer scope spans the
+    # MLP's whole call: one opened in the act's hooks would be closed by a producer scope that another installer put
+    # on the act and that closes after them (tried on 2026-11-30). A tensor changed in place without a graph (under
+    # no_grad its grad_fn stays) between the call that made it and down's call would be rebuilt without the change:
+    # ``a`` and ``u`` must still have the versions they had then, and ``m`` its first. State is kept only during the
+    # MLP's call, which clears it at its end.
     def enter(self, module: nn.Module, args: Any) -> None:
         if plain_only():
             return
-        self._state().clear()
-        enter_consumer_scope(module)
+        state = self._state()
+        state.clear()
+        state["call"] = True  # this MLP's call is in flight (an act shared with another MLP runs outside it too)
+        enter_consumer_scope(module, checked=True)
 
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
         if plain_only():
             return
         self._state().clear()  # nothing outlives the call: no graph kept alive by a forward without backward
-        exit_consumer_scope()
+        exit_consumer_scope(checked=True)
 
     def act_done(self, module: nn.Module, args: Any, output: Any) -> None:
         if plain_only():
             return
-        if isinstance(output, torch.Tensor) and output.grad_fn is not None and _active():
-            entry = entry_of(output)
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            state = self._state()
+            entry = entry_of(output) if "call" in state else None  # (outside the call: nothing would clear it)
             if entry is not None:  # marked by recompute_output's hook, which runs first
-                self._state()["a"] = (entry, output.grad_fn._sequence_nr())
+                state["a"] = (entry, output.grad_fn._sequence_nr(), output, output._version)
 
     def up_done(self, module: nn.Module, args: Any, output: Any) -> None:
         if plain_only():
             return
-        if isinstance(output, torch.Tensor) and output.grad_fn is not None and _active():
-            self._state()["u"] = (output, output.grad_fn._sequence_nr())
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            state = self._state()
+            if "call" in state:
+                state["u"] = (output, output.grad_fn._sequence_nr(), output._version)
 
     def down_pre(self, module: nn.Module, args: tuple) -> None:
         if plain_only():
             return
         state = self._state()
         a, u = state.pop("a", None), state.pop("u", None)
-        if a is None or u is None or not args or not isinstance(args[0], torch.Tensor) or not _active():
+        if a is None or u is None or not args or not isinstance(args[0], torch.Tensor):
             return
         m = args[0]
         node = m.grad_fn
-        if node is None or node.name() != "MulBackward0":
+        if (node is None or type(node).__name__ != "MulBackward0" or m._version != 0 or a[2]._version != a[3]
+                or u[0]._version != u[2]):
             return
         inputs = [n._sequence_nr() if n is not None else None for n, _ in node.next_functions]
         up = source_of(u[0])  # up's output rebuilt too (memtrim.recompute_modules): a nested recipe
@@ -581,20 +602,24 @@ class _GatedMLP:
             sources = [up, a[0]]
         else:
             return  # not act(gate(x)) * up(x) in this call: m is kept as usual
-        register(m, _mul, sources, owner=self.owner)
+        register(m, _mul, sources, owner=self.owner, checked=True)
 
 
 def recompute_gated_mlp(mlp: nn.Module, *, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj",
-                        act: str = "act_fn", owner: str | None = None) -> Handle:
+                        act: str = "act_fn", owner: str | None = None, act_keeps_output: bool = True) -> Handle:
     """Keep only ``g = gate(x)`` and ``u = up(x)`` in ``down(act(g) * u)`` (Llama, Mistral, Qwen MLPs).
 
     ``a = act(g)`` (kept by the product) and ``m = a * u`` (kept by ``down``) are rebuilt in backward by the act's
     own forward and the same multiplication: bitwise. Per call, ``m`` is recomputed only if its grad_fn is a
-    multiplication whose two inputs are exactly ``a``'s and ``u``'s nodes; otherwise it is kept as usual.
+    multiplication whose two inputs are exactly ``a``'s and ``u``'s nodes, and none of the three was changed in place
+    since its op made it; otherwise it is kept as usual.
 
     Args:
         mlp: the MLP module; ``gate``, ``up``, ``down``, ``act``: names of its submodules.
         owner: how errors name it (default: its ``memtrim_owner`` label or class name).
+        act_keeps_output: False where the act's backward keeps only its input (silu, gelu: what convert's rule sees
+            in the trace): its saves then pass straight on, one hook fewer per call. True (the default) runs the act
+            as a producer scope, whose own saved output keeps the recipe too (sigmoid, tanh).
 
     Returns:
         A :class:`Handle`.
@@ -602,7 +627,7 @@ def recompute_gated_mlp(mlp: nn.Module, *, gate: str = "gate_proj", up: str = "u
     name = _name(mlp, owner)
     act_module, up_module, down_module = (mlp.get_submodule(n) for n in (act, up, down))
     hooks = _GatedMLP(name)
-    marks = recompute_output(act_module, owner=f"{name}.{act}")
+    marks = recompute_output(act_module, owner=f"{name}.{act}", keeps_output=act_keeps_output)
     removable = (
         act_module.register_forward_hook(hooks.act_done),  # after recompute_output's hook: a is marked by then
         up_module.register_forward_hook(hooks.up_done),
