@@ -105,8 +105,9 @@ def test_relu_output_is_kept_by_nobody():
 def test_relu_output_freed_right_after_the_forward():
     model = blocks(True)
     storages = []
-    # (on the absorbed ReLU, whose output is the fused BatchNorm's: a forward hook on the fused module itself raises)
-    model[2].register_forward_hook(lambda m, args, out: storages.append(weakref.ref(out.untyped_storage())))
+    # (the next convolution's input, the fused BatchNorm's output: a forward hook on the fused module, or on the
+    # absorbed ReLU, which was not in place, raises)
+    model[3].register_forward_pre_hook(lambda m, args: storages.append(weakref.ref(args[0].untyped_storage())))
     out = model(torch.randn(2, 3, 10, 10))
     gc.collect()
     # gone while the graph lives: nothing, not even a hook closure kept with ReLU's saved variable, holds it

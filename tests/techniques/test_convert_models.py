@@ -280,6 +280,41 @@ def test_rmsnorm_by_behaviour_honours_a_setting_changed_after_convert_and_an_unb
     assert_equal_training(plain, converted, unbatched, tol=0.0)
 
 
+class ClippedRMSNorm(LlamaSpelledRMSNorm):
+    """Activation clipping in the norm's own forward, switched on later in training: off (None) at convert, or set on
+    the instance where only the class had it."""
+
+    clip = None
+
+    def __init__(self, n, on_instance):
+        super().__init__(n)
+        if on_instance:
+            self.clip = None
+
+    def forward(self, hidden_states):
+        y = super().forward(hidden_states)
+        if self.clip is not None:
+            with torch.no_grad():
+                y.clamp_(-self.clip, self.clip)
+        return y
+
+
+@pytest.mark.parametrize("on_instance", [True, False], ids=["None to a number", "added"])
+def test_rmsnorm_by_behaviour_honours_a_setting_switched_on_or_added_after_convert(on_instance):
+    # found by an adversarial pass: convert recorded only numbers, flags and strings, so a clip that was None at
+    # convert (or not on the instance at all) and set later went unseen, and the RMSNorm form dropped the clamp its own
+    # forward applies (the training forward 0.93 off plain, silently; under no_grad its own forward ran)
+    plain, batch = between_linears(ClippedRMSNorm(32, on_instance))
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=batch)
+    assert [c.modules for c in report.changes] == [("1",)], str(report)
+    for m in (plain, converted):
+        m[1].clip = 0.3
+    with pytest.warns(UserWarning, match="'1'.*clip is 0.3, changed after convert.*saves nothing"):
+        out_b, grads_b = outputs_and_grads(converted, batch)
+    out_a, grads_a = outputs_and_grads(plain, batch)
+    assert torch.equal(out_a, out_b) and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+
+
 def train_both(plain, converted, steps=3, batch=ids, loss=lambda out: out.logits.float().square().mean()):
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, converted)]
     for step in range(steps):

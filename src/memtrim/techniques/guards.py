@@ -24,9 +24,9 @@ from ..errors import ConvertError
 from ..measure.hooks import top_saved_tensors_hooks
 
 __all__ = [
-    "CONVERTED", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS", "activated", "autocasting", "batched", "fx_tracing",
-    "inplace_error", "mark_activated", "memtrims", "no_double_backward", "owner", "plain_only",
-    "kept_params", "refuse_later_hooks", "saved_tensors", "saves_checked", "watch_registrations",
+    "CONVERTED", "INPUT_AND_FORWARD_HOOKS", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS", "activated",
+    "autocasting", "batched", "fx_tracing", "inplace_error", "mark_activated", "memtrims", "no_double_backward",
+    "owner", "plain_only", "kept_params", "refuse_later_hooks", "saved_tensors", "saves_checked", "watch_registrations",
     "watch_replacement", "WatchedFusion",
 ]
 
@@ -153,6 +153,10 @@ OUTPUT_HOOKS = ("_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 """The hooks that see a module's output or its gradient (not its input: a pruning or spectral-norm pre-hook)."""
 INPUT_HOOKS = ("_forward_pre_hooks", "_backward_pre_hooks", "_backward_hooks")
 """The hooks that see a module's input or its gradients (not its output)."""
+INPUT_AND_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+"""Those and the forward hooks, which see the input too: an absorbed activation that was not in place got the
+BatchNorm's output, and gets the activation's output since convert (one in place, where input and output are one
+tensor, got that already)."""
 
 
 # ---------------------------------------------------------------------- a fused activation replaced later
@@ -238,8 +242,8 @@ def refuse_later_hooks(module: nn.Module, fused: str, tables: tuple[str, ...]) -
     input of a ReLU that is now an identity): convert leaves hooked modules alone, so they were registered after it.
     A module convert did not change (``CONVERTED`` unset: built by hand) is left alone. Also raises for a fused
     BatchNorm whose activation was replaced since (NOTE [ a fused activation replaced after convert ]). Called at every
-    call of a fused module: the usual case is five dictionary lookups. ``tables``: :data:`OUTPUT_HOOKS` or
-    :data:`INPUT_HOOKS`."""
+    call of a fused module: the usual case is five dictionary lookups. ``tables``: :data:`OUTPUT_HOOKS`,
+    :data:`INPUT_HOOKS` or :data:`INPUT_AND_FORWARD_HOOKS`."""
     state = module.__dict__
     partner = state.get(_PARTNER)
     if partner is not None:
@@ -270,8 +274,10 @@ def refuse_later_hooks(module: nn.Module, fused: str, tables: tuple[str, ...]) -
             )
     if state.get(CONVERTED) is None:
         return
-    first, second, third = tables  # the three tables of OUTPUT_HOOKS or INPUT_HOOKS, unrolled: no generator per call
-    if not (state[first] or state[second] or state[third]):
+    for attr in tables:  # (a loop, not a generator: no call per table)
+        if state[attr]:
+            break
+    else:
         return
     found = [_HOOK_KINDS[attr] for attr in tables if any(not memtrims(hook) for hook in state[attr].values())]
     if found:
@@ -311,8 +317,9 @@ def inplace_error(owner: str, error: RuntimeError, params: tuple[str, ...] = (),
     return ConvertError(
         f"memtrim: {owner} keeps its output for backward (that is how it saves memory), and that output was changed "
         f"in place after the forward. Expected it unchanged until backward; found: {error} To fix: clone the output "
-        "before changing it in place, or leave this module out of memtrim.convert (module_filter, or pass "
-        "example_inputs so convert sees the change and skips it)."
+        "before changing it in place (in the model's code, or in a forward hook on the module: convert's trace does "
+        "not tell a hook's change from the module's own), or leave this module out of memtrim.convert "
+        "(module_filter, or pass example_inputs so convert sees a change the model's code makes and skips it)."
     )
 
 

@@ -24,7 +24,16 @@ from torch import nn
 from ...errors import ConvertError
 from ..activations import modules as lean
 from ..activations import softplus_keeps_output
-from ..guards import FUSION, INPUT_HOOKS, RELU, activated, plain_only, refuse_later_hooks, watch_replacement
+from ..guards import (
+    FUSION,
+    INPUT_AND_FORWARD_HOOKS,
+    INPUT_HOOKS,
+    RELU,
+    activated,
+    plain_only,
+    refuse_later_hooks,
+    watch_replacement,
+)
 from ..norms import (
     BatchNormAct1d,
     BatchNormAct2d,
@@ -119,7 +128,8 @@ class Absorbed(nn.Identity):
 
     def forward(self, input: Any) -> Any:
         """``input`` itself: its neighbour did this module's work."""
-        refuse_later_hooks(self, "this activation is an identity now: the BatchNorm before it applies it", INPUT_HOOKS)
+        refuse_later_hooks(self, "this activation is an identity now: the BatchNorm before it applies it",
+                           INPUT_HOOKS if self.__dict__.get("inplace") else INPUT_AND_FORWARD_HOOKS)
         fused = self.__dict__.get("memtrim_fused_settings")
         if fused is not None:  # (name, value) of the settings its BatchNorm applies, copied at convert
             for setting, value in fused:

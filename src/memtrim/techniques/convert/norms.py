@@ -188,27 +188,42 @@ def layer_norm_form(base: type[nn.Module]) -> type:
 
 
 def _settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
-    """The module's own plain settings (numbers, flags, strings: an RMSNorm's eps), as convert saw them."""
+    """The module's own plain settings (numbers, flags, strings and Nones: an RMSNorm's eps, a clip switched on
+    later), as convert saw them."""
     return tuple((k, v) for k, v in module.__dict__.items()
-                 if type(v) in (int, float, bool, str) and k != "training" and not k.startswith(("_", "memtrim")))
+                 if type(v) in _PLAIN_SETTING and k != "training" and not k.startswith(("_", "memtrim")))
+
+
+_PLAIN_SETTING = (int, float, bool, str, type(None))
 
 
 def _settings_changed(module: nn.Module) -> bool:
-    """Whether a setting :func:`_settings` recorded at convert differs now (warned once per module: it saves nothing
-    then).
-    The RMSNorm form computes with the eps the trace showed; changed, its own forward must run."""
+    """Whether a setting :func:`_settings` recorded at convert differs now, or one was added since (warned once per
+    module: it saves nothing then). The RMSNorm form computes the norm the trace showed, without the module's own
+    forward: a setting that forward reads (its eps, a clip it applies when set) changed, its own forward must run."""
     state = module.__dict__
     for key, value in state.get("memtrim_settings", ()):
         now = state.get(key)
         if now != value:
-            if state.get("memtrim_settings_warned"):
-                return True
-            state["memtrim_settings_warned"] = True
-            warnings.warn(f"memtrim.convert: {owner(module)}'s {key} is {now!r}, changed after convert (it was "
-                          f"{value!r}): it runs its own forward now and saves nothing. Convert after changing it.",
-                          stacklevel=3)
-            return True
+            return _warn_changed(module, key, now, value)
+    if len(state) != state.get("memtrim_dict_size"):  # an attribute added or removed since (or a pickle from before)
+        recorded = dict(state.get("memtrim_settings", ()))
+        found = dict(_settings(module))
+        for key in found.keys() | recorded.keys():  # (absent: recorded by a memtrim that left Nones out)
+            if found.get(key) != recorded.get(key):
+                return _warn_changed(module, key, found.get(key), recorded.get(key))
+        state["memtrim_dict_size"] = len(state) + ("memtrim_dict_size" not in state)
     return False
+
+
+def _warn_changed(module: nn.Module, key: str, now: Any, value: Any) -> bool:
+    state = module.__dict__
+    if not state.get("memtrim_settings_warned"):
+        state["memtrim_settings_warned"] = True
+        warnings.warn(f"memtrim.convert: {owner(module)}'s {key} is {now!r}, changed after convert (it was "
+                      f"{value!r}): it runs its own forward now and saves nothing. Convert after changing it.",
+                      stacklevel=4)
+    return True
 
 
 def _detached(tensor: torch.Tensor) -> torch.Tensor:

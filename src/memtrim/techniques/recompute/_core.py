@@ -411,9 +411,10 @@ def tag_output(tensor: torch.Tensor, owner: str, eps: float | None = None) -> bo
 
     Returns:
         Whether a node was tagged: False for a tensor without a node (grad mode off, nothing requiring grad), one
-        made by another op (a LayerNorm's without ``eps``, any other with it), changed in place since (its node is
-        then the in-place op's), or made under saved-tensor hooks that skip autograd's in-place check
-        (:func:`saves_checked`).
+        made by another op (a LayerNorm's without ``eps``, any other with it), by an op in place or changed in place
+        since (its node is then the in-place op's; under no_grad the node stays and the version moves from the 0 of
+        a new tensor: a clamp in the module's own forward or in a hook), or made under saved-tensor hooks that skip
+        autograd's in-place check (:func:`saves_checked`).
     """
     if not saves_checked() or compiled_autograd_running():  # compiled autograd frees the node's saves first
         return False
@@ -425,7 +426,7 @@ def tag_output(tensor: torch.Tensor, owner: str, eps: float | None = None) -> bo
         return False
     rebuild = _NODE_REBUILDS.get(type(node).__name__)
     if (rebuild is None or (rebuild is _node_layer_norm) != (eps is not None) or base.output_nr != 0
-            or base.layout is not torch.strided):
+            or base.layout is not torch.strided or base._version != 0):
         return False
     recipe = _NodeRecipe(rebuild, base, owner, True, None)
     recipe.extra, recipe.impl, recipe.version, recipe.output_ref = eps, base._cdata, base._version, weakref.ref(tensor)

@@ -21,6 +21,7 @@ from torch import nn
 from ...errors import ConvertError
 from ...proof.compare import bitwise_equal
 from ..guards import (
+    INPUT_AND_FORWARD_HOOKS,
     INPUT_HOOKS,
     RELU,
     activated,
@@ -891,7 +892,8 @@ class PassThroughReLU(nn.ReLU):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``input`` itself if a fused BatchNormReLU made it (relu'd already), else ``nn.ReLU``'s forward."""
-        refuse_later_hooks(self, "where its input is a fused BatchNorm's output, relu'd already", INPUT_HOOKS)
+        refuse_later_hooks(self, "where its input is a fused BatchNorm's output, relu'd already",
+                           INPUT_HOOKS if self.inplace else INPUT_AND_FORWARD_HOOKS)
         if _active():
             if is_recomputable(input, tag="relu"):
                 return input
