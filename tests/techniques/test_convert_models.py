@@ -299,20 +299,40 @@ class ClippedRMSNorm(LlamaSpelledRMSNorm):
         return y
 
 
-@pytest.mark.parametrize("on_instance", [True, False], ids=["None to a number", "added"])
-def test_rmsnorm_by_behaviour_honours_a_setting_switched_on_or_added_after_convert(on_instance):
-    # found by an adversarial pass: convert recorded only numbers, flags and strings, so a clip that was None at
+@pytest.mark.parametrize("clip", [0.3, torch.tensor(0.3, dtype=torch.float64)], ids=["number", "tensor"])
+@pytest.mark.parametrize("on_instance", [True, False], ids=["None at convert", "added"])
+def test_rmsnorm_by_behaviour_honours_a_setting_switched_on_or_added_after_convert(on_instance, clip):
+    # found by adversarial passes: convert recorded only numbers, flags and strings, so a clip that was None at
     # convert (or not on the instance at all) and set later went unseen, and the RMSNorm form dropped the clamp its own
-    # forward applies (the training forward 0.93 off plain, silently; under no_grad its own forward ran)
+    # forward applies (the training forward 0.93 off plain, silently; under no_grad its own forward ran); a tensor or
+    # a function set there went unseen too. The names the forward's code reads are watched, whatever their values
     plain, batch = between_linears(ClippedRMSNorm(32, on_instance))
     converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=batch)
     assert [c.modules for c in report.changes] == [("1",)], str(report)
     for m in (plain, converted):
-        m[1].clip = 0.3
-    with pytest.warns(UserWarning, match="'1'.*clip is 0.3, changed after convert.*saves nothing"):
+        m[1].clip = clip
+    with pytest.warns(UserWarning, match="'1'.*clip is .*0.3.*, changed after convert.*saves nothing"):
         out_b, grads_b = outputs_and_grads(converted, batch)
     out_a, grads_a = outputs_and_grads(plain, batch)
     assert torch.equal(out_a, out_b) and all(torch.equal(grads_a[k], grads_b[k]) for k in grads_a)
+
+
+def test_rmsnorm_by_behaviour_ignores_an_attribute_its_forward_does_not_read():
+    # a logging idiom (every module told its name) made every RMSNorm run its own forward, saving nothing, where an
+    # attempt watched the module's whole __dict__ (a third adversarial pass)
+    plain, batch = between_linears(ClippedRMSNorm(32, True))
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=batch)
+    assert [c.modules for c in report.changes] == [("1",)], str(report)
+    for m in (plain, converted):
+        for name, module in m.named_modules():
+            module.layer_name = name
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out_b, grads_b = outputs_and_grads(converted, batch)
+    assert type(converted[1]).__name__.startswith("KeepOutput")
+    out_a, grads_a = outputs_and_grads(plain, batch)
+    for k in grads_a:
+        torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-9, atol=0)  # (rebuilt: float64 rounding)
 
 
 def train_both(plain, converted, steps=3, batch=ids, loss=lambda out: out.logits.float().square().mean()):

@@ -31,7 +31,9 @@ warning.
 
 from __future__ import annotations
 
+import builtins
 import copyreg
+import inspect
 import warnings
 from collections.abc import Iterator
 from functools import partial
@@ -188,31 +190,59 @@ def layer_norm_form(base: type[nn.Module]) -> type:
 
 
 def _settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
-    """The module's own plain settings (numbers, flags, strings and Nones: an RMSNorm's eps, a clip switched on
-    later), as convert saw them."""
-    return tuple((k, v) for k, v in module.__dict__.items()
-                 if type(v) in _PLAIN_SETTING and k != "training" and not k.startswith(("_", "memtrim")))
+    """What the module's forward may read from its ``__dict__``, as convert saw it: its own plain settings (numbers,
+    flags, strings and Nones: an RMSNorm's eps, a clip switched on later), and every other name its forward's code
+    names (:func:`_forward_names`: ``self.post``, ``getattr(self, "post", None)``), with :data:`_ABSENT` where the
+    module has none yet."""
+    state = module.__dict__
+    found = {k: v for k, v in state.items()
+             if type(v) in _PLAIN_SETTING and k != "training" and not k.startswith(("_", "memtrim"))}
+    for name in _forward_names(type(module)):
+        if name not in found and name not in module._parameters and name not in module._buffers \
+                and name not in module._modules:
+            found[name] = state.get(name, _ABSENT)
+    return tuple(found.items())
 
 
 _PLAIN_SETTING = (int, float, bool, str, type(None))
+_ABSENT = "<memtrim: no such attribute>"  # (a string: it pickles and copies as itself, and compares equal to itself)
+
+
+def _forward_names(cls: type) -> frozenset[str]:
+    """The attribute names and string constants in ``cls.forward``'s code (nested code too), but builtins, the
+    globals of the forward's module and ``nn.Module``'s own attributes."""
+    forward: Any = getattr(cls, "forward", None)
+    if callable(forward):
+        forward = inspect.unwrap(forward)
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return frozenset()
+    names: set[str] = set()
+    codes = [code]
+    while codes:
+        c = codes.pop()
+        names.update(c.co_names)
+        for const in c.co_consts:
+            if isinstance(const, str) and const.isidentifier():
+                names.add(const)
+            elif hasattr(const, "co_names"):
+                codes.append(const)
+    # (a tensor method's name is kept: `self.clip` reads the module, `y.clip` the tensor, and the code does not say
+    # which; a name the module never has costs one lookup a call)
+    scope = getattr(forward, "__globals__", {})
+    return frozenset(n for n in names if not n.startswith(("_", "memtrim")) and n != "training" and n not in scope
+                     and not hasattr(builtins, n) and not hasattr(nn.Module, n))
 
 
 def _settings_changed(module: nn.Module) -> bool:
-    """Whether a setting :func:`_settings` recorded at convert differs now, or one was added since (warned once per
-    module: it saves nothing then). The RMSNorm form computes the norm the trace showed, without the module's own
-    forward: a setting that forward reads (its eps, a clip it applies when set) changed, its own forward must run."""
+    """Whether what :func:`_settings` recorded at convert differs now (warned once per module: it saves nothing
+    then). The RMSNorm form computes the norm the trace showed, without the module's own forward: a setting that
+    forward reads (its eps, a clip it applies once set) changed or set since, its own forward must run."""
     state = module.__dict__
     for key, value in state.get("memtrim_settings", ()):
-        now = state.get(key)
-        if now != value:
+        now = state.get(key, _ABSENT)
+        if now is not value and not (type(now) in _PLAIN_SETTING and type(value) in _PLAIN_SETTING and now == value):
             return _warn_changed(module, key, now, value)
-    if len(state) != state.get("memtrim_dict_size"):  # an attribute added or removed since (or a pickle from before)
-        recorded = dict(state.get("memtrim_settings", ()))
-        found = dict(_settings(module))
-        for key in found.keys() | recorded.keys():  # (absent: recorded by a memtrim that left Nones out)
-            if found.get(key) != recorded.get(key):
-                return _warn_changed(module, key, found.get(key), recorded.get(key))
-        state["memtrim_dict_size"] = len(state) + ("memtrim_dict_size" not in state)
     return False
 
 
@@ -220,8 +250,9 @@ def _warn_changed(module: nn.Module, key: str, now: Any, value: Any) -> bool:
     state = module.__dict__
     if not state.get("memtrim_settings_warned"):
         state["memtrim_settings_warned"] = True
-        warnings.warn(f"memtrim.convert: {owner(module)}'s {key} is {now!r}, changed after convert (it was "
-                      f"{value!r}): it runs its own forward now and saves nothing. Convert after changing it.",
+        was, now_text = ("not set" if isinstance(v, str) and v == _ABSENT else repr(v) for v in (value, now))
+        warnings.warn(f"memtrim.convert: {owner(module)}'s {key} is {now_text}, changed after convert (it was "
+                      f"{was}): it runs its own forward now and saves nothing. Convert after changing it.",
                       stacklevel=4)
     return True
 
