@@ -9,6 +9,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from memtrim.models import SeedMLP, SmallGPT
 
 
+class ClipsItsOutput:
+    """Mixin: the module's own forward, then activation clipping of its output in place under no_grad once ``clip``
+    is set (a schedule switching it on later in training; None at first)."""
+
+    clip = None
+
+    def forward(self, *args):
+        y = super().forward(*args)
+        if self.clip is not None:
+            with torch.no_grad():
+                y.clamp_(-self.clip, self.clip)
+        return y
+
+
 class SpelledRMSNorm(torch.nn.Module):
     """An RMSNorm as HF's are written (convert recognises it by its ops; its multiply by the weight keeps the weight
     only where its input needs a gradient)."""

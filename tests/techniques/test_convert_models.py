@@ -17,7 +17,7 @@ import memtrim
 from memtrim.models.torchvision_resnet import TorchvisionBasicBlock, TorchvisionBottleneck, TorchvisionResNet
 from memtrim.techniques.norms._kernels import keep_input_features
 
-from ..helpers import CountOp, graph_counts, graphs_alive
+from ..helpers import ClipsItsOutput, CountOp, graph_counts, graphs_alive
 
 
 # ---------------------------------------------------------------------- helpers
@@ -280,23 +280,14 @@ def test_rmsnorm_by_behaviour_honours_a_setting_changed_after_convert_and_an_unb
     assert_equal_training(plain, converted, unbatched, tol=0.0)
 
 
-class ClippedRMSNorm(LlamaSpelledRMSNorm):
+class ClippedRMSNorm(ClipsItsOutput, LlamaSpelledRMSNorm):
     """Activation clipping in the norm's own forward, switched on later in training: off (None) at convert, or set on
     the instance where only the class had it."""
-
-    clip = None
 
     def __init__(self, n, on_instance):
         super().__init__(n)
         if on_instance:
             self.clip = None
-
-    def forward(self, hidden_states):
-        y = super().forward(hidden_states)
-        if self.clip is not None:
-            with torch.no_grad():
-                y.clamp_(-self.clip, self.clip)
-        return y
 
 
 @pytest.mark.parametrize("clip", [0.3, torch.tensor(0.3, dtype=torch.float64)], ids=["number", "tensor"])

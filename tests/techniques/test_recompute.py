@@ -18,7 +18,7 @@ from memtrim.measure.hooks import top_saved_tensors_hooks
 from memtrim.techniques import recompute as R
 from memtrim.techniques.recompute import _core
 
-from ..helpers import activation_bytes
+from ..helpers import ClipsItsOutput, activation_bytes
 
 
 # ---------------------------------------------------------------------- the patterns, written as the libraries do
@@ -261,17 +261,8 @@ def test_op_output_rebuilt_from_its_own_node_bitwise(act, consumer):
     assert held(converted, x) == held(plain, x) - INTER * 2  # float64
 
 
-class ClippedGELU(nn.GELU):
+class ClippedGELU(ClipsItsOutput, nn.GELU):
     """Activation clipping in the module's own forward, switched on later in training."""
-
-    clip = None
-
-    def forward(self, x):
-        y = super().forward(x)
-        if self.clip is not None:
-            with torch.no_grad():
-                y.clamp_(-self.clip, self.clip)
-        return y
 
 
 def test_op_output_changed_in_place_by_its_own_forward_is_kept():

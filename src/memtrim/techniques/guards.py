@@ -242,7 +242,7 @@ def refuse_later_hooks(module: nn.Module, fused: str, tables: tuple[str, ...]) -
     input of a ReLU that is now an identity): convert leaves hooked modules alone, so they were registered after it.
     A module convert did not change (``CONVERTED`` unset: built by hand) is left alone. Also raises for a fused
     BatchNorm whose activation was replaced since (NOTE [ a fused activation replaced after convert ]). Called at every
-    call of a fused module: the usual case is five dictionary lookups. ``tables``: :data:`OUTPUT_HOOKS`,
+    call of a fused module: the usual case is five or six dictionary lookups. ``tables``: :data:`OUTPUT_HOOKS`,
     :data:`INPUT_HOOKS` or :data:`INPUT_AND_FORWARD_HOOKS`."""
     state = module.__dict__
     partner = state.get(_PARTNER)
