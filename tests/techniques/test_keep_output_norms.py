@@ -7,7 +7,7 @@ import torch
 
 import memtrim
 
-from ..helpers import activation_bytes
+from ..helpers import SpelledRMSNorm, activation_bytes
 
 
 def grads(fn, x, grad_out, params):
@@ -82,6 +82,32 @@ def test_rmsnorm_keeps_fewer_bytes_than_torchs(affine):
     copy = 64 * 4 if affine else 0  # of the weight the rebuild reads (NOTE [ the weights a rebuild reads ])
     assert ours == one + rstd + copy
     assert theirs >= 2 * one + rstd > ours
+
+
+@pytest.mark.parametrize("where", ["memtrim.nn.RMSNorm", "a converted RMSNorm by behaviour"])
+def test_gamma_threshold_keeps_the_input_of_features_whose_gamma_is_below_it(where):
+    # a user's gamma_threshold (the constructor's, or an attribute set on a norm convert changed) is read at each
+    # call: with every |gamma| below it every feature keeps its normalised input, one more copy of x and the kept
+    # features' indices; without it none does (gamma 1, no bias)
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, 64, requires_grad=True).clone()
+    fc = torch.nn.Linear(64, 64)
+    one, rstd, copy, indices = x.numel() * 4, 8 * 16 * 4, 64 * 4, 64 * 8
+
+    def held(threshold):
+        if where == "memtrim.nn.RMSNorm":
+            norm = memtrim.nn.RMSNorm(64, eps=1e-6, gamma_threshold=threshold)
+        else:
+            norm = SpelledRMSNorm(64)
+            model = torch.nn.Sequential(norm, fc)
+            memtrim.convert(model, example_inputs=x.detach())
+            assert type(norm).__name__.startswith("KeepOutput")
+            if threshold:
+                norm.gamma_threshold = threshold
+        return activation_bytes(lambda t: fc(norm(t)), x)
+
+    assert held(0.0) == one + rstd + copy
+    assert held(2.0) == 2 * one + rstd + copy + indices
 
 
 @pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")  # torch's RMSNorm, unfused path

@@ -374,10 +374,10 @@ def no_double_backward(backward: Callable[..., tuple]) -> Callable[..., tuple]:
 
     @functools.wraps(backward)
     def wrapper(ctx: Any, *grads: Any) -> tuple:
+        if not torch.is_grad_enabled():  # (a backward without create_graph: the usual case, no context to enter)
+            return backward(ctx, *grads)
         with torch.no_grad():
             outputs = backward(ctx, *grads)
-        if not torch.is_grad_enabled():
-            return outputs
         vmapped = any(batched(g) for g in grads)
         found = ("a vmapped backward with create_graph=True (autograd.grad(is_grads_batched=True), jacobian or "
                  "hessian with vectorize=True), which hides the gradient's graph from memtrim: its second-order "

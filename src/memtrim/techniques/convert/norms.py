@@ -94,8 +94,14 @@ class _LayerNormKeepsOutput(TorchFunctionMode):
         params = [t for t in (weight, bias) if isinstance(t, torch.Tensor)]
         if _wants_plain(x, params) or any(p.dtype != x.dtype for p in params):
             return func(*args, **kwargs)
-        return NormKeepOutput.apply(x, weight, bias, tuple(bound["normalized_shape"]), bound.get("eps", 1e-5),
-                                     "layer", getattr(self.module, "gamma_threshold", 0.0), owner(self.module))
+        return NormKeepOutput.apply(x, weight, bias, (tuple(bound["normalized_shape"]), bound.get("eps", 1e-5),
+                                     "layer", _threshold(self.module), owner(self.module)))
+
+
+def _threshold(module: nn.Module) -> float:
+    """``getattr(module, "gamma_threshold", 0.0)`` without nn.Module's ``__getattr__``, which raises and catches an
+    AttributeError for a module without one (every norm convert changed), at every call."""
+    return module.__dict__.get("gamma_threshold", getattr(type(module), "gamma_threshold", 0.0))
 
 
 _FORMS: dict[tuple[type, str], type] = {}
@@ -126,7 +132,7 @@ def _form(base: type[nn.Module], kind: str) -> type:
             # input has the dtype convert traced (after model.float(), the upcast is no copy: the input feeds two
             # ops, whose gradients autograd adds in another order than the recomputation would)
             # (a module pickled by a memtrim before these names, with `memtrim_weight`, runs its own forward)
-            names = cast("tuple[str, ...]", self.__dict__.get("memtrim_params", ()))
+            names: tuple[str, ...] = self.__dict__.get("memtrim_params", ())
             found = [self._parameters.get(n) for n in names]
             params = [p for p in found if p is not None]
             if ("memtrim_params" not in self.__dict__ or len(params) != len(names)
@@ -141,18 +147,21 @@ def _form(base: type[nn.Module], kind: str) -> type:
     else:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             # (weight name, eps, and what Gemma's RMSNorm adds to the weight; pickled before that: no offset)
-            weight_name, eps, *shift = cast("tuple[Any, ...]", self.memtrim_rms)
-            weight = getattr(self, weight_name)
+            state = self.__dict__
+            weight_name, eps, *shift = state["memtrim_rms"]  # (no typing.cast: a call at every forward)
+            weight = self._parameters.get(weight_name)
+            if weight is None:  # (not a parameter now: whatever the name gives, as the module's own forward reads it)
+                weight = getattr(self, weight_name)
             x = args[0] if args else next(iter(kwargs.values()), None)
             # the dtype convert traced it in (where it computed in its input's dtype; HF's RMSNorms upcast any other
             # to float32): another one, after model.to(), runs the module's own forward; so does an unbatched or
             # empty input, and a module whose settings (its eps) changed since convert
             if (not isinstance(x, torch.Tensor) or _wants_plain(x, [weight]) or x.dtype != weight.dtype
-                    or x.dtype != getattr(self, "memtrim_dtype", x.dtype) or len(args) + len(kwargs) != 1
+                    or x.dtype != state.get("memtrim_dtype", x.dtype) or len(args) + len(kwargs) != 1
                     or x.dim() <= 1 or x.numel() == 0 or _settings_changed(self)):
                 return base.forward(self, *args, **kwargs)
-            return NormKeepOutput.apply(x, weight, None, tuple(weight.shape), eps, "rms",
-                                         getattr(self, "gamma_threshold", 0.0), owner(self), *shift)
+            return NormKeepOutput.apply(x, weight, None, (tuple(weight.shape), eps, "rms", _threshold(self),
+                                                          owner(self), *shift))
 
     doc = (f"{base.__qualname__} "
            f"{'recomputed in backward from its input' if kind == 'recomputed' else 'keeping its output'} instead of "

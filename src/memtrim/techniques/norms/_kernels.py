@@ -168,7 +168,13 @@ def _masks(norms: list[tuple[torch.Tensor, torch.Tensor | None, float, float]]
 def _plain_tensors(*tensors: torch.Tensor | None) -> bool:
     """Tensors with values, or fake ones (a plan traces the same ops as the real step: NOTE [ known values in a
     trace ]); meta tensors and other subclasses decide at each call."""
-    return all(t is None or (type(t) in (torch.Tensor, nn.Parameter, FakeTensor) and not t.is_meta) for t in tensors)
+    for t in tensors:  # (a loop, not all() over a generator: it runs at every norm's call)
+        if t is not None and (type(t) not in _PLAIN_TYPES or t.is_meta):
+            return False
+    return True
+
+
+_PLAIN_TYPES = (torch.Tensor, nn.Parameter, FakeTensor)
 
 
 # ---------------------------------------------------------------------- NOTE [ keep decisions made together ]
@@ -351,8 +357,10 @@ class _Decision:
         sharding framework sets ``.data`` to a view of a shard between a block's calls, which moves no version: a
         decision made from the shard, for every norm seen before, once kept one feature for a full weight and trained
         NaN; an adversarial pass)."""
-        return (self.epoch == epoch and self.of(gamma, beta) and self.versions == _versions(gamma, beta)
-                and self.shapes == _shapes(gamma, beta))
+        if self.epoch != epoch or self.gamma() is not gamma or (None if self.beta is None else self.beta()) is not beta:
+            return False  # (the checks of `of`, `_versions` and `_shapes` written out: this runs at every norm's call)
+        return (self.versions == (gamma._version, -1 if beta is None else beta._version)
+                and self.shapes == (gamma.shape, None if beta is None else beta.shape))
 
 
 def _versions(gamma: torch.Tensor, beta: torch.Tensor | None) -> tuple[int, int]:

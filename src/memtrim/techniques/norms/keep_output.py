@@ -38,14 +38,17 @@ class NormKeepOutput(torch.autograd.Function):
     :class:`LayerNorm`, :class:`RMSNorm` and convert's norms by behaviour. ``form``: ``"layer"`` (torch's
     ``native_layer_norm``), ``"rms_norm"`` (torch's ``F.rms_norm``, as ``nn.RMSNorm`` computes it) or ``"rms"`` (the
     ops ``x * rsqrt(mean(x^2) + eps) * weight`` in this order, as HF's RMSNorms compute in their dtype; with
-    ``offset``, ``* (weight + offset)``: Gemma's ``1 + w``, whose sum is kept for backward as torch keeps it). See
-    NOTE [ norms that keep their output ]."""
+    ``offset``, ``* (weight + offset)``: Gemma's ``1 + w``, whose sum is kept for backward as torch keeps it). The
+    settings come as one tuple, ``spec``: (``normalized_shape``, ``eps``, ``form``, ``gamma_threshold``, ``owner``[,
+    ``offset``]) (torch's ``apply`` walks its arguments one by one, at every call). See NOTE [ norms that keep their
+    output ]."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                normalized_shape: tuple[int, ...], eps: float, form: str, gamma_threshold: float,
-                owner: str, offset: float = 0.0) -> torch.Tensor:
+                spec: tuple[Any, ...]) -> torch.Tensor:
         """The norm's output, keeping it (and the features of ``x`` whose ``xhat`` it cannot rebuild) for backward."""
+        normalized_shape, eps, form, gamma_threshold, owner, *shift = spec
+        offset: float = shift[0] if shift else 0.0
         nd = len(normalized_shape)
         dims = tuple(range(x.dim() - nd, x.dim()))
         rms = form != "layer"
@@ -105,13 +108,13 @@ class NormKeepOutput(torch.autograd.Function):
             )
             if dx is not None:
                 dx.mul_(rstd)
-            return dx, dweight, dbias, None, None, None, None, None, None
+            return dx, dweight, dbias, None
         g = dn * weight if weight is not None else dn  # RMSNorm
         dx = rstd * (g - xhat * (g * xhat).mean(dims, keepdim=True))
         batch_dims = tuple(range(dn.dim() - len(dims)))
         dweight = (dn * xhat).sum(batch_dims) if weight is not None else None
         dbias = dn.sum(batch_dims) if bias is not None else None
-        return dx, dweight, dbias, None, None, None, None, None, None
+        return dx, dweight, dbias, None
 
 
 class LayerNorm(nn.LayerNorm):
@@ -133,8 +136,8 @@ class LayerNorm(nn.LayerNorm):
                 or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))
                 or _torchs_case(input, self.weight, self.normalized_shape)):
             return super().forward(input)
-        return NormKeepOutput.apply(input, self.weight, self.bias, tuple(self.normalized_shape), self.eps, "layer",
-                                     self.gamma_threshold, owner(self))
+        return NormKeepOutput.apply(input, self.weight, self.bias, (tuple(self.normalized_shape), self.eps, "layer",
+                                     self.gamma_threshold, owner(self)))
 
 
 def _torchs_case(input: torch.Tensor, weight: torch.Tensor | None, normalized_shape: Any) -> bool:
@@ -163,5 +166,5 @@ class RMSNorm(nn.RMSNorm):
                 or _torchs_case(input, self.weight, self.normalized_shape)):
             return super().forward(input)
         eps = self.eps if self.eps is not None else torch.finfo(input.dtype).eps  # (torch's, float32 and float64)
-        return NormKeepOutput.apply(input, self.weight, None, tuple(self.normalized_shape), eps, "rms_norm",
-                                     self.gamma_threshold, owner(self))
+        return NormKeepOutput.apply(input, self.weight, None, (tuple(self.normalized_shape), eps, "rms_norm",
+                                     self.gamma_threshold, owner(self)))

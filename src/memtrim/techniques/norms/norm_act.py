@@ -177,7 +177,11 @@ def other_dtype(bn: Any, input: torch.Tensor) -> bool:
     """Whether ``input`` has another dtype than ``bn``'s weight or, without one (``affine=False``), its running
     statistics: bfloat16 convolutions before a float32 BatchNorm. torch's kernels take the mix; a rebuild does not
     (a dtype error in backward, or another gradient)."""
-    reference = bn.weight if bn.weight is not None else getattr(bn, "running_mean", None)
+    # (read from the dicts where they are: ``bn.weight`` is nn.Module.__getattr__'s slow path, at every call)
+    params, buffers = bn._parameters, bn._buffers
+    weight = params["weight"] if "weight" in params else bn.weight
+    reference = weight if weight is not None else (
+        buffers["running_mean"] if "running_mean" in buffers else getattr(bn, "running_mean", None))
     return reference is not None and input.dtype != reference.dtype
 
 
