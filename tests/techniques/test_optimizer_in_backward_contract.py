@@ -405,6 +405,62 @@ def test_item7_users_own_clip_on_waiting_gradients_is_bitwise():
     assert_same(a, b, moved_from=net())
 
 
+@pytest.mark.parametrize("held_back", [False, True])
+def test_item7_a_clip_over_the_parameters_that_have_a_gradient_raises(held_back):
+    # found by an adversarial pass: fairseq's clip, over [p for p in params if p.grad is not None], got none of the
+    # gradients applied in backward (their .grad is None): it clipped nothing, or (a bucket held back to step()) that
+    # bucket alone (2.3e-3 and 4.2e-4 off plain after 5 AdamW steps). get_total_norm over [p.grad for p in params]
+    # got Nones: an AttributeError from torch
+    model = net()
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model)
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    given, freed = "no parameters", 6
+    if held_back:  # as if the last parameter's bucket waited for step(): its gradient is on it still
+        last = list(model.parameters())[-1]
+        opt._stepped.discard(id(last))
+        last.grad = torch.zeros_like(last)
+        given, freed = "1 parameter", 5
+    for clip in (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_):
+        with pytest.raises(memtrim.OptimizerInBackwardError, match=rf"\({given}\) hold none of the {freed} whose "
+                                                                    r"gradients OptimizerInBackward applied"):
+            clip([p for p in model.parameters() if p.grad is not None], 0.05)
+    if held_back:  # (as it was: applied)
+        last.grad = None
+        opt._stepped.add(id(last))
+    if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
+        with pytest.raises(memtrim.OptimizerInBackwardError, match=r"get_total_norm: expected gradients to clip"):
+            torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    opt.step()
+
+
+def test_item7_a_gans_other_network_clipped_after_this_wrappers_step_is_the_standard_loop():
+    # the refusal above looks only at open steps: a discriminator clipped after the generator's step() (the usual
+    # GAN loop) trains as the standard loop, bitwise
+    def run(wrapped):
+        g, d = net(0, 8, 16, 8), net(1, 8, 16, 1)
+        opt_g = torch.optim.Adam(g.parameters(), lr=1e-2)
+        opt_g = wrap(opt_g, model=g) if wrapped else opt_g
+        opt_d = torch.optim.Adam(d.parameters(), lr=1e-2)
+        norms = []
+        for x, _ in batches(4):
+            opt_d.zero_grad()
+            d(g(x).detach()).mean().backward()
+            norms.append(torch.nn.utils.clip_grad_norm_([p for p in d.parameters() if p.grad is not None], 0.05))
+            opt_d.step()
+            opt_g.zero_grad()
+            (-d(g(x)).mean()).backward()
+            opt_g.step()
+        return g, d, norms
+
+    g_a, d_a, norms_a = run(False)
+    g_b, d_b, norms_b = run(True)
+    assert_same(g_a, g_b)
+    assert_same(d_a, d_b)
+    assert all(torch.equal(a, b) for a, b in zip(norms_a, norms_b)) and norms_a[-1] > 0.05
+
+
 # ---------------------------------------------------------------------------------------------- item 8
 
 

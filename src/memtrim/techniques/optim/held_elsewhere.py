@@ -25,13 +25,14 @@ Not seen: a hand-written ``param.grad = None`` (no hook exists for it): use ``op
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["add_to_holder", "gather_gradient", "hold_gradient_elsewhere", "holder_of", "held_gradients",
-           "registered_holder", "wait_for_copies"]
+           "registered_holder", "used_by_a_step", "wait_for_copies"]
 
 _HOLDERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> the tensor whose .grad is its gradient
 _original_zero_grad: Any = None
@@ -98,10 +99,29 @@ def gather_gradient(param: Any) -> None:
     param.grad = None
 
 
-def held_gradients() -> set[int]:
-    """The ``id()`` of each gradient that waits in its holder now, in place of its parameter's."""
-    return {id(holder.grad) for param, holder in list(_HOLDERS.items())
-            if holder.grad is not None and param.grad is None}
+def held_gradients() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(parameter, holder) for each gradient that waits in its holder now, in place of its parameter's, and that no
+    step has used yet (one used already is the standard loop's gradient after ``step()``, which ``zero_grad()``
+    discards)."""
+    return [(param, holder) for param, holder in list(_HOLDERS.items())
+            if holder.grad is not None and param.grad is None and not _used(holder)]
+
+
+_USED: WeakIdKeyDictionary = WeakIdKeyDictionary()  # holder -> (its gradient, weakly; that gradient's version) a
+                                                     # step used
+
+
+def used_by_a_step(holders: Any) -> None:
+    """Record that a step used the gradients these holders hold now (a later backward adds to one in place: its
+    version moves, and it waits again)."""
+    for holder in holders:
+        if holder.grad is not None:
+            _USED[holder] = (weakref.ref(holder.grad), holder.grad._version)
+
+
+def _used(holder: torch.Tensor) -> bool:
+    found = _USED.get(holder)
+    return found is not None and found[0]() is holder.grad and found[1] == holder.grad._version
 
 
 def _install_zero_grad_guard() -> None:

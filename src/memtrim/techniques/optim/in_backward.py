@@ -1822,6 +1822,8 @@ def _check_clip(parameters: Any, name: str, option: str) -> Any:
         wrapper = owner() if owner is not None else None
         if wrapper is not None and wrapper._open and param.grad is None and id(param) in wrapper._stepped:
             raise _clip_error(name, option)
+    if not getattr(_CLIP_DEPTH, "depth", 0):  # (clip_grad_norm_'s own call of clip_grads_with_norm_: checked)
+        _check_none_left_out({id(p) for p in params if isinstance(p, torch.Tensor)}, len(params), name, option)
     for param in params:
         gather_gradient(param)  # a gradient partly in its holder, partly on the parameter: all in the holder
     if any(holder_of(p) is not None for p in params):  # NOTE [ gradients held elsewhere ]: clip where they are
@@ -1830,6 +1832,44 @@ def _check_clip(parameters: Any, name: str, option: str) -> Any:
             return moved[0]
         return (p for p in moved) if isinstance(parameters, types.GeneratorType) else moved
     return parameters
+
+
+def _check_none_left_out(ids: set[int], count: int, name: str, option: str) -> None:
+    """Refuse a clip that would leave out gradients an open step on this thread applied and freed in backward
+    (OptimizerInBackward) or that wait in host memory for a step (CPUOffloadOptimizer). The usual way to get one: a
+    list of the parameters that have a gradient, ``[p for p in model.parameters() if p.grad is not None]`` (fairseq's
+    clip): those parameters' ``.grad`` is None, so the clip measured and scaled the others alone (an empty list: 0,
+    nothing clipped; 2.3e-3 off plain after 5 steps; found by an adversarial pass). Refused: an empty list while there
+    are such gradients, and a list holding some of an open step's parameters but none it applied (those of a bucket
+    held back to ``step()``). Not seen (README): a list holding only parameters outside the wrappers (a head another
+    optimizer steps), which is what another model's parameters look like (a GAN's other network, or a model built
+    again in a notebook while the old wrapper, mid-step, is not collected yet)."""
+    thread = threading.get_ident()
+    for wrapper in list(_WRAPPERS):
+        if (wrapper._open and wrapper._updated_in_backward and wrapper._thread == thread
+                and not ids & wrapper._stepped and (not ids or ids & wrapper._by_id.keys())):
+            raise OptimizerInBackwardError(
+                f"torch.nn.utils.{name}: the parameters given ({_count(count, 'parameter')}) hold none of the "
+                f"{len(wrapper._stepped)} whose gradients OptimizerInBackward applied and freed inside this step's "
+                "backward, so the clip would leave those out. A list of the parameters that have a gradient ([p for p "
+                "in model.parameters() if p.grad is not None]) gets this: their .grad is None once applied. Pass "
+                f"{option} to OptimizerInBackward (it clips the whole model exactly as torch does, before each "
+                "update) and call opt.backward(loss)."
+            )
+    pairs = held_gradients() if not ids else []
+    if pairs:
+        raise InvalidInputError(
+            f"torch.nn.utils.{name}: got no parameters while {len(pairs)} gradients wait in host memory for the next "
+            "step (memtrim.CPUOffloadOptimizer moves each one there as soon as it is ready, and its parameter's .grad "
+            "is None), so the clip would leave those out. A list of the parameters that have a gradient ([p for p in "
+            "model.parameters() if p.grad is not None]) gets this. Pass the parameters themselves "
+            "(clip_grad_norm_(model.parameters(), max_norm), which clips the host copies in their place) or filter "
+            "on p.requires_grad."
+        )
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'s' if n != 1 else ''}" if n else f"no {what}s"
 
 
 def _only_freed_after_step(parameters: Any) -> bool:
@@ -1853,17 +1893,18 @@ def _check_total_norm(tensors: Any, name: str, option: str) -> Any:
     if inside_clip_grad_norm or isinstance(tensors, torch.Tensor):
         return tensors
     tensors = list(tensors)  # as torch's own first line does
-    if not tensors:
+    if not tensors or any(t is None for t in tensors):  # (Nones: [p.grad for p in params], some applied and freed)
         thread = threading.get_ident()
         for wrapper in list(_WRAPPERS):
             if wrapper._open and wrapper._updated_in_backward and wrapper._thread == thread:
                 raise _clip_error(name, option)
-    held = held_gradients()
+    held = {id(holder.grad) for _, holder in held_gradients()}
     if held and not any(id(t) in held for t in tensors):
         # (a list of the device gradients left: [p.grad for p in params if p.grad is not None] over a model whose body
         # CPUOffloadOptimizer steps and whose head a plain optimizer does gave the head's norm alone, and the clip
-        # that followed clipped too little; found by an adversarial pass)
-        found = f"{len(tensors)} gradient{'s' if len(tensors) != 1 else ''}" if tensors else "no gradients"
+        # that followed clipped too little; found by an adversarial pass. Gradients a step used already do not
+        # count: a GAN's discriminator measured after the generator's step() was refused before 2026-11-30)
+        found = _count(len(tensors), "gradient")
         raise InvalidInputError(
             f"torch.nn.utils.{name}: got {found}, none in host memory, but gradients wait there "
             "(memtrim.CPUOffloadOptimizer moves each one there as soon as it is ready, and its parameter's .grad is "

@@ -44,7 +44,13 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ...errors import InvalidInputError, MemtrimStateError
-from ..optim.held_elsewhere import add_to_holder, hold_gradient_elsewhere, registered_holder, wait_for_copies
+from ..optim.held_elsewhere import (
+    add_to_holder,
+    hold_gradient_elsewhere,
+    registered_holder,
+    used_by_a_step,
+    wait_for_copies,
+)
 from ..optim.in_backward import users_hook_on
 from ..optim.wrapping import WrappedOptimizerView
 
@@ -394,6 +400,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         finally:
             for name in scaling:
                 self.optimizer.__dict__.pop(name, None)
+        used_by_a_step(host for _, host in self._pairs)  # (a clip of other parameters no longer misses them)
         if self.host.type != "meta":  # a host copy a user's post-hook wrote (through param_groups) reaches the model
             for device_param, host_param in self._pairs:
                 if host_param._version != self._host_synced.get(id(device_param)):
