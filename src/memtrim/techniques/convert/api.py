@@ -46,7 +46,7 @@ from .._generators import GeneratorsKept
 from ..guards import CONVERTED
 from ..norms._kernels import DecidedTogether
 from . import builtin as _builtin  # noqa: F401  (registers the built-in rules)
-from .evidence import buffers_kept, collect, fresh_inputs, fx_evidence, split_inputs
+from .evidence import FxTrace, ModelTrace, buffers_kept, collect, fresh_inputs, fx_evidence, split_inputs
 from .report import Change, ConversionReport, Skipped
 from .rules import Candidate, Context, registered_rules
 
@@ -151,7 +151,12 @@ def as_training(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
 
 def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], given: bool,
              module_filter: Callable[[str, nn.Module], bool] | None) -> tuple[nn.Module, ConversionReport]:
-    evidence = collect(model, args, kwargs) if given else fx_evidence(model)
+    evidence: ModelTrace | FxTrace | None = None
+    if given:
+        with seeded(model, args, kwargs):  # (the path the measurements take: see seeded)
+            evidence = collect(model, args, kwargs)
+    else:
+        evidence = fx_evidence(model)
     ctx = Context.of(model, evidence, measured=given)
     aliases = ctx.aliases
     measure = (lambda: activation_bytes(model, args, kwargs)) if given else None
@@ -293,14 +298,30 @@ def _example_forward(model: nn.Module, args: tuple[Any, ...],
     """Fresh copies of the example inputs, for a training-mode forward whose dropout is drawn from a fixed seed and
     whose buffer updates are undone after."""
     args, kwargs = fresh_inputs(args, kwargs)
-    devices = _cuda_devices(model, (args, kwargs))
-    with buffers_kept(model), torch.random.fork_rng(devices=devices):
+    with buffers_kept(model), seeded(model, args, kwargs):
         model.train()
+        yield args, kwargs
+
+
+@contextlib.contextmanager
+def seeded(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    """Every forward convert runs (the trace, each measurement, each check) draws from the same seeds: torch's
+    generators (the global one and those of the CUDA devices the model or inputs are on, restored after), Python's
+    ``random`` and NumPy's (restored by :func:`as_training`, around it all). A forward that draws its path (HF's
+    LayerDrop skips layers by ``torch.rand``; MusicGen by ``random``, Wav2Vec2's adapter by NumPy) then takes one path
+    in all of them: a trace under the caller's state took another than the measurements, which found the layers it
+    skipped saving nothing and converted otherwise at each caller's seed (found by an adversarial pass)."""
+    devices = _cuda_devices(model, (args, kwargs))
+    with torch.random.fork_rng(devices=devices):
         # not torch.manual_seed: it seeds every CUDA device, and only these are restored after
         torch.default_generator.manual_seed(0)
         for index in devices:
             torch.cuda.default_generators[index].manual_seed(0)
-        yield args, kwargs
+        random.seed(0)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed(0)
+        yield
 
 
 def step_effects(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:

@@ -519,7 +519,11 @@ def collect(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             "eager-attention mask calls vmap on torch 2.4; torch 2.11 takes it): use attn_implementation='sdpa', or a "
             "newer torch" if "don't yet support saved tensor hooks" in str(e) else
             "Pass a tensor, a tuple of arguments (model(*example_inputs)) or a dict of keyword arguments "
-            "(model(**example_inputs))"
+            "(model(**example_inputs))" if isinstance(e, TypeError) else
+            # (not how the inputs were passed: the model's own error on them, a dtype its kernels lack; an adversarial
+            # pass found the hint above quoted for a dict, under a float64 MoE's grouped-mm error)
+            "Expected example inputs the model runs a training-mode forward on, as it is: the error is the model's own "
+            "(run model(**example_inputs) in train mode to see it)"
         )
         raise InvalidInputError(
             f"{api}: the model failed on example_inputs ({type(e).__name__}: {e}). {hint}."
