@@ -383,9 +383,13 @@ def test_item7_users_own_clip_grad_norm_after_the_update_raises():
     x, y = batches(1)[0]
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
-    with pytest.raises(memtrim.OptimizerInBackwardError, match=r"clip_grad_norm="):
+    # (how to rebuild a wrapper made already, by memtrim.plan's apply: an adversarial pass found the fix unsaid)
+    with pytest.raises(memtrim.OptimizerInBackwardError, match=r"clip_grad_norm=.*opt.remove\(\), then memtrim"
+                                                               r".OptimizerInBackward\(opt.optimizer"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    with pytest.raises(memtrim.OptimizerInBackwardError, match=r"clip_grad_value="):
+    # (value clipping has no norm and needs no second pass: its fix said "opt.last_total_norm ... opt.backward(loss)")
+    with pytest.raises(memtrim.OptimizerInBackwardError, match=r"clip_grad_value=v to OptimizerInBackward \(it clips "
+                                                               r"each gradient .* with loss.backward\(\) as usual\)"):
         torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)
     opt.step()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # outside the open step: the usual no-op

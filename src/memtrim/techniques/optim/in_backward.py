@@ -215,10 +215,11 @@ class _OutputHook:
             raise OptimizerInBackwardError(
                 f"OptimizerInBackward: a forward of the model ran after a backward pass had already updated "
                 f"{count} of its parameter(s) inside this training step, before step(): the "
-                "standard loop would run it with the weights before the update (a GAN's generator loss through a "
-                "discriminator whose own loss's backward ran first). Call this wrapper's step() before that forward "
-                "(optD.step() right after the discriminator's backward), or run that earlier backward inside "
-                "`with opt.accumulate():` (the update then waits for step())."
+                "standard loop would run it with the weights before the update: a second micro-batch (run every "
+                "micro-batch's backward inside `with opt.accumulate():`, the update then waits for step()), a "
+                "logging or evaluation forward between backward and step() (run it before the backward or after "
+                "step()), or a GAN's generator loss through a discriminator whose own loss's backward ran first "
+                "(optD.step() right after the discriminator's backward)."
             )
         if not torch.is_grad_enabled():
             return
@@ -1801,11 +1802,15 @@ _CLIP_FUNCTIONS = (
 
 
 def _clip_error(name: str, option: str) -> OptimizerInBackwardError:
+    how = (" (it clips each gradient as torch does, before its update, with loss.backward() as usual)"
+           if option.startswith("clip_grad_value") else
+           " (it clips exactly as torch does, before each update; the norm is then opt.last_total_norm) and call "
+           "opt.backward(loss)")
     return OptimizerInBackwardError(
         f"torch.nn.utils.{name}: expected gradients to clip, but OptimizerInBackward already applied and "
-        f"freed them inside backward, so it would clip nothing. Pass {option} to OptimizerInBackward "
-        "(it clips exactly as torch does, before each update; the norm is then opt.last_total_norm) and call "
-        "opt.backward(loss)."
+        f"freed them inside backward, so it would clip nothing. Pass {option} to OptimizerInBackward{how}. A "
+        "wrapper made already (memtrim.plan's apply makes one) is rebuilt with it by opt.remove(), then "
+        f"memtrim.OptimizerInBackward(opt.optimizer, model=..., {option})."
     )
 
 
