@@ -341,3 +341,32 @@ def test_the_precision_guard_sees_a_half_precision_norm_without_weights_or_fed_h
     assert not any("n" in c.modules for c in report.changes), str(report)
     assert any("n" in s.modules and "precision guard" in s.reason for s in report.skipped), str(report)
     assert all(torch.equal(a, b) for a, b in zip(_outputs_and_grads(plain, x), _outputs_and_grads(converted, x)))
+
+
+@pytest.mark.parametrize("how", ["a property of its class", "its class's attribute", "set on the module"])
+def test_a_converted_layer_norms_gamma_threshold_is_read_as_getattr_reads_it(how):
+    # the per-call read that skips nn.Module.__getattr__ returned a class's property object itself, and the keep
+    # decision compared it with a float (TypeError in the first step; an adversarial pass)
+    from memtrim.techniques.convert.norms import layer_norm_form
+
+    class CallsLayerNorm(torch.nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.weight, self.bias = torch.nn.Parameter(torch.ones(d)), torch.nn.Parameter(torch.zeros(d))
+
+        def forward(self, x):
+            return torch.nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, 1e-5)
+
+    if how == "a property of its class":
+        CallsLayerNorm.gamma_threshold = property(lambda self: 2.0)
+    elif how == "its class's attribute":
+        CallsLayerNorm.gamma_threshold = 2.0
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, 64, requires_grad=True).clone()
+    fc, norm = torch.nn.Linear(64, 64), CallsLayerNorm(64)
+    norm.__class__ = layer_norm_form(CallsLayerNorm)
+    if how == "set on the module":
+        norm.gamma_threshold = 2.0
+    one, stats, copies, indices = x.numel() * 4, 2 * 8 * 16 * 4, 2 * 64 * 4, 64 * 8
+    # every |gamma| (1) below the threshold: every feature keeps its normalised input, one more copy of x
+    assert activation_bytes(lambda t: fc(norm(t)), x) == 2 * one + stats + copies + indices

@@ -150,7 +150,8 @@ def test_a_clip_over_the_parameters_that_have_a_gradient_while_they_wait_on_the_
     opt.step()
 
 
-def test_a_gans_other_network_measured_and_clipped_after_the_offloaded_step_is_the_standard_loop():
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_gans_other_network_measured_and_clipped_after_the_offloaded_step_is_the_standard_loop(set_to_none):
     # gradients a step used no longer count as waiting: the discriminator's norm (get_total_norm) and clip after the
     # offloaded generator's step() were refused before 2026-11-30 (the list could not tell); they are the standard
     # loop's now, bitwise
@@ -164,12 +165,15 @@ def test_a_gans_other_network_measured_and_clipped_after_the_offloaded_step_is_t
         for z, _ in _batches(4):
             z = torch.randn(4, 8, generator=torch.Generator().manual_seed(len(norms)))
             opt_d.zero_grad()
+            # (the generator's gradients zeroed in place after its step hold nothing to wait for: refused, found by
+            # an adversarial pass)
+            opt_g.zero_grad(set_to_none=set_to_none)
             d(g(z).detach()).mean().backward()
             if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
                 norms.append(torch.nn.utils.get_total_norm([p.grad for p in d.parameters()]))
             norms.append(torch.nn.utils.clip_grad_norm_([p for p in d.parameters() if p.grad is not None], 0.05))
             opt_d.step()
-            opt_g.zero_grad()
+            opt_g.zero_grad(set_to_none=set_to_none)
             (-d(g(z)).mean()).backward()
             opt_g.step()
         return g, d, norms

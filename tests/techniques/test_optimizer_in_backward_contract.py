@@ -409,30 +409,21 @@ def test_item7_users_own_clip_on_waiting_gradients_is_bitwise():
     assert_same(a, b, moved_from=net())
 
 
-@pytest.mark.parametrize("held_back", [False, True])
-def test_item7_a_clip_over_the_parameters_that_have_a_gradient_raises(held_back):
+def test_item7_a_clip_over_the_parameters_that_have_a_gradient_raises():
     # found by an adversarial pass: fairseq's clip, over [p for p in params if p.grad is not None], got none of the
-    # gradients applied in backward (their .grad is None): it clipped nothing, or (a bucket held back to step()) that
-    # bucket alone (2.3e-3 and 4.2e-4 off plain after 5 AdamW steps). get_total_norm over [p.grad for p in params]
-    # got Nones: an AttributeError from torch
+    # gradients applied in backward (their .grad is None): it clipped nothing (2.3e-3 off plain after 5 AdamW steps).
+    # get_total_norm over [p.grad for p in params] got Nones: an AttributeError from torch. (A list of some of them,
+    # the parameters of a bucket held back to step(), is what clipping them alone on purpose looks like: not refused,
+    # README)
     model = net()
     opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model)
     x, y = batches(1)[0]
     opt.zero_grad()
     F.cross_entropy(model(x), y).backward()
-    given, freed = "no parameters", 6
-    if held_back:  # as if the last parameter's bucket waited for step(): its gradient is on it still
-        last = list(model.parameters())[-1]
-        opt._stepped.discard(id(last))
-        last.grad = torch.zeros_like(last)
-        given, freed = "1 parameter", 5
     for clip in (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_):
-        with pytest.raises(memtrim.OptimizerInBackwardError, match=rf"\({given}\) hold none of the {freed} whose "
-                                                                    r"gradients OptimizerInBackward applied"):
+        with pytest.raises(memtrim.OptimizerInBackwardError, match=r"got no parameters while OptimizerInBackward "
+                                                                    r"applied and freed 6 gradients"):
             clip([p for p in model.parameters() if p.grad is not None], 0.05)
-    if held_back:  # (as it was: applied)
-        last.grad = None
-        opt._stepped.add(id(last))
     if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
         with pytest.raises(memtrim.OptimizerInBackwardError, match=r"get_total_norm: expected gradients to clip"):
             torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])

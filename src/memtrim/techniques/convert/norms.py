@@ -101,7 +101,13 @@ class _LayerNormKeepsOutput(TorchFunctionMode):
 def _threshold(module: nn.Module) -> float:
     """``getattr(module, "gamma_threshold", 0.0)`` without nn.Module's ``__getattr__``, which raises and catches an
     AttributeError for a module without one (every norm convert changed), at every call."""
-    return module.__dict__.get("gamma_threshold", getattr(type(module), "gamma_threshold", 0.0))
+    state = module.__dict__
+    if "gamma_threshold" in state:
+        return state["gamma_threshold"]
+    if (hasattr(type(module), "gamma_threshold") or "gamma_threshold" in module._parameters
+            or "gamma_threshold" in module._buffers):  # (a class's, a property's, a buffer's: as getattr finds it)
+        return getattr(module, "gamma_threshold", 0.0)
+    return 0.0
 
 
 _FORMS: dict[tuple[type, str], type] = {}

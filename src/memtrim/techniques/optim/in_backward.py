@@ -1828,7 +1828,7 @@ def _check_clip(parameters: Any, name: str, option: str) -> Any:
         if wrapper is not None and wrapper._open and param.grad is None and id(param) in wrapper._stepped:
             raise _clip_error(name, option)
     if not getattr(_CLIP_DEPTH, "depth", 0):  # (clip_grad_norm_'s own call of clip_grads_with_norm_: checked)
-        _check_none_left_out({id(p) for p in params if isinstance(p, torch.Tensor)}, len(params), name, option)
+        _check_none_left_out(bool(params), name, option)
     for param in params:
         gather_gradient(param)  # a gradient partly in its holder, partly on the parameter: all in the holder
     if any(holder_of(p) is not None for p in params):  # NOTE [ gradients held elsewhere ]: clip where they are
@@ -1839,29 +1839,29 @@ def _check_clip(parameters: Any, name: str, option: str) -> Any:
     return parameters
 
 
-def _check_none_left_out(ids: set[int], count: int, name: str, option: str) -> None:
+def _check_none_left_out(given: bool, name: str, option: str) -> None:
     """Refuse a clip that would leave out gradients an open step on this thread applied and freed in backward
     (OptimizerInBackward) or that wait in host memory for a step (CPUOffloadOptimizer). The usual way to get one: a
     list of the parameters that have a gradient, ``[p for p in model.parameters() if p.grad is not None]`` (fairseq's
     clip): those parameters' ``.grad`` is None, so the clip measured and scaled the others alone (an empty list: 0,
     nothing clipped; 2.3e-3 off plain after 5 steps; found by an adversarial pass). Refused: an empty list while there
-    are such gradients, and a list holding some of an open step's parameters but none it applied (those of a bucket
-    held back to ``step()``). Not seen (README): a list holding only parameters outside the wrappers (a head another
-    optimizer steps), which is what another model's parameters look like (a GAN's other network, or a model built
-    again in a notebook while the old wrapper, mid-step, is not collected yet)."""
+    are such gradients. Not seen (README): a list of the others, which is what clipping part of a model on purpose
+    looks like (a head another optimizer steps; the parameters of a bucket OptimizerInBackward holds back to
+    ``step()``, which depends on memory: refusing those came and went with it), or another model's parameters (a GAN's
+    other network, or a model built again in a notebook while the old wrapper, mid-step, is not collected yet)."""
     thread = threading.get_ident()
     for wrapper in list(_WRAPPERS):
         if (wrapper._open and wrapper._updated_in_backward and wrapper._thread == thread
-                and not ids & wrapper._stepped and (not ids or ids & wrapper._by_id.keys())):
+                and not given):
             raise OptimizerInBackwardError(
-                f"torch.nn.utils.{name}: the parameters given ({_count(count, 'parameter')}) hold none of the "
-                f"{len(wrapper._stepped)} whose gradients OptimizerInBackward applied and freed inside this step's "
-                "backward, so the clip would leave those out. A list of the parameters that have a gradient ([p for p "
+                f"torch.nn.utils.{name}: got no parameters while OptimizerInBackward applied and freed "
+                f"{len(wrapper._stepped)} gradients inside this step's backward, so the clip would leave those out. "
+                "A list of the parameters that have a gradient ([p for p "
                 "in model.parameters() if p.grad is not None]) gets this: their .grad is None once applied. Pass "
                 f"{option} to OptimizerInBackward (it clips the whole model exactly as torch does, before each "
                 "update) and call opt.backward(loss)."
             )
-    pairs = held_gradients() if not ids else []
+    pairs = held_gradients() if not given else []
     if pairs:
         raise InvalidInputError(
             f"torch.nn.utils.{name}: got no parameters while {len(pairs)} gradients wait in host memory for the next "

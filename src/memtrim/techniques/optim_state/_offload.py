@@ -507,6 +507,9 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
                     else:
                         device_param.grad.requires_grad_(False)
                     device_param.grad.zero_()
+        # (a host gradient zeroed in place moved its version: it holds nothing to wait for a step; found by an
+        # adversarial pass, a GAN's discriminator norm refused at each step after zero_grad(set_to_none=False))
+        used_by_a_step(host for _, host in self._pairs)
 
     def state_dict(self) -> dict[str, Any]:
         """The host optimizer's state_dict (loadable into the plain optimizer of the same class)."""
