@@ -1801,14 +1801,18 @@ _CLIP_FUNCTIONS = (
 )
 
 
+def _how(option: str) -> str:
+    """How OptimizerInBackward's own clipping ``option`` is used, for the clip refusals."""
+    return (" (it clips each gradient as torch does, before its update, with loss.backward() as usual)"
+            if option.startswith("clip_grad_value") else
+            " (it clips exactly as torch does, before each update; the norm is then opt.last_total_norm) and call "
+            "opt.backward(loss)")
+
+
 def _clip_error(name: str, option: str) -> OptimizerInBackwardError:
-    how = (" (it clips each gradient as torch does, before its update, with loss.backward() as usual)"
-           if option.startswith("clip_grad_value") else
-           " (it clips exactly as torch does, before each update; the norm is then opt.last_total_norm) and call "
-           "opt.backward(loss)")
     return OptimizerInBackwardError(
         f"torch.nn.utils.{name}: expected gradients to clip, but OptimizerInBackward already applied and "
-        f"freed them inside backward, so it would clip nothing. Pass {option} to OptimizerInBackward{how}. A "
+        f"freed them inside backward, so it would clip nothing. Pass {option} to OptimizerInBackward{_how(option)}. A "
         "wrapper made already (memtrim.plan's apply makes one) is rebuilt with it by opt.remove(), then "
         f"memtrim.OptimizerInBackward(opt.optimizer, model=..., {option})."
     )
@@ -1849,19 +1853,19 @@ def _check_none_left_out(given: bool, name: str, option: str) -> None:
     looks like (a head another optimizer steps; the parameters of a bucket OptimizerInBackward holds back to
     ``step()``, which depends on memory: refusing those came and went with it), or another model's parameters (a GAN's
     other network, or a model built again in a notebook while the old wrapper, mid-step, is not collected yet)."""
+    if given:
+        return
     thread = threading.get_ident()
     for wrapper in list(_WRAPPERS):
-        if (wrapper._open and wrapper._updated_in_backward and wrapper._thread == thread
-                and not given):
+        if wrapper._open and wrapper._updated_in_backward and wrapper._thread == thread:
             raise OptimizerInBackwardError(
                 f"torch.nn.utils.{name}: got no parameters while OptimizerInBackward applied and freed "
                 f"{len(wrapper._stepped)} gradients inside this step's backward, so the clip would leave those out. "
-                "A list of the parameters that have a gradient ([p for p "
-                "in model.parameters() if p.grad is not None]) gets this: their .grad is None once applied. Pass "
-                f"{option} to OptimizerInBackward (it clips the whole model exactly as torch does, before each "
-                "update) and call opt.backward(loss)."
+                "A list of the parameters that have a gradient ([p for p in model.parameters() if p.grad is not "
+                f"None]) gets this: their .grad is None once applied. Pass {option} to OptimizerInBackward"
+                f"{_how(option)}."
             )
-    pairs = held_gradients() if not given else []
+    pairs = held_gradients()
     if pairs:
         raise InvalidInputError(
             f"torch.nn.utils.{name}: got no parameters while {len(pairs)} gradients wait in host memory for the next "
