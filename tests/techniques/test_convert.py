@@ -1,7 +1,9 @@
 """memtrim.convert: only safe changes, measured savings, and training equal to the original (memtrim.verify)."""
 
 import copy
+import random
 
+import numpy
 import pytest
 import torch
 import torch.nn.functional as F
@@ -388,10 +390,6 @@ class _LayerDropNet(nn.Module):
                                     for _ in range(6))
 
     def forward(self, x):
-        import random
-
-        import numpy
-
         for block in self.blocks:
             p = {"torch": lambda: float(torch.rand(())), "random": random.random,
                  "numpy": lambda: float(numpy.random.rand())}[self.draw]()
@@ -406,10 +404,6 @@ def test_a_model_that_draws_its_path_converts_alike_at_every_callers_seed(draw):
     # caller's generators and the measurements from fixed seeds, so they took other paths; a layer the trace saw and
     # the measurement skipped "would save nothing", and convert's result (and its report's bitwise) depended on the
     # seed the caller happened to be at
-    import random
-
-    import numpy
-
     found = set()
     for seed in range(4):
         torch.manual_seed(0)
@@ -431,10 +425,6 @@ class _OwnDraws(nn.Module):
 
     def __init__(self, kind):
         super().__init__()
-        import random
-
-        import numpy
-
         self.rng = {"numpy": numpy.random.default_rng(0), "random": random.Random(0),
                     "numpy legacy": numpy.random.RandomState(0), "torch": torch.Generator().manual_seed(0)}[kind]
         self.ln, self.fc1, self.act, self.fc2 = nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)
