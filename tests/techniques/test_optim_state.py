@@ -120,7 +120,8 @@ def test_a_norm_of_no_gradients_while_they_wait_on_the_host_raises_and_remove_re
     x, y = _batches(1)[0]
     _loss(model(x), y).backward()
     if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
-        with pytest.raises(InvalidInputError, match=r"get_total_norm: got no gradients, none in host memory"):
+        with pytest.raises(InvalidInputError, match=r"get_total_norm: got an empty list while \d+ gradients wait in "
+                                                    r"host memory.*An empty list on purpose .* skip the call for it"):
             torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     opt.step()
     opt.zero_grad()
@@ -143,7 +144,7 @@ def test_a_clip_over_the_parameters_that_have_a_gradient_while_they_wait_on_the_
     opt = memtrim.CPUOffloadOptimizer(body, torch.optim.AdamW, lr=1e-3)
     x, y = _batches(1)[0]
     _loss(model(x), y).backward()
-    with pytest.raises(InvalidInputError, match=rf"{clip}: got no parameters while {len(body)} gradients wait in "
+    with pytest.raises(InvalidInputError, match=rf"{clip}: got an empty list while {len(body)} gradients wait in "
                                                 r"host memory"):
         getattr(torch.nn.utils, clip)([p for p in model.parameters() if p.grad is not None], 0.05)
     torch.nn.utils.clip_grad_norm_(list(opt.host_parameters()), 0.05)  # the host copies themselves: taken

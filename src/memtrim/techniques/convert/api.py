@@ -156,6 +156,26 @@ def as_training(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
             put_back()
 
 
+def _held(module: nn.Module) -> Iterator[Any]:
+    """What ``module`` holds where a generator is kept: its attributes, its class's (up to ``nn.Module``), and one
+    level inside those that are lists, tuples, dicts or plain objects (``self.rngs = {"scale": rng}``, a helper
+    holding ``self.rng``); not what a property returns or a global."""
+    found = list(vars(module).values())
+    for klass in type(module).__mro__:
+        if klass is nn.Module:
+            break
+        found += [v for v in vars(klass).values() if not callable(v)]
+    for value in found:
+        yield value
+        if isinstance(value, dict):
+            yield from value.values()
+        elif isinstance(value, (list, tuple)):
+            yield from value
+        elif (not isinstance(value, (nn.Module, torch.Tensor, type)) and hasattr(value, "__dict__")
+                and type(value).__module__ not in ("builtins", "functools")):
+            yield from vars(value).values()
+
+
 _OWNED = threading.local()  # .generators: what puts the model convert runs back to its generators' states at the call
 
 
@@ -168,10 +188,12 @@ def owned_generators(model: nn.Module) -> list[Callable[[], Any]]:
     found: list[Callable[[], Any]] = []
     seen: set[int] = set()
     for module in model.modules():
-        for value in vars(module).values():
+        for value in _held(module):
             if id(value) in seen:
                 continue
             seen.add(id(value))
+            if isinstance(value, random.SystemRandom):  # (no state: it draws from the system)
+                continue
             if isinstance(value, torch.Generator):
                 found.append(functools.partial(value.set_state, value.get_state()))
             elif isinstance(value, random.Random):

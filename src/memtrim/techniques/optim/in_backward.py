@@ -1859,22 +1859,27 @@ def _check_none_left_out(given: bool, name: str, option: str) -> None:
     for wrapper in list(_WRAPPERS):
         if wrapper._open and wrapper._updated_in_backward and wrapper._thread == thread:
             raise OptimizerInBackwardError(
-                f"torch.nn.utils.{name}: got no parameters while OptimizerInBackward applied and freed "
+                f"torch.nn.utils.{name}: got an empty list while OptimizerInBackward applied and freed "
                 f"{len(wrapper._stepped)} gradients inside this step's backward, so the clip would leave those out. "
                 "A list of the parameters that have a gradient ([p for p in model.parameters() if p.grad is not "
                 f"None]) gets this: their .grad is None once applied. Pass {option} to OptimizerInBackward"
-                f"{_how(option)}."
+                f"{_how(option)}. {_EMPTY_ON_PURPOSE}"
             )
     pairs = held_gradients()
     if pairs:
         raise InvalidInputError(
-            f"torch.nn.utils.{name}: got no parameters while {len(pairs)} gradients wait in host memory for the next "
+            f"torch.nn.utils.{name}: got an empty list while {len(pairs)} gradients wait in host memory for the next "
             "step (memtrim.CPUOffloadOptimizer moves each one there as soon as it is ready, and its parameter's .grad "
             "is None), so the clip would leave those out. A list of the parameters that have a gradient ([p for p in "
             "model.parameters() if p.grad is not None]) gets this. Pass the parameters themselves "
             "(clip_grad_norm_(model.parameters(), max_norm), which clips the host copies in their place) or filter "
-            "on p.requires_grad."
+            f"on p.requires_grad. {_EMPTY_ON_PURPOSE}"
         )
+
+
+_EMPTY_ON_PURPOSE = ("An empty list on purpose (a frozen model's trainable parameters, a module without any) clips "
+                     "nothing in the standard loop either: skip the call for it (if params: clip_grad_norm_(params, "
+                     "max_norm)); the list cannot tell it from the one above.")
 
 
 def _count(n: int, what: str) -> str:
@@ -1902,7 +1907,9 @@ def _check_total_norm(tensors: Any, name: str, option: str) -> Any:
     if inside_clip_grad_norm or isinstance(tensors, torch.Tensor):
         return tensors
     tensors = list(tensors)  # as torch's own first line does
-    if not tensors or any(t is None for t in tensors):  # (Nones: [p.grad for p in params], some applied and freed)
+    if not tensors:
+        _check_none_left_out(False, name, option)
+    elif any(t is None for t in tensors):  # ([p.grad for p in params], some applied and freed)
         thread = threading.get_ident()
         for wrapper in list(_WRAPPERS):
             if wrapper._open and wrapper._updated_in_backward and wrapper._thread == thread:
