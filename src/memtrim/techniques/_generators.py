@@ -14,12 +14,22 @@ vs +100 us per call of a Linear-ReLU-Linear on width 64). Code the mode cannot s
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import random
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from ..errors import MemtrimError
+from ..measure.hooks import tensors_in
 
-__all__ = ["GeneratorDraws", "GeneratorsKept"]
+__all__ = ["GeneratorDraws", "GeneratorsKept", "cuda_devices", "held_generators_kept", "seeded"]
 
 
 class GeneratorDraws(TorchFunctionMode):
@@ -97,3 +107,99 @@ class GeneratorsKept(TorchFunctionMode):
         finally:
             for generator, state in self.first.values():
                 generator.set_state(state)
+
+
+# ---------------------------------------------------------------------- the forwards memtrim.convert runs
+def cuda_devices(model: nn.Module, inputs: Any) -> list[int]:
+    """The CUDA devices the model and the example inputs live on: their RNG is saved and restored around tracing."""
+    found = {t.device.index or 0 for t in (*model.parameters(), *model.buffers(), *tensors_in(inputs))
+             if t.device.type == "cuda"}
+    return sorted(found)
+
+
+_HELD = threading.local()  # .put_back: what puts the model convert runs back to its generators' states at the call
+
+
+@contextlib.contextmanager
+def held_generators_kept(model: nn.Module) -> Iterator[None]:
+    """Every random generator a module of ``model`` holds (:func:`_held_generators`) is put back on exit to its state
+    now, and :func:`seeded` starts each forward inside from that state. convert's forwards drew from them and left
+    them advanced, so the converted model trained on other draws than the plain one (1.1e-3 off after 4 steps; found
+    by an adversarial pass)."""
+    put_back, outer = _held_generators(model), getattr(_HELD, "put_back", ())
+    _HELD.put_back = put_back
+    try:
+        yield
+    finally:
+        _HELD.put_back = outer
+        for back in put_back:
+            back()
+
+
+@contextlib.contextmanager
+def seeded(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    """Every forward convert runs (the trace, each measurement, each check) draws from the same seeds: torch's
+    generators (the global one and those of the CUDA devices the model or inputs are on, restored after), Python's
+    ``random`` and NumPy's (restored by convert's ``as_training``, around it all), and the model's own from where
+    they were at convert's call (:func:`held_generators_kept`). A forward that draws its path (HF's LayerDrop skips
+    layers by ``torch.rand``; MusicGen by ``random``, Wav2Vec2's adapter by NumPy) then takes one path in all of them:
+    a trace under the caller's state took another than the measurements, which found the layers it skipped saving
+    nothing and converted otherwise at each caller's seed (found by an adversarial pass)."""
+    devices = cuda_devices(model, (args, kwargs))
+    with torch.random.fork_rng(devices=devices):
+        # not torch.manual_seed: it seeds every CUDA device, and only these are restored after
+        torch.default_generator.manual_seed(0)
+        for index in devices:
+            torch.cuda.default_generators[index].manual_seed(0)
+        random.seed(0)
+        numpy = sys.modules.get("numpy")
+        if numpy is not None:
+            numpy.random.seed(0)
+        for back in getattr(_HELD, "put_back", ()):
+            back()
+        yield
+
+
+def _held_generators(model: nn.Module) -> list[Callable[[], Any]]:
+    """For each random generator a module of ``model`` holds (a ``torch.Generator``, a ``random.Random``, a NumPy
+    ``Generator`` or ``RandomState``: a model's own random scale or drop path; :func:`_held`), what puts it back to
+    its state now."""
+    numpy = sys.modules.get("numpy")
+    found: list[Callable[[], Any]] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        for value in _held(module):
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            if isinstance(value, random.SystemRandom):  # (no state: it draws from the system)
+                continue
+            if isinstance(value, torch.Generator):
+                found.append(functools.partial(value.set_state, value.get_state()))
+            elif isinstance(value, random.Random):
+                found.append(functools.partial(value.setstate, value.getstate()))
+            elif numpy is not None and isinstance(value, numpy.random.Generator):
+                found.append(functools.partial(setattr, value.bit_generator, "state", value.bit_generator.state))
+            elif numpy is not None and isinstance(value, numpy.random.RandomState):
+                found.append(functools.partial(value.set_state, value.get_state()))
+    return found
+
+
+def _held(module: nn.Module) -> Iterator[Any]:
+    """What ``module`` holds where a generator is kept: its attributes, its class's (up to ``nn.Module``), and one
+    level inside those that are lists, tuples, dicts or plain objects (``self.rngs = {"scale": rng}``, a helper
+    holding ``self.rng``); not what a property returns or a global."""
+    found = list(vars(module).values())
+    for klass in type(module).__mro__:
+        if klass is nn.Module:
+            break
+        found += [v for v in vars(klass).values() if not callable(v)]
+    for value in found:
+        yield value
+        if isinstance(value, dict):
+            yield from value.values()
+        elif isinstance(value, (list, tuple)):
+            yield from value
+        elif (not isinstance(value, (nn.Module, torch.Tensor, type)) and hasattr(value, "__dict__")
+                and type(value).__module__ not in ("builtins", "functools")):
+            yield from vars(value).values()

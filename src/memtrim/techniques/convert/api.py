@@ -29,10 +29,8 @@ NOTE [ how convert decides ]
 from __future__ import annotations
 
 import contextlib
-import functools
 import random
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,11 +42,11 @@ from ...errors import InvalidInputError
 from ...measure import track
 from ...measure.hooks import tensors_in
 from ...proof.compare import bitwise_equal
-from .._generators import GeneratorsKept
+from .._generators import GeneratorsKept, cuda_devices, held_generators_kept, seeded
 from ..guards import CONVERTED
 from ..norms._kernels import DecidedTogether
 from . import builtin as _builtin  # noqa: F401  (registers the built-in rules)
-from .evidence import FxTrace, ModelTrace, buffers_kept, collect, fresh_inputs, fx_evidence, split_inputs
+from .evidence import buffers_kept, collect, fresh_inputs, fx_evidence, split_inputs
 from .report import Change, ConversionReport, Skipped
 from .rules import Candidate, Context, registered_rules
 
@@ -141,78 +139,19 @@ def as_training(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
     numpy = sys.modules.get("numpy")  # imported by the user's code, or not at all
     python_state = random.getstate()
     numpy_state = numpy.random.get_state() if numpy is not None else None
-    owned, outer = owned_generators(model), getattr(_OWNED, "generators", ())
-    _OWNED.generators = owned
     try:
-        with torch.random.fork_rng(devices=_cuda_devices(model, (args, kwargs))), torch.inference_mode(False), \
-                torch.enable_grad(), GeneratorsKept():
+        with torch.random.fork_rng(devices=cuda_devices(model, (args, kwargs))), torch.inference_mode(False), \
+                torch.enable_grad(), GeneratorsKept(), held_generators_kept(model):
             yield
     finally:
-        _OWNED.generators = outer
         random.setstate(python_state)
         if numpy is not None:
             numpy.random.set_state(numpy_state)
-        for put_back in owned:
-            put_back()
-
-
-def _held(module: nn.Module) -> Iterator[Any]:
-    """What ``module`` holds where a generator is kept: its attributes, its class's (up to ``nn.Module``), and one
-    level inside those that are lists, tuples, dicts or plain objects (``self.rngs = {"scale": rng}``, a helper
-    holding ``self.rng``); not what a property returns or a global."""
-    found = list(vars(module).values())
-    for klass in type(module).__mro__:
-        if klass is nn.Module:
-            break
-        found += [v for v in vars(klass).values() if not callable(v)]
-    for value in found:
-        yield value
-        if isinstance(value, dict):
-            yield from value.values()
-        elif isinstance(value, (list, tuple)):
-            yield from value
-        elif (not isinstance(value, (nn.Module, torch.Tensor, type)) and hasattr(value, "__dict__")
-                and type(value).__module__ not in ("builtins", "functools")):
-            yield from vars(value).values()
-
-
-_OWNED = threading.local()  # .generators: what puts the model convert runs back to its generators' states at the call
-
-
-def owned_generators(model: nn.Module) -> list[Callable[[], Any]]:
-    """For each random generator a module of ``model`` holds as an attribute (a ``torch.Generator``, a
-    ``random.Random``, a NumPy ``Generator`` or ``RandomState``: a model's own random scale or drop path), what puts it
-    back to its state now. convert's forwards drew from them and left them advanced, so the converted model trained on
-    other draws than the plain one (1.1e-3 off after 4 steps; found by an adversarial pass)."""
-    numpy = sys.modules.get("numpy")
-    found: list[Callable[[], Any]] = []
-    seen: set[int] = set()
-    for module in model.modules():
-        for value in _held(module):
-            if id(value) in seen:
-                continue
-            seen.add(id(value))
-            if isinstance(value, random.SystemRandom):  # (no state: it draws from the system)
-                continue
-            if isinstance(value, torch.Generator):
-                found.append(functools.partial(value.set_state, value.get_state()))
-            elif isinstance(value, random.Random):
-                found.append(functools.partial(value.setstate, value.getstate()))
-            elif numpy is not None and isinstance(value, numpy.random.Generator):
-                found.append(functools.partial(setattr, value.bit_generator, "state", value.bit_generator.state))
-            elif numpy is not None and isinstance(value, numpy.random.RandomState):
-                found.append(functools.partial(value.set_state, value.get_state()))
-    return found
 
 
 def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], given: bool,
              module_filter: Callable[[str, nn.Module], bool] | None) -> tuple[nn.Module, ConversionReport]:
-    evidence: ModelTrace | FxTrace | None = None
-    if given:
-        with seeded(model, args, kwargs):  # (the path the measurements take: see seeded)
-            evidence = collect(model, args, kwargs)
-    else:
-        evidence = fx_evidence(model)
+    evidence = collect(model, args, kwargs) if given else fx_evidence(model)
     ctx = Context.of(model, evidence, measured=given)
     aliases = ctx.aliases
     measure = (lambda: activation_bytes(model, args, kwargs)) if given else None
@@ -341,13 +280,6 @@ def _excluded(cand: Candidate, aliases: dict[int, list[str]],
     return None
 
 
-def _cuda_devices(model: nn.Module, inputs: Any) -> list[int]:
-    """The CUDA devices the model and the example inputs live on: their RNG is saved and restored around tracing."""
-    found = {t.device.index or 0 for t in (*model.parameters(), *model.buffers(), *tensors_in(inputs))
-             if t.device.type == "cuda"}
-    return sorted(found)
-
-
 @contextlib.contextmanager
 def _example_forward(model: nn.Module, args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Iterator[tuple[tuple[Any, ...], dict[str, Any]]]:
@@ -357,31 +289,6 @@ def _example_forward(model: nn.Module, args: tuple[Any, ...],
     with buffers_kept(model), seeded(model, args, kwargs):
         model.train()
         yield args, kwargs
-
-
-@contextlib.contextmanager
-def seeded(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
-    """Every forward convert runs (the trace, each measurement, each check) draws from the same seeds: torch's
-    generators (the global one and those of the CUDA devices the model or inputs are on, restored after), Python's
-    ``random`` and NumPy's (restored by :func:`as_training`, around it all). A forward that draws its path (HF's
-    LayerDrop skips layers by ``torch.rand``; MusicGen by ``random``, Wav2Vec2's adapter by NumPy) then takes one path
-    in all of them: a trace under the caller's state took another than the measurements, which found the layers it
-    skipped saving nothing and converted otherwise at each caller's seed (found by an adversarial pass)."""
-    devices = _cuda_devices(model, (args, kwargs))
-    with torch.random.fork_rng(devices=devices):
-        # not torch.manual_seed: it seeds every CUDA device, and only these are restored after
-        torch.default_generator.manual_seed(0)
-        for index in devices:
-            torch.cuda.default_generators[index].manual_seed(0)
-        random.seed(0)
-        numpy = sys.modules.get("numpy")
-        if numpy is not None:
-            numpy.random.seed(0)
-        # the model's own generators start each forward where they were at convert's call (as_training puts them
-        # back after it all): every forward draws the same from them too
-        for put_back in getattr(_OWNED, "generators", ()):
-            put_back()
-        yield
 
 
 def step_effects(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ...errors import InvalidInputError
 from ...measure.hooks import tensors_in
+from .._generators import seeded
 from .._modes import set_training_flags, training_flags
 
 __all__ = [
@@ -504,7 +505,7 @@ def collect(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     handles = [m.register_forward_pre_hook(state.pre, prepend=True, with_kwargs=True) for m in model.modules()]
     handles += [m.register_forward_hook(state.post, with_kwargs=True, always_call=True) for m in model.modules()]
     try:
-        with buffers_kept(model):
+        with buffers_kept(model), seeded(model, args, kwargs):  # (the seeds of every forward convert runs)
             model.train()
             with torch.enable_grad(), _Recorder(trace, state), \
                     torch.autograd.graph.saved_tensors_hooks(state.saved, lambda t: t):

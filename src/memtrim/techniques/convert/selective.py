@@ -33,7 +33,7 @@ from torch import nn
 from ...errors import InvalidInputError
 from ..checkpoint._core import ModuleSelector, _select
 from ..recompute import recompute_output
-from .api import activation_bytes, as_training, seeded
+from .api import activation_bytes, as_training
 from .evidence import collect, split_inputs
 from .recompute_rules import _holder_modules, _install_consumers, _keeps_output, _random_ops
 from .rules import Context, chain
@@ -98,8 +98,7 @@ def recompute_modules(model: nn.Module, modules: ModuleSelector, *,
     if not args and not kwargs:
         raise InvalidInputError(f"{_API}: example_inputs are required (the traced evidence and the measured saving).")
     with as_training(model, args, kwargs):
-        with seeded(model, args, kwargs):  # (the path the measurements take)
-            ctx = Context.of(model, collect(model, args, kwargs, _API), measured=True)
+        ctx = Context.of(model, collect(model, args, kwargs, _API), measured=True)
         plans = [(name, module, *_consumers(ctx, name, module)) for name, module in chosen]
         before = activation_bytes(model, args, kwargs)
         undo = chain(*(chain(recompute_output(module, owner=f"{name} (memtrim.recompute_modules)", parameters=True,
