@@ -623,6 +623,42 @@ def test_gated_mlp_calling_its_act_twice_opens_one_scope():
     assert top_saved_tensors_hooks() is None
 
 
+class UpFirst(GatedMLP):
+    def forward(self, x):
+        u = self.up_proj(x)
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * u)
+
+
+@pytest.mark.parametrize("cls", [GatedMLP, UpFirst])
+@pytest.mark.parametrize("hooked", [None, "act_fn", "up_proj"])
+def test_gated_mlp_scope_starts_once_a_and_u_are_made(monkeypatch, cls, hooked):
+    # the consumer scope's hooks cost Python at every save: they start in the later of the act's and up's hooks, so
+    # gate's, up's and the act's saves (5 of a Llama MLP's 9) pass none. A forward hook another installer puts on
+    # the act or up after ours may close a scope it opened before (a producer scope): then the scope spans the call
+    torch.manual_seed(0)
+    plain = cls().double()
+    model = copy.deepcopy(plain)
+    R.recompute_gated_mlp(model)
+    if hooked is not None:
+        for m in (plain, model):
+            m.get_submodule(hooked).register_forward_hook(lambda mod, args, out: None)
+    seen = []
+    handle_of = _core._handle_of
+
+    def counted(tensor, outer):
+        seen.append(tuple(tensor.shape))
+        return handle_of(tensor, outer)
+
+    monkeypatch.setattr(_core, "_handle_of", counted)
+    model(X.double().requires_grad_())
+    # gate's and up's saves, their input (a 2-D view) and weight (transposed), pass the scope's hooks only when it
+    # spans the call
+    assert ((15, 16) in seen, (16, 48) in seen) == ((False, False) if hooked is None else (True, True))
+    assert held(model.float(), X) == held(plain.float(), X) - 2 * INTER  # a and m, either way
+    assert_bitwise(run(model.double(), X.double()), run(plain.double(), X.double()))
+    assert top_saved_tensors_hooks() is None
+
+
 # ---------------------------------------------------------------------- 4. BatchNorm + ReLU with a shared ReLU
 def test_shared_relu_fused_at_one_call_site_only():
     torch.manual_seed(0)

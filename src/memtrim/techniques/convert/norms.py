@@ -47,8 +47,8 @@ from ...errors import ConvertError
 from ...proof.compare import bitwise_equal
 from ..checkpoint._core import _MARK as _CHECKPOINTED
 from ..guards import autocasting, no_double_backward, owner, plain_only, saves_checked
-from ..norms import NormKeepOutput
 from ..norms._kernels import HALF_PRECISION
+from ..norms.keep_output import apply_norm_keep_output, plain_apply
 from .builtin import KEEP_OUTPUT_FORMS, NO_AUTOCAST, NO_DOUBLE_BACKWARD, REBUILT_INPUT, half_precision_guard
 from .evidence import CallSite, ModelTrace, buffers_kept
 from .rules import Candidate, Context, class_swap, label, register_rule
@@ -94,8 +94,8 @@ class _LayerNormKeepsOutput(TorchFunctionMode):
         params = [t for t in (weight, bias) if isinstance(t, torch.Tensor)]
         if _wants_plain(x, params) or any(p.dtype != x.dtype for p in params):
             return func(*args, **kwargs)
-        return NormKeepOutput.apply(x, weight, bias, (tuple(bound["normalized_shape"]), bound.get("eps", 1e-5),
-                                     "layer", _threshold(self.module), owner(self.module)))
+        return apply_norm_keep_output(x, weight, bias, (tuple(bound["normalized_shape"]), bound.get("eps", 1e-5),
+                                      "layer", _threshold(self.module), owner(self.module)))
 
 
 def _threshold(module: nn.Module) -> float:
@@ -149,7 +149,7 @@ def _form(base: type[nn.Module], kind: str) -> type:
                     or not saves_checked() or autocasting(x)
                     or not (x.requires_grad or any(p.requires_grad for p in params))):
                 return base.forward(self, *args, **kwargs)
-            return _Recomputed.apply(self, base.forward, names, x, *params)
+            return _apply_recomputed(self, base.forward, names, x, *params)
     else:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             # (weight name, eps, and what Gemma's RMSNorm adds to the weight; pickled before that: no offset)
@@ -166,7 +166,7 @@ def _form(base: type[nn.Module], kind: str) -> type:
                     or x.dtype != state.get("memtrim_dtype", x.dtype) or len(args) + len(kwargs) != 1
                     or x.dim() <= 1 or x.numel() == 0 or _settings_changed(self)):
                 return base.forward(self, *args, **kwargs)
-            return NormKeepOutput.apply(x, weight, None, (tuple(weight.shape), eps, "rms", _threshold(self),
+            return apply_norm_keep_output(x, weight, None, (tuple(weight.shape), eps, "rms", _threshold(self),
                                                           owner(self), *shift))
 
     doc = (f"{base.__qualname__} "
@@ -327,6 +327,9 @@ class _Recomputed(torch.autograd.Function):
                 "torch.utils.checkpoint(use_reentrant=True); to fix: use_reentrant=False inside it, or leave this "
                 f"module out of memtrim.convert (module_filter). torch: {e}") from e
         return (None, None, None, *(next(found) if t.requires_grad else None for t in leaves))
+
+
+_apply_recomputed = plain_apply(_Recomputed)  # (its callers have found plain_only false)
 
 
 def recomputed_form(base: type[nn.Module]) -> type:

@@ -14,6 +14,7 @@ _kernels.py), the modules run as torch's own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -115,6 +116,18 @@ class NormKeepOutput(torch.autograd.Function):
         dweight = (dn * xhat).sum(batch_dims) if weight is not None else None
         dbias = dn.sum(batch_dims) if bias is not None else None
         return dx, dweight, dbias, None
+
+
+
+def plain_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``function.apply`` without its Python wrapper, for a per-call path that has just found :func:`plain_only` false.
+    torch's ``Function.apply`` binds default arguments (for a ``setup_context``, which ours do not define), checks
+    for functorch transforms (plain_only has) and unwraps tensors a finished transform left (none reach a training
+    step), then calls this C++ apply: about 15 Python calls a call, per norm."""
+    return super(torch.autograd.Function, function).apply  # type: ignore[misc]
+
+
+apply_norm_keep_output = plain_apply(NormKeepOutput)
 
 
 class LayerNorm(nn.LayerNorm):

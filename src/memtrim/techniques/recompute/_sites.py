@@ -32,6 +32,8 @@ from ..guards import (
     saves_checked,
 )
 from ._core import (
+    _close_interrupted,
+    _scopes,
     enter_consumer_scope,
     entry_of,
     exit_consumer_scope,
@@ -529,15 +531,16 @@ def _mul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class _GatedMLP:
     """Forward hooks of :func:`recompute_gated_mlp` (per-thread state of the call in flight)."""
 
-    def __init__(self, owner: str) -> None:
+    def __init__(self, owner: str, last: tuple[tuple[str, int], ...] = ()) -> None:
         self.owner = owner
+        self.last = last  # (name in the MLP, id of our forward hook on it) of the act and up
         self._local = threading.local()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"owner": self.owner}
+        return {"owner": self.owner, "last": self.last}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["owner"])  # type: ignore[misc]
+        self.__init__(state["owner"], state.get("last", ()))  # type: ignore[misc]
 
     def _state(self) -> dict[str, Any]:
         state = getattr(self._local, "state", None)
@@ -557,14 +560,39 @@ class _GatedMLP:
             return
         state = self._state()
         state.clear()
-        state["call"] = True  # this MLP's call is in flight (an act shared with another MLP runs outside it too)
-        enter_consumer_scope(module, checked=True)
+        state["call"] = module  # this MLP's call is in flight (an act shared with another MLP runs outside it too)
+        if not self._deferred(module):
+            enter_consumer_scope(module, checked=True)
+            state["scope"] = True
+            return
+        stack = _scopes()
+        if stack:  # one of this MLP's scopes an interrupted call left open: closed as enter_consumer_scope does
+            _close_interrupted(stack, id(module))
+
+    def _deferred(self, module: nn.Module) -> bool:
+        """Whether the scope can wait until ``a`` and ``u`` are made (entered in the later of their hooks): no
+        forward hook runs after ours on the act or ``up`` (one that closes a producer scope would close ours)."""
+        for name, hook_id in self.last:
+            hooked = module._modules.get(name) or module.get_submodule(name)
+            if next(reversed(hooked._forward_hooks), None) != hook_id:
+                return False
+        return True
 
     def exit(self, module: nn.Module, args: Any, output: Any) -> None:
         if plain_only():
             return
-        self._state().clear()  # nothing outlives the call: no graph kept alive by a forward without backward
-        exit_consumer_scope(checked=True)
+        state = self._state()
+        scoped = "scope" in state
+        state.clear()  # nothing outlives the call: no graph kept alive by a forward without backward
+        if scoped:
+            exit_consumer_scope(checked=True)
+
+    def _both_made(self, state: dict[str, Any]) -> None:
+        """``a`` and ``u`` are made: the scope starts here (deferred: the saves of gate, up and the act before it
+        pass no hooks), before the product saves ``a`` and ``down`` saves ``m``."""
+        if "scope" not in state:
+            enter_consumer_scope(state["call"], checked=True)
+            state["scope"] = True
 
     def act_done(self, module: nn.Module, args: Any, output: Any) -> None:
         if plain_only():
@@ -574,6 +602,8 @@ class _GatedMLP:
             entry = entry_of(output) if "call" in state else None  # (outside the call: nothing would clear it)
             if entry is not None:  # marked by recompute_output's hook, which runs first
                 state["a"] = (entry, output.grad_fn._sequence_nr(), output, output._version)
+                if "u" in state:
+                    self._both_made(state)
 
     def up_done(self, module: nn.Module, args: Any, output: Any) -> None:
         if plain_only():
@@ -582,6 +612,8 @@ class _GatedMLP:
             state = self._state()
             if "call" in state:
                 state["u"] = (output, output.grad_fn._sequence_nr(), output._version)
+                if "a" in state:
+                    self._both_made(state)
 
     def down_pre(self, module: nn.Module, args: tuple) -> None:
         if plain_only():
@@ -629,9 +661,12 @@ def recompute_gated_mlp(mlp: nn.Module, *, gate: str = "gate_proj", up: str = "u
     act_module, up_module, down_module = (mlp.get_submodule(n) for n in (act, up, down))
     hooks = _GatedMLP(name)
     marks = recompute_output(act_module, owner=f"{name}.{act}", keeps_output=act_keeps_output)
+    act_hook = act_module.register_forward_hook(hooks.act_done)  # after recompute_output's: a is marked by then
+    up_hook = up_module.register_forward_hook(hooks.up_done)
+    hooks.last = ((act, act_hook.id), (up, up_hook.id))
     removable = (
-        act_module.register_forward_hook(hooks.act_done),  # after recompute_output's hook: a is marked by then
-        up_module.register_forward_hook(hooks.up_done),
+        act_hook,
+        up_hook,
         down_module.register_forward_pre_hook(hooks.down_pre),
         mlp.register_forward_pre_hook(hooks.enter),
         mlp.register_forward_hook(hooks.exit, always_call=True),
