@@ -8,7 +8,7 @@ batch's floating tensors too; written to convert_zoo_<dtype>_cpu.json).
 
 The environment (CPU torch, nothing downloaded at run time; the versions used are written to the JSON):
     python3 -m venv zoovenv && zoovenv/bin/pip install torch==2.13.0+cpu
-    zoovenv/bin/pip install --no-deps transformers==5.23.0 timm==1.0.31 torchvision==0.28.0 pillow \
+    zoovenv/bin/pip install --no-deps transformers==5.24.0 timm==1.0.31 torchvision==0.28.0 pillow \
         huggingface_hub==1.33.0 httpx click safetensors tokenizers regex pyyaml numpy packaging filelock fsspec tqdm \
         idna httpcore anyio h11 certifi sniffio typing_extensions
     zoovenv/bin/pip install --no-deps -e .
