@@ -25,9 +25,9 @@ from ..measure.hooks import top_saved_tensors_hooks
 
 __all__ = [
     "CONVERTED", "INPUT_AND_FORWARD_HOOKS", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS", "activated",
-    "autocasting", "batched", "fx_tracing", "inplace_error", "mark_activated", "memtrims", "no_double_backward",
-    "owner", "plain_only", "kept_params", "refuse_later_hooks", "saved_tensors", "saves_checked", "watch_registrations",
-    "watch_replacement", "WatchedFusion",
+    "autocasting", "batched", "fx_tracing", "hooks_allowed", "inplace_error", "mark_activated", "memtrims",
+    "no_double_backward", "owner", "plain_only", "kept_params", "refuse_later_hooks", "saved_tensors", "saves_checked",
+    "watch_registrations", "watch_replacement", "WatchedFusion",
 ]
 
 
@@ -111,6 +111,15 @@ def plain_only() -> bool:
 
 RECOMPUTE_HOOKS = "_memtrim_recompute_hooks"
 """Attribute on memtrim's recompute pack functions: the saved-tensor hooks they pass what they keep to (or None)."""
+
+
+_HOOKS_ENABLED = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+
+
+def hooks_allowed() -> bool:
+    """Whether saved-tensor hooks may be entered now: not inside ``torch.autograd.graph.disable_saved_tensors_hooks``
+    (entering any raises the user's message there). What would enter some runs as torch's own ops instead."""
+    return _HOOKS_ENABLED is None or bool(_HOOKS_ENABLED())
 
 
 def saves_checked() -> bool:

@@ -46,7 +46,7 @@ from torch.overrides import TorchFunctionMode
 from ...errors import ConvertError
 from ...proof.compare import bitwise_equal
 from ..checkpoint._core import _MARK as _CHECKPOINTED
-from ..guards import autocasting, no_double_backward, owner, plain_only, saves_checked
+from ..guards import autocasting, hooks_allowed, no_double_backward, owner, plain_only, saves_checked
 from ..norms._kernels import HALF_PRECISION
 from ..norms.keep_output import apply_norm_keep_output, plain_apply
 from .builtin import KEEP_OUTPUT_FORMS, NO_AUTOCAST, NO_DOUBLE_BACKWARD, REBUILT_INPUT, half_precision_guard
@@ -146,7 +146,7 @@ def _form(base: type[nn.Module], kind: str) -> type:
                     or tuple(self._modules) != self.__dict__.get("memtrim_modules") or self._buffers
                     or not isinstance(x, torch.Tensor) or x.dtype != self.memtrim_dtype
                     or len(args) + len(kwargs) != 1 or not torch.is_grad_enabled() or plain_only()
-                    or not saves_checked() or autocasting(x)
+                    or not saves_checked() or not hooks_allowed() or autocasting(x)
                     or not (x.requires_grad or any(p.requires_grad for p in params))):
                 return base.forward(self, *args, **kwargs)
             return _apply_recomputed(self, base.forward, names, x, *params)

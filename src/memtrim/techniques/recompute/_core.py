@@ -53,7 +53,7 @@ import torch
 
 from ...errors import ConvertError
 from ...measure.hooks import check_saved_version, compiled_autograd_running, top_saved_tensors_hooks
-from ..guards import RECOMPUTE_HOOKS, memtrims, plain_only, saves_checked
+from ..guards import RECOMPUTE_HOOKS, hooks_allowed, memtrims, plain_only, saves_checked
 
 __all__ = [
     "Recipe", "enter_consumer_scope", "entry_of", "exit_consumer_scope", "exit_if_on_top", "is_recomputable",
@@ -666,8 +666,10 @@ def enter_consumer_scope(owner: object | None = None, checked: bool = False) -> 
     # under saved-tensor hooks other than memtrim's a scope stands aside: inside a checkpointed region the region's
     # forward would keep a recipe for a tensor made outside it (its sources: several saves) where the recomputation,
     # which does not rerun that producer, saves the tensor itself, and torch requires both to save the same tensors;
-    # a user's hooks may pack lossily (to bfloat16), and a rebuild from packed sources is then not the packed tensor
-    if torch.is_grad_enabled() and (top is None or (not hasattr(top[0], _MARK) and memtrims(top[0]))):
+    # a user's hooks may pack lossily (to bfloat16), and a rebuild from packed sources is then not the packed tensor;
+    # under disable_saved_tensors_hooks entering any raises: what torch saves is kept as torch keeps it
+    if (torch.is_grad_enabled() and (top is None or (not hasattr(top[0], _MARK) and memtrims(top[0])))
+            and hooks_allowed()):
         # with no hooks outside (the usual case) one shared pair serves every scope: it holds no state
         hooks = _ALONE if top is None else torch.autograd.graph.saved_tensors_hooks(_consumer_pack(_outer_of(top)),
                                                                                    _unpack)
@@ -728,7 +730,7 @@ class producing(torch.autograd.graph.saved_tensors_hooks):
         # under saved-tensor hooks other than memtrim's a producer scope stands aside like a consumer scope: inside a
         # checkpointed region its handles would pack a recipe's sources where the recomputation, whose marks differ,
         # saves the tensor itself; a user's lossy hooks would pack the sources, not the tensor
-        self.active = torch.is_grad_enabled() and not plain_only() and saves_checked()
+        self.active = torch.is_grad_enabled() and not plain_only() and saves_checked() and hooks_allowed()
         if not self.active:
             return self
         self.outer = outer = _outer_of(top_saved_tensors_hooks())

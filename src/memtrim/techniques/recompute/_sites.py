@@ -26,6 +26,7 @@ from ..guards import (
     RELU,
     activated,
     autocasting,
+    hooks_allowed,
     memtrims,
     plain_only,
     refuse_later_hooks,
@@ -805,8 +806,8 @@ class _Checkpointed:
         fn = self.forward
         # inside a checkpointed region (memtrim's checkpoint_modules, HF gradient checkpointing) the region keeps its
         # inputs alone: a checkpoint of its own would recompute this forward a second time in backward
-        if not _active() or not saves_checked() or not any(isinstance(a, torch.Tensor) and a.requires_grad
-                                                       for a in (*args, *kwargs.values())):
+        if not _active() or not saves_checked() or not hooks_allowed() or not any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())):
             return fn(*args, **kwargs)
         if self.recipe_owner is not None and not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             cell = _Graph(fn)
