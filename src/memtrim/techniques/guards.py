@@ -26,8 +26,8 @@ from ..measure.hooks import top_saved_tensors_hooks
 __all__ = [
     "CONVERTED", "INPUT_AND_FORWARD_HOOKS", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS", "activated",
     "autocasting", "batched", "fx_tracing", "hooks_allowed", "inplace_error", "mark_activated", "memtrims",
-    "no_double_backward", "owner", "plain_only", "kept_params", "refuse_later_hooks", "saved_tensors", "saves_checked",
-    "watch_registrations", "watch_replacement", "WatchedFusion",
+    "no_double_backward", "owner", "plain_apply", "plain_only", "kept_params", "refuse_later_hooks", "saved_tensors",
+    "saves_checked", "watch_registrations", "watch_replacement", "WatchedFusion",
 ]
 
 
@@ -111,6 +111,14 @@ def plain_only() -> bool:
 
 RECOMPUTE_HOOKS = "_memtrim_recompute_hooks"
 """Attribute on memtrim's recompute pack functions: the saved-tensor hooks they pass what they keep to (or None)."""
+
+
+def plain_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``function.apply`` without its Python wrapper, for a per-call path that has just found :func:`plain_only` false.
+    torch's ``Function.apply`` binds default arguments (for a ``setup_context``, which ours do not define), checks
+    for functorch transforms (plain_only has) and unwraps tensors a finished transform left (none reach a training
+    step), then calls this C++ apply: about 15 Python calls a call."""
+    return super(torch.autograd.Function, function).apply  # type: ignore[misc]
 
 
 _HOOKS_ENABLED = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)

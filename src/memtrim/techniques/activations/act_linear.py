@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import InvalidInputError
-from ..guards import autocasting, owner, plain_only, saved_tensors, saves_checked
+from ..guards import autocasting, owner, plain_apply, plain_only, saved_tensors, saves_checked
 from .functional import differentiable_grad
 
 __all__ = ["ActLinear"]
@@ -66,6 +66,9 @@ class _ActLinearFunction(torch.autograd.Function):
         if bias is not None and ctx.needs_input_grad[2]:
             dbias = grad_2d.sum(0)
         return dh, dweight, dbias, None, None
+
+
+_apply_act_linear = plain_apply(_ActLinearFunction)  # (ActLinear.forward has found plain_only false)
 
 
 class ActLinear(nn.Linear):
@@ -109,4 +112,4 @@ class ActLinear(nn.Linear):
         if (not torch.is_grad_enabled() or not input.requires_grad or plain_only() or autocasting(input)
                 or not saves_checked()):
             return F.linear(_ACT[self.activation][0](input), self.weight, self.bias)
-        return _ActLinearFunction.apply(input, self.weight, self.bias, self.activation, owner(self))
+        return _apply_act_linear(input, self.weight, self.bias, self.activation, owner(self))

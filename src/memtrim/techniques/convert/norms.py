@@ -46,9 +46,9 @@ from torch.overrides import TorchFunctionMode
 from ...errors import ConvertError
 from ...proof.compare import bitwise_equal
 from ..checkpoint._core import _MARK as _CHECKPOINTED
-from ..guards import autocasting, hooks_allowed, no_double_backward, owner, plain_only, saves_checked
+from ..guards import autocasting, hooks_allowed, no_double_backward, owner, plain_apply, plain_only, saves_checked
 from ..norms._kernels import HALF_PRECISION
-from ..norms.keep_output import apply_norm_keep_output, plain_apply
+from ..norms.keep_output import apply_norm_keep_output
 from .builtin import KEEP_OUTPUT_FORMS, NO_AUTOCAST, NO_DOUBLE_BACKWARD, REBUILT_INPUT, half_precision_guard
 from .evidence import CallSite, ModelTrace, buffers_kept
 from .rules import Candidate, Context, class_swap, label, register_rule

@@ -14,7 +14,6 @@ _kernels.py), the modules run as torch's own.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from ..guards import (
     kept_params,
     no_double_backward,
     owner,
+    plain_apply,
     plain_only,
     saved_tensors,
     saves_checked,
@@ -119,15 +119,7 @@ class NormKeepOutput(torch.autograd.Function):
 
 
 
-def plain_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
-    """``function.apply`` without its Python wrapper, for a per-call path that has just found :func:`plain_only` false.
-    torch's ``Function.apply`` binds default arguments (for a ``setup_context``, which ours do not define), checks
-    for functorch transforms (plain_only has) and unwraps tensors a finished transform left (none reach a training
-    step), then calls this C++ apply: about 15 Python calls a call, per norm."""
-    return super(torch.autograd.Function, function).apply  # type: ignore[misc]
-
-
-apply_norm_keep_output = plain_apply(NormKeepOutput)
+apply_norm_keep_output = plain_apply(NormKeepOutput)  # (for callers that have found plain_only false)
 
 
 class LayerNorm(nn.LayerNorm):
@@ -149,8 +141,8 @@ class LayerNorm(nn.LayerNorm):
                 or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))
                 or _torchs_case(input, self.weight, self.normalized_shape)):
             return super().forward(input)
-        return NormKeepOutput.apply(input, self.weight, self.bias, (tuple(self.normalized_shape), self.eps, "layer",
-                                     self.gamma_threshold, owner(self)))
+        return apply_norm_keep_output(input, self.weight, self.bias, (tuple(self.normalized_shape), self.eps,
+                                                                      "layer", self.gamma_threshold, owner(self)))
 
 
 def _torchs_case(input: torch.Tensor, weight: torch.Tensor | None, normalized_shape: Any) -> bool:
@@ -179,5 +171,5 @@ class RMSNorm(nn.RMSNorm):
                 or _torchs_case(input, self.weight, self.normalized_shape)):
             return super().forward(input)
         eps = self.eps if self.eps is not None else torch.finfo(input.dtype).eps  # (torch's, float32 and float64)
-        return NormKeepOutput.apply(input, self.weight, None, (tuple(self.normalized_shape), eps, "rms_norm",
-                                     self.gamma_threshold, owner(self)))
+        return apply_norm_keep_output(input, self.weight, None, (tuple(self.normalized_shape), eps, "rms_norm",
+                                                                 self.gamma_threshold, owner(self)))

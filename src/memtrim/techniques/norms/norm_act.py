@@ -39,6 +39,7 @@ from ..guards import (
     mark_activated,
     no_double_backward,
     owner,
+    plain_apply,
     plain_only,
     refuse_later_hooks,
     saved_tensors,
@@ -158,6 +159,9 @@ class _BatchNormActFunction(torch.autograd.Function):
             dx = scale * dy
         return (dx, dgamma if weight is not None else None, dbeta if bias is not None else None,
                 None, None, None, None, None, None, None, None, None, None)
+
+
+_apply_batchnorm_act = plain_apply(_BatchNormActFunction)  # (forward has found plain_only false)
 
 
 def refuse_fx_trace(bn: nn.Module) -> NoReturn:
@@ -295,7 +299,7 @@ class _BatchNormAct(WatchedFusion, nn.modules.batchnorm._BatchNorm):
                     f"raises the same): expected an input with {t.numel()} channels in dimension 1, got shape "
                     f"{tuple(input.shape)}."
                 )
-        return mark_activated(_BatchNormActFunction.apply(
+        return mark_activated(_apply_batchnorm_act(
             input, self.weight, self.bias, running_mean, running_var, bn_training, factor, self.eps, self.activation,
             param, self.gamma_threshold, owner(self), self.__dict__.get("memtrim_activation_inplace", False)),
             self.__dict__.get(FUSION))

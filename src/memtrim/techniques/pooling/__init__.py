@@ -26,7 +26,7 @@ from typing import Any, TypeGuard
 import torch
 from torch import nn
 
-from ..guards import plain_only
+from ..guards import plain_apply, plain_only
 
 __all__ = ["LIMITS", "MaxPool2d", "compactable", "max_pool2d", "offset_dtype"]
 
@@ -112,6 +112,9 @@ class _CompactMaxPool2d(torch.autograd.Function):
         return grad_x, None, None, None, None, None
 
 
+_apply_compact = plain_apply(_CompactMaxPool2d)  # (max_pool2d has found plain_only false)
+
+
 def max_pool2d(x: torch.Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
                ceil_mode: bool = False, return_indices: bool = False) -> Any:
     """``torch.nn.functional.max_pool2d`` keeping one byte per output element for backward instead of eight (NOTE
@@ -123,7 +126,7 @@ def max_pool2d(x: torch.Tensor, kernel_size: Any, stride: Any = None, padding: A
                                         return_indices=return_indices)  # type: ignore[call-overload]
     if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0):  # torch's default
         stride = kernel_size
-    return _CompactMaxPool2d.apply(x, *(_two(v) for v in (kernel_size, stride, padding, dilation)), bool(ceil_mode))
+    return _apply_compact(x, _two(kernel_size), _two(stride), _two(padding), _two(dilation), bool(ceil_mode))
 
 
 class MaxPool2d(nn.MaxPool2d):
