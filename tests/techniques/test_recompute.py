@@ -659,6 +659,21 @@ def test_gated_mlp_scope_starts_once_a_and_u_are_made(monkeypatch, cls, hooked):
     assert top_saved_tensors_hooks() is None
 
 
+@pytest.mark.parametrize("replaced", ["act_fn", "up_proj"])
+def test_gated_mlp_whose_act_or_up_is_replaced_after_runs_as_torch(replaced):
+    # found by an adversarial pass: an act swapped for a function after convert (del, then assign) made the check of
+    # which hooks follow ours raise AttributeError at every call
+    torch.manual_seed(0)
+    plain = GatedMLP().double()
+    model = copy.deepcopy(plain)
+    R.recompute_gated_mlp(model)
+    for m in (plain, model):
+        delattr(m, replaced)
+        setattr(m, replaced, F.silu if replaced == "act_fn" else copy.deepcopy(plain.gate_proj))
+    assert_bitwise(run(model, X.double()), run(plain, X.double()))
+    assert top_saved_tensors_hooks() is None
+
+
 # ---------------------------------------------------------------------- 4. BatchNorm + ReLU with a shared ReLU
 def test_shared_relu_fused_at_one_call_site_only():
     torch.manual_seed(0)

@@ -574,8 +574,13 @@ class _GatedMLP:
         """Whether the scope can wait until ``a`` and ``u`` are made (entered in the later of their hooks): no
         forward hook runs after ours on the act or ``up`` (one that closes a producer scope would close ours)."""
         for name, hook_id in self.last:
-            hooked = module._modules.get(name) or module.get_submodule(name)
-            if next(reversed(hooked._forward_hooks), None) != hook_id:
+            hooked = module._modules.get(name)
+            if hooked is None and "." in name:
+                try:
+                    hooked = module.get_submodule(name)
+                except AttributeError:  # (replaced by a function or removed since: its hooks never run)
+                    return False
+            if hooked is None or next(reversed(hooked._forward_hooks), None) != hook_id:
                 return False
         return True
 
