@@ -739,7 +739,8 @@ class _Sum:
         made = self._made()
         found = [m for m in made if m is not None]
         made[:] = [None] * self.n_producers  # nothing outlives the call
-        if not found or not args or not isinstance(args[0], torch.Tensor) or not _active():
+        # (under torch.jit.trace the check's ops below would join the traced graph: the sum is kept as usual there)
+        if not found or not args or not isinstance(args[0], torch.Tensor) or not _active() or torch.jit.is_tracing():
             return
         x = args[0]
         if x.grad_fn is None or entry_of(x) is not None:
