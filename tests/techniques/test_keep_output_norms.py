@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 import memtrim
 
@@ -370,3 +371,33 @@ def test_a_converted_layer_norms_gamma_threshold_is_read_as_getattr_reads_it(how
     one, stats, copies, indices = x.numel() * 4, 2 * 8 * 16 * 4, 2 * 64 * 4, 64 * 8
     # every |gamma| (1) below the threshold: every feature keeps its normalised input, one more copy of x
     assert activation_bytes(lambda t: fc(norm(t)), x) == 2 * one + stats + copies + indices
+
+
+@pytest.mark.parametrize("transform", ["vjp", "grad"])
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_a_tensor_kept_from_inside_a_torch_func_transform_gets_its_gradient(norm, transform):
+    # found by an adversarial pass: such a tensor (a side effect of the transformed function) is a dead functorch
+    # wrapper, which torch's Function.apply unwraps; memtrim's shorter apply passed it on wrapped, and the input's
+    # gradient was None (vjp) or backward raised (grad)
+    torch.manual_seed(0)
+    plain = getattr(nn, norm)(8).double()
+    kept = getattr(memtrim.nn, norm)(8).double()
+    kept.load_state_dict(plain.state_dict())
+    grads = []
+    for module in (plain, kept):
+        x = torch.randn(4, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        inside = []
+
+        def f(v, inside=inside):
+            h = torch.tanh(v) * 3
+            inside.append(h)
+            return h.square().sum()
+
+        if transform == "vjp":
+            torch.func.vjp(f, x)
+        else:
+            torch.func.grad(f)(x)
+        module(inside[0]).square().sum().backward()
+        grads.append(x.grad)
+    assert grads[1] is not None
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-12, atol=1e-12)  # (its input rebuilt: to rounding)
