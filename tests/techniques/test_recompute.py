@@ -3,6 +3,7 @@
 import copy
 import gc
 import math
+import pickle
 import threading
 import weakref
 
@@ -672,6 +673,32 @@ def test_gated_mlp_whose_act_or_up_is_replaced_after_runs_as_torch(replaced):
         setattr(m, replaced, F.silu if replaced == "act_fn" else copy.deepcopy(plain.gate_proj))
     assert_bitwise(run(model, X.double()), run(plain, X.double()))
     assert top_saved_tensors_hooks() is None
+
+
+def test_a_hook_registered_on_an_unpickled_model_replaces_none_of_memtrims():
+    # torch numbers hook handles from 0 in each process and keys a module's hooks by that number: found by an
+    # adversarial pass, a hook registered on a model torch.load-ed in another process took the id of memtrim's hook
+    # on the act and replaced it (the MLP's saving gone, silently). A new process is simulated by numbering from the
+    # loaded hooks' lowest id on
+    from torch.utils.hooks import RemovableHandle
+
+    torch.manual_seed(0)
+    plain = GatedMLP()
+    model = copy.deepcopy(plain)
+    R.recompute_gated_mlp(model)
+    data = pickle.dumps(model)
+    saved = RemovableHandle.next_id
+    ours = {name: list(m._forward_hooks) for name, m in model.named_modules()}
+    RemovableHandle.next_id = min(i for ids in ours.values() for i in ids)
+    try:
+        loaded = pickle.loads(data)
+        handles = [m.register_forward_hook(lambda mod, args, out: None) for m in loaded.modules()]
+    finally:
+        RemovableHandle.next_id = max(RemovableHandle.next_id, saved)
+    for handle in handles:
+        handle.remove()
+    assert {name: list(m._forward_hooks) for name, m in loaded.named_modules()} == ours
+    assert held(loaded, X) == held(plain, X) - 2 * INTER
 
 
 # ---------------------------------------------------------------------- 4. BatchNorm + ReLU with a shared ReLU

@@ -19,15 +19,16 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from ..errors import ConvertError
 from ..measure.hooks import top_saved_tensors_hooks
 
 __all__ = [
     "CONVERTED", "INPUT_AND_FORWARD_HOOKS", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS", "activated",
-    "autocasting", "batched", "fx_tracing", "hooks_allowed", "inplace_error", "mark_activated", "memtrims",
-    "no_double_backward", "owner", "plain_apply", "plain_only", "kept_params", "refuse_later_hooks", "saved_tensors",
-    "saves_checked", "watch_registrations", "watch_replacement", "WatchedFusion",
+    "autocasting", "batched", "fx_tracing", "hooks_allowed", "inplace_error", "keep_hook_ids", "mark_activated",
+    "memtrims", "no_double_backward", "owner", "plain_apply", "plain_only", "kept_params", "refuse_later_hooks",
+    "saved_tensors", "saves_checked", "watch_registrations", "watch_replacement", "WatchedFusion",
 ]
 
 
@@ -111,6 +112,33 @@ def plain_only() -> bool:
 
 RECOMPUTE_HOOKS = "_memtrim_recompute_hooks"
 """Attribute on memtrim's recompute pack functions: the saved-tensor hooks they pass what they keep to (or None)."""
+
+
+class _HookIds:
+    """Put on a module that memtrim hooks: unpickled (``torch.load`` of a whole model in another process), it moves
+    torch's hook numbering past the ids the module's hooks were saved under. torch numbers hook handles from 0 in each
+    process and keys a module's hooks by that number: a hook registered later on the loaded module under the id one
+    of memtrim's hooks has replaced it in the dict, silently (a gated MLP's hook on its act: its saving gone; found by
+    an adversarial pass)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[int]]:
+        return _hook_ids_restored, (RemovableHandle.next_id,)
+
+
+_HOOK_IDS = _HookIds()
+
+
+def _hook_ids_restored(next_id: int) -> _HookIds:
+    if RemovableHandle.next_id < next_id:
+        RemovableHandle.next_id = next_id
+    return _HOOK_IDS
+
+
+def keep_hook_ids(*modules: nn.Module) -> None:
+    """Mark ``modules``, which memtrim puts hooks on, so that a hook registered after they are unpickled gets an id of
+    its own (:class:`_HookIds`)."""
+    for module in modules:
+        module.__dict__.setdefault("_memtrim_hook_ids", _HOOK_IDS)
 
 
 _UNWRAP_IF_DEAD = getattr(torch._C._functorch, "unwrap_if_dead", None)

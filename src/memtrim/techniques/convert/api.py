@@ -43,7 +43,7 @@ from ...measure import track
 from ...measure.hooks import tensors_in
 from ...proof.compare import bitwise_equal
 from .._generators import GeneratorsKept, cuda_devices, held_generators_kept, seeded
-from ..guards import CONVERTED
+from ..guards import CONVERTED, keep_hook_ids
 from ..norms._kernels import DecidedTogether
 from . import builtin as _builtin  # noqa: F401  (registers the built-in rules)
 from .evidence import buffers_kept, collect, fresh_inputs, fx_evidence, split_inputs
@@ -249,6 +249,7 @@ def _decide_together(model: nn.Module) -> None:
     if _DECISIONS in model.__dict__ or not any(getattr(m, "memtrim_keep_decisions", False) for m in model.modules()):
         return
     decisions = model.__dict__[_DECISIONS] = DecidedTogether()
+    keep_hook_ids(model)
     model.register_forward_pre_hook(decisions.enter)
     model.register_forward_hook(decisions.leave, always_call=True)
 
