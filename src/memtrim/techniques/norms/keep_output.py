@@ -118,7 +118,6 @@ class NormKeepOutput(torch.autograd.Function):
         return dx, dweight, dbias, None
 
 
-
 apply_norm_keep_output = plain_apply(NormKeepOutput)  # (for callers that have found plain_only false)
 
 

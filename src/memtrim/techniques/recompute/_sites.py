@@ -554,12 +554,14 @@ class _GatedMLP:
         return state
 
     # NOTE: these hooks run at every call of every converted MLP: each checks plain_only once, and a tensor with a
-    # grad_fn stands for grad mode on (a module's hooks run in its forward's grad mode). The consumer scope spans the
-    # MLP's whole call: one opened in the act's hooks would be closed by a producer scope that another installer put
-    # on the act and that closes after them (tried on 2026-11-30). A tensor changed in place without a graph (under
-    # no_grad its grad_fn stays) between the call that made it and down's call would be rebuilt without the change:
-    # ``a`` and ``u`` must still have the versions they had then, and ``m`` its first. State is kept only during the
-    # MLP's call, which clears it at its end.
+    # grad_fn stands for grad mode on (a module's hooks run in its forward's grad mode). The consumer scope starts in
+    # the later of the act's and up's hooks, once a and u are made (the saves before it pass no hooks: Python at every
+    # save), where ours is the last forward hook on both: a producer scope that another installer put on the act or up
+    # and that closes after our hook would close ours (tried on 2026-11-30). Otherwise it spans the MLP's whole call,
+    # as it did before; the later start keeps more in unusual MLPs (a save of a before up runs: README). A tensor
+    # changed in place without a graph (under no_grad its grad_fn stays) between the call that made it and down's call
+    # would be rebuilt without the change: ``a`` and ``u`` must still have the versions they had then, and ``m`` its
+    # first. State is kept only during the MLP's call, which clears it at its end.
     def enter(self, module: nn.Module, args: Any) -> None:
         if plain_only():
             return
@@ -576,7 +578,10 @@ class _GatedMLP:
 
     def _deferred(self, module: nn.Module) -> bool:
         """Whether the scope can wait until ``a`` and ``u`` are made (entered in the later of their hooks): no
-        forward hook runs after ours on the act or ``up`` (one that closes a producer scope would close ours)."""
+        forward hook runs after ours on the act or ``up`` (one that closes a producer scope would close ours). Not
+        for hooks pickled before ``last`` was kept (their ids unknown)."""
+        if not self.last:
+            return False
         for name, hook_id in self.last:
             hooked = module._modules.get(name)
             if hooked is None and "." in name:
