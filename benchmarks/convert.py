@@ -52,6 +52,7 @@ def step(model, opt, x, y, loss_fn):
 
 def memory(model, opt, x, y, loss_fn):
     step(model, opt, x, y, loss_fn)
+    opt.zero_grad(set_to_none=True)  # (the standard loop has no gradient in its forward: zero_grad() starts a step)
     report = memtrim.measure_step(model, x, y, loss_fn, opt)
     held = next(report.timeline[i - 1].by_category["activations"]
                 for i, e in enumerate(report.timeline) if e.phase == "backward")
