@@ -215,3 +215,26 @@ def test_under_hooks_that_keep_tensors_themselves_a_changed_parameter_trains_as_
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_an_input_kept_from_inside_a_torch_func_transform_runs_as_torch():
+    # found by an adversarial pass: such a tensor (a dead functorch wrapper) has no storage to read, and marking the
+    # ReLU's output as a recipe of it raised NotImplementedError where torch's BatchNorm + ReLU runs
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.BatchNorm2d(3), nn.ReLU()).double()
+    fused = memtrim.nn.BatchNormReLU2d(3).double()
+    fused.load_state_dict(plain[0].state_dict())
+    grads = []
+    for model in (plain, fused):
+        x = torch.randn(2, 3, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        inside = []
+
+        def f(v, inside=inside):
+            inside.append(v * 2)
+            return inside[-1].sum()
+
+        torch.func.vjp(f, x)
+        model(inside[0]).square().sum().backward()
+        grads.append((x.grad, model[0].weight.grad if model is plain else model.weight.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

@@ -704,6 +704,21 @@ def test_a_hook_registered_on_an_unpickled_model_replaces_none_of_memtrims():
     assert held(loaded, X) == held(plain, X) - 2 * INTER
 
 
+def test_remove_leaves_no_memtrim_object_on_the_modules():
+    # found by an adversarial pass: the mark that keeps hook ids apart after unpickling stayed after remove(), and a
+    # model pickled then needed memtrim to load
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), GatedMLP(), nn.Linear(16, 16))
+    handles = [R.recompute_gated_mlp(model[1]), R.keep_recipes_in(model[2]), R.recompute_output(model[0])]
+    assert all("_memtrim_hook_ids" in m.__dict__ for m in (model[0], model[1], model[1].act_fn, model[2]))
+    handles[0].remove()
+    assert "_memtrim_hook_ids" not in model[1].act_fn.__dict__
+    assert "_memtrim_hook_ids" in model[0].__dict__  # its hooks are still there
+    for handle in handles[1:]:
+        handle.remove()
+    assert not [(n, k) for n, m in model.named_modules() for k in vars(m) if "memtrim" in k]
+
+
 # ---------------------------------------------------------------------- 4. BatchNorm + ReLU with a shared ReLU
 def test_shared_relu_fused_at_one_call_site_only():
     torch.manual_seed(0)

@@ -134,11 +134,23 @@ def _hook_ids_restored(next_id: int) -> _HookIds:
     return _HOOK_IDS
 
 
-def keep_hook_ids(*modules: nn.Module) -> None:
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def keep_hook_ids(*modules: nn.Module) -> Callable[[], None]:
     """Mark ``modules``, which memtrim puts hooks on, so that a hook registered after they are unpickled gets an id of
-    its own (:class:`_HookIds`)."""
+    its own (:class:`_HookIds`). Returns the undo, to run after the installer's hooks are removed: it drops the mark
+    where no hook of memtrim's is left (a model pickled after ``remove()`` then loads without memtrim). Picklable."""
     for module in modules:
         module.__dict__.setdefault("_memtrim_hook_ids", _HOOK_IDS)
+    return functools.partial(_forget_hook_ids, modules)
+
+
+def _forget_hook_ids(modules: tuple[nn.Module, ...]) -> None:
+    for module in modules:
+        hooks = [h for name in _HOOK_DICTS for h in getattr(module, name, {}).values()]
+        if module.__dict__.get("_memtrim_hook_ids") is _HOOK_IDS and not any(memtrims(h) for h in hooks):
+            del module.__dict__["_memtrim_hook_ids"]
 
 
 _UNWRAP_IF_DEAD = getattr(torch._C._functorch, "unwrap_if_dead", None)

@@ -249,7 +249,11 @@ def register(tensor: torch.Tensor, fn: Callable[..., torch.Tensor],
                 kind is torch.Tensor or not isinstance(source, torch.nn.Parameter)):
             # the same storage (compared as torch's StorageWeakRef does: fake tensors, as a plan traces them, all
             # have data pointer 0)
-            if source.untyped_storage()._cdata == storage._cdata and storage.nbytes() > 0:
+            try:
+                same = source.untyped_storage()._cdata == storage._cdata
+            except (RuntimeError, NotImplementedError):  # (a functorch wrapper a finished transform left: no storage)
+                return None
+            if same and storage.nbytes() > 0:
                 return None  # an in-place producer: its input is gone
             source = source.detach()
         resolved.append(source)

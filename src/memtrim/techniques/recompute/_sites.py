@@ -154,12 +154,12 @@ def keep_recipes_in(module: nn.Module) -> Handle:
     found = module.__dict__.get("_memtrim_consumer_scope")
     if isinstance(found, Handle) and found._removers:
         return found
-    keep_hook_ids(module)
+    forget = keep_hook_ids(module)
     pre = module.register_forward_pre_hook(_enter)
     post = module.register_forward_hook(_exit, always_call=True)
     # a partial, not a closure: the handle lives in the module's __dict__, so it must pickle (torch.save(model)) and
-    # deepcopy with the module
-    handle = Handle(functools.partial(_forget_scope, module), pre.remove, post.remove)
+    # deepcopy with the module (the removers run last first)
+    handle = Handle(forget, functools.partial(_forget_scope, module), pre.remove, post.remove)
     module.__dict__["_memtrim_consumer_scope"] = handle
     return handle
 
@@ -464,15 +464,15 @@ def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None =
 
         return Handle(unshare)
     hooks = _OutputRecipe(module, fn, owner, parameters, under_autocast, keeps_output, strict)
-    keep_hook_ids(module)
+    forget = keep_hook_ids(module)
     if not keeps_output:  # nothing to open before the call: one hook
         post = module.register_forward_hook(hooks.post_alone, with_kwargs=True)
         hooks.hook_id = post.id
-        return Handle(post.remove)
+        return Handle(forget, post.remove)
     pre = module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
     post = module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True)
     hooks.hook_id = post.id
-    return Handle(pre.remove, post.remove)
+    return Handle(forget, pre.remove, post.remove)
 
 
 class _OpTag:
@@ -522,10 +522,10 @@ def recompute_op_output(module: nn.Module, *, owner: str | None = None, eps: str
     if isinstance(module.__dict__.get("forward"), _Checkpointed):  # one recompute serves both (recompute_output)
         return recompute_output(module, owner=owner)
     tagger = _OpTag(_name(module, owner), eps)
-    keep_hook_ids(module)
+    forget = keep_hook_ids(module)
     hook = module.register_forward_hook(tagger.tag)
     tagger.hook_id = hook.id
-    return Handle(hook.remove)
+    return Handle(forget, hook.remove)
 
 
 # ---------------------------------------------------------------------- gated MLP
@@ -676,7 +676,7 @@ def recompute_gated_mlp(mlp: nn.Module, *, gate: str = "gate_proj", up: str = "u
     act_module, up_module, down_module = (mlp.get_submodule(n) for n in (act, up, down))
     hooks = _GatedMLP(name)
     marks = recompute_output(act_module, owner=f"{name}.{act}", keeps_output=act_keeps_output)
-    keep_hook_ids(act_module, up_module, down_module, mlp)
+    forget = keep_hook_ids(act_module, up_module, down_module, mlp)
     act_hook = act_module.register_forward_hook(hooks.act_done)  # after recompute_output's: a is marked by then
     up_hook = up_module.register_forward_hook(hooks.up_done)
     hooks.last = ((act, act_hook.id), (up, up_hook.id))
@@ -687,7 +687,7 @@ def recompute_gated_mlp(mlp: nn.Module, *, gate: str = "gate_proj", up: str = "u
         mlp.register_forward_pre_hook(hooks.enter),
         mlp.register_forward_hook(hooks.exit, always_call=True),
     )
-    return Handle(marks.remove, *(h.remove for h in removable))
+    return Handle(forget, marks.remove, *(h.remove for h in removable))  # (removed last first)
 
 
 # ---------------------------------------------------------------------- a sum of recomputable outputs
@@ -796,7 +796,7 @@ def recompute_sum(consumers: list[nn.Module], producers: list[nn.Module], *, own
         removers.append(recompute_output(producer, owner=f"{owner}: {_name(producer, None)}", parameters=True,
                                          keeps_output=False).remove)
         removers.append(producer.register_forward_hook(functools.partial(hooks.producer_done, i)).remove)
-    keep_hook_ids(*producers, *consumers)
+    removers.insert(0, keep_hook_ids(*producers, *consumers))
     removers += [consumer.register_forward_pre_hook(hooks.consumer_pre).remove for consumer in consumers]
     return Handle(*removers)
 
