@@ -550,3 +550,21 @@ def test_jit_trace_with_grad_on_of_a_model_whose_embedding_sum_is_rebuilt():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         traced = torch.jit.trace(model, (tokens,), check_trace=False)
     assert torch.equal(traced(tokens), model(tokens))
+
+
+def test_under_disable_saved_tensors_hooks_what_needs_no_hooks_still_saves():
+    # the BatchNorm + ReLU recompute needs a consumer scope (hooks): it keeps what torch keeps there; the BatchNorm +
+    # LeakyReLU fusion is an autograd Function of its own and still keeps its output only
+    held = {}
+    for name, make, x in (("resnet", ResNetCNN, torch.randn(4, 1, 28, 28)),
+                          ("leaky", leaky_cnn, torch.randn(4, 3, 12, 12))):
+        torch.manual_seed(0)
+        plain = make()
+        model = copy.deepcopy(plain)
+        memtrim.convert(model, example_inputs=(x,))
+        for label, m in (("plain", plain), ("converted", model)):
+            with torch.autograd.graph.disable_saved_tensors_hooks("this region keeps what torch keeps"):
+                out = m(x)
+            held[name, label] = memtrim.autograd_graph_bytes(out)
+    assert held["resnet", "converted"] == held["resnet", "plain"]
+    assert held["leaky", "converted"] < 0.5 * held["leaky", "plain"]
