@@ -25,10 +25,10 @@ from ..errors import ConvertError
 from ..measure.hooks import top_saved_tensors_hooks
 
 __all__ = [
-    "CONVERTED", "INPUT_AND_FORWARD_HOOKS", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS", "activated",
-    "autocasting", "batched", "fx_tracing", "hooks_allowed", "inplace_error", "keep_hook_ids", "mark_activated",
-    "memtrims", "no_double_backward", "owner", "plain_apply", "plain_only", "kept_params", "refuse_later_hooks",
-    "saved_tensors", "saves_checked", "watch_registrations", "watch_replacement", "WatchedFusion",
+    "CONVERTED", "HOOKS_ENABLED", "INPUT_AND_FORWARD_HOOKS", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS",
+    "activated", "autocasting", "batched", "fx_tracing", "hooks_allowed", "inplace_error", "keep_hook_ids",
+    "mark_activated", "memtrims", "no_double_backward", "owner", "plain_apply", "plain_only", "kept_params",
+    "refuse_later_hooks", "saved_tensors", "saves_checked", "watch_registrations", "watch_replacement", "WatchedFusion",
 ]
 
 
@@ -174,13 +174,13 @@ def plain_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
     return applied
 
 
-_HOOKS_ENABLED = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+HOOKS_ENABLED = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)  # (a per-call path reads it)
 
 
 def hooks_allowed() -> bool:
     """Whether saved-tensor hooks may be entered now: not inside ``torch.autograd.graph.disable_saved_tensors_hooks``
     (entering any raises the user's message there). What would enter some runs as torch's own ops instead."""
-    return _HOOKS_ENABLED is None or bool(_HOOKS_ENABLED())
+    return HOOKS_ENABLED is None or bool(HOOKS_ENABLED())
 
 
 def saves_checked() -> bool:

@@ -1831,8 +1831,8 @@ def _check_clip(parameters: Any, name: str, option: str) -> Any:
         wrapper = owner() if owner is not None else None
         if wrapper is not None and wrapper._open and param.grad is None and id(param) in wrapper._stepped:
             raise _clip_error(name, option)
-    if not getattr(_CLIP_DEPTH, "depth", 0):  # (clip_grad_norm_'s own call of clip_grads_with_norm_: checked)
-        _check_none_left_out(bool(params), name, option)
+    if not params and not getattr(_CLIP_DEPTH, "depth", 0):  # (clip_grad_norm_'s own call of clip_grads_with_norm_:
+        _check_none_left_out(name, option)                     # checked)
     for param in params:
         gather_gradient(param)  # a gradient partly in its holder, partly on the parameter: all in the holder
     if any(holder_of(p) is not None for p in params):  # NOTE [ gradients held elsewhere ]: clip where they are
@@ -1843,7 +1843,16 @@ def _check_clip(parameters: Any, name: str, option: str) -> Any:
     return parameters
 
 
-def _check_none_left_out(given: bool, name: str, option: str) -> None:
+def _updating_here() -> OptimizerInBackward | None:
+    """The open wrapper on this thread that updated parameters inside this step's backward, if any."""
+    thread = threading.get_ident()
+    for wrapper in list(_WRAPPERS):
+        if wrapper._open and wrapper._updated_in_backward and wrapper._thread == thread:
+            return wrapper
+    return None
+
+
+def _check_none_left_out(name: str, option: str) -> None:
     """Refuse a clip that would leave out gradients an open step on this thread applied and freed in backward
     (OptimizerInBackward) or that wait in host memory for a step (CPUOffloadOptimizer). The usual way to get one: a
     list of the parameters that have a gradient, ``[p for p in model.parameters() if p.grad is not None]`` (fairseq's
@@ -1852,19 +1861,17 @@ def _check_none_left_out(given: bool, name: str, option: str) -> None:
     are such gradients. Not seen (README): a list of the others, which is what clipping part of a model on purpose
     looks like (a head another optimizer steps; the parameters of a bucket OptimizerInBackward holds back to
     ``step()``, which depends on memory: refusing those came and went with it), or another model's parameters (a GAN's
-    other network, or a model built again in a notebook while the old wrapper, mid-step, is not collected yet)."""
-    if given:
-        return
-    thread = threading.get_ident()
-    for wrapper in list(_WRAPPERS):
-        if wrapper._open and wrapper._updated_in_backward and wrapper._thread == thread:
-            raise OptimizerInBackwardError(
-                f"torch.nn.utils.{name}: got an empty list while OptimizerInBackward applied and freed "
-                f"{len(wrapper._stepped)} gradients inside this step's backward, so the clip would leave those out. "
-                "A list of the parameters that have a gradient ([p for p in model.parameters() if p.grad is not "
-                f"None]) gets this: their .grad is None once applied. Pass {option} to OptimizerInBackward"
-                f"{_how(option)}. {_EMPTY_ON_PURPOSE}"
-            )
+    other network, or a model built again in a notebook while the old wrapper, mid-step, is not collected yet). Called
+    for an empty list."""
+    wrapper = _updating_here()
+    if wrapper is not None:
+        raise OptimizerInBackwardError(
+            f"torch.nn.utils.{name}: got an empty list while OptimizerInBackward applied and freed "
+            f"{len(wrapper._stepped)} gradients inside this step's backward, so the clip would leave those out. "
+            "A list of the parameters that have a gradient ([p for p in model.parameters() if p.grad is not "
+            f"None]) gets this: their .grad is None once applied. Pass {option} to OptimizerInBackward"
+            f"{_how(option)}. {_EMPTY_ON_PURPOSE}"
+        )
     pairs = held_gradients()
     if pairs:
         raise InvalidInputError(
@@ -1908,12 +1915,9 @@ def _check_total_norm(tensors: Any, name: str, option: str) -> Any:
         return tensors
     tensors = list(tensors)  # as torch's own first line does
     if not tensors:
-        _check_none_left_out(False, name, option)
-    elif any(t is None for t in tensors):  # ([p.grad for p in params], some applied and freed)
-        thread = threading.get_ident()
-        for wrapper in list(_WRAPPERS):
-            if wrapper._open and wrapper._updated_in_backward and wrapper._thread == thread:
-                raise _clip_error(name, option)
+        _check_none_left_out(name, option)
+    elif any(t is None for t in tensors) and _updating_here() is not None:  # ([p.grad for p in params], some applied
+        raise _clip_error(name, option)                                      # and freed)
     held = {id(holder.grad) for _, holder in held_gradients()}
     if held and not any(id(t) in held for t in tensors):
         # (a list of the device gradients left: [p.grad for p in params if p.grad is not None] over a model whose body

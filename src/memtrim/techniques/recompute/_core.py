@@ -53,7 +53,7 @@ import torch
 
 from ...errors import ConvertError
 from ...measure.hooks import check_saved_version, compiled_autograd_running, top_saved_tensors_hooks
-from ..guards import RECOMPUTE_HOOKS, hooks_allowed, memtrims, plain_only, saves_checked
+from ..guards import HOOKS_ENABLED, RECOMPUTE_HOOKS, hooks_allowed, memtrims, plain_only, saves_checked
 
 __all__ = [
     "Recipe", "enter_consumer_scope", "entry_of", "exit_consumer_scope", "exit_if_on_top", "is_recomputable",
@@ -618,7 +618,6 @@ def _consumer_pack(outer: Any) -> Callable[[torch.Tensor], Any]:
     return pack
 
 
-_HOOKS_ENABLED = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
 _ALONE = torch.autograd.graph.saved_tensors_hooks(_consumer_pack(None), _unpack)  # a consumer scope's hooks with none
                                                                                   # outside: entered by every such scope
 _local = threading.local()  # .scopes: per-thread stack of (id of the scope's module or None, the hooks it entered)
@@ -674,7 +673,7 @@ def enter_consumer_scope(owner: object | None = None, checked: bool = False) -> 
     # a user's hooks may pack lossily (to bfloat16), and a rebuild from packed sources is then not the packed tensor;
     # under disable_saved_tensors_hooks entering any raises: what torch saves is kept as torch keeps it
     if (torch.is_grad_enabled() and (top is None or (not hasattr(top[0], _MARK) and memtrims(top[0])))
-            and (_HOOKS_ENABLED is None or _HOOKS_ENABLED())):  # (hooks_allowed, inlined: a call at every scope)
+            and (HOOKS_ENABLED is None or HOOKS_ENABLED())):  # (hooks_allowed, inlined: a call at every scope)
         # with no hooks outside (the usual case) one shared pair serves every scope: it holds no state
         hooks = _ALONE if top is None else torch.autograd.graph.saved_tensors_hooks(_consumer_pack(_outer_of(top)),
                                                                                    _unpack)
