@@ -1,11 +1,15 @@
 """What the host's waits for the GPU cost a converted Llama step: each rebuilt RMSNorm decides which features keep
 their input (NOTE [ when a norm keeps its input ]), and gathering them (``nonzero``) makes the host wait for the GPU.
-A converted model's norms decide together, one wait a forward (NOTE [ keep decisions made together ]). Four variants
-train in interleaved rounds, as in convert_zoo_time.py: plain; converted (one wait a forward); converted with each
-norm deciding alone at its call (the hooks that group them taken off: one wait a norm, as before 2026-11-30); and
-converted with every norm's decision made once before timing and reused (no wait). The reused decisions are only
-valid while the weights' decisions do not change; the script checks that they did not, after timing. The gaps
-between the converted variants are what the waits cost.
+A converted model's norms decide together, one wait a forward, and check the decisions taken at the forward's end,
+whose flag a GPU reads when the backward reaches the model's output (NOTE [ keep decisions made together ] and NOTE [
+the check read at the backward ]). Six variants train in interleaved rounds, as in convert_zoo_time.py: plain;
+converted (one wait a forward); converted with the check's flag read at the forward's end (a second wait, as before
+2026-11-30 19:30); converted with the check computed on the device and never read (timing only: a write the check
+exists for would go unrefused); converted with each norm deciding alone at its call (the hooks that group them taken
+off: one wait a norm, as before 2026-11-30 00:00); and converted with every norm's decision made once before timing
+and reused (no wait). The reused decisions are only valid while the
+weights' decisions do not change; the script checks that they did not, after timing. The gaps between the converted
+variants are what the waits cost.
 
 Reproduce (a CUDA GPU, transformers):  python benchmarks/convert_waits.py [--rounds 7] [--batch-mult 16]
 Writes benchmarks/results/convert_waits_<device>.json. On the CPU nothing waits: the variants differ by the
@@ -23,7 +27,7 @@ import memtrim
 from _common import machine, quartiles, write
 from convert_zoo import build
 from convert_zoo_time import WIDE, host_syncs, interleaved_times, step
-from memtrim.techniques.norms import keep_output
+from memtrim.techniques.norms import _kernels, keep_output
 
 
 @contextlib.contextmanager
@@ -42,6 +46,29 @@ def decisions_reused(store: dict):
         yield
     finally:
         keep_output.keep_input_features = decide
+
+
+@contextlib.contextmanager
+def end_check_unread():
+    """The check at the forward's end computed on the device, as converted models do, but its flag not read."""
+    read, refuse = _kernels.read_at_backward, _kernels._Check._refuse_if
+    _kernels.read_at_backward = lambda found: False
+    _kernels._Check._refuse_if = lambda self, found, at_backward: None
+    try:
+        yield
+    finally:
+        _kernels.read_at_backward, _kernels._Check._refuse_if = read, refuse
+
+
+@contextlib.contextmanager
+def end_check_read_at_end():
+    """The check's flag read at the forward's end, as on the CPU."""
+    read = _kernels.read_at_backward
+    _kernels.read_at_backward = lambda found: False
+    try:
+        yield
+    finally:
+        _kernels.read_at_backward = read
 
 
 def still_valid(store: dict) -> bool:
@@ -68,13 +95,18 @@ def main() -> None:
     alone = copy.deepcopy(converted)
     alone._forward_pre_hooks.clear()
     alone._forward_hooks.clear()
-    models = {"plain": plain, "converted": converted, "converted_each_norm_alone": alone,
+    models = {"plain": plain, "converted": converted, "converted_end_check_read_at_end": copy.deepcopy(converted),
+              "converted_end_check_unread": copy.deepcopy(converted), "converted_each_norm_alone": alone,
               "converted_decisions_reused": copy.deepcopy(converted)}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     store: dict = {}
     cuda = args.device.startswith("cuda")
 
     def scope(k):
+        if k == "converted_end_check_unread":
+            return end_check_unread()
+        if k == "converted_end_check_read_at_end":
+            return end_check_read_at_end()
         return decisions_reused(store) if k == "converted_decisions_reused" else contextlib.nullcontext()
 
     for k in models:

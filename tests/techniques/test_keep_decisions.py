@@ -915,3 +915,97 @@ def test_a_backward_inside_the_forward_reads_only_its_own_norms_decisions():
         for m in (together, plain[0]):
             m.mask = step >= 1
         assert_close_to_plain(grads(together, batch(step)), grads(plain[0], batch(step), plain=True))
+
+
+# ---------------------------------------------------------------------- NOTE [ the check read at the backward ]
+# On a GPU the forward's end check is read when a backward reaches the model's output (no wait at the forward's
+# end); READ_AT_BACKWARD_ON_CPU runs that path on the CPU.
+
+
+@pytest.fixture
+def read_at_backward(monkeypatch):
+    monkeypatch.setattr(_kernels, "READ_AT_BACKWARD_ON_CPU", True)
+
+
+def test_read_at_the_backward_a_data_write_refuses_the_backward_before_any_gradient(read_at_backward):
+    together, alone = converted_and_alone(WritesMidForward)
+    for model in (together, alone):
+        model.write = ".data"
+    together(batch())  # (the first forward meets each norm once: each decides alone)
+    alone(batch())
+    loss = together(batch()).square().mean()  # (not refused at its end: its flag is not read there)
+    alone(batch())
+    with pytest.raises(memtrim.ConvertError, match="its backward is refused"):
+        loss.backward()
+    assert all(p.grad is None for p in together.parameters())  # refused before any of the model's gradients
+    with count_nonzero() as counter:
+        together(batch())
+    alone(batch())
+    assert counter.count == 7  # alone from now on, as when refused at the forward's end
+    assert_bitwise(train(together, 4), train(alone, 4))
+
+
+class KeepsAnActivation(WritesMidForward):
+    """Keeps the last block's output, on which a loss can be computed without passing the model's output."""
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        self.calls += 1
+        with torch.no_grad():
+            self.blocks[2].rms.weight.data[4 + self.calls % 10] = 0.0
+        self.kept = x = self.blocks[2](self.blocks[1](x))
+        return self.head(self.act(self.bn(x.transpose(1, 2))).transpose(1, 2))
+
+
+def test_read_at_the_backward_a_backward_that_misses_the_output_is_refused_at_the_norm(read_at_backward):
+    together, _ = converted_and_alone(KeepsAnActivation)
+    together(batch())
+    together(batch())
+    with pytest.raises(memtrim.ConvertError, match="its backward is refused"):
+        together.kept.square().mean().backward()
+    assert together.blocks[2].rms.weight.grad is None  # (refused before the norm's gradients)
+
+
+def test_read_at_the_backward_trains_bitwise_as_each_norm_alone(read_at_backward):
+    # no write: nothing refused, a forward no backward reaches, a graph kept for a second backward
+    together, alone = converted_and_alone()
+    for model in (together, alone):
+        model(batch(7))  # (never backpropagated)
+        out = model(batch(8))
+        out.square().mean().backward(retain_graph=True)
+        out.abs().mean().backward()
+    assert_bitwise([p.grad for p in together.parameters()], [p.grad for p in alone.parameters()])
+    for model in (together, alone):
+        model.zero_grad(set_to_none=True)
+    assert_bitwise(train(together, 4), train(alone, 4))
+
+
+def test_read_at_the_backward_is_refused_at_the_forwards_end_under_torch_distributed(read_at_backward,
+                                                                                        monkeypatch):
+    # an error inside DDP's backward leaves its reducer waiting for gradients, and every later step fails
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    together, _ = converted_and_alone(WritesMidForward)
+    together.write = ".data"
+    together(batch())
+    assert_refused(together, batch())
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_check_is_read_at_the_backward_and_trains_as_each_norm_alone():
+    together, alone = converted_and_alone(WritesMidForward)
+    together, alone = together.cuda(), alone.cuda()
+    # no write: bitwise as each norm alone
+    for model in (together, alone):
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(batch(step).cuda()).square().mean().backward()
+            opt.step()
+    assert_bitwise(list(together.parameters()), list(alone.parameters()))
+    # a .data write: the forward is not refused, its backward is, before any of the model's gradients
+    together.write = ".data"
+    together.zero_grad(set_to_none=True)
+    loss = together(batch().cuda()).square().mean()
+    with pytest.raises(memtrim.ConvertError, match="its backward is refused"):
+        loss.backward()
+    assert all(p.grad is None for p in together.parameters())

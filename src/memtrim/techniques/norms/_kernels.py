@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _di
 from torch.utils.hooks import RemovableHandle
 
 from ...errors import ConvertError
+from ...measure.hooks import compiled_autograd_running, tensors_in
 from ..guards import defined_in, memtrims, plain_only
 
 __all__ = ["CACHE_SIZE", "HALF_PRECISION", "KEEP_BOUND", "DecidedTogether", "check_taken", "keep_input_features",
@@ -204,16 +205,19 @@ _PLAIN_TYPES = (torch.Tensor, nn.Parameter, FakeTensor)
 #   with (NOTE [ the weights a rebuild reads ]), so a write after it ran changes nothing it needs; a write before it
 #   ran but after the decision may have made a feature need its input that the decision left out. At the forward's
 #   end the model's forward hook makes, all at once on the device, each decision taken again from the copies (about
-#   ten small ops) and reads whether one left out a feature they need (a second wait on a GPU; a decision that keeps
-#   more than they need is exact, and a norm whose graph is gone by then, a teacher's whose output was detached, is
-#   not read): ``ConvertError`` (that forward's saved tensors cannot give torch's gradients), and the model's norms
-#   decide alone from then on. A backward through such a norm run before the forward's end (a local loss
-#   backpropagated inside the model's forward) reads that norm's own decision, in its backward. Before e406254
+#   ten small ops) and reads whether one left out a feature they need (a decision that keeps more than they need is
+#   exact, and a norm whose graph is gone by then, a teacher's whose output was detached, is not read):
+#   ``ConvertError`` (that forward's saved tensors cannot give torch's gradients), and the model's norms decide alone
+#   from then on. On a GPU the flag is read when a backward reaches the model's output, not at the forward's end
+#   (NOTE [ the check read at the backward ]: no second wait). A backward through such a norm run before the
+#   forward's end (a local loss backpropagated inside the model's forward) reads that norm's own decision, in its
+#   backward. Before e406254
 #   the weights themselves were compared at the forward's end, as the rebuild read the live weights, and a write
 #   between the forward and the backward went unseen (an adversarial pass, 2026-11-30: 1e-4 off plain). Reading the
-#   flag at the end of the backward instead (no wait on a GPU) was tried and dropped: an optimizer stepped inside the
-#   backward (OptimizerInBackward, post-accumulate-grad hooks) or DDP's reducer had used the gradients by then (an
-#   adversarial pass: NaN parameters, then DDP's internal assert at every later step).
+#   flag at the end of the backward instead was tried and dropped: an optimizer stepped inside the backward
+#   (OptimizerInBackward, post-accumulate-grad hooks) or DDP's reducer had used the gradients by then (an adversarial
+#   pass: NaN parameters, then DDP's internal assert at every later step). Its start, before any of the model's
+#   gradients, is where a GPU reads it now, outside torch.distributed.
 #
 # The masks of all the norms deciding at once are computed together, on their concatenated weights (``_masks``), and
 # so are the checks: a handful of small ops a forward, not six a norm (on a GPU each is a kernel launch).
@@ -256,46 +260,133 @@ _Taken = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, float, Any]
 
 class _Check:
     """Whether the decisions one forward's norms took from an earlier norm's left out a feature the weights they
-    computed with need (NOTE [ keep decisions made together ]): read at the forward's end (on a GPU one wait), or, for
-    a backward through one of those norms that runs before it (a local loss backpropagated inside the model's
-    forward), by that norm's backward for its own decision (:meth:`before_end`)."""
+    computed with need (NOTE [ keep decisions made together ]): computed at the forward's end and read there (on the
+    CPU), or, on a GPU, read when a backward reaches the model's output or one of those norms (no wait at the
+    forward's end: NOTE [ the check read at the backward ]); for a backward through one of those norms that runs
+    before the forward's end (a local loss backpropagated inside the model's forward), by that norm's backward for its
+    own decision (:meth:`before_end`)."""
 
-    __slots__ = ("done", "group", "taken")
+    __slots__ = ("done", "group", "pending", "refused", "taken")
 
     def __init__(self, group: DecidedTogether, taken: list[_Taken]) -> None:
         self.group, self.taken, self.done = group, taken, False
+        self.pending: list[tuple[torch.Tensor, Any]] | None = None  # (the flags on their way to the host)
+        self.refused = False
 
-    def at_end(self) -> None:
+    def at_end(self, output: Any = None) -> None:
         if not self.done:  # (refused already by a backward before the end, whose error the forward raises)
             self.done = True
             # (a norm whose graph is gone by now, a teacher's whose output was detached: no backward reads it)
             taken, self.taken = self.taken, []  # (a graph the user keeps holds this check, not the copies)
-            self._read([entry for entry in taken if entry[4] is None or entry[4]() is not None])
+            found = _flags([entry for entry in taken if entry[4] is None or entry[4]() is not None])
+            if not read_at_backward(found):
+                self._refuse_if(found, at_backward=False)
+                return
+            self.pending = [_to_host(flag) for flag in found]
+            hooked: set[int] = set()
+            for t in tensors_in(output):
+                node = t.grad_fn
+                if node is not None and id(node) not in hooked:
+                    hooked.add(id(node))
+                    node.register_prehook(self._at_output)
 
     def before_end(self, node: Any) -> None:
         """Called by a checked norm's backward (``node``: its ctx): before the forward's end, its own decision is
-        read (the other norms taken so far may be off this backward's path)."""
+        read (the other norms taken so far may be off this backward's path); after it, the forward's flags, where
+        they were left to be read (a backward that did not pass the model's output)."""
         if not self.done:
-            self._read([entry for entry in self.taken if entry[4] is not None and entry[4]() is node])
+            self._refuse_if(_flags([entry for entry in self.taken if entry[4] is not None and entry[4]() is node]),
+                            at_backward=False)
+        elif self.pending is not None or self.refused:
+            self._resolve()
 
-    def _read(self, taken: list[_Taken]) -> None:
-        by_device: dict[torch.device, list[_Taken]] = {}  # (one flag a device: a model split over two)
-        for entry in taken:
-            by_device.setdefault(entry[1].device, []).append(entry)
-        found = [_changed(entries) for entries in by_device.values()]
+    def _at_output(self, grad_outputs: Any) -> None:
+        self._resolve()
+
+    def _resolve(self) -> None:
+        pending = self.pending
+        if pending is not None:
+            refused = any(_on_host(flag) for flag in pending)  # (a wait only if the GPU has not got there yet)
+            self.refused, self.pending = self.refused or refused, None
+        if self.refused:
+            self.group._alone = True
+            raise ConvertError(_refusal(at_backward=True))
+
+    def _refuse_if(self, found: list[torch.Tensor], at_backward: bool) -> None:
         # (a plan's trace has no values to read there, and makes the same tensors)
         if any(not isinstance(flag, FakeTensor) and bool(flag) for flag in found):  # (the wait)
             self.group._alone = self.done = True
-            raise ConvertError(
-                "memtrim.convert: a norm's weight changed during a forward of the converted model without its "
-                "version moving (a .data write, in the model's own code or a hook), after the model's norms had "
-                "decided together which features keep their input and before the norm ran, so that a feature its "
-                "weight now needs kept is not (NOTE [ keep decisions made together ] in "
-                "memtrim/techniques/norms/_kernels.py). That forward's saved tensors cannot give torch's gradients, "
-                "so it is refused. Expected a norm's weight to change in place (which moves its version: under "
-                "torch.no_grad(), not through .data), or through .data before the model's forward or in a forward "
-                "pre-hook. The model's norms now decide at each call: run the step again (what the refused forward "
-                "changed, a BatchNorm's running statistics, an EMA, it has changed once already).")
+            raise ConvertError(_refusal(at_backward))
+
+
+def _flags(taken: list[_Taken]) -> list[torch.Tensor]:
+    """:func:`_changed` of the entries, one flag a device (a model split over two)."""
+    by_device: dict[torch.device, list[_Taken]] = {}
+    for entry in taken:
+        by_device.setdefault(entry[1].device, []).append(entry)
+    return [_changed(entries) for entries in by_device.values()]
+
+
+def _refusal(at_backward: bool) -> str:
+    when = ("so its backward is refused, when it reaches the model's output or that norm (on a GPU the check is read "
+            "there, not at the forward's end: NOTE [ the check read at the backward ]; the gradients of parameters "
+            "outside the model that the backward reached first are computed, and used where an optimizer steps "
+            "in backward)" if at_backward else "so it is refused")
+    return ("memtrim.convert: a norm's weight changed during a forward of the converted model without its version "
+            "moving (a .data write, in the model's own code or a hook), after the model's norms had decided together "
+            "which features keep their input and before the norm ran, so that a feature its weight now needs kept is "
+            "not (NOTE [ keep decisions made together ] in memtrim/techniques/norms/_kernels.py). That forward's "
+            f"saved tensors cannot give torch's gradients, {when}. Expected a norm's weight to change in place (which "
+            "moves its version: under torch.no_grad(), not through .data), or through .data before the model's "
+            "forward or in a forward pre-hook. The model's norms now decide at each call: run the step again (what "
+            "the refused forward changed, a BatchNorm's running statistics, an EMA, it has changed once already).")
+
+
+# ---------------------------------------------------------------------- NOTE [ the check read at the backward ]
+# On a GPU, reading the flag of the forward's end check (NOTE [ keep decisions made together ]) made the host wait
+# until the GPU had run the whole forward, and the GPU then waited while the host returned from the model, computed
+# the loss and started the backward: on an H200 (benchmarks/convert_waits.py, 2026-11-30) a converted Llama step
+# took 1.101x plain's with the flag read at the end and 1.039x with it never read; read at the backward, 1.033x
+# against 1.058x read at the end, in one later run. There the flag is copied to the host without a wait and read when a
+# backward reaches the model's output (a pre-hook on the grad_fn of each output tensor), before any of the model's
+# parameters has a gradient, by when the GPU has usually run the forward's end; a backward that does not pass the
+# output (a loss on an activation a hook kept) reads it in the first checked norm's backward, before that norm's
+# gradients. A forward no backward reaches is never read: no gradient uses its saved tensors. It is read at the
+# forward's end as before on the CPU (no wait there), under torch.distributed (an error inside DDP's backward leaves
+# its reducer waiting for gradients, and every later step fails: refused at the forward's end, the step can be run
+# again) and under compiled autograd (which traces hooks).
+READ_AT_BACKWARD_ON_CPU = False
+"""Tests: the GPU's path on the CPU."""
+
+
+def read_at_backward(found: list[torch.Tensor]) -> bool:
+    """Whether the forward's end check's ``found`` flags are left to be read at the backward (NOTE above)."""
+    if not found or not all(type(flag) is torch.Tensor and (flag.is_cuda or READ_AT_BACKWARD_ON_CPU)
+                            for flag in found):
+        return False
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return False
+    config = sys.modules.get("torch._dynamo.config")
+    return not (getattr(config, "compiled_autograd", False) or compiled_autograd_running())
+
+
+def _to_host(flag: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The flag copied to pinned host memory without a wait, and the event after the copy (on the CPU: the flag)."""
+    if not flag.is_cuda:
+        return flag, None
+    with torch.cuda.device(flag.device):
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+    return host, copied
+
+
+def _on_host(pending: tuple[torch.Tensor, Any]) -> bool:
+    host, copied = pending
+    if copied is not None:
+        copied.synchronize()
+    return bool(host)
 
 
 def check_taken(ctx: Any) -> None:
@@ -451,7 +542,7 @@ class DecidedTogether:
             return
         top = stack.pop()
         if top.check is not None:
-            top.check.at_end()
+            top.check.at_end(output)
 
     def kept(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float, open_: _Open,
              node: Any, read: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
