@@ -5,6 +5,7 @@ model trains bitwise as when each norm decides at its own call. Compared here wi
 
 import contextlib
 import copy
+import dataclasses
 import io
 import pickle
 import threading
@@ -1009,3 +1010,88 @@ def test_on_cuda_the_check_is_read_at_the_backward_and_trains_as_each_norm_alone
     with pytest.raises(memtrim.ConvertError, match="its backward is refused"):
         loss.backward()
     assert all(p.grad is None for p in together.parameters())
+
+
+class ReturnsAView(WritesMidForward):
+    """Returns its output as a view, which the user changes in place (``logits.div_(t)``)."""
+
+    def forward(self, x):
+        return super().forward(x).view(-1, 4)
+
+
+def test_read_at_the_backward_an_output_view_changed_in_place_is_refused_before_any_gradient(read_at_backward):
+    # found by an adversarial pass: the in-place change rebased the view's history onto its base, the view's own node
+    # (the only one hooked) was left out of the graph, and the refusal came at the last checked norm, after the head's
+    # gradients (used already by an optimizer stepped in backward)
+    together, _ = converted_and_alone(ReturnsAView)
+    together.write = ".data"
+    together(batch())
+    out = together(batch())
+    out.mul_(2.0)
+    with pytest.raises(memtrim.ConvertError, match="its backward is refused"):
+        out.square().mean().backward()
+    assert all(p.grad is None for p in together.parameters())
+
+
+@dataclasses.dataclass
+class Output:
+    out: torch.Tensor
+
+
+class ReturnsADataclass(WritesMidForward):
+    def forward(self, x):
+        return Output(super().forward(x))
+
+
+def test_read_at_the_backward_an_output_it_cannot_hook_is_refused_at_the_forwards_end(read_at_backward):
+    # found by an adversarial pass: no tensor found in the output (a dataclass), no hook, and the refusal came after
+    # the head's gradients; read at the forward's end instead, as on the CPU
+    together, _ = converted_and_alone(ReturnsADataclass)
+    together.write = ".data"
+    together(batch())
+    assert_refused(together, batch())
+
+
+class ReturnsADiagnostic(Net):
+    """Returns a view made under no_grad of a tensor it then changes in place (torch refuses to give its grad_fn)."""
+
+    def forward(self, x):
+        h = self.blocks[0](x) * 1.0
+        with torch.no_grad():
+            diagnostic = h[:, 0]
+        h.add_(1.0)
+        return super().forward(h), diagnostic
+
+
+@pytest.mark.parametrize("gpu_path", [False, True])
+def test_a_no_grad_view_in_the_output_trains_as_each_norm_alone(gpu_path, monkeypatch):
+    # found by an adversarial pass: reading that view's grad_fn raised at every forward's end
+    monkeypatch.setattr(_kernels, "READ_AT_BACKWARD_ON_CPU", gpu_path)
+    together, alone = converted_and_alone(ReturnsADiagnostic)
+    found = []
+    for model in (together, alone):
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            model(batch(step))[0].square().mean().backward()
+            opt.step()
+        found.append([p.detach().clone() for p in model.parameters()])
+    assert_bitwise(*found)
+
+
+def test_read_at_the_backward_does_not_walk_the_model_at_every_forward(read_at_backward, monkeypatch):
+    # found by an adversarial pass: each forward's output pre-hook made a hook handle, and torch's handle count moving
+    # made the model's norms walk its modules for foreign hooks at every forward (1.35 ms a forward of a 32-layer
+    # Llama on the CPU)
+    together, _ = converted_and_alone()
+    other, _ = converted_and_alone()
+    walked = []
+    walk = _kernels._hooked
+    monkeypatch.setattr(_kernels, "_hooked", lambda model: walked.append(model) or walk(model))
+    for step in range(4):
+        for model in (together, other):
+            model(batch(step)).square().mean().backward()
+    assert walked == [together, other]  # once each (their first forward since the patch), not at every forward
+    together.blocks[0].register_forward_hook(lambda *args: None)  # a hook of the user's: seen at the next forward
+    together(batch())
+    assert walked[-1] is together and len(walked) == 3
