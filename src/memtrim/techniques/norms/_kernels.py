@@ -14,11 +14,10 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _dispatch_modes
-from torch.utils.hooks import RemovableHandle
 
 from ...errors import ConvertError
 from ...measure.hooks import compiled_autograd_running, tensors_in
-from ..guards import defined_in, memtrims, plain_only
+from ..guards import defined_in, foreign_handles, memtrims, plain_only, register_own
 
 __all__ = ["CACHE_SIZE", "HALF_PRECISION", "KEEP_BOUND", "DecidedTogether", "check_taken", "keep_input_features",
            "zeros_and_ones"]
@@ -278,16 +277,14 @@ class _Check:
             self.done = True
             # (a norm whose graph is gone by now, a teacher's whose output was detached: no backward reads it)
             taken, self.taken = self.taken, []  # (a graph the user keeps holds this check, not the copies)
-            found = _flags([entry for entry in taken if entry[4] is None or entry[4]() is not None])
-            nodes = _output_nodes(output) if read_at_backward(found) else []
+            alive = [entry for entry in taken if entry[4] is None or entry[4]() is not None]
+            found = _flags(alive)
+            nodes = _output_nodes(output, _first_node(alive)) if read_at_backward(found) else []
             if not nodes:  # (on the CPU; or no output a backward can enter by: read here)
                 self._refuse_if(found, at_backward=False)
                 return
             self.pending = [_to_host(flag) for flag in found]
-            with _OWN_HANDLES_LOCK:  # (handles of memtrim's, which no module walk needs to see: _hooked_now)
-                for node in nodes:
-                    node.register_prehook(self._at_output)
-                _OWN_HANDLES[0] += len(nodes)
+            register_own([(node.register_prehook, self._at_output) for node in nodes])
 
     def before_end(self, node: Any) -> None:
         """Called by a checked norm's backward (``node``: its ctx): before the forward's end, its own decision is
@@ -318,30 +315,34 @@ class _Check:
             raise ConvertError(_refusal(at_backward))
 
 
-def _output_nodes(output: Any) -> list[Any]:
+def _first_node(taken: list[_Taken]) -> int | None:
+    """The sequence number of the first node among ``taken``'s norms (None: none has one): autograd numbers the
+    nodes a thread makes in order."""
+    numbers = [node._sequence_nr() for node in (entry[4]() for entry in taken if entry[4] is not None)
+               if node is not None]
+    return min(numbers) if numbers else None
+
+
+def _output_nodes(output: Any, after: int | None) -> list[Any]:
     """The grad_fns a backward enters the model's output by (NOTE [ the check read at the backward ]): of each tensor
     in it and, for a view, of its base too (an in-place change of a returned view, ``logits.div_(t)``, rebases the
-    view's history onto its base's node and the view's own node is left out of the graph). A tensor whose grad_fn
-    torch refuses to give (a view made under no_grad whose base was changed in place since) is one no backward
-    enters by."""
+    view's history onto its base's node and the view's own node is left out of the graph); only nodes made after
+    ``after``, the first checked norm's (a returned input, or a view of one, has a node from before the forward,
+    which later forwards' backwards pass too: hooked, they were refused where plain trains; an adversarial pass). A
+    tensor whose grad_fn torch refuses to give (a view made under no_grad whose base was changed in place since) is
+    one no backward enters by."""
     nodes: dict[int, Any] = {}
+    if after is None:
+        return []
     for t in tensors_in(output):
         for u in (t, t._base) if t._is_view() else (t,):
             try:
                 node = None if u is None else u.grad_fn
             except RuntimeError:
                 continue
-            if node is not None:
+            if node is not None and node._sequence_nr() > after:
                 nodes[id(node)] = node
     return list(nodes.values())
-
-
-_OWN_HANDLES = [0]
-"""Hook handles memtrim made for the checks' pre-hooks: torch numbers every handle (``RemovableHandle.next_id``),
-and a model's norms walk its modules again for foreign hooks after any handle was made (``_hooked_now``); these are
-not counted there (one a forward made every converted model walk its modules at every forward: 1.35 ms a forward of
-a 32-layer Llama on the CPU; an adversarial pass)."""
-_OWN_HANDLES_LOCK = threading.Lock()
 
 
 def _flags(taken: list[_Taken]) -> list[torch.Tensor]:
@@ -370,23 +371,24 @@ def _refusal(at_backward: bool) -> str:
 
 
 # ---------------------------------------------------------------------- NOTE [ the check read at the backward ]
-# On a GPU, reading the flag of the forward's end check (NOTE [ keep decisions made together ]) made the host wait
-# until the GPU had run the whole forward, and the GPU then waited while the host returned from the model, computed
-# the loss and started the backward: on an H200 (benchmarks/convert_waits.py, 2026-11-30) a converted Llama step
-# took 1.101x plain's with the flag read at the end and 1.039x with it never read; read at the backward, 1.033x
-# against 1.058x read at the end, in one later run. There the flag is copied to the host without a wait and read when a
-# backward reaches the model's output (a pre-hook on the grad_fn of each output tensor, and of a view's base: an
-# in-place change of a returned view leaves the view's own node out of the graph), before any of the model's
-# parameters has a gradient, by when the GPU has usually run the forward's end; a backward that does not pass the
-# output (a loss on an activation a hook kept) reads it in the first checked norm's backward, before that norm's
-# gradients. A forward no backward reaches is never read: no gradient uses its saved tensors. It is read at the
-# forward's end as before on the CPU (no wait there), where the output holds no tensor a backward can enter by (a
-# dataclass, which the output walk does not open), under torch.distributed (an error inside DDP's backward leaves its
-# reducer waiting for gradients, and every later step fails: refused at the forward's end, the step can be run again)
-# and under compiled autograd (which traces hooks). The price, in the rare loop the check exists for (a ``.data``
-# write to a norm's weight in the model's own forward): what ran between the refused forward and its backward is
-# not undone when the step is run again, a GAN's discriminator step taken on the refused generator's output, or
-# another model's parameters stepped inside the same backward (an adversarial pass); the error says so.
+# On a GPU, reading the flag of the forward's end check (NOTE [ keep decisions made together ]) made the host wait until
+# the GPU had run the whole forward, and the GPU then waited while the host returned from the model, computed the loss
+# and started the backward: on an H200 (benchmarks/convert_waits.py, 2026-11-30) a converted Llama step took 1.101x
+# plain's with the flag read at the end and 1.039x with it never read; read at the backward, 1.033x against 1.058x read
+# at the end, in one later run. There the flag is copied to the host without a wait and read when a backward reaches the
+# model's output (a pre-hook on the grad_fn of each output tensor, and of a view's base: an in-place change of a
+# returned view leaves the view's own node out of the graph; of nodes made in the forward only, after its first checked
+# norm: a returned input's node is passed by other forwards' backwards), before any of the model's parameters has a
+# gradient, by when the GPU has usually run the forward's end; a backward that does not pass the output (a loss on an
+# activation a hook kept) reads it in the first checked norm's backward, before that norm's gradients. A forward no
+# backward reaches is never read: no gradient uses its saved tensors. It is read at the forward's end as before on the
+# CPU (no wait there), where the output holds no tensor a backward can enter by (a dataclass, which the output walk does
+# not open), under torch.distributed (an error inside DDP's backward leaves its reducer waiting for gradients, and every
+# later step fails: refused at the forward's end, the step can be run again) and under compiled autograd (which traces
+# hooks). The price, in the rare loop the check exists for (a ``.data`` write to a norm's weight in the model's own
+# forward): what ran between the refused forward and its backward is not undone when the step is run again, a GAN's
+# discriminator step taken on the refused generator's output, or another model's parameters stepped inside the same
+# backward (an adversarial pass); the error says so.
 READ_AT_BACKWARD_ON_CPU = False
 """Tests: the GPU's path on the CPU."""
 
@@ -560,10 +562,7 @@ class DecidedTogether:
         Llama's step on the CPU. A submodule attached since with hooks of its own is not seen until then; a ``.data``
         write such a hook makes before a norm runs but after the decision is refused at the forward's end all the same
         (NOTE above; one after the norm ran trains as torch: NOTE [ the weights a rebuild reads ])."""
-        with _OWN_HANDLES_LOCK:
-            count = getattr(RemovableHandle, "next_id", None)
-            count = None if count is None else count - _OWN_HANDLES[0]
-        seen = self._hooks_seen
+        count, seen = foreign_handles(), self._hooks_seen
         # (a hooked model is walked at every forward, as before: removing a hook makes no handle)
         if seen is None or seen[2] or count is None or seen[:2] != (id(module), count):
             seen = self._hooks_seen = (id(module), -1 if count is None else count, _hooked(module))

@@ -87,6 +87,7 @@ from ..._signatures import not_owned
 from ...errors import InvalidInputError, MemtrimStateError, OptimizerInBackwardError
 from ...measure import hooks as measure_hooks
 from .._modes import putting_buffers_back
+from ..guards import register_own
 from .held_elsewhere import gather_gradient, held_gradients, holder_of
 from .wrapping import WrappedOptimizerView
 
@@ -249,8 +250,7 @@ class _OutputHook:
                 seen["serial"] = wrapper._serial
                 seen["task"] = task
 
-        for tensor in tensors:
-            tensor.register_hook(grad_hook)
+        register_own([(tensor.register_hook, grad_hook) for tensor in tensors])  # (at every forward)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
