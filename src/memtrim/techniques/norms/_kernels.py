@@ -210,13 +210,12 @@ _PLAIN_TYPES = (torch.Tensor, nn.Parameter, FakeTensor)
 #   from then on. On a GPU the flag is read when a backward reaches the model's output, not at the forward's end
 #   (NOTE [ the check read at the backward ]: no second wait). A backward through such a norm run before the
 #   forward's end (a local loss backpropagated inside the model's forward) reads that norm's own decision, in its
-#   backward. Before e406254
-#   the weights themselves were compared at the forward's end, as the rebuild read the live weights, and a write
-#   between the forward and the backward went unseen (an adversarial pass, 2026-11-30: 1e-4 off plain). Reading the
-#   flag at the end of the backward instead was tried and dropped: an optimizer stepped inside the backward
-#   (OptimizerInBackward, post-accumulate-grad hooks) or DDP's reducer had used the gradients by then (an adversarial
-#   pass: NaN parameters, then DDP's internal assert at every later step). Its start, before any of the model's
-#   gradients, is where a GPU reads it now, outside torch.distributed.
+#   backward. Before e406254 the weights themselves were compared at the forward's end, as the rebuild read the live
+#   weights, and a write between the forward and the backward went unseen (an adversarial pass, 2026-11-30: 1e-4 off
+#   plain). Reading the flag at the end of the backward instead was tried and dropped: an optimizer stepped inside
+#   the backward (OptimizerInBackward, post-accumulate-grad hooks) or DDP's reducer had used the gradients by then (an
+#   adversarial pass: NaN parameters, then DDP's internal assert at every later step). Its start, before any of the
+#   model's gradients, is where a GPU reads it now, outside torch.distributed.
 #
 # The masks of all the norms deciding at once are computed together, on their concatenated weights (``_masks``), and
 # so are the checks: a handful of small ops a forward, not six a norm (on a GPU each is a kernel launch).
@@ -382,13 +381,13 @@ def _refusal(at_backward: bool) -> str:
 # gradient, by when the GPU has usually run the forward's end; a backward that does not pass the output (a loss on an
 # activation a hook kept) reads it in the first checked norm's backward, before that norm's gradients. A forward no
 # backward reaches is never read: no gradient uses its saved tensors. It is read at the forward's end as before on the
-# CPU (no wait there), where the output holds no tensor a backward can enter by (a dataclass, which the output walk does
-# not open), under torch.distributed (an error inside DDP's backward leaves its reducer waiting for gradients, and every
-# later step fails: refused at the forward's end, the step can be run again) and under compiled autograd (which traces
-# hooks). The price, in the rare loop the check exists for (a ``.data`` write to a norm's weight in the model's own
-# forward): what ran between the refused forward and its backward is not undone when the step is run again, a GAN's
-# discriminator step taken on the refused generator's output, or another model's parameters stepped inside the same
-# backward (an adversarial pass); the error says so.
+# CPU (no wait there), where the output holds no tensor made in the forward that a backward can enter by (a dataclass,
+# which the output walk does not open), under torch.distributed (an error inside DDP's backward leaves its reducer
+# waiting for gradients, and every later step fails: refused at the forward's end, the step can be run again) and under
+# compiled autograd (which traces hooks). The price, in the rare loop the check exists for (a ``.data`` write to a
+# norm's weight in the model's own forward): what ran between the refused forward and its backward is not undone when
+# the step is run again, a GAN's discriminator step taken on the refused generator's output, or another model's
+# parameters stepped inside the same backward (an adversarial pass); the error says so.
 READ_AT_BACKWARD_ON_CPU = False
 """Tests: the GPU's path on the CPU."""
 
@@ -560,8 +559,8 @@ class DecidedTogether:
         """:func:`_hooked`, walked again only where a hook was registered anywhere since the last walk (torch numbers
         every hook handle it makes): a walk over every module at every forward was about 0.2 ms of a small converted
         Llama's step on the CPU. A submodule attached since with hooks of its own is not seen until then; a ``.data``
-        write such a hook makes before a norm runs but after the decision is refused at the forward's end all the same
-        (NOTE above; one after the norm ran trains as torch: NOTE [ the weights a rebuild reads ])."""
+        write such a hook makes before a norm runs but after the decision is refused all the same, in the backward on
+        a GPU (NOTE above; one after the norm ran trains as torch: NOTE [ the weights a rebuild reads ])."""
         count, seen = foreign_handles(), self._hooks_seen
         # (a hooked model is walked at every forward, as before: removing a hook makes no handle)
         if seen is None or seen[2] or count is None or seen[:2] != (id(module), count):
