@@ -1097,15 +1097,25 @@ def test_read_at_the_backward_does_not_walk_the_model_at_every_forward(read_at_b
     assert walked[-1] is together and len(walked) == 3
 
 
+def in_thread(fn, *args):
+    found = []
+    worker = threading.Thread(target=lambda: found.append(fn(*args)))
+    worker.start()
+    worker.join()
+    return found[0]
+
+
 class AlsoReturnsItsInput(WritesMidForward):
     def forward(self, x):
         return super().forward(x), x[:, 0]
 
 
-def test_read_at_the_backward_hooks_no_node_made_before_the_forward(read_at_backward):
-    # found by an adversarial pass: the view of its input a model returned had its base hooked, a tensor made upstream
+@pytest.mark.parametrize("in_a_thread", [False, True])
+def test_read_at_the_backward_hooks_no_node_made_before_the_forward(in_a_thread, read_at_backward):
+    # found by adversarial passes: the view of its input a model returned had its base hooked, a tensor made upstream
     # that a later forward's backward passed too; a forward no backward reached, written through .data, then had
-    # that later, clean backward refused where plain trains
+    # that later, clean backward refused where plain trains. Then, telling nodes made in the forward by autograd's
+    # node numbers, which count per thread, a forward in a thread of its own still hooked that tensor's node
     together, alone = converted_and_alone(AlsoReturnsItsInput)
     torch.manual_seed(1)
     up = nn.Linear(16, 16)
@@ -1116,7 +1126,7 @@ def test_read_at_the_backward_hooks_no_node_made_before_the_forward(read_at_back
         up.zero_grad(set_to_none=True)
         e = up(batch(1))
         model.write = ".data"
-        model(e[:2])  # never backpropagated: never read
+        in_thread(model, e[:2]) if in_a_thread else model(e[:2])  # never backpropagated: never read
         model.write = "in place"
         out, first = model(e[2:])
         (out.square().mean() + first.sum()).backward()
@@ -1124,17 +1134,77 @@ def test_read_at_the_backward_hooks_no_node_made_before_the_forward(read_at_back
     assert_bitwise(*grads)
 
 
-def test_optimizer_in_backward_makes_the_model_walk_its_modules_once(monkeypatch):
-    # found by an adversarial pass: OptimizerInBackward's output hooks, made at every forward, moved torch's hook
-    # handle count, and the converted model's norms walked its modules for foreign hooks at every forward (1.3 ms a
-    # forward of a 32-layer Llama on the CPU)
+@pytest.mark.parametrize("clip", [None, 0.01])
+def test_optimizer_in_backward_makes_the_model_walk_its_modules_once(clip, monkeypatch):
+    # found by adversarial passes: OptimizerInBackward's output hooks, made at every forward, and with clipping the
+    # global forward pre-hook and loss pre-hook of opt.backward(loss)'s two passes, made at every step, moved torch's
+    # hook handle count, and the converted model's norms walked its modules for foreign hooks at every forward (1.3
+    # ms a forward of a 32-layer Llama on the CPU)
     together, _ = converted_and_alone()
-    opt = memtrim.OptimizerInBackward(torch.optim.AdamW(together.parameters(), lr=0.05), model=together)
+    opt = memtrim.OptimizerInBackward(torch.optim.AdamW(together.parameters(), lr=0.05), model=together,
+                                      clip_grad_norm=clip)
     walked = []
     walk = _kernels._hooked
     monkeypatch.setattr(_kernels, "_hooked", lambda model: walked.append(model) or walk(model))
     for step in range(4):
         opt.zero_grad(set_to_none=True)
-        together(batch(step)).square().mean().backward()
+        loss = together(batch(step)).square().mean()
+        opt.backward(loss) if clip else loss.backward()
         opt.step()
     assert len(walked) == 1
+
+
+class HeadInAThread(WritesMidForward):
+    """Runs its head in a thread of its own (autograd numbers each thread's nodes from its own count)."""
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        self.calls += 1
+        with torch.no_grad():
+            weight = self.blocks[2].rms.weight
+            (weight.data if self.write == ".data" else weight)[4 + self.calls % 10] = 0.0
+        x = self.blocks[2](self.blocks[1](x))
+        return in_thread(self.head, self.act(self.bn(x.transpose(1, 2))).transpose(1, 2)), x.mean()
+
+
+def test_read_at_the_backward_an_output_made_in_another_thread_is_refused_before_any_gradient(read_at_backward):
+    # found by an adversarial pass: output nodes were told from nodes made before the forward by autograd's node
+    # numbers, which count per thread; the head's logits made in a thread of their own were not hooked, and the
+    # refusal came after the head's gradients
+    together, _ = converted_and_alone(HeadInAThread)
+    together.write = ".data"
+    together(batch())
+    out, _ = together(batch())
+    with pytest.raises(memtrim.ConvertError, match="its backward is refused"):
+        out.square().mean().backward()
+    assert all(p.grad is None for p in together.parameters())
+
+
+class EndsWithItsCheckedNorm(nn.Module):
+    """Two norms: the first decides for both, and the model's output is the second's, the first checked norm's;
+    ``write``: the second's weight zeroed through ``.data`` between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.lin, self.second = memtrim.nn.LayerNorm(16), nn.Linear(16, 16), memtrim.nn.LayerNorm(16)
+        self.write, self.calls = False, 0
+
+    def forward(self, x):
+        h = self.lin(self.first(x))
+        if self.write:
+            self.calls += 1
+            self.second.weight.data[self.calls % 16] = 0.0
+        return self.second(h)
+
+
+def test_read_at_the_backward_an_output_made_by_the_first_checked_norm_is_hooked(read_at_backward):
+    # found by an adversarial pass: its node was left out (read at the forward's end, a wait on a GPU)
+    torch.manual_seed(0)
+    model, _ = memtrim.convert(EndsWithItsCheckedNorm(), example_inputs=(batch(),))
+    assert model._forward_hooks
+    model(batch())  # (the first forward meets each norm once: each decides alone)
+    model.write = True
+    out = model(batch())  # (not refused at its end)
+    with pytest.raises(memtrim.ConvertError, match="its backward is refused"):
+        out.square().mean().backward()
+    assert all(p.grad is None for p in model.parameters())

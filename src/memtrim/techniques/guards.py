@@ -132,17 +132,18 @@ _OWN_HANDLES = [0]
 _OWN_HANDLES_LOCK = threading.Lock()
 
 
-def register_own(hooks: list[tuple[Callable[[Any], Any], Any]]) -> None:
+def register_own(hooks: list[tuple[Callable[[Any], Any], Any]]) -> list[Any]:
     """Register each ``hook`` through its ``register`` (a tensor's ``register_hook``, a node's ``register_prehook``)
     and count the handles torch makes for them as memtrim's: :func:`foreign_handles` leaves them out. For hooks memtrim
-    registers at every forward (a check's pre-hooks, OptimizerInBackward's output hooks): torch numbers every handle
-    (``RemovableHandle.next_id``), and a converted model's norms walk its modules again for foreign hooks after any
-    handle was made, so these made every converted model walk its modules at every forward (1.35 ms a forward of a
-    32-layer Llama on the CPU; an adversarial pass)."""
+    registers at every forward or step (a check's pre-hooks, OptimizerInBackward's output hooks and the ones of its
+    two-pass backward): torch numbers every handle (``RemovableHandle.next_id``), and a converted model's norms walk
+    its modules again for foreign hooks after any handle was made, so these made every converted model walk its
+    modules at every forward (1.35 ms a forward of a 32-layer Llama on the CPU; an adversarial pass). Returns the
+    handles."""
     with _OWN_HANDLES_LOCK:
-        for register, hook in hooks:
-            register(hook)
+        handles = [register(hook) for register, hook in hooks]
         _OWN_HANDLES[0] += len(hooks)
+    return handles
 
 
 def foreign_handles() -> int | None:

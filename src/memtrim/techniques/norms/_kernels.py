@@ -278,7 +278,7 @@ class _Check:
             taken, self.taken = self.taken, []  # (a graph the user keeps holds this check, not the copies)
             alive = [entry for entry in taken if entry[4] is None or entry[4]() is not None]
             found = _flags(alive)
-            nodes = _output_nodes(output, _first_node(alive)) if read_at_backward(found) else []
+            nodes = _output_nodes(output, alive) if read_at_backward(found) else []
             if not nodes:  # (on the CPU; or no output a backward can enter by: read here)
                 self._refuse_if(found, at_backward=False)
                 return
@@ -314,24 +314,17 @@ class _Check:
             raise ConvertError(_refusal(at_backward))
 
 
-def _first_node(taken: list[_Taken]) -> int | None:
-    """The sequence number of the first node among ``taken``'s norms (None: none has one): autograd numbers the
-    nodes a thread makes in order."""
-    numbers = [node._sequence_nr() for node in (entry[4]() for entry in taken if entry[4] is not None)
-               if node is not None]
-    return min(numbers) if numbers else None
-
-
-def _output_nodes(output: Any, after: int | None) -> list[Any]:
+def _output_nodes(output: Any, taken: list[_Taken]) -> list[Any]:
     """The grad_fns a backward enters the model's output by (NOTE [ the check read at the backward ]): of each tensor
     in it and, for a view, of its base too (an in-place change of a returned view, ``logits.div_(t)``, rebases the
-    view's history onto its base's node and the view's own node is left out of the graph); only nodes made after
-    ``after``, the first checked norm's (a returned input, or a view of one, has a node from before the forward,
-    which later forwards' backwards pass too: hooked, they were refused where plain trains; an adversarial pass). A
-    tensor whose grad_fn torch refuses to give (a view made under no_grad whose base was changed in place since) is
-    one no backward enters by."""
+    view's history onto its base's node and the view's own node is left out of the graph); only nodes that lead to
+    one of ``taken``'s norms (:func:`_leads_to`): a returned input, or a view of one, has a node from before the
+    forward, which later forwards' backwards pass too (hooked, they were refused where plain trains; an adversarial
+    pass), and autograd's node numbers, which would tell, are counted per thread. A tensor whose grad_fn torch refuses
+    to give (a view made under no_grad whose base was changed in place since) is one no backward enters by."""
+    targets = {id(node): node for node in (entry[4]() for entry in taken if entry[4] is not None) if node is not None}
     nodes: dict[int, Any] = {}
-    if after is None:
+    if not targets:
         return []
     for t in tensors_in(output):
         for u in (t, t._base) if t._is_view() else (t,):
@@ -339,9 +332,31 @@ def _output_nodes(output: Any, after: int | None) -> list[Any]:
                 node = None if u is None else u.grad_fn
             except RuntimeError:
                 continue
-            if node is not None and node._sequence_nr() > after:
+            if node is not None and id(node) not in nodes and _leads_to(node, targets):
                 nodes[id(node)] = node
     return list(nodes.values())
+
+
+_LEAD_LIMIT = 64
+"""How many nodes :func:`_leads_to` looks at: a model's output is a few nodes past its last norm (a Llama's logits:
+the head's matmul, a slice); an output not found to lead to a norm within them is not hooked (read at the forward's
+end if no output is)."""
+
+
+def _leads_to(node: Any, targets: dict[int, Any]) -> bool:
+    """Whether ``node`` is one of ``targets`` or a backward from it reaches one, within :data:`_LEAD_LIMIT` nodes,
+    breadth first (``targets`` and the nodes seen are held while their ids are compared)."""
+    seen, todo = {id(node)}, [node]
+    for current in todo:
+        if id(current) in targets:
+            return True
+        if len(todo) >= _LEAD_LIMIT:
+            continue
+        for following, _ in current.next_functions:
+            if following is not None and id(following) not in seen:
+                seen.add(id(following))
+                todo.append(following)
+    return False
 
 
 def _flags(taken: list[_Taken]) -> list[torch.Tensor]:
@@ -376,18 +391,18 @@ def _refusal(at_backward: bool) -> str:
 # plain's with the flag read at the end and 1.039x with it never read; read at the backward, 1.033x against 1.058x read
 # at the end, in one later run. There the flag is copied to the host without a wait and read when a backward reaches the
 # model's output (a pre-hook on the grad_fn of each output tensor, and of a view's base: an in-place change of a
-# returned view leaves the view's own node out of the graph; of nodes made in the forward only, after its first checked
-# norm: a returned input's node is passed by other forwards' backwards), before any of the model's parameters has a
-# gradient, by when the GPU has usually run the forward's end; a backward that does not pass the output (a loss on an
-# activation a hook kept) reads it in the first checked norm's backward, before that norm's gradients. A forward no
-# backward reaches is never read: no gradient uses its saved tensors. It is read at the forward's end as before on the
-# CPU (no wait there), where the output holds no tensor made in the forward that a backward can enter by (a dataclass,
-# which the output walk does not open), under torch.distributed (an error inside DDP's backward leaves its reducer
-# waiting for gradients, and every later step fails: refused at the forward's end, the step can be run again) and under
-# compiled autograd (which traces hooks). The price, in the rare loop the check exists for (a ``.data`` write to a
-# norm's weight in the model's own forward): what ran between the refused forward and its backward is not undone when
-# the step is run again, a GAN's discriminator step taken on the refused generator's output, or another model's
-# parameters stepped inside the same backward (an adversarial pass); the error says so.
+# returned view leaves the view's own node out of the graph; of nodes that lead to a checked norm only: a returned
+# input's node is passed by other forwards' backwards), before any of the model's parameters has a gradient, by when the
+# GPU has usually run the forward's end; a backward that does not pass the output (a loss on an activation a hook kept)
+# reads it in the first checked norm's backward, before that norm's gradients. A forward no backward reaches is never
+# read: no gradient uses its saved tensors. It is read at the forward's end as before on the CPU (no wait there), where
+# the output holds no tensor that leads to a checked norm within a few nodes (a dataclass, which the output walk does
+# not open), under torch.distributed (an error inside DDP's backward leaves its reducer waiting for gradients, and every
+# later step fails: refused at the forward's end, the step can be run again) and under compiled autograd (which traces
+# hooks). The price, in the rare loop the check exists for (a ``.data`` write to a norm's weight in the model's own
+# forward): what ran between the refused forward and its backward is not undone when the step is run again, a GAN's
+# discriminator step taken on the refused generator's output, or another model's parameters stepped inside the same
+# backward (an adversarial pass); the error says so.
 READ_AT_BACKWARD_ON_CPU = False
 """Tests: the GPU's path on the CPU."""
 

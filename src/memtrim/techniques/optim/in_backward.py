@@ -1776,14 +1776,15 @@ def _forwards_undone(loss: torch.Tensor) -> Iterator[None]:
                 saved[id(module)] = [(module._buffers, name, b, b.clone()) for name, b in module._buffers.items()
                                      if b is not None and not stand_in(b)]
 
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(before)
-    first = loss.grad_fn.register_prehook(started) if loss.grad_fn is not None else None
+    hooks: list[tuple[Callable[[Any], Any], Any]] = [(torch.nn.modules.module.register_module_forward_pre_hook, before)]
+    if loss.grad_fn is not None:
+        hooks.append((loss.grad_fn.register_prehook, started))
+    handles = register_own(hooks)  # (at every step: no foreign hooks a converted model's norms must look for)
     try:
         yield
     finally:
-        handle.remove()
-        if first is not None:
-            first.remove()
+        for handle in handles:
+            handle.remove()
         with torch.no_grad():
             for buffers in saved.values():
                 for slots, name, buffer, value in buffers:
