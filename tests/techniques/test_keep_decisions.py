@@ -1208,3 +1208,41 @@ def test_read_at_the_backward_an_output_made_by_the_first_checked_norm_is_hooked
     with pytest.raises(memtrim.ConvertError, match="its backward is refused"):
         out.square().mean().backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+class LongBlocks(nn.Module):
+    """Blocks whose output is 100 ops past their last norm, returned as hidden states after the head's output;
+    ``write``: the second block's norm weight zeroed through ``.data`` after the first norm decided."""
+
+    def __init__(self, depth=4):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(16) for _ in range(depth))
+        self.head = nn.Linear(16, 4)
+        self.write, self.calls = False, 0
+
+    def forward(self, x):
+        hidden = []
+        for i, block in enumerate(self.blocks):
+            if i == 1 and self.write:
+                self.calls += 1
+                self.blocks[1].rms.weight.data[4 + self.calls % 10] = 0.0
+            h = block.down(torch.nn.functional.gelu(block.ln(block.up(block.rms(x)))))
+            for _ in range(100):
+                h = h * 1.0
+            x = x + h
+            hidden.append(x)
+        return self.head(x), tuple(hidden)
+
+
+def test_read_at_the_backward_hidden_states_far_from_their_norms_are_hooked(read_at_backward):
+    # found by an adversarial pass: a returned hidden state more nodes past its norm than the search looks at was not
+    # hooked, and a backward through it was refused after the gradients it reached first (an optimizer stepped them);
+    # each is found from the one before
+    torch.manual_seed(0)
+    model, _ = memtrim.convert(trained_looking(LongBlocks()), example_inputs=(batch(),))
+    model(batch())  # (the first forward meets each norm once: each decides alone)
+    model.write = True
+    _, hidden = model(batch())
+    with pytest.raises(memtrim.ConvertError, match="its backward is refused"):
+        hidden[2].square().mean().backward()
+    assert all(p.grad is None for p in model.parameters())
