@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import copy
 import statistics
+from unittest import mock
 
 import torch
 
@@ -30,7 +31,6 @@ from convert_zoo_time import WIDE, host_syncs, interleaved_times, step
 from memtrim.techniques.norms import _kernels, keep_output
 
 
-@contextlib.contextmanager
 def decisions_reused(store: dict):
     """Every norm's keep decision, made at its first call in here and reused after (keyed by its gamma)."""
     decide = keep_output.keep_input_features
@@ -41,34 +41,20 @@ def decisions_reused(store: dict):
             store[key] = (gamma, beta, extra, floor, offset, decide(gamma, beta, extra, floor, offset))
         return store[key][-1]
 
-    keep_output.keep_input_features = reused
-    try:
-        yield
-    finally:
-        keep_output.keep_input_features = decide
+    return mock.patch.object(keep_output, "keep_input_features", reused)
+
+
+def end_check_read_at_end():
+    """The check's flag read at the forward's end, as on the CPU."""
+    return mock.patch.object(_kernels, "read_at_backward", lambda found: False)
 
 
 @contextlib.contextmanager
 def end_check_unread():
     """The check at the forward's end computed on the device, as converted models do, but its flag not read."""
-    read, refuse = _kernels.read_at_backward, _kernels._Check._refuse_if
-    _kernels.read_at_backward = lambda found: False
-    _kernels._Check._refuse_if = lambda self, found, at_backward: None
-    try:
+    unread = mock.patch.object(_kernels._Check, "_refuse_if", lambda self, found, at_backward: None)
+    with end_check_read_at_end(), unread:
         yield
-    finally:
-        _kernels.read_at_backward, _kernels._Check._refuse_if = read, refuse
-
-
-@contextlib.contextmanager
-def end_check_read_at_end():
-    """The check's flag read at the forward's end, as on the CPU."""
-    read = _kernels.read_at_backward
-    _kernels.read_at_backward = lambda found: False
-    try:
-        yield
-    finally:
-        _kernels.read_at_backward = read
 
 
 def still_valid(store: dict) -> bool:
