@@ -44,6 +44,11 @@ cd benchmarks
 # the README's step-time table first, so that a run cut short by a lease's time keeps it
 part 150 "$OUT/bench.log" $PY convert_zoo_time.py --wide --device cuda --batch-mult 16 --rounds 7
 grep -E "converted|rc=" "$OUT/bench.log" | tail -n 9
+# what the one-pass BatchNorm + ReLU rebuild saves where the GPU is busy (batch 128), and where it is used
+for model in resnet18 resnet50; do
+  part 75 "$OUT/bench.log" $PY bn_rebuild_time.py --model $model --batch 128 --rounds 7
+done
+grep -E "step_ms_plain|rc=" "$OUT/bench.log" | tail -n 4
 part 90 "$OUT/bench.log" $PY convert_waits.py --rounds 7 --batch-mult 16  # what converted Llama's waits cost
 grep -E "step_ms_plain|rc=" "$OUT/bench.log" | tail -n 2
 part 150 "$OUT/bench.log" $PY convert_zoo_time.py --wide --device cuda --batch-mult 16 --rounds 7 --dtype bfloat16

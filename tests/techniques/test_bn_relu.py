@@ -12,6 +12,7 @@ from torch import nn
 
 import memtrim
 from memtrim.measure.hooks import top_saved_tensors_hooks
+from memtrim.techniques.norms import bn_relu
 
 from ..helpers import activation_bytes
 
@@ -238,3 +239,142 @@ def test_an_input_kept_from_inside_a_torch_func_transform_runs_as_torch():
         grads.append((x.grad, model[0].weight.grad if model is plain else model.weight.grad))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------- NOTE [ the one-pass rebuild ] in norms/bn_relu.py
+@pytest.fixture
+def one_pass(monkeypatch):
+    """The one-pass rebuild at any size (the CPU's threshold is for speed only), with no comparison made yet, and a
+    count of its uses."""
+    monkeypatch.setattr(bn_relu, "_ONE_PASS_CPU_MIN", 0)
+    monkeypatch.setattr(bn_relu, "_ONE_PASS_EQUAL", {})
+    used = []
+    real = bn_relu._one_pass
+
+    def counted(*args):
+        used.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(bn_relu, "_one_pass", counted)
+    return used
+
+
+def train_side_by_side(plain, fused, inputs):
+    """Each model's gradients at each step of the same inputs, asserted equal bit for bit."""
+    for x in inputs:
+        grads = [torch.autograd.grad(m(x).square().sum(), list(m.parameters())) for m in (plain, fused)]
+        for a, b in zip(*grads):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("affine, track", [(True, True), (False, True), (True, False), (False, False)])
+def test_the_one_pass_rebuild_is_used_once_compared_and_the_gradients_stay_torchs(one_pass, dtype, channels_last,
+                                                                                  affine, track):
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8, affine=affine, track_running_stats=track),
+                          nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1)).to(dtype)
+    if affine:  # trained-looking gammas and betas, not torch's ones and zeros
+        with torch.no_grad():
+            plain[1].weight.uniform_(0.01, 3.0)
+            plain[1].bias.uniform_(-2.0, 2.0)
+    fused, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=torch.randn(2, 3, 10, 10, dtype=dtype))
+    inputs = [torch.randn(4, 3, 10, 10, dtype=dtype) * 3 + 1 for _ in range(3)]
+    if channels_last:
+        plain, fused = plain.to(memory_format=torch.channels_last), fused.to(memory_format=torch.channels_last)
+        inputs = [x.contiguous(memory_format=torch.channels_last) for x in inputs]
+    train_side_by_side(plain, fused, inputs)
+    # compared at the first backward (the two-pass rebuild's z is the one used there), equal on this machine's CPU
+    # kernel, and so used at the next two
+    assert list(bn_relu._ONE_PASS_EQUAL.values()) == [True]
+    assert len(one_pass) == 3
+
+
+def test_where_the_one_pass_rebuild_differs_the_two_pass_one_is_kept(one_pass, monkeypatch):
+    # a kernel that rounds otherwise (cuDNN's at small images, found on an H200): simulated by one ulp off
+    real = bn_relu._one_pass
+
+    def off(*args):
+        t = real(*args)
+        return torch.nextafter(t, torch.full_like(t, float("inf")))
+
+    monkeypatch.setattr(bn_relu, "_one_pass", off)
+    plain, fused = blocks(False), blocks(True)
+    train_side_by_side(plain, fused, [torch.randn(4, 3, 10, 10) for _ in range(3)])
+    assert list(bn_relu._ONE_PASS_EQUAL.values()) == [False]
+
+
+def test_below_the_cpu_threshold_or_in_bfloat16_or_in_eval_the_two_pass_rebuild_runs(monkeypatch):
+    monkeypatch.setattr(bn_relu, "_ONE_PASS_EQUAL", {})
+    small, big = torch.randn(2, 3, 10, 10), torch.randn(32, 3, 10, 10)  # 1,600 and 25,600 values at the BatchNorm
+    assert 2 * 8 * 100 < bn_relu._ONE_PASS_CPU_MIN <= 32 * 8 * 100
+    train_side_by_side(blocks(False), blocks(True), [small, small])
+    assert bn_relu._ONE_PASS_EQUAL == {}
+    train_side_by_side(blocks(False).bfloat16(), blocks(True).bfloat16(), [big.bfloat16()] * 2)
+    assert bn_relu._ONE_PASS_EQUAL == {}
+    train_side_by_side(blocks(False).eval(), blocks(True).eval(), [big, big])
+    assert bn_relu._ONE_PASS_EQUAL == {}
+    train_side_by_side(blocks(False), blocks(True), [big, big])
+    assert list(bn_relu._ONE_PASS_EQUAL.values()) == [True]
+
+
+def test_a_head_run_on_z_after_the_batchnorms_backward_gets_the_forwards_z(one_pass):
+    # the BatchNorm node's statistics are freed by its backward; a head run on z after that backward (z held by the
+    # caller) keeps a rebuild of z, which is still the forward's z (the recipe holds the statistics, not the node), as
+    # the unconverted head keeps z itself
+    torch.manual_seed(0)
+
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+            self.a, self.b = nn.Conv2d(8, 2, 3), nn.Conv2d(8, 2, 3)
+
+        def forward(self, x):
+            z = self.body(x)
+            return self.a(z) + self.b(z)
+
+    plain = TwoHeads()
+    fused, report = memtrim.convert(copy.deepcopy(plain), example_inputs=torch.randn(2, 3, 10, 10))
+    assert [c.after for c in report.changes] == ["memtrim.nn.BatchNormReLU2d"]
+    train_side_by_side(plain, fused, [torch.randn(4, 3, 10, 10)])  # (compared: equal, on this CPU)
+    assert len(one_pass) == 1
+    x = torch.randn(4, 3, 10, 10)
+    results = []
+    for model in (plain, fused):
+        z = model.body(x)
+        first = torch.autograd.grad(model.a(z).square().sum(), [*model.body.parameters(), *model.a.parameters()])
+        second = torch.autograd.grad(model.b(z).square().sum(), list(model.b.parameters()))  # BatchNorm's node: freed
+        results.append((*first, *second))
+    for p, q in zip(*results):
+        assert torch.equal(p, q)
+    assert len(one_pass) == 3  # the comparison's, then one for each head's backward
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_on_cuda_the_one_pass_rebuild_gives_the_two_pass_rebuilds_gradients(one_pass, monkeypatch, dtype):
+    # on an H200 batch_norm_elemt matched cuDNN's kernel at 112², 56² and 28² in float32 and not at 14² or 7²
+    # (benchmarks/bn_rebuild_kernels.py): whatever the comparison finds at each shape here, every step gives the
+    # gradients of the rebuild before (deterministic kernels, so that a difference is the rebuild's)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    torch.manual_seed(0)
+    layers = []
+    for cin, cout, stride in ((3, 16, 1), (16, 32, 2), (32, 32, 2)):  # BatchNorms at 56², 28² and 14²
+        layers += [nn.Conv2d(cin, cout, 3, stride=stride, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
+    plain = nn.Sequential(*layers, nn.Conv2d(32, 4, 3)).to("cuda", dtype)
+    converted, report = memtrim.convert(plain, example_inputs=torch.randn(2, 3, 56, 56, device="cuda", dtype=dtype))
+    assert len(report.changes) == 3
+    two_pass = copy.deepcopy(converted)
+    for step in range(3):
+        x = torch.randn(16, 3, 56, 56, device="cuda", dtype=dtype)
+        grads = []
+        for model, once in ((converted, True), (two_pass, False)):
+            monkeypatch.setattr(bn_relu, "ONE_PASS", once)
+            grads.append(torch.autograd.grad(model(x).square().sum(), list(model.parameters())))
+        for a, b in zip(*grads):
+            assert torch.equal(a, b), step
+    equal = sum(bn_relu._ONE_PASS_EQUAL.values())
+    assert len(bn_relu._ONE_PASS_EQUAL) == 3 and len(one_pass) == 3 + 2 * equal, bn_relu._ONE_PASS_EQUAL

@@ -18,19 +18,20 @@ Unpacking rebuilds ``z`` once per backward, shared by every holder and released 
 ``batch_norm`` call on the same input: in training without running statistics (the rebuild must not update them; the
 batch statistics, and so the output, are the same), in eval from copies of the running statistics made at the forward (a
 training forward of the same module before the backward updates them in place, inside torch's kernel, without a version
-bump). In training the forward computes nothing else (no per-channel terms: a converted ResNet's forward launches the
-kernels the plain one does). The rebuilt ``z`` is the forward's bit for bit where the BatchNorm kernel is deterministic:
-on the CPU, tested for every dtype, memory format and thread count (the report says bitwise there, and a double backward
-through it is torch's); on CUDA checked on one H200 (torch 2.11, cuDNN's kernel, float32 and float64, contiguous: three
-ResNets' gradients bitwise, ``benchmarks/convert_cuda_check.py``) but not on every CUDA kernel path (channels_last, half
-precision, torch's native kernels), so the report says not bitwise there. The rebuild reads the weight and bias as the
-forward read them (a pruned or parametrized weight: the one computed for the call), so they are the recipe's sources,
-version-checked like autograd's saved tensors, under saved-tensor hooks too: a change in place between forward and
-backward raises autograd's error, also for the bias, which torch's own backward does not read; a change through
-``.data`` is not seen. Every other saved tensor passes through unchanged (and through any saved-tensor hooks active
-outside, so memtrim's tracker still sees them), with autograd's in-place check repeated. Under torch.compile and
-torch.func the module runs as torch's BatchNorm and ReLU.
-"""
+bump). In training, where it was found to give the same bits, the rebuild normalises in one pass with the batch
+statistics the forward computed instead (NOTE [ the one-pass rebuild ]). In training the forward computes nothing else
+(no per-channel terms: a converted ResNet's forward launches the kernels the plain one does). The rebuilt ``z`` is the
+forward's bit for bit where the BatchNorm kernel is deterministic: on the CPU, tested for every dtype, memory format and
+thread count (the report says bitwise there, and a double backward through it is torch's); on CUDA checked on one H200
+(torch 2.11, cuDNN's kernel, float32 and float64, contiguous: three ResNets' gradients bitwise,
+``benchmarks/convert_cuda_check.py``) but not on every CUDA kernel path (channels_last, half precision, torch's native
+kernels), so the report says not bitwise there. The rebuild reads the weight and bias as the forward read them (a pruned
+or parametrized weight: the one computed for the call), so they are the recipe's sources, version-checked like
+autograd's saved tensors, under saved-tensor hooks too: a change in place between forward and backward raises autograd's
+error, also for the bias, which torch's own backward does not read; a change through ``.data`` is not seen. Every other
+saved tensor passes through unchanged (and through any saved-tensor hooks active outside, so memtrim's tracker still
+sees them), with autograd's in-place check repeated. Under torch.compile and torch.func the module runs as torch's
+BatchNorm and ReLU. """
 
 from __future__ import annotations
 
@@ -56,14 +57,84 @@ __all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d", "keeping_cla
 
 
 def _rebuild(x: torch.Tensor, *tensors: torch.Tensor, layout: tuple[bool, bool, bool], training: bool, eps: float,
-             cudnn: bool) -> torch.Tensor:
+             cudnn: bool, saved: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """The ReLU output: ``batch_norm`` as the forward called it, without updating running statistics. ``tensors``
     are the weight, bias and running statistics the forward had (``layout``: which of weight, bias and the pair of
-    running statistics there are)."""
+    running statistics there are); ``saved``, a training forward's batch statistics and the kernel that computed them,
+    with which the rebuild can normalise in one pass (NOTE [ the one-pass rebuild ])."""
     found = iter(tensors)
     weight, bias = (next(found) if layout[0] else None), (next(found) if layout[1] else None)
     mean, var = (next(found), next(found)) if layout[2] else (None, None)
+    once = None if saved is None else _normalised_once(saved, x, weight, bias, eps, cudnn)
+    if once is not None:
+        return torch.relu_(once)
     return torch.relu_(torch.batch_norm(x, weight, bias, mean, var, training, 0.0, eps, cudnn))
+
+
+# NOTE [ the one-pass rebuild ]
+# In training, rebuilding z by torch's batch_norm computes the batch statistics again: a second pass over x, and on a
+# GPU 8.5 % more kernel time in a converted ResNet's step at batch 128 (results/convert_cuda_check_cuda.txt). The
+# forward computed them already: in training the converted forward calls ``torch._batch_norm_impl_index``, the op
+# ``torch.batch_norm`` is made of (the same kernel, output and autograd node), which also returns the batch mean and
+# inverse standard deviation its node saves (the same tensors: small, C values each) and which kernel ran. The recipe
+# holds them, not the node (a node held from the recipe kept, through what the node's saved tensors were packed
+# into, the tensor whose death ends the recipe: a leak). So the normalisation alone can rebuild z: on CUDA torch's
+# ``batch_norm_elemt`` (the normalising kernel of its native and SyncBatchNorm paths), on the CPU the arithmetic of
+# torch's CPU kernel, ``x * alpha + beta`` with ``alpha = invstd * weight`` and ``beta = bias - mean * alpha``, each
+# rounded once as the kernel's fused multiply-adds round them. Whether that is the forward's z bit for bit depends on
+# which kernel the forward ran: on an H200 (benchmarks/bn_rebuild_kernels.py) ``batch_norm_elemt`` matched torch's
+# native CUDA kernel at every ResNet shape and cuDNN's at 112², 56² and 28² in float32, but not cuDNN's at 14² and 7²
+# (45 % of the values differ); on this project's CPU machine the CPU formula matches in float32 and float64 for
+# every shape and memory format tried, not in bfloat16 or float16 (the kernel computes those in float32). So nothing is
+# assumed: the first rebuild for each (forward kernel, device, dtype, shape, strides, affine) runs both and compares
+# them, bit for bit; the one-pass rebuild is used from then on only where they were equal, and the two-pass one
+# where not. Run on one batch, the comparison is of arithmetic, not data: a kernel that rounds differently differs on
+# a large share of any batch's values (45 % above). The cost of checking: one more rebuild of that layer's z, and a
+# second z-sized tensor until the comparison, once per key and process. On the
+# CPU, below _ONE_PASS_CPU_MIN values the one-pass rebuild's three small kernels cost more than torch's one: one thread,
+# float32 and float64, 0.4-0.8x as fast at 288 and 1,024 values, 0.9-1.2x at 8,192, 1.0-3.4x from 12,800 up and
+# 1.6-2.3x at a ResNet's shapes at batch 8 (benchmarks/bn_rebuild_kernels.py, results/bn_rebuild_kernels_cpu.json).
+ONE_PASS = True  # (tests and benchmarks switch it off to compare)
+_ONE_PASS_CPU_MIN = 8192
+_ONE_PASS_EQUAL: dict[tuple, bool] = {}  # the comparison's result per key; read and written without a lock: a race
+# only compares twice
+
+
+def _normalised_once(saved: tuple[torch.Tensor, torch.Tensor, int], x: torch.Tensor, weight: torch.Tensor | None,
+                     bias: torch.Tensor | None, eps: float, cudnn: bool) -> torch.Tensor | None:
+    """batch_norm's output before the ReLU, normalised in one pass with the forward's batch statistics (``saved``:
+    mean, inverse standard deviation, which kernel) where that is known to be the two-pass rebuild's bit for bit;
+    None where it is not, or not known."""
+    device = x.device.type
+    # (a tensor subclass, the planner's fake tensors among them, has no values to compare)
+    if not ONE_PASS or type(x) is not torch.Tensor or device not in ("cpu", "cuda") or (device == "cpu" and (
+            x.numel() < _ONE_PASS_CPU_MIN or x.dtype not in (torch.float32, torch.float64))):
+        return None
+    mean, invstd, kernel = saved
+    if not (mean.dim() == invstd.dim() == 1 and mean.numel() == invstd.numel() == x.shape[1]):
+        return None  # (a kernel that returns them otherwise: miopen's, or another torch's)
+    key = (kernel, x.device, x.dtype, x.shape, x.stride(), weight is None, bias is None)
+    equal = _ONE_PASS_EQUAL.get(key)
+    if equal is False:
+        return None
+    once = _one_pass(x, weight, bias, mean, invstd, eps)
+    if equal is None:
+        twice = torch.batch_norm(x, weight, bias, None, None, True, 0.0, eps, cudnn)
+        _ONE_PASS_EQUAL[key] = torch.equal(once, twice)
+        return twice
+    return once
+
+
+def _one_pass(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mean: torch.Tensor,
+              invstd: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) * invstd * weight + bias, in one pass over ``x``, as the device's batch_norm kernel computes it
+    (NOTE [ the one-pass rebuild ])."""
+    if x.device.type == "cuda":
+        return torch.batch_norm_elemt(x, weight, bias, mean, invstd, eps)
+    alpha = invstd if weight is None else invstd * weight
+    beta = torch.addcmul(torch.zeros_like(mean) if bias is None else bias, mean, alpha, value=-1)
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    return torch.addcmul(beta.view(shape), x, alpha.view(shape))
 
 
 def rebuilds_bitwise(bn: nn.Module) -> bool:
@@ -81,14 +152,20 @@ def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
     # a weight that pruning or a parametrization computes is no entry of the dict: read as torch's forward reads it
     weight = params["weight"] if "weight" in params else bn.weight
     bias = params["bias"] if "bias" in params else bn.bias
-    out = torch.batch_norm(x, weight, bias, running_mean, running_var, bn_training, factor, bn.eps, cudnn)
+    if bn_training:  # torch.batch_norm's own op, which returns the batch statistics too (NOTE [ the one-pass rebuild ])
+        out, mean, invstd, _, kernel = torch._batch_norm_impl_index(x, weight, bias, running_mean, running_var, True,
+                                                                    factor, bn.eps, cudnn)
+        saved = (mean, invstd, kernel)
+    else:
+        out = torch.batch_norm(x, weight, bias, running_mean, running_var, False, factor, bn.eps, cudnn)
+        saved = None
     # what the rebuild reads: the parameters, and in eval the running statistics (in training the batch's), copied:
     # a training forward of the same module before the backward updates them in place without a version bump
     stats = ([running_mean.clone(), running_var.clone()]
              if not bn_training and running_mean is not None and running_var is not None else [])
     tensors = [t for t in (weight, bias) if t is not None] + stats
     rebuild = functools.partial(_rebuild, layout=(weight is not None, bias is not None, bool(stats)),
-                                training=bn_training, eps=bn.eps, cudnn=cudnn)
+                                training=bn_training, eps=bn.eps, cudnn=cudnn, saved=saved)
     # marked before the ReLU makes it, at the version relu_ leaves: relu_'s own save (its backward's mask) then
     # keeps the recipe too, in an ordinary consumer scope. The recipe holds x and the module's tensors, never z: z's
     # storage dies once nobody but recipes needs it
