@@ -6,7 +6,8 @@
 # convert rows; pytest-xdist for the CUDA tests and the last part):   bash benchmarks/gpu.sh
 # Writes logs, convert_cuda_check_cuda.txt and the *_cuda.json results to $OUT (default benchmarks/results/gpu_run);
 # the JSON files are also left in benchmarks/results/, where the other results are. With SUITE_S=0, 420 s on an H200
-# (2026-11-30, the CUDA tests in 4 processes: 103 s); every part at its limit is more than one command's 10 minutes.
+# (2026-11-30, the CUDA tests in 4 processes: 103 s) before bn_rebuild_time.py was added (two parts of at most 75 s);
+# every part at its limit is more than one command's 10 minutes.
 # SUITE_S=0 leaves the full suite out (its limit in seconds; 180 by default). BUDGET_S=N ends the run N seconds after
 # its start: each part's limit is cut to what is left, and a part with under 20 s left is skipped (a lease's last minutes
 # go to the parts first in the order below). CUDA_WORKERS=N runs the CUDA tests in N processes (4 by default; 1: in turn).

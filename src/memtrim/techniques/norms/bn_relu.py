@@ -57,17 +57,24 @@ __all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d", "keeping_cla
 
 
 def _rebuild(x: torch.Tensor, *tensors: torch.Tensor, layout: tuple[bool, bool, bool], training: bool, eps: float,
-             cudnn: bool, saved: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+             cudnn: bool, saved: tuple[torch.Tensor, torch.Tensor, int, bool] | None = None,
+             strided_stats: tuple[tuple, ...] | None = None) -> torch.Tensor:
     """The ReLU output: ``batch_norm`` as the forward called it, without updating running statistics. ``tensors``
     are the weight, bias and running statistics the forward had (``layout``: which of weight, bias and the pair of
     running statistics there are); ``saved``, a training forward's batch statistics and the kernel that computed them,
-    with which the rebuild can normalise in one pass (NOTE [ the one-pass rebuild ])."""
+    and whether it updated running statistics, with which the rebuild can normalise in one pass (NOTE [ the one-pass
+    rebuild ]); ``strided_stats``, the (size,
+    stride, dtype) of a training forward's running statistics where they are not contiguous."""
     found = iter(tensors)
     weight, bias = (next(found) if layout[0] else None), (next(found) if layout[1] else None)
     mean, var = (next(found), next(found)) if layout[2] else (None, None)
     once = None if saved is None else _normalised_once(saved, x, weight, bias, eps, cudnn)
     if once is not None:
         return torch.relu_(once)
+    if strided_stats is not None:  # torch's CPU kernel normalises by another formula when the running statistics it
+        # updates are not contiguous (found by an adversarial pass: 2.2e-8 off): scratch ones laid out the same
+        mean, var = (torch.empty_strided(size, stride, dtype=dtype, device=x.device).zero_()
+                     for size, stride, dtype in strided_stats)
     return torch.relu_(torch.batch_norm(x, weight, bias, mean, var, training, 0.0, eps, cudnn))
 
 
@@ -85,12 +92,16 @@ def _rebuild(x: torch.Tensor, *tensors: torch.Tensor, layout: tuple[bool, bool, 
 # which kernel the forward ran: on an H200 (benchmarks/bn_rebuild_kernels.py) ``batch_norm_elemt`` matched torch's
 # native CUDA kernel at every ResNet shape and cuDNN's at 112², 56² and 28² in float32, but not cuDNN's at 14² and 7²
 # (45 % of the values differ); on this project's CPU machine the CPU formula matches in float32 and float64 for
-# every shape and memory format tried, not in bfloat16 or float16 (the kernel computes those in float32). So nothing is
-# assumed: the first rebuild for each (forward kernel, device, dtype, shape, strides, affine) runs both and compares
-# them, bit for bit; the one-pass rebuild is used from then on only where they were equal, and the two-pass one
-# where not. Run on one batch, the comparison is of arithmetic, not data: a kernel that rounds differently differs on
-# a large share of any batch's values (45 % above). The cost of checking: one more rebuild of that layer's z, and a
-# second z-sized tensor until the comparison, once per key and process. On the
+# every shape and memory format tried where torch's CPU kernel takes its fast path (input contiguous or channels-last,
+# weight, bias and running statistics contiguous; otherwise it computes ((x - mean) * invstd) * weight + bias), not
+# in bfloat16 or float16 (the kernel computes those in float32). So only those layouts qualify, on either device,
+# and nothing else is assumed: the first rebuild for each (forward kernel, device, dtype, shape, strides, affine,
+# cuDNN flag) first compares the two on a probe, bit for bit: the forward's kernel and the one-pass rebuild run on
+# tensors laid out as x, the weight and the bias, filled from a generator of their own (seeded, so the user's random
+# numbers are untouched). The one-pass rebuild is used only where they were equal. A probe, not the batch: on the
+# batch the comparison would be of data as well as arithmetic (found by an adversarial pass: a first batch of zeros,
+# or zero gammas, make any two formulas give the bias exactly, and a kernel that rounds otherwise then passed). The
+# cost of the probe, once per key and process: three z-sized tensors for a moment, before the rebuild. On the
 # CPU, below _ONE_PASS_CPU_MIN values the one-pass rebuild's three small kernels cost more than torch's one: one thread,
 # float32 and float64, 0.4-0.8x as fast at 288 and 1,024 values, 0.9-1.2x at 8,192, 1.0-3.4x from 12,800 up and
 # 1.6-2.3x at a ResNet's shapes at batch 8 (benchmarks/bn_rebuild_kernels.py, results/bn_rebuild_kernels_cpu.json).
@@ -100,29 +111,47 @@ _ONE_PASS_EQUAL: dict[tuple, bool] = {}  # the comparison's result per key; read
 # only compares twice
 
 
-def _normalised_once(saved: tuple[torch.Tensor, torch.Tensor, int], x: torch.Tensor, weight: torch.Tensor | None,
-                     bias: torch.Tensor | None, eps: float, cudnn: bool) -> torch.Tensor | None:
+def _normalised_once(saved: tuple[torch.Tensor, torch.Tensor, int, bool], x: torch.Tensor,
+                     weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                     cudnn: bool) -> torch.Tensor | None:
     """batch_norm's output before the ReLU, normalised in one pass with the forward's batch statistics (``saved``:
-    mean, inverse standard deviation, which kernel) where that is known to be the two-pass rebuild's bit for bit;
-    None where it is not, or not known."""
+    mean, inverse standard deviation, which kernel, whether it updated running statistics) where that is known to be
+    the forward's bit for bit; None where it is not, or not known."""
     device = x.device.type
     # (a tensor subclass, the planner's fake tensors among them, has no values to compare)
     if not ONE_PASS or type(x) is not torch.Tensor or device not in ("cpu", "cuda") or (device == "cpu" and (
             x.numel() < _ONE_PASS_CPU_MIN or x.dtype not in (torch.float32, torch.float64))):
         return None
-    mean, invstd, kernel = saved
+    mean, invstd, kernel, running = saved
     if not (mean.dim() == invstd.dim() == 1 and mean.numel() == invstd.numel() == x.shape[1]):
         return None  # (a kernel that returns them otherwise: miopen's, or another torch's)
-    key = (kernel, x.device, x.dtype, x.shape, x.stride(), weight is None, bias is None)
-    equal = _ONE_PASS_EQUAL.get(key)
-    if equal is False:
+    if not (x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
+            or (x.dim() == 5 and x.is_contiguous(memory_format=torch.channels_last_3d))) or not all(
+            t is None or t.is_contiguous() for t in (weight, bias)):
         return None
-    once = _one_pass(x, weight, bias, mean, invstd, eps)
+    key = (kernel, x.device, x.dtype, x.shape, x.stride(), weight is None, bias is None, cudnn, running)
+    equal = _ONE_PASS_EQUAL.get(key)
     if equal is None:
-        twice = torch.batch_norm(x, weight, bias, None, None, True, 0.0, eps, cudnn)
-        _ONE_PASS_EQUAL[key] = torch.equal(once, twice)
-        return twice
-    return once
+        equal = _ONE_PASS_EQUAL[key] = _same_bits(x, weight, bias, kernel, running, eps, cudnn)
+    return _one_pass(x, weight, bias, mean, invstd, eps) if equal else None
+
+
+def _same_bits(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, kernel: int, running: bool,
+               eps: float, cudnn: bool) -> bool:
+    """Whether the one-pass rebuild gives the forward's output bit for bit for tensors laid out as these, on a probe
+    (NOTE [ the one-pass rebuild ]); ``running``: the forward updated running statistics (scratch ones here)."""
+    generator = torch.Generator(device=x.device)
+    generator.manual_seed(0)
+
+    def probe(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).normal_(generator=generator)
+
+    xp, wp, bp = probe(x), None if weight is None else probe(weight), None if bias is None else probe(bias)
+    # (the running statistics have x's dtype: a BatchNorm of another dtype than its input runs as torch's)
+    zeros, ones = ((torch.zeros(x.shape[1], dtype=x.dtype, device=x.device),
+                    torch.ones(x.shape[1], dtype=x.dtype, device=x.device)) if running else (None, None))
+    out, mean, invstd, _, used = torch._batch_norm_impl_index(xp, wp, bp, zeros, ones, True, 0.0, eps, cudnn)
+    return used == kernel and torch.equal(out, _one_pass(xp, wp, bp, mean, invstd, eps))
 
 
 def _one_pass(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mean: torch.Tensor,
@@ -152,20 +181,25 @@ def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
     # a weight that pruning or a parametrization computes is no entry of the dict: read as torch's forward reads it
     weight = params["weight"] if "weight" in params else bn.weight
     bias = params["bias"] if "bias" in params else bn.bias
+    saved = strided_stats = None
     if bn_training:  # torch.batch_norm's own op, which returns the batch statistics too (NOTE [ the one-pass rebuild ])
         out, mean, invstd, _, kernel = torch._batch_norm_impl_index(x, weight, bias, running_mean, running_var, True,
                                                                     factor, bn.eps, cudnn)
-        saved = (mean, invstd, kernel)
+        if running_mean is None or running_var is None or (running_mean.is_contiguous()
+                                                           and running_var.is_contiguous()):
+            saved = (mean, invstd, kernel, running_mean is not None)
+        else:  # (torch's kernels take another path then, which the rebuild must take too)
+            strided_stats = tuple((t.size(), t.stride(), t.dtype) for t in (running_mean, running_var))
     else:
         out = torch.batch_norm(x, weight, bias, running_mean, running_var, False, factor, bn.eps, cudnn)
-        saved = None
     # what the rebuild reads: the parameters, and in eval the running statistics (in training the batch's), copied:
     # a training forward of the same module before the backward updates them in place without a version bump
     stats = ([running_mean.clone(), running_var.clone()]
              if not bn_training and running_mean is not None and running_var is not None else [])
     tensors = [t for t in (weight, bias) if t is not None] + stats
     rebuild = functools.partial(_rebuild, layout=(weight is not None, bias is not None, bool(stats)),
-                                training=bn_training, eps=bn.eps, cudnn=cudnn, saved=saved)
+                                training=bn_training, eps=bn.eps, cudnn=cudnn, saved=saved,
+                                strided_stats=strided_stats)
     # marked before the ReLU makes it, at the version relu_ leaves: relu_'s own save (its backward's mask) then
     # keeps the recipe too, in an ordinary consumer scope. The recipe holds x and the module's tensors, never z: z's
     # storage dies once nobody but recipes needs it
