@@ -1,11 +1,11 @@
 """What the one-pass BatchNorm + ReLU rebuild saves a converted ResNet's step (NOTE [ the one-pass rebuild ] in
-norms/bn_relu.py): the rebuild in backward normalises with the statistics the forward's BatchNorm node saved, instead
-of running the BatchNorm's training kernel again (a second pass over its input for the statistics). Three variants
+norms/bn_relu.py): the rebuild in backward normalises with the batch statistics the forward computed, instead of
+running the BatchNorm's training kernel again (a second pass over its input for the statistics). Three variants
 train (forward, backward, AdamW step) in interleaved rounds, as in convert_zoo_time.py: plain; converted; converted
-with the one-pass rebuild switched off (``bn_relu.ONE_PASS = False``, the rebuild before 2026-11-30 21:00). Beside
-the times: for each key the one-pass rebuild was compared at (forward kernel, dtype, shape, strides), whether it was
-the two-pass rebuild bit for bit (where not, that layer keeps the two-pass rebuild), and the largest parameter-gradient
-difference of the converted model against the plain one after the timed steps' first step (0 where bitwise).
+with the one-pass rebuild switched off (``bn_relu.ONE_PASS = False``, the rebuild before commit 4e9c438). Beside
+the times: for each key the probe compared (forward kernel, dtype, shape, strides), whether the one-pass rebuild gave
+the forward kernel's bits (where not, that layer keeps the two-pass rebuild), and the largest parameter-gradient
+difference of each converted variant against the plain model at a second step from the same weights (0: bitwise).
 
 The model is torchvision's ResNet as memtrim.models.torchvision_resnet writes it out (the same modules and
 state_dict; no torchvision needed), 10 classes, on ``--size`` square images.
@@ -68,8 +68,9 @@ def main() -> None:
             found = gradients(models[name], batch)
         expected = gradients(plain, batch)
         differences[name] = max(float((a - b).abs().max()) for a, b in zip(found, expected))
-    compared = [{"node": key[0], "dtype": str(key[2]), "shape": list(key[3]), "stride": list(key[4]), "equal": equal}
-                for key, equal in bn_relu._ONE_PASS_EQUAL.items()]
+    kernels = {0: "torch's native", 1: "cuDNN", 2: "MIOpen"}  # (torch._batch_norm_impl_index's numbering)
+    compared = [{"kernel": kernels.get(key[0], key[0]), "dtype": str(key[2]), "shape": list(key[3]),
+                 "stride": list(key[4]), "equal": equal} for key, equal in bn_relu._ONE_PASS_EQUAL.items()]
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, m in models.items()}
     times, repeats = interleaved_times(models, opts, batch, args.rounds, args.device, two_pass)
     ratios = {k: sorted(t / p for t, p in zip(times[k], times["plain"])) for k in models if k != "plain"}
