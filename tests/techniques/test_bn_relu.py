@@ -387,6 +387,17 @@ def test_a_batch_of_zeros_or_zero_gammas_do_not_pass_a_kernel_that_rounds_otherw
     assert list(bn_relu._ONE_PASS_EQUAL.values()) == [False]  # decided on the probe, not on the batch
 
 
+def test_a_one_pass_kernel_that_is_missing_keeps_the_two_pass_rebuild(one_pass, monkeypatch):
+    # a device or dtype without the one-pass kernel: the probe finds out, and training goes on as torch's
+    def missing(*args):
+        raise RuntimeError("batch_norm_elemt: no kernel for these dtypes")
+
+    monkeypatch.setattr(bn_relu, "_one_pass", missing)
+    plain, fused = blocks(False), blocks(True)
+    train_side_by_side(plain, fused, [torch.randn(4, 3, 10, 10) for _ in range(3)])
+    assert list(bn_relu._ONE_PASS_EQUAL.values()) == [False]
+
+
 def test_a_batchnorm_input_that_is_not_dense_keeps_the_two_pass_rebuild(one_pass):
     # found by an adversarial pass: torch's CPU kernel normalises a transposed input as ((x - mean) * invstd) * w + b,
     # not by its fast path's x * alpha + beta
