@@ -446,6 +446,71 @@ def test_a_strided_weight_bias_or_running_statistic_rebuilds_as_the_forward_comp
         assert list(bn_relu._ONE_PASS_EQUAL.values()) == [True] and len(one_pass) == 1 + 3  # the later pair only
 
 
+def test_a_kernel_that_rounds_otherwise_only_for_large_means_does_not_pass_the_probe(one_pass, monkeypatch):
+    # found by an adversarial pass: a probe of values near 0 and 1 would not show a kernel that rounds its per-channel
+    # terms otherwise, which real activations (means and scales far from 0 and 1) would
+    real = bn_relu._one_pass
+
+    def other(x, weight, bias, mean, invstd, eps):
+        t = real(x, weight, bias, mean, invstd, eps)
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        far = (mean.abs() > 5).view(shape).expand_as(t)
+        return torch.where(far, torch.nextafter(t, torch.full_like(t, float("inf"))), t)
+
+    monkeypatch.setattr(bn_relu, "_one_pass", other)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+    with torch.no_grad():
+        plain[0].bias.copy_(torch.linspace(-40, 40, 8))  # activations around means from -40 to 40
+    fused, _ = memtrim.convert(copy.deepcopy(plain), example_inputs=torch.randn(2, 3, 10, 10))
+    train_side_by_side(plain, fused, [torch.randn(4, 3, 10, 10) for _ in range(3)])
+    assert list(bn_relu._ONE_PASS_EQUAL.values()) == [False]
+
+
+def test_after_the_most_probes_new_shapes_keep_the_two_pass_rebuild(one_pass, monkeypatch):
+    monkeypatch.setattr(bn_relu, "_ONE_PASS_MAX_KEYS", 1)
+    plain, fused = blocks(False), blocks(True)
+    train_side_by_side(plain, fused, [torch.randn(4, 3, 10, 10), torch.randn(6, 3, 10, 10), torch.randn(4, 3, 10, 10)])
+    assert list(bn_relu._ONE_PASS_EQUAL.values()) == [True]  # the first shape's probe only
+    assert len(one_pass) == 1 + 2  # its probe, then its two steps; the second shape's step in two passes
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_strided_running_statistics_in_eval_rebuild_as_the_forward_computed(train):
+    # found by an adversarial pass: the eval rebuild read contiguous copies of strided running statistics, and torch's
+    # CPU kernel normalises strided ones by its other formula (7.5e-9 off)
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 4, 3))
+        model[1].running_mean = torch.randn(32)[::2]
+        model[1].running_var = (torch.rand(32) + 0.5)[::2]
+        return model.train(train)
+
+    plain = make()
+    fused, _ = memtrim.convert(make(), example_inputs=torch.randn(8, 3, 16, 16))
+    fused.train(train)
+    assert not fused[1].running_var.is_contiguous()
+    train_side_by_side(plain, fused, [torch.randn(8, 3, 16, 16) for _ in range(2)])
+
+
+@pytest.mark.parametrize("eps, train", [(0.0, True), (-1e-5, True), (-1e-5, False), (0.0, False)])
+def test_an_eps_torch_refuses_is_refused_as_torch_refuses_it(eps, train):
+    # found by an adversarial pass: torch's F.batch_norm (2.13) raises for eps <= 0 in training and eps < 0 in eval;
+    # the fused module called torch's ops directly and trained on
+    outcomes = []
+    for model in (blocks(False), blocks(True)):
+        model[1].eps = eps
+        model.train(train)
+        try:
+            model(torch.randn(4, 3, 10, 10)).sum().backward()
+            outcomes.append(None)
+        except ValueError as e:
+            outcomes.append(str(e))
+    assert (outcomes[0] is None) == (outcomes[1] is None), outcomes
+    if outcomes[0] is not None:
+        assert outcomes[0] in outcomes[1]
+
+
 def test_the_probe_leaves_the_users_random_numbers_alone(one_pass):
     # dropout after the first comparison draws the same masks as in the unconverted model
     torch.manual_seed(0)

@@ -220,7 +220,18 @@ def batchnorm_arguments(bn: Any, input: torch.Tensor) -> tuple[float, bool, torc
                 "(torch's nn.BatchNorm raises the same). Train on batches with more than one value per channel, or "
                 "call .eval() on the module."
             )
+    if not bn.eps > 0.0:  # (the usual case: one comparison)
+        _eps_as_torch(bn, bn_training)
     return factor, bn_training, running_mean, running_var
+
+
+def _eps_as_torch(bn: Any, training: bool) -> None:
+    """Raise where torch's ``F.batch_norm`` raises for ``bn``'s eps (from torch 2.13: not positive in training,
+    negative in eval; found by an adversarial pass, the fused module trained on), asking the installed torch."""
+    try:
+        nn.functional.batch_norm(torch.zeros(2, 1), torch.zeros(1), torch.ones(1), training=training, eps=bn.eps)
+    except ValueError as e:
+        raise InvalidInputError(f"{owner(bn)}: {e} (torch's nn.BatchNorm raises the same). Set a positive eps.") from e
 
 
 class _BatchNormAct(WatchedFusion, nn.modules.batchnorm._BatchNorm):
