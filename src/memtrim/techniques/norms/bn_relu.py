@@ -108,8 +108,9 @@ def _rebuild(x: torch.Tensor, *tensors: torch.Tensor, layout: tuple[bool, bool, 
 # rebuild: an adversarial pass's measurement); after _ONE_PASS_MAX_KEYS probes, new keys keep the two-pass rebuild. None
 # is made while a CUDA graph is being captured (the comparison waits for the GPU). On the CPU, below _ONE_PASS_CPU_MIN
 # values the one-pass rebuild's three small kernels cost more than torch's one: one thread, float32 and float64,
-# 0.4-0.8x as fast at 288 and 1,024 values, 0.9-1.2x at 8,192, 1.0-3.4x from 12,800 up and 1.6-2.3x at a ResNet's shapes
-# at batch 8 (benchmarks/bn_rebuild_kernels.py, results/bn_rebuild_kernels_cpu.json).
+# 0.6-0.7x as fast at 288 and 1,024 values, 0.9-1.3x at 8,192, 1.1-1.5x at 12,800 and 1.4-2.5x at a ResNet's shapes at
+# batch 8 (benchmarks/bn_rebuild_kernels.py, results/bn_rebuild_kernels_cpu.json, 2026-11-30, commit 396fea4; a run an
+# hour earlier on the same machine gave 0.4-0.8x, 0.9-1.2x, 1.0-1.3x and 1.6-2.3x).
 ONE_PASS = True  # (tests and benchmarks switch it off to compare)
 _ONE_PASS_CPU_MIN = 8192
 _ONE_PASS_MAX_KEYS = 1024  # probes made at most, per process: new shapes after that keep the two-pass rebuild
