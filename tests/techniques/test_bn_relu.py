@@ -244,8 +244,8 @@ def test_an_input_kept_from_inside_a_torch_func_transform_runs_as_torch():
 # ------------------------------------------------------------------- NOTE [ the one-pass rebuild ] in norms/bn_relu.py
 @pytest.fixture
 def one_pass(monkeypatch):
-    """The one-pass rebuild at any size (the CPU's threshold is for speed only), with no comparison made yet, and a
-    count of its uses."""
+    """The one-pass rebuild at any size (the CPU's threshold is for speed only), with no probe made yet, and a list of
+    its calls (the probes' included)."""
     monkeypatch.setattr(bn_relu, "_ONE_PASS_CPU_MIN", 0)
     monkeypatch.setattr(bn_relu, "_ONE_PASS_EQUAL", {})
     used = []
