@@ -511,6 +511,28 @@ def test_an_eps_torch_refuses_is_refused_as_torch_refuses_it(eps, train):
         assert outcomes[0] in outcomes[1]
 
 
+def test_a_torch_function_mode_sees_torch_batch_norm_and_training_stays_torchs(one_pass):
+    # found by an adversarial pass: the forward's torch._batch_norm_impl_index (for the one-pass rebuild's statistics)
+    # is an op a user's TorchFunctionMode that watches or replaces torch.batch_norm would not know
+    class Seen(torch.overrides.TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.add(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    plain, fused = blocks(False), blocks(True)
+    x = torch.randn(4, 3, 10, 10)
+    with Seen() as seen:
+        grads = [torch.autograd.grad(m(x).square().sum(), list(m.parameters())) for m in (plain, fused)]
+    assert "batch_norm" in seen.names and "_batch_norm_impl_index" not in seen.names
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    assert one_pass == []  # the two-pass rebuild there
+
+
 def test_the_probe_leaves_the_users_random_numbers_alone(one_pass):
     # dropout after the first comparison draws the same masks as in the unconverted model
     torch.manual_seed(0)

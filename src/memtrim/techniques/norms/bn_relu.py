@@ -201,6 +201,9 @@ def rebuilds_bitwise(bn: nn.Module) -> bool:
     return all(t.device.type == "cpu" for t in (*bn.parameters(recurse=False), *bn.buffers(recurse=False)))
 
 
+_FUNCTION_MODE = getattr(torch._C, "_is_torch_function_mode_enabled", lambda: False)
+
+
 def _copy_as(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` with its strides (``clone`` makes a strided 1-D tensor contiguous)."""
     return t.clone() if t.is_contiguous() else torch.empty_strided(t.size(), t.stride(), dtype=t.dtype,
@@ -217,7 +220,9 @@ def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
     weight = params["weight"] if "weight" in params else bn.weight
     bias = params["bias"] if "bias" in params else bn.bias
     saved = strided_stats = None
-    if bn_training:  # torch.batch_norm's own op, which returns the batch statistics too (NOTE [ the one-pass rebuild ])
+    # torch.batch_norm's own op, which returns the batch statistics too (NOTE [ the one-pass rebuild ]); under a user's
+    # TorchFunctionMode torch.batch_norm itself, the op such a mode sees (found by an adversarial pass)
+    if bn_training and not _FUNCTION_MODE():
         out, mean, invstd, _, kernel = torch._batch_norm_impl_index(x, weight, bias, running_mean, running_var, True,
                                                                     factor, bn.eps, cudnn)
         if running_mean is None or running_var is None or (running_mean.is_contiguous()
@@ -226,7 +231,7 @@ def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
         else:  # (torch's kernels take another path then, which the rebuild must take too)
             strided_stats = tuple((t.size(), t.stride(), t.dtype) for t in (running_mean, running_var))
     else:
-        out = torch.batch_norm(x, weight, bias, running_mean, running_var, False, factor, bn.eps, cudnn)
+        out = torch.batch_norm(x, weight, bias, running_mean, running_var, bn_training, factor, bn.eps, cudnn)
     # what the rebuild reads: the parameters, and in eval the running statistics (in training the batch's), copied:
     # a training forward of the same module before the backward updates them in place without a version bump
     # (laid out as they are: torch's CPU kernel normalises by another formula for strided ones, 7.5e-9 off, found by
