@@ -398,6 +398,22 @@ def test_a_one_pass_kernel_that_is_missing_keeps_the_two_pass_rebuild(one_pass, 
     assert list(bn_relu._ONE_PASS_EQUAL.values()) == [False]
 
 
+def test_no_memory_for_the_probe_keeps_the_two_pass_rebuild(one_pass, monkeypatch):
+    # a GPU at its limit: the probe's three tensors do not fit; the backward goes on as before the one-pass rebuild
+    real = torch.empty_strided
+
+    def full(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("out of memory (simulated)")
+
+    monkeypatch.setattr(torch, "empty_strided", full)  # (the probe's allocations; the rebuild itself makes none so)
+    plain, fused = blocks(False), blocks(True)
+    try:
+        train_side_by_side(plain, fused, [torch.randn(4, 3, 10, 10) for _ in range(2)])
+    finally:
+        monkeypatch.setattr(torch, "empty_strided", real)
+    assert list(bn_relu._ONE_PASS_EQUAL.values()) == [False]
+
+
 def test_a_batchnorm_input_that_is_not_dense_keeps_the_two_pass_rebuild(one_pass):
     # found by an adversarial pass: torch's CPU kernel normalises a transposed input as ((x - mean) * invstd) * w + b,
     # not by its fast path's x * alpha + beta

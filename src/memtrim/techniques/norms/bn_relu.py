@@ -105,12 +105,13 @@ def _rebuild(x: torch.Tensor, *tensors: torch.Tensor, layout: tuple[bool, bool, 
 # pass: a first batch of zeros, or zero gammas, make any two formulas give the bias exactly, and a kernel that rounds
 # otherwise then passed). The cost of the probe, once per key and process: three z-sized tensors for a moment, before
 # the rebuild, and about ten rebuilds' time (24-31 ms on the CPU at a ResNet's shapes at batch 8, against 2-4 ms for a
-# rebuild: an adversarial pass's measurement); after _ONE_PASS_MAX_KEYS probes, new keys keep the two-pass rebuild. None
-# is made while a CUDA graph is being captured (the comparison waits for the GPU). On the CPU, below _ONE_PASS_CPU_MIN
-# values the one-pass rebuild's three small kernels cost more than torch's one: one thread, float32 and float64,
-# 0.6-0.7x as fast at 288 and 1,024 values, 0.9-1.3x at 8,192, 1.1-1.5x at 12,800 and 1.4-2.5x at a ResNet's shapes at
-# batch 8 (benchmarks/bn_rebuild_kernels.py, results/bn_rebuild_kernels_cpu.json, 2026-11-30, commit 396fea4; a run an
-# hour earlier on the same machine gave 0.4-0.8x, 0.9-1.2x, 1.0-1.3x and 1.6-2.3x).
+# rebuild: an adversarial pass's measurement); after _ONE_PASS_MAX_KEYS probes, new keys keep the two-pass rebuild, and
+# so does a key whose probe failed (no memory for its tensors on a GPU at its limit, no one-pass kernel for those
+# dtypes). None is made while a CUDA graph is being captured (the comparison waits for the GPU). On the CPU, below
+# _ONE_PASS_CPU_MIN values the one-pass rebuild's three small kernels cost more than torch's one: one thread, float32
+# and float64, 0.6-0.7x as fast at 288 and 1,024 values, 0.9-1.3x at 8,192, 1.1-1.5x at 12,800 and 1.4-2.5x at a
+# ResNet's shapes at batch 8 (benchmarks/bn_rebuild_kernels.py, results/bn_rebuild_kernels_cpu.json, 2026-11-30, commit
+# 396fea4; a run an hour earlier on the same machine gave 0.4-0.8x, 0.9-1.2x, 1.0-1.3x and 1.6-2.3x).
 ONE_PASS = True  # (tests and benchmarks switch it off to compare)
 _ONE_PASS_CPU_MIN = 8192
 _ONE_PASS_MAX_KEYS = 1024  # probes made at most, per process: new shapes after that keep the two-pass rebuild
@@ -168,19 +169,18 @@ def _same_bits(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor 
         found.mul_(magnitudes().abs().view(shape))
         return found.add_(magnitudes().view(shape)) if offset else found
 
-    xp = probe(x, offset=True)
-    wp, bp = None if weight is None else probe(weight), None if bias is None else probe(bias)
-    # (the running statistics have x's dtype: a BatchNorm of another dtype than its input runs as torch's)
-    zeros, ones = ((torch.zeros(x.shape[1], dtype=x.dtype, device=x.device),
-                    torch.ones(x.shape[1], dtype=x.dtype, device=x.device)) if running else (None, None))
-    out, mean, invstd, _, used = torch._batch_norm_impl_index(xp, wp, bp, zeros, ones, True, 0.0, eps, cudnn)
-    if used != kernel:
-        return False
+    # a probe that fails keeps the two-pass rebuild instead of failing the backward: no one-pass kernel for these
+    # dtypes or this layout on this device, or no memory for the probe's three tensors (a GPU at its limit)
     try:
-        once = _one_pass(xp, wp, bp, mean, invstd, eps)
-    except (RuntimeError, NotImplementedError):  # (no kernel for these dtypes or this layout on this device)
+        xp = probe(x, offset=True)
+        wp, bp = None if weight is None else probe(weight), None if bias is None else probe(bias)
+        # (the running statistics have x's dtype: a BatchNorm of another dtype than its input runs as torch's)
+        zeros, ones = ((torch.zeros(x.shape[1], dtype=x.dtype, device=x.device),
+                        torch.ones(x.shape[1], dtype=x.dtype, device=x.device)) if running else (None, None))
+        out, mean, invstd, _, used = torch._batch_norm_impl_index(xp, wp, bp, zeros, ones, True, 0.0, eps, cudnn)
+        return used == kernel and torch.equal(out, _one_pass(xp, wp, bp, mean, invstd, eps))
+    except (RuntimeError, NotImplementedError):  # (torch.OutOfMemoryError is a RuntimeError)
         return False
-    return torch.equal(out, once)
 
 
 def _one_pass(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mean: torch.Tensor,
