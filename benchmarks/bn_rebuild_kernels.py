@@ -5,11 +5,12 @@ results/convert_cuda_check_cuda.txt). The one-pass rebuild (NOTE [ the one-pass 
 statistics the forward computed (and its autograd node saved): ``torch.batch_norm_elemt`` on CUDA, the CPU kernel's
 arithmetic on the CPU (``bn_relu._one_pass``, the function converted models call). A rebuild must give the forward's
 output bit for bit (the next convolution's weight gradient reads it), so this compares, at each shape, the forward's
-output with the training kernel run again and with the one-pass rebuild, and times both: on CUDA at a ResNet's
-BatchNorm + ReLU shapes at batch 128, with cuDNN on and off; on the CPU at a ResNet's shapes at batch 8 and at small
-ones, contiguous and channels-last, where the times give the size below which converted models keep the two-pass
-rebuild (``bn_relu._ONE_PASS_CPU_MIN``). results/bn_rebuild_kernels_cuda.json was written by this script's first
-version (a5fb446), which called the one-pass kernel ``elemt``.
+output with the training kernel run again and with the one-pass rebuild, and times both (and the probe that decides
+between them, NOTE [ the one-pass rebuild ]): on CUDA at a ResNet's BatchNorm + ReLU shapes at batch 128, with cuDNN
+on and off; on the CPU at a ResNet's shapes at batch 8 and at small ones, contiguous and channels-last, where the
+times give the size below which converted models keep the two-pass rebuild (``bn_relu._ONE_PASS_CPU_MIN``).
+results/bn_rebuild_kernels_cuda.json was written by this script's first version (a5fb446), which called the one-pass
+kernel ``elemt``.
 
 Reproduce:  .venv/bin/python benchmarks/bn_rebuild_kernels.py [--device cpu]   (on an otherwise idle machine)
 Writes benchmarks/results/bn_rebuild_kernels_<device>.json.
@@ -65,7 +66,7 @@ def compare(shape, dtype, cudnn: bool, channels_last: bool, device: str) -> dict
     eps = 1e-5
     with torch.backends.cudnn.flags(enabled=cudnn):
         # torch.batch_norm's op, with the batch mean and inverse standard deviation (NOTE [ the one-pass rebuild ])
-        out, mean, invstd, _, _ = torch._batch_norm_impl_index(x, w, b, None, None, True, 0.0, eps, cudnn)
+        out, mean, invstd, _, kernel = torch._batch_norm_impl_index(x, w, b, None, None, True, 0.0, eps, cudnn)
         node = out.grad_fn
         xd, wd, bd = x.detach(), w.detach(), b.detach()
         again = torch.batch_norm(xd, wd, bd, None, None, True, 0.0, eps, cudnn)
@@ -79,6 +80,9 @@ def compare(shape, dtype, cudnn: bool, channels_last: bool, device: str) -> dict
             "ms_training_kernel_again": ms(lambda: torch.batch_norm(xd, wd, bd, None, None, True, 0.0, eps, cudnn),
                                           device),
             "ms_one_pass": ms(lambda: bn_relu._one_pass(xd, wd, bd, mean, invstd, eps), device),
+            # what a converted model's first rebuild at this key adds, once (NOTE [ the one-pass rebuild ])
+            "probe_equal": bn_relu._same_bits(xd, wd, bd, kernel, False, eps, cudnn),
+            "ms_probe": ms(lambda: bn_relu._same_bits(xd, wd, bd, kernel, False, eps, cudnn), device, repeats=5),
         }
 
 

@@ -5,7 +5,7 @@ train (forward, backward, AdamW step) in interleaved rounds, as in convert_zoo_t
 with the one-pass rebuild switched off (``bn_relu.ONE_PASS = False``, the rebuild before commit 4e9c438). Beside
 the times: for each key the probe compared (forward kernel, dtype, shape, strides), whether the one-pass rebuild gave
 the forward kernel's bits (where not, that layer keeps the two-pass rebuild), and the largest parameter-gradient
-difference of each converted variant against the plain model at a second step from the same weights (0: bitwise).
+difference of each converted variant against the plain model, one step from the same weights (0: bitwise).
 
 The model is torchvision's ResNet as memtrim.models.torchvision_resnet writes it out (the same modules and
 state_dict; no torchvision needed), 10 classes, on ``--size`` square images.
@@ -24,7 +24,7 @@ import torch
 
 import memtrim
 from _common import machine, pin_malloc, quartiles, write
-from convert_zoo_time import interleaved_times
+from convert_zoo_time import interleaved_times, max_difference, train_gradients
 from memtrim.models.torchvision_resnet import TorchvisionBasicBlock, TorchvisionBottleneck, TorchvisionResNet
 from memtrim.techniques.norms import bn_relu
 
@@ -34,12 +34,6 @@ LAYERS = {"resnet18": (TorchvisionBasicBlock, [2, 2, 2, 2]), "resnet50": (Torchv
 def two_pass(name: str):
     """The rebuild as before the one-pass one, for the variant that has it."""
     return mock.patch.object(bn_relu, "ONE_PASS", name != "converted_two_pass")
-
-
-def gradients(model, batch) -> list[torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    model(**batch).float().square().mean().backward()
-    return [p.grad.detach().clone() for p in model.parameters()]
 
 
 def main() -> None:
@@ -58,16 +52,13 @@ def main() -> None:
     _, report = memtrim.convert(converted, example_inputs=batch)
     models = {"plain": plain, "converted": converted, "converted_two_pass": copy.deepcopy(converted)}
     bn_relu._ONE_PASS_EQUAL.clear()
-    # one step's gradients, each converted variant against plain, from the same weights: the first step compares
-    # the one-pass rebuild with the two-pass one (and uses the two-pass one), the second uses what the comparison
-    # found; the second's gradients are the ones compared
+    # one step's gradients, each converted variant against plain, from the same weights (the first backward makes
+    # the probes, and the one-pass rebuild is used from it on)
+    expected = train_gradients(plain, batch)
     differences = {}
     for name in ("converted", "converted_two_pass"):
         with two_pass(name):
-            gradients(models[name], batch)
-            found = gradients(models[name], batch)
-        expected = gradients(plain, batch)
-        differences[name] = max(float((a - b).abs().max()) for a, b in zip(found, expected))
+            differences[name] = max_difference(train_gradients(models[name], batch), expected)
     kernels = {0: "torch's native", 1: "cuDNN", 2: "MIOpen"}  # (torch._batch_norm_impl_index's numbering)
     compared = [{"kernel": kernels.get(key[0], key[0]), "dtype": str(key[2]), "shape": list(key[3]),
                  "stride": list(key[4]), "equal": equal} for key, equal in bn_relu._ONE_PASS_EQUAL.items()]

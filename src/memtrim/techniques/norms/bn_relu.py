@@ -58,24 +58,18 @@ __all__ = ["BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d", "keeping_cla
 
 
 def _rebuild(x: torch.Tensor, *tensors: torch.Tensor, layout: tuple[bool, bool, bool], training: bool, eps: float,
-             cudnn: bool, saved: tuple[torch.Tensor, torch.Tensor, int, bool] | None = None,
-             strided_stats: tuple[tuple, ...] | None = None) -> torch.Tensor:
+             cudnn: bool, saved: tuple[torch.Tensor, torch.Tensor, int, bool] | None = None) -> torch.Tensor:
     """The ReLU output: ``batch_norm`` as the forward called it, without updating running statistics. ``tensors``
     are the weight, bias and running statistics the forward had (``layout``: which of weight, bias and the pair of
     running statistics there are); ``saved``, a training forward's batch statistics, the kernel that computed them
     and whether it updated running statistics, with which the rebuild can normalise in one pass (NOTE [ the one-pass
-    rebuild ]); ``strided_stats``, the (size, stride, dtype) of a training forward's running statistics where they
-    are not contiguous."""
+    rebuild ])."""
     found = iter(tensors)
     weight, bias = (next(found) if layout[0] else None), (next(found) if layout[1] else None)
     mean, var = (next(found), next(found)) if layout[2] else (None, None)
     once = None if saved is None else _normalised_once(saved, x, weight, bias, eps, cudnn)
     if once is not None:
         return torch.relu_(once)
-    if strided_stats is not None:  # torch's CPU kernel normalises by another formula when the running statistics it
-        # updates are not contiguous (found by an adversarial pass: 2.2e-8 off): scratch ones laid out the same
-        mean, var = (torch.empty_strided(size, stride, dtype=dtype, device=x.device).zero_()
-                     for size, stride, dtype in strided_stats)
     return torch.relu_(torch.batch_norm(x, weight, bias, mean, var, training, 0.0, eps, cudnn))
 
 
@@ -219,29 +213,30 @@ def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
     # a weight that pruning or a parametrization computes is no entry of the dict: read as torch's forward reads it
     weight = params["weight"] if "weight" in params else bn.weight
     bias = params["bias"] if "bias" in params else bn.bias
-    saved = strided_stats = None
+    running = running_mean is not None and running_var is not None
+    # (torch's CPU kernel normalises by another formula where the running statistics are not contiguous, also in
+    # training, where it updates them: found by an adversarial pass, 2.2e-8 off)
+    strided = bn_training and running_mean is not None and running_var is not None and not (
+        running_mean.is_contiguous() and running_var.is_contiguous())
+    saved = None
     # torch.batch_norm's own op, which returns the batch statistics too (NOTE [ the one-pass rebuild ]); under a user's
     # TorchFunctionMode torch.batch_norm itself, the op such a mode sees (found by an adversarial pass)
     if bn_training and not _FUNCTION_MODE():
         out, mean, invstd, _, kernel = torch._batch_norm_impl_index(x, weight, bias, running_mean, running_var, True,
                                                                     factor, bn.eps, cudnn)
-        if running_mean is None or running_var is None or (running_mean.is_contiguous()
-                                                           and running_var.is_contiguous()):
-            saved = (mean, invstd, kernel, running_mean is not None)
-        else:  # (torch's kernels take another path then, which the rebuild must take too)
-            strided_stats = tuple((t.size(), t.stride(), t.dtype) for t in (running_mean, running_var))
+        saved = None if strided else (mean, invstd, kernel, running)
     else:
         out = torch.batch_norm(x, weight, bias, running_mean, running_var, bn_training, factor, bn.eps, cudnn)
     # what the rebuild reads: the parameters, and in eval the running statistics (in training the batch's), copied:
-    # a training forward of the same module before the backward updates them in place without a version bump
-    # (laid out as they are: torch's CPU kernel normalises by another formula for strided ones, 7.5e-9 off, found by
-    # an adversarial pass)
+    # a training forward of the same module before the backward updates them in place without a version bump; copied
+    # with their strides (7.5e-9 off with contiguous copies of strided ones in eval), and so in training where they
+    # are strided, for the kernel's formula only (updated with momentum 0 by the rebuild, which normalises with the
+    # batch's statistics)
     stats = ([_copy_as(running_mean), _copy_as(running_var)]
-             if not bn_training and running_mean is not None and running_var is not None else [])
+             if running_mean is not None and running_var is not None and (not bn_training or strided) else [])
     tensors = [t for t in (weight, bias) if t is not None] + stats
     rebuild = functools.partial(_rebuild, layout=(weight is not None, bias is not None, bool(stats)),
-                                training=bn_training, eps=bn.eps, cudnn=cudnn, saved=saved,
-                                strided_stats=strided_stats)
+                                training=bn_training, eps=bn.eps, cudnn=cudnn, saved=saved)
     # marked before the ReLU makes it, at the version relu_ leaves: relu_'s own save (its backward's mask) then
     # keeps the recipe too, in an ordinary consumer scope. The recipe holds x and the module's tensors, never z: z's
     # storage dies once nobody but recipes needs it
