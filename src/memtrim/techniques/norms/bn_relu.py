@@ -98,14 +98,15 @@ def _rebuild(x: torch.Tensor, *tensors: torch.Tensor, layout: tuple[bool, bool, 
 # probe, not the batch: on the batch the comparison would be of data as well as arithmetic (found by an adversarial
 # pass: a first batch of zeros, or zero gammas, make any two formulas give the bias exactly, and a kernel that rounds
 # otherwise then passed). The cost of the probe, once per key and process: three z-sized tensors for a moment, before
-# the rebuild, and about ten rebuilds' time (24-31 ms on the CPU at a ResNet's shapes at batch 8, against 2-4 ms for a
-# rebuild: an adversarial pass's measurement); after _ONE_PASS_MAX_KEYS probes, new keys keep the two-pass rebuild, and
-# so does a key whose probe failed (no memory for its tensors on a GPU at its limit, no one-pass kernel for those
-# dtypes). None is made while a CUDA graph is being captured (the comparison waits for the GPU). On the CPU, below
+# the rebuild, and 4-9 two-pass rebuilds' time (on the CPU, one thread, at resnet18's shapes at batch 8: 1.4-12 ms in
+# float32, 2.1-30 ms in float64; benchmarks/bn_rebuild_kernels.py, whose probe verdicts matched the comparison on real
+# data at every shape, dtype and layout); after _ONE_PASS_MAX_KEYS probes, new keys keep the two-pass rebuild, and so
+# does a key whose probe failed (no memory for its tensors on a GPU at its limit, no one-pass kernel for those dtypes).
+# None is made while a CUDA graph is being captured (the comparison waits for the GPU). On the CPU, below
 # _ONE_PASS_CPU_MIN values the one-pass rebuild's three small kernels cost more than torch's one: one thread, float32
-# and float64, 0.6-0.7x as fast at 288 and 1,024 values, 0.9-1.3x at 8,192, 1.1-1.5x at 12,800 and 1.4-2.5x at a
-# ResNet's shapes at batch 8 (benchmarks/bn_rebuild_kernels.py, results/bn_rebuild_kernels_cpu.json, 2026-11-30, commit
-# 396fea4; a run an hour earlier on the same machine gave 0.4-0.8x, 0.9-1.2x, 1.0-1.3x and 1.6-2.3x).
+# and float64, 0.5-0.7x as fast at 288 and 1,024 values, 1.0-1.2x at 8,192, 1.4x at 12,800 and 1.6-2.8x at resnet18's
+# shapes at batch 8 (benchmarks/bn_rebuild_kernels.py, results/bn_rebuild_kernels_cpu.json, 2026-11-30, commit f8d90c0;
+# two earlier runs that day on the same machine gave 0.4-0.8x and 0.6-0.7x, 0.9-1.3x, 1.0-1.5x and 1.4-2.5x).
 ONE_PASS = True  # (tests and benchmarks switch it off to compare)
 _ONE_PASS_CPU_MIN = 8192
 _ONE_PASS_MAX_KEYS = 1024  # probes made at most, per process: new shapes after that keep the two-pass rebuild
