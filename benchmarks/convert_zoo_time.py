@@ -206,16 +206,21 @@ WIDE = {
 
 
 def interleaved_times(models: dict, opts: dict, batch: dict, rounds: int, device: str,
-                      scope: Callable[[str], Any] = lambda k: contextlib.nullcontext()) -> tuple[dict, int]:
+                      scope: Callable[[str], Any] = lambda k: contextlib.nullcontext(),
+                      take_step: Callable[[str], None] | None = None) -> tuple[dict, int]:
     """Seconds per step of each model (the first is the base), in ``rounds`` rounds that take the models in turn,
-    each round as many steps as 0.2 s of the base's (at least 2); ``scope(name)`` is entered around a model's steps.
+    each round as many steps as 0.2 s of the base's (at least 2); ``scope(name)`` is entered around a model's steps,
+    ``take_step(name)``, if given, takes a step instead of :func:`step` (a CUDA graph's replay).
     Returns ({name: [seconds per step, one per round]}, steps per round)."""
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    if take_step is None:
+        def take_step(k: str) -> None:
+            step(models[k], opts[k], batch)
     base = next(iter(models))
     sync()
     start = time.perf_counter()
     with scope(base):
-        step(models[base], opts[base], batch)
+        take_step(base)
     sync()
     repeats = max(2, int(0.2 / (time.perf_counter() - start)))
     times: dict[str, list[float]] = {k: [] for k in models}
@@ -225,7 +230,7 @@ def interleaved_times(models: dict, opts: dict, batch: dict, rounds: int, device
                 sync()
                 start = time.perf_counter()
                 for _ in range(repeats):
-                    step(models[k], opts[k], batch)
+                    take_step(k)
                 sync()
             times[k].append((time.perf_counter() - start) / repeats)
     return times, repeats

@@ -6,8 +6,8 @@
 # convert rows; pytest-xdist for the CUDA tests and the last part):   bash benchmarks/gpu.sh
 # Writes logs, convert_cuda_check_cuda.txt and the *_cuda.json results to $OUT (default benchmarks/results/gpu_run);
 # the JSON files are also left in benchmarks/results/, where the other results are. With SUITE_S=0, 420 s on an H200
-# (2026-11-30, the CUDA tests in 4 processes: 103 s) before bn_rebuild_time.py and bn_rebuild_kernels.py were added
-# (parts of at most 75, 75 and 40 s);
+# (2026-11-30, the CUDA tests in 4 processes: 103 s) before bn_rebuild_time.py, bn_rebuild_kernels.py and
+# convert_cuda_graph.py were added (parts of at most 75, 75, 40 and 120 s);
 # every part at its limit is more than one command's 10 minutes.
 # SUITE_S=0 leaves the full suite out (its limit in seconds; 180 by default). BUDGET_S=N ends the run N seconds after
 # its start: each part's limit is cut to what is left, and a part with under 20 s left is skipped (a lease's last minutes
@@ -51,6 +51,9 @@ for model in resnet18 resnet50; do
   part 75 "$OUT/bench.log" $PY bn_rebuild_time.py --model $model --batch 128 --rounds 7
 done
 grep -E "step_ms_plain|rc=" "$OUT/bench.log" | tail -n 4
+# the CNNs at batch 32, whose eager steps wait on the host, with each step captured in a CUDA graph and replayed
+part 120 "$OUT/bench.log" $PY convert_cuda_graph.py --rounds 7
+grep -E "graphs|rc=" "$OUT/bench.log" | tail -n 4
 # which CUDA kernels the one-pass rebuild matches bit for bit, and its speed, at a ResNet's shapes at batch 128
 part 40 "$OUT/bench.log" $PY bn_rebuild_kernels.py --device cuda
 part 90 "$OUT/bench.log" $PY convert_waits.py --rounds 7 --batch-mult 16  # what converted Llama's waits cost

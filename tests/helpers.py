@@ -158,3 +158,34 @@ def graphs_alive():
     gc.collect()
     # (by exact type: isinstance on every object wakes deprecated module attributes that warn)
     return sum(1 for o in gc.get_objects() if type(o) is torch.Tensor and o.grad_fn is not None)
+
+
+def captured_training(model, x, loss_of, replays: int = 3) -> int:
+    """Train ``model`` as PyTorch's whole-network CUDA graph capture does: three eager AdamW steps on a side stream,
+    one step (``loss_of(model(x)).backward()``, ``opt.step()``) captured, then ``replays`` replays. Returns the
+    allocator's peak during the capture above the level before (what the graph's pool holds)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+
+    def step():
+        loss_of(model(x)).backward()
+        opt.step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # (memtrim's one-pass BatchNorm rebuild probes here: none while capturing)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    opt.zero_grad(set_to_none=True)  # the gradients are then the graph's own
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    peak = torch.cuda.max_memory_allocated() - base
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return peak

@@ -14,7 +14,7 @@ import memtrim
 from memtrim.measure.hooks import top_saved_tensors_hooks
 from memtrim.techniques.norms import bn_relu
 
-from ..helpers import activation_bytes
+from ..helpers import activation_bytes, captured_training
 
 
 def blocks(fused):
@@ -617,3 +617,26 @@ def test_on_cuda_the_one_pass_rebuild_gives_the_two_pass_rebuilds_gradients(one_
             assert torch.equal(a, b), step
     equal = sum(bn_relu._ONE_PASS_EQUAL.values())
     assert len(bn_relu._ONE_PASS_EQUAL) == 3 and len(one_pass) == 3 + 3 * equal, bn_relu._ONE_PASS_EQUAL
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_converted_resnet_step_captured_in_a_cuda_graph_trains_as_the_plain_ones_and_keeps_less(
+        monkeypatch):
+    # a step that waits on the host is captured in a CUDA graph (PyTorch's whole-network capture) to stop waiting:
+    # memtrim's Python runs once, at the capture, and each replay runs the recorded kernels, the rebuilds in backward
+    # among them; the replays train as the plain model's graph does, bit for bit, and the capture's peak (what the
+    # graph's pool holds) is lower
+    from memtrim.models.torchvision_resnet import TorchvisionBasicBlock, TorchvisionResNet
+
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    torch.manual_seed(0)
+    plain = TorchvisionResNet(TorchvisionBasicBlock, [1, 1, 1, 1], num_classes=10).cuda()
+    x = torch.randn(8, 3, 64, 64, device="cuda")
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=x)
+    assert any(c.after == "memtrim.nn.BatchNormReLU2d" for c in report.changes), report
+    peaks = [captured_training(model, x, lambda out: out.square().mean()) for model in (plain, converted)]
+    for (name, a), b in zip(plain.state_dict().items(), converted.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert peaks[1] < peaks[0], peaks

@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import memtrim
+from memtrim.models import SmallGPT
 from memtrim.models.torchvision_resnet import TorchvisionBasicBlock, TorchvisionBottleneck, TorchvisionResNet
 from memtrim.techniques.norms._kernels import keep_input_features
 
-from ..helpers import ClipsItsOutput, CountOp, graph_counts, graphs_alive
+from ..helpers import ClipsItsOutput, CountOp, captured_training, graph_counts, graphs_alive
 
 
 # ---------------------------------------------------------------------- helpers
@@ -1204,6 +1205,27 @@ def test_on_cuda_the_resnet_pattern_trains_like_plain_in_float64():
     assert sorted(grads_a) == sorted(grads_b)
     for k in grads_a:
         torch.testing.assert_close(grads_b[k], grads_a[k], rtol=1e-9, atol=1e-9, msg=k)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_cuda_a_converted_gpt_step_captured_in_a_cuda_graph_trains_as_the_plain_ones_and_keeps_less():
+    # its LayerNorms' and GELUs' outputs rebuilt from their nodes in backward, recorded once at the capture; the
+    # embeddings' sum, whose check waits for the GPU, is kept as usual while a graph is captured (the ResNet pattern:
+    # tests/techniques/test_bn_relu.py). The math attention kernel: deterministic, so that a difference is memtrim's
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    plain = SmallGPT(n_layer=2, d_model=64, n_head=2, seq_len=32, vocab_size=64, dropout=0.0).cuda()
+    idx = torch.randint(0, 64, (4, 32), device="cuda")
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(idx,))
+    assert {"embedding_sum", "layer_norm_consumer"} <= {c.rule for c in report.changes}, report
+    with sdpa_kernel(SDPBackend.MATH):
+        peaks = [captured_training(model, idx, lambda out: out.float().square().mean())
+                 for model in (plain, converted)]
+    for (name, a), b in zip(plain.state_dict().items(), converted.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert peaks[1] < peaks[0], peaks
 
 
 # ---------------------------------------------------------------------- timm's BatchNormAct2d (regnet, repvgg, ...)

@@ -1246,3 +1246,14 @@ def test_read_at_the_backward_hidden_states_far_from_their_norms_are_hooked(read
     with pytest.raises(memtrim.ConvertError, match="its backward is refused"):
         hidden[2].square().mean().backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_norm_that_decides_while_a_cuda_graph_is_captured_raises_a_clear_error(monkeypatch):
+    # gathering the kept features (nonzero) waits for the GPU, which fails a capture with CUDA's own error, and a
+    # decision recorded at the capture would hold at every replay while the weights change: memtrim names both and
+    # the fix (capturing() itself is True only on a CUDA device; tests/techniques/test_bn_relu.py captures converted
+    # models on one)
+    together, _ = converted_and_alone()
+    monkeypatch.setattr(_kernels, "capturing", lambda mask: True)
+    with pytest.raises(memtrim.ConvertError, match="CUDA graph being captured.*module_filter"):
+        together(batch())

@@ -228,6 +228,12 @@ def saves_checked() -> bool:
     return True
 
 
+def capturing(x: torch.Tensor) -> bool:
+    """Whether ``x`` is on a CUDA device whose current stream is capturing a CUDA graph: nothing may make the host
+    wait for the GPU then (the capture fails), and what the host decides is recorded once, for every replay."""
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def autocasting(x: torch.Tensor) -> bool:
     """Whether autocast is on for ``x``'s device type. The rebuilt norms and ActLinear then run as torch's own ops:
     autocast picks each op's dtype (LayerNorm in float32, Linear in the low precision), and an output kept in bfloat16

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _di
 
 from ...errors import ConvertError
 from ...measure.hooks import compiled_autograd_running, tensors_in
-from ..guards import defined_in, foreign_handles, memtrims, plain_only, register_own
+from ..guards import capturing, defined_in, foreign_handles, memtrims, plain_only, register_own
 
 __all__ = ["CACHE_SIZE", "HALF_PRECISION", "KEEP_BOUND", "DecidedTogether", "check_taken", "keep_input_features",
            "zeros_and_ones"]
@@ -122,6 +122,14 @@ def _indices(mask: torch.Tensor) -> torch.Tensor:
     adversarial pass, nonzero raised there)."""
     if mask.is_meta:
         return torch.empty(0, dtype=torch.long, device=mask.device)
+    if capturing(mask):
+        raise ConvertError(
+            "memtrim: a norm memtrim.convert rebuilds from its output decides from its weights' values which "
+            "features keep their input, and gathering them makes the host wait for the GPU, which a CUDA graph being "
+            "captured does not allow (a decision recorded at the capture would also hold at every replay while the "
+            "weights change). To fix: leave the norms out of memtrim.convert (module_filter), or train this model "
+            "without CUDA graphs."
+        )
     try:
         return mask.nonzero().flatten()
     except DynamicOutputShapeException:

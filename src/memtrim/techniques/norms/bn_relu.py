@@ -45,6 +45,7 @@ from ..guards import (
     OUTPUT_HOOKS,
     RELU,
     WatchedFusion,
+    capturing,
     fx_tracing,
     mark_activated,
     owner,
@@ -135,8 +136,7 @@ def _normalised_once(saved: tuple[torch.Tensor, torch.Tensor, int, bool], x: tor
     key = (kernel, x.device, x.dtype, x.shape, x.stride(), weight is None, bias is None, cudnn, running)
     equal = _ONE_PASS_EQUAL.get(key)
     if equal is None:
-        if len(_ONE_PASS_EQUAL) >= _ONE_PASS_MAX_KEYS or (
-                device == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if len(_ONE_PASS_EQUAL) >= _ONE_PASS_MAX_KEYS or capturing(x):
             return None  # (a probe per new shape of a workload whose shapes never stop changing; a CUDA graph being
             # captured, where the comparison's wait for the GPU is an error)
         equal = _ONE_PASS_EQUAL[key] = _same_bits(x, weight, bias, kernel, running, eps, cudnn)

@@ -26,6 +26,7 @@ from ..guards import (
     RELU,
     activated,
     autocasting,
+    capturing,
     hooks_allowed,
     keep_hook_ids,
     memtrims,
@@ -749,8 +750,10 @@ class _Sum:
         made = self._made()
         found = [m for m in made if m is not None]
         made[:] = [None] * self.n_producers  # nothing outlives the call
-        # (under torch.jit.trace the check's ops below would join the traced graph: the sum is kept as usual there)
-        if not found or not args or not isinstance(args[0], torch.Tensor) or not _active() or torch.jit.is_tracing():
+        # (under torch.jit.trace the check's ops below would join the traced graph, and while a CUDA graph is
+        # captured its comparison, which waits for the GPU, would fail the capture: the sum is kept as usual there)
+        if (not found or not args or not isinstance(args[0], torch.Tensor) or not _active() or torch.jit.is_tracing()
+                or capturing(args[0])):
             return
         x = args[0]
         if x.grad_fn is None or entry_of(x) is not None:
