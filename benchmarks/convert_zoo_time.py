@@ -72,6 +72,22 @@ class _OpBytes(TorchDispatchMode):
         return out
 
 
+HOST_WAIT_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.is_nonzero", "aten.masked_select",
+                 "aten._unique2", "aten.unique_consecutive", "aten.repeat_interleave", "aten.bincount")
+"""Ops whose result's size or value the host reads: on a GPU, on a GPU tensor, each makes the host wait, which
+fails a CUDA graph's capture (``.item()`` runs ``_local_scalar_dense``)."""
+
+
+def host_wait_ops(model, batch) -> dict:
+    """The :data:`HOST_WAIT_OPS` of one training-mode forward and backward, by name (counted on any device; the
+    optimizer's step is left out: AdamW reads its step count from a CPU tensor unless ``capturable``)."""
+    counter = _OpBytes()
+    with counter:
+        first_tensor(model(**batch)).float().square().mean().backward()
+    model.zero_grad(set_to_none=True)
+    return {name: n for name, n in sorted(counter.names.items()) if name.rsplit(".", 1)[0] in HOST_WAIT_OPS}
+
+
 def work(model, opt, batch) -> tuple[int, int, collections.Counter]:
     """(ops, bytes their outputs write, ops by name) of one step."""
     counter = _OpBytes()
@@ -269,7 +285,9 @@ def run(key: str, rounds: int, models: dict | None = None, device: str = "cpu", 
                "bytes_written_ratio": ops["converted"][1] / ops["plain"][1],
                # which ops convert adds (its rebuilds, memtrim's aliases) and removes, by name
                "ops_added": dict(ops["converted"][2] - ops["plain"][2]),
-               "ops_removed": dict(ops["plain"][2] - ops["converted"][2])}
+               "ops_removed": dict(ops["plain"][2] - ops["converted"][2]),
+               # what would make a GPU's host wait (and fail a CUDA graph's capture: convert_cuda_graph.py)
+               "host_wait_ops_forward_backward": {k: host_wait_ops(m, batch) for k, m in models.items()}}
     head = {"model": label, "library": library, "changes": len(report.changes), "batch_mult": batch_mult,
             "dtype": str(dtype).removeprefix("torch."), **checks}
     if rounds == 0:  # --ops-only
