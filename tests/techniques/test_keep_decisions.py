@@ -1248,12 +1248,39 @@ def test_read_at_the_backward_hidden_states_far_from_their_norms_are_hooked(read
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_a_norm_that_decides_while_a_cuda_graph_is_captured_raises_a_clear_error(monkeypatch):
-    # gathering the kept features (nonzero) waits for the GPU, which fails a capture with CUDA's own error, and a
-    # decision recorded at the capture would hold at every replay while the weights change: memtrim names both and
-    # the fix (capturing() itself is True only on a CUDA device; tests/techniques/test_bn_relu.py captures converted
-    # models on one)
-    together, _ = converted_and_alone()
+def while_capturing(monkeypatch):
+    """Every converted module's ``capturing()`` true, as while a CUDA graph is captured (on a CUDA device only, where
+    tests/techniques/test_bn_relu.py and test_convert_models.py capture converted models)."""
+    from memtrim.techniques.convert import norms
+    from memtrim.techniques.norms import bn_relu, keep_output, norm_act
+    from memtrim.techniques.recompute import _sites
+
+    for module in (norms, keep_output, norm_act, _kernels, _sites, bn_relu):
+        monkeypatch.setattr(module, "capturing", lambda x: True)
+
+
+def test_while_a_cuda_graph_is_captured_the_norms_that_decide_run_as_torchs(monkeypatch):
+    # gathering the kept features (nonzero) waits for the GPU, which fails a capture, and a decision recorded at the
+    # capture would hold at every replay while the weights change: the RMSNorms, LayerNorms and the BatchNorm fused
+    # with its LeakyReLU run as torch's modules there (NOTE [ keep decisions while a CUDA graph is captured ])
+    plain = []
+    together, _ = converted_and_alone(plain=plain)
+    plain = plain[0]
+    while_capturing(monkeypatch)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, together)]
+    for step in range(2):
+        for model, opt in zip((plain, together), opts):
+            opt.zero_grad()
+            with count_nonzero() as counter:
+                model(batch(step)).square().mean().backward()
+            assert counter.count == 0
+            opt.step()
+        for (name, a), b in zip(plain.state_dict().items(), together.state_dict().values()):
+            assert torch.equal(a, b), (step, name)
+
+
+def test_a_decision_reached_while_a_cuda_graph_is_captured_raises_a_clear_error(monkeypatch):
+    # the last line of defence: CUDA's own error names no fix
     monkeypatch.setattr(_kernels, "capturing", lambda mask: True)
     with pytest.raises(memtrim.ConvertError, match="CUDA graph being captured.*module_filter"):
-        together(batch())
+        _kernels._indices(torch.tensor([True, False, True]))

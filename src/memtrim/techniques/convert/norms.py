@@ -46,7 +46,16 @@ from torch.overrides import TorchFunctionMode
 from ...errors import ConvertError
 from ...proof.compare import bitwise_equal
 from ..checkpoint._core import _MARK as _CHECKPOINTED
-from ..guards import autocasting, hooks_allowed, no_double_backward, owner, plain_apply, plain_only, saves_checked
+from ..guards import (
+    autocasting,
+    capturing,
+    hooks_allowed,
+    no_double_backward,
+    owner,
+    plain_apply,
+    plain_only,
+    saves_checked,
+)
 from ..norms._kernels import HALF_PRECISION
 from ..norms.keep_output import apply_norm_keep_output
 from .builtin import KEEP_OUTPUT_FORMS, NO_AUTOCAST, NO_DOUBLE_BACKWARD, REBUILT_INPUT, half_precision_guard
@@ -74,6 +83,7 @@ _NORM_OPS = frozenset({
 def _wants_plain(x: Any, params: list[torch.Tensor]) -> bool:
     return (not isinstance(x, torch.Tensor) or not torch.is_grad_enabled() or plain_only() or not saves_checked()
             or autocasting(x) or x.dtype in HALF_PRECISION  # (NOTE [ norms in half precision ]: after model.to())
+            or capturing(x)  # (NOTE [ keep decisions while a CUDA graph is captured ] in norms/_kernels.py)
             or not (x.requires_grad or any(p.requires_grad for p in params)))
 
 

@@ -116,13 +116,21 @@ def keep_input_features(gamma: torch.Tensor, beta: torch.Tensor | None, extra: t
     return _indices(_keep_mask(gamma, beta, extra, floor, offset).flatten())
 
 
+# NOTE [ keep decisions while a CUDA graph is captured ]
+# A norm that keeps its output decides from its weights' values which features keep their input, and gathering them
+# (nonzero) makes the host wait for the GPU: while a CUDA graph is captured that wait fails the capture, and a decision
+# recorded there would hold at every replay while the weights change. So while a graph is captured (guards.capturing)
+# these norms, and the BatchNorms fused with a LeakyReLU or ELU, run as torch's own modules, as under autocast: the
+# capture records the unconverted model's ops for them, keeping what torch keeps; their savings are lost there, those
+# of the other rewrites (a fused BatchNorm + ReLU's, the rebuilt LayerNorm, GELU and SiLU outputs) are not. A caller
+# that reaches the gathering while capturing anyway gets ConvertError, not CUDA's own error.
 def _indices(mask: torch.Tensor) -> torch.Tensor:
     """``mask.nonzero().flatten()``; none on the meta device or under a fake mode without a shape environment (the
     values that decide are not there: a model measured on meta or fake tensors keeps no feature's input; found by an
     adversarial pass, nonzero raised there)."""
     if mask.is_meta:
         return torch.empty(0, dtype=torch.long, device=mask.device)
-    if capturing(mask):
+    if capturing(mask):  # (NOTE [ keep decisions while a CUDA graph is captured ]: not reached by convert's norms)
         raise ConvertError(
             "memtrim: a norm memtrim.convert made keep its output (an RMSNorm or LayerNorm, or a BatchNorm fused "
             "with a LeakyReLU or ELU) decides from its weights' values which features keep their input, and "

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..guards import (
     autocasting,
+    capturing,
     kept_params,
     no_double_backward,
     owner,
@@ -135,8 +136,10 @@ class LayerNorm(nn.LayerNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``nn.LayerNorm``'s forward, keeping the output for backward (torch's own forward where nothing needs
-        a gradient, under autocast, ``torch.compile``, ``torch.func`` or inside a checkpointed region)."""
+        a gradient, under autocast, ``torch.compile``, ``torch.func``, inside a checkpointed region or while a CUDA
+        graph is captured)."""
         if (not torch.is_grad_enabled() or plain_only() or not saves_checked() or autocasting(input)
+                or capturing(input)  # (NOTE [ keep decisions while a CUDA graph is captured ])
                 or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))
                 or _torchs_case(input, self.weight, self.normalized_shape)):
             return super().forward(input)
@@ -164,8 +167,10 @@ class RMSNorm(nn.RMSNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """``nn.RMSNorm``'s forward, keeping the output for backward (torch's own forward where nothing needs
-        a gradient, under autocast, ``torch.compile``, ``torch.func`` or inside a checkpointed region)."""
+        a gradient, under autocast, ``torch.compile``, ``torch.func``, inside a checkpointed region or while a CUDA
+        graph is captured)."""
         if (not torch.is_grad_enabled() or plain_only() or not saves_checked() or autocasting(input)
+                or capturing(input)  # (NOTE [ keep decisions while a CUDA graph is captured ])
                 or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))
                 or _torchs_case(input, self.weight, self.normalized_shape)):
             return super().forward(input)

@@ -34,6 +34,7 @@ from ..guards import (
     OUTPUT_HOOKS,
     WatchedFusion,
     autocasting,
+    capturing,
     fx_tracing,
     kept_params,
     mark_activated,
@@ -283,9 +284,10 @@ class _BatchNormAct(WatchedFusion, nn.modules.batchnorm._BatchNorm):
         # torch's own BatchNorm and activation (an empty batch too: the native kernel this calls refuses one)
         # (and under saved-tensor hooks not memtrim's: a user's may pack the kept output lossily, to bfloat16)
         # (and in float16 and bfloat16: NOTE [ norms in half precision ] in _kernels.py; and for an input of another
-        # dtype than the weight, bfloat16 convolutions before a float32 BatchNorm)
+        # dtype than the weight, bfloat16 convolutions before a float32 BatchNorm; and while a CUDA graph is captured:
+        # NOTE [ keep decisions while a CUDA graph is captured ] in _kernels.py)
         if (not needs_grad or plain_only() or autocasting(input) or input.numel() == 0 or not saves_checked()
-                or input.dtype in HALF_PRECISION or other_dtype(self, input)):
+                or input.dtype in HALF_PRECISION or other_dtype(self, input) or capturing(input)):
             out = nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                            bn_training, factor, self.eps)
             # in place or not as the activation convert fused was (what its backward keeps, an input or an output,
