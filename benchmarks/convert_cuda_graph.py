@@ -14,8 +14,10 @@ medians of the per-round ratios to the plain graph and to the plain eager step, 
 caching allocator: the peak while the step was captured (the graph's private pool holds that much; a tensor freed
 during the capture is reused within it) and what stays allocated after it, above the level before, plain and
 converted, beside the eager step's peak. Gradients: the largest parameter difference after the timed replays,
-converted graph against plain graph, and plain graph against the second plain graph. A model whose capture fails
-(plain or converted) is reported with the error and the rest go on.
+converted graph against plain graph, and plain graph against the second plain graph: meaningful for models without
+dropout (the ResNets; ``has_dropout`` says which), since each graph's replays draw their own dropout masks from the
+CUDA generator in turn. A model whose capture fails (plain or converted) is reported with the error and the rest go
+on.
 
 Reproduce (a CUDA GPU; transformers, timm, torchvision as for convert_zoo_time.py):
     python benchmarks/convert_cuda_graph.py [--rounds 7] [--only timm_resnet18 ...] [--batch-mult 16]
@@ -81,7 +83,9 @@ def run(key: str, rounds: int, batch_mult: int, dtype: torch.dtype) -> dict:
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, capturable=k.endswith(("graph", "graph_again")))
             for k, m in models.items()}
     head = {"model": label, "library": library, "changes": len(report.changes), "batch_mult": batch_mult,
-            "dtype": str(dtype).removeprefix("torch.")}
+            "dtype": str(dtype).removeprefix("torch."),
+            "has_dropout": any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
+                               for m in plain.modules())}
     graphs, memory = {}, {}
     for k in ("plain_graph", "converted_graph", "plain_graph_again"):
         try:
