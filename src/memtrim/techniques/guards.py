@@ -231,7 +231,7 @@ def saves_checked() -> bool:
 def capturing(x: torch.Tensor) -> bool:
     """Whether ``x`` is on a CUDA device whose current stream is capturing a CUDA graph: nothing may make the host
     wait for the GPU then (the capture fails), and what the host decides is recorded once, for every replay."""
-    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def autocasting(x: torch.Tensor) -> bool:
