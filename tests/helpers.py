@@ -189,3 +189,33 @@ def captured_training(model, x, loss_of, replays: int = 3) -> int:
         graph.replay()
     torch.cuda.synchronize()
     return peak
+
+
+def while_capturing(monkeypatch) -> None:
+    """Every converted module's ``capturing()`` true, as while a CUDA graph is captured (true on a CUDA device only,
+    where tests/techniques/test_bn_relu.py and test_convert_models.py capture converted models)."""
+    from memtrim.techniques.convert import norms
+    from memtrim.techniques.norms import _kernels, bn_relu, keep_output, norm_act
+    from memtrim.techniques.recompute import _sites
+
+    for module in (norms, keep_output, norm_act, _kernels, _sites, bn_relu):
+        monkeypatch.setattr(module, "capturing", lambda x: True)
+
+
+HOST_WAIT_OPS = frozenset({"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select", "_unique2",
+                           "unique_consecutive", "repeat_interleave", "bincount"})
+"""aten ops whose result's size or value the host reads: on a GPU each waits for it (and fails a graph's capture)."""
+
+
+class HostWaits(TorchDispatchMode):
+    """Counts the :data:`HOST_WAIT_OPS` run while active, by name (on any device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in HOST_WAIT_OPS:
+            self.found[name] = self.found.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))

@@ -17,7 +17,7 @@ from torch import nn
 import memtrim
 from memtrim.techniques.norms import _kernels
 
-from ..helpers import CountOp, SpelledRMSNorm, graph_counts
+from ..helpers import CountOp, SpelledRMSNorm, graph_counts, while_capturing
 
 
 class Block(nn.Module):
@@ -1246,17 +1246,6 @@ def test_read_at_the_backward_hidden_states_far_from_their_norms_are_hooked(read
     with pytest.raises(memtrim.ConvertError, match="its backward is refused"):
         hidden[2].square().mean().backward()
     assert all(p.grad is None for p in model.parameters())
-
-
-def while_capturing(monkeypatch):
-    """Every converted module's ``capturing()`` true, as while a CUDA graph is captured (on a CUDA device only, where
-    tests/techniques/test_bn_relu.py and test_convert_models.py capture converted models)."""
-    from memtrim.techniques.convert import norms
-    from memtrim.techniques.norms import bn_relu, keep_output, norm_act
-    from memtrim.techniques.recompute import _sites
-
-    for module in (norms, keep_output, norm_act, _kernels, _sites, bn_relu):
-        monkeypatch.setattr(module, "capturing", lambda x: True)
 
 
 def test_while_a_cuda_graph_is_captured_the_norms_that_decide_run_as_torchs(monkeypatch):
