@@ -134,10 +134,9 @@ def _indices(mask: torch.Tensor) -> torch.Tensor:
         raise ConvertError(
             "memtrim: a norm memtrim.convert made keep its output (an RMSNorm or LayerNorm, or a BatchNorm fused "
             "with a LeakyReLU or ELU) decides from its weights' values which features keep their input, and "
-            "gathering them makes the host wait for the GPU, which a CUDA graph being "
-            "captured does not allow (a decision recorded at the capture would also hold at every replay while the "
-            "weights change). To fix: leave the norms out of memtrim.convert (module_filter), or train this model "
-            "without CUDA graphs."
+            "gathering them makes the host wait for the GPU, which a CUDA graph being captured does not allow (a "
+            "decision recorded at the capture would also hold at every replay while the weights change). To fix: "
+            "leave the norms out of memtrim.convert (module_filter), or train this model without CUDA graphs."
         )
     try:
         return mask.nonzero().flatten()
