@@ -1305,6 +1305,26 @@ def known_batchnorm_act(monkeypatch):
     monkeypatch.setattr(recompute_rules, "KNOWN_BATCHNORM_ACT", [(__name__, "BatchNormAct2d")])
 
 
+def test_convert_without_example_inputs_leaves_the_buffers_a_python_forward_writes(known_batchnorm_act):
+    # found by an adversarial pass: convert's fx trace ran timm's BatchNormAct2d forward, whose num_batches_tracked
+    # counted the trace (1 where plain has 0), and with momentum=None (a cumulative average) the running statistics
+    # then followed another average: eval outputs 0.92 off plain after 3 steps of timm's regnety_002
+    torch.manual_seed(0)
+    plain = conv_norm_act_net()
+    for m in plain.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.momentum = None
+    converted, report = memtrim.convert(copy.deepcopy(plain))
+    for (name, a), b in zip(plain.state_dict().items(), converted.state_dict().values()):
+        assert torch.equal(a, b), name
+    for _ in range(3):
+        batch = {"input": torch.randn(4, 3, 12, 12)}
+        for model in (plain, converted):
+            model(**batch).square().mean().backward()
+    for (name, a), b in zip(plain.state_dict().items(), converted.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 def test_timm_batchnorm_act_module_with_relu_is_fused(known_batchnorm_act):
     batch = {"input": torch.randn(4, 3, 12, 12, dtype=torch.float64)}
     plain, converted, report = converted_pair(conv_norm_act_net, batch)

@@ -582,9 +582,13 @@ class FxTrace(ModelTrace):
 
 
 def fx_evidence(model: nn.Module) -> FxTrace | None:
-    """The fx evidence for ``model``, or None where it does not trace (control flow on values, unsupported ops)."""
+    """The fx evidence for ``model``, or None where it does not trace (control flow on values, unsupported ops). The
+    trace runs the model's Python, which may write its buffers (timm's ``BatchNormAct2d`` counts
+    ``num_batches_tracked`` in its own forward; found by an adversarial pass, every such count was 1 after convert):
+    they are put back, as around convert's other forwards."""
     try:
-        graph = torch.fx.symbolic_trace(model).graph
+        with buffers_kept(model):
+            graph = torch.fx.symbolic_trace(model).graph
     except Exception:
         return None
     return FxTrace({id(m): n for n, m in model.named_modules()}, graph, dict(model.named_modules()))
