@@ -219,3 +219,16 @@ class HostWaits(TorchDispatchMode):
         if name in HOST_WAIT_OPS:
             self.found[name] = self.found.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
+
+
+def sgd_steps_alike(plain, converted, inputs) -> None:
+    """One SGD-with-momentum step of each model per input (loss: the output's mean square), their state_dicts
+    asserted bitwise equal after each."""
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, converted)]
+    for step, x in enumerate(inputs):
+        for model, optimizer in zip((plain, converted), optimizers):
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            optimizer.step()
+        for (name, a), b in zip(plain.state_dict().items(), converted.state_dict().values()):
+            assert torch.equal(a, b), (step, name)

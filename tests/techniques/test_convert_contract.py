@@ -16,7 +16,7 @@ from memtrim.models.torchvision_resnet import TorchvisionBasicBlock, Torchvision
 from memtrim.techniques.convert.builtin import HARDSIGMOID_EDGE
 from memtrim.techniques.norms import _kernels
 
-from ..helpers import SpelledRMSNorm
+from ..helpers import SpelledRMSNorm, sgd_steps_alike
 
 
 def grads_of(model, x, params=True, grad_out=None):
@@ -1891,15 +1891,7 @@ def test_a_model_prepared_for_quantization_converts_and_trains_as_the_prepared_o
     after = converted.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before), str(report)
     assert not any(isinstance(m, memtrim.Absorbed) for m in converted.modules()), str(report)
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, converted)]
-    for step in range(3):
-        x = torch.randn(2, 3, 12, 12)
-        for model, optimizer in zip((plain, converted), optimizers):
-            optimizer.zero_grad()
-            model(x).square().mean().backward()
-            optimizer.step()
-        for (name, a), b in zip(plain.state_dict().items(), converted.state_dict().values()):
-            assert torch.equal(a, b), (step, name)
+    sgd_steps_alike(plain, converted, [torch.randn(2, 3, 12, 12) for _ in range(3)])
 
 
 # ---------------------------------------------------------------------- found by the 2026-11-29 adversarial pass

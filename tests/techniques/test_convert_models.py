@@ -25,6 +25,7 @@ from ..helpers import (
     captured_training,
     graph_counts,
     graphs_alive,
+    sgd_steps_alike,
     while_capturing,
 )
 
@@ -1269,6 +1270,54 @@ def test_on_cuda_a_converted_gpt_step_captured_in_a_cuda_graph_trains_as_the_pla
     for (name, a), b in zip(plain.state_dict().items(), converted.state_dict().values()):
         assert torch.equal(a, b), name
     assert peaks[1] < peaks[0], peaks
+
+
+# ---------------------------------------------------------------------- GroupNorm (diffusion U-Nets, BiT)
+class ResBlock(nn.Module):
+    """A diffusion U-Net's residual block: GroupNorm -> SiLU -> Conv twice, plus the input."""
+
+    def __init__(self, channels, groups=4):
+        super().__init__()
+        self.norm1, self.act1 = nn.GroupNorm(groups, channels), nn.SiLU()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm2, self.act2 = nn.GroupNorm(groups, channels), nn.SiLU()
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv1(self.act1(self.norm1(x)))
+        return x + self.conv2(self.act2(self.norm2(h)))
+
+
+def test_a_groupnorms_output_kept_by_the_activation_after_it_is_rebuilt_there():
+    # found by an adversarial pass: GroupNorms were neither changed nor reported. The SiLU after each keeps the norm's
+    # output, the norm its input: the SiLU now keeps a recipe (the norm's own forward on that input), bitwise
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), ResBlock(16), ResBlock(16), nn.GroupNorm(4, 16))
+    batch = {"input": torch.randn(2, 3, 12, 12)}
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=batch)
+    rebuilt = [c for c in report.changes if c.rule == "group_norm_consumer"]
+    assert sorted(c.modules for c in rebuilt) == [(f"{b}.norm{i}",) for b in (1, 2) for i in (1, 2)], str(report)
+    assert all(c.bytes_saved == 2 * 16 * 12 * 12 * 4 and c.bitwise for c in rebuilt)  # one output each, float32
+    # the last one's output is the model's: nothing keeps it, and the report says so
+    assert [(s.modules, s.rule) for s in report.skipped if "GroupNorm" in s.reason] == [
+        (("3",), "group_norm_consumer")], str(report)
+    assert_equal_training(plain, converted, batch, tol=0.0)
+    sgd_steps_alike(plain, converted, [torch.randn(3, 3, 12, 12) for _ in range(3)])
+
+
+def test_every_groupnorm_of_hf_bit_is_in_the_report():
+    # BiT's GroupNormActivation is a GroupNorm that applies its activation in its own forward: left alone, with why
+    transformers = import_transformers()
+    config = transformers.BitConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 1, 1],
+                                    num_groups=4, layer_type="bottleneck")
+    torch.manual_seed(0)
+    plain = transformers.BitForImageClassification(config)
+    batch = {"pixel_values": torch.randn(2, 3, 64, 64)}
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=batch)
+    norms = {name for name, m in plain.named_modules() if isinstance(m, nn.GroupNorm)}
+    reported = {c.modules[0] for c in (*report.changes, *report.skipped) if c.rule == "group_norm_consumer"}
+    assert norms and reported == norms, sorted(norms ^ reported)
+    assert_equal_training(plain, converted, batch, tol=0.0)
 
 
 # ---------------------------------------------------------------------- timm's BatchNormAct2d (regnet, repvgg, ...)

@@ -593,8 +593,8 @@ def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
         if edited:
             yield Candidate((site.path,), reason=edited, skip=True)
             continue
-        why = (f"{type(module).__name__} computes in another dtype than its input (an upcast): its output would be a "
-               "rounded copy of what backward needs (precision guard)"
+        why = (f"{type(module).__name__} computes in another dtype than its input (a cast, as HF's RMSNorms cast to "
+               "float32): its output would be a rounded copy of what backward needs (precision guard)"
                if any(o.name == "_to_copy" for s in sites for o in trace.ops_in(s, compute_only=False))
                else half_precision_guard(ctx, site.path, module, "keeping its output, it"))
         if kind == "other":

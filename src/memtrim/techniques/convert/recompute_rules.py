@@ -201,6 +201,50 @@ def layer_norm_consumer(ctx: Context) -> Iterator[Candidate]:
                         limits=LIMITS["recompute_op_norm" if eps is not None else "recompute_norm"], apply=apply)
 
 
+_GROUP_NORM = ["native_group_norm"]
+
+
+@register_rule("group_norm_consumer", before="keep_output")
+def group_norm_consumer(ctx: Context) -> Iterator[Candidate]:
+    """A GroupNorm (one ``native_group_norm``, any class: a diffusion U-Net's or BiT's) whose output is kept only by
+    later call sites (the SiLU or GELU after it, which keeps its input): they keep a recipe, the module's own forward
+    on its input (which the norm keeps anyway) with its parameters, and the norm stays torch's own, so training stays
+    bitwise. Its autograd node does not keep the bias, so the rebuild is the module's forward, not the node's op. A
+    GroupNorm left alone is reported with the reason."""
+    done: set[int] = set()
+    for trace, site in ctx.undecided_sites(done):
+        module = site.module
+        # (a GroupNorm, timm's GroupNormAct and HF BiT's among them, or a leaf module whose forward calls one: not a
+        # block around one)
+        if (not (isinstance(module, nn.GroupNorm) or not module._modules)
+                or "native_group_norm" not in ctx.op_names(site) or not _innermost(trace, site)):
+            continue
+        done.add(id(module))
+        sites = trace.sites_of(site.path)
+        name = type(module).__name__
+        why = ("a GroupNorm that runs other ops too" if any(ctx.op_names(s) != _GROUP_NORM for s in sites) else
+               "a GroupNorm with hooks the user registered" if ctx.user_hooks(module) else
+               "a GroupNorm whose input is changed in place after the call" if ctx.edited(site.path) else None)
+        consumers, expected = ([], 0) if why is not None else _consumers_of_outputs(ctx, trace, sites)
+        if why is None and not consumers:
+            why = ("a GroupNorm whose output no later call site alone keeps (nothing keeps it, or its parent's own "
+                   "code does), or that keeps no input to rebuild it from")
+        if why is not None:
+            yield Candidate((site.path,), name, reason=why, skip=True)
+            continue
+        owner = label((site.path,), "a recomputed GroupNorm")
+
+        def apply(module: nn.Module = module, consumers: list = consumers, owner: str = owner) -> Undo:
+            producer = recompute_output(module, owner=owner, parameters=True, under_autocast=False,
+                                        keeps_output=False)  # (native_group_norm keeps its input)
+            return chain(producer.remove, _install_consumers(consumers))
+
+        yield Candidate((site.path,), name, f"torch's GroupNorm, {_recomputed_for(ctx, consumers)}",
+                        reason="a GroupNorm whose output is kept only by later call sites, its input by itself",
+                        targets=(module,), touches=tuple(consumers), expected_bytes=expected,
+                        limits=LIMITS["recompute_norm"], apply=apply)
+
+
 KNOWN_LAYER_NORM_FORWARDS: list[tuple[str, str]] = [("torch.nn", "LayerNorm"), ("timm.layers.norm", "LayerNorm"),
                                                      ("timm.layers.norm", "LayerNorm2d")]
 """LayerNorm classes whose ``forward`` passes ``self.eps`` to ``F.layer_norm`` at every call and returns its output
