@@ -11,13 +11,13 @@ comparison (cuDNN's backward kernels need not be deterministic). A graph's model
 stream first (the one-pass BatchNorm rebuild's probe runs there: none is made while a graph is being captured), then
 its step is captured with a static batch. Times: interleaved rounds of the four (NOTE [ interleaved timing rounds ]),
 medians of the per-round ratios to the plain graph and to the plain eager step, with quartiles. Memory, from the
-caching allocator: the peak while the step was captured (the graph's private pool holds that much; a tensor freed
-during the capture is reused within it) and what stays allocated after it, above the level before, plain and
-converted, beside the eager step's peak. Gradients: the largest parameter difference after the timed replays,
-converted graph against plain graph, and plain graph against the second plain graph: meaningful for models without
-dropout (the ResNets; ``has_dropout`` says which), since each graph's replays draw their own dropout masks from the
-CUDA generator in turn. A model whose capture fails (plain or converted) is reported with the error and the rest go
-on.
+caching allocator: the peak while the step was captured (a tensor freed during the capture is reused within the
+graph's private pool), what stays allocated after it, and what the capture reserved (the pool keeps whole segments),
+above the levels before, plain and converted, beside the eager step's peak. Gradients: the largest parameter
+difference after the timed replays, converted graph against plain graph, and plain graph against the second plain
+graph: meaningful for models without dropout (the ResNets; ``has_dropout`` says which), since each graph's replays
+draw their own dropout masks from the CUDA generator in turn. A model whose capture fails (plain or converted) is
+reported with the error and the rest go on.
 
 Reproduce (a CUDA GPU; transformers, timm, torchvision as for convert_zoo_time.py):
     python benchmarks/convert_cuda_graph.py [--rounds 7] [--only timm_resnet18 ...] [--batch-mult 16]
@@ -53,7 +53,7 @@ def captured(model, opt, batch) -> tuple[torch.cuda.CUDAGraph, dict]:
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     opt.zero_grad(set_to_none=True)  # the gradients are then the graph's own, written at each replay
-    base = torch.cuda.memory_allocated()
+    base, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -61,7 +61,9 @@ def captured(model, opt, batch) -> tuple[torch.cuda.CUDAGraph, dict]:
         opt.step()
     torch.cuda.synchronize()
     return graph, {"capture_peak": torch.cuda.max_memory_allocated() - base,
-                   "allocated_after_capture": torch.cuda.memory_allocated() - base}
+                   "allocated_after_capture": torch.cuda.memory_allocated() - base,
+                   # (the graph's private pool keeps whole segments: what it holds, at least the peak)
+                   "reserved_by_capture": torch.cuda.memory_reserved() - reserved}
 
 
 def largest_difference(a: torch.nn.Module, b: torch.nn.Module) -> float:
@@ -84,8 +86,9 @@ def run(key: str, rounds: int, batch_mult: int, dtype: torch.dtype) -> dict:
             for k, m in models.items()}
     head = {"model": label, "library": library, "changes": len(report.changes), "batch_mult": batch_mult,
             "dtype": str(dtype).removeprefix("torch."),
-            "has_dropout": any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0
-                               for m in plain.modules())}
+            # (dropout modules, and timm's DropPath by its rate; a dropout called as a function is not seen)
+            "has_dropout": any((isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0)
+                               or (getattr(m, "drop_prob", 0) or 0) > 0 for m in plain.modules())}
     graphs, memory = {}, {}
     for k in ("plain_graph", "converted_graph", "plain_graph_again"):
         try:
