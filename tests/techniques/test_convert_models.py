@@ -1305,6 +1305,17 @@ def test_a_groupnorms_output_kept_by_the_activation_after_it_is_rebuilt_there():
     sgd_steps_alike(plain, converted, [torch.randn(3, 3, 12, 12) for _ in range(3)])
 
 
+def test_a_groupnorm_whose_output_an_in_place_silu_changes_is_left_alone_with_why():
+    # the SiLU keeps a copy of its input (torch's in-place silu_), not the norm's output: nothing to rebuild
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.SiLU(inplace=True), nn.Conv2d(8, 4, 3))
+    batch = {"input": torch.randn(2, 3, 10, 10)}
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=batch)
+    assert not [c for c in report.changes if c.rule == "group_norm_consumer"], str(report)
+    assert [s.modules for s in report.skipped if "GroupNorm whose output is changed in place" in s.reason] == [("1",)]
+    assert_equal_training(plain, converted, batch, tol=0.0)
+
+
 def test_every_groupnorm_of_hf_bit_is_in_the_report():
     # BiT's GroupNormActivation is a GroupNorm that applies its activation in its own forward: left alone, with why
     transformers = import_transformers()

@@ -224,7 +224,8 @@ def group_norm_consumer(ctx: Context) -> Iterator[Candidate]:
         name = type(module).__name__
         why = ("a GroupNorm that runs other ops too" if any(ctx.op_names(s) != _GROUP_NORM for s in sites) else
                "a GroupNorm with hooks the user registered" if ctx.user_hooks(module) else
-               "a GroupNorm whose input is changed in place after the call" if ctx.edited(site.path) else None)
+               "a GroupNorm whose output is changed in place after its forward (an in-place activation): what the "
+               "next modules keep is not its output" if ctx.edited(site.path) else None)
         consumers, expected = ([], 0) if why is not None else _consumers_of_outputs(ctx, trace, sites)
         if why is None and not consumers:
             why = ("a GroupNorm whose output no later call site alone keeps (nothing keeps it, or its parent's own "
