@@ -372,21 +372,14 @@ def _rms_spec(trace: ModelTrace, site: CallSite, module: nn.Module) -> tuple[str
     ``.data``)."""
     # (detaches left out: the trace's own saves make them; a detach of the module's is in the gradients checked below)
     ops = [o for o in trace.ops_in(site, compute_only=False) if o.name != "detach"]
-    names = [o.name for o in ops]
-    if names[2:3] == ["add_"] and len(ops) > 2 and ops[2].inputs[:1] == ops[1].outputs:
-        # torch's own rms_norm (F.rms_norm, which timm's RmsNorm calls) adds eps in place to the mean it just
-        # computed, a tensor of its own (found by an adversarial pass: timm's RmsNorm was skipped for it)
-        names[2] = "add"
-    if names not in (RMS_OPS, SHIFTED_RMS_OPS) or len(site.inputs) != 1 or len(site.outputs) != 1:
+    if [o.name for o in ops] not in (RMS_OPS, SHIFTED_RMS_OPS) or len(site.inputs) != 1 or len(site.outputs) != 1:
         return ("an RMSNorm-like call that runs other ops too (a view, an in-place op: "
                 f"{', '.join(o.name for o in ops)}) or takes more than its input")
     shift = ops.pop(5) if len(ops) == len(SHIFTED_RMS_OPS) else None
     pow_, mean, add, rsqrt, first, last = ops
     x = site.inputs[0]
     dims = mean.scalars[0] if mean.scalars else None
-    rank = len(site.input_shapes[0])  # (torch's own rms_norm names the last dimension by its index)
-    if ([d % rank if isinstance(d, int) and rank else d for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
-            != [rank - 1] or mean.scalars[1:2] != (True,)):
+    if (list(dims) if isinstance(dims, (list, tuple)) else [dims]) != [-1] or mean.scalars[1:2] != (True,):
         return "an RMSNorm-like call whose mean is not over the last dimension, kept"
     eps = next((s for s in add.scalars if isinstance(s, float)), None)
     if eps is None:
