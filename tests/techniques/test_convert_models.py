@@ -124,6 +124,26 @@ def test_llama_rmsnorm_and_gated_mlp():
     assert isinstance(converted.model.norm, type(plain.model.norm))
 
 
+class MeanOverOneRMSNorm(nn.Module):
+    """An RMS-style norm over dimension 1: the last one of a (B, D) input only."""
+
+    def __init__(self, n, eps=1e-6):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(n)), eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + self.eps) * self.weight
+
+
+def test_a_norm_over_dimension_one_is_left_alone_even_where_that_is_the_last():
+    # an adversarial pass's finding against a change tried on 2026-11-30 and reverted (accepting a positive dimension
+    # as the last one at the traced rank): traced on (B, D) and called on (B, D, D) after, it rebuilt another norm
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), MeanOverOneRMSNorm(8), nn.Linear(8, 8))
+    _, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(torch.randn(4, 8),))
+    assert not report.changes and any("not over the last dimension" in s.reason for s in report.skipped), str(report)
+
+
 class LlamaSpelledRMSNorm(nn.Module):
     """LlamaRMSNorm's arithmetic without its float32 cast (its copies in other code bases): float64 end to end."""
 
@@ -1314,6 +1334,40 @@ def test_a_groupnorm_whose_output_an_in_place_silu_changes_is_left_alone_with_wh
     assert not [c for c in report.changes if c.rule == "group_norm_consumer"], str(report)
     assert [s.modules for s in report.skipped if "GroupNorm whose output is changed in place" in s.reason] == [("1",)]
     assert_equal_training(plain, converted, batch, tol=0.0)
+
+
+class TrainingEpsGroupNorm(nn.GroupNorm):
+    """A GroupNorm whose forward reads more than its settings: its eps depends on its training flag."""
+
+    def forward(self, x):
+        return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps if self.training else 0.1)
+
+
+class TrainingEpsLayerNorm(nn.LayerNorm):
+    def forward(self, x):
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps if self.training else 0.1)
+
+
+@pytest.mark.parametrize("norm", ["group", "layer"])
+def test_a_norm_whose_own_forward_reads_its_training_flag_refuses_a_rebuild_after_eval(norm):
+    # found by an adversarial pass: model.eval() between forward and backward made such a GroupNorm's rebuild use the
+    # other eps, silently (0.027 off); a class whose forward is not torch's (or timm's LayerNorm's) has everything in
+    # its __dict__ compared at the rebuild, and a change raises
+    torch.manual_seed(0)
+    make = (lambda: TrainingEpsGroupNorm(2, 8)) if norm == "group" else (lambda: TrainingEpsLayerNorm(8))
+    if norm == "group":
+        plain = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), make(), nn.SiLU(), nn.Conv2d(8, 3, 1))
+        x = torch.randn(2, 3, 8, 8)
+    else:
+        plain = nn.Sequential(nn.Linear(4, 8), make(), nn.Linear(8, 3))
+        x = torch.randn(2, 5, 4)
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
+    assert [c.modules for c in report.changes if c.rule in ("group_norm_consumer", "layer_norm_consumer")] == [("1",)]
+    assert_equal_training(plain, converted, {"input": x}, tol=0.0)  # (no change in between: bitwise)
+    loss = converted(x).square().mean()
+    converted.eval()
+    with pytest.raises(memtrim.ConvertError, match="training: True -> False"):
+        loss.backward()
 
 
 def test_every_groupnorm_of_hf_bit_is_in_the_report():

@@ -190,9 +190,10 @@ def layer_norm_consumer(ctx: Context) -> Iterator[Candidate]:
                   eps: str | None = eps) -> Undo:
             if eps is not None:  # rebuilt from the norm's own autograd node (less Python per call)
                 producer = recompute_op_output(module, owner=owner, eps=eps)
-            else:  # native_layer_norm keeps its input
+            else:  # native_layer_norm keeps its input; a forward not known to read only its settings: strict (as a
+                # GroupNorm's, group_norm_consumer)
                 producer = recompute_output(module, owner=owner, parameters=True, under_autocast=False,
-                                            keeps_output=False)
+                                            keeps_output=False, strict=not _known_forward(module))
             return chain(producer.remove, _install_consumers(consumers))
 
         yield Candidate((site.path,), type(module).__name__, f"torch's LayerNorm, {_recomputed_for(ctx, consumers)}",
@@ -234,10 +235,15 @@ def group_norm_consumer(ctx: Context) -> Iterator[Candidate]:
             yield Candidate((site.path,), name, reason=why, skip=True)
             continue
         owner = label((site.path,), "a recomputed GroupNorm")
+        # another class's forward may read more than its settings (its training flag: found by an adversarial pass,
+        # a subclass choosing its eps by it rebuilt another output after model.eval() between forward and backward):
+        # everything in its __dict__ is compared then (strict), and a change raises instead
+        strict = type(module).forward is not nn.GroupNorm.forward
 
-        def apply(module: nn.Module = module, consumers: list = consumers, owner: str = owner) -> Undo:
+        def apply(module: nn.Module = module, consumers: list = consumers, owner: str = owner,
+                  strict: bool = strict) -> Undo:
             producer = recompute_output(module, owner=owner, parameters=True, under_autocast=False,
-                                        keeps_output=False)  # (native_group_norm keeps its input)
+                                        keeps_output=False, strict=strict)  # (native_group_norm keeps its input)
             return chain(producer.remove, _install_consumers(consumers))
 
         yield Candidate((site.path,), name, f"torch's GroupNorm, {_recomputed_for(ctx, consumers)}",
@@ -254,13 +260,18 @@ forwards (a subclass that does not override it) is rebuilt from its norm's autog
 call; any other (an eps chosen per call, a forward that may return its input) by its own forward."""
 
 
+def _known_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s class uses a forward of KNOWN_LAYER_NORM_FORWARDS."""
+    forward = type(module).forward
+    return any(getattr(getattr(sys.modules.get(where), name, None), "forward", None) is forward
+               for where, name in KNOWN_LAYER_NORM_FORWARDS)
+
+
 def _eps_attribute(trace: ModelTrace, sites: list[CallSite], module: nn.Module) -> str | None:
     """``"eps"`` where ``module``'s forward is known to pass its ``eps`` (KNOWN_LAYER_NORM_FORWARDS) and every traced
     call passed that value to ``native_layer_norm``, else None: the node does not keep the eps, so a rebuild from
     the node reads it from the module at each call."""
-    forward = type(module).forward
-    if not any(getattr(getattr(sys.modules.get(where), name, None), "forward", None) is forward
-               for where, name in KNOWN_LAYER_NORM_FORWARDS):
+    if not _known_forward(module):
         return None
     found = {o.scalars[-1] for s in sites for o in trace.ops_in(s) if o.name == "native_layer_norm" and o.scalars}
     return "eps" if found == {vars(module).get("eps")} else None
