@@ -55,9 +55,11 @@ def import_transformers():
     return transformers
 
 
-def outputs_and_grads(model, batch, seed=0):
-    """Training-mode output and every parameter gradient of ``model(**batch)`` (dropout drawn from ``seed``)."""
-    model.train()
+def outputs_and_grads(model, batch, seed=0, train=True):
+    """Training-mode (``train=False``: the model's mode as it is) output and every parameter gradient of
+    ``model(**batch)`` (dropout drawn from ``seed``)."""
+    if train:
+        model.train()
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     out = model(**batch)
@@ -142,6 +144,32 @@ def test_a_norm_over_dimension_one_is_left_alone_even_where_that_is_the_last():
     plain = nn.Sequential(nn.Linear(8, 8), MeanOverOneRMSNorm(8), nn.Linear(8, 8))
     _, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(torch.randn(4, 8),))
     assert not report.changes and any("not over the last dimension" in s.reason for s in report.skipped), str(report)
+
+
+class TrainingEpsRMSNorm(nn.Module):
+    """A hand-written RMSNorm whose eps depends on its training flag."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(n) + 0.5)
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + (1e-6 if self.training else 0.5)) * self.weight
+
+
+def test_an_rms_norm_by_behaviour_in_eval_with_grad_on_runs_its_own_forward():
+    # found by an adversarial pass: its forward is checked in training mode at convert; in eval (grad on: frozen
+    # BatchNorm fine-tuning) the keep-output form computed the training eps's norm, 0.69 off
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), TrainingEpsRMSNorm(8), nn.Linear(8, 2)).double()
+    x = torch.randn(4, 6, 8, dtype=torch.float64)
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
+    assert [c.rule for c in report.changes] == ["norm_by_behaviour"], str(report)
+    out_a, grads_a = outputs_and_grads(plain.eval(), {"input": x}, train=False)
+    out_b, grads_b = outputs_and_grads(converted.eval(), {"input": x}, train=False)
+    assert torch.equal(out_a, out_b)
+    for k in grads_a:
+        assert torch.equal(grads_a[k], grads_b[k]), k
 
 
 class LlamaSpelledRMSNorm(nn.Module):

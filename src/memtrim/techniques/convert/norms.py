@@ -171,10 +171,12 @@ def _form(base: type[nn.Module], kind: str) -> type:
             x = args[0] if args else next(iter(kwargs.values()), None)
             # the dtype convert traced it in (where it computed in its input's dtype; HF's RMSNorms upcast any other
             # to float32): another one, after model.to(), runs the module's own forward; so does an unbatched or
-            # empty input, and a module whose settings (its eps) changed since convert
+            # empty input, and a module whose settings (its eps) changed since convert; and one in eval mode: its
+            # forward was checked in training mode (_behaves_as_rms_norm), and one that picks its eps by its training
+            # flag computed another norm in eval with grad on (found by an adversarial pass, 0.69 off)
             if (not isinstance(x, torch.Tensor) or _wants_plain(x, [weight]) or x.dtype != weight.dtype
                     or x.dtype != state.get("memtrim_dtype", x.dtype) or len(args) + len(kwargs) != 1
-                    or x.dim() <= 1 or x.numel() == 0 or _settings_changed(self)):
+                    or x.dim() <= 1 or x.numel() == 0 or not self.training or _settings_changed(self)):
                 return base.forward(self, *args, **kwargs)
             return apply_norm_keep_output(x, weight, None, (tuple(weight.shape), eps, "rms", _threshold(self),
                                                           owner(self), *shift))
