@@ -1379,8 +1379,8 @@ class TrainingEpsLayerNorm(nn.LayerNorm):
 @pytest.mark.parametrize("norm", ["group", "layer"])
 def test_a_norm_whose_own_forward_reads_its_training_flag_refuses_a_rebuild_after_eval(norm):
     # found by an adversarial pass: model.eval() between forward and backward made such a GroupNorm's rebuild use the
-    # other eps, silently (0.027 off); a class whose forward is not torch's (or timm's LayerNorm's) has everything in
-    # its __dict__ compared at the rebuild, and a change raises
+    # other eps, silently (0.027 off); a class whose own forward names its training flag has everything in its
+    # __dict__ compared at the rebuild, and a change raises
     torch.manual_seed(0)
     make = (lambda: TrainingEpsGroupNorm(2, 8)) if norm == "group" else (lambda: TrainingEpsLayerNorm(8))
     if norm == "group":
@@ -1396,6 +1396,32 @@ def test_a_norm_whose_own_forward_reads_its_training_flag_refuses_a_rebuild_afte
     converted.eval()
     with pytest.raises(memtrim.ConvertError, match="training: True -> False"):
         loss.backward()
+
+
+class TaggedLayerNorm(nn.LayerNorm):
+    """A LayerNorm subclass whose forward reads only its settings (HF's ConvNext and ESM LayerNorms are so)."""
+
+    def forward(self, x):
+        return super().forward(x)
+
+
+def test_a_norm_subclass_that_reads_only_its_settings_trains_on_through_eval_and_tags_before_backward():
+    # a later adversarial pass: comparing everything for every class not torch's refused where torch trains (a
+    # validation pass, or a tag set on the module, between forward and backward; HF's EsmcLayerNorm, timm's GroupNorm)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 8), TaggedLayerNorm(8), nn.Linear(8, 3)).double()
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
+    assert [c.rule for c in report.changes] == ["layer_norm_consumer"], str(report)
+    grads = []
+    for model in (plain, converted):
+        loss = model(x).square().mean()
+        model.eval()
+        model[1].tag = "validated"
+        grads.append(torch.autograd.grad(loss, list(model.parameters())))
+        model.train()
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
 
 
 def test_every_groupnorm_of_hf_bit_is_in_the_report():

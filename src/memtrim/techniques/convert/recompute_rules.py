@@ -190,10 +190,10 @@ def layer_norm_consumer(ctx: Context) -> Iterator[Candidate]:
                   eps: str | None = eps) -> Undo:
             if eps is not None:  # rebuilt from the norm's own autograd node (less Python per call)
                 producer = recompute_op_output(module, owner=owner, eps=eps)
-            else:  # native_layer_norm keeps its input; a forward not known to read only its settings: strict (as a
-                # GroupNorm's, group_norm_consumer)
+            else:  # native_layer_norm keeps its input
                 producer = recompute_output(module, owner=owner, parameters=True, under_autocast=False,
-                                            keeps_output=False, strict=not _known_forward(module))
+                                            keeps_output=False,
+                                            strict=not _known_forward(module) and _reads_training(module))
             return chain(producer.remove, _install_consumers(consumers))
 
         yield Candidate((site.path,), type(module).__name__, f"torch's LayerNorm, {_recomputed_for(ctx, consumers)}",
@@ -235,10 +235,7 @@ def group_norm_consumer(ctx: Context) -> Iterator[Candidate]:
             yield Candidate((site.path,), name, reason=why, skip=True)
             continue
         owner = label((site.path,), "a recomputed GroupNorm")
-        # another class's forward may read more than its settings (its training flag: found by an adversarial pass,
-        # a subclass choosing its eps by it rebuilt another output after model.eval() between forward and backward):
-        # everything in its __dict__ is compared then (strict), and a change raises instead
-        strict = type(module).forward is not nn.GroupNorm.forward
+        strict = type(module).forward is not nn.GroupNorm.forward and _reads_training(module)
 
         def apply(module: nn.Module = module, consumers: list = consumers, owner: str = owner,
                   strict: bool = strict) -> Undo:
@@ -258,6 +255,17 @@ KNOWN_LAYER_NORM_FORWARDS: list[tuple[str, str]] = [("torch.nn", "LayerNorm"), (
 (or a view of it): (module, class name), looked up in ``sys.modules``. A module whose class uses one of these
 forwards (a subclass that does not override it) is rebuilt from its norm's autograd node, with ``eps`` read at each
 call; any other (an eps chosen per call, a forward that may return its input) by its own forward."""
+
+
+def _reads_training(module: nn.Module) -> bool:
+    """Whether ``module``'s forward names ``training`` (or is no Python function): a norm rebuilt by its own forward
+    then has everything in its ``__dict__`` compared at the rebuild, its training flag included, and a change raises
+    (``strict``). Found by an adversarial pass: a GroupNorm subclass choosing its eps by its training flag rebuilt
+    another output after ``model.eval()`` between forward and backward, 0.027 off. Other forwards (HF's ConvNext and
+    ESM LayerNorms, timm's GroupNorm) compare their plain settings only: strict for every class not torch's refused
+    a validation pass between forward and backward, or a tag set on the module, where torch trains (a later pass)."""
+    code = getattr(type(module).forward, "__code__", None)
+    return code is None or "training" in code.co_names
 
 
 def _known_forward(module: nn.Module) -> bool:
