@@ -11,6 +11,9 @@ Matched on traced evidence (NOTE [ convert's evidence ]), never on class names:
   (double backward included). Where the output is kept otherwise (by the parent's own code, or by a module an
   earlier rule changed), the keep-output rules decide. Under autocast nothing is marked: autocast runs the norm in
   float32 and a rebuild outside it would not.
+* ``group_norm_consumer`` (before ``keep_output``): a GroupNorm (one ``native_group_norm``) whose output is kept only
+  by later call sites (the SiLU or GELU after it in a diffusion U-Net's blocks): as ``layer_norm_consumer``, rebuilt
+  by the module's own forward (its node does not keep the bias). Every other GroupNorm is reported with why.
 * ``batchnorm_relu_call_site``: a ``relu`` op whose input is a BatchNorm's output, read by nothing before it: the
   BatchNorm becomes ``BatchNormReLU`` (keeps its input; the ReLU output is a recipe) and the modules that keep the
   ReLU output run as recipe-honouring scopes. A ReLU module called at several sites (torchvision's ``self.relu``)
