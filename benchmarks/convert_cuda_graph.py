@@ -32,14 +32,10 @@ import torch
 
 import memtrim
 from _common import machine, quartiles, write
-from convert_zoo import build, cast, first_tensor, import_torchvision, version
-from convert_zoo_time import WIDE, cuda_memory, interleaved_times, step
+from convert_zoo import build, cast, import_torchvision, version
+from convert_zoo_time import WIDE, cuda_memory, interleaved_times, loss_of, step
 
 DEFAULT = ["timm_resnet18", "tv_resnet18", "tv_resnet50"]
-
-
-def loss_of(model, batch) -> torch.Tensor:
-    return first_tensor(model(**batch)).float().square().mean()
 
 
 def captured(model, opt, batch) -> tuple[torch.cuda.CUDAGraph, dict]:
@@ -82,7 +78,7 @@ def run(key: str, rounds: int, batch_mult: int, dtype: torch.dtype) -> dict:
     _, report = memtrim.convert(converted, example_inputs=batch)
     models = {"plain_graph": plain, "converted_graph": converted, "plain_graph_again": copy.deepcopy(plain),
               "plain_eager": copy.deepcopy(plain), "converted_eager": copy.deepcopy(converted)}
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, capturable=k.endswith(("graph", "graph_again")))
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, capturable="graph" in k)
             for k, m in models.items()}
     head = {"model": label, "library": library, "changes": len(report.changes), "batch_mult": batch_mult,
             "dtype": str(dtype).removeprefix("torch."),

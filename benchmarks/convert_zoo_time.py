@@ -44,9 +44,14 @@ from convert_zoo import MODELS, build, cast, first_tensor, held_activations, imp
 from memtrim.measure.hooks import tensors_in
 
 
+def loss_of(model, batch) -> torch.Tensor:
+    """The loss every step here trains on: the mean square of the model's first output, in float32 at least."""
+    return first_tensor(model(**batch)).float().square().mean()
+
+
 def step(model, opt, batch) -> None:
     opt.zero_grad(set_to_none=True)
-    first_tensor(model(**batch)).float().square().mean().backward()
+    loss_of(model, batch).backward()
     opt.step()
 
 
@@ -83,7 +88,7 @@ def host_wait_ops(model, batch) -> dict:
     optimizer's step is left out: AdamW reads its step count from a CPU tensor unless ``capturable``)."""
     counter = _OpBytes()
     with counter:
-        first_tensor(model(**batch)).float().square().mean().backward()
+        loss_of(model, batch).backward()
     model.zero_grad(set_to_none=True)
     return {name: n for name, n in sorted(counter.names.items()) if name.rsplit(".", 1)[0] in HOST_WAIT_OPS}
 
@@ -100,7 +105,7 @@ def train_gradients(model, batch) -> dict:
     """Parameter gradients of one training-mode forward and backward, dropout seeded."""
     torch.manual_seed(1)
     model.zero_grad(set_to_none=True)
-    first_tensor(model(**batch)).float().square().mean().backward()
+    loss_of(model, batch).backward()
     grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return grads
@@ -139,7 +144,7 @@ def host_ms_by_phase(model, opt, batch, steps: int = 10) -> dict:
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        loss = first_tensor(model(**batch)).float().square().mean()
+        loss = loss_of(model, batch)
         middle = time.perf_counter()
         loss.backward()
         end = time.perf_counter()
@@ -157,7 +162,7 @@ def cuda_memory(model, opt, batch) -> dict:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    loss = first_tensor(model(**batch)).float().square().mean()
+    loss = loss_of(model, batch)
     held = torch.cuda.memory_allocated() - base
     loss.backward()
     opt.step()

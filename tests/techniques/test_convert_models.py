@@ -146,6 +146,17 @@ def test_a_norm_over_dimension_one_is_left_alone_even_where_that_is_the_last():
     assert not report.changes and any("not over the last dimension" in s.reason for s in report.skipped), str(report)
 
 
+def norm_between_linears(norm, rule):
+    """``Linear -> norm (8 features) -> Linear`` in float64, seeded, and its converted copy, whose one change must be
+    by ``rule``; with an input of 4 x 6 x 8."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(8, 8), norm, nn.Linear(8, 2)).double()
+    x = torch.randn(4, 6, 8, dtype=torch.float64)
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
+    assert [c.rule for c in report.changes] == [rule], str(report)
+    return plain, converted, x
+
+
 class TrainingEpsRMSNorm(nn.Module):
     """A hand-written RMSNorm whose eps depends on its training flag."""
 
@@ -160,11 +171,7 @@ class TrainingEpsRMSNorm(nn.Module):
 def test_an_rms_norm_by_behaviour_in_eval_with_grad_on_runs_its_own_forward():
     # found by an adversarial pass: its forward is checked in training mode at convert; in eval (grad on: frozen
     # BatchNorm fine-tuning) the keep-output form computed the training eps's norm, 0.69 off
-    torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(8, 8), TrainingEpsRMSNorm(8), nn.Linear(8, 2)).double()
-    x = torch.randn(4, 6, 8, dtype=torch.float64)
-    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
-    assert [c.rule for c in report.changes] == ["norm_by_behaviour"], str(report)
+    plain, converted, x = norm_between_linears(TrainingEpsRMSNorm(8), "norm_by_behaviour")
     out_a, grads_a = outputs_and_grads(plain.eval(), {"input": x}, train=False)
     out_b, grads_b = outputs_and_grads(converted.eval(), {"input": x}, train=False)
     assert torch.equal(out_a, out_b)
@@ -1408,11 +1415,7 @@ class TaggedLayerNorm(nn.LayerNorm):
 def test_a_norm_subclass_that_reads_only_its_settings_trains_on_through_eval_and_tags_before_backward():
     # a later adversarial pass: comparing everything for every class not torch's refused where torch trains (a
     # validation pass, or a tag set on the module, between forward and backward; HF's EsmcLayerNorm, timm's GroupNorm)
-    torch.manual_seed(0)
-    plain = nn.Sequential(nn.Linear(4, 8), TaggedLayerNorm(8), nn.Linear(8, 3)).double()
-    x = torch.randn(2, 5, 4, dtype=torch.float64)
-    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
-    assert [c.rule for c in report.changes] == ["layer_norm_consumer"], str(report)
+    plain, converted, x = norm_between_linears(TaggedLayerNorm(8), "layer_norm_consumer")
     grads = []
     for model in (plain, converted):
         loss = model(x).square().mean()
