@@ -1,8 +1,9 @@
 """memtrim.convert where each training step is one CUDA graph: the step (forward, backward, AdamW) captured once and
 replayed, as PyTorch's CUDA Graphs notes do for a whole network. The host's work, memtrim's Python included, runs once
 at the capture; a replay only launches the recorded kernels. This is what a step that waits on the host is given to
-stop waiting (the CNNs at batch 32 in convert_zoo_time.py's GPU table, 1.34-1.39x eagerly), so here convert's cost
-should be its kernels' alone: the BatchNorm + ReLU rebuilt in backward.
+stop waiting (in convert_zoo_time.py's float32 GPU table, ConvNeXt at batch 16, 1.25x eagerly, and the CNNs at batch
+32, 1.34-1.39x), so here convert's cost should be its kernels' alone: what it rebuilds in backward (the BatchNorm +
+ReLU, ConvNeXt's LayerNorms and GELUs).
 
 Per model (convert_zoo_time.py's wide models at ``--batch-mult 16``, float32 unless ``--dtype``), four copies from one
 seed: plain and converted, each run eagerly (AdamW) and as a graph (AdamW with ``capturable=True``: its step counter
@@ -35,7 +36,7 @@ from _common import machine, quartiles, write
 from convert_zoo import build, cast, import_torchvision, version
 from convert_zoo_time import WIDE, cuda_memory, interleaved_times, loss_of, step
 
-DEFAULT = ["timm_resnet18", "tv_resnet18", "tv_resnet50"]
+DEFAULT = ["timm_convnext_tiny", "timm_resnet18", "tv_resnet18", "tv_resnet50"]
 
 
 def captured(model, opt, batch) -> tuple[torch.cuda.CUDAGraph, dict]:

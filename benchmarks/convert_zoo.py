@@ -1,6 +1,7 @@
 """memtrim.convert on models from real model libraries (HF transformers, timm, torchvision's ResNets): small
 configs, random weights, offline. For each model: the activation bytes autograd keeps after one training-mode
-forward (the tracker's "activations"), before and after ``memtrim.convert``, and the report's text. No timings.
+forward (the tracker's "activations"), before and after ``memtrim.convert`` (and after it as a CUDA graph's capture
+would record the forward: ``guards.as_if_capturing``, on the CPU), and the report's text. No timings.
 
 Reproduce:  zoovenv/bin/python benchmarks/convert_zoo.py [--only NAME ...] [--dtype bfloat16]
 Writes benchmarks/results/convert_zoo_cpu.json (``--dtype``: every model cast to that dtype after it is built, the
@@ -47,6 +48,7 @@ from torch import nn
 import memtrim
 from _common import machine, write
 from memtrim.models.torchvision_resnet import TorchvisionBasicBlock, TorchvisionBottleneck, TorchvisionResNet
+from memtrim.techniques.guards import as_if_capturing
 
 SEQ, BATCH, IMAGE = 128, 2, 64
 
@@ -310,9 +312,15 @@ def run(key: str, dtype: torch.dtype = torch.float32) -> dict:
     report, error, seconds = try_convert(model, batch)
     result["convert_with_dict"] = "ok" if error is None else error
     after = held_activations(model, batch)
+    with as_if_capturing():
+        capturing = held_activations(model, batch)
     fraction = (before - after) / before if before else 0.0
     result.update({
         "held_before": before, "held_after": after, "saved_fraction": fraction,
+        # as a CUDA graph's capture would record the step: its norms that decide from their weights' values which
+        # features keep their input run as torch's then (NOTE [ keep decisions while a CUDA graph is captured ])
+        "held_after_while_capturing": capturing,
+        "saved_fraction_while_capturing": (before - capturing) / before if before else 0.0,
         "target": TARGETS.get(key), "meets_target": None if key not in TARGETS else fraction >= TARGETS[key],
         "report": str(report) if report is not None else None,
         "bytes_saved_by_rule": report.by_rule() if report is not None else {},

@@ -192,14 +192,12 @@ def captured_training(model, x, loss_of, replays: int = 3) -> int:
 
 
 def while_capturing(monkeypatch) -> None:
-    """Every converted module's ``capturing()`` true, as while a CUDA graph is captured (true on a CUDA device only,
-    where tests/techniques/test_bn_relu.py and test_convert_models.py capture converted models)."""
-    from memtrim.techniques.convert import norms
-    from memtrim.techniques.norms import _kernels, bn_relu, keep_output, norm_act
-    from memtrim.techniques.recompute import _sites
+    """Every converted module's ``capturing()`` true for the rest of the test, as while a CUDA graph is captured
+    (``guards.as_if_capturing``; true on a CUDA device only, where tests/techniques/test_bn_relu.py and
+    test_convert_models.py capture converted models)."""
+    from memtrim.techniques import guards
 
-    for module in (norms, keep_output, norm_act, _kernels, _sites, bn_relu):
-        monkeypatch.setattr(module, "capturing", lambda x: True)
+    monkeypatch.setattr(guards, "_AS_IF_CAPTURING", True)
 
 
 HOST_WAIT_OPS = frozenset({"_local_scalar_dense", "nonzero", "equal", "is_nonzero", "masked_select", "_unique2",

@@ -11,10 +11,11 @@ change of a kept tensor and a double backward through a rebuilt norm raise a :cl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,9 +28,10 @@ from ..measure.hooks import top_saved_tensors_hooks
 
 __all__ = [
     "CONVERTED", "HOOKS_ENABLED", "INPUT_AND_FORWARD_HOOKS", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS",
-    "activated", "autocasting", "batched", "fx_tracing", "hooks_allowed", "inplace_error", "keep_hook_ids",
-    "mark_activated", "memtrims", "no_double_backward", "owner", "plain_apply", "plain_only", "kept_params",
-    "refuse_later_hooks", "saved_tensors", "saves_checked", "watch_registrations", "watch_replacement", "WatchedFusion",
+    "activated", "as_if_capturing", "autocasting", "batched", "capturing", "fx_tracing", "hooks_allowed",
+    "inplace_error", "keep_hook_ids", "mark_activated", "memtrims", "no_double_backward", "owner", "plain_apply",
+    "plain_only", "kept_params", "refuse_later_hooks", "saved_tensors", "saves_checked", "watch_registrations",
+    "watch_replacement", "WatchedFusion",
 ]
 
 
@@ -230,8 +232,25 @@ def saves_checked() -> bool:
 
 def capturing(x: torch.Tensor) -> bool:
     """Whether ``x`` is on a CUDA device whose current stream is capturing a CUDA graph: nothing may make the host
-    wait for the GPU then (the capture fails), and what the host decides is recorded once, for every replay."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+    wait for the GPU then (the capture fails), and what the host decides is recorded once, for every replay. Also
+    true, on any device, inside :func:`as_if_capturing`."""
+    return _AS_IF_CAPTURING or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+_AS_IF_CAPTURING = False
+
+
+@contextlib.contextmanager
+def as_if_capturing() -> Iterator[None]:
+    """Every converted module runs inside as while a CUDA graph is captured (:func:`capturing` true), on any device:
+    what a capture would record, run on the CPU (the tests, and benchmarks/convert_zoo.py's bytes kept under a
+    capture). For one thread at a time; not for training."""
+    global _AS_IF_CAPTURING
+    before, _AS_IF_CAPTURING = _AS_IF_CAPTURING, True
+    try:
+        yield
+    finally:
+        _AS_IF_CAPTURING = before
 
 
 def autocasting(x: torch.Tensor) -> bool:
