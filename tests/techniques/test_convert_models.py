@@ -1360,6 +1360,29 @@ def test_a_groupnorms_output_kept_by_the_activation_after_it_is_rebuilt_there():
     sgd_steps_alike(plain, converted, [torch.randn(3, 3, 12, 12) for _ in range(3)])
 
 
+@pytest.mark.parametrize("chain", ["group_norm_silu", "layer_norm_gelu"])
+def test_a_norms_output_rebuilt_for_the_activation_after_it_is_rebuilt_once_a_backward(chain):
+    # found by an adversarial pass: in a norm -> activation -> layer chain the layer's rebuild of the activation's
+    # output read the norm's output from the activation's node, which released the norm's rebuild; the activation's
+    # own backward then rebuilt the norm again (correct, twice the norm's forward in backward)
+    torch.manual_seed(0)
+    if chain == "group_norm_silu":
+        plain = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), ResBlock(8, groups=2), ResBlock(8, groups=2))
+        batch, norm = {"input": torch.randn(2, 3, 6, 6)}, torch.ops.aten.native_group_norm.default
+    else:
+        plain = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 16), nn.LayerNorm(16),
+                              nn.GELU(), nn.Linear(16, 4))
+        batch, norm = {"input": torch.randn(5, 8)}, torch.ops.aten.native_layer_norm.default
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=batch)
+    rebuilt = [c for c in report.changes if c.rule in ("group_norm_consumer", "layer_norm_consumer")]
+    assert len(rebuilt) == 4 if chain == "group_norm_silu" else 2, str(report)
+    loss = converted(**batch).square().mean()
+    with CountOp(norm) as counter:
+        loss.backward()
+    assert counter.count == len(rebuilt)  # each rebuilt once (torch's own backward runs none: it keeps the output)
+    assert_equal_training(plain, converted, batch, tol=0.0)
+
+
 def test_a_groupnorm_whose_output_an_in_place_silu_changes_is_left_alone_with_why():
     # the SiLU keeps a copy of its input (torch's in-place silu_), not the norm's output: nothing to rebuild
     torch.manual_seed(0)

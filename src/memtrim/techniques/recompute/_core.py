@@ -342,6 +342,8 @@ class _NodeRecipe(Recipe):
     output_ref: weakref.ref[torch.Tensor]
 
     def _rebuild(self, sources: list[Any]) -> torch.Tensor:
+        reads = _reads  # (NOTE [ a node's saves read by a rebuild ])
+        outer, reads.node = reads.__dict__.get("node", False), True
         try:
             return super()._rebuild(sources)
         except RuntimeError as e:
@@ -363,6 +365,18 @@ class _NodeRecipe(Recipe):
                 "saved tensors; found them freed. To fix: pass retain_graph=True to the earlier backward, or leave "
                 "this module out of memtrim.convert (module_filter)."
             ) from e
+        finally:
+            reads.node = outer
+
+
+# NOTE [ a node's saves read by a rebuild ]
+# A tagged node's rebuild reads the tensors the node saved (``node._saved_self``), and the node's own backward reads
+# them again later in the same backward. Where one of them is itself a handle (GroupNorm -> SiLU -> Conv: the SiLU
+# node keeps the GroupNorm's recipe, the Conv the SiLU's node), counting the first read as the handle's unpack let
+# the cache go, and the node's backward rebuilt the norm a second time (found by an adversarial pass). So a read made
+# by a node's rebuild (``_reads.node``, per thread) does not count: the cache stays for the node's own unpack, or until
+# the handle dies with the graph (a backward that never reaches the node: torch.autograd.grad of other inputs).
+_reads = threading.local()
 
 
 class _NodeSource:
@@ -554,15 +568,24 @@ def _rebuilt(handle: _Handle) -> torch.Tensor:
     original = handle.tensor_ref()
     if original is not None:  # still alive: autograd's in-place check on the tensor itself
         check_saved_version(original, handle.version, f"{recipe.owner} (the tensor it rebuilds)")
-    with recipe.lock:
-        t = recipe.cache
-        if t is None:
-            t = recipe.cache = recipe._rebuild(_sources(handle))
-            recipe.done.clear()
-        recipe.done.add(id(handle))
-        if len(recipe.done) >= recipe.live:  # every live handle has had it: let it go
-            recipe.cache = None
-            recipe.done.clear()
+    reads = _reads
+    by_node = reads.__dict__.get("node", False)  # read by a node's rebuild: NOTE [ a node's saves read by a rebuild ]
+    if by_node:
+        reads.node = False  # (what this rebuild reads, it reads itself)
+    try:
+        with recipe.lock:
+            t = recipe.cache
+            if t is None:
+                t = recipe.cache = recipe._rebuild(_sources(handle))
+                recipe.done.clear()
+            if not by_node:
+                recipe.done.add(id(handle))
+                if len(recipe.done) >= recipe.live:  # every live handle has had it: let it go
+                    recipe.cache = None
+                    recipe.done.clear()
+    finally:
+        if by_node:
+            reads.node = True
     if handle.view is None:
         return t
     shape, stride, offset = handle.view
