@@ -26,7 +26,8 @@ dtype convert traced (HF's RMSNorms compute any other in float32). Under torch.c
 grad, for a float16 or bfloat16 input, or for an input in another dtype than the weight (the RMSNorm form: than the
 traced one), both run the module's own forward; so does the RMSNorm form for an unbatched or empty input, and once a
 setting of the module (its eps: any number, flag or string in its ``__dict__``) differs from what convert saw, with a
-warning.
+warning. While a CUDA graph is captured the LayerNorm form runs the module's own forward too, and the RMSNorm form
+torch's ops with one tensor rebuilt in backward (NOTE [ an RMSNorm while a CUDA graph is captured ]).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from ..guards import (
 )
 from ..norms._kernels import HALF_PRECISION
 from ..norms.keep_output import apply_norm_keep_output
+from ..recompute import mark_recomputable, recipes_honoured
 from .builtin import KEEP_OUTPUT_FORMS, NO_AUTOCAST, NO_DOUBLE_BACKWARD, REBUILT_INPUT, half_precision_guard
 from .evidence import CallSite, ModelTrace, buffers_kept
 from .rules import Candidate, Context, class_swap, label, register_rule
@@ -83,8 +85,28 @@ _NORM_OPS = frozenset({
 def _wants_plain(x: Any, params: list[torch.Tensor]) -> bool:
     return (not isinstance(x, torch.Tensor) or not torch.is_grad_enabled() or plain_only() or not saves_checked()
             or autocasting(x) or x.dtype in HALF_PRECISION  # (NOTE [ norms in half precision ]: after model.to())
-            or capturing(x)  # (NOTE [ keep decisions while a CUDA graph is captured ] in norms/_kernels.py)
             or not (x.requires_grad or any(p.requires_grad for p in params)))
+
+
+# NOTE [ an RMSNorm while a CUDA graph is captured ]
+# The keep-output form decides from its weights' values which features keep their input, which a capture cannot
+# record (NOTE [ keep decisions while a CUDA graph is captured ] in norms/_kernels.py). A LayerNorm runs as torch's
+# there. An RMSNorm's ops are torch's own small ops, so it runs them as the module does (the same ops on the same
+# values: its forward, bitwise) but for one thing: ``x * rsqrt(...)``, which the multiply by the weight keeps, is a
+# recipe (NOTE [ recipes at consumer call sites ] in recompute/_core.py) rebuilt in backward from ``x`` and the rsqrt,
+# which the ops keep anyway. The graph's nodes are torch's, so its gradients are too, bitwise; it keeps its input,
+# the rsqrt and its output (which the next layers keep), where the keep-output form keeps its output alone and torch
+# keeps ``x * rsqrt(...)`` besides. No decision, no wait: what a capture records holds at every replay.
+def _rms_rebuilding_xhat(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                         who: str) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2, -1) + eps) * (weight [+ offset])`` as torch runs it, keeping ``x * rsqrt(...)`` as a
+    recipe (NOTE [ an RMSNorm while a CUDA graph is captured ]); callers have found :func:`_wants_plain` false."""
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = x * rstd
+    gamma = weight + offset if offset else weight
+    mark_recomputable(xhat, torch.mul, x, rstd, owner=who, checked=True)
+    with recipes_honoured():
+        return xhat * gamma
 
 
 class _LayerNormKeepsOutput(TorchFunctionMode):
@@ -102,7 +124,8 @@ class _LayerNormKeepsOutput(TorchFunctionMode):
         bound.update({k: v for k, v in kwargs.items() if k in ("input", "normalized_shape", "weight", "bias", "eps")})
         x, weight, bias = bound["input"], bound.get("weight"), bound.get("bias")
         params = [t for t in (weight, bias) if isinstance(t, torch.Tensor)]
-        if _wants_plain(x, params) or any(p.dtype != x.dtype for p in params):
+        if (_wants_plain(x, params) or any(p.dtype != x.dtype for p in params)
+                or capturing(x)):  # (NOTE [ keep decisions while a CUDA graph is captured ] in norms/_kernels.py)
             return func(*args, **kwargs)
         return apply_norm_keep_output(x, weight, bias, (tuple(bound["normalized_shape"]), bound.get("eps", 1e-5),
                                       "layer", _threshold(self.module), owner(self.module)))
@@ -178,6 +201,8 @@ def _form(base: type[nn.Module], kind: str) -> type:
                     or x.dtype != state.get("memtrim_dtype", x.dtype) or len(args) + len(kwargs) != 1
                     or x.dim() <= 1 or x.numel() == 0 or not self.training or _settings_changed(self)):
                 return base.forward(self, *args, **kwargs)
+            if capturing(x):  # (NOTE [ an RMSNorm while a CUDA graph is captured ])
+                return _rms_rebuilding_xhat(x, weight, eps, shift[0] if shift else 0.0, owner(self))
             return apply_norm_keep_output(x, weight, None, (tuple(weight.shape), eps, "rms", _threshold(self),
                                                           owner(self), *shift))
 

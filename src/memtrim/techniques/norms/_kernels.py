@@ -122,8 +122,10 @@ def keep_input_features(gamma: torch.Tensor, beta: torch.Tensor | None, extra: t
 # recorded there would hold at every replay while the weights change. So while a graph is captured (guards.capturing)
 # these norms, and the BatchNorms fused with a LeakyReLU or ELU, run as torch's own modules, as under autocast: the
 # capture records the unconverted model's ops for them, keeping what torch keeps; their savings are lost there, those
-# of the other rewrites (a fused BatchNorm + ReLU's, the rebuilt LayerNorm, GELU and SiLU outputs) are not. A caller
-# that reaches the gathering while capturing anyway gets ConvertError, not CUDA's own error.
+# of the other rewrites (a fused BatchNorm + ReLU's, the rebuilt LayerNorm, GELU and SiLU outputs) are not. The
+# RMSNorms convert recognises by behaviour (HF Llama's, Gemma's) keep part of theirs: NOTE [ an RMSNorm while a CUDA
+# graph is captured ] in convert/norms.py. A caller that reaches the gathering while capturing anyway gets
+# ConvertError, not CUDA's own error.
 def _indices(mask: torch.Tensor) -> torch.Tensor:
     """``mask.nonzero().flatten()``; none on the meta device or under a fake mode without a shape environment (the
     values that decide are not there: a model measured on meta or fake tensors keeps no feature's input; found by an
