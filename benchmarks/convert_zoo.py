@@ -173,6 +173,27 @@ def tv_model(name: str) -> Callable:
     return build
 
 
+class TwoViews(nn.Module):
+    """One backbone called on two views in one forward, as SimCLR and BYOL do: the batch's two halves."""
+
+    def __init__(self, backbone: nn.Module) -> None:
+        super().__init__()
+        self.backbone = backbone
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = x.chunk(2)
+        return torch.cat([self.backbone(a), self.backbone(b)])
+
+
+def two_views(build: Callable) -> Callable:
+    """The model of ``build`` called on two views of its batch's size each."""
+    def built():
+        model, batch, library = build()
+        return TwoViews(model), {"x": torch.cat([batch["x"], torch.randn_like(batch["x"])])}, library
+
+    return built
+
+
 def pattern_model(block: type, layers: list[int]) -> Callable:
     def build():
         return TorchvisionResNet(block, layers, num_classes=10), {"x": images()["pixel_values"]}, "torchvision pattern"
@@ -193,12 +214,16 @@ MODELS = {
     "timm_resnet18": ("timm resnet18 (separate act modules, batch 2, 64x64)", timm_model("resnet18")),
     "timm_regnetx_002": ("timm regnetx_002 (BatchNormAct2d: a BatchNorm and its ReLU in one module; batch 2, 64x64)",
                          timm_model("regnetx_002")),
+    "timm_regnetx_002_two_views": ("timm regnetx_002 called on two views in one forward (2 + 2 images, 64x64)",
+                                   two_views(timm_model("regnetx_002"))),
     "timm_efficientnet_b0": ("timm efficientnet_b0 (BatchNormAct2d + SiLU, in place as timm builds them; batch 2, "
                              "64x64)", timm_model("efficientnet_b0")),
     "timm_efficientnet_b0_out_of_place": ("timm efficientnet_b0, activations set inplace=False by hand first (the "
                                           "same bytes before convert; batch 2, 64x64)",
                                           not_in_place(timm_model("efficientnet_b0"))),
     "tv_resnet18": ("torchvision resnet18 (batch 2, 64x64)", tv_model("resnet18")),
+    "tv_resnet18_two_views": ("torchvision resnet18 called on two views in one forward (SimCLR; 2 + 2 images, 64x64)",
+                              two_views(tv_model("resnet18"))),
     "tv_resnet50": ("torchvision resnet50 (batch 2, 64x64)", tv_model("resnet50")),
     "pattern_resnet18": ("torchvision-pattern resnet18, written out here (batch 2, 64x64)",
                          pattern_model(TorchvisionBasicBlock, [2, 2, 2, 2])),

@@ -238,9 +238,12 @@ def _bn_activation(act: nn.Module) -> tuple[str, float] | None:
 
 
 def _shared_relu(ctx: Context, skip: Candidate) -> bool:
-    """A pair refused because its ReLU runs at several call sites: ``batchnorm_relu_call_site`` decides it."""
-    return (ctx.traced and len(skip.modules) == 2 and type(ctx.modules.get(skip.modules[1])) is nn.ReLU
-            and "times per forward" in skip.reason)
+    """A pair refused because its ReLU runs at several call sites, or its BatchNorm does, each call followed by one
+    ReLU module: ``batchnorm_relu_call_site`` decides it."""
+    from .recompute_rules import relu_calls_after  # (that module imports this one)
+
+    return (ctx.traced and len(skip.modules) == 2 and "times per forward" in skip.reason
+            and relu_calls_after(ctx, skip.modules[0]) is not None)
 
 
 @register_rule("batchnorm_activation")

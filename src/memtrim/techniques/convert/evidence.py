@@ -205,8 +205,14 @@ class ModelTrace:
         if not sites:
             return None
         if len(sites) != 1:
+            first = self._pair_at(path, sites[0])
+            if first is not None and first[1] and "times per forward" not in first[1]:  # (why at its first call)
+                return first[0], f"{first[1]} (at the first of its {len(sites)} calls per forward)"
             return path, f"{path} runs {len(sites)} times per forward; its calls cannot be fused one by one"
-        site = sites[0]
+        return self._pair_at(path, sites[0])
+
+    def _pair_at(self, path: str, site: CallSite) -> tuple[str, str] | None:
+        """:meth:`pair_after` for one call ``site`` of ``path``."""
         outputs = set(site.outputs)
         reads = [(o.time, self.stack_names(o.stack)) for o in self.ops if o.time > site.end and outputs & set(o.inputs)]
         if not reads:

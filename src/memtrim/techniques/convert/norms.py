@@ -96,7 +96,10 @@ def _wants_plain(x: Any, params: list[torch.Tensor]) -> bool:
 # recipe (NOTE [ recipes at consumer call sites ] in recompute/_core.py) rebuilt in backward from ``x`` and the rsqrt,
 # which the ops keep anyway. The graph's nodes are torch's, so its gradients are too, bitwise; it keeps its input,
 # the rsqrt and its output (which the next layers keep), where the keep-output form keeps its output alone and torch
-# keeps ``x * rsqrt(...)`` besides. No decision, no wait: what a capture records holds at every replay.
+# keeps ``x * rsqrt(...)`` besides. No decision, no wait: what a capture records holds at every replay. An input that
+# needs no gradient is kept by none of the ops: ``x * rsqrt(...)`` is kept as itself then, as torch keeps it. An input
+# written through ``.data`` between forward and backward (no version bump for autograd to see) rebuilds it from the
+# written values, where torch reads the one it kept.
 def _rms_rebuilding_xhat(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
                          who: str) -> torch.Tensor:
     """``x * rsqrt(mean(x^2, -1) + eps) * (weight [+ offset])`` as torch runs it, keeping ``x * rsqrt(...)`` as a
@@ -104,6 +107,8 @@ def _rms_rebuilding_xhat(x: torch.Tensor, weight: torch.Tensor, eps: float, offs
     rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     xhat = x * rstd
     gamma = weight + offset if offset else weight
+    if not x.requires_grad:  # the ops keep neither x nor the rsqrt then, only xhat for the weight's gradient: a
+        return xhat * gamma  # recipe would keep more, and an x that may change after (found by an adversarial pass)
     mark_recomputable(xhat, torch.mul, x, rstd, owner=who, checked=True)
     with recipes_honoured():
         return xhat * gamma

@@ -289,28 +289,44 @@ def _eps_attribute(trace: ModelTrace, sites: list[CallSite], module: nn.Module) 
 
 
 # ---------------------------------------------------------------------- BatchNorm + ReLU per call site
+def relu_calls_after(ctx: Context, name: str) -> list[tuple[CallSite, list[Op], CallSite]] | None:
+    """For each call of the BatchNorm ``name``: (its site, the ops that read its output after it, the ReLU call that
+    reads it first), where at every call the first reader is a ReLU module (``nn.ReLU`` or ``PassThroughReLU``) that
+    runs only ``relu`` at every call, the same module at every call; else None (``batchnorm_activation`` decides)."""
+    trace = ctx.trace
+    if trace is None:
+        return None
+    found: list[tuple[CallSite, list[Op], CallSite]] = []
+    for site in trace.sites_of(name):
+        out = set(site.outputs)
+        reads = [o for o in trace.ops if o.time > site.end and out & set(o.inputs)]
+        if not reads or reads[0].name not in ("relu", "relu_") or reads[0].site is None:
+            return None
+        relu_site = trace.sites[reads[0].site]
+        if (type(relu_site.module) not in (nn.ReLU, PassThroughReLU) or ctx.op_names(relu_site) != ["relu"]
+                or (found and relu_site.module is not found[0][2].module)):
+            return None
+        found.append((site, reads, relu_site))
+    return found or None
+
+
 @register_rule("batchnorm_relu_call_site", before="relu_linear")
 def batchnorm_relu_call_site(ctx: Context) -> Iterator[Candidate]:
-    """BatchNorm -> ReLU where the ReLU module also runs elsewhere: fused at this call site only."""
+    """BatchNorm -> ReLU where the ReLU module also runs elsewhere (torchvision's shared ``relu``), or where the
+    BatchNorm runs several times per forward, each call followed by the ReLU (a backbone called on two views, as in
+    SimCLR): fused at those calls."""
     trace = ctx.trace
     if trace is None:
         return
     for name, bn in ctx.modules.items():
-        if type(bn) not in _BN_RELU or not ctx.free(bn) or len(trace.sites_of(name)) != 1:
+        if type(bn) not in _BN_RELU or not ctx.free(bn):
             continue
-        site = trace.sites_of(name)[0]
-        out = set(site.outputs)
-        reads = [o for o in trace.ops if o.time > site.end and out & set(o.inputs)]
-        if not reads or reads[0].name not in ("relu", "relu_") or reads[0].site is None:
+        calls = relu_calls_after(ctx, name)
+        if calls is None or (len(calls) == 1 and not calls[0][2].shared):  # (one call, its own ReLU: a pair)
             continue
-        relu_site = trace.sites[reads[0].site]
+        relu_site = calls[0][2]
         relu = relu_site.module
-        if type(relu) not in (nn.ReLU, PassThroughReLU) or not relu_site.shared or ctx.op_names(relu_site) != ["relu"]:
-            continue
-        where = (name, relu_site.label)
-        if reads[0].name == "relu" and len(reads) > 1:
-            yield Candidate(where, reason=f"{name}'s output is also read after the ReLU", skip=True)
-            continue
+        where = (name, relu_site.label if len(calls) == 1 else relu_site.path)
         hooks = ctx.user_hooks(bn) or ctx.user_hooks(relu)
         if hooks:
             yield Candidate(where, reason=f"hooks on the pair ({', '.join(hooks)}): fused, they would see the fused "
@@ -323,10 +339,23 @@ def batchnorm_relu_call_site(ctx: Context) -> Iterator[Candidate]:
         if any(trace.ops_in(s) and ctx.op_names(s) != ["relu"] for s in trace.sites_of(relu_site.path)):
             yield Candidate(where, reason=f"{relu_site.path} does more than a ReLU at some call", skip=True)
             continue
-        z = reads[0].outputs[0]
-        consumers = _holder_modules(ctx, z, relu_site)
-        if consumers is None:
-            yield Candidate(where, reason="the ReLU output is kept by its parent's own code", skip=True)
+        consumers: list[nn.Module] = []
+        expected = 0
+        why = None
+        for _, reads, at in calls:
+            if reads[0].name == "relu" and len(reads) > 1:
+                why = f"{name}'s output is also read after the ReLU" + (f" (call {at.call} of {at.path})"
+                                                                         if len(calls) > 1 else "")
+                break
+            z = reads[0].outputs[0]
+            kept_by = _holder_modules(ctx, z, at)
+            if kept_by is None:
+                why = "the ReLU output is kept by its parent's own code"
+                break
+            consumers += [m for m in kept_by if not any(m is c for c in consumers)]
+            expected += trace.storages[z].nbytes
+        if why is not None:
+            yield Candidate(where, reason=why, skip=True)
             continue
         target = _BN_RELU[type(bn)]
         owner = label(where, f"memtrim.nn.{target.__name__}")
@@ -342,10 +371,13 @@ def batchnorm_relu_call_site(ctx: Context) -> Iterator[Candidate]:
             return chain(class_swap(bn, target, memtrim_owner=owner, memtrim_relu_follows=True), swap,
                          watch_replacement(bn, relu, places), _install_consumers(consumers))
 
-        yield Candidate(where, f"{type(bn).__name__} + ReLU (call {relu_site.call} of {relu_site.path})",
+        what = (f"call {relu_site.call} of {relu_site.path}" if len(calls) == 1 else
+                f"{len(calls)} calls, each followed by {relu_site.path}")
+        yield Candidate(where, f"{type(bn).__name__} + ReLU ({what})",
                         f"memtrim.nn.{target.__name__} + PassThroughReLU",
-                        reason="this call of the ReLU reads the BatchNorm's output first", targets=(bn,),
-                        touches=(relu, *consumers), expected_bytes=trace.storages[z].nbytes,
+                        reason=("this call of the ReLU reads the BatchNorm's output first" if len(calls) == 1 else
+                                "the ReLU reads the BatchNorm's output first at each of its calls"), targets=(bn,),
+                        touches=(relu, *consumers), expected_bytes=expected,
                         limits=(*LIMITS["batchnorm_relu"], FUSED), bitwise=rebuilds_bitwise(bn), apply=apply)
 
 
@@ -420,15 +452,18 @@ def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
             yield Candidate((name,), reason=f"{name} has {', '.join(hooks)}: they would see the fused module's "
                                             "values", skip=True)
             continue
-        norm, relu = ops[0]
-        if len(sites) != 1 or relu.inputs[:1] != norm.outputs[:1] or sites[0].outputs != relu.outputs:
-            yield Candidate((name,), reason=f"{name} runs more than once or returns more than the ReLU's output",
-                            skip=True)
+        if any(relu.inputs[:1] != norm.outputs[:1] or site.outputs != relu.outputs
+               for site, (norm, relu) in zip(sites, ops)):
+            yield Candidate((name,), reason=f"{name} returns more than the ReLU's output", skip=True)
             continue
-        consumers = _holder_modules(ctx, sites[0].outputs[0], sites[0])
-        if consumers is None:
+        # (each call's output: a backbone called on two views in one forward runs it twice)
+        found = [_holder_modules(ctx, site.outputs[0], site) for site in sites]
+        if any(kept_by is None for kept_by in found):
             yield Candidate((name,), reason="the ReLU output is kept by its parent's own code", skip=True)
             continue
+        consumers: list[nn.Module] = []
+        for kept_by in found:
+            consumers += [m for m in kept_by or () if not any(m is c for c in consumers)]
         target = _BN_RELU[base]
         owner = label((name,), f"memtrim.nn.{target.__name__}")
         keeping = keeping_class(target, type(bn))  # still the library's class: its tools keep the activation
@@ -438,7 +473,8 @@ def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
 
         yield Candidate((name,), f"{type(bn).__name__} (BatchNorm + ReLU)", f"memtrim.nn.{target.__name__}",
                         reason="its forward is a BatchNorm and a ReLU", targets=(bn,), touches=tuple(consumers),
-                        expected_bytes=trace.storages[sites[0].outputs[0]].nbytes if consumers else 0,
+                        expected_bytes=sum(trace.storages[site.outputs[0]].nbytes for site, kept_by
+                                           in zip(sites, found) if kept_by),
                         limits=LIMITS["batchnorm_relu"], bitwise=rebuilds_bitwise(bn), apply=apply)
 
 
