@@ -181,9 +181,17 @@ class ModelTrace:
         """Where ``path``'s output is changed in place after its forward returned (the innermost module, "" for the
         top-level forward), or None if it never is."""
         for site in self.sites_of(path):
-            for op in self.ops:
-                if op.time > site.end and set(op.writes) & set(site.outputs):
-                    return self.site_name(op.site)
+            writer = self.written_after_call(site)
+            if writer is not None:
+                return writer
+        return None
+
+    def written_after_call(self, site: CallSite) -> str | None:
+        """Where call ``site``'s output is changed in place after it returned (as :meth:`written_after`), or None."""
+        outputs = set(site.outputs)
+        for op in self.ops:
+            if op.time > site.end and set(op.writes) & outputs:
+                return self.site_name(op.site)
         return None
 
     def keepers(self, path: str) -> list[str]:

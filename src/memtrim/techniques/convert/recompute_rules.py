@@ -288,6 +288,13 @@ def _eps_attribute(trace: ModelTrace, sites: list[CallSite], module: nn.Module) 
     return "eps" if found == {vars(module).get("eps")} else None
 
 
+def rebuilt_yet_changed(writer: str, what: str = "its output") -> str:
+    """Why an output (``what``) changed in place after its forward (in ``writer``) is not rebuilt for the layers
+    that keep it."""
+    return (f"{what} is changed in place after its forward (in {writer or 'the top-level forward'}): the layers "
+            "that keep it would get it rebuilt without the change, where torch keeps the changed tensor or raises")
+
+
 # ---------------------------------------------------------------------- BatchNorm + ReLU per call site
 def relu_calls_after(ctx: Context, name: str) -> list[tuple[CallSite, list[Op], CallSite]] | None:
     """For each call of the BatchNorm ``name``: (its site, the ops that read its output after it, the ReLU call that
@@ -346,6 +353,10 @@ def batchnorm_relu_call_site(ctx: Context) -> Iterator[Candidate]:
             if reads[0].name == "relu" and len(reads) > 1:
                 why = f"{name}'s output is also read after the ReLU" + (f" (call {at.call} of {at.path})"
                                                                          if len(calls) > 1 else "")
+                break
+            writer = trace.written_after_call(at)  # (found by an adversarial pass: fused, it trained on unchanged)
+            if writer is not None:
+                why = rebuilt_yet_changed(writer, "the ReLU's output")
                 break
             z = reads[0].outputs[0]
             kept_by = _holder_modules(ctx, z, at)
@@ -456,6 +467,10 @@ def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
                for site, (norm, relu) in zip(sites, ops)):
             yield Candidate((name,), reason=f"{name} returns more than the ReLU's output", skip=True)
             continue
+        writer = next((w for w in map(trace.written_after_call, sites) if w is not None), None)
+        if writer is not None:  # (found by an adversarial pass: fused, it trained on the unchanged output)
+            yield Candidate((name,), reason=rebuilt_yet_changed(writer, "the ReLU's output"), skip=True)
+            continue
         # (each call's output: a backbone called on two views in one forward runs it twice)
         found = [_holder_modules(ctx, site.outputs[0], site) for site in sites]
         if any(kept_by is None for kept_by in found):
@@ -517,9 +532,16 @@ def gated_mlp(ctx: Context) -> Iterator[Candidate]:
         names = {k: _relative(parent.path, s.path) for k, s in
                  (("gate", g_site), ("up", u_site), ("down", d_site), ("act", a_site))}
         a, m = a_site.outputs[0], op.outputs[0]
+        modules = (parent.path or type(parent.module).__name__,)
+        # act(gate) or the product changed in place once made (found by an adversarial pass: rebuilt, they lost it)
+        writer = next((trace.site_name(o.site) for o in trace.ops
+                       if (o.time > a_site.end and a in o.writes) or (o.time > op.time and m in o.writes)), None)
+        if writer is not None:
+            yield Candidate(modules, reason=rebuilt_yet_changed(writer, f"act({names['gate']}) or the product"),
+                            skip=True)
+            continue
         expected = sum(trace.storages[k].nbytes for k in (a, m)
                        if all(h.site in (parent.index, d_site.index) for h in trace.storages[k].holders))
-        modules = (parent.path or type(parent.module).__name__,)
         owner = label(modules, "a gated MLP recomputing act(gate) * up")
 
         def apply(mlp: nn.Module = parent.module, names: dict = names, owner: str = owner) -> Undo:
@@ -787,6 +809,10 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
         if in_place and getattr(module, "inplace", None) is not True:  # no switch to turn it out of place
             if any(trace.storages[s.outputs[0]].holders for s in sites if s.outputs):  # something to save
                 yield Candidate((site.path,), reason=_IN_PLACE.format(type(module).__name__), skip=True)
+            continue
+        writer = next((w for w in map(trace.written_after_call, sites) if w is not None), None)
+        if writer is not None:  # (found by an adversarial pass: rebuilt, the Linear trained on the unchanged output)
+            yield Candidate((site.path,), reason=rebuilt_yet_changed(writer), skip=True)
             continue
         read_after = _source_reads_input_after(ctx, module) if in_place else None
         if read_after:
