@@ -1262,18 +1262,20 @@ class WritesTheActivation(nn.Module):
         self.kind, self.how = kind, how
         if kind == "gelu":
             self.a, self.act, self.b = nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)
-        elif kind == "gated":  # Llama's MLP: the product changed
+        elif kind in ("gated", "gated_twice"):  # Llama's MLP: the product changed (at its second call only)
             self.a, self.up, self.act, self.b = nn.Linear(8, 16), nn.Linear(8, 16), nn.SiLU(), nn.Linear(16, 4)
         else:
             self.a, self.bn, self.act, self.b = nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1)
 
-    def branch(self, x):
-        if self.kind == "gated":
+    def branch(self, x, write=True):
+        if self.kind in ("gated", "gated_twice"):
             h = self.act(self.a(x)) * self.up(x)
         else:
             h = self.act(self.a(x) if self.kind == "gelu" else self.bn(self.a(x)))
         out = self.b(h)
-        if self.how == "in place":
+        if not write:
+            pass
+        elif self.how == "in place":
             h.mul_(2.0)
         else:
             h.data.mul_(2.0)
@@ -1282,21 +1284,23 @@ class WritesTheActivation(nn.Module):
     def forward(self, x):
         if self.kind == "two_views":
             return torch.cat([self.branch(v) for v in x.chunk(2)])
+        if self.kind == "gated_twice":
+            return torch.cat([self.branch(v, write=i == 1) for i, v in enumerate(x.chunk(2))])
         out = self.branch(x)
         return self.act(out) if self.kind == "shared_relu" else out  # (a second call of the ReLU)
 
 
 @pytest.mark.parametrize("how", ["in place", ".data"])
-@pytest.mark.parametrize("kind", ["gelu", "gated", "shared_relu", "two_views"])
+@pytest.mark.parametrize("kind", ["gelu", "gated", "gated_twice", "shared_relu", "two_views"])
 def test_an_activation_whose_output_is_changed_after_a_layer_kept_it_is_left_alone_with_why(kind, how):
     # found by an adversarial pass: rebuilt for the layer that keeps it, the output lost the change (after .data,
     # another gradient; in place, where torch raises, it trained), at one call of a shared ReLU and at both calls of
     # a backbone on two views (the BatchNorm's own pair, and a LayerNorm, were left alone already)
     torch.manual_seed(0)
     plain = WritesTheActivation(kind, how)
-    x = torch.randn(4, 8) if kind in ("gelu", "gated") else torch.randn(4, 3, 6, 6)
+    x = torch.randn(4, 8) if kind in ("gelu", "gated", "gated_twice") else torch.randn(4, 3, 6, 6)
     converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
-    assert not [c for c in report.changes if c.rule != "activation_consumer" or kind != "gated"], str(report)
+    assert not [c for c in report.changes if c.rule != "activation_consumer" or "gated" not in kind], str(report)
     assert any("changed in place after its forward" in s.reason for s in report.skipped), str(report)
     if how == "in place":
         for model in (plain, converted):
@@ -1304,6 +1308,90 @@ def test_an_activation_whose_output_is_changed_after_a_layer_kept_it_is_left_alo
                 model(x).square().mean().backward()
     else:
         sgd_steps_alike(plain, converted, [x.clone() for _ in range(2)])
+
+
+class WritesTheInput(nn.Module):
+    """``prod``'s input changed through ``.data`` after the layer after it kept ``prod``'s output (torch's ``prod``
+    keeps that input, or what it computed from it, and trains on the change)."""
+
+    def __init__(self, prod):
+        super().__init__()
+        self.fc1, self.prod, self.fc2 = nn.Linear(8, 8), prod, nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        y = self.fc2(self.prod(h))
+        h.data.mul_(-2.0)
+        return y
+
+
+class GatedWritesTheGate(nn.Module):
+    """Llama's MLP whose gate output is changed through ``.data`` after down kept the product."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down, self.act = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8), nn.SiLU()
+
+    def forward(self, x):
+        g = self.gate(x)
+        y = self.down(self.act(g) * self.up(x))
+        g.data.mul_(-2.0)
+        return y
+
+
+class EmbeddingsWriteTheIds(nn.Module):
+    """Token + position embeddings kept by a Linear, the ids changed through ``.data`` after."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos, self.fc = nn.Embedding(16, 8), nn.Embedding(4, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        ids = x.clone()
+        y = self.fc(self.tok(ids) + self.pos(torch.arange(ids.shape[1])))
+        ids.data.add_(3).remainder_(16)
+        return y
+
+
+class Swish(nn.Module):
+    def forward(self, x):
+        return x * torch.sigmoid(x)
+
+
+WRITES_THE_INPUT = {
+    "gelu": (lambda: WritesTheInput(nn.GELU()), "prod"),
+    "layer_norm": (lambda: WritesTheInput(nn.LayerNorm(8)), "prod"),
+    "group_norm": (lambda: WritesTheInput(nn.GroupNorm(2, 8)), "prod"),
+    "rms_norm": (lambda: WritesTheInput(SpelledRMSNorm(8)), "prod"),
+    "leaky_relu": (lambda: WritesTheInput(nn.LeakyReLU(0.1)), "prod"),
+    "batchnorm_relu": (lambda: WritesTheInput(nn.Sequential(nn.BatchNorm1d(8), nn.ReLU())), "prod.0"),
+    "pointwise": (lambda: WritesTheInput(Swish()), "prod"),
+    "gated_mlp": (GatedWritesTheGate, ""),
+    "embedding_sum": (EmbeddingsWriteTheIds, "tok"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRITES_THE_INPUT))
+def test_a_module_whose_input_is_changed_after_its_forward_is_left_alone_with_why(case):
+    # found by an adversarial pass: keeping its output, or rebuilding it from that input in backward, a module trained
+    # otherwise than torch's, which kept the input (or what it computed from it) and trains on the change; in place
+    # (not through .data) torch raises, and a module keeping its output trained
+    make, name = WRITES_THE_INPUT[case]
+    torch.manual_seed(0)
+    plain = make()
+    x = torch.randint(0, 16, (2, 4)) if case == "embedding_sum" else torch.randn(4, 8)
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(x,))
+    assert not [c for c in report.changes if name in c.modules or (case == "gated_mlp" and c.rule == "gated_mlp")], \
+        str(report)
+    assert any("changed in place after its forward" in s.reason for s in report.skipped), str(report)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (plain, converted)]
+    for _ in range(3):
+        for model, opt in zip((plain, converted), opts):
+            opt.zero_grad()
+            model(x.clone()).square().mean().backward()
+            opt.step()
+    for (key, a), b in zip(plain.state_dict().items(), converted.state_dict().values()):
+        assert torch.equal(a, b), key
 
 
 class _EveryForm(nn.Module):
@@ -1452,7 +1540,10 @@ def test_while_a_cuda_graph_is_captured_an_rmsnorm_keeps_what_torch_keeps_but_it
 
 
 class NormFirst(nn.Module):
-    """An RMSNorm on the model's input (frozen features: no gradient), the input changed in place after the forward."""
+    """An RMSNorm on the model's input (frozen features: no gradient), the input changed in place after the forward
+    once ``edit`` is set (after convert: a write its trace shows, convert refuses)."""
+
+    edit = False
 
     def __init__(self):
         super().__init__()
@@ -1461,7 +1552,8 @@ class NormFirst(nn.Module):
     def forward(self, x):
         features = x.clone()  # (frozen features, made here: the caller's x is left as it was)
         out = self.head(self.norm(features))
-        features.mul_(2.0)  # (torch keeps x * rsqrt(...) for the weight's gradient, not x: it trains)
+        if self.edit:
+            features.mul_(2.0)  # (torch keeps x * rsqrt(...) for the weight's gradient, not x: it trains)
         return out
 
 
@@ -1472,6 +1564,7 @@ def test_while_a_cuda_graph_is_captured_an_rmsnorm_on_an_input_without_gradient_
     plain = NormFirst()
     converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=(torch.randn(6, 16),))
     assert [c.modules for c in report.changes if "RMSNorm" in c.after] == [("norm",)], str(report)
+    plain.edit = converted.edit = True
     while_capturing(monkeypatch)
     assert activation_bytes(plain, torch.randn(6, 16)) == activation_bytes(converted, torch.randn(6, 16))
     sgd_steps_alike(plain, converted, [torch.randn(6, 16) for _ in range(3)])

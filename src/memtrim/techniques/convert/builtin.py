@@ -264,7 +264,7 @@ def batchnorm_activation(ctx: Context) -> Iterator[Candidate]:
             yield Candidate(pair, reason=f"BatchNorm is followed by {type(act).__name__}, not ReLU, LeakyReLU "
                                          "(slope > 0) or ELU", skip=True)
             continue
-        why = ctx.edited(act_name) or (None if type(act) is nn.ReLU else
+        why = ctx.edited(act_name) or ctx.input_edited(name) or (None if type(act) is nn.ReLU else
                                        half_precision_guard(ctx, name, bn, f"fused with {type(act).__name__}, it"))
         if why:
             yield Candidate(pair, reason=why, skip=True)
@@ -370,7 +370,7 @@ def keep_output(ctx: Context) -> Iterator[Candidate]:
         if target is None or not ctx.free(module):
             continue
         norm = target in (LayerNorm, RMSNorm)
-        why = (_single_refusal(module) or ctx.edited(name)
+        why = (_single_refusal(module) or ctx.edited(name) or ctx.input_edited(name)
                or (half_precision_guard(ctx, name, module, "keeping its output, it") if norm else None))
         if why:
             yield Candidate((name,), reason=why, skip=True)

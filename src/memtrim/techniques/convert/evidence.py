@@ -186,12 +186,22 @@ class ModelTrace:
                 return writer
         return None
 
-    def written_after_call(self, site: CallSite) -> str | None:
-        """Where call ``site``'s output is changed in place after it returned (as :meth:`written_after`), or None."""
-        outputs = set(site.outputs)
+    def written_after_call(self, site: CallSite, keys: tuple[int, ...] | None = None) -> str | None:
+        """Where call ``site``'s output (or the storages ``keys``) is changed in place after it returned (as
+        :meth:`written_after`), or None."""
+        written = set(site.outputs if keys is None else keys)
         for op in self.ops:
-            if op.time > site.end and set(op.writes) & outputs:
+            if op.time > site.end and set(op.writes) & written:
                 return self.site_name(op.site)
+        return None
+
+    def inputs_written_after(self, path: str) -> str | None:
+        """Where a tensor a call of ``path`` took as an argument is changed in place after the call (as
+        :meth:`written_after`), or None."""
+        for site in self.sites_of(path):
+            writer = self.written_after_call(site, site.inputs)
+            if writer is not None:
+                return writer
         return None
 
     def keepers(self, path: str) -> list[str]:
@@ -578,6 +588,10 @@ class FxTrace(ModelTrace):
     def written_after(self, path: str) -> str | None:
         """Always None: fx sees no in-place writes of values (a backward check catches them instead)."""
         return None  # fx sees no in-place writes of values: a backward check catches them instead
+
+    def inputs_written_after(self, path: str) -> str | None:
+        """Always None, as :meth:`written_after`."""
+        return None
 
     def pair_after(self, path: str) -> tuple[str, str] | None:
         """As :meth:`ModelTrace.pair_after`, from the graph's users of ``path``'s output."""

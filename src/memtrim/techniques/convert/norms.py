@@ -621,7 +621,7 @@ def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
             yield Candidate((site.path,), reason=f"{type(module).__name__} computes different things at its "
                                                  f"{len(sites)} calls", skip=True)
             continue
-        edited = ctx.edited(site.path)
+        edited = ctx.edited(site.path) or ctx.input_edited(site.path)
         if edited:
             yield Candidate((site.path,), reason=edited, skip=True)
             continue

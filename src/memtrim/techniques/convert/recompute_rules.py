@@ -181,6 +181,7 @@ def layer_norm_consumer(ctx: Context) -> Iterator[Candidate]:
         done.add(id(module))
         sites = trace.sites_of(site.path)
         if (any(ctx.op_names(s) != _LAYER_NORM for s in sites) or ctx.user_hooks(module) or ctx.edited(site.path)
+                or ctx.input_edited(site.path)
                 or any(o.name == "_to_copy" for s in sites for o in trace.ops_in(s, compute_only=False))):
             continue
         consumers, expected = _consumers_of_outputs(ctx, trace, sites)
@@ -229,7 +230,8 @@ def group_norm_consumer(ctx: Context) -> Iterator[Candidate]:
         why = ("a GroupNorm that runs other ops too" if any(ctx.op_names(s) != _GROUP_NORM for s in sites) else
                "a GroupNorm with hooks the user registered" if ctx.user_hooks(module) else
                "a GroupNorm whose output is changed in place after its forward (an in-place activation): what the "
-               "next modules keep is not its output" if ctx.edited(site.path) else None)
+               "next modules keep is not its output" if ctx.edited(site.path) else
+               f"a GroupNorm: {ctx.input_edited(site.path)}" if ctx.input_edited(site.path) else None)
         consumers, expected = ([], 0) if why is not None else _consumers_of_outputs(ctx, trace, sites)
         if why is None and not consumers:
             why = ("a GroupNorm whose output no later call site alone keeps (nothing keeps it, or its parent's own "
@@ -348,8 +350,8 @@ def batchnorm_relu_call_site(ctx: Context) -> Iterator[Candidate]:
             continue
         consumers: list[nn.Module] = []
         expected = 0
-        why = None
-        for _, reads, at in calls:
+        why = ctx.input_edited(name)
+        for _, reads, at in ([] if why else calls):
             if reads[0].name == "relu" and len(reads) > 1:
                 why = f"{name}'s output is also read after the ReLU" + (f" (call {at.call} of {at.path})"
                                                                          if len(calls) > 1 else "")
@@ -471,6 +473,9 @@ def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
         if writer is not None:  # (found by an adversarial pass: fused, it trained on the unchanged output)
             yield Candidate((name,), reason=rebuilt_yet_changed(writer, "the ReLU's output"), skip=True)
             continue
+        if ctx.input_edited(name):
+            yield Candidate((name,), reason=str(ctx.input_edited(name)), skip=True)
+            continue
         # (each call's output: a backbone called on two views in one forward runs it twice)
         found = [_holder_modules(ctx, site.outputs[0], site) for site in sites]
         if any(kept_by is None for kept_by in found):
@@ -509,12 +514,14 @@ def gated_mlp(ctx: Context) -> Iterator[Candidate]:
     trace = ctx.trace
     if trace is None:
         return
-    seen: set[int] = set()
+    # every product of each MLP (a call each, or several in one forward): (its op, the MLP's, act's, up's, gate's and
+    # down's calls); the first one's names decide
+    calls: dict[int, list[tuple[Op, CallSite, CallSite, CallSite, CallSite, CallSite]]] = {}
     for op in trace.ops:
         if op.name != "mul" or op.site is None or len(op.inputs) != 2:
             continue
         parent = trace.sites[op.site]
-        if id(parent.module) in seen or not ctx.free(parent.module):
+        if not ctx.free(parent.module):
             continue
         a_site, u_site = (_child_of(trace, parent, k) for k in op.inputs)
         if a_site is None or u_site is None:
@@ -528,20 +535,25 @@ def gated_mlp(ctx: Context) -> Iterator[Candidate]:
                        and op.outputs and op.outputs[0] in s.inputs), None)
         if g_site is None or d_site is None:
             continue
-        seen.add(id(parent.module))
+        calls.setdefault(id(parent.module), []).append((op, parent, a_site, u_site, g_site, d_site))
+    for found in calls.values():
+        op, parent, a_site, u_site, g_site, d_site = found[0]
         names = {k: _relative(parent.path, s.path) for k, s in
                  (("gate", g_site), ("up", u_site), ("down", d_site), ("act", a_site))}
-        a, m = a_site.outputs[0], op.outputs[0]
         modules = (parent.path or type(parent.module).__name__,)
-        # act(gate) or the product changed in place once made (found by an adversarial pass: rebuilt, they lost it)
-        writer = next((trace.site_name(o.site) for o in trace.ops
-                       if (o.time > a_site.end and a in o.writes) or (o.time > op.time and m in o.writes)), None)
+        # at any call, act(gate) or the product changed in place once made, or gate's or up's output (what they are
+        # rebuilt from) after the product (found by adversarial passes: rebuilt, they lost the change)
+        writer = next((trace.site_name(o.site) for o in trace.ops for p, _, a, u, _, _ in found
+                       if (o.time > a.end and a.outputs[0] in o.writes)
+                       or (o.time > p.time and set(o.writes) & {p.outputs[0], *a.inputs[:1], *u.outputs[:1]})), None)
         if writer is not None:
-            yield Candidate(modules, reason=rebuilt_yet_changed(writer, f"act({names['gate']}) or the product"),
-                            skip=True)
+            yield Candidate(modules, reason=rebuilt_yet_changed(
+                writer, f"act({names['gate']}), the product or what they are rebuilt from"), skip=True)
             continue
-        expected = sum(trace.storages[k].nbytes for k in (a, m)
-                       if all(h.site in (parent.index, d_site.index) for h in trace.storages[k].holders))
+        expected = 0
+        for p, _, a, _, _, d in found:
+            expected += sum(trace.storages[k].nbytes for k in (a.outputs[0], p.outputs[0])
+                            if all(h.site in (d.parent, d.index) for h in trace.storages[k].holders))
         owner = label(modules, "a gated MLP recomputing act(gate) * up")
 
         def apply(mlp: nn.Module = parent.module, names: dict = names, owner: str = owner) -> Undo:
@@ -620,6 +632,10 @@ def checkpoint_pointwise(ctx: Context) -> Iterator[Candidate]:
         if hooks:
             yield Candidate((site.path,), reason=f"{type(module).__name__} has {', '.join(hooks)}: a recomputed "
                                                  "call would run them twice", skip=True)
+            continue
+        edited = ctx.input_edited(site.path)  # (what the recomputation reads; found by an adversarial pass)
+        if edited:
+            yield Candidate((site.path,), reason=edited, skip=True)
             continue
 
         def apply(module: nn.Module = module) -> Undo:
@@ -814,6 +830,9 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
         if writer is not None:  # (found by an adversarial pass: rebuilt, the Linear trained on the unchanged output)
             yield Candidate((site.path,), reason=rebuilt_yet_changed(writer), skip=True)
             continue
+        if ctx.input_edited(site.path):
+            yield Candidate((site.path,), reason=str(ctx.input_edited(site.path)), skip=True)
+            continue
         read_after = _source_reads_input_after(ctx, module) if in_place else None
         if read_after:
             yield Candidate((site.path,), reason=f"runs in place and {read_after}: made out of place, a read of "
@@ -920,6 +939,10 @@ def embedding_sum(ctx: Context) -> Iterator[Candidate]:
             where = next((s.path for s in sites if s is not None and not trace.leaf(s)), "the top-level forward")
             yield Candidate(names, reason=f"the embeddings' {'sum' if len(lookups) > 1 else 'output'} is kept by "
                                           f"{where}'s own code, not by a module it calls", skip=True)
+            continue
+        edited = next((why for why in map(ctx.input_edited, names) if why), None)
+        if edited:  # (the indices the rebuild reads; found by an adversarial pass)
+            yield Candidate(names, reason=f"an embedding lookup: {edited}", skip=True)
             continue
         consumers = list(dict.fromkeys(s.module for s in sites if s is not None))
         producers = list(dict.fromkeys(s.module for s in lookups))

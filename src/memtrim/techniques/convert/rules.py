@@ -153,13 +153,21 @@ class Context:
 
     def edited(self, name: str) -> str | None:
         """Why ``name``'s output cannot be kept (it is changed in place after its forward), or None."""
-        if self.evidence is None:
-            return None
-        writer = self.evidence.written_after(name)
-        if writer is None:
-            return None
-        return (f"its output is changed in place after its forward (in {writer or 'the top-level forward'}); "
-                "keeping the output for backward would break, as torch's module keeps its input")
+        writer = None if self.evidence is None else self.evidence.written_after(name)
+        return None if writer is None else (
+            f"its output is changed in place after its forward (in {writer or 'the top-level forward'}); keeping the "
+            "output for backward would break, as torch's module keeps its input")
+
+    def input_edited(self, name: str) -> str | None:
+        """Why ``name`` cannot keep its output or rebuild from its input instead of keeping what torch's module
+        keeps: an input of one of its calls is changed in place after the call (torch's module, keeping it, sees
+        the change or raises); or None. Found by an adversarial pass (2026-12-01): a write through ``.data`` trained
+        otherwise, one in place trained where torch raises."""
+        writer = None if self.evidence is None else self.evidence.inputs_written_after(name)
+        return None if writer is None else (
+            f"its input is changed in place after its forward (in {writer or 'the top-level forward'}); torch's "
+            "module keeps that input and backward reads the change (or raises), which a module keeping its output, "
+            "or rebuilding from an input it keeps, would not")
 
 
 @dataclass(frozen=True)
