@@ -342,8 +342,9 @@ def run(key: str, dtype: torch.dtype = torch.float32) -> dict:
     fraction = (before - after) / before if before else 0.0
     result.update({
         "held_before": before, "held_after": after, "saved_fraction": fraction,
-        # as a CUDA graph's capture would record the step: its norms that decide from their weights' values which
-        # features keep their input run as torch's then (NOTE [ keep decisions while a CUDA graph is captured ])
+        # as a CUDA graph's capture would record the step: the norms that decide from their weights' values which
+        # features keep their input run otherwise then (NOTE [ keep decisions while a CUDA graph is captured ], NOTE
+        # [ an RMSNorm while a CUDA graph is captured ])
         "held_after_while_capturing": capturing,
         "saved_fraction_while_capturing": (before - capturing) / before if before else 0.0,
         "target": TARGETS.get(key), "meets_target": None if key not in TARGETS else fraction >= TARGETS[key],

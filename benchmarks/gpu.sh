@@ -48,8 +48,8 @@ for model in resnet18 resnet50; do
   part 75 "$OUT/bench.log" $PY bn_rebuild_time.py --model $model --batch 128 --rounds 7
 done
 grep -E "step_ms_plain|rc=" "$OUT/bench.log" | tail -n 4
-# ConvNeXt at batch 16 and the CNNs at batch 32, whose eager steps wait on the host, with each step captured in a CUDA graph and replayed;
-# then in bfloat16 (every eager bfloat16 step waits on the host) the models whose plain step has no host wait to
+# ConvNeXt at batch 16 and the CNNs at batch 32, whose eager steps wait on the host, with each step captured in a
+# CUDA graph and replayed; then in bfloat16 (every eager bfloat16 step waits on the host) the models whose plain step has no host wait to
 # capture (HF GPT-2's and Llama's have one: transformers' own)
 part 150 "$OUT/bench.log" $PY convert_cuda_graph.py --rounds 7
 grep -E "graphs|rc=" "$OUT/bench.log" | tail -n 5
