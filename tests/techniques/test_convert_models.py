@@ -1213,8 +1213,8 @@ def conv_bn_relus(relu_each=True):
                                   lambda: conv_bn_relus(relu_each=False)], ids=["resnet", "own_relus", "one_relu"])
 def test_a_backbone_called_on_two_views_saves_what_it_saves_on_one(make):
     # found by an adversarial pass: a BatchNorm that ran twice per forward was not fused ("its calls cannot be fused
-    # one by one"), so a backbone called on two views kept its ReLU outputs: the pattern ResNet saved 6.4 % instead
-    # of 34.9 % (benchmarks: torchvision's and timm's resnet18). Each call is fused on its own now
+    # one by one"), so a backbone called on two views kept its ReLU outputs (torchvision's resnet18 saved 6.4 % there
+    # instead of 34.9 %: benchmarks/convert_zoo.py). Each call is fused on its own now
     torch.manual_seed(0)
     backbone = make()
     one, two = torch.randn(2, 3, 32, 32), torch.randn(4, 3, 32, 32)
@@ -1254,8 +1254,9 @@ def test_a_batchnorm_whose_calls_are_followed_by_different_modules_is_left_alone
 
 class WritesTheActivation(nn.Module):
     """A layer keeps an activation's output, which the parent changes in place after (``how``: in place, which
-    torch's backward refuses, or through ``.data``, which it trains on). ``kind``: a GELU before a Linear, a BatchNorm
-    + ReLU at one call of a shared ReLU, or the same BatchNorm and ReLU at both calls of a backbone on two views."""
+    torch's backward refuses, or through ``.data``, which it trains on). ``kind``: a GELU before a Linear, Llama's MLP
+    (its product changed; ``gated_twice``: at its second product only), a BatchNorm + ReLU at one call of a shared
+    ReLU, or the same BatchNorm and ReLU at both calls of a backbone on two views."""
 
     def __init__(self, kind, how):
         super().__init__()
@@ -1273,11 +1274,9 @@ class WritesTheActivation(nn.Module):
         else:
             h = self.act(self.a(x) if self.kind == "gelu" else self.bn(self.a(x)))
         out = self.b(h)
-        if not write:
-            pass
-        elif self.how == "in place":
+        if write and self.how == "in place":
             h.mul_(2.0)
-        else:
+        elif write:
             h.data.mul_(2.0)
         return out
 
