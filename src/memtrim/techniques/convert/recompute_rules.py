@@ -230,8 +230,9 @@ def group_norm_consumer(ctx: Context) -> Iterator[Candidate]:
         why = ("a GroupNorm that runs other ops too" if any(ctx.op_names(s) != _GROUP_NORM for s in sites) else
                "a GroupNorm with hooks the user registered" if ctx.user_hooks(module) else
                "a GroupNorm whose output is changed in place after its forward (an in-place activation): what the "
-               "next modules keep is not its output" if ctx.edited(site.path) else
-               f"a GroupNorm: {ctx.input_edited(site.path)}" if ctx.input_edited(site.path) else None)
+               "next modules keep is not its output" if ctx.edited(site.path) else None)
+        edited = None if why else ctx.input_edited(site.path)
+        why = why or (f"a GroupNorm: {edited}" if edited else None)
         consumers, expected = ([], 0) if why is not None else _consumers_of_outputs(ctx, trace, sites)
         if why is None and not consumers:
             why = ("a GroupNorm whose output no later call site alone keeps (nothing keeps it, or its parent's own "
@@ -473,8 +474,9 @@ def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
         if writer is not None:  # (found by an adversarial pass: fused, it trained on the unchanged output)
             yield Candidate((name,), reason=rebuilt_yet_changed(writer, "the ReLU's output"), skip=True)
             continue
-        if ctx.input_edited(name):
-            yield Candidate((name,), reason=str(ctx.input_edited(name)), skip=True)
+        edited = ctx.input_edited(name)
+        if edited:
+            yield Candidate((name,), reason=edited, skip=True)
             continue
         # (each call's output: a backbone called on two views in one forward runs it twice)
         found = [_holder_modules(ctx, site.outputs[0], site) for site in sites]
@@ -830,8 +832,9 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
         if writer is not None:  # (found by an adversarial pass: rebuilt, the Linear trained on the unchanged output)
             yield Candidate((site.path,), reason=rebuilt_yet_changed(writer), skip=True)
             continue
-        if ctx.input_edited(site.path):
-            yield Candidate((site.path,), reason=str(ctx.input_edited(site.path)), skip=True)
+        edited = ctx.input_edited(site.path)
+        if edited:
+            yield Candidate((site.path,), reason=edited, skip=True)
             continue
         read_after = _source_reads_input_after(ctx, module) if in_place else None
         if read_after:
