@@ -470,7 +470,7 @@ def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
                for site, (norm, relu) in zip(sites, ops)):
             yield Candidate((name,), reason=f"{name} returns more than the ReLU's output", skip=True)
             continue
-        writer = next((w for w in map(trace.written_after_call, sites) if w is not None), None)
+        writer = trace.written_after(name)
         if writer is not None:  # (found by an adversarial pass: fused, it trained on the unchanged output)
             yield Candidate((name,), reason=rebuilt_yet_changed(writer, "the ReLU's output"), skip=True)
             continue
@@ -828,7 +828,7 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
             if any(trace.storages[s.outputs[0]].holders for s in sites if s.outputs):  # something to save
                 yield Candidate((site.path,), reason=_IN_PLACE.format(type(module).__name__), skip=True)
             continue
-        writer = next((w for w in map(trace.written_after_call, sites) if w is not None), None)
+        writer = trace.written_after(site.path)
         if writer is not None:  # (found by an adversarial pass: rebuilt, the Linear trained on the unchanged output)
             yield Candidate((site.path,), reason=rebuilt_yet_changed(writer), skip=True)
             continue
