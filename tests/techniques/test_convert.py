@@ -1,6 +1,7 @@
 """memtrim.convert: only safe changes, measured savings, and training equal to the original (memtrim.verify)."""
 
 import copy
+import dataclasses
 import random
 import warnings
 
@@ -568,3 +569,148 @@ def test_under_disable_saved_tensors_hooks_what_needs_no_hooks_still_saves():
             held[name, label] = memtrim.autograd_graph_bytes(out)
     assert held["resnet", "converted"] == held["resnet", "plain"]
     assert held["leaky", "converted"] < 0.5 * held["leaky", "plain"]
+
+
+# ---------------------------------------------------------------------- NOTE [ changes measured together ]
+class _NormLinearStack(nn.Module):
+    """``depth`` LayerNorm -> Linear blocks with a residual (rule layer_norm_consumer: each norm's output rebuilt for
+    its Linear; the trace expects each change's bytes)."""
+
+    def __init__(self, depth):
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(16) for _ in range(depth))
+        self.fcs = nn.ModuleList(nn.Linear(16, 16) for _ in range(depth))
+
+    def forward(self, x):
+        for norm, fc in zip(self.norms, self.fcs):
+            x = x + fc(norm(x))
+        return x
+
+
+def _measured_alone(monkeypatch, model, example):
+    """``memtrim.convert`` measuring after every change (as before changes were measured together), with how many
+    tracked forwards it took."""
+    from memtrim.techniques.convert import api
+
+    class Alone(api._Conversion):
+        def __init__(self, *args, together, **kwargs):
+            super().__init__(*args, together=False, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(api, "_Conversion", Alone)
+        return _counting_measures(monkeypatch, model, example)
+
+
+def _counting_measures(monkeypatch, model, example):
+    from memtrim.techniques.convert import api
+
+    calls = []
+    original = api.activation_bytes
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(api, "activation_bytes", counted)
+        _, report = memtrim.convert(model, example_inputs=example)
+    return report, len(calls)
+
+
+def test_a_rules_changes_are_measured_together_in_as_many_forwards_at_any_depth(monkeypatch):
+    # measuring after every change made convert's time grow with the square of the depth (a 64-layer HF Llama:
+    # 124 s); a rule's changes that match their trace's bytes are measured in one forward, with the same report
+    x = torch.randn(4, 8, 16)
+    for depth in (2, 12):
+        torch.manual_seed(0)
+        plain = _NormLinearStack(depth)
+        alone, alone_measures = _measured_alone(monkeypatch, copy.deepcopy(plain), x)
+        together, measures = _counting_measures(monkeypatch, plain, x)
+        assert str(together) == str(alone)
+        assert [c.rule for c in together.changes] == ["layer_norm_consumer"] * depth
+        assert alone_measures == depth + 1  # before, then after each change
+        assert measures == 2  # before, then after the rule's changes
+        with memtrim.track(plain) as tracker:
+            out = plain(x)
+            held = tracker.live_by_category()["activations"]
+        del out
+        assert held == together.activation_bytes_after == together.activation_bytes_before - sum(
+            c.bytes_saved for c in together.changes)
+
+
+def test_an_hf_llamas_report_is_the_one_measuring_every_change_gives(monkeypatch):
+    # its embeddings' change expects bytes its converted norms no longer keep (a batch measured again alone, the
+    # change undone), and its norms keep copies of their weights (counted before they run)
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=3, intermediate_size=64, num_attention_heads=4,
+                                      num_key_value_heads=4, vocab_size=64)
+    plain = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 64, (2, 8))
+    alone, alone_measures = _measured_alone(monkeypatch, copy.deepcopy(plain), {"input_ids": ids})
+    together, measures = _counting_measures(monkeypatch, plain, {"input_ids": ids})
+    assert str(together) == str(alone)
+    assert measures < alone_measures / 2
+    assert any("embed_tokens" in s.modules[0] and "measured" in s.reason for s in together.skipped)
+
+
+def _fake_builtin(match):
+    match.__module__ = "memtrim.techniques.convert.test_double"  # batched as a built-in rule's changes are
+    return match
+
+
+@pytest.mark.parametrize("case", ["saves_other_bytes", "first_saves_nothing", "last_saves_nothing"])
+def test_a_batch_that_did_not_save_what_it_expected_is_measured_again_alone(monkeypatch, case):
+    from memtrim.techniques.convert import recompute_rules
+
+    runs = []
+    x = torch.randn(4, 8, 16)
+
+    def real(ctx, index):  # layer_norm_consumer's change of the index-th norm, expecting its trace's bytes
+        found = [c for c in recompute_rules.layer_norm_consumer(ctx) if not c.skip]
+        return found[index]
+
+    def nothing(name):
+        return memtrim.Candidate((name,), "Identity", "nothing", expected_bytes=1000, apply=lambda: lambda: None,
+                                 targets=())
+
+    @_fake_builtin
+    def match(ctx):
+        runs.append(1)
+        if case == "saves_other_bytes":
+            first = real(ctx, 0)
+            yield dataclasses.replace(first, expected_bytes=first.expected_bytes + 4)
+            yield real(ctx, 1)
+        elif case == "first_saves_nothing":
+            yield nothing("fake")
+            yield real(ctx, 0)
+        else:
+            yield real(ctx, 0)
+            yield nothing("fake")
+
+    memtrim.register_rule("test_only_batch", before=memtrim.registered_rules()[0].name)(match)
+    try:
+        torch.manual_seed(0)
+        plain = _NormLinearStack(3)
+        with memtrim.track(plain) as tracker:
+            out = plain(x)
+            before = tracker.live_by_category()["activations"]
+        del out
+        alone, _ = _measured_alone(monkeypatch, copy.deepcopy(plain), x)
+        runs.clear()
+        together, _ = _counting_measures(monkeypatch, plain, x)
+    finally:
+        memtrim.unregister_rule("test_only_batch")
+    assert str(together) == str(alone)
+    # a change undone that was not its batch's last: its rule chose the later ones with it applied, so convert
+    # starts over, measuring each change alone
+    assert len(runs) == (2 if case == "first_saves_nothing" else 1)
+    mine = [c for c in together.changes if c.rule == "test_only_batch"]
+    assert [s.modules for s in together.skipped if s.rule == "test_only_batch"] == (
+        [] if case == "saves_other_bytes" else [("fake",)])
+    assert mine and all(c.bytes_saved == 4 * 8 * 16 * 4 for c in mine)  # a norm's output: measured, not expected
+    with memtrim.track(plain) as tracker:
+        out = plain(x)
+        held = tracker.live_by_category()["activations"]
+    del out
+    assert held == together.activation_bytes_after == before - sum(c.bytes_saved for c in together.changes)

@@ -23,12 +23,15 @@ NOTE [ how convert decides ]
   break), and so do the rebuilt norms under autocast. Tracing and measuring leave the global (and
   CUDA) RNG, parameters and buffers as they were, and copy no parameter.
 * Savings are measured, not estimated: the activation bytes autograd keeps after a forward on the example inputs,
-  by the tracker, before and after each change. A change that saves nothing is undone and reported as skipped.
+  by the tracker, before and after each change, or after a built-in rule's changes together where they save what
+  their trace expects (NOTE [ changes measured together ]). A change that saves nothing is undone and reported as
+  skipped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import sys
 from collections.abc import Callable, Iterator
@@ -48,7 +51,7 @@ from ..norms._kernels import DecidedTogether
 from . import builtin as _builtin  # noqa: F401  (registers the built-in rules)
 from .evidence import buffers_kept, collect, fresh_inputs, fx_evidence, split_inputs
 from .report import Change, ConversionReport, Skipped
-from .rules import Candidate, Context, registered_rules
+from .rules import Candidate, Context, Undo, chain, registered_rules
 
 __all__ = ["activation_bytes", "convert"]
 
@@ -149,94 +152,217 @@ def as_training(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
             numpy.random.set_state(numpy_state)
 
 
+# NOTE [ changes measured together ]
+# Each change's saving is measured: the activation bytes a tracked forward on the example inputs leaves, before and
+# after it. Measured after every change, that is a forward of the whole model per change, and convert's time grew
+# with the square of the model's depth (an HF Llama of 64 layers, d=64, 193 changes: 124 s; 4 layers: 0.65 s). Most
+# built-in rules know from the trace what their change drops (``Candidate.expected_bytes``); on the models of
+# benchmarks/convert_zoo.py the measured saving equals it for every change but those whose bytes depend on an earlier
+# change (the trace is of the unconverted model: HF Llama's embeddings, which its converted norms no longer keep).
+# So a built-in rule's changes that expect a saving, and need no training step compared, are applied one after
+# another and measured together: once per rule, and before any change measured alone. Where the batch's measured
+# saving is the sum of what its changes expected, each is reported with its expected bytes. Where it is not, or the
+# forward fails, the batch is undone and measured again one change at a time, each applied again and kept only where
+# it saves bytes, as convert measures every change otherwise. The report is then the one measuring every change gives,
+# except where a change other than a batch's last is undone there: the rule chose the changes after it with that one
+# applied (a module it claimed, a class it swapped), so convert undoes everything and starts over, measuring each
+# change alone (a rule's ``match`` then runs twice). What a batch's sum cannot tell: a change that saves nothing
+# beside one that saves exactly that much more than its rule expected; both are kept and reported at their
+# expected bytes.
+class _StartOver(Exception):
+    """A change measured again alone saved nothing, and its rule chose later changes of its batch with it applied:
+    convert starts over, measuring each change alone (NOTE [ changes measured together ])."""
+
+
 def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], given: bool,
              module_filter: Callable[[str, nn.Module], bool] | None) -> tuple[nn.Module, ConversionReport]:
     evidence = collect(model, args, kwargs) if given else fx_evidence(model)
-    ctx = Context.of(model, evidence, measured=given)
-    aliases = ctx.aliases
     measure = (lambda: activation_bytes(model, args, kwargs)) if given else None
-    before = current = measure() if measure is not None else None
-    reference: list[torch.Tensor] | None = None  # a training step's outputs, buffers, gradients (same_outputs)
-    changes: list[Change] = []
-    skipped: list[Skipped] = []
-    earlier = _converted_earlier(model)
-    for rule in registered_rules():
-        for cand in rule.match(ctx):
-            if earlier.intersection(_touched(cand, ctx)):  # a second convert: say so, not what rules make of it
-                if not any(s.modules == cand.modules and s.reason == _EARLIER for s in skipped):
-                    skipped.append(Skipped(cand.modules, _EARLIER, rule.name))
-                continue
-            if cand.skip:
-                skipped.append(Skipped(cand.modules, cand.reason, rule.name))
-                continue
-            if not ctx.free(*cand.targets, stacks_on=cand.stacks_on):
-                continue
-            excluded = _excluded(cand, aliases, module_filter)
-            if excluded is not None:
-                skipped.append(Skipped((excluded,), "excluded by module_filter", rule.name))
-                continue
-            if measure is not None and cand.expected_bytes is not None and cand.expected_bytes <= 0:
-                reason = _no_gain(cand, cand.expected_bytes, "by the trace of the example inputs")
-                skipped.append(Skipped(cand.modules, reason, rule.name))
-                continue
-            assert cand.apply is not None, f"rule {rule.name} yielded a change without apply"
-            if cand.same_outputs and measure is None:
-                skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} is checked on example_inputs, "
-                                                     "and none were given: not applied", rule.name))
-                continue
-            if cand.same_outputs and reference is None:  # every change so far keeps them
-                try:
-                    reference = step_effects(model, args, kwargs)
-                except Exception as e:  # the model's own step fails (autograd's in-place check): nothing to match
-                    skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} is checked against a training "
-                                                         f"step on the example inputs, which failed ({type(e).__name__}"
-                                                         f": {e}): not applied", rule.name))
-                    continue
-            undo = cand.apply()
-            saved = None
-            if measure is not None:
-                try:
-                    after = measure()
-                except Exception as e:  # a change must never leave the model broken: undo it and say why
-                    undo()
-                    skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} failed on the example "
-                                                         f"inputs ({type(e).__name__}: {e}): not applied", rule.name))
-                    continue
-                if cand.same_outputs:
-                    assert reference is not None
-                    try:
-                        same = _bitwise_same(reference, step_effects(model, args, kwargs))
-                    except Exception:  # the changed model's step fails where the model's own did not
-                        same = False
-                    if not same:
-                        undo()
-                        skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} changed the model's "
-                                                             "outputs, buffers or gradients on the example inputs "
-                                                             "(something reads the activation's input after it, or "
-                                                             "its in-place op takes the gradient from its output, as "
-                                                             "torch's elu_ does): not applied", rule.name))
-                        continue
-                saved = current - after  # type: ignore[operator]
-                if saved <= 0:
-                    undo()
-                    skipped.append(Skipped(cand.modules, _no_gain(cand, saved, "measured on the example inputs"),
-                                           rule.name))
-                    continue
-                current = after
-            ctx.claimed.update((id(t), rule.name) for t in cand.targets)
-            for target in cand.targets:
-                target.__dict__[CONVERTED] = rule.name
-            changes.append(Change(cand.modules, cand.before, cand.after, saved, cand.limits, rule.name,
-                                  cand.bitwise))
-    notes = []
-    if earlier:
-        notes.append(f"{len(earlier)} modules were changed by an earlier memtrim.convert and are left as they are")
-    if not given:
-        notes.append("no example_inputs: pairs " + ("proven from the torch.fx graph" if evidence is not None else
-                                                     "skipped (the model does not trace with torch.fx)")
-                     + "; savings not measured; in-place changes of outputs found only at backward")
+    before = measure() if measure is not None else None
+    conversion = _Conversion(model, evidence, measure, before, args, kwargs, module_filter, together=given)
+    try:
+        report = conversion.run()
+    except _StartOver:
+        for undo in reversed(conversion.undos):
+            undo()
+        report = _Conversion(model, evidence, measure, before, args, kwargs, module_filter, together=False).run()
     _decide_together(model)
-    return model, ConversionReport(changes, skipped, before, current, notes)
+    return model, report
+
+
+class _Conversion:
+    """One pass of every registered rule over the model: each candidate applied or skipped, its saving measured
+    after it, or (``together``) with the others of its batch (NOTE [ changes measured together ])."""
+
+    def __init__(self, model: nn.Module, evidence: Any, measure: Callable[[], int] | None, before: int | None,
+                 args: tuple[Any, ...], kwargs: dict[str, Any],
+                 module_filter: Callable[[str, nn.Module], bool] | None, together: bool) -> None:
+        self.model, self.evidence, self.measure, self.args, self.kwargs = model, evidence, measure, args, kwargs
+        self.module_filter, self.together = module_filter, together
+        self.ctx = Context.of(model, evidence, measured=measure is not None)
+        self.current = before
+        self.before = before
+        self.changes: list[Change] = []
+        self.skipped: list[Skipped] = []
+        self.undos: list[Undo] = []  # each applied change's undo, in order
+        self.batch: list[tuple[Candidate, str]] = []  # applied since the last measure, expecting their bytes
+        self.reference: list[torch.Tensor] | None = None  # a training step's outputs, buffers, gradients
+        self.batch_reference = False  # the reference was made with some of the batch applied
+
+    def run(self) -> ConversionReport:
+        """Every rule's candidates, in order; the report."""
+        ctx, earlier = self.ctx, _converted_earlier(self.model)
+        for rule in registered_rules():
+            builtin = rule.match.__module__.startswith("memtrim.")
+            for cand in rule.match(ctx):
+                if earlier.intersection(_touched(cand, ctx)):  # a second convert: say so, not what rules make of it
+                    if not any(s.modules == cand.modules and s.reason == _EARLIER for s in self.skipped):
+                        self.skipped.append(Skipped(cand.modules, _EARLIER, rule.name))
+                    continue
+                if cand.skip:
+                    self.skipped.append(Skipped(cand.modules, cand.reason, rule.name))
+                    continue
+                if not ctx.free(*cand.targets, stacks_on=cand.stacks_on):
+                    continue
+                excluded = _excluded(cand, ctx.aliases, self.module_filter)
+                if excluded is not None:
+                    self.skipped.append(Skipped((excluded,), "excluded by module_filter", rule.name))
+                    continue
+                if self.measure is not None and cand.expected_bytes is not None and cand.expected_bytes <= 0:
+                    reason = _no_gain(cand, cand.expected_bytes, "by the trace of the example inputs")
+                    self.skipped.append(Skipped(cand.modules, reason, rule.name))
+                    continue
+                assert cand.apply is not None, f"rule {rule.name} yielded a change without apply"
+                if cand.same_outputs and self.measure is None:
+                    self.skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} is checked on "
+                                                              "example_inputs, and none were given: not applied",
+                                                rule.name))
+                    continue
+                if self.together and builtin and cand.expected_bytes is not None:
+                    if cand.same_outputs and self.reference is None:
+                        if not self._step_before(cand, rule.name):
+                            continue
+                        self.batch_reference = True
+                    self._accept(cand, rule.name, cand.apply(), cand.expected_bytes)
+                    self.batch.append((cand, rule.name))
+                    continue
+                self._measure_batch()
+                self._apply_alone(cand, rule.name)
+            self._measure_batch()
+        notes = []
+        if earlier:
+            notes.append(f"{len(earlier)} modules were changed by an earlier memtrim.convert and are left as they are")
+        if self.measure is None:
+            notes.append("no example_inputs: pairs " + ("proven from the torch.fx graph" if self.evidence is not None
+                                                         else "skipped (the model does not trace with torch.fx)")
+                         + "; savings not measured; in-place changes of outputs found only at backward")
+        return ConversionReport(self.changes, self.skipped, self.before, self.current, notes)
+
+    def _accept(self, cand: Candidate, rule: str, undo: Undo, saved: int | None) -> None:
+        """Keep an applied change: its targets claimed and marked converted, its undo (which forgets both) kept."""
+        claims = [(t, self.ctx.claimed.get(id(t)), t.__dict__.get(CONVERTED)) for t in cand.targets]
+        self.ctx.claimed.update((id(t), rule) for t in cand.targets)
+        for target in cand.targets:
+            target.__dict__[CONVERTED] = rule
+        self.undos.append(chain(undo, functools.partial(_unclaim, self.ctx, claims)))
+        self.changes.append(Change(cand.modules, cand.before, cand.after, saved, cand.limits, rule, cand.bitwise))
+
+    def _measure_batch(self) -> None:
+        """Measure the changes applied since the last measure together; where they did not save what they
+        expected, measure them again one at a time (NOTE [ changes measured together ])."""
+        batch, self.batch = self.batch, []
+        made_in_batch, self.batch_reference = self.batch_reference, False
+        if not batch:
+            return
+        assert self.measure is not None and self.current is not None
+        expected = sum(cand.expected_bytes for cand, _ in batch)  # type: ignore[misc]
+        after: int | None
+        try:
+            after = self.measure()
+            if any(cand.same_outputs for cand, _ in batch):
+                assert self.reference is not None
+                if not _bitwise_same(self.reference, step_effects(self.model, self.args, self.kwargs)):
+                    after = None
+        except Exception:  # (measured again alone, the failing change says why)
+            after = None
+        if after is not None and self.current - after == expected:
+            self.current = after
+            return
+        if made_in_batch:  # made again where measuring alone makes it
+            self.reference = None
+        for _ in batch:
+            self.undos.pop()()
+            self.changes.pop()
+        for i, (cand, rule) in enumerate(batch):
+            assert cand.apply is not None
+            if not self._apply_alone(cand, rule) and i < len(batch) - 1:
+                raise _StartOver
+
+    def _step_before(self, cand: Candidate, rule: str) -> bool:
+        """Make the reference a change that must leave the training step alone is compared with: the step of the
+        model with every change so far. False, with ``cand`` skipped and why, where that step fails."""
+        try:
+            self.reference = step_effects(self.model, self.args, self.kwargs)
+        except Exception as e:  # the model's own step fails (autograd's in-place check): nothing to match
+            self.skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} is checked against a training "
+                                                      f"step on the example inputs, which failed ({type(e).__name__}: "
+                                                      f"{e}): not applied", rule))
+            return False
+        return True
+
+    def _apply_alone(self, cand: Candidate, rule: str) -> bool:
+        """Apply ``cand`` and measure it (with a training step compared, where it asks for one); keep it where it
+        saves bytes, else undo it and say why. Whether it was kept."""
+        assert cand.apply is not None
+        measure, args, kwargs = self.measure, self.args, self.kwargs
+        if cand.same_outputs and self.reference is None and not self._step_before(cand, rule):
+            return False
+        undo = cand.apply()
+        if measure is None:
+            self._accept(cand, rule, undo, None)
+            return True
+        try:
+            after = measure()
+        except Exception as e:  # a change must never leave the model broken: undo it and say why
+            undo()
+            self.skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} failed on the example inputs "
+                                                      f"({type(e).__name__}: {e}): not applied", rule))
+            return False
+        if cand.same_outputs:
+            assert self.reference is not None
+            try:
+                same = _bitwise_same(self.reference, step_effects(self.model, args, kwargs))
+            except Exception:  # the changed model's step fails where the model's own did not
+                same = False
+            if not same:
+                undo()
+                self.skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} changed the model's "
+                                                          "outputs, buffers or gradients on the example inputs "
+                                                          "(something reads the activation's input after it, or its "
+                                                          "in-place op takes the gradient from its output, as torch's "
+                                                          "elu_ does): not applied", rule))
+                return False
+        saved = self.current - after  # type: ignore[operator]
+        if saved <= 0:
+            undo()
+            self.skipped.append(Skipped(cand.modules, _no_gain(cand, saved, "measured on the example inputs"), rule))
+            return False
+        self.current = after
+        self._accept(cand, rule, undo, saved)
+        return True
+
+
+def _unclaim(ctx: Context, claims: list[tuple[nn.Module, str | None, str | None]]) -> None:
+    """Give ``ctx``'s claims and the converted marks of a change's targets back as they were before it."""
+    for target, claimed, mark in reversed(claims):
+        if claimed is None:
+            ctx.claimed.pop(id(target), None)
+        else:
+            ctx.claimed[id(target)] = claimed
+        if mark is None:
+            target.__dict__.pop(CONVERTED, None)
+        else:
+            target.__dict__[CONVERTED] = mark
 
 
 _DECISIONS = "_memtrim_keep_decisions"

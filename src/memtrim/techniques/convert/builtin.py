@@ -276,15 +276,21 @@ def batchnorm_activation(ctx: Context) -> Iterator[Candidate]:
                                   ctx.places(act))
             limits: tuple[str, ...] = (*LIMITS["batchnorm_relu"], FUSED)
             bitwise = rebuilds_bitwise(bn)
+            # the ReLU's output, which its own node and its readers keep, is kept by none of them (NOTE [ changes
+            # measured together ] in api.py)
+            trace = ctx.trace
+            expected = None if trace is None else sum(trace.storages[k].nbytes for s in trace.sites_of(act_name)
+                                                      for k in s.outputs[:1] if trace.storages[k].holders)
         else:
             target = _BN_ACT[type(bn)]
             apply = _fuse_bn(bn, act, target, spec, label(pair, f"memtrim.nn.{target.__name__}"),  # type: ignore[arg-type]
                              ctx.places(act))
             limits = (REBUILT_INPUT, NO_DOUBLE_BACKWARD, NO_AUTOCAST, FUSED)
             bitwise = False
+            expected = None  # (it keeps copies of the weights, and some features' input where they decide so)
         yield Candidate(pair, f"{type(bn).__name__} + {type(act).__name__}", f"memtrim.nn.{target.__name__}",
                         reason="the BatchNorm's output is read by the activation alone", targets=(bn, act),
-                        limits=limits, bitwise=bitwise, apply=apply)
+                        expected_bytes=expected or None, limits=limits, bitwise=bitwise, apply=apply)
 
 
 def _fuse_bn(bn: nn.Module, act: nn.Module, target: type, spec: tuple[str, float], owner: str,  # noqa: ANN202

@@ -57,7 +57,7 @@ from ..guards import (
     plain_only,
     saves_checked,
 )
-from ..norms._kernels import HALF_PRECISION
+from ..norms._kernels import HALF_PRECISION, _keep_mask
 from ..norms.keep_output import apply_norm_keep_output
 from ..recompute import mark_recomputable, recipes_honoured
 from .builtin import KEEP_OUTPUT_FORMS, NO_AUTOCAST, NO_DOUBLE_BACKWARD, REBUILT_INPUT, half_precision_guard
@@ -597,6 +597,29 @@ def _recomputed(ctx: Context, trace: ModelTrace, site: CallSite, why: str) -> Ca
                                                            memtrim_owner=label((site.path,), "a recomputed norm")))
 
 
+def _weight_copies(module: nn.Module, rms: tuple[Any, ...] | None) -> int | None:
+    """The bytes a keep-output form of ``module`` holds at each call beyond what the trace of the unconverted one
+    counts: the copies of its weight and bias that its rebuild reads (NOTE [ the weights a rebuild reads ] in
+    norms/_kernels.py; Gemma's ``1 + w`` is no copy). None where that is not known before it runs: it would keep some
+    features' input too (decided from the weights' values: NOTE [ when a norm keeps its input ]), or its weights are
+    not the ``weight`` and ``bias`` of a LayerNorm (``rms``: an RMSNorm's spec, its weight's name first)."""
+    if rms is not None:
+        name, _, *shift = rms
+        weight, bias, offset = module._parameters.get(name), None, (shift[0] if shift else 0.0)
+    else:
+        if set(module._parameters) - {"weight", "bias"}:
+            return None
+        weight, bias, offset = module._parameters.get("weight"), module._parameters.get("bias"), 0.0
+    if weight is None:
+        return None if rms is not None or bias is not None else 0
+    if any(t.is_meta or type(t) not in (nn.Parameter, torch.Tensor) for t in (weight, bias) if t is not None):
+        return None
+    with torch.no_grad():
+        if bool(_keep_mask(weight, bias, None, _threshold(module), offset).any()):
+            return None
+    return (0 if offset else weight.nbytes) + (0 if bias is None else bias.nbytes)
+
+
 @register_rule("norm_by_behaviour")
 def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
     """LayerNorm / RMSNorm in any library's spelling, recognised by traced ops, keep their output."""
@@ -656,9 +679,10 @@ def norm_by_behaviour(ctx: Context) -> Iterator[Candidate]:
                      "memtrim_settings": _settings(module)}
         attrs["memtrim_owner"] = label((site.path,), f"a keep-output {type(module).__name__}")
         what = "LayerNorm" if kind == "layer" else "RMSNorm"
+        copies = _weight_copies(module, attrs.get("memtrim_rms"))
         limits = (REBUILT_INPUT, NO_DOUBLE_BACKWARD, NO_AUTOCAST) + ((IN_TRACED_DTYPE.format(
             str(attrs["memtrim_dtype"]).removeprefix("torch.")),) if kind == "rms" else ())
         yield Candidate((site.path,), type(module).__name__, f"memtrim keep-output {what} ({target.__name__})",
                         reason=f"traced ops are a {what}; its output is kept after it anyway", targets=(module,),
-                        expected_bytes=expected, limits=limits,
+                        expected_bytes=None if copies is None else expected - copies * len(sites), limits=limits,
                         bitwise=False, apply=partial(class_swap, module, target, **attrs))

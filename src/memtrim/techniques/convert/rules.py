@@ -8,7 +8,9 @@ module, and ``apply`` (does the change, returns its undo) — or it is a *skip* 
 norm- and activation-like call site a rule recognises ends up in the report. ``convert`` is a loop: rules in
 registration order, candidates in the order a rule yields them (lazily: a rule sees the claims of the candidates
 already applied), module_filter and hooks checked, each change measured on the example inputs and undone when it
-saves nothing. Adding support for a new library's module is one rule and one test::
+saves nothing (a built-in rule's changes that expect bytes are measured together: NOTE [ changes measured together ]
+in api.py, where convert may start over and run every rule's ``match`` a second time; a registered rule's changes
+are measured one at a time). Adding support for a new library's module is one rule and one test::
 
     @register_rule("my_norm")
     def my_norm(ctx: Context) -> Iterator[Candidate]:
