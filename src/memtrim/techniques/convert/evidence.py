@@ -162,7 +162,34 @@ class ModelTrace:
 
     def leaf(self, site: CallSite) -> bool:
         """Whether no other call ran inside ``site``."""
-        return not any(s.parent == site.index for s in self.sites)
+        return site.index not in self._parents()
+
+    def _parents(self) -> set[int | None]:
+        """The call sites inside which another call ran (made once per length of the trace: rules ask for every
+        site, and scanning the sites each time made convert's time grow with the square of the model's depth)."""
+        found = self.__dict__.get("_parents_of")
+        if found is None or found[0] != len(self.sites):
+            found = self.__dict__["_parents_of"] = (len(self.sites), {s.parent for s in self.sites})
+        return found[1]
+
+    def writers(self) -> list[Op]:
+        """The ops that write a storage in place, in order (made once per length of the trace, as :meth:`_parents`)."""
+        found = self.__dict__.get("_writes_of")
+        if found is None or found[0] != len(self.ops):
+            found = self.__dict__["_writes_of"] = (len(self.ops), [op for op in self.ops if op.writes])
+        return found[1]
+
+    def held_inside(self, site: CallSite) -> list[int]:
+        """The storages saved at least once while ``site`` ran (made once per length of the trace, as
+        :meth:`_parents`)."""
+        found = self.__dict__.get("_held_inside_of")
+        if found is None or found[0] != (len(self.sites), len(self.storages)):
+            inside: dict[int, list[int]] = {}
+            for key, record in self.storages.items():
+                for index in {i for h in record.holders for i in h.stack}:
+                    inside.setdefault(index, []).append(key)
+            found = self.__dict__["_held_inside_of"] = ((len(self.sites), len(self.storages)), inside)
+        return found[1].get(site.index, [])
 
     def ops_in(self, site: CallSite, *, compute_only: bool = True) -> list[Op]:
         """The ops that ran inside ``site`` (nested calls included), views and copies left out by default."""
@@ -190,7 +217,7 @@ class ModelTrace:
         """Where call ``site``'s output (or the storages ``keys``) is changed in place after it returned (as
         :meth:`written_after`), or None."""
         written = set(site.outputs if keys is None else keys)
-        for op in self.ops:
+        for op in self.writers():
             if op.time > site.end and set(op.writes) & written:
                 return self.site_name(op.site)
         return None

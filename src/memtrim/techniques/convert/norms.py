@@ -501,7 +501,8 @@ def _expected(trace: ModelTrace, site: CallSite) -> tuple[int, bool]:
                      for k in out_keys for h in trace.storages[k].holders)
     big = max((trace.storages[k].nbytes for k in out_keys), default=0)
     dropped = 0
-    for key, record in trace.storages.items():
+    for key in trace.held_inside(site):  # (every holder inside the call: at least one is)
+        record = trace.storages[key]
         if (record.kind == "activation" or key in site.inputs) and record.kind != "parameter" and record.holders \
                 and all(site.index in h.stack for h in record.holders) and record.nbytes >= big and key not in out_keys:
             dropped += record.nbytes

@@ -545,7 +545,7 @@ def gated_mlp(ctx: Context) -> Iterator[Candidate]:
         modules = (parent.path or type(parent.module).__name__,)
         # at any call, act(gate) or the product changed in place once made, or gate's or up's output (what they are
         # rebuilt from) after the product (found by adversarial passes: rebuilt, they lost the change)
-        writer = next((trace.site_name(o.site) for o in trace.ops for p, _, a, u, _, _ in found
+        writer = next((trace.site_name(o.site) for o in trace.writers() for p, _, a, u, _, _ in found
                        if (o.time > a.end and a.outputs[0] in o.writes)
                        or (o.time > p.time and set(o.writes) & {p.outputs[0], *a.inputs[:1], *u.outputs[:1]})), None)
         if writer is not None:
