@@ -67,3 +67,44 @@ def test_parameter_heavy_model_still_saves_the_gradients():
     grads = sum(p.numel() * 4 for p in base.parameters())
     assert peaks[None] - peaks[0] > grads / 2
     assert peaks[25 << 20] <= peaks[None]  # one bucket, held to step(): the standard step, never above it
+
+
+def test_a_tracker_open_in_another_thread_changes_nothing():
+    # the CPU's memory count is the tracker watching this thread: reading another thread's (an idle one holding
+    # 40 MiB) put the peak back at the standard loop's, and reading it while that thread allocates raised or crashed
+    # (found by an adversarial pass)
+    import threading
+
+    torch.manual_seed(0)
+    base = MobileNetLike()
+    x, y = torch.randn(8, 3, 64, 64), torch.randint(0, 10, (8,))
+
+    def peak(other_bytes):
+        model = copy.deepcopy(base)
+        opt = memtrim.OptimizerInBackward(torch.optim.AdamW(model.parameters(), lr=1e-3), model=model,
+                                          bucket_bytes=0)
+        stop, ready = threading.Event(), threading.Event()
+
+        def other():
+            with memtrim.track():
+                held = torch.ones(other_bytes // 4)
+                ready.set()
+                stop.wait()
+            del held
+
+        thread = threading.Thread(target=other)
+        if other_bytes:
+            thread.start()
+            ready.wait()
+        try:
+            return measure(model, opt, x, y).peak_bytes
+        finally:
+            stop.set()
+            if other_bytes:
+                thread.join()
+
+    plain = copy.deepcopy(base)
+    standard = measure(plain, torch.optim.AdamW(plain.parameters(), lr=1e-3), x, y).peak_bytes
+    alone = peak(0)
+    assert alone < standard
+    assert peak(40 << 20) == alone

@@ -103,8 +103,10 @@ _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> weakref to 
 
 
 def _memory_now(device: torch.device) -> int | None:
-    """Bytes allocated on ``device`` now: the allocator's counter on an accelerator, an active memtrim tracker on
-    CPU (or on an accelerator whose torch module keeps no counter)."""
+    """Bytes allocated on ``device`` now: the allocator's counter on an accelerator, the memtrim tracker watching
+    this thread on CPU (or on an accelerator whose torch module keeps no counter). Not another thread's tracker: its
+    count is of that thread's tensors, and reading it while that thread allocates raised or crashed (an adversarial
+    pass: a tracker open in another thread also took the saving away)."""
     if device.type != "cpu":
         try:
             module = torch.get_device_module(device)
@@ -113,7 +115,7 @@ def _memory_now(device: torch.device) -> int | None:
         memory_allocated = getattr(module, "memory_allocated", None)
         if memory_allocated is not None:
             return int(memory_allocated(device))
-    trackers = measure_hooks.active()
+    trackers = measure_hooks.current()
     if trackers:
         return max(tracker.live_bytes(str(device)) for tracker in trackers)
     return None
