@@ -82,6 +82,8 @@ def test_measure_step_bad_input():
         memtrim.measure_step(model, x.tolist(), y, F.nll_loss, optimizer)
     with pytest.raises(memtrim.InvalidInputError, match="targets must be tensors"):
         memtrim.measure_step(model, x, [1, 2], F.nll_loss, optimizer)
+    with pytest.raises(memtrim.InvalidInputError, match=r"got a dict\. For a model called with keywords"):
+        memtrim.measure_step(model, {"input": x}, y, F.nll_loss, optimizer)
     with pytest.raises(memtrim.InvalidInputError, match="torch.optim.Optimizer"):
         memtrim.measure_step(model, x, y, F.nll_loss, lambda p: None)
     with pytest.raises(memtrim.DeviceMismatchError, match="model is on cpu but a batch tensor is on meta"):

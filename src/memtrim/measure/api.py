@@ -124,6 +124,11 @@ def check_training_args(
     """Raise a clear memtrim error for the usual mistakes in (model, batch, loss_fn, optimizer)."""
     if not isinstance(model, torch.nn.Module):
         raise InvalidInputError(f"{api}: model must be a torch.nn.Module, got {type(model).__name__}.")
+    if isinstance(inputs, dict):  # (HF's model(**batch): track() and plan() take it; this step's signature does not)
+        raise InvalidInputError(
+            f"{api}: inputs must be a tensor or a tuple of tensors (model(inputs) or model(*inputs)), got a dict. "
+            "For a model called with keywords (model(**batch)), measure your own step: with memtrim.track(model, "
+            "optimizer) as tracker: ...; tracker.report().")
     args = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
     for i, value in enumerate((*args, targets)):
         if not isinstance(value, torch.Tensor):
