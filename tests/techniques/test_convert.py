@@ -714,3 +714,43 @@ def test_a_batch_that_did_not_save_what_it_expected_is_measured_again_alone(monk
         held = tracker.live_by_category()["activations"]
     del out
     assert held == together.activation_bytes_after == before - sum(c.bytes_saved for c in together.changes)
+
+
+def test_a_converted_llamas_step_peaks_no_higher_than_plain():
+    # its norms' keep decisions (a mask and indices a norm) were held from one forward to the next, above plain at the
+    # step's peak, the optimizer's: 64 B a norm here (found by an adversarial pass)
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=4, vocab_size=128)
+    plain = transformers.LlamaForCausalLM(config)
+    converted = copy.deepcopy(plain)
+    ids = torch.randint(0, 128, (2, 16))
+    _, report = memtrim.convert(converted, example_inputs={"input_ids": ids})
+    assert any("RMSNorm" in c.after for c in report.changes)
+    peaks = []
+    for model in (plain, converted):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            with memtrim.track(model, opt) as tracker:
+                opt.zero_grad()
+                model(input_ids=ids, labels=ids).loss.backward()
+                opt.step()
+        peaks.append(tracker.report())
+    assert peaks[0].peak_phase == peaks[1].peak_phase == "optimizer"
+    assert peaks[1].peak_bytes <= peaks[0].peak_bytes
+
+
+def test_convert_after_offload_module_says_to_convert_first():
+    # the trace of an offloaded model shows offload's copies: convert changed nothing and said the norms were unknown
+    # (found by an adversarial pass); the other order converts
+    torch.manual_seed(0)
+    model = _NormLinearStack(2)
+    x = torch.randn(4, 8, 16)
+    handle = memtrim.offload_module(model, include_cpu=True, min_bytes=0)
+    with pytest.raises(memtrim.InvalidInputError, match="convert first, then offload"):
+        memtrim.convert(model, example_inputs=x)
+    handle.remove()
+    _, report = memtrim.convert(model, example_inputs=x)
+    assert len(report.changes) == 2
+    memtrim.offload_module(model, include_cpu=True, min_bytes=0)

@@ -48,6 +48,7 @@ from ...proof.compare import bitwise_equal
 from .._generators import GeneratorsKept, cuda_devices, held_generators_kept, seeded
 from ..guards import CONVERTED, keep_hook_ids
 from ..norms._kernels import DecidedTogether
+from ..offload._core import _MARK as _OFFLOADED
 from . import builtin as _builtin  # noqa: F401  (registers the built-in rules)
 from .evidence import buffers_kept, collect, fresh_inputs, fx_evidence, split_inputs
 from .report import Change, ConversionReport, Skipped
@@ -90,7 +91,8 @@ def convert(
 
     Raises:
         InvalidInputError: ``model`` is not a module, has uninitialized lazy parameters, was compiled (or holds a
-            compiled module: convert first, then compile), or the example inputs fail to run through it.
+            compiled module: convert first, then compile) or offloaded (``offload_module``: convert first, then
+            offload), or the example inputs fail to run through it.
 
     Example::
 
@@ -115,6 +117,15 @@ def convert(
             "torch.compile made before does not see the changed modules (a converted HF Llama then ran its norms "
             "outside the compiled graph, found by an adversarial pass). Expected an uncompiled model; to fix: "
             "convert first, then compile (model, report = memtrim.convert(model, ...); model.compile()).")
+    offloaded = next((name for name, m in model.named_modules() if _OFFLOADED in m.__dict__), None)
+    if offloaded is not None:
+        raise InvalidInputError(
+            f"memtrim.convert: {'the model' if not offloaded else f'the model module {offloaded!r}'} was offloaded "
+            "(memtrim.offload_module) before convert. Its traced forward then shows offload's copies of what autograd "
+            "saves, not the model's own ops, and convert would change nothing (HF Llama, GPT-2 and a ResNet: 0 "
+            "changes, found by an adversarial pass). Expected a model without offloading; to fix: convert first, "
+            "then offload (memtrim.convert(model, ...); memtrim.offload_module(model)), or call remove() on the "
+            "offload handle, convert, and offload again.")
     given = example_inputs is not None or bool(example_kwargs)
     args, kwargs = split_inputs(example_inputs, example_kwargs)
     with as_training(model, args, kwargs):

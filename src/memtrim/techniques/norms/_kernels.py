@@ -611,8 +611,19 @@ class DecidedTogether:
         if not stack or stack[-1].group not in (self, None):
             return
         top = stack.pop()
+        if top.group is self and not any(o.group is self for o in stack):
+            self._forget(top.epoch)
         if top.check is not None:
             top.check.at_end(output)
+
+    def _forget(self, epoch: int) -> None:
+        """Let the masks and indices decided in the forward ``epoch`` go at its end: the next forward decides again,
+        and what this one's norms and its check need they hold themselves. Held until the next forward, they were
+        above plain at the step's peak, the optimizer's (a converted HF Llama: 64 B a norm; an adversarial pass)."""
+        with self._lock:
+            for decision in self._decisions.values():
+                if decision.epoch == epoch:
+                    decision.epoch, decision.mask, decision.kept = -1, None, None
 
     def kept(self, gamma: torch.Tensor, beta: torch.Tensor | None, floor: float, offset: float, open_: _Open,
              node: Any, read: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
