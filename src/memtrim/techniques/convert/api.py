@@ -218,7 +218,9 @@ class _Conversion:
         self.changes: list[Change] = []
         self.skipped: list[Skipped] = []
         self.undos: list[Undo] = []  # each applied change's undo, in order
-        self.batch: list[tuple[Candidate, str]] = []  # applied since the last measure, expecting their bytes
+        # applied since the last measure, expecting their bytes; with where a skip of each would stand in the report
+        self.batch: list[tuple[Candidate, str, int]] = []
+        self.at: int | None = None  # where _skip puts a skip (None: last); measured again alone, the change's place
         self.reference: list[torch.Tensor] | None = None  # a training step's outputs, buffers, gradients
         self.batch_reference = False  # the reference was made with some of the batch applied
 
@@ -257,7 +259,7 @@ class _Conversion:
                             continue
                         self.batch_reference = True
                     self._accept(cand, rule.name, cand.apply(), cand.expected_bytes)
-                    self.batch.append((cand, rule.name))
+                    self.batch.append((cand, rule.name, len(self.skipped)))
                     continue
                 self._measure_batch()
                 self._apply_alone(cand, rule.name)
@@ -288,11 +290,11 @@ class _Conversion:
         if not batch:
             return
         assert self.measure is not None and self.current is not None
-        expected = sum(cand.expected_bytes for cand, _ in batch)  # type: ignore[misc]
+        expected = sum(cand.expected_bytes for cand, _, _ in batch)  # type: ignore[misc]
         after: int | None
         try:
             after = self.measure()
-            if any(cand.same_outputs for cand, _ in batch):
+            if any(cand.same_outputs for cand, _, _ in batch):
                 assert self.reference is not None
                 if not _bitwise_same(self.reference, step_effects(self.model, self.args, self.kwargs)):
                     after = None
@@ -306,10 +308,22 @@ class _Conversion:
         for _ in batch:
             self.undos.pop()()
             self.changes.pop()
-        for i, (cand, rule) in enumerate(batch):
+        for i, (cand, rule, at) in enumerate(batch):
             assert cand.apply is not None
-            if not self._apply_alone(cand, rule) and i < len(batch) - 1:
+            self.at = at  # (a skip here is the last change's: the skips the rule made after it follow it)
+            try:
+                kept = self._apply_alone(cand, rule)
+            finally:
+                self.at = None
+            if not kept and i < len(batch) - 1:
                 raise _StartOver
+
+    def _skip(self, skipped: Skipped) -> None:
+        """Report a change left alone: last, or where measuring every change alone would have put it."""
+        if self.at is None:
+            self.skipped.append(skipped)
+        else:
+            self.skipped.insert(self.at, skipped)
 
     def _step_before(self, cand: Candidate, rule: str) -> bool:
         """Make the reference a change that must leave the training step alone is compared with: the step of the
@@ -317,7 +331,7 @@ class _Conversion:
         try:
             self.reference = step_effects(self.model, self.args, self.kwargs)
         except Exception as e:  # the model's own step fails (autograd's in-place check): nothing to match
-            self.skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} is checked against a training "
+            self._skip(Skipped(cand.modules, f"{cand.before} -> {cand.after} is checked against a training "
                                                       f"step on the example inputs, which failed ({type(e).__name__}: "
                                                       f"{e}): not applied", rule))
             return False
@@ -338,7 +352,7 @@ class _Conversion:
             after = measure()
         except Exception as e:  # a change must never leave the model broken: undo it and say why
             undo()
-            self.skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} failed on the example inputs "
+            self._skip(Skipped(cand.modules, f"{cand.before} -> {cand.after} failed on the example inputs "
                                                       f"({type(e).__name__}: {e}): not applied", rule))
             return False
         if cand.same_outputs:
@@ -349,7 +363,7 @@ class _Conversion:
                 same = False
             if not same:
                 undo()
-                self.skipped.append(Skipped(cand.modules, f"{cand.before} -> {cand.after} changed the model's "
+                self._skip(Skipped(cand.modules, f"{cand.before} -> {cand.after} changed the model's "
                                                           "outputs, buffers or gradients on the example inputs "
                                                           "(something reads the activation's input after it, or its "
                                                           "in-place op takes the gradient from its output, as torch's "
@@ -358,7 +372,7 @@ class _Conversion:
         saved = self.current - after  # type: ignore[operator]
         if saved <= 0:
             undo()
-            self.skipped.append(Skipped(cand.modules, _no_gain(cand, saved, "measured on the example inputs"), rule))
+            self._skip(Skipped(cand.modules, _no_gain(cand, saved, "measured on the example inputs"), rule))
             return False
         self.current = after
         self._accept(cand, rule, undo, saved)
