@@ -19,7 +19,7 @@ user's generators and leaves buffers (BatchNorm's running statistics) as they we
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,34 +162,43 @@ class ModelTrace:
 
     def leaf(self, site: CallSite) -> bool:
         """Whether no other call ran inside ``site``."""
-        return site.index not in self._parents()
+        return site.index not in self._once("parents", len(self.sites), lambda: {s.parent for s in self.sites})
 
-    def _parents(self) -> set[int | None]:
-        """The call sites inside which another call ran (made once per length of the trace: rules ask for every
-        site, and scanning the sites each time made convert's time grow with the square of the model's depth)."""
-        found = self.__dict__.get("_parents_of")
-        if found is None or found[0] != len(self.sites):
-            found = self.__dict__["_parents_of"] = (len(self.sites), {s.parent for s in self.sites})
+    def _once(self, name: str, size: Any, make: Callable[[], Any]) -> Any:
+        """``make()``, made once per ``size`` of the trace (queried once it is complete): rules ask about every call
+        site, and scanning every call, op or storage for each made convert's time grow with the square of the
+        model's depth."""
+        found = self.__dict__.get(f"_once_{name}")
+        if found is None or found[0] != size:
+            found = self.__dict__[f"_once_{name}"] = (size, make())
         return found[1]
 
     def writers(self) -> list[Op]:
-        """The ops that write a storage in place, in order (made once per length of the trace, as :meth:`_parents`)."""
-        found = self.__dict__.get("_writes_of")
-        if found is None or found[0] != len(self.ops):
-            found = self.__dict__["_writes_of"] = (len(self.ops), [op for op in self.ops if op.writes])
-        return found[1]
+        """The ops that write a storage in place, in order."""
+        return self._once("writers", len(self.ops), lambda: [op for op in self.ops if op.writes])
+
+    def reads_after(self, keys: Iterable[int], after: int) -> list[Op]:
+        """The ops that read any of the storages ``keys`` after time ``after``, in order."""
+        def make() -> dict[int, list[int]]:
+            found: dict[int, list[int]] = {}
+            for i, op in enumerate(self.ops):
+                for key in set(op.inputs):
+                    found.setdefault(key, []).append(i)
+            return found
+
+        index = self._once("readers", len(self.ops), make)
+        return [self.ops[i] for i in sorted({i for k in keys for i in index.get(k, ())}) if self.ops[i].time > after]
 
     def held_inside(self, site: CallSite) -> list[int]:
-        """The storages saved at least once while ``site`` ran (made once per length of the trace, as
-        :meth:`_parents`)."""
-        found = self.__dict__.get("_held_inside_of")
-        if found is None or found[0] != (len(self.sites), len(self.storages)):
+        """The storages saved at least once while ``site`` ran."""
+        def make() -> dict[int, list[int]]:
             inside: dict[int, list[int]] = {}
             for key, record in self.storages.items():
                 for index in {i for h in record.holders for i in h.stack}:
                     inside.setdefault(index, []).append(key)
-            found = self.__dict__["_held_inside_of"] = ((len(self.sites), len(self.storages)), inside)
-        return found[1].get(site.index, [])
+            return inside
+
+        return self._once("held_inside", (len(self.sites), len(self.storages)), make).get(site.index, [])
 
     def ops_in(self, site: CallSite, *, compute_only: bool = True) -> list[Op]:
         """The ops that ran inside ``site`` (nested calls included), views and copies left out by default."""
@@ -198,7 +207,7 @@ class ModelTrace:
 
     def readers(self, key: int, after: int) -> Iterator[Op]:
         """The ops that read storage ``key`` after time ``after``."""
-        return (o for o in self.ops if o.time > after and key in o.inputs)
+        return iter(self.reads_after((key,), after))
 
     def holders_outside(self, key: int, site: CallSite) -> list[Holder]:
         """The saves of storage ``key`` made outside ``site`` (and outside its ancestors' own code)."""
@@ -259,7 +268,7 @@ class ModelTrace:
     def _pair_at(self, path: str, site: CallSite) -> tuple[str, str] | None:
         """:meth:`pair_after` for one call ``site`` of ``path``."""
         outputs = set(site.outputs)
-        reads = [(o.time, self.stack_names(o.stack)) for o in self.ops if o.time > site.end and outputs & set(o.inputs)]
+        reads = [(o.time, self.stack_names(o.stack)) for o in self.reads_after(outputs, site.end)]
         if not reads:
             return None
         first_stack = reads[0][1]

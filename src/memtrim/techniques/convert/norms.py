@@ -530,7 +530,7 @@ def _recomputed(ctx: Context, trace: ModelTrace, site: CallSite, why: str) -> Ca
     sites = trace.sites_of(site.path)
     acts = [k for k in site.inputs if trace.storages[k].kind != "parameter"]
     hooks = ctx.user_hooks(module)
-    later = next((trace.site_name(op.site) for s in sites for op in trace.ops
+    later = next((trace.site_name(op.site) for s in sites for op in trace.writers()
                   if op.time > s.end and set(op.writes) & set(acts)), None)
     # NOTE [ what a recomputed norm may read ]
     # the recomputation reads the module's parameters as the forward left them (version-checked) and its numbers as

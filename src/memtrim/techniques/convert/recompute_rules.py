@@ -308,8 +308,7 @@ def relu_calls_after(ctx: Context, name: str) -> list[tuple[CallSite, list[Op], 
         return None
     found: list[tuple[CallSite, list[Op], CallSite]] = []
     for site in trace.sites_of(name):
-        out = set(site.outputs)
-        reads = [o for o in trace.ops if o.time > site.end and out & set(o.inputs)]
+        reads = trace.reads_after(site.outputs, site.end)
         if not reads or reads[0].name not in ("relu", "relu_") or reads[0].site is None:
             return None
         relu_site = trace.sites[reads[0].site]
