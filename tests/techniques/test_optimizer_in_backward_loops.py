@@ -754,6 +754,33 @@ def test_two_passes_through_a_compiled_graph_are_refused_before_any_update():
     assert_same(model, before)
 
 
+def test_a_compiled_model_trains_as_the_compiled_standard_loop():
+    # found by running the suite on torch 2.11: torch.compile traced the wrapper's forward hook, rebuilt the grad hook
+    # it registers with the wrapper where its weak reference was, and the first backward raised a TypeError
+    # ("'OptimizerInBackward' object is not callable"), on torch 2.13 too
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda p: torch.optim.AdamW(p, lr=1e-2))
+    compiled_a, compiled_b = (torch.compile(m, backend="aot_eager") for m in (a, b))
+    for x, y in batches(4):
+        one_step(compiled_a, opt_a, x, y)
+        opt_a.step()
+        opt_b.zero_grad()
+        opt_b.backward(F.cross_entropy(compiled_b(x), y))
+        opt_b.step()
+    assert_same(a, b, moved_from=net())
+
+
+def test_a_forward_after_an_update_inside_backward_raises_under_compile_too():
+    # the check runs in the model's forward hook, which stays Python under torch.compile (its state is no guard)
+    model = net()
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    compiled = torch.compile(model, backend="aot_eager")
+    (x, y), (x2, _) = batches(2)
+    opt.zero_grad()
+    opt.backward(F.cross_entropy(compiled(x), y))
+    with pytest.raises(Error, match=r"a forward of the model ran after a backward pass had already updated"):
+        compiled(x2)
+
+
 class TwoSparseTables(nn.Module):
     """Two sparse embeddings, the second used only in some steps, and a head."""
 

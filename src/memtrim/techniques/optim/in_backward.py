@@ -199,6 +199,10 @@ class _OutputHook:
     def __reduce__(self) -> tuple[Any, tuple[None]]:
         return _OutputHook, (None,)
 
+    # run as Python under torch.compile of the model (a graph break after the model's last op): traced, the grad hook
+    # it registers was rebuilt with the wrapper where its weak reference was, and raised a TypeError in the first
+    # backward; and the step's state it reads would be baked into the graph's guards
+    @torch.compiler.disable
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self.wrapper_ref is None:
             return
