@@ -270,3 +270,30 @@ def test_the_copy_keeps_the_layout_of_channels_last_activations():
     plain(x).pow(2).sum().backward()
     for a, b in zip(model.parameters(), plain.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_a_compiled_model_offloads_trains_bitwise_and_compiles_no_hook(monkeypatch):
+    # found by a pass with torch 2.11: the hooks ran inside the compiled forward, and dynamo compiled their
+    # bookkeeping frame by frame at every call (past its recompile limit of 8: warnings, and compile time each step)
+    from memtrim.techniques.offload import _core
+
+    copies = []
+    copy_out = _core.OffloadActivations._copy_out
+    monkeypatch.setattr(_core.OffloadActivations, "_copy_out",
+                        lambda self, tensor, device: copies.append(tensor.shape) or copy_out(self, tensor, device))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    plain = copy.deepcopy(model)
+    memtrim.offload_module(model, min_bytes=0, include_cpu=True)
+    compiled, compiled_plain = (torch.compile(m, backend="aot_eager") for m in (model, plain))
+    g = torch.Generator().manual_seed(1)
+    frames = []
+    for _ in range(4):
+        x, y = torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+        F.cross_entropy(compiled(x), y).backward()
+        F.cross_entropy(compiled_plain(x), y).backward()
+        frames.append(torch._dynamo.utils.counters["frames"]["total"])
+        for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+            assert torch.equal(a.grad, b.grad), name
+    assert len(copies) == 4 * 3  # the compiled forward's saves (x, the GELU's input and output) went out each step
+    assert frames[1:] == frames[:1] * 3  # nothing compiled after the first step

@@ -145,6 +145,9 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         self._copies.clear()  # what one block saved; a context entered again starts a new table
         self._by_storage.clear()
 
+    # the hooks run as Python under torch.compile (a compiled forward's saves pass through them): traced, dynamo
+    # compiled their bookkeeping frame by frame at every call, past its recompile limit
+    @torch.compiler.disable
     def _pack(self, tensor: torch.Tensor) -> Any:
         device = tensor.device
         if (
@@ -209,6 +212,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         return _Offloaded(host, device, event, tensor)
 
     @staticmethod
+    @torch.compiler.disable
     def _unpack(packed: Any) -> torch.Tensor:
         if isinstance(packed, _Kept):
             if packed.outer is not None:
