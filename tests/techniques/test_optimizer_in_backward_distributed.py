@@ -84,18 +84,37 @@ def _fsdp_body(rank):
     except ImportError:  # torch < 2.6
         from torch.distributed._composable.fsdp import fully_shard
 
-    results = {}
-    for name in ("plain", "fused"):
+    def sharded():
         model = _model()
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
-        fully_shard(model)
+        return fully_shard(model)
+
+    results = {}
+    for name in ("plain", "fused", "clipped_plain", "clipped"):
+        model = sharded()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        backward = None
         if name == "fused":
             optimizer = memtrim.OptimizerInBackward(optimizer, model=model)
-        _train(model, optimizer, rank)
+        elif name == "clipped":
+            optimizer = memtrim.OptimizerInBackward(optimizer, model=model, clip_grad_value=1e-3)
+        elif name == "clipped_plain":
+            def backward(loss, model=model):
+                loss.backward()
+                torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3)
+        _train(model, optimizer, rank, backward)
         results[name] = [p.full_tensor().detach() for p in model.parameters()]
+    # found by an adversarial pass: the two-pass options trained unclipped (clip_grad_norm=) or stepped on an inf
+    # (scaler=) under FSDP2, silently: refused, at construction
+    results["refused"] = []
+    for options in ({"clip_grad_norm": 0.05}, {"scaler": torch.amp.GradScaler("cpu")}):
+        model = sharded()
+        try:
+            memtrim.OptimizerInBackward(torch.optim.SGD(model.parameters(), lr=0.1), model=model, **options)
+        except memtrim.InvalidInputError as e:
+            results["refused"].append(str(e))
     return results
 
 
@@ -122,6 +141,10 @@ def test_ddp_equals_standard_ddp():
 def test_fsdp2_equals_standard_fsdp2():
     for rank_result in spawn(_fsdp_body):
         _assert_equal(rank_result["plain"], rank_result["fused"])
+        _assert_equal(rank_result["clipped_plain"], rank_result["clipped"])
+        assert not any(torch.equal(a, b) for a, b in zip(rank_result["plain"], rank_result["clipped"]))
+        assert len(rank_result["refused"]) == 2
+        assert all("not supported under FSDP2" in message for message in rank_result["refused"])
 
 
 def _offload_ddp_body(rank):

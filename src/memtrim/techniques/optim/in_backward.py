@@ -425,7 +425,7 @@ class OptimizerInBackward(WrappedOptimizerView):
             self._ddp.register_comm_hook(self._self_ref, _ddp_comm_hook)
             self._ddp = weakref.ref(self._ddp)
         else:
-            _check_not_distributed(self.optimizer)
+            _check_not_distributed(self.optimizer, self._two_passes)
             self._hook_new_params()
 
     # ------------------------------------------------------------------ the wrapped optimizer's view
@@ -1013,7 +1013,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         """Queue the end-of-backward callback once per backward pass (and notice passes killed by exceptions)."""
         if self._token is not None and self._token() is not None:
             return
-        _check_not_distributed(self.optimizer)  # a process group started after this wrapper was built
+        _check_not_distributed(self.optimizer, self._two_passes)  # a process group started after this wrapper was built
         outcome = _Outcome()
         token = _EndOfBackward(self._self_ref, outcome)
         weakref.finalize(token, _backward_gone, self._self_ref, outcome)
@@ -2145,13 +2145,24 @@ def _check_model(model: Any, optimizer: torch.optim.Optimizer) -> Any:
     return model if isinstance(model, DistributedDataParallel) else None
 
 
-def _check_not_distributed(optimizer: torch.optim.Optimizer) -> None:
+def _check_not_distributed(optimizer: torch.optim.Optimizer, two_passes: bool) -> None:
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if params and all(type(p.data).__name__ == "DTensor" for p in params):
+        if two_passes:
+            # found by an adversarial pass: FSDP2 reduce-scatters the sharded gradients from its own hooks, which the
+            # measuring pass (backward(inputs=) the sharded parameters) never reached: every update ran unclipped,
+            # and a GradScaler's inf went unseen (the parameters became NaN), silently
+            raise InvalidInputError(
+                "memtrim.OptimizerInBackward: clip_grad_norm= and scaler= are not supported under FSDP2: their "
+                "first backward pass measures the gradients, and FSDP2 makes its sharded gradients outside that pass "
+                "(the update would run unclipped, or with an inf unseen). Leave these options out (clip_grad_value= "
+                "works), or train FSDP2 with the standard loop: loss.backward(), "
+                "torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm), optimizer.step()."
+            )
         return  # FSDP2: hooks fire on the sharded, reduce-scattered gradient
     raise InvalidInputError(
         f"memtrim.OptimizerInBackward: torch.distributed runs {dist.get_world_size()} ranks but no "
