@@ -136,6 +136,7 @@ class ModelTrace:
         self.storages: dict[int, Storage] = {}
         self.by_path: dict[str, list[CallSite]] = {}
         self._keep: list[Any] = []  # storages stay alive, so their ids stay unique
+        self.collectives: list[str] = []  # torch.distributed ops the forward ran (c10d.allreduce_, ...)
 
     # ------------------------------------------------------------------ filling
     def storage_key(self, t: torch.Tensor, kind: str = "activation") -> int:
@@ -324,9 +325,14 @@ class _Recorder(TorchDispatchMode):
             record = trace.storages[key]
             if record.producer is None and record.kind == "activation":
                 record.producer = index
+        if func.namespace in _COLLECTIVES:
+            trace.collectives.append(f"{func.namespace}.{func.overloadpacket.__name__}")
         trace.ops.append(Op(index, func.overloadpacket.__name__, state.clock, tuple(state.stack), inputs, outputs,
                             tuple(writes), scalars, drew))
         return out
+
+
+_COLLECTIVES = ("c10d", "_c10d_functional", "c10d_functional")  # the namespaces of torch.distributed's ops
 
 
 def _generator_states(arguments: Any) -> list[bytes] | None:

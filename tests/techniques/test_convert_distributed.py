@@ -1,0 +1,54 @@
+"""memtrim.convert under torch.distributed: 2 gloo processes on CPU."""
+
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import memtrim
+
+from ..distributed import spawn
+
+pytestmark = [pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+              pytest.mark.skipif(sys.platform == "win32", reason="gloo file rendezvous")]
+
+
+class _LoadBalanced(nn.Module):
+    """A LayerNorm -> Linear (a change convert makes) and a global statistic all-reduced in the forward (an MoE's
+    expert load)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        load = (x > 0).sum().float()
+        dist.all_reduce(load)
+        return self.fc(self.norm(x)) * (load / load)
+
+
+def _collectives_body(rank):
+    torch.manual_seed(0)
+    model = _LoadBalanced()
+    g = torch.Generator().manual_seed(rank)  # each rank converts on its own batch
+    try:
+        memtrim.convert(model, example_inputs=torch.randn(8, 16, generator=g))
+    except memtrim.InvalidInputError as e:
+        refused = str(e)
+    else:
+        refused = ""
+    plain = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 4))  # no collective: converts under the process group
+    _, report = memtrim.convert(plain, example_inputs=torch.randn(8, 16, generator=g))
+    return {"refused": refused, "changes": len(report.changes), "classes": [type(m).__name__ for m in model.modules()]}
+
+
+def test_a_forward_running_collectives_is_refused_on_every_rank():
+    # found by an adversarial pass: convert's forwards were 4 on one rank and 5 on the other (their number depends on
+    # the example's values), so an MoE's all_reduce paired a convert-time forward with a training one: one rank
+    # trained on wrong values, silently, the other failed
+    for result in spawn(_collectives_body):
+        assert "runs torch.distributed collectives (c10d.allreduce_) across 2 ranks" in result["refused"]
+        assert result["classes"] == ["_LoadBalanced", "LayerNorm", "Linear"]  # left as it was
+        assert result["changes"] == 1
