@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -179,12 +180,35 @@ class _DriftLog:
             self.keep_inputs.add(index)
 
 
+def _refuse_sharded(index: int, block: nn.Module) -> None:
+    """Refuse a block, or a module inside it, that FSDP2's ``fully_shard`` made a unit of its own: FSDP2 reshards its
+    parameters after its forward, and the stack's rebuild in backward calls f and g before FSDP2 unshards them (torch's
+    "mixed torch.Tensor and DTensor" error there; a block's own unit was refused for its hooks, the message pointing
+    at f and g). One unit around the whole stack keeps them unsharded until its backward ends, and trains."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kinds = tuple(k for k in (getattr(fsdp, "FSDPModule", None),
+                              getattr(sys.modules.get("torch.distributed._composable.fsdp"), "FSDPModule", None))
+                  if isinstance(k, type))
+    sharded = next((name for name, m in block.named_modules() if kinds and isinstance(m, kinds)), None)
+    if sharded is not None:
+        where = f"its module {sharded!r}" if sharded else "the block itself"
+        raise InvalidInputError(
+            f"memtrim.ReversibleSequential: block {index} ({type(block).__name__}) is sharded by FSDP2's fully_shard "
+            f"({where}). The stack rebuilds each block's input in backward by calling its f and g, whose parameters "
+            "FSDP2 has resharded after their forward. Expected the stack's blocks unsharded apart; to fix: one "
+            "fully_shard around the whole ReversibleSequential (or a module holding it)."
+        )
+
+
 def _refuse_hooks(index: int, block: nn.Module) -> None:
     """Refuse hooks on a block (and global backward hooks): the stack runs a coupling's arithmetic itself, so none of
     them would run there, and backward rebuilds a block's input by inverting its output, which a hook that changes the
     output breaks (a user's invertible block, called as a module, has its forward hooks run twice). A forward
     pre-hook on a user's block is allowed (``weight_norm``'s recomputes the weight): it runs in the forward and again
     in backward's rebuild (README). Hooks on the modules inside f and g run."""
+    _refuse_sharded(index, block)
     module_hooks = torch.nn.modules.module
     tables = [("forward", block._forward_hooks), ("backward", block._backward_hooks),
               ("backward pre-", block._backward_pre_hooks), ("global backward", module_hooks._global_backward_hooks),
