@@ -52,3 +52,45 @@ def test_a_forward_running_collectives_is_refused_on_every_rank():
         assert "runs torch.distributed collectives (c10d.allreduce_) across 2 ranks" in result["refused"]
         assert result["classes"] == ["_LoadBalanced", "LayerNorm", "Linear"]  # left as it was
         assert result["changes"] == 1
+
+
+class _NormLast(nn.Module):
+    """A block that ends in a LayerNorm, read by the next block's Linear (BERT's layout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(16, 16), nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.ln(torch.relu(self.fc(x)) + x)
+
+
+def _fsdp_body(rank):
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_NormLast(), _NormLast(), nn.Linear(16, 4))
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(rank))
+    _, report = memtrim.convert(model, example_inputs=x[:2])
+    for block in model[:2]:
+        fully_shard(block)
+    fully_shard(model)
+    try:
+        model(x).square().mean().backward()
+    except memtrim.ConvertError as e:
+        return {"changes": len(report.changes), "error": str(e)}
+    return {"changes": len(report.changes), "error": ""}
+
+
+@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 5),
+                    reason="torch 2.4's FSDP2 makes CUDA streams: it does not run on a CPU")
+def test_a_norm_rebuilt_in_a_later_fsdp2_units_backward_raises_naming_the_fix():
+    # found by an adversarial pass: FSDP2 frees a unit's parameters after its forward, and the LayerNorm ending one
+    # unit was rebuilt in the next unit's backward from its freed weight: torch's bare "data is not allocated yet"
+    for result in spawn(_fsdp_body):
+        assert result["changes"] >= 1
+        assert "rebuilds in backward a tensor it did not keep, from tensors freed" in result["error"]
+        assert "reshard_after_forward=False" in result["error"]

@@ -197,8 +197,9 @@ def _refuse_collectives(evidence: Any) -> None:
         f"{torch.distributed.get_world_size()} ranks. convert runs the forward a number of times that "
         "depends on the example's values, so each rank's collectives would pair with another forward's on the other "
         "ranks (wrong values, silently, or a hang). Expected a forward without collectives; to fix: convert before "
-        "the collectives start (before wrapping the model in DistributedDataParallel or "
-        "SyncBatchNorm.convert_sync_batchnorm, or where the forward skips them without a process group), then wrap.")
+        "the collectives start (before wrapping the model in DistributedDataParallel or FSDP2's fully_shard, "
+        "before SyncBatchNorm.convert_sync_batchnorm, or where the forward skips them without a process group), then "
+        "wrap.")
 
 
 class _StartOver(Exception):

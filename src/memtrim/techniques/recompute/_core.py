@@ -83,11 +83,26 @@ class Recipe:
         self.done: set[int] = set()  # handles unpacked since the cache was built
 
     def _rebuild(self, sources: list[torch.Tensor]) -> torch.Tensor:
-        if torch.is_grad_enabled():  # a backward with create_graph=True (a plain backward runs with grad off)
-            with torch.no_grad():
+        try:
+            if torch.is_grad_enabled():  # a backward with create_graph=True (a plain backward runs with grad off)
+                with torch.no_grad():
+                    t = self.fn(*sources)
+            else:
                 t = self.fn(*sources)
-        else:
-            t = self.fn(*sources)
+        except RuntimeError as e:
+            if "is not allocated" not in str(e):
+                raise
+            # found by an adversarial pass: FSDP2 (reshard_after_forward) frees a unit's unsharded parameters after
+            # its forward, and a LayerNorm ending one unit was rebuilt in the next unit's backward, before FSDP2
+            # gathers them again (BERT's layout): torch's bare "data is not allocated yet"
+            raise ConvertError(
+                f"memtrim: {self.owner} rebuilds in backward a tensor it did not keep, from tensors freed since its "
+                f"forward ({e}). Under FSDP2, fully_shard frees a unit's parameters after its forward "
+                "(reshard_after_forward=True), and this module's output is rebuilt in the backward of a later unit "
+                "that reads it. To fix: put this module in the same fully_shard unit as the layer that reads its "
+                "output, pass reshard_after_forward=False to its unit, or leave it out of memtrim.convert "
+                "(module_filter)."
+            ) from e
         if not isinstance(t, torch.Tensor) or t.shape != self.shape or t.dtype != self.dtype or t.device != self.device:
             found = (f"{type(t).__name__} {tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor)
                      else type(t).__name__)
@@ -346,6 +361,8 @@ class _NodeRecipe(Recipe):
         outer, reads.node = reads.__dict__.get("node", False), True
         try:
             return super()._rebuild(sources)
+        except ConvertError:
+            raise
         except RuntimeError as e:
             if "freed" not in str(e):
                 raise
