@@ -70,11 +70,23 @@ def _ddp_body(rank):
         memtrim.OptimizerInBackward(torch.optim.Adam(_model().parameters()))
     except memtrim.InvalidInputError as e:
         refused = str(e)
+    # found by an adversarial pass: a DDP model with a comm hook of its own (gradient compression) got torch's bare
+    # "register_comm_hook ... can only be called once" from inside the constructor
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    compressed = DDP(_model())
+    compressed.register_comm_hook(None, fp16_compress_hook)
+    refused_hook = ""
+    try:
+        memtrim.OptimizerInBackward(torch.optim.Adam(compressed.parameters()), model=compressed)
+    except memtrim.InvalidInputError as e:
+        refused_hook = str(e)
     return {
         **results,
         "clipped_plain": [p.detach() for p in clipped_plain.parameters()],
         "clipped": [p.detach() for p in clipped.parameters()],
         "refused": refused,
+        "refused_hook": refused_hook,
     }
 
 
@@ -115,6 +127,15 @@ def _fsdp_body(rank):
             memtrim.OptimizerInBackward(torch.optim.SGD(model.parameters(), lr=0.1), model=model, **options)
         except memtrim.InvalidInputError as e:
             results["refused"].append(str(e))
+    # found by the same pass: memtrim's optimizers that keep state of their own failed at the first step with torch's
+    # "got mixed torch.Tensor and DTensor"
+    results["sharded"] = []
+    for make in (lambda p: memtrim.LowBitAdamW(p, bits=8),
+                 lambda p: memtrim.CPUOffloadOptimizer(p, offload_gradients=False)):
+        try:
+            make(sharded().parameters())
+        except memtrim.InvalidInputError as e:
+            results["sharded"].append(str(e))
     return results
 
 
@@ -132,6 +153,7 @@ def test_ddp_equals_standard_ddp():
         _assert_equal(rank_result["plain"], rank_result["fused"])
         _assert_equal(rank_result["clipped_plain"], rank_result["clipped"])
         assert "no DistributedDataParallel model was given" in rank_result["refused"]
+        assert "has a comm hook already (fp16_compress_hook)" in rank_result["refused_hook"]
     _assert_equal(results[0]["fused"], results[1]["fused"])  # the ranks did not drift apart
 
 
@@ -145,6 +167,8 @@ def test_fsdp2_equals_standard_fsdp2():
         assert not any(torch.equal(a, b) for a, b in zip(rank_result["plain"], rank_result["clipped"]))
         assert len(rank_result["refused"]) == 2
         assert all("not supported under FSDP2" in message for message in rank_result["refused"])
+        assert len(rank_result["sharded"]) == 2
+        assert all("the parameters are DTensors (FSDP2's fully_shard" in message for message in rank_result["sharded"])
 
 
 def _offload_ddp_body(rank):

@@ -2142,7 +2142,19 @@ def _check_model(model: Any, optimizer: torch.optim.Optimizer) -> Any:
     _check_owned(model, optimizer)
     from torch.nn.parallel import DistributedDataParallel
 
-    return model if isinstance(model, DistributedDataParallel) else None
+    if not isinstance(model, DistributedDataParallel):
+        return None
+    hooks = getattr(model, "_comm_hooks", None)
+    if hooks:  # found by an adversarial pass: torch's bare "register_comm_hook ... can only be called once"
+        name = getattr(hooks[0][0], "__name__", hooks[0][0])
+        raise InvalidInputError(
+            f"memtrim.OptimizerInBackward: the DDP model has a comm hook already ({name}), and DDP takes one: the "
+            "wrapper's comm hook is where it receives each averaged gradient. Expected a "
+            "DDP model without a comm hook; to fix: build the DDP model without register_comm_hook (gradient "
+            "compression such as fp16_compress_hook or PowerSGD then is not applied), or train it with the "
+            "standard loop."
+        )
+    return model
 
 
 def _check_not_distributed(optimizer: torch.optim.Optimizer, two_passes: bool) -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ...errors import MemtrimError
+from ...errors import InvalidInputError, MemtrimError
 
 
 class WrappedOptimizerView(torch.optim.Optimizer):
@@ -38,3 +38,15 @@ class WrappedOptimizerView(torch.optim.Optimizer):
             f"with, so a copy would not train its own. Save opt.state_dict(), build a new {name} around the copied "
             "model's parameters and load the state into it."
         )
+
+
+def refuse_sharded(params: Any, api: str) -> None:
+    """Refuse FSDP2's sharded parameters (DTensors) where an optimizer's own arithmetic would mix them with plain
+    tensors (found by an adversarial pass: torch's bare "got mixed torch.Tensor and DTensor" at the first step)."""
+    for p in params:
+        if isinstance(p, torch.Tensor) and type(p.data).__name__ == "DTensor":
+            raise InvalidInputError(
+                f"{api}: the parameters are DTensors (FSDP2's fully_shard sharded them, shape {tuple(p.shape)}), which "
+                "it does not support: its state and update are plain tensors. Expected unsharded parameters; to fix: "
+                "use torch.optim.AdamW under FSDP2, or DDP with this optimizer."
+            )

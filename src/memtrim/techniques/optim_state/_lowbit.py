@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...errors import InvalidInputError
+from ..optim.wrapping import refuse_sharded
 
 _API = "memtrim.LowBitAdamW"
 _F8 = getattr(torch, "float8_e4m3fn", None)
@@ -195,6 +196,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         try:  # a refused group is not kept: a caller that catches the error must not step it
             _check_options({k: group[k] for k in ("lr", "betas", "eps", "weight_decay")})
             _refuse_unimplemented(group)
+            refuse_sharded(group["params"], _API)
             for p in group["params"]:
                 if p.is_complex():
                     raise InvalidInputError(f"{_API}: complex parameters are not supported (shape {tuple(p.shape)}).")

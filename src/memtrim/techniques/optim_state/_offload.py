@@ -52,7 +52,7 @@ from ..optim.held_elsewhere import (
     wait_for_copies,
 )
 from ..optim.in_backward import users_hook_on
-from ..optim.wrapping import WrappedOptimizerView
+from ..optim.wrapping import WrappedOptimizerView, refuse_sharded
 
 _API = "memtrim.CPUOffloadOptimizer"
 
@@ -234,6 +234,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
     def _host_copy(self, param: torch.Tensor) -> torch.Tensor:
         if not isinstance(param, torch.Tensor):
             raise InvalidInputError(f"{_API}: parameters must be tensors, got {type(param).__name__}.")
+        refuse_sharded([param], _API)
         other = live_offloader(param)
         if other is not None and other is not self:
             raise InvalidInputError(
