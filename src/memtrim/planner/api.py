@@ -210,6 +210,14 @@ def _check(model_or_factory: Any, loss_fn: Any, optimizer_factory: Any, techniqu
             f"{_API}: model_or_factory must be an nn.Module or a function returning one, got "
             f"{type(model_or_factory).__name__}."
         )
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model_or_factory, DistributedDataParallel):  # found by an adversarial pass: the trace failed on
+        raise InvalidInputError(                                 # DDP's buffers, blaming the user's step
+            f"{_API}: the model is wrapped in DistributedDataParallel, whose reducer's buffers are real tensors the "
+            "step cannot be traced on fake ones with. Expected the model itself; to fix: plan the module inside "
+            "(memtrim.plan(ddp_model.module, ...)): the plan is one process's step."
+        )
     if isinstance(optimizer_factory, type) or not callable(optimizer_factory):
         raise InvalidInputError(
             f"{_API}: optimizer_factory must be a function of the model, e.g. lambda m: torch.optim.AdamW("
