@@ -191,15 +191,16 @@ def _refuse_sharded(index: int, block: nn.Module) -> None:
     kinds = tuple(k for k in (getattr(fsdp, "FSDPModule", None),
                               getattr(sys.modules.get("torch.distributed._composable.fsdp"), "FSDPModule", None))
                   if isinstance(k, type))
-    sharded = next((name for name, m in block.named_modules() if kinds and isinstance(m, kinds)), None)
-    if sharded is not None:
-        where = f"its module {sharded!r}" if sharded else "the block itself"
-        raise InvalidInputError(
-            f"memtrim.ReversibleSequential: block {index} ({type(block).__name__}) is sharded by FSDP2's fully_shard "
-            f"({where}). The stack rebuilds each block's input in backward by calling its f and g, whose parameters "
-            "FSDP2 has resharded after their forward. Expected the stack's blocks unsharded apart; to fix: one "
-            "fully_shard around the whole ReversibleSequential (or a module holding it)."
-        )
+    if not kinds or not any(isinstance(m, kinds) for m in block.modules()):
+        return
+    sharded = next(name for name, m in block.named_modules() if isinstance(m, kinds))
+    where = f"its module {sharded!r}" if sharded else "the block itself"
+    raise InvalidInputError(
+        f"memtrim.ReversibleSequential: block {index} ({type(block).__name__}) is sharded by FSDP2's fully_shard "
+        f"({where}). The stack rebuilds each block's input in backward by calling its f and g, whose parameters "
+        "FSDP2 has resharded after their forward. Expected the stack's blocks unsharded apart; to fix: one "
+        "fully_shard around the whole ReversibleSequential (or a module holding it)."
+    )
 
 
 def _refuse_hooks(index: int, block: nn.Module) -> None:
