@@ -102,19 +102,20 @@ def activated(input: Any, kind: Any) -> bool | None:
     return mark[1] is None or mark[1] == input._version
 
 
-def plain_only() -> bool:
+def plain_only(in_backward: bool = True) -> bool:
     """True under ``torch.compile`` (saved-tensor hooks and data-dependent shapes do not trace; the compiler plans its
     own memory), under ``torch.func`` transforms, in forward-mode AD (``torch.autograd.forward_ad``: a custom
-    autograd.Function needs rules they do not have), while ``torch.fx`` traces (:func:`fx_tracing`) and in a forward
-    that runs inside a backward pass under no saved-tensor hooks but memtrim's (reentrant checkpointing's
-    recomputation: what it keeps is used at once, and the rebuilds' temporaries put a converted GPT-2's step peak 10 %
-    above the plain model's, found by an adversarial pass; a non-reentrant checkpoint's recomputation runs under its
-    own hooks, and must save what its forward saved): the modules then run as torch's own ops, exactly the
-    unconverted model."""
+    autograd.Function needs rules they do not have) and while ``torch.fx`` traces (:func:`fx_tracing`): the modules
+    then run as torch's own ops, exactly the unconverted model. With ``in_backward`` (what keeps a recipe, whose
+    rebuild is bitwise torch's), also in a forward that runs inside a backward pass under no saved-tensor hooks but
+    memtrim's: reentrant checkpointing's recomputation, whose saves are used at once (the rebuilds' temporaries put a
+    converted GPT-2's step peak 10 % above the plain model's, found by an adversarial pass). A non-reentrant
+    checkpoint's recomputation runs under its own hooks, and must save what its forward saved; a norm rebuilt from its
+    output (not torch's bits) keeps its form there, so the recomputed block trains as the converted one."""
     # one function, no calls of ours inside but in backward (about 70 calls per step of a converted resnet18)
     if _IS_COMPILING() or (_FUNCTORCH_ACTIVE is not None and _FUNCTORCH_ACTIVE()):
         return True
-    if _GRAPH_TASK() != -1:
+    if in_backward and _GRAPH_TASK() != -1:
         top = top_saved_tensors_hooks()
         if top is None or memtrims(top[0]):
             return True

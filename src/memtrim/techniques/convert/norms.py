@@ -83,7 +83,8 @@ _NORM_OPS = frozenset({
 
 
 def _wants_plain(x: Any, params: list[torch.Tensor]) -> bool:
-    return (not isinstance(x, torch.Tensor) or not torch.is_grad_enabled() or plain_only() or not saves_checked()
+    return (not isinstance(x, torch.Tensor) or not torch.is_grad_enabled() or plain_only(in_backward=False)
+            or not saves_checked()
             or autocasting(x) or x.dtype in HALF_PRECISION  # (NOTE [ norms in half precision ]: after model.to())
             or not (x.requires_grad or any(p.requires_grad for p in params)))
 
@@ -162,7 +163,7 @@ def _form(base: type[nn.Module], kind: str) -> type:
 
     if kind == "layer":
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if plain_only() or not torch.is_grad_enabled():
+            if plain_only(in_backward=False) or not torch.is_grad_enabled():
                 return base.forward(self, *args, **kwargs)
             with _LayerNormKeepsOutput(self):
                 return base.forward(self, *args, **kwargs)

@@ -138,7 +138,7 @@ class LayerNorm(nn.LayerNorm):
         """``nn.LayerNorm``'s forward, keeping the output for backward (torch's own forward where nothing needs
         a gradient, under autocast, ``torch.compile``, ``torch.func``, inside a checkpointed region or while a CUDA
         graph is captured)."""
-        if (not torch.is_grad_enabled() or plain_only() or not saves_checked() or autocasting(input)
+        if (not torch.is_grad_enabled() or plain_only(in_backward=False) or not saves_checked() or autocasting(input)
                 or capturing(input)  # (NOTE [ keep decisions while a CUDA graph is captured ])
                 or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))
                 or _torchs_case(input, self.weight, self.normalized_shape)):
@@ -169,7 +169,7 @@ class RMSNorm(nn.RMSNorm):
         """``nn.RMSNorm``'s forward, keeping the output for backward (torch's own forward where nothing needs
         a gradient, under autocast, ``torch.compile``, ``torch.func``, inside a checkpointed region or while a CUDA
         graph is captured)."""
-        if (not torch.is_grad_enabled() or plain_only() or not saves_checked() or autocasting(input)
+        if (not torch.is_grad_enabled() or plain_only(in_backward=False) or not saves_checked() or autocasting(input)
                 or capturing(input)  # (NOTE [ keep decisions while a CUDA graph is captured ])
                 or not (input.requires_grad or any(p.requires_grad for p in self.parameters()))
                 or _torchs_case(input, self.weight, self.normalized_shape)):

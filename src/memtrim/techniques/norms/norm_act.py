@@ -286,8 +286,9 @@ class _BatchNormAct(WatchedFusion, nn.modules.batchnorm._BatchNorm):
         # (and in float16 and bfloat16: NOTE [ norms in half precision ] in _kernels.py; and for an input of another
         # dtype than the weight, bfloat16 convolutions before a float32 BatchNorm; and while a CUDA graph is captured:
         # NOTE [ keep decisions while a CUDA graph is captured ] in _kernels.py)
-        if (not needs_grad or plain_only() or autocasting(input) or input.numel() == 0 or not saves_checked()
-                or input.dtype in HALF_PRECISION or other_dtype(self, input) or capturing(input)):
+        if (not needs_grad or plain_only(in_backward=False) or autocasting(input) or input.numel() == 0
+                or not saves_checked() or input.dtype in HALF_PRECISION or other_dtype(self, input)
+                or capturing(input)):
             out = nn.functional.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                            bn_training, factor, self.eps)
             # in place or not as the activation convert fused was (what its backward keeps, an input or an output,
@@ -299,7 +300,7 @@ class _BatchNormAct(WatchedFusion, nn.modules.batchnorm._BatchNorm):
                 out = nn.functional.leaky_relu(out, param, inplace=inplace)
             elif self.activation == "elu":
                 out = nn.functional.elu(out, param, inplace=inplace)
-            return out if plain_only() else mark_activated(out, self.__dict__.get(FUSION))
+            return out if plain_only(in_backward=False) else mark_activated(out, self.__dict__.get(FUSION))
         if not bn_training and (running_mean is None or running_var is None):
             raise InvalidInputError(f"memtrim.nn.{type(self).__name__}: eval mode needs running statistics.")
         channels = input.shape[1] if input.dim() > 1 else 0
