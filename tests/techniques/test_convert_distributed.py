@@ -41,7 +41,21 @@ def _collectives_body(rank):
         refused = ""
     plain = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 4))  # no collective: converts under the process group
     _, report = memtrim.convert(plain, example_inputs=torch.randn(8, 16, generator=g))
-    return {"refused": refused, "changes": len(report.changes), "classes": [type(m).__name__ for m in model.modules()]}
+    # a DDP model broadcasts its buffers in its forward: the message names the module inside, which converts
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ddp = DDP(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3)))
+    images = torch.randn(2, 3, 8, 8, generator=g)
+    try:
+        memtrim.convert(ddp, example_inputs=images)
+    except memtrim.InvalidInputError as e:
+        refused_ddp = str(e)
+    else:
+        refused_ddp = ""
+    _, inside = memtrim.convert(ddp.module, example_inputs=images)
+    return {"refused": refused, "changes": len(report.changes), "classes": [type(m).__name__ for m in model.modules()],
+            "refused_ddp": refused_ddp, "changes_inside": len(inside.changes)}
 
 
 def test_a_forward_running_collectives_is_refused_on_every_rank():
@@ -52,6 +66,8 @@ def test_a_forward_running_collectives_is_refused_on_every_rank():
         assert "runs torch.distributed collectives (c10d.allreduce_) across 2 ranks" in result["refused"]
         assert result["classes"] == ["_LoadBalanced", "LayerNorm", "Linear"]  # left as it was
         assert result["changes"] == 1
+        assert "convert the module inside it (memtrim.convert(ddp_model.module, ...))" in result["refused_ddp"]
+        assert result["changes_inside"] == 1
 
 
 class _NormLast(nn.Module):

@@ -182,7 +182,7 @@ def as_training(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
 # change alone (a rule's ``match`` then runs twice). What a batch's sum cannot tell: a change that saves nothing
 # beside one that saves exactly that much more than its rule expected; both are kept and reported at their expected
 # bytes.
-def _refuse_collectives(evidence: Any) -> None:
+def _refuse_collectives(evidence: Any, model: nn.Module) -> None:
     """Refuse a forward that runs torch.distributed collectives while ranks are running: convert's further forwards
     (one per batch of changes, more where one is measured again) are as many as the example's values make them, so
     the ranks' collectives would pair up wrongly (found by an adversarial pass: an MoE's expert-load all_reduce, 4
@@ -192,14 +192,19 @@ def _refuse_collectives(evidence: Any) -> None:
     if not collectives or not distributed or torch.distributed.get_world_size() < 2:
         return
     names = ", ".join(sorted(set(collectives)))
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = ("the model is a DistributedDataParallel, whose forward broadcasts its buffers: convert the module "
+               "inside it (memtrim.convert(ddp_model.module, ...)); or " if isinstance(model, DistributedDataParallel)
+               else "")
     raise InvalidInputError(
         f"memtrim.convert: the model's forward runs torch.distributed collectives ({names}) across "
         f"{torch.distributed.get_world_size()} ranks. convert runs the forward a number of times that "
         "depends on the example's values, so each rank's collectives would pair with another forward's on the other "
-        "ranks (wrong values, silently, or a hang). Expected a forward without collectives; to fix: convert before "
-        "the collectives start (before wrapping the model in DistributedDataParallel or FSDP2's fully_shard, "
-        "before SyncBatchNorm.convert_sync_batchnorm, or where the forward skips them without a process group), then "
-        "wrap.")
+        "ranks (wrong values, silently, or a hang). Expected a forward without collectives; to fix: "
+        f"{wrapped}convert before the collectives start (before wrapping the model in DistributedDataParallel or "
+        "FSDP2's fully_shard, before SyncBatchNorm.convert_sync_batchnorm, or where the forward skips them without a "
+        "process group), then wrap.")
 
 
 class _StartOver(Exception):
@@ -210,7 +215,7 @@ class _StartOver(Exception):
 def _convert(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], given: bool,
              module_filter: Callable[[str, nn.Module], bool] | None) -> tuple[nn.Module, ConversionReport]:
     evidence = collect(model, args, kwargs) if given else fx_evidence(model)
-    _refuse_collectives(evidence)
+    _refuse_collectives(evidence, model)
     measure = (lambda: activation_bytes(model, args, kwargs)) if given else None
     before = measure() if measure is not None else None
     conversion = _Conversion(model, evidence, measure, before, args, kwargs, module_filter, together=given)
