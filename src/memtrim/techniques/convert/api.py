@@ -163,25 +163,6 @@ def as_training(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
             numpy.random.set_state(numpy_state)
 
 
-# NOTE [ changes measured together ]
-# Each change's saving is measured: the activation bytes a tracked forward on the example inputs leaves, before and
-# after it. Measured after every change, that is a forward of the whole model per change, and convert's time grew with
-# the square of the model's depth (benchmarks/convert_time.py: an HF Llama of 64 layers, d=64, 193 changes, 108.9 s at
-# deb5f94; 4 layers 0.56 s; measured together, 3.9 s and 0.22 s). Most built-in rules know from the trace what their
-# change drops (``Candidate.expected_bytes``); on the models of benchmarks/convert_zoo.py the measured saving equals
-# it for every change but those whose bytes depend on an earlier change (the trace is of the unconverted model: HF
-# Llama's embeddings, which its converted norms no longer keep). So a built-in rule's changes that expect a saving are
-# applied one after another and measured together: once per rule, and before any change measured alone (a user's
-# rule's; one with no expectation); where some of them must leave the training step alone (an in-place activation made
-# out of place), the step is compared once for the batch too. Where the batch's measured saving is the sum of what its
-# changes expected (and the step is the same), each is reported with its expected bytes. Where it is not, or the
-# forward fails, the batch is undone and measured again one change at a time, each applied again and kept only where
-# it saves bytes, as convert measures every change otherwise. The report is then the one measuring every change gives,
-# except where a change other than a batch's last is undone there: the rule chose the changes after it with that one
-# applied (a module it claimed, a class it swapped), so convert undoes everything and starts over, measuring each
-# change alone (a rule's ``match`` then runs twice). What a batch's sum cannot tell: a change that saves nothing
-# beside one that saves exactly that much more than its rule expected; both are kept and reported at their expected
-# bytes.
 def _refuse_collectives(evidence: Any, model: nn.Module) -> None:
     """Refuse a forward that runs torch.distributed collectives while ranks are running: convert's further forwards
     (one per batch of changes, more where one is measured again) are as many as the example's values make them, so
@@ -207,6 +188,25 @@ def _refuse_collectives(evidence: Any, model: nn.Module) -> None:
         "process group), then wrap.")
 
 
+# NOTE [ changes measured together ]
+# Each change's saving is measured: the activation bytes a tracked forward on the example inputs leaves, before and
+# after it. Measured after every change, that is a forward of the whole model per change, and convert's time grew with
+# the square of the model's depth (benchmarks/convert_time.py: an HF Llama of 64 layers, d=64, 193 changes, 108.9 s at
+# deb5f94; 4 layers 0.56 s; measured together, 3.9 s and 0.22 s). Most built-in rules know from the trace what their
+# change drops (``Candidate.expected_bytes``); on the models of benchmarks/convert_zoo.py the measured saving equals
+# it for every change but those whose bytes depend on an earlier change (the trace is of the unconverted model: HF
+# Llama's embeddings, which its converted norms no longer keep). So a built-in rule's changes that expect a saving are
+# applied one after another and measured together: once per rule, and before any change measured alone (a user's
+# rule's; one with no expectation); where some of them must leave the training step alone (an in-place activation made
+# out of place), the step is compared once for the batch too. Where the batch's measured saving is the sum of what its
+# changes expected (and the step is the same), each is reported with its expected bytes. Where it is not, or the
+# forward fails, the batch is undone and measured again one change at a time, each applied again and kept only where
+# it saves bytes, as convert measures every change otherwise. The report is then the one measuring every change gives,
+# except where a change other than a batch's last is undone there: the rule chose the changes after it with that one
+# applied (a module it claimed, a class it swapped), so convert undoes everything and starts over, measuring each
+# change alone (a rule's ``match`` then runs twice). What a batch's sum cannot tell: a change that saves nothing
+# beside one that saves exactly that much more than its rule expected; both are kept and reported at their expected
+# bytes.
 class _StartOver(Exception):
     """A change measured again alone saved nothing, and its rule chose later changes of its batch with it applied:
     convert starts over, measuring each change alone (NOTE [ changes measured together ])."""

@@ -89,7 +89,7 @@ from ...measure import hooks as measure_hooks
 from .._modes import putting_buffers_back
 from ..guards import register_own
 from .held_elsewhere import gather_gradient, held_gradients, holder_of
-from .wrapping import WrappedOptimizerView
+from .wrapping import WrappedOptimizerView, sharded
 
 __all__ = ["OptimizerInBackward", "OptimizerInBackwardError"]
 
@@ -2163,7 +2163,7 @@ def _check_not_distributed(optimizer: torch.optim.Optimizer, two_passes: bool) -
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if params and all(type(p.data).__name__ == "DTensor" for p in params):
+    if params and all(sharded(p) for p in params):
         if two_passes:
             # found by an adversarial pass: FSDP2 reduce-scatters the sharded gradients from its own hooks, which the
             # measuring pass (backward(inputs=) the sharded parameters) never reached: every update ran unclipped,

@@ -40,11 +40,16 @@ class WrappedOptimizerView(torch.optim.Optimizer):
         )
 
 
+def sharded(param: Any) -> bool:
+    """Whether ``param`` is one of FSDP2's sharded parameters (its data a DTensor; not imported to ask)."""
+    return isinstance(param, torch.Tensor) and type(param.data).__name__ == "DTensor"
+
+
 def refuse_sharded(params: Any, api: str) -> None:
     """Refuse FSDP2's sharded parameters (DTensors) where an optimizer's own arithmetic would mix them with plain
     tensors (found by an adversarial pass: torch's bare "got mixed torch.Tensor and DTensor" at the first step)."""
     for p in params:
-        if isinstance(p, torch.Tensor) and type(p.data).__name__ == "DTensor":
+        if sharded(p):
             raise InvalidInputError(
                 f"{api}: the parameters are DTensors (FSDP2's fully_shard sharded them, shape {tuple(p.shape)}), which "
                 "it does not support: its state and update are plain tensors. Expected unsharded parameters; to fix: "
