@@ -27,11 +27,12 @@ from ..errors import ConvertError
 from ..measure.hooks import top_saved_tensors_hooks
 
 __all__ = [
-    "CONVERTED", "HOOKS_ENABLED", "INPUT_AND_FORWARD_HOOKS", "INPUT_HOOKS", "OUTPUT_HOOKS", "RECOMPUTE_HOOKS",
-    "activated", "as_if_capturing", "autocasting", "batched", "capturing", "fx_tracing", "hooks_allowed",
-    "inplace_error", "keep_hook_ids", "mark_activated", "memtrims", "no_double_backward", "owner", "plain_apply",
-    "plain_only", "kept_params", "refuse_later_hooks", "saved_tensors", "saves_checked", "watch_registrations",
-    "watch_replacement", "WatchedFusion",
+    "CONSUMER_SCOPE_END", "CONVERTED", "DECISIONS_END", "GATED_MLP_END", "HOOKS_ENABLED", "INPUT_AND_FORWARD_HOOKS",
+    "INPUT_HOOKS", "OUTPUT_HOOKS", "PRODUCER_SCOPE_END", "RECOMPUTE_HOOKS", "WatchedFusion", "activated",
+    "as_if_capturing", "autocasting", "batched", "capturing", "fx_tracing", "hooks_allowed", "inplace_error",
+    "keep_hook_ids", "kept_params", "mark_activated", "memtrims", "no_double_backward", "owner", "plain_apply",
+    "plain_only", "refuse_later_hooks", "register_end_hook", "saved_tensors", "saves_checked", "watch_registrations",
+    "watch_replacement",
 ]
 
 
@@ -184,6 +185,30 @@ def keep_hook_ids(*modules: nn.Module) -> Callable[[], None]:
     for module in modules:
         module.__dict__.setdefault("_memtrim_hook_ids", _HOOK_IDS)
     return functools.partial(_forget_hook_ids, modules)
+
+
+# the keys of memtrim's always_call forward hooks, one per role (negative: torch never numbers a handle so)
+CONSUMER_SCOPE_END, PRODUCER_SCOPE_END, GATED_MLP_END, DECISIONS_END = -1, -2, -3, -4
+
+
+def register_end_hook(module: nn.Module, hook: Callable[..., Any], key: int, *,
+                      with_kwargs: bool = False) -> RemovableHandle:
+    """``module.register_forward_hook(hook, always_call=True)`` (it runs where the forward raised, to close what the
+    pre-hook opened), keyed in the module's hook dicts by ``key`` (one per role of memtrim's) instead of torch's
+    running handle number. torch.compile guards an always_call hook by its key (``hook_id in
+    _forward_hooks_always_called``), so keys numbered per module made each block of a model compiled block by block
+    (``block.compile()`` on each layer) a graph of its own: a converted Llama's gated MLPs, 4 graphs for 4 layers where
+    the plain model makes 1. A module already holding ``key`` keeps torch's number (compiled apart, still right)."""
+    handle = module.register_forward_hook(hook, with_kwargs=with_kwargs, always_call=True)
+    if key in module._forward_hooks:
+        return handle
+    tables: tuple[dict[int, Any], ...] = (module._forward_hooks, module._forward_hooks_always_called,
+                                          module._forward_hooks_with_kwargs)
+    for table in tables:
+        if handle.id in table:
+            table[key] = table.pop(handle.id)  # (the hook was just appended: it stays last)
+    handle.id = key
+    return handle
 
 
 def _forget_hook_ids(modules: tuple[nn.Module, ...]) -> None:

@@ -46,7 +46,7 @@ from ...measure import track
 from ...measure.hooks import tensors_in
 from ...proof.compare import bitwise_equal
 from .._generators import GeneratorsKept, cuda_devices, held_generators_kept, seeded
-from ..guards import CONVERTED, keep_hook_ids
+from ..guards import CONVERTED, DECISIONS_END, keep_hook_ids, register_end_hook
 from ..norms._kernels import DecidedTogether
 from ..offload._core import _MARK as _OFFLOADED
 from . import builtin as _builtin  # noqa: F401  (registers the built-in rules)
@@ -430,7 +430,7 @@ def _decide_together(model: nn.Module) -> None:
     decisions = model.__dict__[_DECISIONS] = DecidedTogether()
     keep_hook_ids(model)
     model.register_forward_pre_hook(decisions.enter)
-    model.register_forward_hook(decisions.leave, always_call=True)
+    register_end_hook(model, decisions.leave, DECISIONS_END)
 
 
 _EARLIER = "changed by an earlier memtrim.convert: left as it is"

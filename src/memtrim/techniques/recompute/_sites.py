@@ -21,8 +21,11 @@ from torch import nn
 from ...errors import ConvertError
 from ...proof.compare import bitwise_equal
 from ..guards import (
+    CONSUMER_SCOPE_END,
+    GATED_MLP_END,
     INPUT_AND_FORWARD_HOOKS,
     INPUT_HOOKS,
+    PRODUCER_SCOPE_END,
     RELU,
     activated,
     autocasting,
@@ -32,6 +35,7 @@ from ..guards import (
     memtrims,
     plain_only,
     refuse_later_hooks,
+    register_end_hook,
     saves_checked,
 )
 from ._core import (
@@ -157,7 +161,7 @@ def keep_recipes_in(module: nn.Module) -> Handle:
         return found
     forget = keep_hook_ids(module)
     pre = module.register_forward_pre_hook(_enter)
-    post = module.register_forward_hook(_exit, always_call=True)
+    post = register_end_hook(module, _exit, CONSUMER_SCOPE_END)
     # a partial, not a closure: the handle lives in the module's __dict__, so it must pickle (torch.save(model)) and
     # deepcopy with the module (the removers run last first)
     handle = Handle(forget, functools.partial(_forget_scope, module), pre.remove, post.remove)
@@ -454,8 +458,8 @@ def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None =
         A :class:`Handle`. Marking alone saves nothing: the consumers that keep the output need
         :func:`keep_recipes_in`.
     """
-    wrapper = module.__dict__.get("forward")
-    if isinstance(wrapper, _Checkpointed) and fn is None and next(module.parameters(), None) is None:
+    wrapper = _checkpointed(module)
+    if wrapper is not None and fn is None and next(module.parameters(), None) is None:
         # checkpointed too: one recompute serves both (NOTE [ one recompute for a checkpointed activation and its
         # consumers ])
         wrapper.recipe_owner = _name(module, owner)
@@ -471,7 +475,7 @@ def recompute_output(module: nn.Module, fn: Callable[..., torch.Tensor] | None =
         hooks.hook_id = post.id
         return Handle(forget, post.remove)
     pre = module.register_forward_pre_hook(hooks.pre, with_kwargs=True)
-    post = module.register_forward_hook(hooks.post, with_kwargs=True, always_call=True)
+    post = register_end_hook(module, hooks.post, PRODUCER_SCOPE_END, with_kwargs=True)
     hooks.hook_id = post.id
     return Handle(forget, pre.remove, post.remove)
 
@@ -520,7 +524,7 @@ def recompute_op_output(module: nn.Module, *, owner: str | None = None, eps: str
         A :class:`Handle`; ``remove()`` uninstalls the hook. Marking alone saves nothing: the consumers that keep
         the output need :func:`keep_recipes_in`.
     """
-    if isinstance(module.__dict__.get("forward"), _Checkpointed):  # one recompute serves both (recompute_output)
+    if _checkpointed(module) is not None:  # one recompute serves both (recompute_output)
         return recompute_output(module, owner=owner)
     tagger = _OpTag(_name(module, owner), eps)
     forget = keep_hook_ids(module)
@@ -686,7 +690,7 @@ def recompute_gated_mlp(mlp: nn.Module, *, gate: str = "gate_proj", up: str = "u
         up_hook,
         down_module.register_forward_pre_hook(hooks.down_pre),
         mlp.register_forward_pre_hook(hooks.enter),
-        mlp.register_forward_hook(hooks.exit, always_call=True),
+        register_end_hook(mlp, hooks.exit, GATED_MLP_END),
     )
     return Handle(forget, marks.remove, *(h.remove for h in removable))  # (removed last first)
 
@@ -806,10 +810,10 @@ def recompute_sum(consumers: list[nn.Module], producers: list[nn.Module], *, own
 
 # ---------------------------------------------------------------------- pointwise modules: checkpoint the call
 class _Checkpointed:
-    """An instance ``forward`` that runs the class's (or the previous instance) forward under non-reentrant
-    checkpoint; or, once :func:`recompute_output` also marks the module's output (``recipe_owner`` set), under
-    :class:`_SharedRecompute`, so that backward runs the forward once for both (NOTE [ one recompute for a
-    checkpointed activation and its consumers ])."""
+    """Set as a module's instance ``forward`` (its bound ``__call__``: :func:`checkpoint_call`): runs the class's (or
+    the previous instance) forward under non-reentrant checkpoint; or, once :func:`recompute_output` also marks the
+    module's output (``recipe_owner`` set), under :class:`_SharedRecompute`, so that backward runs the forward once
+    for both (NOTE [ one recompute for a checkpointed activation and its consumers ])."""
 
     def __init__(self, module: nn.Module, inner: Callable[..., Any] | None) -> None:
         self.module, self.inner = module, inner
@@ -903,6 +907,14 @@ class _SharedRecompute(torch.autograd.Function):
         return (None, *grads)
 
 
+def _checkpointed(module: nn.Module) -> _Checkpointed | None:
+    """The :class:`_Checkpointed` that :func:`checkpoint_call` set as ``module``'s forward (its bound ``__call__``;
+    the object itself in a model pickled before), if any."""
+    forward = module.__dict__.get("forward")
+    found = forward if isinstance(forward, _Checkpointed) else getattr(forward, "__self__", None)
+    return found if isinstance(found, _Checkpointed) else None
+
+
 def checkpoint_call(module: nn.Module) -> Handle:
     """Keep only ``module``'s inputs: its forward runs under non-reentrant ``torch.utils.checkpoint`` and is recomputed
     in backward (RNG state preserved). For pointwise modules that keep more than their input (HF
@@ -920,10 +932,14 @@ def checkpoint_call(module: nn.Module) -> Handle:
     """
     inner = module.__dict__.get("forward")
     wrapper = _Checkpointed(module, inner)
-    module.forward = wrapper
+    # its bound __call__, not the object: torch.compile guards a callable object by identity, a bound method by its
+    # function, so a model compiled block by block (block.compile() on each layer) made a graph per block (HF GPT-2's
+    # NewGELUActivation: 4 graphs for 4 layers where the plain model makes 1). A bound method pickles as
+    # getattr(wrapper, "__call__") and deepcopies to the copy's wrapper.
+    module.forward = wrapper.__call__
 
     def remove() -> None:
-        if module.__dict__.get("forward") is wrapper:
+        if _checkpointed(module) is wrapper:
             if inner is None:
                 del module.forward
             else:
