@@ -603,6 +603,31 @@ def test_under_torch_compile_the_stack_runs_eagerly_and_trains_as_eager(exact):
         assert torch.equal(a, b), name
 
 
+def test_under_torch_func_the_stack_runs_as_its_blocks_and_exact_mode_refuses():
+    # found by a review: torch.func.grad, vjp and jacrev raised torch's "don't yet support saved tensor hooks", and
+    # vmap of an exact stack torch's "data-dependent control flow". Not exact, the stack now runs there as its blocks
+    # in turn (the plain stack's gradients, bitwise); exact, it refuses naming the way out
+    plain, rev = twins(depth=3, width=4)
+    x = torch.randn(5, 8, dtype=torch.float64)
+    params = [dict(m.named_parameters()) for m in (plain, rev)]
+
+    def loss(model):
+        return lambda p, x: torch.func.functional_call(model, p, (x,)).square().sum()
+
+    for transform in (
+        lambda model, p: torch.func.grad(loss(model))(p, x),
+        lambda model, p: torch.func.jacrev(loss(model), argnums=1)(p, x),
+        lambda model, p: torch.func.vmap(torch.func.grad(loss(model), argnums=1), in_dims=(None, 0))(p, x[:, None]),
+        lambda model, p: torch.func.jvp(lambda x: torch.func.functional_call(model, p, (x,)), (x,), (x,)),
+    ):
+        got, want = (torch.utils._pytree.tree_leaves(transform(model, p))  # (the parameters' names differ)
+                     for model, p in ((rev, params[1]), (plain, params[0])))
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    exact = memtrim.ReversibleSequential(*copy.deepcopy(list(rev.blocks)), exact=True)
+    with pytest.raises(memtrim.errors.ReversibleError, match=r"exact=True\) cannot run under torch.func.*exact=False"):
+        torch.func.grad(loss(exact))(dict(exact.named_parameters()), x)
+
+
 def test_exact_mode_forwards_the_same_bits_without_grad():
     # found by a review: with grad off (evaluation under no_grad or inference_mode) the exact stack ran as the plain
     # float stack, off its fixed-point grid: other outputs than the training forward (2.4e-7 off)

@@ -55,7 +55,7 @@ from torch import nn
 from ...errors import InvalidInputError, ReversibleError
 from ...measure.hooks import hold_for_backward
 from .._modes import TrainingFlags, buffers_put_back, set_training_flags, training_flags
-from ..guards import memtrims
+from ..guards import memtrims, plain_only
 from ._replay import Replay, as_forward, captured, replayed
 from .coupling import AdditiveCoupling, AffineCoupling, _checked, _split
 
@@ -615,6 +615,8 @@ class ReversibleSequential(nn.Module):
         output there); a plain sequential call where grad is disabled, but with ``exact=True``, whose stream stays
         on its fixed-point grid there too (an evaluation under ``no_grad`` gave other outputs than the training
         forward, 2.4e-7 off, until 2026-12-01)."""
+        if plain_only(in_backward=False):  # torch.func transforms, forward-mode AD, fx tracing
+            return self._plain(x)
         if not isinstance(x, torch.Tensor):
             raise InvalidInputError(f"memtrim.ReversibleSequential: input must be a tensor, got {type(x).__name__}.")
         if (not torch.is_grad_enabled() and not self.exact) or len(self.blocks) == 0:
@@ -625,6 +627,22 @@ class ReversibleSequential(nn.Module):
             with torch.inference_mode(False), torch.no_grad():  # (leaving inference mode turns grad on)
                 return self._frame(x.clone())
         return self._frame(x)
+
+    def _plain(self, x: Any) -> Any:
+        """The blocks in turn as torch's own ops, where the frame's saved-tensor hooks and backward cannot run: under
+        ``torch.func`` transforms (``grad``, ``vjp``, ``jacrev``, ``vmap``: they raised torch's "don't yet support
+        saved tensor hooks"), in forward-mode AD and while ``torch.fx`` traces. The same gradients as the plain stack,
+        keeping what it keeps. ``exact=True`` refuses: its fixed-point stream takes its gradient from the frame's own
+        backward, which these cannot run."""
+        if self.exact:
+            raise ReversibleError(
+                "memtrim.ReversibleSequential(exact=True) cannot run under torch.func transforms (grad, vjp, jacrev, "
+                "vmap), forward-mode AD or torch.fx tracing: its fixed-point stream takes its gradient from memtrim's "
+                "own backward, which they cannot run. Call the stack outside the transform, or use exact=False, which "
+                "runs there as its blocks in turn (torch's autograd, keeping every block's activations).")
+        for block in self.blocks:
+            x = block(x)
+        return x
 
     def _frame(self, x: torch.Tensor) -> torch.Tensor:
         return _Frame(list(self.blocks), self.exact, self.fraction_bits, x.dtype, self._drift).run(x)
