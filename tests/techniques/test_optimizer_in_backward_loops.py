@@ -1050,6 +1050,63 @@ def test_reentrant_checkpointing_with_two_passes_names_the_fix():
         opt.backward(F.cross_entropy(model[3:](h), y))
 
 
+class FrozenThenReentrant(nn.Module):
+    """PEFT's recipe: a frozen embedding whose output is made to require grad (``enable_input_require_grads``), then
+    reentrant-checkpointed blocks (``frozen_block``: the second block frozen too)."""
+
+    def __init__(self, frozen_block=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Linear(8, 16).requires_grad_(False)
+        self.b1, self.b2 = (nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2))
+        self.b2.requires_grad_(not frozen_block)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.emb(x).requires_grad_(True)
+        checkpoint = torch.utils.checkpoint.checkpoint
+        h = checkpoint(self.b1, h, use_reentrant=True) if self.b1[0].weight.requires_grad else self.b1(h)
+        h = h + checkpoint(self.b2, h, use_reentrant=True)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("option", ["clip_grad_norm", "scaler"])
+def test_reentrant_regions_after_a_frozen_input_are_refused_before_any_update(option):
+    # found by an adversarial pass (PEFT LoRA with HF's reentrant gradient checkpointing): nothing trainable lies
+    # before the regions in the outer graph, so the measuring pass (backward(inputs=own)) left them out. The clip's
+    # norm missed the parameters inside (2.11 measured against 2.29; every trained weight ~1e-3 off the standard
+    # loop), and a scaler missed an inf there (the parameters became inf, the scale grew)
+    model = FrozenThenReentrant()
+    before = copy.deepcopy(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    extra = {"clip_grad_norm": 0.05} if option == "clip_grad_norm" else {
+        "scaler": torch.amp.GradScaler("cpu", init_scale=2.0**16)}
+    opt = wrap(torch.optim.AdamW(trained, lr=1e-2), model, **extra)
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    with pytest.raises(Error, match=r"(?s)reentrant.*leaves out.*use_reentrant=False"):
+        opt.backward(F.cross_entropy(model(x), y))
+    assert_same(model, before)
+
+
+def test_a_reentrant_region_of_a_frozen_module_with_two_passes_is_bitwise():
+    # a region whose module holds none of the optimizer's parameters: what the measuring pass leaves out holds nothing
+    # to measure, so it runs (refusing it would refuse a loop that trains right)
+    runs = []
+    for wrapped in (False, True):
+        model = FrozenThenReentrant(frozen_block=True)
+        model.b1.requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        opt = wrap(opt, model, clip_grad_norm=0.05) if wrapped else opt
+        for x, y in batches():
+            opt.zero_grad()
+            backward_clipped(F.cross_entropy(model(x), y), model, opt, opt if wrapped else None, 0.05)
+            opt.step()
+        runs.append(model)
+    assert_same(*runs)
+    assert not torch.equal(runs[0].head.weight, FrozenThenReentrant().head.weight)
+
+
 def test_optimizer_state_can_be_reset_by_assignment():
     # opt.state = defaultdict(dict), as restart code does with a plain optimizer, raised AttributeError
     from collections import defaultdict

@@ -275,6 +275,17 @@ def _remove_handles(handles: list[Any]) -> None:
     handles.clear()
 
 
+_REENTRANT = (
+    "OptimizerInBackward.backward: clip_grad_norm= and scaler= run backward twice, the first pass over this "
+    "optimizer's parameters only (backward(inputs=...)), which reentrant checkpointing (torch.utils.checkpoint(..., "
+    "use_reentrant=True), HF's gradient_checkpointing_enable() with use_reentrant=True) refuses, or leaves out where "
+    "no parameter of this optimizer lies before it (the gradients inside would go unmeasured). Expected "
+    "non-reentrant checkpointing; found a reentrant region. To fix: checkpoint(..., use_reentrant=False), "
+    "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}), or "
+    "memtrim.checkpoint_modules."
+)
+
+
 class OptimizerInBackward(WrappedOptimizerView):
     """Wrap an optimizer so that it steps inside backward, bucket by bucket, freeing gradients as it goes.
 
@@ -711,7 +722,7 @@ class OptimizerInBackward(WrappedOptimizerView):
             return
         self._check_clip_covers_the_model()
         self._check_no_selective_checkpoint()
-        self._check_no_compiled_backward(loss)
+        self._check_graph(loss)
         self._pass = "measure"
         self._measured = 0
         _TWO_PASSES.wrapper = self
@@ -732,15 +743,7 @@ class OptimizerInBackward(WrappedOptimizerView):
                         if "reentrant" not in str(e):
                             raise
                         self._close_step()
-                        raise OptimizerInBackwardError(
-                            "OptimizerInBackward.backward: clip_grad_norm= and scaler= run backward twice, the "
-                            "first pass over this optimizer's parameters only (backward(inputs=...)), which "
-                            "reentrant checkpointing (torch.utils.checkpoint(..., use_reentrant=True), HF's "
-                            "gradient_checkpointing_enable() on older transformers) refuses. Expected "
-                            "non-reentrant checkpointing; found a reentrant region. To fix: "
-                            "checkpoint(..., use_reentrant=False), gradient_checkpointing_enable("
-                            "gradient_checkpointing_kwargs={'use_reentrant': False}), or memtrim.checkpoint_modules."
-                        ) from e
+                        raise OptimizerInBackwardError(_REENTRANT) from e
             self._conclude_measure()
             if self._skip_update():
                 self._stepped.update(self._where)  # this step is consumed: nothing may arrive for it later
@@ -789,11 +792,19 @@ class OptimizerInBackward(WrappedOptimizerView):
                 "torch.nn.utils.clip_grad_norm_ after loss.backward() and a plain optimizer.step()."
             )
 
-    def _check_no_compiled_backward(self, loss: torch.Tensor) -> None:
-        """The two passes run backward twice through a retained graph; torch.compile's backward (a
-        ``CompiledFunctionBackward`` node) does not give the same gradients twice there: inductor reuses its saved
-        buffers, and the second pass (the update) got other gradients, silently (torch's own check fires only in
-        some graphs). Refused before the first pass."""
+    def _check_graph(self, loss: torch.Tensor) -> None:
+        """Refused before the first of the two passes:
+
+        * torch.compile's backward (a ``CompiledFunctionBackward`` node): the passes run backward twice through a
+          retained graph, and it does not give the same gradients twice there: inductor reuses its saved buffers,
+          and the second pass (the update) got other gradients, silently (torch's own check fires only in some
+          graphs).
+        * A reentrant checkpoint region (``CheckpointFunctionBackward``) that may hold this optimizer's parameters.
+          Where the measuring pass (``backward(inputs=own)``) must go through it, torch refuses; where nothing of
+          this optimizer's lies behind it in the outer graph (a frozen embedding before it whose output was made to
+          require grad: PEFT's LoRA recipe, ``enable_input_require_grads``), the pass leaves it out, and the
+          parameters inside went unmeasured: the clip's norm missed them, a scaler missed their infs (found by an
+          adversarial pass). A region whose function belongs to a module holding none of them (frozen) runs."""
         seen: set[int] = set()
         stack = [loss.grad_fn]
         while stack:
@@ -801,6 +812,9 @@ class OptimizerInBackward(WrappedOptimizerView):
             if node is None or id(node) in seen:
                 continue
             seen.add(id(node))
+            if type(node).__name__ == "CheckpointFunctionBackward" and self._may_hold_own(node):
+                self._close_step()
+                raise OptimizerInBackwardError(_REENTRANT)
             if type(node).__name__.startswith("CompiledFunction"):
                 self._close_step()
                 raise OptimizerInBackwardError(
@@ -812,6 +826,18 @@ class OptimizerInBackward(WrappedOptimizerView):
                     "after loss.backward() and a plain optimizer.step()."
                 )
             stack.extend(fn for fn, _ in node.next_functions)
+
+    def _may_hold_own(self, node: Any) -> bool:
+        """Whether the function a reentrant checkpoint region runs (``ctx.run_function``) may use this optimizer's
+        trainable parameters: True unless it is a module's (a bound method or partial of one, as HF's layers pass)
+        holding none of them."""
+        fn = getattr(node, "run_function", None)
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        module = getattr(fn, "__self__", fn)
+        if not isinstance(module, torch.nn.Module):
+            return True
+        return any(p.requires_grad and id(p) in self._by_id for p in module.parameters())
 
     def _check_clip_covers_the_model(self) -> None:
         """``clip_grad_norm_(model.parameters())`` measures every gradient of the model; this wrapper measures (and
