@@ -805,13 +805,15 @@ class OptimizerInBackward(WrappedOptimizerView):
           require grad: PEFT's LoRA recipe, ``enable_input_require_grads``), the pass leaves it out, and the
           parameters inside went unmeasured: the clip's norm missed them, a scaler missed their infs (found by an
           adversarial pass). A region whose function belongs to a module holding none of them (frozen) runs."""
-        seen: set[int] = set()
+        # the nodes seen, held: torch 2.4 makes a new Python object for a node at each access, and one freed gave
+        # its id to the next (this walk ended there after two nodes of a small model, and neither check fired)
+        seen: dict[int, Any] = {}
         stack = [loss.grad_fn]
         while stack:
             node = stack.pop()
             if node is None or id(node) in seen:
                 continue
-            seen.add(id(node))
+            seen[id(node)] = node
             if type(node).__name__ == "CheckpointFunctionBackward" and self._may_hold_own(node):
                 self._close_step()
                 raise OptimizerInBackwardError(_REENTRANT)

@@ -907,6 +907,9 @@ class _SharedRecompute(torch.autograd.Function):
         return (None, *grads)
 
 
+_BOUND_FORWARD = torch.__version__ >= "2.5"  # (torch 2.5 inlines modules' forwards: inline_inbuilt_nn_modules)
+
+
 def _checkpointed(module: nn.Module) -> _Checkpointed | None:
     """The :class:`_Checkpointed` that :func:`checkpoint_call` set as ``module``'s forward (its bound ``__call__``;
     the object itself in a model pickled before), if any."""
@@ -935,8 +938,9 @@ def checkpoint_call(module: nn.Module) -> Handle:
     # its bound __call__, not the object: torch.compile guards a callable object by identity, a bound method by its
     # function, so a model compiled block by block (block.compile() on each layer) made a graph per block (HF GPT-2's
     # NewGELUActivation: 4 graphs for 4 layers where the plain model makes 1). A bound method pickles as
-    # getattr(wrapper, "__call__") and deepcopies to the copy's wrapper.
-    module.forward = wrapper.__call__
+    # getattr(wrapper, "__call__") and deepcopies to the copy's wrapper. torch 2.4 compiles each module instance
+    # apart anyway, and breaks the graph at a forward bound to another object than its module: the object there
+    module.forward = wrapper.__call__ if _BOUND_FORWARD else wrapper
 
     def remove() -> None:
         if _checkpointed(module) is wrapper:
