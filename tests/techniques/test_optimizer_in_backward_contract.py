@@ -554,6 +554,29 @@ def test_item9_two_open_wrappers_on_one_parameter_raise():
         new.zero_grad()
 
 
+def lightning_style_copy(opt):
+    """What Lightning's LightningOptimizer and Fabric's setup(model, optimizer) do: a new object of a subclass that
+    holds a copy of the wrapper's attributes (its hooks still point at the wrapper it was made from)."""
+    copied = object.__new__(type("Wrapped" + type(opt).__name__, (type(opt),), {}))
+    copied.__dict__ = dict(opt.__dict__)
+    return copied
+
+
+@pytest.mark.parametrize("call", ["zero_grad", "step", "backward"])
+def test_item9_a_copy_of_the_wrapper_is_refused_by_name_and_the_wrapper_still_trains_bitwise(call):
+    a, b = twins()
+    data = batches(3)
+    train(a, torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9), data)
+    opt = wrap(torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9), model=b)
+    copied = lightning_style_copy(opt)  # (copy.copy and copy.deepcopy raise at the copy: __getstate__)
+    x, y = data[0]
+    arguments = {"zero_grad": (), "step": (), "backward": (F.cross_entropy(b(x), y),)}[call]
+    with pytest.raises(memtrim.OptimizerInBackwardError, match=r"copy of the wrapper.*use_pl_optimizer=False"):
+        getattr(copied, call)(*arguments)
+    train(b, opt, data)
+    assert_same(a, b, moved_from=net())
+
+
 def amp_loop(model, opt, scaler, data, wrapper_backward=False, unscale=True, clip=None, accumulate=False):
     for x, y in data:
         opt.zero_grad()

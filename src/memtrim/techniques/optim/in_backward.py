@@ -500,6 +500,7 @@ class OptimizerInBackward(WrappedOptimizerView):
                 was not called, or the backward was not the training loss: run it inside ``accumulate()``); the
                 last backward raised after updating parameters; another open wrapper updates these parameters.
         """
+        self._refuse_copy("zero_grad")
         self._raise_pending("zero_grad")  # (a failed two-pass backward's batch skipped: _close_step forgets it)
         if self._open and self._updated_in_backward:
             count = self._updated_in_backward
@@ -546,6 +547,7 @@ class OptimizerInBackward(WrappedOptimizerView):
             InvalidInputError: a closure is given (in-backward stepping cannot re-evaluate the loss).
             OptimizerInBackwardError: the step cannot be bitwise equal to the standard loop's (see the message).
         """
+        self._refuse_copy("step")
         if closure is not None:
             raise InvalidInputError(
                 "OptimizerInBackward.step: closures are not supported; the update happens inside backward."
@@ -698,6 +700,7 @@ class OptimizerInBackward(WrappedOptimizerView):
 
         Extra keyword arguments go to ``torch.Tensor.backward`` (``retain_graph`` is managed here).
         """
+        self._refuse_copy("backward")
         if not isinstance(loss, torch.Tensor):
             raise InvalidInputError(f"OptimizerInBackward.backward: loss must be a tensor, got {type(loss).__name__}.")
         if not self._open or self._accumulating or not self._two_passes or self._removed:
@@ -1144,6 +1147,24 @@ class OptimizerInBackward(WrappedOptimizerView):
                 "with zero_grad(), but one ran on another thread. One wrapper cannot serve two threads at once "
                 "(their gradients would mix); give each thread its own model and wrapper."
             )
+
+    def _refuse_copy(self, where: str) -> None:
+        """A copy of this wrapper made without ``copy`` (which ``__getstate__`` refuses): Lightning's
+        ``LightningOptimizer`` and Fabric's ``fabric.setup(model, opt)`` build a new object of a subclass holding a
+        copy of the wrapper's attributes. It cannot work: the hooks in backward update the wrapper it was copied from,
+        whose state the copy does not share. It was refused as "another open OptimizerInBackward", or trained as the
+        standard loop with nothing updated inside backward, saving no memory (found by an adversarial pass)."""
+        origin = self._self_ref()
+        if origin is self:
+            return
+        raise OptimizerInBackwardError(
+            f"OptimizerInBackward.{where}: called on a copy of the wrapper ({type(self).__name__}), not on the "
+            "OptimizerInBackward that was built: its hooks inside backward update the original, whose state the copy "
+            "does not share. Lightning's LightningOptimizer and Fabric's setup(model, optimizer) make such a copy. "
+            "Call the wrapper you built: in a LightningModule with manual optimization, "
+            "self.optimizers(use_pl_optimizer=False) (Lightning then counts no optimizer steps: bound the run by "
+            "max_epochs); with Fabric, fabric.setup_module(model) and the wrapper as it is."
+        )
 
     def _claim_params(self) -> None:
         for param in self._by_id.values():
