@@ -91,8 +91,8 @@ def convert(
 
     Raises:
         InvalidInputError: ``model`` is not a module, has uninitialized lazy parameters, was compiled (or holds a
-            compiled module: convert first, then compile) or offloaded (``offload_module``: convert first, then
-            offload), or the example inputs fail to run through it.
+            compiled module: convert first, then compile), offloaded (``offload_module``: convert first, then
+            offload) or wrapped by Opacus (convert first, then wrap), or the example inputs fail to run through it.
 
     Example::
 
@@ -126,6 +126,15 @@ def convert(
             "changes, found by an adversarial pass). Expected a model without offloading; to fix: convert first, "
             "then offload (memtrim.convert(model, ...); memtrim.offload_module(model)), or call remove() on the "
             "offload handle, convert, and offload again.")
+    opacus = _opacus(model)
+    if opacus is not None:
+        raise InvalidInputError(
+            f"memtrim.convert: {opacus} comes from Opacus's per-sample-gradient machinery (GradSampleModule, "
+            "PrivacyEngine.make_private). Opacus picks each module's per-sample-gradient rule by its class when it "
+            "wraps the model; a module whose class convert changes afterwards has none there (Opacus then failed in "
+            "backward with AttributeError '_forward_counter', found by an adversarial pass). Expected a model Opacus "
+            "has not wrapped yet; to fix: convert first, then wrap (memtrim.convert(model, ...); "
+            "GradSampleModule(model) or privacy_engine.make_private(module=model, ...)).")
     given = example_inputs is not None or bool(example_kwargs)
     args, kwargs = split_inputs(example_inputs, example_kwargs)
     with as_training(model, args, kwargs):
@@ -140,6 +149,25 @@ def _compiled(model: nn.Module) -> str | None:
     for name, module in model.named_modules():
         if (wrapper is not None and isinstance(module, wrapper)) or getattr(module, "_compiled_call_impl", None):
             return f"the model's module {name!r}" if name else "the model"
+    return None
+
+
+def _opacus(model: nn.Module) -> str | None:
+    """What of ``model`` belongs to Opacus: a module of its classes (GradSampleModule, DPDDP), or hooks it registered
+    on a module (a GradSampleModule's inner model passed alone), named for the message; None where nothing does."""
+    def from_opacus(obj: Any) -> bool:
+        while isinstance(obj, functools.partial):
+            obj = obj.func
+        return (getattr(obj, "__module__", None) or "").split(".")[0] == "opacus"
+
+    for name, module in model.named_modules():
+        where = f"the model's module {name!r}" if name else "the model"
+        if from_opacus(type(module)):
+            return f"{where} ({type(module).__name__})"
+        hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values(),
+                 *module._backward_pre_hooks.values(), *module._backward_hooks.values())
+        if any(from_opacus(hook) for hook in hooks):
+            return f"a hook on {where}"
     return None
 
 
