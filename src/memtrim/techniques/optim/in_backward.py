@@ -550,7 +550,10 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._refuse_copy("step")
         if closure is not None:
             raise InvalidInputError(
-                "OptimizerInBackward.step: closures are not supported; the update happens inside backward."
+                "OptimizerInBackward.step: closures are not supported; the update happens inside backward. "
+                "Lightning passes one (automatic optimization, and LightningOptimizer.step with manual optimization): "
+                "use manual optimization with the wrapper itself, self.optimizers(use_pl_optimizer=False) (Lightning "
+                "then counts no optimizer steps: bound the run by max_epochs)."
             )
         self._raise_pending("step")
         self._raise_lost("step")
@@ -1150,8 +1153,9 @@ class OptimizerInBackward(WrappedOptimizerView):
 
     def _refuse_copy(self, where: str) -> None:
         """A copy of this wrapper made without ``copy`` (which ``__getstate__`` refuses): Lightning's
-        ``LightningOptimizer`` and Fabric's ``fabric.setup(model, opt)`` build a new object of a subclass holding a
-        copy of the wrapper's attributes. It cannot work: the hooks in backward update the wrapper it was copied from,
+        ``LightningOptimizer`` and Fabric's ``fabric.setup(model, opt)`` build a new object of a subclass of the
+        wrapper's class that reads the wrapper's attributes (through ``__getattr__`` in Lightning 2.6; a copy of its
+        ``__dict__`` in earlier ones). It cannot work: the hooks in backward update the wrapper it was made from,
         whose state the copy does not share. It was refused as "another open OptimizerInBackward", or trained as the
         standard loop with nothing updated inside backward, saving no memory (found by an adversarial pass)."""
         origin = self._self_ref()
