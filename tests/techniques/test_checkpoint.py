@@ -761,7 +761,10 @@ def test_a_layer_writing_a_cache_raises_naming_it_and_what_to_do(positional):
     model = CachingModel()
     memtrim.checkpoint_modules(model, ["layer"])
     x = torch.randn(2, 5, 8)
-    with pytest.raises(InvalidInputError, match=r"'layer' was called with a key/value cache .*use_cache=False"):
+    # (a cache that holds the model's inputs, as PEFT's prefix tuning passes, is not dropped by use_cache=False: the
+    # message says what to checkpoint instead; with PEFT 0.21 and an HF Llama, the MLPs alone trained bitwise)
+    with pytest.raises(InvalidInputError, match=r"'layer' was called with a key/value cache .*use_cache=False.*"
+                                                r"prefix tuning.*endswith\('\.mlp'\)"):
         model(x, positional=positional)
     with torch.no_grad():  # nothing is recomputed without grad: the cache is allowed
         model(x, positional=positional)

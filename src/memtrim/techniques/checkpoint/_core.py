@@ -501,7 +501,10 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             f"{_API}: {name!r} was called with a key/value cache ({cache}) while gradients are on; its forward writes "
             "the cache, and the recomputation in backward would write it a second time. Expected no cache while "
             "training. To fix: pass use_cache=False to the model's call, or set model.config.use_cache = False "
-            "(HF's gradient_checkpointing_enable() drops the cache for its own checkpointing the same way)."
+            "(HF's gradient_checkpointing_enable() drops the cache for its own checkpointing the same way). A cache "
+            "that holds inputs of the model, which use_cache=False does not drop (PEFT's prefix tuning passes its "
+            "prefix in one): checkpoint the parts of the layer that do not take it instead, e.g. the MLPs "
+            "(checkpoint_modules(model, lambda name, m: name.endswith('.mlp')))."
         )
     # torch saves (and version-checks) the positional tensor arguments for the recomputation only: every tensor, in
     # keyword arguments and in tuples, lists and dicts too, goes to it as one positional argument (each tensor once:
@@ -574,7 +577,8 @@ def checkpoint_modules(model: nn.Module, modules: ModuleSelector, *, policy: Pol
         InvalidInputError: ``model`` is not a module, the selector matches nothing, names are unknown, chosen
             modules nest, or ``policy`` is unknown; and at a call with gradients on, a chosen module given a
             key/value cache it writes (HF's ``past_key_values`` with ``use_cache=True``: the recomputation would
-            write it twice; pass ``use_cache=False`` while training).
+            write it twice; pass ``use_cache=False`` while training, or, where the cache holds inputs of the model
+            such as PEFT's prefix, checkpoint the parts that do not take it).
         MemtrimStateError: a chosen module is checkpointed already.
 
     Example:
