@@ -240,6 +240,7 @@ def test_scheduler_param_groups_and_state_dict_round_trip():
     ((), {"optimizer_class": torch.optim.AdamW(torch.nn.Linear(1, 1).parameters())}, "optimizer_class must be"),
     ((), {"optimizer_class": "adamw"}, "optimizer_class must be"),
     ((), {"optimizer_class": memtrim.CPUOffloadOptimizer}, "a wrapper .* never move"),
+    ((torch.optim.LBFGS,), {}, r"LBFGS's step needs a closure.*train with the plain LBFGS"),  # (it failed at step())
 ])
 def test_bad_input(args, kwargs, message):
     with pytest.raises(InvalidInputError, match=message):

@@ -303,7 +303,10 @@ def offload_module(model: nn.Module, *, min_bytes: int = 1 << 20, include_cpu: b
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     note = (
         f"saved tensors of at least {min_bytes} B go to pinned host memory"
-        if device.type not in ("cpu", "meta") or include_cpu
+        if device.type not in ("cpu", "meta")
+        else f"saved tensors of at least {min_bytes} B are copied to host memory (include_cpu: a model on the host "
+        "saves nothing so; nothing is pinned without an accelerator)"
+        if include_cpu
         else "the model is on the host already (no accelerator): nothing is moved and nothing is saved"
     )
     handle = OffloadHandle(min_bytes=min_bytes, note=note, _model=model,

@@ -68,7 +68,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import inspect
 import math
 import random
 import threading
@@ -89,7 +88,7 @@ from ...measure import hooks as measure_hooks
 from .._modes import putting_buffers_back
 from ..guards import register_own
 from .held_elsewhere import gather_gradient, held_gradients, holder_of
-from .wrapping import WrappedOptimizerView, sharded
+from .wrapping import WrappedOptimizerView, needs_closure, sharded
 
 __all__ = ["OptimizerInBackward", "OptimizerInBackwardError"]
 
@@ -2165,8 +2164,7 @@ def _check_optimizer(optimizer: Any) -> None:
             "Build it first, e.g. OptimizerInBackward(torch.optim.AdamW(model.parameters()))."
         )
     name = type(optimizer).__name__
-    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
-    if name in _GLOBAL_OPTIMIZERS or (closure is not None and closure.default is inspect.Parameter.empty):
+    if name in _GLOBAL_OPTIMIZERS or needs_closure(type(optimizer)):
         raise InvalidInputError(
             f"memtrim.OptimizerInBackward: {name} needs a closure or information from all parameters at once, "
             "so it cannot step one bucket inside backward. Use a per-parameter optimizer (SGD, Adam, AdamW, ...) "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -38,6 +39,12 @@ class WrappedOptimizerView(torch.optim.Optimizer):
             f"with, so a copy would not train its own. Save opt.state_dict(), build a new {name} around the copied "
             "model's parameters and load the state into it."
         )
+
+
+def needs_closure(optimizer_class: type[torch.optim.Optimizer]) -> bool:
+    """Whether ``optimizer_class.step`` takes a closure it cannot do without (``LBFGS``: it re-evaluates the loss)."""
+    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def sharded(param: Any) -> bool:

@@ -52,7 +52,7 @@ from ..optim.held_elsewhere import (
     wait_for_copies,
 )
 from ..optim.in_backward import users_hook_on
-from ..optim.wrapping import WrappedOptimizerView, refuse_sharded
+from ..optim.wrapping import WrappedOptimizerView, needs_closure, refuse_sharded
 
 _API = "memtrim.CPUOffloadOptimizer"
 
@@ -156,6 +156,13 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
                 f"{_API}: optimizer_class must be an optimizer that steps the parameters it is given, got memtrim's "
                 f"{optimizer_class.__name__}, a wrapper (wrapped in this one, the model's parameters never move). "
                 "Pass the optimizer class it wraps (torch.optim.AdamW, ...)."
+            )
+        if needs_closure(optimizer_class):
+            raise InvalidInputError(
+                f"{_API}: {optimizer_class.__name__}'s step needs a closure, which runs the model's forward and "
+                "backward again, while this optimizer steps host copies of the parameters. Expected an optimizer "
+                "whose step takes no closure (AdamW, SGD, ...); to fix: train with the plain "
+                f"{optimizer_class.__name__}."
             )
         if isinstance(params, torch.Tensor):
             raise InvalidInputError(
