@@ -279,6 +279,47 @@ def test_the_copy_keeps_the_layout_of_channels_last_activations():
         assert torch.equal(a.grad, b.grad)
 
 
+class _MaskedScores(torch.nn.Module):
+    """Attention scores times a causal mask buffer expanded to (batch, heads, T, T): the multiply saves the expanded
+    view, which reads each of its 16 KiB storage's elements 32 times."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(32, 32)
+        self.register_buffer("mask", torch.tril(torch.ones(1, 1, 64, 64)))
+
+    def forward(self, x, mask=None):
+        h = self.q(x).view(8, 64, 4, 8).transpose(1, 2)
+        return (h @ h.transpose(-1, -2) * (self.mask if mask is None else mask).expand(8, 4, 64, 64)).sum()
+
+
+def test_a_tensor_read_repeatedly_is_copied_as_its_storage_and_a_models_buffer_stays():
+    # a dense copy of the expanded mask was 32x its storage (524,288 B of a 16,384 B buffer), and came back so in
+    # backward: offloading raised the peak (found by an adversarial pass); offload_module leaves the buffer, which
+    # stays on the device anyway, and every view of it, in place
+    torch.manual_seed(0)
+    model, x = _MaskedScores(), torch.randn(8, 64, 32)
+    plain = copy.deepcopy(model)
+    plain(x).backward()
+    a = torch.randn(64, requires_grad=True)
+    ones = torch.ones(64)
+    for min_bytes, copied in ((256, 256), (257, 0)):  # by its storage's bytes: 64 float32, not 1000 x 64
+        with memtrim.OffloadActivations(min_bytes=min_bytes, include_cpu=True) as hooks:
+            loss = (a * ones.expand(1000, 64)).sum()  # the multiply saves the expanded view
+        (grad,) = torch.autograd.grad(loss, a)
+        assert hooks.offloaded_bytes == copied and torch.equal(grad, torch.full((64,), 1000.0))
+    model.zero_grad()
+    memtrim.offload_module(model, min_bytes=0, include_cpu=True)
+    saved = []
+    with memtrim.track(model) as tracker:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            loss = model(x)  # (offload's hooks, inside, pass what they leave in place to these)
+        loss.backward()
+    assert any(t.untyped_storage() is model.mask.untyped_storage() for t in saved)
+    assert tracker.report().peak_by_category["buffers"] == 16_384
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+
+
 def test_a_compiled_model_offloads_trains_bitwise_and_compiles_no_hook(monkeypatch):
     # found by a pass with torch 2.11: the hooks ran inside the compiled forward, and dynamo compiled their
     # bookkeeping frame by frame at every call (past its recompile limit of 8: warnings, and compile time each step)

@@ -29,6 +29,7 @@ sets on ``ctx``. ``torch.func`` transforms and a compiled backward refuse saved-
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,14 +50,32 @@ class _Offloaded:
     and the base outlives a temporary view: ``fc(a[:, :4])`` saves a slice that dies at once). ``version`` is None
     once a later save saw it changed in place."""
 
-    __slots__ = ("host", "device", "event", "version", "tensor_ref", "__weakref__")
+    __slots__ = ("host", "device", "event", "version", "tensor_ref", "view", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, event: Any, tensor: torch.Tensor) -> None:
+    def __init__(self, host: torch.Tensor, device: torch.device, event: Any, tensor: torch.Tensor,
+                 view: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> None:
         self.host = host
         self.device = device
         self.event = event
         self.version: int | None = tensor._version
         self.tensor_ref = weakref.ref(_base(tensor))
+        self.view = view  # (shape, strides) over ``host``'s elements: a tensor that reads its elements repeatedly
+
+
+def _span(tensor: torch.Tensor) -> int | None:
+    """How many storage elements ``tensor`` reads, where fewer than its own (an expanded mask: stride 0; a
+    sliding window): a copy of those, viewed as it was, is smaller than a dense copy. None otherwise (a conjugate or
+    negative view reads its storage with other values: copied dense)."""
+    if tensor.numel() == 0 or tensor.is_conj() or tensor.is_neg():
+        return None
+    span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+    return span if span < tensor.numel() else None
+
+
+def _copied_bytes(tensor: torch.Tensor) -> int:
+    """The bytes a copy of ``tensor`` takes: its storage span where it reads its elements repeatedly (``_span``)."""
+    span = _span(tensor)
+    return (tensor.numel() if span is None else span) * tensor.element_size()
 
 
 class _Kept:
@@ -96,6 +115,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             checking that path on a machine without an accelerator).
         host: where saved tensors wait: ``"cpu"`` (the default), or ``"meta"`` for a prediction that allocates
             nothing (``memtrim.plan`` traces a step on fake tensors; the tensors then have no values to keep).
+        keep: tensors that stay on the device anyway, left there with every view of them (``offload_module`` passes
+            its model's buffers: a causal mask expanded for each layer).
 
     Attributes:
         offloaded_bytes: bytes moved to the host since the context was made.
@@ -108,7 +129,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     """
 
     def __init__(self, *, min_bytes: int = 1 << 20, pin_memory: bool = True, include_cpu: bool = False,
-                 host: str | torch.device = "cpu") -> None:
+                 host: str | torch.device = "cpu", keep: Iterable[torch.Tensor] = ()) -> None:
         if not isinstance(min_bytes, int) or isinstance(min_bytes, bool) or min_bytes < 0:
             raise InvalidInputError(f"memtrim.OffloadActivations: min_bytes must be an int >= 0, got {min_bytes!r}.")
         try:
@@ -131,6 +152,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         # copies), for the in-place check of a later save of the same storage
         self._by_storage: dict[int, tuple[weakref.ref, list[weakref.ref]]] = {}
         self._outer: Any = None  # the saved-tensor hooks active when it was entered
+        storages = (t.untyped_storage() for t in keep if isinstance(t, torch.Tensor) and t.device.type != "meta")
+        self._kept = {id(st): weakref.ref(st) for st in storages}
         super().__init__(self._pack, self._unpack)
 
     def __enter__(self) -> OffloadActivations:  # type: ignore[override]  # torch's returns None
@@ -157,7 +180,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
             or (tensor.is_leaf and tensor.requires_grad)
             or isinstance(tensor, nn.Parameter)
             or _views_a_parameter(tensor)
-            or tensor.numel() * tensor.element_size() < self.min_bytes
+            or self._keeps(tensor)
+            or _copied_bytes(tensor) < self.min_bytes
         ):
             return _Kept(tensor, self._outer)  # autograd skips its in-place check under hooks: _unpack (or the
                                                # hooks outside) repeats it
@@ -186,14 +210,30 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         earlier[1].append(weakref.ref(packed))
         return packed
 
+    def _keeps(self, tensor: torch.Tensor) -> bool:
+        if not self._kept:
+            return False
+        storage = tensor.untyped_storage()
+        ref = self._kept.get(id(storage))
+        return ref is not None and ref() is storage
+
     def _copy_out(self, tensor: torch.Tensor, device: torch.device) -> _Offloaded:
+        view = None
+        span = _span(tensor)
+        if span is not None:  # the elements it reads, viewed as it was when it comes back (a dense copy of an
+            # expanded (batch, heads, T, T) mask was 32x its storage, and came back so to the device; found by an
+            # adversarial pass)
+            view = (tuple(tensor.shape), tuple(tensor.stride()))
+            tensor_or_span = tensor.as_strided((span,), (1,), tensor.storage_offset())
+        else:
+            tensor_or_span = tensor
         if self.host.type == "meta":  # a prediction: the copy out (and back, in _unpack) is what it counts
-            self.offloaded_bytes += tensor.numel() * tensor.element_size()
-            return _Offloaded(tensor.to("meta"), device, None, tensor)
+            self.offloaded_bytes += tensor_or_span.numel() * tensor.element_size()
+            return _Offloaded(tensor_or_span.to("meta"), device, None, tensor, view)
         # the tensor's strides where it is dense (channels_last, a transpose): backward kernels pick their algorithm
         # by layout, so a contiguous copy could change the gradients' bits
-        strides = torch.empty_like(tensor, device="meta").stride()
-        host = torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype,
+        strides = torch.empty_like(tensor_or_span, device="meta").stride()
+        host = torch.empty_strided(tensor_or_span.shape, strides, dtype=tensor.dtype,
                                    pin_memory=self.pin_memory and device.type == "cuda")
         event = None
         if device.type == "cuda":
@@ -202,14 +242,14 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                 stream = self._streams[device] = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(stream):
-                host.copy_(tensor, non_blocking=True)
+                host.copy_(tensor_or_span, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(stream)
             tensor.record_stream(stream)
         else:
-            host.copy_(tensor)
+            host.copy_(tensor_or_span)
         self.offloaded_bytes += host.numel() * host.element_size()
-        return _Offloaded(host, device, event, tensor)
+        return _Offloaded(host, device, event, tensor, view)
 
     @staticmethod
     @torch.compiler.disable
@@ -235,7 +275,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         if packed.event is not None:
             torch.cuda.current_stream(packed.device).wait_event(packed.event)
         # only a copy made on a side stream can be pinned (torch 2.4's fake tensors cannot answer is_pinned)
-        return packed.host.to(packed.device, non_blocking=packed.event is not None and packed.host.is_pinned())
+        back = packed.host.to(packed.device, non_blocking=packed.event is not None and packed.host.is_pinned())
+        return back if packed.view is None else back.as_strided(*packed.view)
 
 
 def _base(tensor: torch.Tensor) -> torch.Tensor:
@@ -270,7 +311,8 @@ class OffloadHandle:
 
 def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     handle: OffloadHandle = self.__dict__[_MARK]
-    with OffloadActivations(min_bytes=handle.min_bytes, **handle._options):
+    # the model's buffers stay on the device anyway: a saved view of one (an expanded causal mask) stays with them
+    with OffloadActivations(min_bytes=handle.min_bytes, keep=self.buffers(), **handle._options):
         return type(self).forward(self, *args, **kwargs)
 
 
