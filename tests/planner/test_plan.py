@@ -2,6 +2,7 @@
 chosen plan fits and trains bitwise like the standard loop; bad input and impossible budgets raise."""
 
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -170,7 +171,8 @@ def test_a_budget_only_4bit_state_fits_plans_state_4bit():
     peaks = {p.techniques: p.peak_bytes for p in info.value.plans.rejected}
     others = min(peak for combo, peak in peaks.items() if "state_4bit" not in combo)  # bfloat16, float8 included
     assert min(peaks.values()) < others
-    plans = memtrim.plan(_gpt(), x, _gpt_loss, _adamw, targets=y, budget=others - 1, techniques=techniques)
+    with pytest.warns(UserWarning, match=r"state_4bit.*changes training's numbers.*A larger budget"):  # said loudly
+        plans = memtrim.plan(_gpt(), x, _gpt_loss, _adamw, targets=y, budget=others - 1, techniques=techniques)
     assert len(plans) >= 1 and all("state_4bit" in p.techniques and p.numerics == "changed" for p in plans)
     assert plans.best.peak_bytes == peaks[plans.best.techniques] < others
     model = _gpt()
@@ -845,3 +847,51 @@ def test_a_model_holding_a_reversible_stack_plans_byte_for_byte():
     assert dict(predicted.peak_by_category) == dict(measured.peak_by_category)
     plans = memtrim.plan(_reversible_mlp, x, F.cross_entropy, _adamw, targets=y, budget="10MiB", workers=1)
     assert plans.best.peak_bytes <= measured.peak_bytes
+
+
+@pytest.mark.parametrize("as_factory", [False, True])
+def test_a_model_in_eval_mode_is_planned_as_it_trains_after_model_train(as_factory):
+    # HF's from_pretrained returns models in eval mode: traced so, dropout's masks were missed and a plan said it fit
+    # a budget the training step then exceeded (an HF GPT-2 by 64,512 B; found by an adversarial pass)
+    def make():
+        torch.manual_seed(0)
+        return SmallGPT(dataclasses.replace(_CFG, dropout=0.1)).eval()
+
+    x, y = _batch()
+    model = make()
+    plans = memtrim.plan(make if as_factory else model, x, _gpt_loss, _adamw, targets=y, budget="1GiB",
+                         techniques=["checkpoint"], workers=1)
+    assert not model.training  # (the user's model is left as it was)
+    model.train()
+    opt = _adamw(model)
+    peaks = []
+    for _ in range(2):  # a warm-up step, then the steady-state step the plans predict
+        with memtrim.track(model, opt) as tracker:
+            opt.zero_grad(set_to_none=True)
+            _gpt_loss(model(x), y).backward()
+            opt.step()
+        peaks.append(tracker.report().peak_bytes)
+    plain = next(p for p in plans.all if p.name == "plain")
+    assert plain.peak_bytes == peaks[1]
+    assert any("eval mode" in note for note in plans.notes)
+
+
+def test_a_best_plan_changing_the_numbers_warns_naming_what_was_left_out_for_a_reason_one_can_fix():
+    # HF's default use_cache=True leaves checkpointing out (its recomputation would write the cache twice): the best
+    # plan then changed the numbers with a note alone, where use_cache=False fits bitwise (an adversarial pass)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    factory = functools.partial(transformers.LlamaForCausalLM, config)
+    ids = torch.randint(0, 128, (2, 16))
+    batch = {"input_ids": ids, "labels": ids}
+
+    def loss(out, _):
+        return out.loss
+
+    plain = memtrim.plan(factory, batch, loss, _adamw, budget=1 << 40, techniques=["checkpoint"], workers=1)
+    assert [p.name for p in plain.all] == ["plain"] and any("checkpoint: left out" in n for n in plain.notes)
+    with pytest.warns(UserWarning, match=r"state_bf16.*changes training's numbers.*checkpoint: left out.*use_cache"):
+        plans = memtrim.plan(factory, batch, loss, _adamw, budget=plain.best.peak_bytes - 1,
+                             techniques=["checkpoint", "state_bf16"], workers=1)
+    assert plans.best.name == "state_bf16"

@@ -7,6 +7,7 @@ import inspect
 import itertools
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ from ..measure import format_bytes, pyplot
 from ..techniques.checkpoint import selective_available
 from ._cost import DeviceCost, calibrate, device_cost
 from ._techniques import EXCLUSIVE, TECHNIQUES, Applied, NotApplicable, Technique
-from ._trace import StepTrace, Work, trace_step
+from ._trace import PLANNED_IN_TRAINING, StepTrace, Work, trace_step
 from ._workers import Failed, Tracer, default_workers
 
 _API = "memtrim.plan"
@@ -351,6 +352,8 @@ def plan(
             notes.append(f"traced in {tracer.workers} worker processes")
         estimates: dict[tuple[str, ...], _Estimate] = {(): _plain(estimate)}  # here: the user's own error raised as is
         traced((), estimates[()])
+        if PLANNED_IN_TRAINING in estimates[()].notes:
+            notes.append(PLANNED_IN_TRAINING)
         estimates.update(trace(exact[1:], failed))
         base = cost.step_seconds(estimates[()].work)
         aside = _aside_in_checkpoints(model_or_factory)
@@ -361,7 +364,24 @@ def plan(
             plans += [_plan(combo, e, base, cost, limit, aside) for combo, e in more.items()]
         elif changing:
             notes.append(f"{', '.join(sorted(changing))}: not needed (a plan with unchanged numerics fits)")
-    return _ranked(plans, limit, dev, cost, notes, estimates[()].peak_bytes)
+    result = _ranked(plans, limit, dev, cost, notes, estimates[()].peak_bytes)
+    _warn_if_numbers_change(result, changing)
+    return result
+
+
+def _warn_if_numbers_change(result: Plans, changing: set[str]) -> None:
+    """Say it where the best plan changes the numbers (low-bit state): shown only in the table's column and a note,
+    it was applied unremarked, where a plan left out for a reason the user can fix (HF's default use_cache=True
+    leaves checkpointing out) would have kept training bitwise in the same budget (found by an adversarial pass)."""
+    best = result.best
+    if best.numerics != "changed":
+        return
+    left = [n for n in result.notes if ": left out (" in n and not changing.intersection(n.split(":")[0].split("+"))]
+    fix = (f" Left out, and maybe fixable: {'; '.join(left)}." if left else
+           " A larger budget or a smaller batch keeps them.")
+    warnings.warn(
+        f"{_API}: the best plan that fits {format_bytes(result.budget)}, {best.name}, changes training's numbers "
+        f"(low-bit optimizer state): no plan that keeps them fits.{fix}", UserWarning, stacklevel=3)
 
 
 def _plain(estimate: Callable[[tuple[str, ...]], _Estimate]) -> _Estimate:
