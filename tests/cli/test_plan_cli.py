@@ -16,6 +16,17 @@ def test_plan_small_gpt_prints_the_plans_and_writes_the_plot(tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plan_for_a_loop_that_accumulates_and_clips_says_the_optimizer_clips_itself(capsys):
+    code = main(["profile", "--model", "small-gpt", "--layers", "2", "--batch", "1", "--seq", "16", "--dtype",
+                 "fp32", "--device", "cpu", "--techniques", "in_backward_each", "--accumulation-steps", "2",
+                 "--clip-grad-norm", "1.0", "--plot", ""])
+    out = capsys.readouterr().out
+    assert code == 0 and out.startswith("in_backward_each: predicted peak")
+    assert main(["profile", "--model", "small-gpt", "--layers", "2", "--batch", "1", "--seq", "16", "--dtype",
+                 "fp32", "--device", "cpu", "--techniques", "in_backward_each", "--plot", ""]) == 0
+    assert capsys.readouterr().out != out  # (the two passes and the micro-batches' gradients weigh)
+
+
 def test_plan_with_a_budget_nothing_meets_exits_1_and_names_the_closest(capsys):
     # SGD: no low-bit AdamW state to trace once nothing else fits (the same exit, without 27 more traces)
     code = main(["plan", "--model", "small-gpt", "--layers", "2", "--batch", "1", "--seq", "16", "--dtype", "fp32",

@@ -42,6 +42,10 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="the optimizer's foreach kernels (default: torch's choice for the device: on for cuda)")
     p.add_argument("--device", default="cuda", help="the device the plan is for (default cuda)")
     p.add_argument("--layers", type=int, default=None, help="override the model's number of blocks")
+    p.add_argument("--accumulation-steps", type=int, default=1,
+                   help="micro-batches per optimizer step (--batch is one micro-batch; default 1)")
+    p.add_argument("--clip-grad-norm", type=float, default=None,
+                   help="the max_norm the loop clips the gradients' global norm to (default: no clipping)")
 
 
 def add_parser(sub: Any) -> None:
@@ -143,7 +147,8 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
     else:
         model, depth = functools.partial(build, depth or 0), None
     return {"model_or_factory": model, "example_inputs": inputs, "loss_fn": _lm_loss,
-            "optimizer_factory": make_optimizer, "targets": tokens, "device": args.device, "depth": depth}
+            "optimizer_factory": make_optimizer, "targets": tokens, "device": args.device, "depth": depth,
+            "accumulation_steps": args.accumulation_steps, "clip_grad_norm": args.clip_grad_norm}
 
 
 def _optimizer(kind: Callable[..., torch.optim.Optimizer], foreach: bool, model: nn.Module) -> torch.optim.Optimizer:
@@ -229,7 +234,9 @@ def _run(args: argparse.Namespace, progress: _Progress) -> int:
                 model = functools.partial(model, setup["depth"])
             trace = memtrim.planner.trace_step(model, setup["example_inputs"], setup["targets"],
                                                _lm_loss, setup["optimizer_factory"],
-                                               [memtrim.planner.TECHNIQUES[n] for n in chosen.techniques])
+                                               [memtrim.planner.TECHNIQUES[n] for n in chosen.techniques],
+                                               loop=memtrim.planner.Loop(setup["accumulation_steps"],
+                                                                         chosen.clip_grad_norm))
             trace.report.plot(args.plot)
             print(f"timeline: {args.plot}")
         return 0

@@ -6,12 +6,13 @@ allocated) through memtrim's own tracker, and ranks the combinations that fit by
 
 from ._cost import DeviceCost, calibrate, device_cost
 from ._techniques import TECHNIQUES, Technique, repeated_block
-from ._trace import StepTrace, trace_step
+from ._trace import Loop, StepTrace, trace_step
 from .api import Plan, Plans, combinations, parse_bytes, plan
 
 __all__ = [
     "TECHNIQUES",
     "DeviceCost",
+    "Loop",
     "Plan",
     "Plans",
     "StepTrace",

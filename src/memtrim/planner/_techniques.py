@@ -34,10 +34,12 @@ class NotApplicable(LookupError):
 class Applied:
     """A (model, optimizer) pair with techniques applied in turn, and how to undo the in-place ones."""
 
-    def __init__(self, model: nn.Module, optimizer: Any, host: str = "cpu") -> None:
+    def __init__(self, model: nn.Module, optimizer: Any, host: str = "cpu", clip_grad_norm: float | None = None
+                 ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.host = host  # where offloaded state goes: "meta" in a prediction, so it is not counted on the device
+        self.clip_grad_norm = clip_grad_norm  # the loop's: an OptimizerInBackward clips in its two-pass backward
         self._undo: list[Callable[[], None]] = []
 
     @property
@@ -98,10 +100,15 @@ def _checkpoint(policy: str | None) -> Callable[[Applied], list[str]]:
 
 def _in_backward(**options: Any) -> Callable[[Applied], list[str]]:
     def apply(applied: Applied) -> list[str]:
-        wrapper = OptimizerInBackward(applied.optimizer, model=applied.model, **options)
+        clip: dict[str, Any] = {} if applied.clip_grad_norm is None else {"clip_grad_norm": applied.clip_grad_norm}
+        wrapper = OptimizerInBackward(applied.optimizer, model=applied.model, **options, **clip)
         applied.optimizer = wrapper
         applied._undo.append(wrapper.remove)
-        return [f"the optimizer step runs inside backward ({options or 'defaults'})"]
+        done = [f"the optimizer step runs inside backward ({options or 'defaults'})"]
+        if clip:
+            done.append(f"it clips the gradients' norm to {applied.clip_grad_norm} itself: call "
+                        "optimizer.backward(loss) for the last micro-batch (two passes), not clip_grad_norm_")
+        return done
 
     return apply
 

@@ -9,7 +9,11 @@ tensors on the CPU device take the same kernels and the same storages as real CP
 is the measured peak, byte for byte (``benchmarks/plan_accuracy.py`` checks it). Where model code reads a tensor's
 value (``bool``, ``item``) or asks whether it is fake (HF transformers' ``is_tracing``), the trace knows the values
 that do not depend on the weights and answers as the real run would (NOTE [ known values ] in ``_values.py``). The
-step is the standard loop: ``zero_grad(set_to_none=True)``, forward, loss, backward, ``step()``.
+step is the standard loop: ``zero_grad(set_to_none=True)``, forward, loss, backward, ``step()``; with a
+:class:`Loop` of ``accumulation_steps`` micro-batches (the example batch each) and ``clip_grad_norm``, the loop as
+memtrim's README writes it: each micro-batch's forward and backward (an ``OptimizerInBackward``'s earlier ones inside
+``accumulate()``), then ``clip_grad_norm_`` over the model's parameters (an ``OptimizerInBackward`` built with
+``clip_grad_norm=`` clips in its two-pass ``backward(loss)`` of the last micro-batch instead), then ``step()``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from .._signatures import call_model, not_owned, scalar_loss
 from ..errors import InvalidInputError, MemtrimError
 from ..measure import Category, MemoryReport, track
 from ..measure.hooks import tensors_in
+from ..techniques.optim import OptimizerInBackward
 from ._techniques import Applied, Technique
 from ._values import KnownValues, reading_values
 
@@ -89,13 +94,34 @@ class _CostMode(TorchDispatchMode):
         return out
 
 
-def _step(model: nn.Module, optimizer: Any, inputs: Any, targets: Any, loss_fn: Callable[..., Any]) -> None:
+@dataclass(frozen=True)
+class Loop:
+    """What the training loop does around a step: ``accumulation_steps`` micro-batches per step, and clipping of the
+    gradients' global norm to ``clip_grad_norm`` before it (None: no clipping)."""
+
+    accumulation_steps: int = 1
+    clip_grad_norm: float | None = None
+
+
+STANDARD_LOOP = Loop()  # one backward per step, no clipping
+
+def _step(model: nn.Module, optimizer: Any, inputs: Any, targets: Any, loss_fn: Callable[..., Any],
+          loop: Loop = STANDARD_LOOP) -> None:
+    in_backward = isinstance(optimizer, OptimizerInBackward)
     optimizer.zero_grad(set_to_none=True)
-    out = call_model(model, inputs)
-    loss = scalar_loss("memtrim.plan", loss_fn(out, targets))
-    del out
-    loss.backward()
-    del loss
+    for micro in range(loop.accumulation_steps):
+        last = micro == loop.accumulation_steps - 1
+        with contextlib.nullcontext() if last or not in_backward else optimizer.accumulate():
+            out = call_model(model, inputs)
+            loss = scalar_loss("memtrim.plan", loss_fn(out, targets))
+            del out
+            if in_backward and last and loop.clip_grad_norm is not None:
+                optimizer.backward(loss)  # two passes: the norm first
+            else:
+                loss.backward()
+            del loss
+    if loop.clip_grad_norm is not None and not in_backward:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), loop.clip_grad_norm)
     optimizer.step()
 
 
@@ -210,10 +236,12 @@ def trace_step(
     techniques: Sequence[Technique],
     *,
     fake: bool = True,
+    loop: Loop = STANDARD_LOOP,
 ) -> StepTrace:
     """Run the steady-state training step of ``model`` with ``techniques`` applied; see NOTE [ predicting a step ].
 
-    ``fake=False`` measures it for real instead (on a copy of the model, or a new one from the factory).
+    ``fake=False`` measures it for real instead (on a copy of the model, or a new one from the factory); ``loop``:
+    the accumulation and clipping around it.
     """
     mode = _fake_mode() if fake else None
     values = KnownValues()
@@ -244,16 +272,16 @@ def trace_step(
             )
         if fake:
             notes.extend(_kernels_not_traced(model))
-        applied = Applied(model, optimizer, host="meta" if fake else "cpu")
+        applied = Applied(model, optimizer, host="meta" if fake else "cpu", clip_grad_norm=loop.clip_grad_norm)
         for technique in techniques:
             notes.extend(technique.apply(applied))
-        _step(applied.model, applied.optimizer, inputs, targets, loss_fn)
+        _step(applied.model, applied.optimizer, inputs, targets, loss_fn, loop)
         cost = _CostMode(applied.host if fake else "")  # a real run here has no host apart from the device
         with track(applied.model, applied.inner_optimizer) as tracker:
             for tensor in tensors_in((inputs, targets)):
                 tracker.label(tensor, Category.INPUTS)
             with cost:
-                _step(applied.model, applied.optimizer, inputs, targets, loss_fn)
+                _step(applied.model, applied.optimizer, inputs, targets, loss_fn, loop)
         report = tracker.report()
         applied.undo()
     if values.approximate_decisions:

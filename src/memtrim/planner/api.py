@@ -22,7 +22,7 @@ from ..measure import format_bytes, pyplot
 from ..techniques.checkpoint import selective_available
 from ._cost import DeviceCost, calibrate, device_cost
 from ._techniques import EXCLUSIVE, TECHNIQUES, Applied, NotApplicable, Technique
-from ._trace import PLANNED_IN_TRAINING, StepTrace, Work, trace_step
+from ._trace import PLANNED_IN_TRAINING, STANDARD_LOOP, Loop, StepTrace, Work, trace_step
 from ._workers import Failed, Tracer, default_workers
 
 _API = "memtrim.plan"
@@ -67,6 +67,8 @@ class Plan:
             (low-bit optimizer state: planned only where nothing else fits, NOTE [ numerics first ]).
         fits: whether ``peak_bytes <= budget``.
         notes: what each technique did on the traced model.
+        clip_grad_norm: the loop's clipping it was planned with (``plan``'s), which :meth:`apply` gives an
+            ``OptimizerInBackward`` it builds.
     """
 
     techniques: tuple[str, ...]
@@ -77,6 +79,7 @@ class Plan:
     numerics: str
     fits: bool
     notes: tuple[str, ...] = ()
+    clip_grad_norm: float | None = None  # the loop's, planned: apply builds an OptimizerInBackward clipping so
 
     @property
     def name(self) -> str:
@@ -94,7 +97,7 @@ class Plan:
                 "Apply a plan once: build the model and its optimizer again (a notebook cell run twice applies twice)."
             )
         marked = _marked(model)
-        applied = Applied(model, optimizer)
+        applied = Applied(model, optimizer, clip_grad_norm=self.clip_grad_norm)
         try:
             for name in self.techniques:
                 try:
@@ -264,6 +267,8 @@ def plan(
     depth: int | None = None,
     progress: Callable[[str], None] | None = None,
     workers: int | None = None,
+    accumulation_steps: int = 1,
+    clip_grad_norm: float | None = None,
 ) -> Plans:
     """Rank the combinations of memtrim's techniques that make one training step fit ``budget``: unchanged numerics
     first, then the fastest by the time model (NOTE [ numerics first ]).
@@ -293,6 +298,11 @@ def plan(
         workers: processes tracing plans side by side (default: the CPUs this process may use, at most 8; 1 traces
             them in turn here). Forked, and only where forking is safe (NOTE [ tracing plans in parallel ]); the
             plans are the same either way.
+        accumulation_steps: micro-batches per optimizer step (``example_inputs`` is one): each step runs that many
+            forwards and backwards (an ``OptimizerInBackward``'s earlier ones inside ``accumulate()``).
+        clip_grad_norm: the loop clips the gradients' global norm to it before each step (``clip_grad_norm_``); an
+            ``OptimizerInBackward`` clips itself in two passes (``optimizer.backward(loss)``), which costs more
+            memory than one: plan with it where the loop clips.
 
     Returns:
         :class:`Plans`, the best fitting plan first; ``Plans.rejected`` the rest.
@@ -310,6 +320,7 @@ def plan(
     # Over 60 lines for its docstring (Args, Returns, Raises, Example); the body is the two tracing passes, ~45 lines.
     names = _check(model_or_factory, loss_fn, optimizer_factory, techniques)
     limit = parse_bytes(budget)
+    loop = _loop(accumulation_steps, clip_grad_norm)
     _check_depth(depth, model_or_factory)
     tensors = [t for t in torch.utils._pytree.tree_leaves((example_inputs, targets)) if isinstance(t, torch.Tensor)]
     dev = _device(device, tensors)
@@ -318,7 +329,7 @@ def plan(
     cost = calibrate(dev) if calibrate_time else device_cost(dev)
 
     def estimate(combo: tuple[str, ...]) -> _Estimate:
-        return _estimate(model_or_factory, example_inputs, targets, loss_fn, optimizer_factory, combo, depth)
+        return _estimate(model_or_factory, example_inputs, targets, loss_fn, optimizer_factory, combo, depth, loop)
 
     def traced(combo: tuple[str, ...], e: _Estimate) -> None:
         if progress is not None:
@@ -357,11 +368,11 @@ def plan(
         estimates.update(trace(exact[1:], failed))
         base = cost.step_seconds(estimates[()].work)
         aside = _aside_in_checkpoints(model_or_factory)
-        plans = [_plan(combo, e, base, cost, limit, aside) for combo, e in estimates.items()]
+        plans = [_plan(combo, e, base, cost, limit, aside, loop) for combo, e in estimates.items()]
         if changing and not any(p.fits for p in plans):
             notes.append(f"{', '.join(sorted(changing))}: traced because no plan with unchanged numerics fits")
             more = trace([c for c in combinations(names) if changing.intersection(c)], failed)
-            plans += [_plan(combo, e, base, cost, limit, aside) for combo, e in more.items()]
+            plans += [_plan(combo, e, base, cost, limit, aside, loop) for combo, e in more.items()]
         elif changing:
             notes.append(f"{', '.join(sorted(changing))}: not needed (a plan with unchanged numerics fits)")
     result = _ranked(plans, limit, dev, cost, notes, estimates[()].peak_bytes)
@@ -489,12 +500,13 @@ class _Estimate:
 
 
 def _estimate(model_or_factory: Any, inputs: Any, targets: Any, loss_fn: Any, optimizer_factory: Any,
-              combo: tuple[str, ...], depth: int | None) -> _Estimate:
+              combo: tuple[str, ...], depth: int | None, loop: Loop = STANDARD_LOOP) -> _Estimate:
     techniques = [TECHNIQUES[n] for n in combo]
     if depth is None:
-        return _Estimate.of(trace_step(model_or_factory, inputs, targets, loss_fn, optimizer_factory, techniques))
+        return _Estimate.of(trace_step(model_or_factory, inputs, targets, loss_fn, optimizer_factory, techniques,
+                                       loop=loop))
     two, three = (_Estimate.of(trace_step(functools.partial(model_or_factory, n), inputs, targets, loss_fn,
-                                          optimizer_factory, techniques)) for n in (2, 3))
+                                          optimizer_factory, techniques, loop=loop)) for n in (2, 3))
     more = depth - 3
 
     def grow(a: int, b: int) -> int:
@@ -520,7 +532,7 @@ def _aside_in_checkpoints(model_or_factory: Any) -> list[str]:
 
 
 def _plan(combo: tuple[str, ...], estimate: _Estimate, base: float, cost: DeviceCost, limit: int,
-          aside: list[str]) -> Plan:
+          aside: list[str], loop: Loop = STANDARD_LOOP) -> Plan:
     numerics = max((TECHNIQUES[n].numerics for n in combo), key=_NUMERICS_ORDER.__getitem__, default="bitwise")
     notes = estimate.notes
     if aside and numerics == "bitwise" and {"checkpoint", "selective"}.intersection(combo):
@@ -537,7 +549,19 @@ def _plan(combo: tuple[str, ...], estimate: _Estimate, base: float, cost: Device
         numerics=numerics,
         fits=estimate.peak_bytes <= limit,
         notes=notes,
+        clip_grad_norm=loop.clip_grad_norm,
     )
+
+
+def _loop(accumulation_steps: Any, clip_grad_norm: Any) -> Loop:
+    if not isinstance(accumulation_steps, int) or isinstance(accumulation_steps, bool) or accumulation_steps < 1:
+        raise InvalidInputError(f"{_API}: accumulation_steps must be an int >= 1 (micro-batches per optimizer step), "
+                                f"got {accumulation_steps!r}.")
+    if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float))
+                                       or not math.isfinite(clip_grad_norm) or clip_grad_norm <= 0):
+        raise InvalidInputError(f"{_API}: clip_grad_norm must be a positive finite number (the max_norm the loop "
+                                f"clips to) or None, got {clip_grad_norm!r}.")
+    return Loop(accumulation_steps, None if clip_grad_norm is None else float(clip_grad_norm))
 
 
 __all__ = ["Plan", "Plans", "Technique", "combinations", "parse_bytes", "plan"]
