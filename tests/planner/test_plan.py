@@ -382,6 +382,11 @@ def test_offload_state_refuses_a_second_order_optimizer():
         plan_of("offload_state").apply(model, optimizer)
 
 
+def test_parse_bytes_takes_numpy_numbers():
+    numpy = pytest.importorskip("numpy")
+    assert parse_bytes(numpy.int64(1000)) == parse_bytes(numpy.float64(1000.0)) == 1000  # (refused as "int64")
+
+
 def test_parse_bytes():
     assert parse_bytes("24GiB") == 24 * 2**30
     assert parse_bytes("1.5 GB") == 1_500_000_000
@@ -407,6 +412,9 @@ def test_a_factory_that_returns_or_copies_an_existing_model_is_told_to_pass_the_
     assert memtrim.plan(model, **args).best.fits  # the fix the message names
 
 
+_OUTSIDE = torch.nn.Linear(64, 64)  # a module the loss holds from outside the planned model
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"optimizer_factory": torch.optim.AdamW}, "optimizer_factory must be a function"),
     ({"loss_fn": 3}, "loss_fn must be callable"),
@@ -414,6 +422,10 @@ def test_a_factory_that_returns_or_copies_an_existing_model_is_told_to_pass_the_
     ({"techniques": ["magic"]}, "unknown techniques"),
     ({"budget": "big"}, "cannot read the size"),
     ({"accumulation_steps": 0}, "accumulation_steps must be an int >= 1"),
+    ({"model_or_factory": torch.nn.Sequential(torch.nn.ReLU())}, "the model has no parameters"),
+    ({"model_or_factory": SmallGPT(_CFG).requires_grad_(False)}, r"all \d+ parameters of the model are frozen"),
+    ({"loss_fn": lambda out, y: _gpt_loss(_OUTSIDE(out), y)},  # (a GAN's discriminator in the generator's loss)
+     r"read a real tensor made outside.*nn.Sequential\(G, D\)"),
     ({"clip_grad_norm": -1.0}, "clip_grad_norm must be a positive finite number"),
     ({"clip_grad_norm": float("inf")}, "clip_grad_norm must be a positive finite number"),
 ])

@@ -102,5 +102,8 @@ def test_bad_input():
         memtrim.verify(SeedMLP, lambda m: None, batches(), F.nll_loss, identity)
     with pytest.raises(memtrim.InvalidInputError, match="must return \\(model, optimizer\\)"):
         memtrim.verify(SeedMLP, adam, batches(), F.nll_loss, lambda m, o: m)
+    with pytest.raises(memtrim.InvalidInputError, match=r"got ConversionReport\. memtrim.convert returns \(model, "
+                                                        r"report\), not \(model, optimizer\)"):
+        memtrim.verify(SeedMLP, adam, batches(), F.nll_loss, lambda m, o: memtrim.convert(m))
     with pytest.raises(memtrim.InvalidInputError, match="neither by name nor by position"):
         memtrim.verify(SeedMLP, adam, batches(), F.nll_loss, lambda m, o: (torch.nn.Linear(2, 2), o))

@@ -213,6 +213,19 @@ PLANNED_IN_TRAINING = (
     "it after model.train(); a step run in eval mode peaks no higher")
 
 
+def _refuse_nothing_to_train(model: nn.Module) -> None:
+    """A model with no parameter to train: said as such (torch's "optimizer got an empty parameter list" or "element
+    0 of tensors does not require grad" came out of the step's trace; found by an adversarial pass)."""
+    params = list(model.parameters())
+    if not params:
+        raise InvalidInputError("memtrim.plan: the model has no parameters: there is no training step to plan.")
+    if not any(p.requires_grad for p in params):
+        raise InvalidInputError(
+            f"memtrim.plan: all {len(params)} parameters of the model are frozen (requires_grad=False): the step "
+            "trains nothing. Expected the parameters you train to require grad; to fix: unfreeze them before "
+            "planning (model.requires_grad_(True), or those of the layers you fine-tune).")
+
+
 def _kernels_not_traced(model: nn.Module) -> list[str]:
     """Notes for modules whose real kernels keep other tensors than their fake kernels: the prediction misses it."""
     notes = []
@@ -254,6 +267,7 @@ def trace_step(
     with _faking(mode, values):
         if model is None:
             model = _build(model_or_factory, fake)
+        _refuse_nothing_to_train(model)
         if not any(m.training for m in model.modules()):  # (a copy, or the factory's own model)
             model.train()
             notes.append(PLANNED_IN_TRAINING)

@@ -6,6 +6,7 @@ import functools
 import inspect
 import itertools
 import math
+import numbers
 import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -38,7 +39,7 @@ def parse_bytes(value: int | float | str) -> int:
     """
     if isinstance(value, bool):
         raise InvalidInputError(f"{_API}: a budget must be bytes or a size like '24GiB', got {value!r}.")
-    if isinstance(value, (int, float)):
+    if isinstance(value, numbers.Real):  # (NumPy's integers and floats too)
         number = float(value)
     elif isinstance(value, str):
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)\s*", value.lower())
@@ -413,10 +414,17 @@ def _plain(estimate: Callable[[tuple[str, ...]], _Estimate]) -> _Estimate:
             "forward makes such shapes from its activations cannot be planned (measure it with memtrim.track)."
         ) from e
     except Exception as e:
+        outside = "convert all Tensors to FakeTensors" in str(e)
         raise InvalidInputError(
             f"{_API}: the plain training step failed when traced on fake tensors: {type(e).__name__}: "
-            f"{' '.join(str(e).split()).rstrip('.')}. Check that model(example_inputs), loss_fn(output, targets) "
-            "and optimizer_factory(model) run for real."
+            f"{' '.join(str(e).split()).rstrip('.')}. " + (
+                "The step read a real tensor made outside the model and the example batch: a module or tensor the "
+                "loss_fn or the forward holds from outside (a GAN's discriminator in the generator's loss). The "
+                "trace makes the model and the batch fake, nothing else. To fix: make it part of the planned model, "
+                "e.g. memtrim.plan(nn.Sequential(G, D), z, loss_fn, lambda m: torch.optim.Adam(m[0].parameters()), "
+                "...), or a buffer of the model." if outside else
+                "Check that model(example_inputs), loss_fn(output, targets) and optimizer_factory(model) run for "
+                "real.")
         ) from e
 
 

@@ -373,8 +373,10 @@ def _check_transformed(result: Any) -> tuple[torch.nn.Module, Any]:
     if not isinstance(model, torch.nn.Module):
         raise InvalidInputError(f"memtrim.verify: transform returned a {type(model).__name__}, not an nn.Module.")
     if not isinstance(opt, torch.optim.Optimizer):
+        hint = (" memtrim.convert returns (model, report), not (model, optimizer): use lambda m, o: "
+                "(memtrim.convert(m)[0], o)." if type(opt).__name__ == "ConversionReport" else "")
         raise InvalidInputError(
-            f"memtrim.verify: transform must return a torch.optim.Optimizer, got {type(opt).__name__}."
+            f"memtrim.verify: transform must return a torch.optim.Optimizer, got {type(opt).__name__}.{hint}"
         )
     return model, opt
 
