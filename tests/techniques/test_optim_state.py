@@ -366,7 +366,8 @@ def test_low_bit_state_is_planned_only_where_nothing_exact_fits():
     everything = memtrim.plan(_gpt(), x, _loss, adamw, targets=y, budget=1 << 40, techniques=techniques)
     assert not any("state_" in p.name for p in everything.all)
     smallest_exact = min(p.peak_bytes for p in everything.all)
-    tight = memtrim.plan(_gpt(), x, _loss, adamw, targets=y, budget=smallest_exact - 1, techniques=techniques)
+    with pytest.warns(UserWarning, match="changes training's numbers"):  # (said loudly where it is the best)
+        tight = memtrim.plan(_gpt(), x, _loss, adamw, targets=y, budget=smallest_exact - 1, techniques=techniques)
     assert tight.best.numerics == "changed" and "state_" in tight.best.name
     assert tight.best.peak_bytes < smallest_exact
 
