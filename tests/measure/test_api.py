@@ -112,6 +112,22 @@ def test_report_json_str_and_plot(tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_an_empty_report_plots_and_a_device_never_seen_is_refused(tmp_path):
+    # (the empty plot raised NumPy's "need at least one array to concatenate"; report("cuda") of a CPU run was all
+    # zeros: an adversarial pass)
+    pytest.importorskip("matplotlib")
+    with memtrim.track() as tracker:
+        pass
+    tracker.report().plot(str(tmp_path / "empty.png"))
+    assert (tmp_path / "empty.png").read_bytes()[:4] == b"\x89PNG"
+    model = torch.nn.Linear(4, 4)
+    with memtrim.track(model) as tracker:
+        model(torch.randn(2, 4))
+    with pytest.raises(memtrim.InvalidInputError, match=r"saw no tensor on 'meta' \(it saw cpu\)"):
+        tracker.report("meta")
+    assert tracker.report("cpu").peak_bytes == tracker.report().peak_bytes > 0
+
+
 def test_plot_without_matplotlib(tmp_path, monkeypatch):
     model, optimizer, x, y = mlp_step_setup()
     report = memtrim.measure_step(model, x, y, F.nll_loss, optimizer)

@@ -263,7 +263,7 @@ class _Saved:
     """What autograd stores instead of a saved tensor while a tracker is active."""
 
     __slots__ = ("tensor", "version", "outer", "packed", "held", "__weakref__")
-    tensor: torch.Tensor
+    tensor: torch.Tensor | None  # an alias of the saved tensor, where no hooks outside keep their own
     version: int
     outer: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None
     packed: Any
@@ -285,23 +285,31 @@ def _make_pack(
     def pack(tensor: torch.Tensor) -> _Saved:
         holder = _Saved()
         holder.version = tensor._version
-        if type(tensor) in _PLAIN:
-            with torch._C._DisableTorchDispatch():  # our own alias: no op for the trackers (or other modes) to see
-                holder.tensor = tensor.detach()
-        else:  # a tensor subclass (FakeTensor, DTensor...) makes its alias through its own dispatch
-            holder.tensor = tensor.detach()
         holder.outer = outer
-        holder.packed = outer[0](tensor) if outer is not None else None
-        held = []
-        for tracker in trackers:
-            held.append((tracker, tracker.on_hold(tensor)))  # the original: a trainable leaf is a parameter
-        holder.held = held
+        kept: Any = tensor  # the original: a trainable leaf is a parameter
+        if outer is not None:
+            # the hooks outside decide what is kept (a bfloat16 copy, a host copy) and whether a change in place
+            # raises (torch checks no version under hooks; allow_mutation_on_saved_tensors keeps the old values): no
+            # alias of the original here, which kept it alive beside their copy (found by an adversarial pass:
+            # memtrim's own offloading outside a tracked block, +264,708 B after forward)
+            holder.tensor, holder.packed = None, outer[0](tensor)
+            if tensors_in(holder.packed):
+                kept = holder.packed
+        else:
+            holder.packed = None
+            if type(tensor) in _PLAIN:
+                with torch._C._DisableTorchDispatch():  # our own alias: no op for the trackers (or other modes) to see
+                    holder.tensor = tensor.detach()
+            else:  # a tensor subclass (FakeTensor, DTensor...) makes its alias through its own dispatch
+                holder.tensor = tensor.detach()
+        holder.held = [(tracker, tracker.on_hold(kept)) for tracker in trackers]
         return holder
 
     def unpack(holder: _Saved) -> torch.Tensor:
-        check_saved_version(holder.tensor, holder.version, "memtrim.track")
         if holder.outer is not None:
             return holder.outer[1](holder.packed)
+        assert holder.tensor is not None
+        check_saved_version(holder.tensor, holder.version, "memtrim.track")
         return holder.tensor
 
     return pack, unpack

@@ -198,14 +198,17 @@ class MemoryReport:
                     ax.axvspan(start - 0.5, i - 0.5, color=_PHASE_COLORS[phase], zorder=0, lw=0)
                 start = i
         shown = [i for i, s in enumerate(series) if any(s)]
-        ax.stackplot(
-            x,
-            *[series[i] for i in shown],
-            labels=[CATEGORIES[i] for i in shown],
-            colors=[_COLORS[CATEGORIES[i]] for i in shown],
-            step="post",
-            zorder=2,
-        )
+        if shown:
+            ax.stackplot(
+                x,
+                *[series[i] for i in shown],
+                labels=[CATEGORIES[i] for i in shown],
+                colors=[_COLORS[CATEGORIES[i]] for i in shown],
+                step="post",
+                zorder=2,
+            )
+        else:  # nothing live (an empty block): an empty plot that says so (NumPy raised "need at least one array")
+            ax.text(0.5, 0.5, "no tensor memory seen", transform=ax.transAxes, ha="center", va="center")
         peak_index = next((i for i, e in enumerate(self.timeline) if e.total_bytes == self.peak_bytes), 0)
         ax.axvline(peak_index, color="black", ls="--", lw=1, zorder=3)
         ax.annotate(

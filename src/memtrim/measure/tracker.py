@@ -273,7 +273,15 @@ class Tracker:
     # ------------------------------------------------------------------ devices and the accelerator's allocator
     def _choose_device(self, device: str | torch.device | None) -> str:
         if device is not None:
-            return str(torch.device(device))
+            name = str(torch.device(device))
+            seen = {r.device for r in self._start_records} | {e[1].device for e in self._events if e[0] == _ALLOC}
+            if seen and not any(d == name or d.split(":")[0] == name for d in seen):
+                # (its report was all zeros, and its plot raised NumPy's "need at least one array"; an adversarial
+                # pass)
+                raise InvalidInputError(
+                    f"Tracker.report: the tracker saw no tensor on {name!r} (it saw {', '.join(sorted(seen))}). "
+                    "Expected a device the tracked code used; to fix: report() (the model's device) or one of those.")
+            return name
         model = self._model_ref() if self._model_ref is not None else None
         if model is not None:
             for tensor in list(model.parameters()) + list(model.buffers()):
