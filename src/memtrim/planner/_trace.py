@@ -105,6 +105,7 @@ class Loop:
 
 STANDARD_LOOP = Loop()  # one backward per step, no clipping
 
+
 def _step(model: nn.Module, optimizer: Any, inputs: Any, targets: Any, loss_fn: Callable[..., Any],
           loop: Loop = STANDARD_LOOP) -> None:
     in_backward = isinstance(optimizer, OptimizerInBackward)
