@@ -173,7 +173,13 @@ def _select(model: nn.Module, modules: ModuleSelector, api: str = _API) -> list[
                 f"{api}: a predicate must take (name, module); its signature is {inspect.signature(modules)}. "
                 "Write e.g. lambda name, m: isinstance(m, Block)."
             )
-        chosen = [(n, m) for n, m in named if modules(n, m)]
+        # every name of a module registered under two (model.a = model.b = block): the predicate may ask for either
+        # (it saw the first alone, and matched nothing or fewer than asked; found by an adversarial pass)
+        matched: dict[int, tuple[str, nn.Module]] = {}
+        for n, m in model.named_modules(remove_duplicate=False):
+            if id(m) not in matched and modules(n, m):
+                matched[id(m)] = (n, m)
+        chosen = list(matched.values())
         what = "the predicate matched no submodule"
     elif isinstance(modules, Collection) and not isinstance(modules, (str, bytes)):
         names = list(modules)
@@ -227,14 +233,35 @@ def _policy_fn(policy: Policy) -> tuple[Callable[..., Any] | None, str | None]:
     else:
         raise InvalidInputError(f"{_API}: policy must be a name, a callable or a collection of ops; found "
                                 f"{type(policy).__name__}. Pass e.g. policy='save_matmuls'.")
-    saved = frozenset(ops)
+    return _SaveListed(frozenset(ops)), label
 
-    def save_listed(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+
+class _SaveListed:
+    """A policy keeping the outputs of the listed ops (overloads or packets) and recomputing the rest; it pickles by
+    the ops' names (torch's op objects do not pickle: ``torch.save`` of a model checkpointed with ``policy=`` failed,
+    found by an adversarial pass)."""
+
+    def __init__(self, saved: frozenset[Any]) -> None:
+        self.saved = saved
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         packet = getattr(op, "overloadpacket", op)
-        keep = op in saved or packet in saved
+        keep = op in self.saved or packet in self.saved
         return tuc.CheckpointPolicy.MUST_SAVE if keep else tuc.CheckpointPolicy.PREFER_RECOMPUTE
 
-    return save_listed, label
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _save_listed_by_name, (sorted(str(op) for op in self.saved),)
+
+
+def _save_listed_by_name(names: list[str]) -> _SaveListed:
+    """:class:`_SaveListed` of the ops named ``aten.mm.default`` or ``aten.mm`` (``str`` of an op)."""
+    ops = []
+    for name in names:
+        found: Any = torch.ops
+        for part in name.split("."):
+            found = getattr(found, part)
+        ops.append(found)
+    return _SaveListed(frozenset(ops))
 
 
 def selective_available() -> bool:
@@ -252,13 +279,14 @@ def _selective(policy_fn: Callable[..., Any] | None) -> Callable[[str], tuple[An
             "whole modules."
         )
 
-    def contexts(owner: str) -> tuple[Any, Any]:
-        guard = _KeptOutputsUnwritten(policy_fn, owner)
-        forward, recompute = tuc.create_selective_checkpoint_contexts(guard)
-        guard.mode = weakref.ref(forward)  # (the mode holds the guard: a strong reference back would make a cycle
-        return forward, recompute          # that keeps the kept outputs alive until the garbage collector runs)
+    return functools.partial(_selective_contexts, policy_fn)  # (a partial, not a closure: the model pickles)
 
-    return contexts
+
+def _selective_contexts(policy_fn: Callable[..., Any], owner: str) -> tuple[Any, Any]:
+    guard = _KeptOutputsUnwritten(policy_fn, owner)
+    forward, recompute = tuc.create_selective_checkpoint_contexts(guard)
+    guard.mode = weakref.ref(forward)  # (the mode holds the guard: a strong reference back would make a cycle
+    return forward, recompute          # that keeps the kept outputs alive until the garbage collector runs)
 
 
 class _KeptOutputsUnwritten:
