@@ -338,3 +338,15 @@ def test_buffers_registered_in_another_order_are_paired_by_name():
     result = memtrim.check_inplace(_TwoStatistics(True, rate=0.2), _TwoStatistics(False), x)
     assert not result.ok and any("buffer 'mean'" in p and "differs from the reference's" in p
                                  for p in result.problems)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda t: t.relu_() if t.requires_grad else t.abs_(),  # a path of its own for inputs that need no gradient
+    lambda t: t.relu_() if torch.is_grad_enabled() else t.abs_(),  # one under torch.no_grad()
+], ids=["input needs no grad", "under no_grad"])
+def test_a_function_wrong_only_without_grad_fails_naming_it(fn):
+    # the trials always asked for gradients: such an inference path passed (found by an adversarial pass)
+    check = memtrim.check_inplace(fn, F.relu, torch.randn(32, 16))
+    assert not check.ok
+    assert any(p.startswith("without grad") and "differ" in p for p in check.problems)
+    assert memtrim.check_inplace(torch.relu_, F.relu, torch.randn(32, 16)).ok  # (no false alarm)

@@ -172,6 +172,7 @@ def _trials(fn: Callable, reference: Callable, example_inputs: Sequence[torch.Te
                 mutated = mutated or wrote
                 if found:
                     break  # the next draws of this dtype would repeat the same complaint
+    problems += _check_without_grad(fn, reference, example_inputs, _tolerance(example_inputs[0].dtype, rtol, atol))
     earlier_dtype = _earlier_dtype(fn, reference, example_inputs, dtype_list)
     problems += _check_saved_by_earlier_op(fn, reference, example_inputs, earlier_dtype,
                                            _tolerance(earlier_dtype, rtol, atol), generator)
@@ -487,6 +488,29 @@ def _buffers(fn: Any, order: list[str]) -> dict[str, torch.Tensor]:
     """A module's buffers in ``order`` (from :func:`_buffer_order`), keyed by their position in it."""
     held = {name: slots[key] for name, slots, key in _buffer_slots(fn)}
     return {str(i): held[name] for i, name in enumerate(order) if name in held}
+
+
+def _check_without_grad(fn: Callable, reference: Callable, examples: Sequence[torch.Tensor],
+                        tol: tuple[float, float]) -> list[str]:
+    """fn under ``torch.no_grad()`` on the examples, against the reference: the graded trials always ask for
+    gradients, so a path of fn's own for inference, wrong only there, passed them (found by an adversarial pass)."""
+    where = "without grad (torch.no_grad(), inputs that need no gradient)"
+    args_ref = [x.detach().clone() for x in examples]
+    args_fn = [x.detach().clone() for x in examples]
+    with torch.no_grad():
+        with _same_draws(examples[0].device):  # fn draws what the reference drew
+            out_ref = _call(reference, args_ref, "the reference")
+        try:
+            out_fn = _call(fn, args_fn, "fn")
+        except Exception as e:
+            return [f"{where}: fn raised {type(e).__name__}: {e}"]
+    if out_fn.shape != out_ref.shape:
+        return [f"{where}: fn returns shape {tuple(out_fn.shape)} but the reference returns {tuple(out_ref.shape)}."]
+    error = _max_error(out_fn, out_ref, tol)
+    if error is None:
+        return []
+    return [f"{where}: the values differ from the reference's: max abs error {error[0]:.3e}, max rel error "
+            f"{error[1]:.3e} (fn computes otherwise when no gradient is needed)."]
 
 
 def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol: tuple[float, float], where: str,
