@@ -242,6 +242,8 @@ class Tracker:
     def report(self, device: str | torch.device | None = None) -> MemoryReport:
         """The :class:`MemoryReport` of everything seen so far, for one device (default: the model's)."""
         self._reconcile()
+        if device is not None:
+            self._refuse_unseen(str(torch.device(device)))
         device = self._choose_device(device)
         allocator = None
         if (self._allocator_peaks is not None and self._allocator_device is not None
@@ -271,17 +273,18 @@ class Tracker:
             pickle.dump(snapshot, f)
 
     # ------------------------------------------------------------------ devices and the accelerator's allocator
+    def _refuse_unseen(self, name: str) -> None:
+        """A report asked of a device the tracker saw nothing on: its report was all zeros, and its plot raised
+        NumPy's "need at least one array" (an adversarial pass). A live count there is 0, as it should be."""
+        seen = {r.device for r in self._start_records} | {e[1].device for e in self._events if e[0] == _ALLOC}
+        if seen and not any(d == name or d.split(":")[0] == name for d in seen):
+            raise InvalidInputError(
+                f"Tracker.report: the tracker saw no tensor on {name!r} (it saw {', '.join(sorted(seen))}). "
+                "Expected a device the tracked code used; to fix: report() (the model's device) or one of those.")
+
     def _choose_device(self, device: str | torch.device | None) -> str:
         if device is not None:
-            name = str(torch.device(device))
-            seen = {r.device for r in self._start_records} | {e[1].device for e in self._events if e[0] == _ALLOC}
-            if seen and not any(d == name or d.split(":")[0] == name for d in seen):
-                # (its report was all zeros, and its plot raised NumPy's "need at least one array"; an adversarial
-                # pass)
-                raise InvalidInputError(
-                    f"Tracker.report: the tracker saw no tensor on {name!r} (it saw {', '.join(sorted(seen))}). "
-                    "Expected a device the tracked code used; to fix: report() (the model's device) or one of those.")
-            return name
+            return str(torch.device(device))
         model = self._model_ref() if self._model_ref is not None else None
         if model is not None:
             for tensor in list(model.parameters()) + list(model.buffers()):
