@@ -161,6 +161,9 @@ def test_no_plan_fits_raises_with_the_closest_plan():
     assert any("traced because no plan with unchanged numerics fits" in n for n in info.value.plans.notes)
 
 
+# (torch 2.4's own checkpoint warns that its torch.cpu.amp.autocast is deprecated: pytest.warns hands that back
+# from this file, where the torch.* filter of pyproject.toml no longer matches it)
+@pytest.mark.filterwarnings("ignore:`torch.cpu.amp.autocast:FutureWarning")
 def test_a_budget_only_4bit_state_fits_plans_state_4bit():
     x, y = _batch()
     # the techniques of the lowest peaks (the full set takes twice as long to trace)
@@ -891,6 +894,9 @@ def test_a_model_in_eval_mode_is_planned_as_it_trains_after_model_train(as_facto
     assert any("eval mode" in note for note in plans.notes)
 
 
+# (torch 2.4's own checkpoint warns that its torch.cpu.amp.autocast is deprecated: pytest.warns hands that back
+# from this file, where the torch.* filter of pyproject.toml no longer matches it)
+@pytest.mark.filterwarnings("ignore:`torch.cpu.amp.autocast:FutureWarning")
 def test_a_best_plan_changing_the_numbers_warns_naming_what_was_left_out_for_a_reason_one_can_fix():
     # HF's default use_cache=True leaves checkpointing out (its recomputation would write the cache twice): the best
     # plan then changed the numbers with a note alone, where use_cache=False fits bitwise (an adversarial pass)

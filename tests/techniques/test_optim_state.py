@@ -353,6 +353,9 @@ def test_4bit_state_for_any_shape_odd_sizes_and_empty_parameters():
     assert all(torch.equal(a, b) for a, b in zip(params, again))
 
 
+# (torch 2.4's own checkpoint warns that its torch.cpu.amp.autocast is deprecated: pytest.warns hands that back
+# from this file, where the torch.* filter of pyproject.toml no longer matches it)
+@pytest.mark.filterwarnings("ignore:`torch.cpu.amp.autocast:FutureWarning")
 def test_low_bit_state_is_planned_only_where_nothing_exact_fits():
     g = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 64, (2, 16), generator=g), torch.randint(0, 64, (2, 16), generator=g)
