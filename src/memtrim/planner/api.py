@@ -344,11 +344,12 @@ def plan(
             for combo, outcome in tracer.map(c for c in wave if not failed.intersection(c)):
                 if isinstance(outcome, Failed):
                     if outcome.not_applicable:  # the technique has nothing to do on this model
-                        notes.append(f"{'+'.join(combo)}: left out ({outcome.message})")
+                        left_out[combo] = f"{'+'.join(combo)}: left out ({outcome.message})"
                         failed.update(combo if len(combo) == 1 else ())
                     else:  # the plain step runs; this combination does not: leave it out and say why
-                        notes.append(f"{'+'.join(combo)}: left out (tracing it raised {outcome.kind}: "
-                                     f"{outcome.message})")
+                        left_out[combo] = (f"{'+'.join(combo)}: left out (tracing it raised {outcome.kind}: "
+                                           f"{outcome.message})")
+                    notes.append(left_out[combo])
                     continue
                 out[combo] = outcome
                 traced(combo, outcome)
@@ -358,6 +359,7 @@ def plan(
     # keeps them fits; among fitting plans the ranking is numerics class, then predicted time, then peak
     changing = {n for n in names if TECHNIQUES[n].numerics == "changed"}
     failed: set[str] = set()
+    left_out: dict[tuple[str, ...], str] = {}  # combination -> why it was left out (also in the notes)
     exact = [c for c in combinations(names) if not changing.intersection(c)]
     with Tracer(estimate, default_workers() if workers is None else workers, len(exact) - 1) as tracer:
         if tracer.parallel:
@@ -377,18 +379,18 @@ def plan(
         elif changing:
             notes.append(f"{', '.join(sorted(changing))}: not needed (a plan with unchanged numerics fits)")
     result = _ranked(plans, limit, dev, cost, notes, estimates[()].peak_bytes)
-    _warn_if_numbers_change(result, changing)
+    _warn_if_numbers_change(result, [why for combo, why in left_out.items() if not changing.intersection(combo)])
     return result
 
 
-def _warn_if_numbers_change(result: Plans, changing: set[str]) -> None:
+def _warn_if_numbers_change(result: Plans, left: list[str]) -> None:
     """Say it where the best plan changes the numbers (low-bit state): shown only in the table's column and a note,
     it was applied unremarked, where a plan left out for a reason the user can fix (HF's default use_cache=True
-    leaves checkpointing out) would have kept training bitwise in the same budget (found by an adversarial pass)."""
+    leaves checkpointing out) would have kept training bitwise in the same budget (found by an adversarial pass).
+    ``left``: why each combination that keeps the numbers was left out."""
     best = result.best
     if best.numerics != "changed":
         return
-    left = [n for n in result.notes if ": left out (" in n and not changing.intersection(n.split(":")[0].split("+"))]
     fix = (f" Left out, and maybe fixable: {'; '.join(left)}." if left else
            " A larger budget or a smaller batch keeps them.")
     warnings.warn(

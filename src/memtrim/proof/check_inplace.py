@@ -506,11 +506,17 @@ def _check_without_grad(fn: Callable, reference: Callable, examples: Sequence[to
             return [f"{where}: fn raised {type(e).__name__}: {e}"]
     if out_fn.shape != out_ref.shape:
         return [f"{where}: fn returns shape {tuple(out_fn.shape)} but the reference returns {tuple(out_ref.shape)}."]
+    differ = _values_differ(out_fn, out_ref, tol, where)
+    return [] if differ is None else [differ + " (fn computes otherwise when no gradient is needed)."]
+
+
+def _values_differ(out_fn: torch.Tensor, out_ref: torch.Tensor, tol: tuple[float, float], where: str) -> str | None:
+    """The problem where fn's output differs from the reference's beyond ``tol``, or None."""
     error = _max_error(out_fn, out_ref, tol)
     if error is None:
-        return []
-    return [f"{where}: the values differ from the reference's: max abs error {error[0]:.3e}, max rel error "
-            f"{error[1]:.3e} (fn computes otherwise when no gradient is needed)."]
+        return None
+    return (f"{where}: the values differ from the reference's: max abs error {error[0]:.3e}, max rel error "
+            f"{error[1]:.3e}")
 
 
 def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol: tuple[float, float], where: str,
@@ -545,10 +551,9 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
     if out_fn.shape != out_ref.shape:
         return [f"{where}: fn returns shape {tuple(out_fn.shape)} but the reference returns "
                 f"{tuple(out_ref.shape)}; fn changes the shape."], False
-    error = _max_error(out_fn, out_ref, tol)
-    if error is not None:
-        problems.append(f"{where}: the values differ from the reference's: max abs error {error[0]:.3e}, "
-                        f"max rel error {error[1]:.3e}.")
+    differ = _values_differ(out_fn, out_ref, tol, where)
+    if differ is not None:
+        problems.append(differ + ".")
     found, wrote_input, returns_input = _writes(recorder, args_fn, out_fn, where, own=buffers_fn.values())
     problems += found
     if paired:  # read again: a forward may assign a buffer anew (self.ema = m * self.ema + ...)

@@ -30,9 +30,9 @@ __all__ = [
     "CONSUMER_SCOPE_END", "CONVERTED", "DECISIONS_END", "GATED_MLP_END", "HOOKS_ENABLED", "INPUT_AND_FORWARD_HOOKS",
     "INPUT_HOOKS", "OUTPUT_HOOKS", "PRODUCER_SCOPE_END", "RECOMPUTE_HOOKS", "WatchedFusion", "activated",
     "as_if_capturing", "autocasting", "batched", "capturing", "fx_tracing", "hooks_allowed", "inplace_error",
-    "keep_hook_ids", "kept_params", "mark_activated", "memtrims", "no_double_backward", "owner", "plain_apply",
-    "plain_only", "refuse_later_hooks", "register_end_hook", "saved_tensors", "saves_checked", "watch_registrations",
-    "watch_replacement",
+    "keep_hook_ids", "kept_params", "mark_activated", "memtrims", "module_hooks", "no_double_backward", "owner",
+    "plain_apply", "plain_only", "refuse_later_hooks", "register_end_hook", "saved_tensors", "saves_checked",
+    "watch_registrations", "watch_replacement",
 ]
 
 
@@ -178,6 +178,11 @@ def _hook_ids_restored(next_id: int) -> _HookIds:
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 
+def module_hooks(module: nn.Module) -> list[Any]:
+    """Every forward, forward pre-, backward and backward pre-hook on ``module`` (memtrim's and others')."""
+    return [h for name in _HOOK_DICTS for h in getattr(module, name, {}).values()]
+
+
 def keep_hook_ids(*modules: nn.Module) -> Callable[[], None]:
     """Mark ``modules``, which memtrim puts hooks on, so that a hook registered after they are unpickled gets an id of
     its own (:class:`_HookIds`). Returns the undo, to run after the installer's hooks are removed: it drops the mark
@@ -213,7 +218,7 @@ def register_end_hook(module: nn.Module, hook: Callable[..., Any], key: int, *,
 
 def _forget_hook_ids(modules: tuple[nn.Module, ...]) -> None:
     for module in modules:
-        hooks = [h for name in _HOOK_DICTS for h in getattr(module, name, {}).values()]
+        hooks = module_hooks(module)
         if module.__dict__.get("_memtrim_hook_ids") is _HOOK_IDS and not any(memtrims(h) for h in hooks):
             del module.__dict__["_memtrim_hook_ids"]
 

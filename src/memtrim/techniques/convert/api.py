@@ -46,7 +46,7 @@ from ...measure import track
 from ...measure.hooks import tensors_in
 from ...proof.compare import bitwise_equal
 from .._generators import GeneratorsKept, cuda_devices, held_generators_kept, seeded
-from ..guards import CONVERTED, DECISIONS_END, keep_hook_ids, register_end_hook
+from ..guards import CONVERTED, DECISIONS_END, keep_hook_ids, module_hooks, register_end_hook
 from ..norms._kernels import DecidedTogether
 from ..offload._core import _MARK as _OFFLOADED
 from . import builtin as _builtin  # noqa: F401  (registers the built-in rules)
@@ -164,9 +164,7 @@ def _opacus(model: nn.Module) -> str | None:
         where = f"the model's module {name!r}" if name else "the model"
         if from_opacus(type(module)):
             return f"{where} ({type(module).__name__})"
-        hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values(),
-                 *module._backward_pre_hooks.values(), *module._backward_hooks.values())
-        if any(from_opacus(hook) for hook in hooks):
+        if any(from_opacus(hook) for hook in module_hooks(module)):
             return f"a hook on {where}"
     return None
 

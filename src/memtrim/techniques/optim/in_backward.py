@@ -285,6 +285,11 @@ _REENTRANT = (
 )
 
 
+# what Lightning users call instead of what self.optimizers() returns (a copy of the wrapper, stepped with a closure)
+_LIGHTNING_WAY_OUT = ("self.optimizers(use_pl_optimizer=False) (Lightning then counts no optimizer steps: bound the "
+                      "run by max_epochs)")
+
+
 class OptimizerInBackward(WrappedOptimizerView):
     """Wrap an optimizer so that it steps inside backward, bucket by bucket, freeing gradients as it goes.
 
@@ -551,8 +556,7 @@ class OptimizerInBackward(WrappedOptimizerView):
             raise InvalidInputError(
                 "OptimizerInBackward.step: closures are not supported; the update happens inside backward. "
                 "Lightning passes one (automatic optimization, and LightningOptimizer.step with manual optimization): "
-                "use manual optimization with the wrapper itself, self.optimizers(use_pl_optimizer=False) (Lightning "
-                "then counts no optimizer steps: bound the run by max_epochs)."
+                "use manual optimization with the wrapper itself, " + _LIGHTNING_WAY_OUT + "."
             )
         self._raise_pending("step")
         self._raise_lost("step")
@@ -1164,9 +1168,8 @@ class OptimizerInBackward(WrappedOptimizerView):
             f"OptimizerInBackward.{where}: called on a copy of the wrapper ({type(self).__name__}), not on the "
             "OptimizerInBackward that was built: its hooks inside backward update the original, whose state the copy "
             "does not share. Lightning's LightningOptimizer and Fabric's setup(model, optimizer) make such a copy. "
-            "Call the wrapper you built: in a LightningModule with manual optimization, "
-            "self.optimizers(use_pl_optimizer=False) (Lightning then counts no optimizer steps: bound the run by "
-            "max_epochs); with Fabric, fabric.setup_module(model) and the wrapper as it is."
+            f"Call the wrapper you built: in a LightningModule with manual optimization, {_LIGHTNING_WAY_OUT}; with "
+            "Fabric, fabric.setup_module(model) and the wrapper as it is."
         )
 
     def _claim_params(self) -> None:
