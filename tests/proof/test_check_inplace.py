@@ -350,3 +350,32 @@ def test_a_function_wrong_only_without_grad_fails_naming_it(fn):
     assert not check.ok
     assert any(p.startswith("without grad") and "differ" in p for p in check.problems)
     assert memtrim.check_inplace(torch.relu_, F.relu, torch.randn(32, 16)).ok  # (no false alarm)
+
+
+def _gelu_tanh_by_hand(x):  # the right function, computed in the input's dtype: 1 + tanh(...) cancels near -3
+    return 0.5 * x * (1 + torch.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
+
+
+def _gelu_tanh(x):
+    return F.gelu(x, approximate="tanh")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_rounding_is_a_problem_with_a_note_on_how_to_judge_and_accept_it(dtype):
+    x = torch.randn(64, 128).to(dtype)
+    check = memtrim.check_inplace(_gelu_tanh_by_hand, _gelu_tanh, x)
+    assert not check.ok  # less accurate than torch's op in half precision: reported, not hidden
+    assert any("differ" in p and str(dtype) in p for p in check.problems)
+    assert not any("torch.float64" in p for p in check.problems)  # the same function passes in float64
+    assert len(check.notes) == 1 and f"not the {dtype} ones" in check.notes[0] and "atol=" in check.notes[0]
+    with pytest.raises(memtrim.InplaceCheckError, match="note: fn passes every torch.float64 trial"):
+        check.assert_ok()
+    errors = [float(p.split("max abs error ")[1].split(",")[0]) for p in check.problems]
+    assert memtrim.check_inplace(_gelu_tanh_by_hand, _gelu_tanh, x, atol=max(errors)).ok  # the note's way out
+
+
+def test_no_rounding_note_where_fn_is_wrong_in_float64_too():
+    check = memtrim.check_inplace(lambda x: _gelu_tanh_by_hand(x) * 1.01, _gelu_tanh, torch.randn(64, 128).half())
+    assert not check.ok
+    assert any("torch.float64" in p for p in check.problems)
+    assert check.notes == []

@@ -75,9 +75,10 @@ class InplaceCheck:
     notes: list[str] = field(default_factory=list)
 
     def assert_ok(self) -> None:
-        """Raise :class:`InplaceCheckError` listing the problems unless ``ok``."""
+        """Raise :class:`InplaceCheckError` listing the problems (and the notes) unless ``ok``."""
         if not self.ok:
-            raise InplaceCheckError("memtrim.check_inplace found problems:\n- " + "\n- ".join(self.problems))
+            raise InplaceCheckError("memtrim.check_inplace found problems:\n- " + "\n- ".join(self.problems)
+                                    + "".join(f"\nnote: {n}" for n in self.notes))
 
     def __str__(self) -> str:
         head = "ok" if self.ok else f"{len(self.problems)} problem(s)"
@@ -118,8 +119,9 @@ def check_inplace(
         shapes: extra input shapes to try, one tuple of shapes per set of inputs.
         inplace: what ``fn`` claims: True, it returns its first input's storage; False, it never writes into
             its inputs; None (default), either, as long as an input it writes into is the one it returns.
-        rtol, atol: tolerance (default per dtype: float64 1e-10, float32 1e-5; a rewrite may reorder ops). One
-            given alone is used with the other's default.
+        rtol, atol: tolerance (default per dtype: float64 1e-10, float32 1e-5, float16 1e-3, bfloat16 1.6e-2; a
+            rewrite may reorder ops). One given alone is used with the other's default. A fn computed in half
+            precision that passes the float64 trials gets a note on how to judge and accept its rounding.
         seed: seeds the draws.
 
     Returns:
@@ -160,6 +162,7 @@ def _trials(fn: Callable, reference: Callable, example_inputs: Sequence[torch.Te
     mutated = False
     trials = 0
     generator = torch.Generator(device="cpu").manual_seed(seed)
+    failed = dict.fromkeys(dtype_list, False)
     for shape_set in shape_sets:
         for dtype in dtype_list:
             tol = _tolerance(dtype, rtol, atol)
@@ -171,7 +174,9 @@ def _trials(fn: Callable, reference: Callable, example_inputs: Sequence[torch.Te
                 problems += found
                 mutated = mutated or wrote
                 if found:
+                    failed[dtype] = True
                     break  # the next draws of this dtype would repeat the same complaint
+    notes += _half_rounding_notes(failed, rtol, atol)
     problems += _check_without_grad(fn, reference, example_inputs, _tolerance(example_inputs[0].dtype, rtol, atol))
     earlier_dtype = _earlier_dtype(fn, reference, example_inputs, dtype_list)
     problems += _check_saved_by_earlier_op(fn, reference, example_inputs, earlier_dtype,
@@ -309,6 +314,27 @@ def _memory_verdict(fn: Callable, reference: Callable, examples: Sequence[torch.
     if kept is None or peak is None:
         return kept, peak, "memory not measured: fn raised on the example inputs", ref_kept, ref_peak
     return kept, peak, _verdict(kept, ref_kept, peak, ref_peak), ref_kept, ref_peak
+
+
+def _half_rounding_notes(failed: dict[torch.dtype, bool], rtol: float | None, atol: float | None) -> list[str]:
+    """A note for each half dtype whose trials failed where every float32/float64 trial passed: fn computes the
+    right function, and what differs may be the rounding of fn's own half-precision arithmetic (torch's ops
+    compute in float32 and round once). It stays a problem (fn is less accurate than the reference there); the
+    note says how to tell and how to accept it."""
+    wide = [d for d in failed if d in (torch.float32, torch.float64)]
+    if not wide or any(failed[d] for d in wide):
+        return []
+    notes = []
+    for dtype in (d for d in failed if failed[d] and d in (torch.float16, torch.bfloat16)):
+        tol = _tolerance(dtype, rtol, atol)
+        notes.append(
+            f"fn passes every {' and '.join(map(str, wide))} trial but not the {dtype} ones: a difference in size "
+            f"alone there may be the {dtype} rounding of fn's own arithmetic (torch's op computes in float32 and "
+            "rounds once; a sum that cancels near 0, as in 1 + tanh(...), loses most digits), fn then being less "
+            f"accurate than the reference in {dtype}, not another function. The tolerance was rtol {tol[0]:.1e}, "
+            f"atol {tol[1]:.1e}; to accept that rounding pass atol= (the max abs error above), or compute in "
+            "float32 inside fn.")
+    return notes
 
 
 def _tolerance(dtype: torch.dtype, rtol: float | None, atol: float | None) -> tuple[float, float]:
