@@ -200,3 +200,61 @@ def test_a_finished_tracker_does_not_stop_the_model_being_moved():
         torch.__future__.set_swap_module_params_on_conversion(before)
     assert model[0].weight.dtype == torch.float64
     assert tracker.report().peak_bytes == peak > 0  # the report is the tracker's, unchanged
+
+
+def test_a_device_is_named_as_a_user_names_it(monkeypatch):
+    # records carry str(tensor.device): "cuda:0" on CUDA, where report("cuda") matched none of them and returned
+    # zeros, as live_bytes("cuda") did; "cpu:0" was refused or zero (an adversarial pass on 2026-12-02)
+    model = torch.nn.Linear(64, 256)
+    with memtrim.track(model) as tracker:
+        model(torch.randn(2, 64)).sum().backward()
+    assert tracker.report("cpu:0").peak_bytes == tracker.report().peak_bytes > 0
+    assert tracker.live_bytes("cpu:0") == tracker.live_bytes() > 0
+    import memtrim.measure.tracker as tracker_module
+
+    monkeypatch.setattr(tracker_module, "_device_name", lambda tensor: "cuda:0")  # named as on a GPU
+    with memtrim.track(model) as tracker:
+        model(torch.randn(2, 64)).sum().backward()
+    expected = tracker.report()
+    assert expected.device == "cuda:0" and expected.peak_bytes > 0
+    for name in ("cuda", torch.device("cuda"), "cuda:0"):
+        assert tracker.report(name).peak_bytes == expected.peak_bytes
+        assert tracker.report(name).final_bytes == expected.final_bytes
+        assert tracker.live_bytes(name) == tracker.live_bytes() > 0
+    with pytest.raises(memtrim.InvalidInputError, match="saw no tensor on 'cuda:1'"):
+        tracker.report("cuda:1")
+
+
+def test_op_memory_counts_an_argument_resized_by_the_call():
+    # an argument existed before the call: it was counted at its size after the call from the start, so a
+    # growing resize_ or out= allocated 0 bytes (an adversarial pass on 2026-12-02)
+    n = 1 << 16
+    grown = memtrim.op_memory(lambda t: t.resize_(4 * n), torch.empty(n))
+    assert (grown.allocated_bytes, grown.peak_bytes) == (3 * n * 4, 3 * n * 4)
+    parts = [torch.ones(10), torch.ones(10)]
+    assert memtrim.op_memory(lambda out: torch.cat(parts, out=out), torch.empty(0)).allocated_bytes == 80
+    freed = memtrim.op_memory(lambda t: t.untyped_storage().resize_(0), torch.empty(n))
+    assert (freed.allocated_bytes, freed.peak_bytes) == (-n * 4, 0)
+
+
+def test_a_query_before_the_block_is_refused():
+    # a report before entering made records whose deaths the inactive tracker did not follow: gradients freed
+    # before the block were counted in it (an adversarial pass on 2026-12-02)
+    tracker = memtrim.track(torch.nn.Linear(2, 2))
+    for query in (tracker.report, tracker.live_by_category, tracker.live_bytes, tracker.saved_for_backward_bytes,
+                  lambda: tracker.label(torch.ones(1), "inputs")):
+        with pytest.raises(memtrim.MemtrimStateError, match="the tracker has not started"):
+            query()
+
+
+def test_parameters_made_inside_the_block_by_to_empty_are_parameters():
+    # to_empty from meta makes new Parameter objects: they and their gradients were temporaries
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 4))
+    expected = sum(p.numel() * 4 for p in model.parameters())
+    with memtrim.track(model) as tracker:
+        model.to_empty(device="cpu")
+        model(torch.randn(2, 64)).sum().backward()
+    final = tracker.report().final_by_category
+    assert final["parameters"] == expected and final["gradients"] == expected
+    assert final["temporaries"] == 0

@@ -35,3 +35,45 @@ def test_a_span_without_backward():
         pass
     report = tracker.report()
     assert report.activations_at_backward_start == 0 and report.forward_transient_peak == 0
+
+
+class _Fat(torch.nn.Module):  # its forward makes a 1 MiB temporary: the step's peak, also when recomputed
+    def forward(self, x):
+        return x * x.new_ones(1 << 18, 1, 1).sum(0)
+
+
+class _Region(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fat, self.tail = _Fat(), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.tail(self.fat(x))
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, reentrant):
+        super().__init__()
+        self.pre, self.region, self.reentrant = torch.nn.Linear(4, 4), _Region(), reentrant
+
+    def forward(self, x):
+        if self.reentrant is None:
+            return self.region(self.pre(x))
+        return torch.utils.checkpoint.checkpoint(self.region, self.pre(x), use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non-reentrant", "checkpoint_modules"])
+def test_a_peak_in_checkpoint_recomputation_names_the_module_recomputing(how):
+    # the recomputation's ops were named after the node that asked for it (region.tail, or the model for the
+    # reentrant one): an adversarial pass on 2026-12-02
+    model = _Checkpointed({"reentrant": True, "non-reentrant": False}.get(how))
+    if how == "checkpoint_modules":
+        memtrim.checkpoint_modules(model, ["region"])
+    with memtrim.track(model) as tracker:
+        model(torch.randn(2, 4)).sum().backward()
+    report = tracker.report()
+    assert report.peak_phase == "backward"
+    assert report.peak_by_category["temporaries"] >= 4 << 18  # the recomputed ones: the peak
+    assert report.peak_module == "region.fat"
+    recomputed = [e for e in report.timeline if e.kind == "alloc" and e.delta_bytes == 4 << 18]
+    assert [(e.phase, e.module) for e in recomputed] == [("forward", "region.fat"), ("backward", "region.fat")]

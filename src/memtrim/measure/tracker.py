@@ -63,9 +63,10 @@ class _Record(weakref.ref):
     because a record is made for nearly every op's output.
     """
 
-    __slots__ = ("device", "nbytes", "birth_category", "category", "holds", "alive", "key", "owner")
+    __slots__ = ("device", "nbytes", "start_nbytes", "birth_category", "category", "holds", "alive", "key", "owner")
     device: str
     nbytes: int
+    start_nbytes: int  # a storage counted from the start (one of ``_start_records``): its size then
     birth_category: str
     category: str
     holds: int
@@ -149,6 +150,7 @@ class Tracker:
         self._hook_handles: list[Any] = []
         self._ctx: dict[int, dict[str, list[_Record]]] = {}  # id(ctx) -> its attributes' holds, until it dies
         self._module_stack: list[str] = []
+        self._module_tasks: list[int] = []  # the autograd graph task each module on the stack started in (-1: none)
         # NOTE [ nodes to modules ]: sorted, disjoint ranges [first, end) of autograd sequence numbers, each
         # with the innermost module whose forward created those nodes; built at module exit (see on_module_exit)
         self._segments: list[tuple[int, int, str]] = []
@@ -201,7 +203,7 @@ class Tracker:
             )
         try:
             self._mode.__exit__(*exc)
-            self._reconcile()
+            self._reconcile(model=True)
         finally:
             self._stop()
 
@@ -221,7 +223,8 @@ class Tracker:
     # ------------------------------------------------------------------ public queries
     def live_by_category(self, device: str | torch.device | None = None) -> dict[str, int]:
         """Bytes alive right now (or when the tracker stopped), by category."""
-        self._reconcile()
+        self._refuse_before_start("live_by_category")
+        self._reconcile()  # (not the model's walk: OptimizerInBackward's peak="never_higher" asks during backward)
         device = self._choose_device(device)
         totals = dict.fromkeys(CATEGORIES, 0)
         for record in self._records.values():
@@ -232,6 +235,7 @@ class Tracker:
     def saved_for_backward_bytes(self, device: str | torch.device | None = None) -> int:
         """Bytes of live storages autograd keeps for backward right now, whatever their category (an in-place
         op's saved output may be the caller's input; a Linear keeps its weight)."""
+        self._refuse_before_start("saved_for_backward_bytes")
         device = self._choose_device(device)
         return sum(r.nbytes for r in self._records.values() if r.alive and r.holds > 0 and r.device == device)
 
@@ -241,9 +245,10 @@ class Tracker:
 
     def report(self, device: str | torch.device | None = None) -> MemoryReport:
         """The :class:`MemoryReport` of everything seen so far, for one device (default: the model's)."""
-        self._reconcile()
+        self._refuse_before_start("report")
+        self._reconcile(model=True)
         if device is not None:
-            self._refuse_unseen(str(torch.device(device)))
+            self._refuse_unseen(device)
         device = self._choose_device(device)
         allocator = None
         if (self._allocator_peaks is not None and self._allocator_device is not None
@@ -273,18 +278,47 @@ class Tracker:
             pickle.dump(snapshot, f)
 
     # ------------------------------------------------------------------ devices and the accelerator's allocator
-    def _refuse_unseen(self, name: str) -> None:
+    def _refuse_before_start(self, query: str) -> None:
+        """A query before the block: its records' deaths were not followed (the tracker was not active), so they
+        stayed alive in every later report (an adversarial pass: gradients freed before the block counted in it)."""
+        if not self._active and not self._finished:
+            raise MemtrimStateError(
+                f"Tracker.{query}: the tracker has not started; call it inside the `with memtrim.track(...)` block "
+                "or after it.")
+
+    def _seen_devices(self) -> set[str]:
+        return {r.device for r in self._start_records} | {e[1].device for e in self._events if e[0] == _ALLOC}
+
+    def _refuse_unseen(self, device: str | torch.device) -> None:
         """A report asked of a device the tracker saw nothing on: its report was all zeros, and its plot raised
         NumPy's "need at least one array" (an adversarial pass). A live count there is 0, as it should be."""
-        seen = {r.device for r in self._start_records} | {e[1].device for e in self._events if e[0] == _ALLOC}
-        if seen and not any(d == name or d.split(":")[0] == name for d in seen):
+        seen = self._seen_devices()
+        name = self._device_key(device)
+        if seen and name not in seen:
             raise InvalidInputError(
-                f"Tracker.report: the tracker saw no tensor on {name!r} (it saw {', '.join(sorted(seen))}). "
+                f"Tracker.report: the tracker saw no tensor on {str(device)!r} (it saw {', '.join(sorted(seen))}). "
                 "Expected a device the tracked code used; to fix: report() (the model's device) or one of those.")
+
+    def _device_key(self, device: str | torch.device) -> str:
+        """The name records carry for ``device``: ``"cpu"`` for any CPU (``"cpu:0"``), and a device without an index
+        (``"cuda"``) as the one of its type the tracker saw (the current one where it saw several or none): the
+        records are named by ``str(tensor.device)``, ``"cuda:0"``, and ``report("cuda")`` once matched none of
+        them and returned zeros (an adversarial pass)."""
+        resolved = torch.device(device)
+        if resolved.type == "cpu":
+            return "cpu"
+        if resolved.index is not None or resolved.type == "meta":
+            return str(resolved)
+        of_type = sorted(d for d in self._seen_devices() if torch.device(d).type == resolved.type)
+        if len(of_type) == 1:
+            return of_type[0]
+        module = getattr(torch, resolved.type, None)
+        current = getattr(module, "current_device", None)
+        return f"{resolved.type}:{current() if callable(current) else 0}"
 
     def _choose_device(self, device: str | torch.device | None) -> str:
         if device is not None:
-            return str(torch.device(device))
+            return self._device_key(device)
         model = self._model_ref() if self._model_ref is not None else None
         if model is not None:
             for tensor in list(model.parameters()) + list(model.buffers()):
@@ -498,6 +532,7 @@ class Tracker:
             with memtrim.track(model) as tracker:
                 tracker.label(batch["labels"], "inputs")
         """
+        self._refuse_before_start("label")
         name = category.value if isinstance(category, Category) else category
         if name not in _IDENTITY:
             raise InvalidInputError(
@@ -522,9 +557,17 @@ class Tracker:
             record.birth_category = category
             record.category = category
 
-    def _reconcile(self) -> None:
+    def _reconcile(self, model: bool = False) -> None:
+        """Labels what changed since the last look: a parameter's new storage (``param.data = ...``), gradients,
+        optimizer state; with ``model``, the model's parameters and buffers too, which may be new objects (``to_empty``
+        from meta, ``to()`` across device types: a report once called them temporaries, found by an adversarial
+        pass). Not per step (an optimizer's step reconciles), nor per live count: a walk of the whole model; reports
+        and the exit."""
         if self._finished:
             return
+        tracked = self._model_ref() if model and self._model_ref is not None else None
+        if tracked is not None:
+            self._scan_model(tracked)
         self._scan_model_and_optimizers()
 
     # ------------------------------------------------------------------ storages
@@ -552,6 +595,7 @@ class Tracker:
         record.owner = self._owner
         self._records[key] = record
         if existed:
+            record.start_nbytes = nbytes
             self._start_records.append(record)
         elif self._op is not None:
             self._events.append((_ALLOC, record, nbytes, self._op, self._phase, self._module))
@@ -627,7 +671,12 @@ class Tracker:
         return "other"
 
     def _context(self, inputs: list[torch.Tensor] | None = None) -> tuple[str, str | None]:
-        if _graph_task_id() != -1:
+        task = _graph_task_id()
+        if task != -1:
+            if self._module_tasks and self._module_tasks[-1] == task:
+                # a forward run by this backward (checkpointing's recomputation): the module running, not the node
+                # that asked for it (which named the module after the region: an adversarial pass on 2026-12-02)
+                return "backward", self._module_stack[-1]
             return "backward", self._backward_module()
         if self._optimizer_depth > 0:
             return "optimizer", None
@@ -692,6 +741,7 @@ class Tracker:
         """See :class:`~memtrim.measure.hooks.TrackerListener`."""
         name = self._names.get(id(module)) or type(module).__name__
         self._module_stack.append(name)
+        self._module_tasks.append(_graph_task_id())
         self._open_modules.append((self._next_sequence_nr(), len(self._segments), name))
 
     def on_module_exit(self, module: torch.nn.Module) -> None:
@@ -701,6 +751,7 @@ class Tracker:
         if not self._module_stack:
             return
         name = self._module_stack.pop()
+        self._module_tasks.pop()
         if not self._open_modules or self._open_modules[-1][2] != name:
             return
         first, marker, _ = self._open_modules.pop()
@@ -922,8 +973,8 @@ def _replay(
     state: dict[int, list] = {}  # id(record) -> [category, holds, nbytes]
     for record in start_records:
         if record.device == device:
-            state[id(record)] = [record.birth_category, 0, record.nbytes]
-            totals[index[record.effective(record.birth_category, 0)]] += record.nbytes
+            state[id(record)] = [record.birth_category, 0, record.start_nbytes]
+            totals[index[record.effective(record.birth_category, 0)]] += record.start_nbytes
     timeline: list[TimelineEvent] = []
     peak = sum(totals)
     peak_at = 0
