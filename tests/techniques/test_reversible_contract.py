@@ -199,3 +199,65 @@ def test_with_optimizer_in_backward_matches_the_plain_loop(bucket_bytes):
                             rtol=1e-9, atol=1e-12)
     assert report.ok, str(report)
     assert not report.grads_compared
+
+
+def _stack(rev, kind="add", width=4, depth=2):
+    torch.manual_seed(0)
+
+    def mlp():
+        return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width * (1 if kind == "add" else 2)))
+
+    coupling = memtrim.AdditiveCoupling if kind == "add" else memtrim.AffineCoupling
+    blocks = [coupling(mlp(), mlp()) for _ in range(depth)]
+    return (memtrim.ReversibleSequential(*blocks) if rev else nn.Sequential(*blocks)).double()
+
+
+def test_an_optimizer_step_between_two_backwards_of_one_graph_raises_as_plain_training_does():
+    # the GAN mistake: backward(retain_graph=True), step, a second backward through the same graph. Plain training
+    # raises autograd's in-place error; the stack trained on the stepped weights, its gradient ~100 % off
+    # (an adversarial pass on 2026-12-02)
+    errors = {}
+    for rev in (False, True):
+        model = _stack(rev)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        out = model(torch.randn(3, 8, dtype=torch.float64, requires_grad=True)).square().sum()
+        out.backward(retain_graph=True)
+        optimizer.step()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as caught:
+            out.backward()
+        errors[rev] = caught.value
+    assert isinstance(errors[True], memtrim.ReversibleError)
+
+
+@pytest.mark.parametrize("kind", ["add", "affine"])
+def test_a_parameter_frozen_between_forward_and_backward_trains_as_plain(kind):
+    # the recomputation ran with the new flag and raised a false "saved 10 tensors in forward but 8" (an adversarial
+    # pass on 2026-12-02); plain training leaves the frozen parameters' gradients None
+    grads = []
+    for rev in (False, True):
+        model = _stack(rev, kind)
+        x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+        out = model(x).sum()
+        blocks = model.blocks if rev else model
+        for p in [*blocks[1].f.parameters(), *blocks[0].g.parameters()]:
+            p.requires_grad_(False)
+        out.backward()
+        grads.append([p.grad for p in model.parameters()] + [x.grad])
+    plain, reversible = grads
+    assert [g is None for g in reversible] == [g is None for g in plain] and plain.count(None) == 8
+    for a, b in zip(plain, reversible):
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)  # the stack's documented float64 rebuild error
+
+
+def test_a_lazy_module_not_yet_initialised_is_refused_naming_the_fix():
+    # its first forward drew its initial weights from the global generator; the recomputation drew nothing, so a
+    # dropout after it replayed another mask (the false "modified in place" error the stack raised hid that)
+    model = memtrim.ReversibleSequential(memtrim.AdditiveCoupling(nn.Sequential(nn.LazyLinear(8), nn.Dropout(0.5)),
+                                                                  nn.Linear(8, 8)))
+    with pytest.raises(memtrim.ReversibleError, match=r"f\.0\.weight is not initialised yet.*torch\.no_grad\(\)"):
+        model(torch.randn(2, 16))
+    with torch.no_grad():
+        model(torch.randn(2, 16))
+    model(torch.randn(2, 16)).sum().backward()
+    assert model.blocks[0].f[0].weight.grad is not None

@@ -23,13 +23,54 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..errors import MemtrimError
+from ..errors import MemtrimError, MemtrimStateError
 from ..measure.hooks import tensors_in
 
 __all__ = ["GeneratorDraws", "GeneratorsKept", "cuda_devices", "held_generators_kept", "seeded"]
+
+# NOTE [ another thread's draws ]: a recomputation replays the forward's draws from the process-wide generators by
+# setting them to their state before the forward, as torch's checkpoint does. Another thread drawing from them
+# meanwhile (a data-augmentation or prefetching thread's torch.rand) lands between the forward's draws or the
+# recomputation's, and the masks rebuilt are not the forward's: the gradient was silently wrong (an adversarial pass
+# on 2026-12-02: a reversible stack with dropout beside a thread calling torch.rand, 60 of 200 steps, gradients up to
+# 15.9 off; checkpoint_modules too). Where another Python thread runs when the forward starts, GeneratorDraws
+# fingerprints the global generators (the CPU's, and each initialised CUDA device's offset) after every torch call of
+# the forward, noting each change: the call after which it was seen, the state before and after; the recomputation
+# must make the same changes in the same order, else it raises. Matched by the call's name, not its position (the
+# recomputation's wrapper runs calls of its own around the function's); the state before counts, not only after (a
+# draw of 64 numbers from one state, then the forward's dropout of 64 from the next, made the same states as the
+# recomputation's dropout alone: a mask from another state matched). A change of another thread's after the
+# function's own last draw is never compared (the masks are the forward's there); one before it raises, as does one
+# during the recomputation (conservative: the draw may have missed the function's). One thread alone pays nothing
+# (3.5 us per torch call otherwise, on this machine); a thread started between a forward and its recomputation is not
+# watched. torch's early stop of a recomputation (an exception from inside the call that saved its last tensor) is
+# compared too.
+RACED_DRAWS = (
+    "another thread drew from the same global random generator meanwhile (between the forward's draws or the "
+    "recomputation's), so the dropout masks the recomputation rebuilds may not be the forward's and the gradient "
+    "would be silently wrong (torch's own checkpoint has this race and does not see it). Expected: while this model "
+    "trains, no other thread draws from torch's global generators. To fix: give the other threads a "
+    "torch.Generator of their own (torch.rand(..., generator=g)), or train while no other thread draws"
+)
+
+
+# what torch's non-reentrant checkpoint raises to stop a recomputation early (torch >= 2.1)
+_STOP_RECOMPUTATION: type[BaseException] = getattr(torch.utils.checkpoint, "_StopRecomputationError",
+                                                   type("_NeverRaised", (Exception,), {}))
+
+
+def _global_generators() -> int:
+    """A fingerprint of the process-wide generators: the CPU's state, each initialised CUDA device's offset. Bytes,
+    not an op: a planner's fake mode, and the torch-function modes below this one, do not see it."""
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():  # (other modes do not see it)
+        cpu = bytes(torch.default_generator.get_state().numpy())
+    if not torch.cuda.is_initialized():
+        return hash(cpu)
+    return hash((cpu, tuple(g.get_offset() for g in torch.cuda.default_generators)))
 
 
 class GeneratorDraws(TorchFunctionMode):
@@ -43,11 +84,24 @@ class GeneratorDraws(TorchFunctionMode):
     """
 
     def __init__(self, where: str, advice: str, error: type[MemtrimError], replay: list[torch.Tensor] | None = None,
-                 strict: bool = True) -> None:
+                 strict: bool = True, changes: list[tuple[str, int, int]] | None = None) -> None:
         super().__init__()
         self.where, self.advice, self.error, self.replay, self.strict = where, advice, error, replay, strict
         self.states: list[torch.Tensor] = []  # recorded states (forward)
         self.restore: list[tuple[torch.Generator, torch.Tensor]] = []  # the caller's states (replay)
+        # NOTE [ another thread's draws ]: each change of the global generators, in order, as (the call after which
+        # it was seen, fingerprint before, after); recorded where another thread runs (None: not watched), then
+        # compared by the replay
+        self.changes = changes
+        self.matched = 0
+        self.last = 0
+
+    def __enter__(self) -> GeneratorDraws:
+        if self.replay is None and threading.active_count() > 1:
+            self.changes = []
+        if self.changes is not None:
+            self.last = _global_generators()
+        return super().__enter__()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -64,7 +118,37 @@ class GeneratorDraws(TorchFunctionMode):
                 continue
             self.restore.append((value, value.get_state()))
             value.set_state(self.replay[position])
-        return func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except _STOP_RECOMPUTATION:
+            # torch's checkpoint ends its recomputation early, from inside the call that saved its last tensor
+            # (a dropout's mask, after its draw): that call's draw is still compared
+            if self.changes is not None:
+                self._watch(func)
+            raise
+        if self.changes is not None:
+            self._watch(func)
+        return out
+
+    def _watch(self, func: Any) -> None:
+        """After a call: where the global generators changed, note it (forward) or check it (replay)."""
+        now = _global_generators()
+        if now == self.last:
+            return
+        change = (getattr(func, "__name__", repr(func)), self.last, now)
+        self.last = now
+        assert self.changes is not None
+        if self.replay is None:
+            self.changes.append(change)
+            return
+        expected = self.changes[self.matched] if self.matched < len(self.changes) else None
+        if expected != change:
+            # not a TypeError (InvalidInputError is one): a Tensor operator (==, +) turns a TypeError raised inside
+            # it into NotImplemented, and `out == 0` then said False instead of raising (found by this test's run)
+            error = MemtrimStateError if issubclass(self.error, TypeError) else self.error
+            raise error(f"{self.where} drew other random numbers in its recomputation than in its forward: "
+                             f"{RACED_DRAWS}; or {self.advice}.")
+        self.matched += 1
 
     def __exit__(self, *exc: object) -> None:
         for generator, state in reversed(self.restore):
@@ -75,7 +159,7 @@ class GeneratorDraws(TorchFunctionMode):
 
     def replaying(self, strict: bool = True) -> GeneratorDraws:
         """A mode replaying what this one recorded."""
-        return GeneratorDraws(self.where, self.advice, self.error, self.states, strict)
+        return GeneratorDraws(self.where, self.advice, self.error, self.states, strict, self.changes)
 
     def _mismatch(self, found: str) -> MemtrimError:
         return self.error(

@@ -26,9 +26,10 @@ from .._generators import GeneratorDraws
 _SET_TAKES_DEVICE_TYPE = "device_type" in inspect.signature(set_device_states).parameters
 
 
-def _draws(where: str, replay: list[torch.Tensor] | None = None, strict: bool = True) -> GeneratorDraws:
+def _draws(where: str, replay: list[torch.Tensor] | None = None, strict: bool = True,
+           changes: list[tuple[str, int, int]] | None = None) -> GeneratorDraws:
     return GeneratorDraws(f"memtrim.ReversibleSequential: {where}", "keep this module out of the reversible stack",
-                          ReversibleError, replay, strict)
+                          ReversibleError, replay, strict, changes)
 
 
 def _autocast_kwargs(device_type: str) -> dict[str, Any]:
@@ -55,6 +56,7 @@ class Replay:
     autocast: dict[str, dict[str, Any]] = field(default_factory=dict)  # device type -> torch.autocast kwargs
     generator_states: list[torch.Tensor] | None = None
     layout: tuple[tuple[int, ...], int] = ((), 0)  # the input's strides and storage offset (see :func:`as_forward`)
+    changes: list[tuple[str, int, int]] | None = None  # where the global generators changed (GeneratorDraws.changes)
 
 
 def as_forward(x: torch.Tensor, replay: Replay) -> torch.Tensor:
@@ -97,6 +99,7 @@ def captured(replays: dict[str, Replay], name: str, x: torch.Tensor, where: str)
     with _draws(where) as draws:
         yield
     replay.generator_states = draws.states or None
+    replay.changes = draws.changes or None  # (none: nothing to compare)
     if _same_state(torch.get_rng_state(), cpu_rng):
         replay.cpu_rng = None
     if not on_accelerator or all(_same_state(now, then) for now, then in zip(get_device_states(x)[1], device_rng)):
@@ -136,8 +139,10 @@ def replayed(replay: Replay, strict: bool = True) -> Iterator[None]:
             for device_type, kwargs in replay.autocast.items():
                 if _autocast_kwargs(device_type) != kwargs:  # else already in it
                     stack.enter_context(torch.autocast(device_type, **kwargs))
-            if replay.generator_states is not None:
-                stack.enter_context(_draws(replay.where, replay.generator_states, strict))
+            # a block's inverse (not strict) runs other calls than the forward: its draws are not compared
+            changes = replay.changes if strict else None
+            if replay.generator_states is not None or changes is not None:
+                stack.enter_context(_draws(replay.where, replay.generator_states or [], strict, changes))
             yield
     finally:
         if cpu_state is not None:

@@ -62,14 +62,18 @@ from .coupling import AdditiveCoupling, AffineCoupling, _checked, _split
 __all__ = ["ReversibleSequential", "ReversibleError"]  # ReversibleError: re-exported from memtrim.errors
 
 
+_UNINITIALIZED = torch.nn.parameter.UninitializedParameter
+
+
 class _Handle:
     """What autograd keeps instead of a tensor saved inside the stack."""
 
-    __slots__ = ("frame", "block", "tensor", "meta", "__weakref__")
+    __slots__ = ("frame", "block", "tensor", "version", "meta", "__weakref__")
 
     def __init__(self, frame: _Frame, block: int, meta: tuple[torch.Size, torch.dtype]) -> None:
         self.frame, self.block, self.meta = frame, block, meta  # meta: the saved tensor's shape and dtype
         self.tensor: torch.Tensor | None = None  # filled when backward materialises the block
+        self.version = 0  # the tensor's version then: autograd checks none under saved-tensor hooks
 
 
 class _Halves(NamedTuple):
@@ -245,6 +249,7 @@ class _Frame:
         self.probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (indices, values) of its input
         self.kept_inputs: dict[int, torch.Tensor] = {}  # blocks whose drift exceeded the tolerance before
         self.parameter_versions: list[list[tuple[torch.Tensor, int]]] = [[] for _ in blocks]
+        self.parameter_flags: list[list[bool]] = [[] for _ in blocks]  # their requires_grad in the forward
         # each block's parameters as its forward read them, in their modules' slots: torch.func.functional_call
         # (MAML's fast weights) puts the module's own back before backward, and the rebuild must read the forward's
         self.parameter_slots: list[list[tuple[dict[str, Any], str, Any]]] = [[] for _ in blocks]
@@ -265,7 +270,18 @@ class _Frame:
                 self.kept_inputs[index] = _whole(h).detach()
             elif self.drift.check_drift is not None:
                 self.probes[index] = _probe(_whole(h))
-            self.parameter_versions[index] = [(p, p._version) for p in block.parameters()]
+            versions: list[tuple[torch.Tensor, int]] = [(p, p._version) for p in block.parameters()]
+            self.parameter_versions[index] = versions
+            self.parameter_flags[index] = [p.requires_grad for p, _ in versions]
+            if any(isinstance(p, _UNINITIALIZED) for p, _ in versions):
+                # its first forward initialises them, drawing from the global generator; the recomputation, finding
+                # them initialised, draws nothing, and a dropout after draws another mask (an adversarial pass)
+                name = next(n for n, p in block.named_parameters() if isinstance(p, _UNINITIALIZED))
+                raise ReversibleError(
+                    f"memtrim.ReversibleSequential: block {index}'s parameter {name} is not initialised yet (a lazy "
+                    "module, nn.LazyLinear): its first forward initialises it, which the recomputation in backward "
+                    "cannot repeat. Expected initialised parameters; to fix: run the model once on an example "
+                    "batch under torch.no_grad() before training (or before building the optimizer).")
             self.parameter_slots[index] = [(sub._parameters, name, p) for sub in block.modules()
                                            for name, p in sub._parameters.items() if p is not None]
             self.modes[index] = training_flags(block.modules())
@@ -395,6 +411,16 @@ class _Frame:
                 "recomputation did not save again: the block is not deterministic in what it computes (data-"
                 "dependent control flow?). Keep such a block out of the reversible stack."
             )
+        if tensor._version != handle.version:
+            # a second backward through the graph (retain_graph=True) after an optimizer step: the recomputed
+            # tensors (a Linear's weight) changed since, and plain training raises autograd's error here (this
+            # one trained silently on the new weights: an adversarial pass on 2026-12-02)
+            raise ReversibleError(
+                f"memtrim.ReversibleSequential: one of the variables needed for gradient computation has been "
+                f"modified by an inplace operation: a tensor block {handle.block} saved (shape {tuple(tensor.shape)}, "
+                f"a parameter or its view) is at version {tensor._version}, expected {handle.version}, as autograd "
+                "says in plain training. Expected no change between the backward passes through one graph; to fix: "
+                "step the optimizer after the last backward (or run the forward again after the step).")
         return tensor
 
     def _stored_output(self, index: int) -> torch.Tensor | _Halves:
@@ -421,7 +447,14 @@ class _Frame:
         modes_now = training_flags(m for m, _ in self.modes[index])
         swapped = [(slots, name, slots.get(name)) for slots, name, p in self.parameter_slots[index]
                    if slots.get(name) is not p]
+        # a parameter frozen or unfrozen between forward and backward: the recomputation runs with the forward's
+        # flags, so it saves what the forward saved (it raised a false "saved 10 tensors ... 8" before: an
+        # adversarial pass); autograd then treats the parameter as plain training does
+        flipped = [p for (p, _), flag in zip(self.parameter_versions[index], self.parameter_flags[index])
+                   if p.requires_grad != flag]
         try:
+            for p in flipped:
+                p.requires_grad_(not p.requires_grad)
             for slots, name, p in self.parameter_slots[index]:
                 slots[name] = p  # the forward's (functional_call's, put back since)
             with torch.no_grad():
@@ -432,6 +465,8 @@ class _Frame:
             with buffers_put_back():
                 x = self._rebuild(index, block, recorded)
         finally:
+            for p in flipped:
+                p.requires_grad_(not p.requires_grad)
             for slots, name, now in swapped:
                 slots[name] = now
             with torch.no_grad():
@@ -457,7 +492,7 @@ class _Frame:
         for ref, tensor in zip(handles, recorded):
             handle = ref()
             if handle is not None:
-                handle.tensor = tensor
+                handle.tensor, handle.version = tensor, tensor._version
         self.materialised.add(index)
         if index in self.probes:
             self.drift.measure(index, _whole(x), *self.probes.pop(index))
