@@ -182,7 +182,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
             raise _offload_across_ranks_error(_distributed_world(), InvalidInputError)
         self.offload_gradients = offload_gradients
         self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device parameter, host copy)
-        self._synced: dict[int, tuple[int, int]] = {}  # id(device parameter) -> its (version, data_ptr) as copied
+        self._synced: dict[int, _Synced] = {}  # id(device parameter) -> it as copied
         self._host_synced: dict[int, int] = {}  # id(device parameter) -> its host copy's version when copied back
         self._handles: list[Any] = []
         self._hooked: set[int] = set()  # ids of the device parameters with a gradient hook
@@ -268,7 +268,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         host = torch.empty_like(param, device=self.host, pin_memory=pin)
         if self.host.type != "meta":  # a prediction (fake parameters): nothing to copy, no storage to follow
             host.copy_(param.detach())
-            self._synced[id(param)] = _version(param)
+            self._synced[id(param)] = _Synced(param)
         host.requires_grad_(param.requires_grad)
         self._pairs.append((param, host))
         _OFFLOADERS[param] = weakref.ref(self)
@@ -444,9 +444,9 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         if self.host.type == "meta":  # a prediction keeps the state on meta: nothing to copy
             return
         for device_param, host_param in self._pairs:
-            if _version(device_param) != self._synced[id(device_param)]:
+            if not self._synced[id(device_param)].holds(device_param):
                 host_param.copy_(device_param)
-                self._synced[id(device_param)] = _version(device_param)
+                self._synced[id(device_param)] = _Synced(device_param)
 
     def _to_device(self) -> None:
         """The stepped host copies back to the model's parameters; a model parameter written since the step began
@@ -454,7 +454,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         if self.host.type == "meta":
             return
         for device_param, _ in self._pairs:
-            if _version(device_param) != self._synced[id(device_param)]:
+            if not self._synced[id(device_param)].holds(device_param):
                 raise MemtrimStateError(
                     f"{_API}.step: expected the model's parameters unchanged while the host optimizer steps, but one "
                     f"of shape {tuple(device_param.shape)} was written after the step began (a step pre-hook: a "
@@ -467,7 +467,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
 
     def _copy_back(self, device_param: torch.Tensor, host_param: torch.Tensor) -> None:
         device_param.copy_(host_param, non_blocking=True)
-        self._synced[id(device_param)] = _version(device_param)
+        self._synced[id(device_param)] = _Synced(device_param)
         self._host_synced[id(device_param)] = host_param._version
 
     def _check_no_model_parameter_in_the_groups(self) -> None:
@@ -609,9 +609,35 @@ def _described(value: Any) -> str:
     return repr(value)
 
 
-def _version(param: torch.Tensor) -> tuple[int, int]:
-    """What changes when ``param`` is written in place (its version counter) or given new data (``p.data = t``)."""
-    return param._version, param.data_ptr()
+class _Synced:
+    """A parameter as last copied: its version counter (written in place), its address and its storage (given new
+    data, ``p.data = t``). The storage is held weakly (a strong reference would keep the replaced data alive) and
+    compared by identity: two ``p.data = ...`` in a row often land the second at the address the first freed, which
+    was the one recorded, and the step ran on the stale host copy, silently (found by an adversarial pass on
+    2026-12-02)."""
+
+    __slots__ = ("version", "address", "storage")
+
+    def __init__(self, param: torch.Tensor) -> None:
+        self.version, self.address, self.storage = param._version, param.data_ptr(), _storage_ref(param)
+
+    def holds(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is unchanged since."""
+        if param._version != self.version or param.data_ptr() != self.address:
+            return False
+        return self.storage is None or self.storage() is _storage(param)
+
+
+def _storage(param: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return param.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without one
+        return None
+
+
+def _storage_ref(param: torch.Tensor) -> weakref.ref | None:
+    storage = _storage(param)
+    return None if storage is None else weakref.ref(storage)
 
 
 def _check_unchanged_layout(device_param: torch.Tensor, host_param: torch.Tensor) -> None:
