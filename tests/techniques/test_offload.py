@@ -99,6 +99,24 @@ def test_the_copy_out_copy_back_path_is_bitwise(dropout):
         assert torch.equal(a.grad, b.grad), name
 
 
+def test_a_3d_activation_and_the_2d_view_the_next_linear_saves_are_one_copy():
+    # a (batch, seq, features) ReLU output is saved by the ReLU as it is and by the next Linear as a (batch * seq,
+    # features) view: copied twice until 2026-12-02 (an adversarial pass), the README's "copied once" held for 2-D only
+    def run(offloaded):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
+        x = torch.randn(4, 16, 32) * 2  # (a tensor made for the step: a leaf the caller keeps stays where it is)
+        hooks = memtrim.OffloadActivations(min_bytes=0, include_cpu=True) if offloaded else contextlib.nullcontext()
+        with hooks:
+            out = model(x)
+        out.square().sum().backward()
+        return [p.grad for p in model.parameters()], hooks
+
+    grads, hooks = run(offloaded=True)
+    assert hooks.offloaded_bytes == 4 * 16 * 32 * 4 + 4 * 16 * 64 * 4  # the input, the ReLU's output: once each
+    assert all(torch.equal(a, b) for a, b in zip(grads, run(offloaded=False)[0], strict=True))
+
+
 def test_a_prediction_on_fake_tensors_moves_what_autograd_keeps_to_meta_and_back_in_backward():
     """memtrim.plan predicts offloading on fake CPU tensors standing in for an accelerator's: saved tensors wait on
     "meta" (no allocation), so the device holds no activation between forward and backward, and backward gets copies."""

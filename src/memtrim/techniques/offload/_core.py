@@ -61,6 +61,13 @@ class _Offloaded:
         self.tensor_ref = weakref.ref(_base(tensor))
         self.view = view  # (shape, strides) over ``host``'s elements: a tensor that reads its elements repeatedly
 
+    def viewed_as(self, tensor: torch.Tensor) -> _Offloaded:
+        """This copy (of a contiguous tensor), for ``tensor``: contiguous over the same elements, in another shape."""
+        other = object.__new__(_Offloaded)
+        other.host, other.device, other.event, other.version = self.host, self.device, self.event, self.version
+        other.tensor_ref, other.view = self.tensor_ref, (tuple(tensor.shape), tuple(tensor.stride()))
+        return other
+
 
 def _span(tensor: torch.Tensor) -> int | None:
     """How many storage elements ``tensor`` reads, where fewer than its own (an expanded mask: stride 0; a
@@ -198,13 +205,22 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                     copy.version = None
         else:
             earlier = self._by_storage[id(storage)] = (weakref.ref(storage), [])
-        key = (id(storage), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype,
-               tensor.is_conj(), tensor.is_neg())  # x.conj() is x's storage and view, with other values
+        # a contiguous tensor is keyed by the elements it covers, not its shape: a GELU's (batch, seq, features)
+        # output and the (batch * seq, features) view the next Linear saves of it are one copy (they were copied
+        # twice: found by an adversarial pass on 2026-12-02)
+        contiguous = tensor.is_contiguous()
+        layout = ("contiguous", tensor.numel()) if contiguous else (tuple(tensor.shape), tuple(tensor.stride()))
+        key = (id(storage), tensor.storage_offset(), layout, tensor.dtype, tensor.is_conj(),
+               tensor.is_neg())  # x.conj() is x's storage and view, with other values
         known = self._copies.get(key)
         if known is not None and known[0]() is storage:
             copy = known[2]()
             if copy is not None and known[1] == version:  # the same values, copied already
-                return copy
+                if not contiguous or copy.host.shape == tensor.shape:
+                    return copy
+                again = copy.viewed_as(tensor)
+                earlier[1].append(weakref.ref(again))
+                return again
         packed = self._copy_out(tensor, device)
         self._copies[key] = (weakref.ref(storage), version, weakref.ref(packed))
         earlier[1].append(weakref.ref(packed))
