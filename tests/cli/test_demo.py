@@ -82,6 +82,9 @@ def test_demo_bad_arguments(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["demo", "--quick", "--out", str(tmp_path), "--device", "nodevice"]) == 2
     capsys.readouterr()
+    # meta has no values: a traceback at the first loss.item() and exit 1 before (an adversarial pass on 2026-12-02)
+    assert main(["demo", "--quick", "--out", str(tmp_path), "--device", "meta"]) == 2
+    assert "cannot use device 'meta'" in capsys.readouterr().err
     (tmp_path / "a_file").write_text("")  # --out naming a file: a traceback and exit 1 ("a problem found") before
     assert main(["demo", "--quick", "--out", str(tmp_path / "a_file")]) == 2
     assert "cannot write the report to --out" in capsys.readouterr().err

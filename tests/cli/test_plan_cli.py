@@ -27,13 +27,16 @@ def test_plan_for_a_loop_that_accumulates_and_clips_says_the_optimizer_clips_its
     assert capsys.readouterr().out != out  # (the two passes and the micro-batches' gradients weigh)
 
 
-def test_plan_with_a_budget_nothing_meets_exits_1_and_names_the_closest(capsys):
-    # SGD: no low-bit AdamW state to trace once nothing else fits (the same exit, without 27 more traces)
+def test_plan_with_a_budget_nothing_meets_exits_1_names_the_closest_and_plots_how_far(tmp_path, capsys):
+    # SGD: no low-bit AdamW state to trace once nothing else fits (the same exit, without 27 more traces); the plot
+    # (no extension: the PNG matplotlib writes, named as written) was not written where none fits, as --help says
+    plot = tmp_path / "plans"
     code = main(["plan", "--model", "small-gpt", "--layers", "2", "--batch", "1", "--seq", "16", "--dtype", "fp32",
-                 "--device", "cpu", "--optimizer", "sgd", "--budget", "10KB", "--plot", ""])
+                 "--device", "cpu", "--optimizer", "sgd", "--budget", "10KB", "--plot", str(plot)])
     captured = capsys.readouterr()
     assert code == 1
     assert "no plan fits" in captured.err and "closest" in captured.err
+    assert f"plot: {plot}.png" in captured.out and (tmp_path / "plans.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_profile_prints_the_peak_by_category(tmp_path, capsys):
@@ -47,8 +50,13 @@ def test_profile_prints_the_peak_by_category(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--budget", "lots"], "cannot read the size"),
+    (["--budget", "lots"], "error: memtrim plan: cannot read the size"),  # (once "memtrim plan: memtrim.plan: ...")
+    (["--budget", "-1"], "a budget must be a finite size of at least 1 byte, got '-1'"),
     (["--budget", "1GiB", "--batch", "0"], "--batch must be >= 1"),
+    # checked before tracing: a folder that cannot be written, a format matplotlib cannot write (a traceback after
+    # all the planning; found by an adversarial pass on 2026-12-02)
+    (["--budget", "1GiB", "--plot", "/proc/plan.png"], "the folder '/proc' cannot be written"),
+    (["--budget", "1GiB", "--plot", "plan.xyz"], "matplotlib cannot write .xyz"),
 ])
 def test_usage_errors_exit_2_with_one_line(argv, message, capsys):
     code = main(["plan", "--model", "small-gpt", "--layers", "2", "--seq", "16", "--device", "cpu", "--plot", "",
@@ -88,6 +96,18 @@ def test_a_user_factory_that_raises_or_is_not_callable_exits_2_naming_this_comma
         err = capsys.readouterr().err
         assert code == 2 and message in err and "check-inplace" not in err
         assert err.strip().splitlines()[-1].startswith("error: memtrim plan:")
+
+
+def test_a_model_the_tokens_do_not_fit_exits_2_without_torchs_logged_traceback(tmp_path, monkeypatch, capfd):
+    # torch logs a failing fake kernel with its traceback: 19 lines of it came before memtrim's one-line error
+    (tmp_path / "notlm.py").write_text("import torch\n\ndef linear():\n    return torch.nn.Linear(4, 4)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["plan", "--model", "notlm:linear", "--seq", "16", "--device", "cpu", "--budget", "1GiB",
+                 "--plot", ""])
+    err = capfd.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("error: memtrim plan: the plain training step failed")
 
 
 @pytest.mark.parametrize("techniques, message", [

@@ -27,6 +27,8 @@ def test_identity_is_bitwise():
     assert report.first_divergence is None
     assert report.baseline_losses == report.transformed_losses
     report.assert_ok()
+    assert str(report) == "equal: bitwise over 5 steps"
+    assert str(memtrim.verify(SeedMLP, adam, batches()[:1], F.nll_loss, identity)) == "equal: bitwise over 1 step"
 
 
 def test_inplace_relu_is_bitwise():

@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     except MemtrimError as e:  # a usage error: one line, exit status 2 (1 means "a problem was found")
         message = " ".join(str(e).split())
         prefix = f"memtrim {args.command}"
+        api = f"memtrim.{args.command}: "  # the API's own name for the same thing ("memtrim plan: memtrim.plan: ...")
+        if message.startswith(api):
+            message = message[len(api):]
         if not message.startswith(prefix):
             message = f"{prefix}: {message}"
         print(f"error: {message}", file=sys.stderr)

@@ -75,7 +75,7 @@ class ReluOp:
 
 @dataclass(frozen=True)
 class TrainingRun:
-    """Section 2: one training run of the seed MLP; memory from its first two tracked steps."""
+    """Section 2: one training run of the seed MLP; memory from its first two steps (one where there is one)."""
 
     label: str = field(metadata=_NOT_IN_JSON)
     inplace: bool
@@ -86,6 +86,7 @@ class TrainingRun:
     activations_at_backward_start: int
     forward_new_bytes: int  # MemoryReport.forward_transient_peak
     timeline_png: str
+    tracked_steps: int = 2  # (one where the first epoch has one batch)
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,7 @@ class Reversible:
     curve: dict[str, list[int]]  # "plain", "reversible" -> activation bytes kept after forward, per depth
     drift: dict[str, float]  # stack -> largest relative reconstruction error
     depth: int  # of the verified stack
+    steps: int = 10  # verified SGD steps
 
 
 @dataclass(frozen=True)

@@ -100,12 +100,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _steps(n: int, optimizer: str) -> str:
+    return f"{'one' if n == 1 else 'two' if n == 2 else n} {optimizer} step{'' if n == 1 else 's'}"
+
+
 def _check_arguments(args: argparse.Namespace) -> torch.device:
     if args.epochs < 1 or args.batch_size < 1:
         raise memtrim.InvalidInputError("memtrim demo: --epochs and --batch-size must be >= 1.")
     try:
         device = torch.device(args.device)
         torch.empty(0, device=device)
+        if device.type == "meta":  # no values: training cannot read a loss (it failed with a traceback at .item())
+            raise RuntimeError("the demo trains and reads values; meta tensors have none")
     except (RuntimeError, AssertionError) as e:
         raise memtrim.InvalidInputError(
             f"memtrim demo: cannot use device {args.device!r} ({e}). Try --device cpu."
@@ -160,6 +166,7 @@ def _train(label: str, inplace: bool, train: Dataset, test: Dataset | None, epoc
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     losses, accuracies, seconds = [], [], []
     tracker = memtrim.track(model, optimizer)
+    tracked = 0
     with contextlib.ExitStack() as tracking:
         for epoch in range(epochs):
             total, count = 0.0, 0
@@ -169,6 +176,8 @@ def _train(label: str, inplace: bool, train: Dataset, test: Dataset | None, epoc
             for step, (x, y) in enumerate(_progress(batches, f"{label} epoch {epoch + 1}")):
                 if epoch == 0 and step == 0:
                     tracking.enter_context(tracker)
+                if epoch == 0 and step < 2:
+                    tracked += 1
                 loss = F.nll_loss(model(x), y)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
@@ -185,11 +194,11 @@ def _train(label: str, inplace: bool, train: Dataset, test: Dataset | None, epoc
                   + (f", test accuracy {accuracies[-1]:.3f}" if accuracies[-1] is not None else ""))
     report = tracker.report()
     png = f"timeline_{'relu_inplace' if inplace else 'relu'}.png"
-    report.plot(os.path.join(args.out, png), title=f"seed MLP, {label}: two Adam steps")
+    report.plot(os.path.join(args.out, png), title=f"seed MLP, {label}: {_steps(tracked, 'Adam')}")
     run = TrainingRun(label=label, inplace=inplace, loss_per_epoch=losses, test_accuracy_per_epoch=accuracies,
                       seconds_per_epoch=seconds, memory=report.to_dict(timeline=False),
                       activations_at_backward_start=report.activations_at_backward_start,
-                      forward_new_bytes=report.forward_transient_peak, timeline_png=png)
+                      forward_new_bytes=report.forward_transient_peak, timeline_png=png, tracked_steps=tracked)
     return run, {n: p.detach().cpu() for n, p in model.named_parameters()}
 
 
@@ -391,7 +400,8 @@ def _reversible(args: argparse.Namespace, device: torch.device, train: Dataset) 
                     title="seed MLP with coupling hidden layers (memtrim tracker)", figsize=(6, 3.5))
     print(f"  reversible: {report}; activations at depth {depths[-1]}: plain {curve['plain'][-1]:,} B, "
           f"reversible {curve['reversible'][-1]:,} B")
-    return Reversible(verify=str(report), verify_ok=report.ok, depths=depths, curve=curve, drift=drift, depth=depth)
+    return Reversible(verify=str(report), verify_ok=report.ok, depths=depths, curve=curve, drift=drift, depth=depth,
+                      steps=len(batches))
 
 
 def _activations_kept(model: torch.nn.Module, x: torch.Tensor) -> int:

@@ -3,9 +3,9 @@
 ``memtrim plan --model llama-7b --batch 1 --seq 2048 --dtype bf16 --optimizer adamw --budget 24GiB`` builds the model
 on fake tensors (``llama-7b``: transformers' ``LlamaConfig()`` defaults, which are Llama-2-7B's sizes; ``small-gpt``:
 memtrim's own; or ``pkg.module:factory``, a function returning a causal LM that takes token ids), ranks the plans
-(``memtrim.plan``), prints them as a table and writes a stacked-bar PNG of each plan's predicted peak. ``memtrim
-profile`` predicts one configuration (``--techniques``) and writes its timeline plot. Exit status: 0 a plan fits,
-1 none fits, 2 a usage error.
+(``memtrim.plan``), prints them as a table and writes a stacked-bar PNG of each plan's predicted peak (also when none
+fits). ``memtrim profile`` predicts one configuration (``--techniques``) and writes its timeline plot. Exit status:
+0 a plan fits, 1 none fits, 2 a usage error.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import argparse
 import functools
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,11 @@ from torch import nn
 import memtrim
 
 from .check_inplace import _load, _working_directory_on_path
+
+_PROFILE = """``memtrim profile --model small-gpt --layers 4 --seq 128 --techniques checkpoint``: the predicted memory
+of one training step with the techniques named (none: the plain step), built on fake tensors as ``memtrim plan`` does
+(see its --help for the models), by category at its peak, and its timeline plot. Exit status: 0 predicted, 2 a usage
+error."""
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
@@ -56,7 +62,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--budget", required=True, help="e.g. 24GiB, 80GB, or bytes")
     p.add_argument("--plot", default="memtrim_plan.png", help="where the stacked-bar PNG goes ('' for none)")
     q = sub.add_parser("profile", help="the predicted memory timeline of one training step",
-                       description=__doc__)
+                       description=_PROFILE)
     _common(q)
     q.add_argument("--techniques", default="", help="comma-separated, e.g. checkpoint,in_backward (default none)")
     q.add_argument("--plot", default="memtrim_profile.png", help="where the timeline PNG goes ('' for none)")
@@ -119,9 +125,8 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
         raise memtrim.InvalidInputError(
             f"memtrim {args.command}: cannot read --device {args.device!r}; write e.g. cuda, cuda:1 or cpu."
         ) from e
-    folder = os.path.dirname(os.path.abspath(args.plot)) if args.plot else ""
-    if folder and not os.path.isdir(folder):
-        raise memtrim.InvalidInputError(f"memtrim {args.command}: --plot {args.plot!r}: no folder {folder!r}.")
+    if args.plot:
+        args.plot = _plot_path(args.command, args.plot)
     dtype = _DTYPES[args.dtype]
     tokens = torch.randint(0, 256, (args.batch, args.seq))
     depth = None
@@ -149,6 +154,33 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
     return {"model_or_factory": model, "example_inputs": inputs, "loss_fn": _lm_loss,
             "optimizer_factory": make_optimizer, "targets": tokens, "device": args.device, "depth": depth,
             "accumulation_steps": args.accumulation_steps, "clip_grad_norm": args.clip_grad_norm}
+
+
+def _plot_path(command: str, path: str) -> str:
+    """``--plot`` checked before any tracing (a folder that cannot be written, or a format matplotlib cannot write,
+    failed with matplotlib's traceback after all the planning: an adversarial pass on 2026-12-02); without an
+    extension, the PNG matplotlib writes (``name.png``)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise memtrim.InvalidInputError(f"memtrim {command}: --plot {path!r}: no folder {folder!r}.")
+    try:  # (os.access says yes for root where a file cannot be made: /proc)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise memtrim.InvalidInputError(f"memtrim {command}: --plot {path!r}: the folder {folder!r} cannot be "
+                                        "written; give a path in a folder you can write, or --plot '' for none.") from e
+    extension = os.path.splitext(path)[1].lower().lstrip(".")
+    if not extension:
+        return path + ".png"
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return path  # the plot itself says matplotlib is missing
+    formats = Figure().canvas.get_supported_filetypes()
+    if extension not in formats:
+        raise memtrim.InvalidInputError(f"memtrim {command}: --plot {path!r}: matplotlib cannot write .{extension}; "
+                                        f"use one of {', '.join('.' + f for f in sorted(formats))}.")
+    return path
 
 
 def _optimizer(kind: Callable[..., torch.optim.Optimizer], foreach: bool, model: nn.Module) -> torch.optim.Optimizer:
@@ -246,6 +278,9 @@ def _run(args: argparse.Namespace, progress: _Progress) -> int:
     except memtrim.PlanError as e:
         progress.close()
         print(e.plans if e.plans is not None else "", file=sys.stdout)
+        if args.plot and isinstance(e.plans, memtrim.planner.Plans):  # how far each plan is from the budget
+            e.plans.plot(args.plot)
+            print(f"plot: {args.plot}")
         print(f"error: {e}", file=sys.stderr)
         return 1
     progress.close()

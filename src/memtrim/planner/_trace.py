@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import astuple, dataclass
 from typing import Any
@@ -138,8 +139,16 @@ def _faking(mode: Any, values: KnownValues) -> Iterator[None]:
     if mode is None:
         yield
         return
-    with mode, values, reading_values(values):
-        yield
+    # torch logs every failing fake kernel with its traceback (ERROR, the planner's refusal follows it: a model the
+    # inputs do not fit printed 19 lines of torch's traceback before memtrim's one-line error)
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        with mode, values, reading_values(values):
+            yield
+    finally:
+        log.setLevel(level)
 
 
 def _fake(mode: Any, values: KnownValues, t: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ def parse_bytes(value: int | float | str) -> int:
     if isinstance(value, numbers.Real):  # (NumPy's integers and floats too)
         number = float(value)
     elif isinstance(value, str):
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)\s*", value.lower())
+        match = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)\s*", value.lower())
         if match is None or match.group(2) not in _UNITS:
             raise InvalidInputError(
                 f"{_API}: cannot read the size {value!r}; write e.g. '24GiB', '1.5GB', '800MiB' or a number of bytes."

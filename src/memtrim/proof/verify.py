@@ -67,11 +67,12 @@ class VerifyReport:
             )
 
     def __str__(self) -> str:
+        steps = f"{self.steps} step{'' if self.steps == 1 else 's'}"
         if self.bitwise:
-            text = f"equal: bitwise over {self.steps} steps"
+            text = f"equal: bitwise over {steps}"
         elif self.ok:
             text = (
-                f"equal within tolerance over {self.steps} steps (max abs {self.max_abs_error:.3e}, "
+                f"equal within tolerance over {steps} (max abs {self.max_abs_error:.3e}, "
                 f"max rel {self.max_rel_error:.3e}; first difference at {self.first_difference})"
             )
         else:
