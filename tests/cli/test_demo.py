@@ -78,8 +78,9 @@ def test_demo_quotes_the_seed_articles_silu_exactly():
 
 
 def test_demo_bad_arguments(tmp_path, capsys):
-    assert main(["demo", "--quick", "--out", str(tmp_path), "--data", str(tmp_path / "missing")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    # a wrong --data leaves no report folder behind (it was made first; found by an adversarial pass on 2026-12-02)
+    assert main(["demo", "--quick", "--out", str(tmp_path / "report"), "--data", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err and not (tmp_path / "report").exists()
     assert main(["demo", "--quick", "--out", str(tmp_path), "--device", "nodevice"]) == 2
     capsys.readouterr()
     # meta has no values: a traceback at the first loss.item() and exit 1 before (an adversarial pass on 2026-12-02)
@@ -88,6 +89,18 @@ def test_demo_bad_arguments(tmp_path, capsys):
     (tmp_path / "a_file").write_text("")  # --out naming a file: a traceback and exit 1 ("a problem found") before
     assert main(["demo", "--quick", "--out", str(tmp_path / "a_file")]) == 2
     assert "cannot write the report to --out" in capsys.readouterr().err
+
+
+def test_demo_without_matplotlib_says_so_before_training(tmp_path, capsys, monkeypatch):
+    # it trained the first run, then failed writing its plot (found by an adversarial pass on 2026-12-02)
+    import memtrim.cli.demo as demo
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    trained = []
+    monkeypatch.setattr(demo, "_train", lambda *a, **k: trained.append(a))
+    assert main(["demo", "--quick", "--out", str(tmp_path / "report")]) != 0
+    assert "matplotlib" in capsys.readouterr().err and not trained and not (tmp_path / "report").exists()
 
 
 def test_console_script_help():

@@ -99,3 +99,10 @@ def test_synthetic_default_is_learnable():
         losses.append(loss.item())
     assert sum(losses[-10:]) / 10 < 0.8 * sum(losses[:10]) / 10  # measured: 2.30 -> 1.61
     assert len(load_fashion_mnist(None, "test")) == 10_000
+
+
+def test_a_subset_says_first_n_only_where_it_leaves_some_out():
+    # the demo's --quick on a 100-image file said "(first 2048)" (found by an adversarial pass on 2026-12-02)
+    data = synthetic_fashion_mnist(100, seed=0)
+    assert data.subset(2048).source == data.source and len(data.subset(2048)) == 100
+    assert data.subset(10).source == f"{data.source} (first 10)" and len(data.subset(10)) == 10

@@ -258,3 +258,21 @@ def test_parameters_made_inside_the_block_by_to_empty_are_parameters():
     final = tracker.report().final_by_category
     assert final["parameters"] == expected and final["gradients"] == expected
     assert final["temporaries"] == 0
+
+
+def test_a_timeline_of_one_op_is_drawn(tmp_path):
+    # one op (op_memory of a single call, a block with one allocation) was an empty plot: a step drawn "post" from
+    # its only point has no width (found by an adversarial pass on 2026-12-02)
+    pytest.importorskip("matplotlib")
+    import matplotlib.image
+
+    x = torch.randn(64, 64)
+    with memtrim.track() as tracker:
+        y = x * 2  # noqa: F841 - one storage born, alive at the end
+    report = tracker.report()
+    assert [e.kind for e in report.timeline][0] == "start" and len(report.timeline) == 2  # the start, one op
+    report.plot(str(tmp_path / "one.png"))
+    pixels = matplotlib.image.imread(str(tmp_path / "one.png"))[..., :3]
+    temporaries = torch.tensor([0xCC, 0xB9, 0x74]) / 255  # the colour of the temporaries' area
+    close = (torch.from_numpy(pixels.copy()) - temporaries).abs().amax(-1) < 0.02
+    assert close.sum() > 10_000  # an area, not a legend swatch

@@ -1249,3 +1249,38 @@ def test_a_model_parameter_appended_to_the_groups_twice_is_refused():
     layer(torch.ones(2, 4)).sum().backward()
     with pytest.raises(memtrim.InvalidInputError, match=r"lists a model parameter of shape \(4, 4\).*add_param_group"):
         opt.step()
+
+
+def test_the_global_step_guard_lives_only_while_an_offloader_does():
+    # found by an adversarial pass: the global step pre-hook stayed installed after remove(), so torch.compile of
+    # any other optimizer's step broke its graph at it for the rest of the process
+    import gc
+
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    from memtrim.techniques.optim_state import _offload
+
+    def guards() -> int:
+        return sum(getattr(h, "__name__", "") == "_refuse_a_second_optimizer"
+                   for h in _global_optimizer_pre_hooks.values())
+
+    gc.collect()
+    live = _offload._STEP_GUARD_USERS[0]  # another test's offloader still referenced somewhere, if any
+    assert guards() == (1 if live else 0)
+    first, second = _mlp(), _mlp()
+    a = memtrim.CPUOffloadOptimizer(first.parameters(), torch.optim.AdamW, lr=1e-2)
+    b = memtrim.CPUOffloadOptimizer(second.parameters(), torch.optim.AdamW, lr=1e-2)
+    assert guards() == 1 and _offload._STEP_GUARD_USERS[0] == live + 2
+    a.remove()
+    a.remove()  # twice: counted once
+    assert guards() == 1 and _offload._STEP_GUARD_USERS[0] == live + 1  # b still guards its parameters
+    with pytest.raises(MemtrimError, match="still alive"):
+        x, y = _mlp_data(1)[0]
+        plain = torch.optim.AdamW(second.parameters(), lr=1e-2)
+        F.mse_loss(second(x), y).backward()
+        plain.step()
+    del b
+    gc.collect()
+    assert _offload._STEP_GUARD_USERS[0] == live and guards() == (1 if live else 0)
+    c = memtrim.CPUOffloadOptimizer(first.parameters(), torch.optim.AdamW, lr=1e-2)  # noqa: F841
+    assert guards() == 1

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import memtrim
 from memtrim.data import Dataset, load_fashion_mnist, synthetic_fashion_mnist
-from memtrim.measure import plot_curves
+from memtrim.measure import plot_curves, pyplot
 from memtrim.models import ConvBNActCNN, CouplingMLP, ResNetCNN, SeedMLP, SmallGPT
 from memtrim.models.seed_silu import silu_inplace_1, silu_inplace_2, silu_inplace_2_corrected
 
@@ -67,6 +67,8 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo with the parsed ``args`` and write report.md, results.json and the plots to ``args.out``."""
     device = _check_arguments(args)
+    pyplot("memtrim demo")  # its report's plots: said before training (it failed after the first run's training)
+    train, test = _data(args)  # a wrong --data before --out is made (an empty report folder was left behind)
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as e:  # a file of that name, a folder that cannot be made: the usage error, not a traceback
@@ -74,7 +76,6 @@ def run(args: argparse.Namespace) -> int:
             f"memtrim demo: cannot write the report to --out {args.out!r} ({e.strerror or e}). Give a folder that "
             "exists or can be created."
         ) from e
-    train, test = _data(args)
     epochs = 1 if args.quick else args.epochs
     print(f"memtrim demo: {train.source}, {len(train)} training images, {epochs} epoch(s), device {device}")
     machine = Machine(platform=platform.platform(), processor=platform.processor() or platform.machine(),

@@ -39,6 +39,8 @@ class Dataset:
 
     def subset(self, n: int) -> Dataset:
         """The first ``n`` images and labels (all of them where there are fewer)."""
+        if n >= len(self):  # all of them: the label says no "(first 2048)" of a file of 100
+            return self
         return Dataset(self.images[:n], self.labels[:n], f"{self.source} (first {n})")
 
     def batches(

@@ -186,16 +186,20 @@ class MemoryReport:
             MissingDependencyError: matplotlib is not installed.
         """
         plt = pyplot("MemoryReport.plot")
-        x = list(range(len(self.timeline)))
+        # event i holds its bytes from i to i + 1 (steps drawn "post"), so the last one is drawn too: a timeline of
+        # one op was an empty plot, and each phase's shading was half an event off its bytes
+        n = len(self.timeline)
+        x = list(range(n + 1))
         mib = 1024 * 1024
         series = [[e.totals[i] / mib for e in self.timeline] for i in range(len(CATEGORIES))]
+        series = [values + values[-1:] for values in series]
         fig, ax = plt.subplots(figsize=(10, 4.5))
         start = 0
-        for i in range(1, len(self.timeline) + 1):
-            if i == len(self.timeline) or self.timeline[i].phase != self.timeline[start].phase:
+        for i in range(1, n + 1):
+            if i == n or self.timeline[i].phase != self.timeline[start].phase:
                 phase = self.timeline[start].phase
                 if phase != "other":
-                    ax.axvspan(start - 0.5, i - 0.5, color=_PHASE_COLORS[phase], zorder=0, lw=0)
+                    ax.axvspan(start, i, color=_PHASE_COLORS[phase], zorder=0, lw=0)
                 start = i
         shown = [i for i, s in enumerate(series) if any(s)]
         if shown:
@@ -210,12 +214,12 @@ class MemoryReport:
         else:  # nothing live (an empty block): an empty plot that says so (NumPy raised "need at least one array")
             ax.text(0.5, 0.5, "no tensor memory seen", transform=ax.transAxes, ha="center", va="center")
         peak_index = next((i for i, e in enumerate(self.timeline) if e.total_bytes == self.peak_bytes), 0)
-        ax.axvline(peak_index, color="black", ls="--", lw=1, zorder=3)
+        ax.axvline(peak_index + 0.5, color="black", ls="--", lw=1, zorder=3)  # the middle of the peak's step
         ax.annotate(
             f"peak {format_bytes(self.peak_bytes)}\n{self.peak_phase}"
             + (f", {self.peak_module}" if self.peak_module else "")
             + (f"\n{self.peak_op}" if self.peak_op else ""),
-            xy=(peak_index, self.peak_bytes / mib),
+            xy=(peak_index + 0.5, self.peak_bytes / mib),
             xytext=(5, -5),
             textcoords="offset points",
             va="top",
@@ -233,7 +237,7 @@ class MemoryReport:
         ax.set_xlabel("event (storage born, freed, resized, or taken/released by autograd)")
         ax.set_ylabel(f"live bytes on {self.device} (MiB)")
         ax.set_title(title or "memtrim timeline")
-        ax.set_xlim(0, max(len(x) - 1, 1))
+        ax.set_xlim(0, max(n, 1))
         ax.set_ylim(0, self.peak_bytes / mib * 1.25 or 1)
         fig.tight_layout()
         fig.savefig(path, dpi=110)

@@ -194,7 +194,8 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         # zero_grad found its host copies still registered, summed them in and moved a plain optimizer's gradients
         # there (it then stepped nothing; found by an adversarial pass on 2026-11-29)
         weakref.finalize(self, _let_go, self._pairs)
-        _install_step_guard()
+        self._guarding = _StepGuardUse()
+        weakref.finalize(self, self._guarding.release)
         # Optimizer.__init__ is not called: param_groups, state and defaults are the host optimizer's own (their
         # params are the host copies; state is keyed by the device parameters)
         self._hooks_first()  # (behind hooks the user registered before building it: moved before them)
@@ -542,6 +543,7 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
         self._hooked.clear()
         self._drop_parts_back()
         self._removed = True  # no hooks again at a later step() or zero_grad()
+        self._guarding.release()
         wait_for_copies()
         for device_param, host_param in self._pairs:
             hold_gradient_elsewhere(device_param, None)
@@ -566,17 +568,34 @@ def _let_go(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 _OFFLOADERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # device parameter -> weakref to its CPUOffloadOptimizer
 
 
-_STEP_GUARD: list[Any] = []  # the handle of the global step pre-hook, once installed
+_STEP_GUARD: list[Any] = []  # the handle of the global step pre-hook while a CPUOffloadOptimizer is live
+_STEP_GUARD_USERS = [0]  # how many CPUOffloadOptimizers are live (built, neither removed nor collected)
 
 
-def _install_step_guard() -> None:
-    """A global optimizer step pre-hook: another optimizer stepping a parameter whose gradients a live
-    CPUOffloadOptimizer's hooks take (an old one still held by an LR scheduler after a resume) would find them gone
-    and step nothing, silently."""
-    if not _STEP_GUARD:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+class _StepGuardUse:
+    """One CPUOffloadOptimizer's use of the global optimizer step pre-hook: another optimizer stepping a parameter
+    whose gradients a live CPUOffloadOptimizer's hooks take (an old one still held by an LR scheduler after a
+    resume) would find them gone and step nothing, silently. The hook is installed while one is live and removed
+    with the last (at ``remove()`` or when collected): a global hook left behind made ``torch.compile`` of any
+    other optimizer's step break its graph at it (found by an adversarial pass on 2026-12-02)."""
 
-        _STEP_GUARD.append(register_optimizer_step_pre_hook(_refuse_a_second_optimizer))
+    __slots__ = ("released",)
+
+    def __init__(self) -> None:
+        self.released = False
+        _STEP_GUARD_USERS[0] += 1
+        if not _STEP_GUARD:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            _STEP_GUARD.append(register_optimizer_step_pre_hook(_refuse_a_second_optimizer))
+
+    def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        _STEP_GUARD_USERS[0] -= 1
+        if _STEP_GUARD_USERS[0] == 0 and _STEP_GUARD:
+            _STEP_GUARD.pop().remove()
 
 
 def _refuse_a_second_optimizer(optimizer: Any, args: Any, kwargs: Any) -> None:
