@@ -15,6 +15,7 @@ vs +100 us per call of a Linear-ReLU-Linear on width 64). Code the mode cannot s
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import random
 import sys
@@ -37,18 +38,22 @@ __all__ = ["GeneratorDraws", "GeneratorsKept", "cuda_devices", "held_generators_
 # meanwhile (a data-augmentation or prefetching thread's torch.rand) lands between the forward's draws or the
 # recomputation's, and the masks rebuilt are not the forward's: the gradient was silently wrong (an adversarial pass
 # on 2026-12-02: a reversible stack with dropout beside a thread calling torch.rand, 60 of 200 steps, gradients up to
-# 15.9 off; checkpoint_modules too). Where another Python thread runs when the forward starts, GeneratorDraws
-# fingerprints the global generators (the CPU's, and each initialised CUDA device's offset) after every torch call of
-# the forward, noting each change: the call after which it was seen, the state before and after; the recomputation
-# must make the same changes in the same order, else it raises. Matched by the call's name, not its position (the
-# recomputation's wrapper runs calls of its own around the function's); the state before counts, not only after (a
-# draw of 64 numbers from one state, then the forward's dropout of 64 from the next, made the same states as the
-# recomputation's dropout alone: a mask from another state matched). A change of another thread's after the
-# function's own last draw is never compared (the masks are the forward's there); one before it raises, as does one
-# during the recomputation (conservative: the draw may have missed the function's). One thread alone pays nothing
-# (3.5 us per torch call otherwise, on this machine); a thread started between a forward and its recomputation is not
-# watched. torch's early stop of a recomputation (an exception from inside the call that saved its last tensor) is
-# compared too.
+# 15.9 off; checkpoint_modules too). Where another Python thread runs when the forward starts, GeneratorDraws reads
+# the global generators (the CPU's state, each initialised CUDA device's offset) as each torch call of the forward
+# starts, and at its end. Each stretch between two reads is named by the call that began it; where the generators
+# changed over it, (name, state before, state after) is kept, in order, and the recomputation must make the same
+# changes in the same order. The state before counts (a dropout drawing from the state another thread's draw of as
+# many numbers left made the very state the recomputation's dropout made from the start), and so does the name (a
+# draw only the forward made, of as many numbers as the dropout after it). A stretch begins at a call, not after
+# one: code between two calls (a reseed, the end of torch.random.fork_rng) belongs to the earlier call's stretch in
+# both runs, whatever calls the recomputation adds before a module's (memtrim's hook reading a parameter's version:
+# named by the call after, a reseed in the forward was a false error beside any idle thread, tqdm's monitor; found by
+# an adversarial pass on 2026-12-02). Changes past the forward's last are not compared (another thread's draw after
+# the recomputation's last), nor are the forward's past an early end (torch stops a recomputation from inside the
+# call that saved its last tensor: that call's stretch is compared); a recomputation that runs to its end must make
+# every change the forward made, so another thread's draw after the function's own last draw raises too
+# (conservative). One thread alone pays nothing; otherwise one read per torch call (a copy of the CPU state's 5,056
+# bytes, about 5 us here); a thread started between a forward and its recomputation is not watched.
 RACED_DRAWS = (
     "another thread drew from the same global random generator meanwhile (between the forward's draws or the "
     "recomputation's), so the dropout masks the recomputation rebuilds may not be the forward's and the gradient "
@@ -63,14 +68,15 @@ _STOP_RECOMPUTATION: type[BaseException] = getattr(torch.utils.checkpoint, "_Sto
                                                    type("_NeverRaised", (Exception,), {}))
 
 
-def _global_generators() -> int:
-    """A fingerprint of the process-wide generators: the CPU's state, each initialised CUDA device's offset. Bytes,
-    not an op: a planner's fake mode, and the torch-function modes below this one, do not see it."""
-    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():  # (other modes do not see it)
-        cpu = bytes(torch.default_generator.get_state().numpy())
+def _global_generators() -> tuple[bytes, tuple[int, ...]]:
+    """The process-wide generators' state: the CPU's bytes, each initialised CUDA device's offset. Read as bytes,
+    not through an op: a planner's fake mode, and the torch-function modes below this one, do not see it."""
+    with torch._C.DisableTorchFunction():  # (data_ptr is a Tensor method: the modes below this one would see it)
+        state = torch.default_generator.get_state()
+        cpu = ctypes.string_at(state.data_ptr(), state.numel())
     if not torch.cuda.is_initialized():
-        return hash(cpu)
-    return hash((cpu, tuple(g.get_offset() for g in torch.cuda.default_generators)))
+        return cpu, ()
+    return cpu, tuple(g.get_offset() for g in torch.cuda.default_generators)
 
 
 class GeneratorDraws(TorchFunctionMode):
@@ -84,17 +90,19 @@ class GeneratorDraws(TorchFunctionMode):
     """
 
     def __init__(self, where: str, advice: str, error: type[MemtrimError], replay: list[torch.Tensor] | None = None,
-                 strict: bool = True, changes: list[tuple[str, int, int]] | None = None) -> None:
+                 strict: bool = True, changes: list[int] | None = None) -> None:
         super().__init__()
         self.where, self.advice, self.error, self.replay, self.strict = where, advice, error, replay, strict
         self.states: list[torch.Tensor] = []  # recorded states (forward)
         self.restore: list[tuple[torch.Generator, torch.Tensor]] = []  # the caller's states (replay)
-        # NOTE [ another thread's draws ]: each change of the global generators, in order, as (the call after which
-        # it was seen, fingerprint before, after); recorded where another thread runs (None: not watched), then
-        # compared by the replay
+        # NOTE [ another thread's draws ]: each change of the global generators in the forward, in order, as a
+        # hash of (the call whose stretch it was in, state before, after); recorded where another thread runs
+        # (None: not watched), then compared by the replay
         self.changes = changes
         self.matched = 0
-        self.last = 0
+        self.stopped = False  # torch ended the recomputation early
+        self.last: tuple[bytes, tuple[int, ...]] | None = None
+        self.stretch = "the start"  # the call whose stretch runs now
 
     def __enter__(self) -> GeneratorDraws:
         if self.replay is None and threading.active_count() > 1:
@@ -118,42 +126,50 @@ class GeneratorDraws(TorchFunctionMode):
                 continue
             self.restore.append((value, value.get_state()))
             value.set_state(self.replay[position])
+        if self.changes is not None:
+            self._watch(getattr(func, "__name__", repr(func)))
         try:
-            out = func(*args, **kwargs)
+            return func(*args, **kwargs)
         except _STOP_RECOMPUTATION:
             # torch's checkpoint ends its recomputation early, from inside the call that saved its last tensor
             # (a dropout's mask, after its draw): that call's draw is still compared
             if self.changes is not None:
-                self._watch(func)
+                self._watch("the end")
+                self.stopped = True
             raise
-        if self.changes is not None:
-            self._watch(func)
-        return out
 
-    def _watch(self, func: Any) -> None:
-        """After a call: where the global generators changed, note it (forward) or check it (replay)."""
+    def _watch(self, call: str) -> None:
+        """As ``call`` starts: the stretch since the last read ends; where the generators changed over it, keep the
+        change (forward) or check it (replay)."""
         now = _global_generators()
+        stretch, self.stretch = self.stretch, call
         if now == self.last:
             return
-        change = (getattr(func, "__name__", repr(func)), self.last, now)
+        assert self.changes is not None and self.last is not None
+        change = hash((stretch, self.last, now))
         self.last = now
-        assert self.changes is not None
         if self.replay is None:
             self.changes.append(change)
-            return
-        expected = self.changes[self.matched] if self.matched < len(self.changes) else None
-        if expected != change:
-            # not a TypeError (InvalidInputError is one): a Tensor operator (==, +) turns a TypeError raised inside
-            # it into NotImplemented, and `out == 0` then said False instead of raising (found by this test's run)
-            error = MemtrimStateError if issubclass(self.error, TypeError) else self.error
-            raise error(f"{self.where} drew other random numbers in its recomputation than in its forward: "
-                             f"{RACED_DRAWS}; or {self.advice}.")
-        self.matched += 1
+        elif self.matched < len(self.changes):  # (past the forward's last: its masks are drawn)
+            if self.changes[self.matched] != change:
+                raise self._raced(f"at {stretch}")
+            self.matched += 1
+
+    def _raced(self, where: str) -> MemtrimError:
+        # not a TypeError (InvalidInputError is one): a Tensor operator (==, +) turns a TypeError raised inside it
+        # into NotImplemented, and `out == 0` then said False instead of raising (found by this test's run)
+        error = MemtrimStateError if issubclass(self.error, TypeError) else self.error
+        return error(f"{self.where} drew other random numbers in its recomputation than in its forward ({where}): "
+                     f"{RACED_DRAWS}; or {self.advice}.")
 
     def __exit__(self, *exc: object) -> None:
         for generator, state in reversed(self.restore):
             generator.set_state(state)
         super().__exit__(*exc)
+        if self.changes is not None and exc[0] is None and not self.stopped:
+            self._watch("the end")  # the last call's stretch
+            if self.replay is not None and self.strict and self.matched < len(self.changes):
+                raise self._raced("it made fewer changes")
         if exc[0] is None and self.replay is not None and self.strict and len(self.restore) != len(self.replay):
             raise self._mismatch(str(len(self.restore)))
 

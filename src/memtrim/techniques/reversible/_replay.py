@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ _SET_TAKES_DEVICE_TYPE = "device_type" in inspect.signature(set_device_states).p
 
 
 def _draws(where: str, replay: list[torch.Tensor] | None = None, strict: bool = True,
-           changes: list[tuple[str, int, int]] | None = None) -> GeneratorDraws:
+           changes: list[int] | None = None) -> GeneratorDraws:
     return GeneratorDraws(f"memtrim.ReversibleSequential: {where}", "keep this module out of the reversible stack",
                           ReversibleError, replay, strict, changes)
 
@@ -45,7 +46,7 @@ def _autocast_available(device_type: str) -> bool:
 
 @dataclass
 class Replay:
-    """What the forward of one function (f, g, or a whole block) ran under; ``None`` where it changed nothing."""
+    """What the forward of one function (f, g, or a whole block) ran under (``device_rng`` None on the CPU)."""
 
     where: str  # names the function in errors ("block 3's f")
     requires_grad: bool  # whether its input required grad (so the recomputation saves the same tensors)
@@ -56,7 +57,7 @@ class Replay:
     autocast: dict[str, dict[str, Any]] = field(default_factory=dict)  # device type -> torch.autocast kwargs
     generator_states: list[torch.Tensor] | None = None
     layout: tuple[tuple[int, ...], int] = ((), 0)  # the input's strides and storage offset (see :func:`as_forward`)
-    changes: list[tuple[str, int, int]] | None = None  # where the global generators changed (GeneratorDraws.changes)
+    changes: list[int] | None = None  # the global generators' states the forward saw (GeneratorDraws.changes)
 
 
 def as_forward(x: torch.Tensor, replay: Replay) -> torch.Tensor:
@@ -84,33 +85,41 @@ def as_forward(x: torch.Tensor, replay: Replay) -> torch.Tensor:
 def captured(replays: dict[str, Replay], name: str, x: torch.Tensor, where: str) -> Iterator[None]:
     """Around a function's forward (reading ``x``): record in ``replays[name]`` what its recomputation must replay.
 
-    A generator it drew nothing from is not replayed (the common case, no dropout): drawing any random number
-    advances a generator's state, so an unchanged state means nothing was drawn.
+    The generators' states are kept and replayed whether or not the function changed them: one that draws and puts
+    the state back (under ``torch.random.fork_rng``, as Megatron's RNG tracker does) leaves it unchanged, and its
+    recomputation, not replayed, drew from wherever backward found the state (gradients 119 off, silently; found by
+    an adversarial pass on 2026-12-02). A CPU state equal to the one captured last is shared (5,056 bytes each: a
+    stack that draws nothing keeps one).
     """
     device_type = x.device.type
     # get_device_states reads no state from a CPU or meta tensor; skipped there (it costs ~20 us, twice per f or g)
     on_accelerator = device_type not in ("cpu", "meta")
     device_ids, device_rng = get_device_states(x) if on_accelerator else ([], [])
     autocast = {d: _autocast_kwargs(d) for d in dict.fromkeys(("cpu", device_type)) if _autocast_available(d)}
-    cpu_rng = torch.get_rng_state()
+    cpu_rng = _shared(torch.get_rng_state())
     replay = replays[name] = Replay(where=where, requires_grad=x.requires_grad, cpu_rng=cpu_rng,
-                                    device_type=device_type, device_ids=device_ids, device_rng=device_rng,
+                                    device_type=device_type, device_ids=device_ids,
+                                    device_rng=device_rng if on_accelerator else None,
                                     autocast=autocast, layout=(x.stride(), int(x.storage_offset())))
     with _draws(where) as draws:
         yield
     replay.generator_states = draws.states or None
     replay.changes = draws.changes or None  # (none: nothing to compare)
-    if _same_state(torch.get_rng_state(), cpu_rng):
-        replay.cpu_rng = None
-    if not on_accelerator or all(_same_state(now, then) for now, then in zip(get_device_states(x)[1], device_rng)):
-        replay.device_rng = None
 
 
-def _same_state(now: torch.Tensor, then: torch.Tensor) -> bool:
-    """Whether two generator states (real CPU byte tensors) are equal, compared as bytes: not an op, so a planner's
+_LAST = threading.local()  # .state: (the bytes of the CPU state captured last, that tensor)
+
+
+def _shared(state: torch.Tensor) -> torch.Tensor:
+    """``state`` (the CPU generator's), or the equal one captured last: compared as bytes, not an op, so a planner's
     fake mode (memtrim.plan runs the step on fake tensors) does not see it (torch.equal there raised)."""
     with torch._C._DisableTorchDispatch():
-        return bytes(now.numpy()) == bytes(then.numpy())
+        data = bytes(state.numpy())
+    last = getattr(_LAST, "state", None)
+    if last is not None and last[0] == data:
+        return last[1]
+    _LAST.state = (data, state)
+    return state
 
 
 def _set_device_rng(replay: Replay, states: list[torch.Tensor]) -> None:

@@ -333,11 +333,15 @@ class _Frame:
             inp = self._from_stream(half)
             if recorded is None:
                 with captured(self.replays[index], name, inp, f"block {index}'s {name}"):
-                    out = _checked(block, name, fn(inp), inp)
+                    out = fn(inp)
+                out = _checked(block, name, out, inp)
             else:  # a half of the kept input, laid out as the forward's (an op saves other tensors for another)
                 replay = self.replays[index][name]
-                with replayed(replay), _recording(recorded):
-                    out = fn(as_forward(inp.detach(), replay).requires_grad_(replay.requires_grad))
+                # (made before the replay: inside it, the runs of f and g alone, as in the forward: NOTE [ another
+                # thread's draws ] names each change by the call it follows)
+                inp = as_forward(inp.detach(), replay).requires_grad_(replay.requires_grad)
+                with _recording(recorded), replayed(replay):
+                    out = fn(inp)
             return self._on_grid(out, f"block {index}'s {name}") if self.exact else out
 
         y1, y2 = block.couple(*_split_halves(block, x, as_chunks=recorded is None and not self.exact), evaluate)
@@ -354,9 +358,9 @@ class _Frame:
                 with captured(self.replays[index], name, half, f"block {index}'s {name}"):
                     return block.scale_shift(name, fn, half)
             replay = self.replays[index][name]  # a half of the kept input, laid out as the forward's
+            half = as_forward(half.detach(), replay).requires_grad_(replay.requires_grad)
             with replayed(replay):
-                return block.scale_shift(name, fn, as_forward(half.detach(), replay).requires_grad_(
-                    replay.requires_grad))
+                return block.scale_shift(name, fn, half)
 
         recording: contextlib.AbstractContextManager[Any] = (
             _recording(recorded) if recorded is not None else contextlib.nullcontext())
@@ -533,9 +537,9 @@ class _Frame:
         def evaluate(name: str, fn: nn.Module, half: torch.Tensor) -> torch.Tensor:
             replay = self.replays[index][name]
             # the input requires grad as it did in forward, so the ops save the same tensors
-            inp = as_forward(self._from_stream(half.detach()), replay)
-            with replayed(replay), _recording(saved[name]), torch.enable_grad():
-                out = fn(inp.requires_grad_(replay.requires_grad))
+            inp = as_forward(self._from_stream(half.detach()), replay).requires_grad_(replay.requires_grad)
+            with torch.enable_grad(), _recording(saved[name]), replayed(replay):
+                out = fn(inp)
             return self._to_stream(out.detach())
 
         x1, x2 = block.uncouple(y1, y2, evaluate)
@@ -552,7 +556,7 @@ class _Frame:
         def scale_shift(name: str, fn: nn.Module, half: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             replay = self.replays[index][name]
             inp = as_forward(half.detach(), replay).requires_grad_(replay.requires_grad)
-            with replayed(replay), _recording(saved[name]), torch.enable_grad():
+            with torch.enable_grad(), _recording(saved[name]), replayed(replay):
                 s, t = block.scale_shift(name, fn, inp)
             evaluated[name] = (inp, s, t)
             return s.detach(), t.detach()
@@ -576,16 +580,18 @@ class _Frame:
             elif type(block) is AffineCoupling:
                 self._affine(index, block, x.detach().requires_grad_(replays["f"].requires_grad), recorded)
             else:
-                with replayed(replays["block"]), _recording(recorded):
-                    block(as_forward(x.detach(), replays["block"]).requires_grad_(replays["block"].requires_grad))
+                inp = as_forward(x.detach(), replays["block"]).requires_grad_(replays["block"].requires_grad)
+                with _recording(recorded), replayed(replays["block"]):
+                    block(inp)
 
     def _rebuild_generic(self, index: int, block: nn.Module, y: torch.Tensor,
                          recorded: list[torch.Tensor]) -> torch.Tensor:
         replay = self.replays[index]["block"]
         with replayed(replay, strict=False), torch.no_grad():
             x = _inverse(block)(y)
-        with replayed(replay), _recording(recorded), torch.enable_grad():
-            block(as_forward(x.detach(), replay).requires_grad_(replay.requires_grad))
+        inp = as_forward(x.detach(), replay).requires_grad_(replay.requires_grad)
+        with torch.enable_grad(), _recording(recorded), replayed(replay):
+            block(inp)
         return x.detach()
 
 
