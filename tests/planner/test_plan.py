@@ -960,3 +960,36 @@ def test_a_plan_for_a_loop_that_clips_and_accumulates_fits_as_predicted_and_trai
         peaks.append(tracker.report().peak_bytes)
     assert peaks[1] == planned.peak_bytes  # (the plan's step is the steady one: after a first step)
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))
+
+
+def test_a_fake_kernel_stricter_than_the_real_one_is_said_so():
+    # HF Mixtral: torch's fake _grouped_mm takes bfloat16 only, its CPU kernel float32; the message said only "check
+    # that the step runs for real", which it does (found by an adversarial pass on 2026-12-02)
+    if not hasattr(torch.library, "custom_op"):
+        pytest.skip("torch.library.custom_op is torch >= 2.4")
+
+    @torch.library.custom_op("memtrim_test::strict_fake_double", mutates_args=())
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @double.register_fake
+    def _(x):
+        if x.dtype != torch.bfloat16:
+            raise RuntimeError("Expected inputs of BF16 type")
+        return torch.empty_like(x)
+
+    double.register_autograd(lambda ctx, grad: grad * 2)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return double(self.linear(x))
+
+    model, x = Model(), torch.randn(4, 8)
+    model(x).sum().backward()  # runs for real
+    with pytest.raises(InvalidInputError, match="BF16 type.*Where they do, an op's fake kernel refuses what its real "
+                                                "kernel takes.*measure it with memtrim.track"):
+        memtrim.plan(model, x, lambda out, _: out.sum(), _adamw, budget=1 << 40)

@@ -72,12 +72,13 @@ def assert_models_same(a, b, **kw):
 
 
 @pytest.mark.parametrize("policy", [None, "save_matmuls", "save_attention"])
-@pytest.mark.parametrize("selector", ["class", "names", "predicate"])
+@pytest.mark.parametrize("selector", ["class", "classes", "names", "predicate"])
 def test_gpt_with_dropout_bitwise(policy, selector):
     torch.manual_seed(0)
     plain = SmallGPT(CFG)
     treated = copy.deepcopy(plain)
-    modules = {"class": Block, "names": ["blocks.0", "blocks.1"],
+    # "classes": a tuple, as isinstance takes (Swin's or CLIP's two block classes); read as names until 2026-12-02
+    modules = {"class": Block, "classes": (Block, ConvBlock), "names": ["blocks.0", "blocks.1"],
                "predicate": lambda name, m: isinstance(m, Block)}[selector]
     handle = memtrim.checkpoint_modules(treated, modules, policy=policy)
     assert handle.names == ["blocks.0", "blocks.1"] and len(handle) == 2 and handle.policy == policy
@@ -434,6 +435,10 @@ def test_bad_input():
         memtrim.checkpoint_modules(model, lambda name, m: False)
     with pytest.raises(InvalidInputError, match=r"^memtrim.checkpoint_modules: .*no submodule is an instance"):
         memtrim.checkpoint_modules(model, nn.Conv2d)
+    with pytest.raises(InvalidInputError, match=r"no submodule is an instance of Conv2d or Conv1d"):
+        memtrim.checkpoint_modules(model, (nn.Conv2d, nn.Conv1d))
+    with pytest.raises(InvalidInputError, match=r"nn.Module subclasses \(one, or a tuple\); got the class int"):
+        memtrim.checkpoint_modules(model, (Block, int))
     with pytest.raises(InvalidInputError, match=r"^memtrim.checkpoint_modules: expected names .*'blocks.9'"):
         memtrim.checkpoint_modules(model, ["blocks.9"])
     with pytest.raises(InvalidInputError, match=r"^memtrim.checkpoint_modules: .*got str"):

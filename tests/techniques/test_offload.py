@@ -99,22 +99,69 @@ def test_the_copy_out_copy_back_path_is_bitwise(dropout):
         assert torch.equal(a.grad, b.grad), name
 
 
-def test_a_3d_activation_and_the_2d_view_the_next_linear_saves_are_one_copy():
-    # a (batch, seq, features) ReLU output is saved by the ReLU as it is and by the next Linear as a (batch * seq,
-    # features) view: copied twice until 2026-12-02 (an adversarial pass), the README's "copied once" held for 2-D only
+def _offloaded_and_plain_grads(make_model, x):
+    """The model's gradients after a step with every saved tensor offloaded (the hooks: their bytes), and without."""
     def run(offloaded):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64))
-        x = torch.randn(4, 16, 32) * 2  # (a tensor made for the step: a leaf the caller keeps stays where it is)
+        model = make_model()
         hooks = memtrim.OffloadActivations(min_bytes=0, include_cpu=True) if offloaded else contextlib.nullcontext()
         with hooks:
-            out = model(x)
+            out = model(x.clone())  # (a tensor made for the step: a leaf the caller keeps stays where it is)
         out.square().sum().backward()
         return [p.grad for p in model.parameters()], hooks
 
-    grads, hooks = run(offloaded=True)
+    (got, hooks), (expected, _) = run(offloaded=True), run(offloaded=False)
+    return got, expected, hooks
+
+
+def test_a_3d_activation_and_the_2d_view_the_next_linear_saves_are_one_copy():
+    # a (batch, seq, features) ReLU output is saved by the ReLU as it is and by the next Linear as a (batch * seq,
+    # features) view: copied twice until 2026-12-02 (an adversarial pass), the README's "copied once" held for 2-D only
+    got, expected, hooks = _offloaded_and_plain_grads(
+        lambda: torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64)),
+        torch.randn(4, 16, 32) * 2)
     assert hooks.offloaded_bytes == 4 * 16 * 32 * 4 + 4 * 16 * 64 * 4  # the input, the ReLU's output: once each
-    assert all(torch.equal(a, b) for a, b in zip(grads, run(offloaded=False)[0], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+class _TrimmedConv(torch.nn.Module):
+    """HF Wav2Vec2's positional convolution: conv, trimmed by [..., :-1] (a slice with gaps), then GELU."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv1d(32, 32, 5, padding=2)
+
+    def forward(self, x):
+        return F.gelu(self.conv(x)[:, :, :-1])
+
+
+def test_a_saved_slice_with_gaps_comes_back_with_its_strides():
+    # found by an adversarial pass on HF Wav2Vec2: the copy of the trimmed convolution output (strides (1280, 40, 1)
+    # over (2, 32, 39)) came back contiguous, and GELU's backward took another kernel: other bits (3.8e-6 off on the
+    # convolution's weight gradient); the storage elements it reaches are copied now, and viewed back as they were
+    got, expected, hooks = _offloaded_and_plain_grads(_TrimmedConv, torch.randn(2, 32, 40) * 3)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    # the input (2, 32, 40), and the slice: the elements from its first to its last, gaps included
+    assert hooks.offloaded_bytes == 2 * 32 * 40 * 4 + (2 * 32 * 40 - 1) * 4
+
+
+def test_a_tensor_and_its_transpose_are_one_copy():
+    # saved as it is (by a matmul as its second operand) and transposed (by another as its first): copied twice
+    # until 2026-12-02, the README's limit "one storage saved through two views of different strides"
+    def run(offloaded):
+        torch.manual_seed(0)
+        a, b = torch.randn(16, 24, requires_grad=True), torch.randn(24, 16, requires_grad=True)
+        hooks = memtrim.OffloadActivations(min_bytes=0, include_cpu=True) if offloaded else contextlib.nullcontext()
+        with hooks:
+            h = torch.tanh(a @ b)  # h (16, 16): saved by tanh as its output
+            out = (h @ b.t()) + (h.t() @ a)  # h.t() saved by the second matmul; h by the first
+        out.square().sum().backward()
+        return (a.grad, b.grad), hooks
+
+    (ga, gb), hooks = run(offloaded=True)
+    ea, eb = run(offloaded=False)[0]
+    assert torch.equal(ga, ea) and torch.equal(gb, eb)
+    assert hooks.offloaded_bytes == 16 * 16 * 4  # h once (a and b are leaves the caller keeps: left in place)
 
 
 def test_a_prediction_on_fake_tensors_moves_what_autograd_keeps_to_meta_and_back_in_backward():
@@ -346,7 +393,7 @@ def test_a_compiled_model_offloads_trains_bitwise_and_compiles_no_hook(monkeypat
     copies = []
     copy_out = _core.OffloadActivations._copy_out
     monkeypatch.setattr(_core.OffloadActivations, "_copy_out",
-                        lambda self, tensor, device: copies.append(tensor.shape) or copy_out(self, tensor, device))
+                        lambda self, tensor, *rest: copies.append(tensor.shape) or copy_out(self, tensor, *rest))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
     plain = copy.deepcopy(model)

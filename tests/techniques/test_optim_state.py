@@ -63,13 +63,18 @@ def test_parameters_given_new_data_between_steps_are_stepped_from_it(assignments
     _assert_same_parameters(run(offloaded=True), run(offloaded=False))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 @pytest.mark.parametrize("bits", [16, 8, 4])
-def test_low_bit_step_peaks_below_adamws_on_a_large_parameter(bits):
+def test_low_bit_step_peaks_below_adamws_on_a_large_parameter(bits, layout):
     # each moment was dequantized whole: a 20000 x 64 embedding's step peaked at 38-45 MB against AdamW's 31 MB
-    # (an adversarial pass on 2026-12-02); a chunk at a time it stays near a chunk's temporaries
+    # (an adversarial pass on 2026-12-02); a chunk at a time it stays near a chunk's temporaries; a parameter that is
+    # not contiguous (a transposed or tied weight) was still updated whole (another pass, the same day)
     def step_peak(make_optimizer):
-        param = torch.nn.Parameter(torch.randn(4096, 256))  # 4 MiB, four chunks
-        param.grad = torch.randn(4096, 256)
+        if layout == "contiguous":  # 4 MiB, four chunks
+            param, grad = torch.nn.Parameter(torch.randn(4096, 256)), torch.randn(4096, 256)
+        else:
+            param, grad = torch.nn.Parameter(torch.randn(256, 4096).t()), torch.randn(256, 4096).t()
+        param.grad = grad
         optimizer = make_optimizer([param])
         with memtrim.track(optimizer=optimizer) as tracker:
             optimizer.step()
@@ -86,6 +91,8 @@ def test_low_bit_chunks_change_no_bit():
     def run(chunk):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(shape)) for shape in [(301, 17), (5,), (0,), (3, 4, 5, 6)]]
+        params += [torch.nn.Parameter(torch.randn(17, 301).t()),  # not contiguous: updated in whole rows
+                   torch.nn.Parameter(torch.randn(3, 4, 5, 6).to(memory_format=torch.channels_last))]
         optimizers = [memtrim.LowBitAdamW(params, lr=1e-2, bits=bits, block_size=block)
                       for bits, block in [(16, None), (8, None), (4, None), (8, 100), (4, 7)]]
         results = []

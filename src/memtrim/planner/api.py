@@ -426,7 +426,9 @@ def _plain(estimate: Callable[[tuple[str, ...]], _Estimate]) -> _Estimate:
                 "e.g. memtrim.plan(nn.Sequential(G, D), z, loss_fn, lambda m: torch.optim.Adam(m[0].parameters()), "
                 "...), or a buffer of the model." if outside else
                 "Check that model(example_inputs), loss_fn(output, targets) and optimizer_factory(model) run for "
-                "real.")
+                "real. Where they do, an op's fake kernel refuses what its real kernel takes (torch's fake "
+                "_grouped_mm takes bfloat16 only, where its CPU kernel takes float32: HF's mixture-of-experts "
+                "layers): the planner cannot trace that model in that dtype; measure it with memtrim.track.")
         ) from e
 
 

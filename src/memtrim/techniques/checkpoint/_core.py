@@ -57,7 +57,7 @@ import inspect
 import weakref
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Union, cast
 
 import torch
 import torch.utils.checkpoint as tuc
@@ -100,7 +100,7 @@ def selective_parameters() -> set[int]:
     return found
 
 
-ModuleSelector = Union[Callable[[str, nn.Module], bool], Collection[str], type]
+ModuleSelector = Union[Callable[[str, nn.Module], bool], Collection[str], type, tuple[type, ...]]
 Policy = Union[str, Callable[..., Any], Collection[Any], None]
 
 
@@ -151,15 +151,21 @@ class CheckpointHandle:
 def _select(model: nn.Module, modules: ModuleSelector, api: str = _API) -> list[tuple[str, nn.Module]]:
     """The chosen submodules as ``(name, module)``; ``api`` names the caller in errors."""
     named = list(model.named_modules())
-    if isinstance(modules, type):
-        if not issubclass(modules, nn.Module):
-            raise InvalidInputError(
-                f"{api}: modules must be a predicate (name, module) -> bool, a list of names or an nn.Module "
-                f"subclass; got the class {modules.__qualname__}. Pass e.g. the decoder block's class."
-            )
-        cls = modules
-        chosen = [(n, m) for n, m in named if isinstance(m, cls)]
-        what = f"no submodule is an instance of {cls.__qualname__}"
+    group: tuple[type, ...] = ()  # classes: one, or several as isinstance takes them (Swin's and CLIP's blocks;
+    if isinstance(modules, type):   # a tuple was read as names until 2026-12-02)
+        group = (modules,)
+    elif isinstance(modules, (tuple, list, set, frozenset)) and all(isinstance(c, type) for c in modules):
+        group = tuple(cast("Collection[type]", modules))
+    if group:
+        for cls in group:
+            if not issubclass(cls, nn.Module):
+                raise InvalidInputError(
+                    f"{api}: modules must be a predicate (name, module) -> bool, a list of names, or nn.Module "
+                    f"subclasses (one, or a tuple); got the class {cls.__qualname__}. Pass e.g. the decoder block's "
+                    "class."
+                )
+        chosen = [pair for pair in named if isinstance(pair[1], group)]
+        what = f"no submodule is an instance of {' or '.join(c.__qualname__ for c in group)}"
     elif isinstance(modules, nn.Module):  # callable, but no predicate: calling it would run its forward
         name = next((n for n, m in named if m is modules), None)
         raise InvalidInputError(
@@ -187,11 +193,11 @@ def _select(model: nn.Module, modules: ModuleSelector, api: str = _API) -> list[
         missing = [n for n in names if not isinstance(n, str) or n not in table]
         if missing:
             raise InvalidInputError(
-                f"{api}: expected names of submodules of the model; found {missing!r}, which it does not have "
-                f"(it has e.g. {[n for n, _ in named[1:6]]!r}). Use names from model.named_modules()."
+                f"{api}: expected names of submodules of the model (or only classes); found {missing!r}, which it "
+                f"does not have (it has e.g. {[n for n, _ in named[1:6]]!r}). Use names from model.named_modules()."
             )
         found: dict[int, tuple[str, nn.Module]] = {}
-        for n in names:
+        for n in cast("list[str]", names):
             found.setdefault(id(table[n]), (n, table[n]))
         chosen = list(found.values())
         what = "the list of names is empty"
@@ -592,8 +598,9 @@ def checkpoint_modules(model: nn.Module, modules: ModuleSelector, *, policy: Pol
 
     Args:
         model: the model; changed in place (names, parameters and ``state_dict`` keys unchanged).
-        modules: ``predicate(name, module) -> bool``, a list of submodule names, or an ``nn.Module`` subclass
-            (every instance is checkpointed, e.g. a decoder block class). The chosen modules must be disjoint.
+        modules: ``predicate(name, module) -> bool``, a list of submodule names, or an ``nn.Module`` subclass or a
+            tuple of them (every instance is checkpointed, e.g. a decoder block class). The chosen modules must be
+            disjoint.
         policy: ``None`` for whole-module checkpointing; ``"save_matmuls"`` to keep the outputs of matmul,
             convolution and attention ops and recompute pointwise ones; a collection of aten ops to keep; or a
             ``policy_fn(ctx, op, *args, **kwargs) -> CheckpointPolicy`` as torch takes it.

@@ -62,27 +62,36 @@ class _Offloaded:
         self.view = view  # (shape, strides) over ``host``'s elements: a tensor that reads its elements repeatedly
 
     def viewed_as(self, tensor: torch.Tensor) -> _Offloaded:
-        """This copy (of a contiguous tensor), for ``tensor``: contiguous over the same elements, in another shape."""
+        """This copy, for ``tensor``: another view of the same storage elements (a reshape, a transpose)."""
         other = object.__new__(_Offloaded)
         other.host, other.device, other.event, other.version = self.host, self.device, self.event, self.version
         other.tensor_ref, other.view = self.tensor_ref, (tuple(tensor.shape), tuple(tensor.stride()))
         return other
 
+    def unpacked_as(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The shape and strides this copy comes back with."""
+        return self.view if self.view is not None else (tuple(self.host.shape), tuple(self.host.stride()))
 
-def _span(tensor: torch.Tensor) -> int | None:
-    """How many storage elements ``tensor`` reads, where fewer than its own (an expanded mask: stride 0; a
-    sliding window): a copy of those, viewed as it was, is smaller than a dense copy. None otherwise (a conjugate or
-    negative view reads its storage with other values: copied dense)."""
+
+def _reach(tensor: torch.Tensor) -> int | None:
+    """How many storage elements ``tensor`` reaches from its offset: its own count where it is dense (contiguous or
+    permuted), fewer where it reads elements repeatedly (an expanded mask: stride 0), more where it has gaps (a
+    slice). None where it has no elements, or reads its storage with other values (a conjugate or negative view)."""
     if tensor.numel() == 0 or tensor.is_conj() or tensor.is_neg():
         return None
-    span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
-    return span if span < tensor.numel() else None
+    return 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` covers its elements exactly once, without gaps (torch keeps the strides of such a tensor in
+    ``empty_like`` and ``to``)."""
+    return torch.empty_like(tensor, device="meta").stride() == tensor.stride()
 
 
 def _copied_bytes(tensor: torch.Tensor) -> int:
-    """The bytes a copy of ``tensor`` takes: its storage span where it reads its elements repeatedly (``_span``)."""
-    span = _span(tensor)
-    return (tensor.numel() if span is None else span) * tensor.element_size()
+    """The bytes a copy of ``tensor`` takes: the storage elements it reaches (``_reach``)."""
+    reach = _reach(tensor)
+    return (tensor.numel() if reach is None else reach) * tensor.element_size()
 
 
 class _Kept:
@@ -205,23 +214,23 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
                     copy.version = None
         else:
             earlier = self._by_storage[id(storage)] = (weakref.ref(storage), [])
-        # a contiguous tensor is keyed by the elements it covers, not its shape: a GELU's (batch, seq, features)
-        # output and the (batch * seq, features) view the next Linear saves of it are one copy (they were copied
-        # twice: found by an adversarial pass on 2026-12-02)
-        contiguous = tensor.is_contiguous()
-        layout = ("contiguous", tensor.numel()) if contiguous else (tuple(tensor.shape), tuple(tensor.stride()))
+        # keyed by the storage elements it reaches, not its view: a GELU's (batch, seq, features) output and the
+        # (batch * seq, features) view the next Linear saves of it (copied twice until 2026-12-02), a tensor and its
+        # transpose, are one copy, each viewed back as it was
+        reach = _reach(tensor)
+        layout = ("reach", reach) if reach is not None else (tuple(tensor.shape), tuple(tensor.stride()))
         key = (id(storage), tensor.storage_offset(), layout, tensor.dtype, tensor.is_conj(),
                tensor.is_neg())  # x.conj() is x's storage and view, with other values
         known = self._copies.get(key)
         if known is not None and known[0]() is storage:
             copy = known[2]()
             if copy is not None and known[1] == version:  # the same values, copied already
-                if not contiguous or copy.host.shape == tensor.shape:
+                if copy.unpacked_as() == (tuple(tensor.shape), tuple(tensor.stride())):
                     return copy
                 again = copy.viewed_as(tensor)
                 earlier[1].append(weakref.ref(again))
                 return again
-        packed = self._copy_out(tensor, device)
+        packed = self._copy_out(tensor, device, reach)
         self._copies[key] = (weakref.ref(storage), version, weakref.ref(packed))
         earlier[1].append(weakref.ref(packed))
         return packed
@@ -233,14 +242,15 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         ref = self._kept.get(id(storage))
         return ref is not None and ref() is storage
 
-    def _copy_out(self, tensor: torch.Tensor, device: torch.device) -> _Offloaded:
+    def _copy_out(self, tensor: torch.Tensor, device: torch.device, reach: int | None) -> _Offloaded:
         view = None
-        span = _span(tensor)
-        if span is not None:  # the elements it reads, viewed as it was when it comes back (a dense copy of an
-            # expanded (batch, heads, T, T) mask was 32x its storage, and came back so to the device; found by an
-            # adversarial pass)
+        if reach is not None and not _dense(tensor):
+            # the storage elements it reaches, viewed as it was when it comes back: a dense copy of an expanded
+            # (batch, heads, T, T) mask was 32x its storage (and came back so to the device), and a dense copy of a
+            # slice with gaps (Wav2Vec2's conv output trimmed by [..., :-1]) came back with other strides, which sent
+            # GELU's backward down another kernel: other bits (found by adversarial passes)
             view = (tuple(tensor.shape), tuple(tensor.stride()))
-            tensor_or_span = tensor.as_strided((span,), (1,), tensor.storage_offset())
+            tensor_or_span = tensor.as_strided((reach,), (1,), tensor.storage_offset())
         else:
             tensor_or_span = tensor
         if self.host.type == "meta":  # a prediction: the copy out (and back, in _unpack) is what it counts

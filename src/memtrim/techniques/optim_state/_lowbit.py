@@ -192,8 +192,8 @@ class LowBitAdamW(torch.optim.Optimizer):
             raise InvalidInputError(f"{_API}: block_size must be an int >= 1, got {block_size!r}.")
         self.bits = bits
         self.block_size = block_size
-        unit = math.lcm(block_size, 2)  # whole blocks, and whole bytes of two 4-bit codes
-        self._chunk = unit * max(1, _CHUNK // unit)
+        self._unit = math.lcm(block_size, 2)  # whole blocks, and whole bytes of two 4-bit codes
+        self._chunk = self._unit * max(1, _CHUNK // self._unit)
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -290,6 +290,26 @@ class LowBitAdamW(torch.optim.Optimizer):
             state[name][blocks].copy_(codes)
         state[name + "_scale"][blocks].copy_(scale)
 
+    def _chunks(self, p: torch.Tensor) -> Iterable[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """``(start, end, the parameter's values start:end as a view, their gradient in float32, flat)`` over ``p``,
+        ``start`` on whole blocks. A parameter that is not contiguous (transposed, tied as another's transpose,
+        channels_last) in whole rows of its first dimension: its flat values are not one view (it was updated whole,
+        and its step peaked above AdamW's: found by an adversarial pass on 2026-12-02)."""
+        n, grad = p.numel(), p.grad
+        assert grad is not None
+        if p.is_contiguous():
+            params, grads = p.view(-1), grad.reshape(-1)
+            for start in range(0, n, self._chunk):
+                end = min(start + self._chunk, n)
+                yield start, end, params[start:end], grads[start:end].float()
+            return
+        row = n // p.shape[0]  # (not contiguous: at least one dimension, and elements)
+        step = self._unit // math.gcd(row, self._unit)  # rows that end on whole blocks
+        rows = step * max(1, self._chunk // (row * step))
+        for first in range(0, p.shape[0], rows):
+            last = min(first + rows, p.shape[0])
+            yield first * row, last * row, p[first:last], grad[first:last].reshape(-1).float()
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One AdamW update of every parameter with a gradient."""
@@ -307,26 +327,18 @@ class LowBitAdamW(torch.optim.Optimizer):
                 if p.grad.is_sparse:
                     raise InvalidInputError(f"{_API}: sparse gradients are not supported; use torch.optim.SparseAdam.")
                 state = self.state[p]
-                n = p.numel()
                 if not state:
                     state["step"] = 0
                     self._new_state(state, "exp_avg", p)
                     self._new_state(state, "exp_avg_sq_sqrt", p)
                 state["step"] += 1
                 t = state["step"]
-                grads = p.grad.reshape(-1)
-                # a parameter with gaps or another layout (channels_last) is updated whole, through its shape
-                params = p.view(-1) if p.is_contiguous() else None
-                chunk = self._chunk if params is not None else max(n, 1)
-                for start in range(0, n, chunk):
-                    end = min(start + chunk, n)
-                    grad = grads[start:end].float()
+                for start, end, target, grad in self._chunks(p):
                     m = self._load(state, "exp_avg", start, end).lerp_(grad, 1 - beta1)
                     v = self._load(state, "exp_avg_sq_sqrt", start, end).square_().mul_(beta2).addcmul_(
                         grad, grad, value=1 - beta2)
                     denom = (v.sqrt() / (1 - beta2**t) ** 0.5).add_(group["eps"])
                     update = (m / (1 - beta1**t)).div_(denom)
-                    target = params[start:end] if params is not None else p
                     if group["weight_decay"]:
                         target.mul_(1 - group["lr"] * group["weight_decay"])
                     target.add_(update.view(target.shape).to(p.dtype), alpha=-group["lr"])
