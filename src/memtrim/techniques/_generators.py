@@ -53,7 +53,8 @@ __all__ = ["GeneratorDraws", "GeneratorsKept", "cuda_devices", "held_generators_
 # call that saved its last tensor: that call's stretch is compared); a recomputation that runs to its end must make
 # every change the forward made, so another thread's draw after the function's own last draw raises too
 # (conservative). One thread alone pays nothing; otherwise one read per torch call (a copy of the CPU state's 5,056
-# bytes, about 5 us here); a thread started between a forward and its recomputation is not watched.
+# bytes, 3.7 us here: benchmarks/thread_watch.py); a thread started between a forward and its recomputation is not
+# watched.
 RACED_DRAWS = (
     "another thread drew from the same global random generator meanwhile (between the forward's draws or the "
     "recomputation's), so the dropout masks the recomputation rebuilds may not be the forward's and the gradient "

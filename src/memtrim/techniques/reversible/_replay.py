@@ -57,7 +57,7 @@ class Replay:
     autocast: dict[str, dict[str, Any]] = field(default_factory=dict)  # device type -> torch.autocast kwargs
     generator_states: list[torch.Tensor] | None = None
     layout: tuple[tuple[int, ...], int] = ((), 0)  # the input's strides and storage offset (see :func:`as_forward`)
-    changes: list[int] | None = None  # the global generators' states the forward saw (GeneratorDraws.changes)
+    changes: list[int] | None = None  # the changes of the global generators in the forward (GeneratorDraws.changes)
 
 
 def as_forward(x: torch.Tensor, replay: Replay) -> torch.Tensor:
@@ -92,7 +92,7 @@ def captured(replays: dict[str, Replay], name: str, x: torch.Tensor, where: str)
     stack that draws nothing keeps one).
     """
     device_type = x.device.type
-    # get_device_states reads no state from a CPU or meta tensor; skipped there (it costs ~20 us, twice per f or g)
+    # get_device_states reads no state from a CPU or meta tensor; skipped there (it costs ~20 us per f or g)
     on_accelerator = device_type not in ("cpu", "meta")
     device_ids, device_rng = get_device_states(x) if on_accelerator else ([], [])
     autocast = {d: _autocast_kwargs(d) for d in dict.fromkeys(("cpu", device_type)) if _autocast_available(d)}
