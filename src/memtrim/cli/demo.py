@@ -395,10 +395,9 @@ def _reversible(args: argparse.Namespace, device: torch.device, train: Dataset) 
              for name in ("plain", "reversible")}
     drift = {f"{'exact' if exact else 'float32'}, depth {d}": _largest_drift(d, exact, x, y, device)
              for d in (8, 64) for exact in (False, True)}
-    with contextlib.suppress(ImportError):  # no matplotlib: no plot (the table says the same)
-        plot_curves(os.path.join(args.out, REVERSIBLE_PLOT), depths, curve,
-                    xlabel="coupling blocks in the hidden stack", ylabel="activation bytes kept after forward",
-                    title="seed MLP with coupling hidden layers (memtrim tracker)", figsize=(6, 3.5))
+    plot_curves(os.path.join(args.out, REVERSIBLE_PLOT), depths, curve,  # (matplotlib: checked before training)
+                xlabel="coupling blocks in the hidden stack", ylabel="activation bytes kept after forward",
+                title="seed MLP with coupling hidden layers (memtrim tracker)", figsize=(6, 3.5))
     print(f"  reversible: {report}; activations at depth {depths[-1]}: plain {curve['plain'][-1]:,} B, "
           f"reversible {curve['reversible'][-1]:,} B")
     return Reversible(verify=str(report), verify_ok=report.ok, depths=depths, curve=curve, drift=drift, depth=depth,

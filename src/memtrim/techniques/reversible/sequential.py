@@ -337,8 +337,8 @@ class _Frame:
                 out = _checked(block, name, out, inp)
             else:  # a half of the kept input, laid out as the forward's (an op saves other tensors for another)
                 replay = self.replays[index][name]
-                # (made before the replay: inside it, the runs of f and g alone, as in the forward: NOTE [ another
-                # thread's draws ] names each change by the call it follows)
+                # (made before the replay: inside it, f or g alone runs, as in the forward, so that NOTE [ another
+                # thread's draws ] sees the same calls in both)
                 inp = as_forward(inp.detach(), replay).requires_grad_(replay.requires_grad)
                 with _recording(recorded), replayed(replay):
                     out = fn(inp)
