@@ -168,13 +168,14 @@ def test_no_plan_fits_raises_with_the_closest_plan():
 @pytest.mark.filterwarnings("ignore:`torch.cpu.amp.autocast:FutureWarning")
 def test_a_budget_only_4bit_state_fits_plans_state_4bit():
     x, y = _batch()
-    # the techniques of the lowest peaks (the full set takes twice as long to trace)
-    techniques = ["checkpoint", "in_backward_each", "state_bf16", "state_8bit", "state_4bit"]
+    # 4-bit state against the next lowest state: tracing a 4-bit step is the slow part (alone here: the five techniques
+    # of the lowest peaks took 100 s, checkpoint with both states 54 s, these two 22 s; plan_accuracy.py traces all)
+    techniques = ["state_8bit", "state_4bit"]
     with pytest.raises(PlanError) as info:  # nothing fits 1 B: every combination traced, low-bit states included
         memtrim.plan(_gpt(), x, _gpt_loss, _adamw, targets=y, budget=1, techniques=techniques)
     assert info.value.plans is not None
     peaks = {p.techniques: p.peak_bytes for p in info.value.plans.rejected}
-    others = min(peak for combo, peak in peaks.items() if "state_4bit" not in combo)  # bfloat16, float8 included
+    others = min(peak for combo, peak in peaks.items() if "state_4bit" not in combo)  # 8-bit state included
     assert min(peaks.values()) < others
     with pytest.warns(UserWarning, match=r"state_4bit.*changes training's numbers.*A larger budget"):  # said loudly
         plans = memtrim.plan(_gpt(), x, _gpt_loss, _adamw, targets=y, budget=others - 1, techniques=techniques)
