@@ -4,6 +4,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 
 import torch
@@ -98,3 +99,18 @@ def third_step_report(step, model, optimizer) -> memtrim.MemoryReport:
     with memtrim.track(model, optimizer) as tracker:
         step()
     return tracker.report()
+
+
+def src_at(rev: str, folder: str) -> str:
+    """The ``src`` folder of an earlier commit, extracted into ``folder``: its path (for PYTHONPATH)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    archive = subprocess.run(["git", "-C", repo, "archive", rev, "src"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", folder], input=archive.stdout, check=True)
+    return os.path.join(folder, "src")
+
+
+def head_commit() -> str:
+    """This tree's commit, short."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()

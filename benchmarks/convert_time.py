@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from _common import machine, write
+from _common import head_commit, machine, src_at, write
 
 DEPTHS = (4, 16, 64)
 
@@ -65,10 +65,7 @@ def main() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     src = os.path.join(os.path.dirname(here), "src")
     with tempfile.TemporaryDirectory() as folder:
-        archive = subprocess.run(["git", "-C", os.path.dirname(here), "archive", args.before, "src"],
-                                 capture_output=True, check=True)
-        subprocess.run(["tar", "-x", "-C", folder], input=archive.stdout, check=True)
-        trees = {"this tree": src, args.before: os.path.join(folder, "src")}
+        trees = {"this tree": src, args.before: src_at(args.before, folder)}
         results = []
         for depth in args.depths:
             runs: dict[str, list[dict]] = {name: [] for name in trees}
@@ -86,9 +83,8 @@ def main() -> None:
                   f"tracked forwards) against {best[args.before]:.2f} s ({forwards[args.before]}) at "
                   f"{args.before}: {row['ratio_to_before']:.3f}x; same report: {row['same_report']}", flush=True)
             results.append(row)
-    commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     print("wrote", write("convert_time_cpu.json", {
-        "machine": machine(), "commit": commit.strip(), "before": args.before, "rounds": args.rounds,
+        "machine": machine(), "commit": head_commit(), "before": args.before, "rounds": args.rounds,
         "depths": args.depths,
         "workload": "HF LlamaForCausalLM from a config: d=64, mlp 128, 4 heads, vocab 256, batch 1 x 16 tokens; "
                     "one thread; each conversion in a fresh process",

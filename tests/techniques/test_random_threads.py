@@ -1,6 +1,8 @@
 """Recomputations (checkpoint_modules, ReversibleSequential) beside another thread drawing from torch's global
 generators: the masks they rebuild are the forward's, or they raise (NOTE [ another thread's draws ] in
-memtrim/techniques/_generators.py). Before 2026-12-02 the gradient was silently wrong in about a third of the steps."""
+memtrim/techniques/_generators.py). Before 2026-12-02 the gradient was silently wrong in about a third of the steps.
+OptimizerInBackward's two passes (clip_grad_norm=, scaler=) beside one: the other thread's draws are its own
+(NOTE [ a backward run twice ]); they were rewound, and drawn again."""
 
 import contextlib
 import sys
@@ -167,3 +169,146 @@ def test_a_reseed_in_the_forward_beside_an_idle_thread_trains_as_without_it(how,
     # own read of a parameter's version in the recomputation: a false error at every step beside any idle thread
     # (tqdm's monitor thread is one)
     _assert_an_idle_thread_changes_nothing(how, lambda: _ReseedsThenCalls(what))
+
+
+class _DrawsOnRequest:
+    """A second thread drawing ``torch.rand(4)`` from the global generator each time :meth:`draw` asks it to (and
+    waits for it): another thread's draw made deterministic, landing inside a backward."""
+
+    def __init__(self):
+        self.asked, self.done, self.draws = threading.Event(), threading.Event(), []
+        self.stopped = False
+
+    def _run(self):
+        while True:
+            self.asked.wait()
+            self.asked.clear()
+            if self.stopped:
+                return
+            self.draws.append(torch.rand(4))
+            self.done.set()
+
+    def draw(self):
+        self.asked.set()
+        self.done.wait()
+        self.done.clear()
+
+    def __enter__(self):
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopped = True
+        self.asked.set()
+        self.thread.join()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _clipped_runs(hook, steps=3, thread=None, checkpointed=False):
+    """Parameters (and the global generator's state after each step) of the standard loop and of OptimizerInBackward
+    with clip_grad_norm=, ``hook`` on the hidden activation of each, ``thread`` alive around both."""
+    runs = []
+    with thread if thread is not None else contextlib.nullcontext():
+        for wrapped in (False, True):
+            model = _mlp()
+            if wrapped and checkpointed:
+                memtrim.checkpoint_modules(model, ["0"])
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            if wrapped:
+                opt = memtrim.OptimizerInBackward(opt, model=model, clip_grad_norm=0.5, bucket_bytes=0)
+            states = []
+            torch.manual_seed(5)
+            data = torch.Generator().manual_seed(5)  # (not the global generator: the other thread draws from it)
+            for _ in range(steps):
+                opt.zero_grad()
+                hidden = model[1](model[0](torch.randn(6, 8, generator=data)))
+                hidden.register_hook(hook)
+                loss = F.cross_entropy(model[2](hidden), torch.randint(0, 4, (6,), generator=data))
+                if wrapped:
+                    opt.backward(loss)
+                else:
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                opt.step()
+                states.append(torch.get_rng_state())
+            runs.append((model, states))
+    (a, states_a), (b, states_b) = runs
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+    return states_a, states_b
+
+
+def test_two_passes_beside_a_thread_drawing_meanwhile_leave_its_draws_alone():
+    # found by an adversarial pass: the measuring pass ran under torch.random.fork_rng, which put the global
+    # generator back after it: the other thread's draw in it was drawn again in the updating pass (20,334 of 53,363
+    # of its dropout masks repeated an earlier one beside clip_grad_norm=; none in the standard loop)
+    other = _DrawsOnRequest()
+
+    def hook(grad):
+        other.draw()
+        return grad
+
+    _clipped_runs(hook, thread=other)
+    assert len(other.draws) == 3 + 2 * 3  # the standard loop's, then the wrapper's (the hook runs in both passes)
+    wrapped = other.draws[3:]
+    assert len({tuple(d.tolist()) for d in wrapped}) == 6  # (each step's two were equal)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_drawing_backward_with_two_passes_beside_an_idle_thread_is_bitwise(checkpointed):
+    # the noise is drawn again by the updating pass, from where the measuring pass drew it; the generator ends where
+    # one pass leaves it (with a checkpointed layer, its recomputation's draws too)
+    states_a, states_b = _clipped_runs(lambda g: g + 0.01 * torch.randn_like(g), thread=_Thread(draws=False),
+                                       checkpointed=checkpointed)
+    assert all(torch.equal(a, b) for a, b in zip(states_a, states_b, strict=True))
+
+
+def _noise_beside_a_drawing_thread(thread_first, match):
+    """A wrapper's ``opt.backward`` with a gradient-noise hook drawing from the global generator, and another
+    thread's draw inside the hook, before its own draw or after; it raises ``match``. The model and wrapper."""
+    other = _DrawsOnRequest()
+
+    def hook(grad):
+        if thread_first:
+            other.draw()
+        noise = torch.randn_like(grad)
+        if not thread_first:
+            other.draw()
+        return grad + 0.01 * noise
+
+    model = _mlp()
+    opt = memtrim.OptimizerInBackward(torch.optim.SGD(model.parameters(), lr=0.1), model=model, clip_grad_norm=0.5)
+    with other:
+        opt.zero_grad()
+        hidden = model[1](model[0](torch.randn(6, 8)))
+        hidden.register_hook(hook)
+        with pytest.raises(memtrim.OptimizerInBackwardError, match=match):
+            opt.backward(model[2](hidden).sum())
+    return model, opt
+
+
+def test_a_drawing_backward_beside_a_thread_drawing_meanwhile_raises_before_updating():
+    # the other thread's draw after the backward's own: rewinding the generator would give it that draw again
+    before = [p.detach().clone() for p in _mlp().parameters()]
+    model, opt = _noise_beside_a_drawing_thread(
+        False, r"drew random numbers from torch's global generator.*another thread drew from it meanwhile.*Nothing was "
+               r"updated.*generator=g")
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    opt.zero_grad()  # the next batch trains
+    opt.backward(model(torch.randn(6, 8)).sum())
+    opt.step()
+    assert not torch.equal(model[0].weight, before[0])
+
+
+def test_a_drawing_backward_drawn_after_a_thread_drew_raises_and_the_step_is_lost():
+    # the other thread's draw before the backward's own: nothing tells them apart in the measuring pass, and the
+    # updating pass draws its noise from elsewhere: the norm was measured on other noise than the update applied
+    _, opt = _noise_beside_a_drawing_thread(True, r"second pass drew other random numbers from torch's global "
+                                                  r"generator than its first.*generator=g")
+    with pytest.raises(memtrim.OptimizerInBackwardError, match="cannot be applied as the standard loop would"):
+        opt.step()

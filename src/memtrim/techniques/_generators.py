@@ -27,11 +27,13 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..errors import MemtrimError, MemtrimStateError
+from ..errors import MemtrimError, MemtrimStateError, OptimizerInBackwardError
 from ..measure.hooks import tensors_in
 
-__all__ = ["GeneratorDraws", "GeneratorsKept", "cuda_devices", "held_generators_kept", "seeded"]
+__all__ = ["GeneratorDraws", "GeneratorsKept", "TwoPassDraws", "cuda_devices", "held_generators_kept", "seeded",
+           "unwatched"]
 
 # NOTE [ another thread's draws ]: a recomputation replays the forward's draws from the process-wide generators by
 # setting them to their state before the forward, as torch's checkpoint does. Another thread drawing from them
@@ -184,6 +186,157 @@ class GeneratorDraws(TorchFunctionMode):
             f"but {found} when recomputed in backward; it must compute the same function again. Draw the same numbers "
             f"in every call (no draws that depend on a call count), or {self.advice}."
         )
+
+
+# NOTE [ a backward run twice ]: OptimizerInBackward's clipping and GradScaler run the backward twice (a measuring
+# pass, then the updating one), and a backward that draws (a gradient-noise hook, a custom Function's stochastic
+# rounding) must draw the same numbers in both, ending where one pass leaves the generators.
+# - A generator passed explicitly (``torch.randn(..., generator=g)``): at each of its calls in the second pass it is
+#   set to the state it had at the same call (per generator, in order) in the first; calls past the first pass's (a
+#   hook on a leaf only the second pass reaches) draw on. It drew on from where the first pass left it, and the norm
+#   was measured on other noise than the update applied (0.0078 off after 3 SGD steps; found 2026-12-02).
+# - The global generators (the CPU's, each initialised CUDA device's): with one thread, whatever moved them in the
+#   first pass was the backward, and they are put back to their state before it. torch.random.fork_rng put them back
+#   with other threads alive too, rewinding those threads' draws made meanwhile, which then drew the same numbers
+#   again (an adversarial pass on 2026-12-02: 20,334 of 53,363 dropout masks of another thread repeated an earlier
+#   one beside clip_grad_norm=; none in the standard loop). With other threads, the ops aten tags
+#   ``nondeterministic_seeded`` that run inside the backward's Python calls are watched (C++ backward nodes draw
+#   nothing): the backward's own draws chain from the state the pass began at (a recomputation's replay starts from
+#   the forward's states, and puts them back itself). Where they moved the state, and the state at the end is theirs,
+#   it is put back; where another thread drew too (the end is not theirs), nothing is updated yet and the wrapper
+#   raises; the second pass must then make the same draws as the first, each from the same state, else it raises
+#   (the step is lost, as for any error in it).
+class _SeededMoves(TorchDispatchMode):
+    """The moves of the global generators by the ops aten tags ``nondeterministic_seeded`` that draw from them (no
+    explicit generator), as (state before, state after)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moves: list[tuple[Any, Any]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (torch.Tag.nondeterministic_seeded not in func.tags
+                or any(isinstance(value, torch.Generator) for value in (*args, *kwargs.values()))):
+            return func(*args, **kwargs)
+        before = _global_generators()
+        result = func(*args, **kwargs)
+        after = _global_generators()
+        if after != before:
+            self.moves.append((before, after))
+        return result
+
+    def own(self, start: Any) -> list[tuple[Any, Any]]:
+        """The moves chaining from ``start``: the backward's own draws (a recomputation's replay starts elsewhere)."""
+        chain, at = [], start
+        for before, after in self.moves:
+            if before == at:
+                chain.append((before, after))
+                at = after
+        return chain
+
+
+_UNWATCHED = threading.local()  # .on: the wrapped optimizer's own update runs (only the second pass makes one)
+
+
+class unwatched:  # (lower case: used as a function is, `with unwatched():`)
+    """OptimizerInBackward's own work inside a pass (measuring a gradient, the optimizer's update): not the
+    backward's draws. The mode is taken off the stack where it is on top, the usual case: every torch call under it,
+    a tensor's attribute read included, costs a Python call (a flag alone left 100 Linear layers' AdamW step with
+    clipping 2x slower). Nothing to do, at the cost of one call, where no torch-function mode is in force."""
+
+    __slots__ = ("popped", "outer")
+
+    def __enter__(self) -> None:
+        self.popped, self.outer = None, None
+        depth = torch._C._len_torch_function_stack()
+        if not depth:
+            return
+        if isinstance(torch._C._get_function_stack_at(depth - 1), TwoPassDraws):
+            self.popped = torch._C._pop_torch_function_stack()
+            return
+        self.outer = getattr(_UNWATCHED, "on", False)
+        _UNWATCHED.on = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.popped is not None:
+            torch._C._push_on_torch_function_stack(self.popped)
+        elif self.outer is not None:
+            _UNWATCHED.on = self.outer
+
+
+class TwoPassDraws(TorchFunctionMode):
+    """Around each pass of a backward run twice (NOTE [ a backward run twice ]): the first (``first=None``) records;
+    :meth:`conclude` puts the global generators back where the first pass drew from them; the second (``first=`` the
+    first's) replays each explicitly passed generator's draws and checks the global ones'."""
+
+    _WHERE = "OptimizerInBackward.backward (clip_grad_norm= or scaler=, which run backward twice)"
+
+    def __init__(self, first: TwoPassDraws | None = None) -> None:
+        super().__init__()
+        self.first = first
+        self.states: dict[int, list[torch.Tensor]] = {}  # per explicitly passed generator, its state at each call
+        self.replayed: dict[int, int] = {}
+        watching = threading.active_count() > 1 if first is None else first.seeded is not None
+        self.seeded: _SeededMoves | None = _SeededMoves() if watching else None
+        self.start = _global_generators()
+        self.kept = (torch.get_rng_state(),
+                     [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+                     if torch.cuda.is_initialized() else [])
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(_UNWATCHED, "on", False):
+            return func(*args, **kwargs)
+        for value in (*args, *kwargs.values()):
+            if not isinstance(value, torch.Generator):
+                continue
+            if self.first is None:
+                self.states.setdefault(id(value), []).append(value.get_state())
+                continue
+            recorded = self.first.states.get(id(value), [])
+            done = self.replayed.get(id(value), 0)
+            if done < len(recorded):
+                value.set_state(recorded[done])
+                self.replayed[id(value)] = done + 1
+        if self.seeded is None:
+            return func(*args, **kwargs)
+        with self.seeded:
+            return func(*args, **kwargs)
+
+    def conclude(self) -> None:
+        """After the first pass: the global generators go back to the state it began at where its draws moved them."""
+        now = _global_generators()
+        if now == self.start:
+            return
+        if self.seeded is not None:
+            own = self.seeded.own(self.start)
+            if not own:
+                return  # another thread's draws: theirs to keep
+            if own[-1][1] != now:
+                raise OptimizerInBackwardError(
+                    f"{self._WHERE}: the backward drew random numbers from torch's global generator (a gradient-noise "
+                    "hook), and another thread drew from it meanwhile. The second pass must draw the backward's "
+                    "numbers again, and rewinding the generator would give the other thread its numbers twice. "
+                    "Nothing was updated. Expected: no other thread draws from torch's global generators during "
+                    "this backward. To fix: draw in the backward from a torch.Generator of its own "
+                    "(torch.randn(..., generator=g): replayed in the second pass), or give the other threads one.")
+        cpu, cuda = self.kept
+        torch.set_rng_state(cpu)
+        for index, state in enumerate(cuda):
+            torch.cuda.set_rng_state(state, index)
+
+    def check(self) -> None:
+        """After the second pass: it drew from the global generators as the first did."""
+        if self.first is None or self.seeded is None or self.first.seeded is None:
+            return
+        if self.seeded.moves != self.first.seeded.moves:
+            raise OptimizerInBackwardError(
+                f"{self._WHERE}: its second pass drew other random numbers from torch's global generator than its "
+                "first (another thread drew from it meanwhile), so the norm was measured on other numbers than the "
+                "update applied; this step's updates are done. Expected: no other thread draws from torch's global "
+                "generators during this backward. To fix: draw in the backward from a torch.Generator of its own "
+                "(torch.randn(..., generator=g)), or give the other threads one.")
 
 
 class GeneratorsKept(TorchFunctionMode):

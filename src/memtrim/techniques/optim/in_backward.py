@@ -85,6 +85,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..._signatures import not_owned
 from ...errors import InvalidInputError, MemtrimStateError, OptimizerInBackwardError
 from ...measure import hooks as measure_hooks
+from .._generators import TwoPassDraws, unwatched
 from .._modes import putting_buffers_back
 from ..guards import register_own
 from .held_elsewhere import gather_gradient, held_gradients, holder_of
@@ -165,7 +166,8 @@ class _EndOfBackward:
         self.outcome.ran = True
         wrapper = self.wrapper()
         if wrapper is not None:
-            wrapper._end_of_backward()
+            with unwatched():
+                wrapper._end_of_backward()
 
 
 def _backward_gone(wrapper_ref: weakref.ref, outcome: _Outcome) -> None:
@@ -178,7 +180,8 @@ def _param_hook(wrapper_ref: weakref.ref) -> Callable[[torch.Tensor], None]:
     def hook(param: torch.Tensor) -> None:
         wrapper = wrapper_ref()
         if wrapper is not None:
-            wrapper._on_param_ready(param)
+            with unwatched():  # memtrim's own measuring and updating: not the backward's draws
+                wrapper._on_param_ready(param)
 
     return hook
 
@@ -743,22 +746,35 @@ class OptimizerInBackward(WrappedOptimizerView):
         try:
             # a backward that draws random numbers (a gradient-noise hook) draws the same in both passes: the norm is
             # measured on the gradient the update applies, and the generators end where one pass leaves them
-            cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-            with torch.random.fork_rng(devices=cuda), _forwards_undone(loss):
+            # (NOTE [ a backward run twice ])
+            first = TwoPassDraws()
+            with first, _forwards_undone(loss):
                 if own:
                     try:
-                        loss.backward(retain_graph=True, inputs=own, **kwargs)
+                        _run_backward(loss, retain_graph=True, inputs=own, **kwargs)
                     except RuntimeError as e:
                         if "reentrant" not in str(e):
                             raise
                         self._close_step()
                         raise OptimizerInBackwardError(_REENTRANT) from e
+            try:
+                first.conclude()
+            except OptimizerInBackwardError:
+                self._close_step()
+                raise
             self._conclude_measure()
             if self._skip_update():
                 self._stepped.update(self._where)  # this step is consumed: nothing may arrive for it later
                 return
             self._pass = "update"
-            loss.backward(retain_graph=retain, **({} if given is None else {"inputs": given}), **kwargs)
+            second = TwoPassDraws(first)
+            with second:
+                _run_backward(loss, retain_graph=retain, inputs=given, **kwargs)
+            try:
+                second.check()
+            except OptimizerInBackwardError as e:  # raised after the updates: step() then says the step is lost
+                self._note_lost(e)
+                raise
         except BaseException as e:
             if not isinstance(e, OptimizerInBackwardError):  # memtrim's own errors close the step themselves
                 self._note_lost(e)
@@ -1197,7 +1213,8 @@ class OptimizerInBackward(WrappedOptimizerView):
     def _step_bucket(self, bucket: _Bucket) -> None:
         params = [bucket.params[i] for i in sorted(bucket.ready)]
         bucket.ready.clear()
-        self._step(params, in_backward=True)
+        with unwatched():  # (also from the end-of-backward callback)
+            self._step(params, in_backward=True)
 
     def _step(self, params: list[torch.Tensor], in_backward: bool) -> None:
         """Update ``params`` (their gradients are complete) with the wrapped optimizer.
@@ -1805,6 +1822,25 @@ def _norm(grad: torch.Tensor) -> torch.Tensor:
 
 _WRAPPERS: weakref.WeakSet = weakref.WeakSet()  # every live wrapper (get_total_norm's check)
 _TWO_PASSES = threading.local()  # the wrapper running opt.backward(loss)'s two passes on this thread, if any
+
+
+def _run_backward(loss: torch.Tensor, *, retain_graph: bool, inputs: Any, gradient: torch.Tensor | None = None,
+                  create_graph: bool = False, **other: Any) -> None:
+    """``loss.backward(...)`` that runs inside the torch-function modes in force (:class:`TwoPassDraws`):
+    ``Tensor.backward`` is a torch call itself, and a mode handling it is off until it returns, the whole backward
+    included (the gradient-noise hook's draws went unseen). Anything ``Tensor.backward`` refuses goes to it, to raise
+    its own error."""
+    if other or (gradient is None and loss.numel() != 1):
+        loss.backward(gradient, retain_graph, create_graph, inputs, **other)
+        return
+    if gradient is None:
+        gradient = torch.ones_like(loss, memory_format=torch.preserve_format)
+    if inputs is None:
+        inputs = ()
+    elif isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    torch.autograd.graph._engine_run_backward((loss,), (gradient,), retain_graph, create_graph, tuple(inputs),
+                                              allow_unreachable=True, accumulate_grad=True)
 
 
 @contextlib.contextmanager
