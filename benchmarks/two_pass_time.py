@@ -5,7 +5,9 @@ passed generators and, where another thread is alive, watches the draws of the b
 and with an earlier commit's (``--before REV``, default bfc466a: the passes under ``torch.random.fork_rng``), alone
 and beside an idle second thread (tqdm's monitor is one). A parameter-heavy, compute-light model: the per-parameter
 cost shows most. Each measurement is a fresh process, one thread, the two trees in turn for ``--rounds`` rounds; the
-figure is each tree's fastest round (median step of ``--steps``) and the ratio of the two.
+figure is each tree's fastest round (median step of ``--steps``) and the ratio of the two, and the ratio per round
+(median, quartiles). On these 2-core machines one tree's rounds differ by up to 2x (37-88 ms seen): read the
+ratio per round's quartiles before the figure.
 
 Reproduce (about 2 minutes; on an otherwise idle machine):
     .venv/bin/python benchmarks/two_pass_time.py [--before bfc466a] [--rounds 8]
@@ -15,11 +17,12 @@ Writes benchmarks/results/two_pass_time_cpu.json.
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 
-from _common import head_commit, machine, src_at, write
+from _common import head_commit, machine, quartiles, src_at, write
 
 CHILD = r"""
 import json, statistics, sys, threading, time
@@ -72,10 +75,16 @@ def main() -> None:
                 for tree, path in trees.items():
                     runs[tree].append(step_once(path, case, args.steps))
             best = {tree: min(found) for tree, found in runs.items()}
+            ratios = [a / b for a, b in zip(runs["this tree"], runs[args.before], strict=True)]
             row = {"case": name, "step_seconds": best, "ratio_to_before": best["this tree"] / best[args.before],
+                   "ratio_per_round": {"median": statistics.median(ratios), "quartiles": quartiles(ratios)},
                    "rounds": runs}
-            print(f"{name}: {best['this tree'] * 1e3:.2f} ms per step against {best[args.before] * 1e3:.2f} ms at "
-                  f"{args.before}: {row['ratio_to_before']:.3f}x", flush=True)
+            low, high = quartiles(ratios)
+            print(f"{name}: fastest rounds {best['this tree'] * 1e3:.2f} ms per step against "
+                  f"{best[args.before] * 1e3:.2f} ms at {args.before}: {row['ratio_to_before']:.3f}x; per round "
+                  f"{statistics.median(ratios):.3f}x (quartiles {low:.3f}-{high:.3f}); "
+                  f"this tree's rounds {min(runs['this tree']) * 1e3:.1f}-{max(runs['this tree']) * 1e3:.1f} ms",
+                  flush=True)
             results.append(row)
     print("wrote", write("two_pass_time_cpu.json", {
         "machine": machine(), "commit": head_commit(), "before": args.before, "rounds": args.rounds,

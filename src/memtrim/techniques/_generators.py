@@ -280,9 +280,11 @@ class TwoPassDraws(TorchFunctionMode):
         watching = threading.active_count() > 1 if first is None else first.seeded is not None
         self.seeded: _SeededMoves | None = _SeededMoves() if watching else None
         self.start = _global_generators()
-        self.kept = (torch.get_rng_state(),
-                     [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
-                     if torch.cuda.is_initialized() else [])
+        # what conclude() puts back (the first pass's)
+        self.kept = None if first is not None else (
+            torch.get_rng_state(),
+            [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_initialized()
+            else [])
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -321,6 +323,7 @@ class TwoPassDraws(TorchFunctionMode):
                     "Nothing was updated. Expected: no other thread draws from torch's global generators during "
                     "this backward. To fix: draw in the backward from a torch.Generator of its own "
                     "(torch.randn(..., generator=g): replayed in the second pass), or give the other threads one.")
+        assert self.kept is not None  # (the first pass's)
         cpu, cuda = self.kept
         torch.set_rng_state(cpu)
         for index, state in enumerate(cuda):
