@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ...errors import InvalidInputError, ReversibleError
 from ...measure.hooks import hold_for_backward
@@ -60,9 +61,6 @@ from ._replay import Replay, as_forward, captured, replayed
 from .coupling import AdditiveCoupling, AffineCoupling, _checked, _split
 
 __all__ = ["ReversibleSequential", "ReversibleError"]  # ReversibleError: re-exported from memtrim.errors
-
-
-_UNINITIALIZED = torch.nn.parameter.UninitializedParameter
 
 
 class _Handle:
@@ -273,10 +271,10 @@ class _Frame:
             versions: list[tuple[torch.Tensor, int]] = [(p, p._version) for p in block.parameters()]
             self.parameter_versions[index] = versions
             self.parameter_flags[index] = [p.requires_grad for p, _ in versions]
-            if any(isinstance(p, _UNINITIALIZED) for p, _ in versions):
+            if any(is_lazy(p) for p, _ in versions):  # (not isinstance: torch < 2.5 says a fake Parameter is one)
                 # its first forward initialises them, drawing from the global generator; the recomputation, finding
                 # them initialised, draws nothing, and a dropout after draws another mask (an adversarial pass)
-                name = next(n for n, p in block.named_parameters() if isinstance(p, _UNINITIALIZED))
+                name = next(n for n, p in block.named_parameters() if is_lazy(p))
                 raise ReversibleError(
                     f"memtrim.ReversibleSequential: block {index}'s parameter {name} is not initialised yet (a lazy "
                     "module, nn.LazyLinear): its first forward initialises it, which the recomputation in backward "
