@@ -98,6 +98,27 @@ def test_a_user_factory_that_raises_or_is_not_callable_exits_2_naming_this_comma
         assert err.strip().splitlines()[-1].startswith("error: memtrim plan:")
 
 
+def test_layers_reaches_a_user_factory_of_the_block_count_or_exits_2(tmp_path, monkeypatch, capsys):
+    # --layers was ignored for a user's factory: the same plan with and without it (an adversarial pass on 2026-12-02)
+    (tmp_path / "lms.py").write_text(
+        "import torch\n\ndef deep(layers=1):\n    return torch.nn.Sequential(torch.nn.Embedding(256, 8), "
+        "*[torch.nn.Linear(8, 8) for _ in range(layers)], torch.nn.Linear(8, 256))\n\n"
+        "def fixed():\n    return deep(1)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plain = {}
+    for layers in (None, "1", "4"):
+        argv = ["plan", "--model", "lms:deep", "--seq", "8", "--device", "cpu", "--budget", "1GiB", "--plot", "",
+                *(["--layers", layers] if layers else [])]
+        assert main(argv) == 0
+        plain[layers] = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| plain"))
+    assert plain[None] == plain["1"] != plain["4"]
+    code = main(["plan", "--model", "lms:fixed", "--layers", "4", "--seq", "8", "--device", "cpu", "--budget", "1GiB",
+                 "--plot", ""])
+    err = capsys.readouterr().err
+    assert code == 2 and "--layers 4 needs a model factory taking the number of blocks" in err
+
+
 def test_a_model_the_tokens_do_not_fit_exits_2_without_torchs_logged_traceback(tmp_path, monkeypatch, capfd):
     # torch logs a failing fake kernel with its traceback: 19 lines of it came before memtrim's one-line error
     (tmp_path / "notlm.py").write_text("import torch\n\ndef linear():\n    return torch.nn.Linear(4, 4)\n")

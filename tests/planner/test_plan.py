@@ -418,6 +418,22 @@ def test_a_factory_that_returns_or_copies_an_existing_model_is_told_to_pass_the_
     assert memtrim.plan(model, **args).best.fits  # the fix the message names
 
 
+def test_a_factory_building_another_model_per_call_raises_naming_the_difference():
+    # found by an adversarial pass: a factory drawing its width traced each plan on a model of its own and ranked
+    # them against each other, silently
+    widths = iter([16, 512] * 4)
+
+    def factory():
+        width = next(widths)
+        return torch.nn.Sequential(torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
+
+    with pytest.raises(InvalidInputError, match=r"the model factory built another model for plan 'in_backward' than "
+                                                r"for the plain step \(0.weight \[16, 32\] torch.float32 against "
+                                                r"\[512, 32\] torch.float32\).*pass the model itself"):
+        memtrim.plan(factory, torch.randn(8, 32), F.cross_entropy, _adamw, targets=torch.randint(0, 4, (8,)),
+                     budget="1GiB", techniques=["in_backward"], workers=1)
+
+
 _OUTSIDE = torch.nn.Linear(64, 64)  # a module the loss holds from outside the planned model
 
 
@@ -434,6 +450,8 @@ _OUTSIDE = torch.nn.Linear(64, 64)  # a module the loss holds from outside the p
      r"read a real tensor made outside.*nn.Sequential\(G, D\)"),
     ({"clip_grad_norm": -1.0}, "clip_grad_norm must be a positive finite number"),
     ({"clip_grad_norm": float("inf")}, "clip_grad_norm must be a positive finite number"),
+    ({"workers": 0}, r"workers must be an int >= 1.*got 0"),  # (0 and -3 were taken silently)
+    ({"workers": -3}, r"workers must be an int >= 1.*got -3"),
 ])
 def test_bad_arguments_raise_invalid_input(kwargs, message):
     x, y = _batch()

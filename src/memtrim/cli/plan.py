@@ -24,6 +24,7 @@ from torch import nn
 
 import memtrim
 
+from .._signatures import accepts
 from .check_inplace import _load, _working_directory_on_path
 
 _PROFILE = """``memtrim profile --model small-gpt --layers 4 --seq 128 --techniques checkpoint``: the predicted memory
@@ -144,7 +145,16 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
             raise memtrim.InvalidInputError(
                 str(e).replace("memtrim check-inplace: ", f"memtrim {args.command}: ", 1)
             ) from e
-        build, inputs = (lambda n: _in_dtype(dtype, factory)), tokens
+        inputs = tokens
+        if args.layers is None:
+            build = lambda n: _in_dtype(dtype, factory)  # noqa: E731
+        elif accepts(factory, 1):  # a factory of the number of blocks, as memtrim.plan's depth= takes
+            build, depth = (lambda n: _in_dtype(dtype, lambda: factory(n))), args.layers
+        else:  # (it was ignored: the same plan with and without it, found by an adversarial pass on 2026-12-02)
+            raise memtrim.InvalidInputError(
+                f"memtrim {args.command}: --layers {args.layers} needs a model factory taking the number of blocks "
+                f"(def {args.model.rpartition(':')[2]}(layers): ...); {args.model} takes no argument. Drop --layers, "
+                "or give the factory that parameter.")
     foreach = args.foreach if args.foreach is not None else device.type == "cuda"
     make_optimizer = functools.partial(_optimizer, _OPTIMIZERS[args.optimizer], foreach)
     if depth is not None and depth >= 3:

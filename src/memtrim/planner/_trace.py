@@ -62,6 +62,12 @@ class StepTrace:
     report: MemoryReport
     work: Work
     notes: tuple[str, ...]
+    model_shape: tuple[tuple[str, tuple[int, ...], torch.dtype], ...] = ()  # each parameter's name, shape, dtype
+
+
+def model_shape(model: nn.Module) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+    """What tells one model from another in a plan: each parameter's name, shape and dtype, as built."""
+    return tuple((name, tuple(p.shape), p.dtype) for name, p in model.named_parameters(remove_duplicate=False))
 
 
 class _CostMode(TorchDispatchMode):
@@ -278,6 +284,7 @@ def trace_step(
         if model is None:
             model = _build(model_or_factory, fake)
         _refuse_nothing_to_train(model)
+        shape = model_shape(model)
         if not any(m.training for m in model.modules()):  # (a copy, or the factory's own model)
             model.train()
             notes.append(PLANNED_IN_TRAINING)
@@ -312,4 +319,4 @@ def trace_step(
         notes.append(f"{values.approximate_decisions} shape decisions made from vector parameters as given (memtrim's "
                      "converted norms): the optimizer's steps can move a feature across the bound and the real step "
                      "then keeps one column more or fewer (NOTE [ when a norm keeps its input ])")
-    return StepTrace(report=report, work=Work(*cost.counts), notes=tuple(notes))
+    return StepTrace(report=report, work=Work(*cost.counts), notes=tuple(notes), model_shape=shape)

@@ -323,6 +323,9 @@ def plan(
     limit = parse_bytes(budget)
     loop = _loop(accumulation_steps, clip_grad_norm)
     _check_depth(depth, model_or_factory)
+    if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool) or workers < 1):
+        raise InvalidInputError(f"{_API}: workers must be an int >= 1 (1 traces the plans in turn here), or None "
+                                f"for the CPUs this process may use; got {workers!r}.")
     tensors = [t for t in torch.utils._pytree.tree_leaves((example_inputs, targets)) if isinstance(t, torch.Tensor)]
     dev = _device(device, tensors)
     notes: list[str] = []
@@ -378,9 +381,27 @@ def plan(
             plans += [_plan(combo, e, base, cost, limit, aside, loop) for combo, e in more.items()]
         elif changing:
             notes.append(f"{', '.join(sorted(changing))}: not needed (a plan with unchanged numerics fits)")
+    _check_one_model(estimates)
     result = _ranked(plans, limit, dev, cost, notes, estimates[()].peak_bytes)
     _warn_if_numbers_change(result, [why for combo, why in left_out.items() if not changing.intersection(combo)])
     return result
+
+
+def _check_one_model(estimates: dict[tuple[str, ...], _Estimate]) -> None:
+    """Every plan traced the same model: a factory building another one per call (a random width) had each plan
+    traced on its own model and ranked against the others, silently (found by an adversarial pass on 2026-12-02)."""
+    plain = estimates[()].model_shape
+    for combo, estimate in estimates.items():
+        if estimate.model_shape != plain:
+            differ = next(((a, b) for a, b in zip(plain, estimate.model_shape) if a != b), None)
+            detail = (f"{differ[0][0]} {list(differ[0][1])} {differ[0][2]} against {list(differ[1][1])} "
+                      f"{differ[1][2]}" if differ is not None else
+                      f"{len(plain)} parameters against {len(estimate.model_shape)}")
+            raise InvalidInputError(
+                f"{_API}: the model factory built another model for plan '{'+'.join(combo)}' than for the plain "
+                f"step ({detail}). Expected the same model from every call: each plan is traced on a model of its "
+                "own. To fix: make the factory build one architecture (seed or fix any choice it draws), or pass "
+                "the model itself.")
 
 
 def _warn_if_numbers_change(result: Plans, left: list[str]) -> None:
@@ -500,6 +521,7 @@ class _Estimate:
     peak_phase: str
     work: Work
     notes: tuple[str, ...]
+    model_shape: tuple[Any, ...] = ()  # the traced model's parameters (StepTrace.model_shape)
 
     @property
     def peak_bytes(self) -> int:
@@ -508,7 +530,7 @@ class _Estimate:
     @classmethod
     def of(cls, trace: StepTrace) -> _Estimate:
         report = trace.report
-        return cls(dict(report.peak_by_category), report.peak_phase, trace.work, trace.notes)
+        return cls(dict(report.peak_by_category), report.peak_phase, trace.work, trace.notes, trace.model_shape)
 
 
 def _estimate(model_or_factory: Any, inputs: Any, targets: Any, loss_fn: Any, optimizer_factory: Any,
@@ -526,7 +548,7 @@ def _estimate(model_or_factory: Any, inputs: Any, targets: Any, loss_fn: Any, op
 
     return _Estimate(
         {k: grow(two.peak_by_category.get(k, 0), v) for k, v in three.peak_by_category.items()},
-        three.peak_phase, three.work.extrapolate(two.work, more), three.notes,
+        three.peak_phase, three.work.extrapolate(two.work, more), three.notes, three.model_shape,
     )
 
 
