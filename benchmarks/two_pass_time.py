@@ -1,13 +1,13 @@
-"""What watching a backward run twice costs (NOTE [ a backward run twice ] in memtrim/techniques/_generators.py):
-``OptimizerInBackward(clip_grad_norm=)`` runs its two passes under a torch-function mode that replays explicitly
-passed generators and, where another thread is alive, watches the draws of the backward's Python code. Step time
-(zero_grad, forward, ``opt.backward``, step) of 100 Linear(16) layers with AdamW, batch 8, with this tree's memtrim
-and with an earlier commit's (``--before REV``, default bfc466a: the passes under ``torch.random.fork_rng``), alone
-and beside an idle second thread (tqdm's monitor is one). A parameter-heavy, compute-light model: the per-parameter
-cost shows most. Each measurement is a fresh process, one thread, the two trees in turn for ``--rounds`` rounds; the
-figure is each tree's fastest round (median step of ``--steps``) and the ratio of the two, and the ratio per round
-(median, quartiles). On these 2-core machines one tree's rounds differ by up to 2x (37-88 ms seen): read the
-ratio per round's quartiles before the figure.
+"""What replaying a backward's draws in its second pass costs (NOTE [ a backward run twice ] in
+memtrim/techniques/_generators.py): ``OptimizerInBackward(clip_grad_norm=)`` runs its two passes under a
+torch-function mode that replays explicitly passed generators (memtrim's own work inside backward runs outside it).
+Step time (zero_grad, forward, ``opt.backward``, step) of 100 Linear(16) layers with AdamW, batch 8, with this tree's
+memtrim and with an earlier commit's (``--before REV``, default bfc466a: the passes under ``torch.random.fork_rng``),
+alone and beside an idle second thread (tqdm's monitor is one). A parameter-heavy, compute-light model: the
+per-parameter cost shows most. Each measurement is a fresh process, one thread, the two trees in turn for
+``--rounds`` rounds; the figure is each tree's fastest round (median step of ``--steps``) and the ratio of the two,
+and the ratio per round (median, quartiles). On these 2-core machines one tree's rounds differ by up to 2x (37-88 ms
+seen): read the ratio per round's quartiles before the figure.
 
 Reproduce (about 2 minutes; on an otherwise idle machine):
     .venv/bin/python benchmarks/two_pass_time.py [--before bfc466a] [--rounds 8]

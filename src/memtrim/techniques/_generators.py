@@ -27,7 +27,6 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import MemtrimError, MemtrimStateError, OptimizerInBackwardError
 from ..measure.hooks import tensors_in
@@ -192,51 +191,21 @@ class GeneratorDraws(TorchFunctionMode):
 # pass, then the updating one), and a backward that draws (a gradient-noise hook, a custom Function's stochastic
 # rounding) must draw the same numbers in both, ending where one pass leaves the generators.
 # - A generator passed explicitly (``torch.randn(..., generator=g)``): at each of its calls in the second pass it is
-#   set to the state it had at the same call (per generator, in order) in the first; calls past the first pass's (a
-#   hook on a leaf only the second pass reaches) draw on. It drew on from where the first pass left it, and the norm
-#   was measured on other noise than the update applied (0.0078 off after 3 SGD steps; found 2026-12-02).
-# - The global generators (the CPU's, each initialised CUDA device's): with one thread, whatever moved them in the
-#   first pass was the backward, and they are put back to their state before it. torch.random.fork_rng put them back
-#   with other threads alive too, rewinding those threads' draws made meanwhile, which then drew the same numbers
-#   again (an adversarial pass on 2026-12-02: 20,334 of 53,363 dropout masks of another thread repeated an earlier
-#   one beside clip_grad_norm=; none in the standard loop). With other threads, the ops aten tags
-#   ``nondeterministic_seeded`` that run inside the backward's Python calls are watched (C++ backward nodes draw
-#   nothing): the backward's own draws chain from the state the pass began at (a recomputation's replay starts from
-#   the forward's states, and puts them back itself). Where they moved the state, and the state at the end is theirs,
-#   it is put back; where another thread drew too (the end is not theirs), nothing is updated yet and the wrapper
-#   raises; the second pass must then make the same draws as the first, each from the same state, else it raises
-#   (the step is lost, as for any error in it).
-class _SeededMoves(TorchDispatchMode):
-    """The moves of the global generators by the ops aten tags ``nondeterministic_seeded`` that draw from them (no
-    explicit generator), as (state before, state after)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.moves: list[tuple[Any, Any]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if (torch.Tag.nondeterministic_seeded not in func.tags
-                or any(isinstance(value, torch.Generator) for value in (*args, *kwargs.values()))):
-            return func(*args, **kwargs)
-        before = _global_generators()
-        result = func(*args, **kwargs)
-        after = _global_generators()
-        if after != before:
-            self.moves.append((before, after))
-        return result
-
-    def own(self, start: Any) -> list[tuple[Any, Any]]:
-        """The moves chaining from ``start``: the backward's own draws (a recomputation's replay starts elsewhere)."""
-        chain, at = [], start
-        for before, after in self.moves:
-            if before == at:
-                chain.append((before, after))
-                at = after
-        return chain
-
-
-_UNWATCHED = threading.local()  # .on: the wrapped optimizer's own update runs (only the second pass makes one)
+#   set to the state it had at the same call (per generator, in order, the same function on the same shapes) in the
+#   first. It drew on from where the first pass left it, and the norm was measured on other noise than the update
+#   applied (0.0078 off after 3 SGD steps; found 2026-12-02). A generator that moved otherwise between its calls or
+#   since the first pass (another thread drawing from it: setting it back would give that thread its numbers twice),
+#   or a call the first pass did not make before the ones it did (another model's hooks, reached by the second pass
+#   only: a GAN's discriminator), raises; calls after all of the first pass's draw on.
+# - The global generators (the CPU's, each initialised CUDA device's) are put back to their state before the first
+#   pass where it moved them, as torch.random.fork_rng did; the second pass must then leave them where the first did,
+#   else it raises, its updates done (the step is lost, as for any error in it). It catches another thread drawing
+#   from them during the passes (its draws in the first were set back and may come again; 20,334 of 53,363 dropout
+#   masks of such a thread repeated an earlier one beside clip_grad_norm=, with no error, until 2026-12-02), and a
+#   second pass drawing otherwise (a GAN's discriminator hooks drawing before the generator's). Watching the
+#   backward's draws op by op instead (tried, 2026-12-02) missed TorchScript's and C++ code's, which then went
+#   silently wrong beside an idle thread, and cost 1.5x a step with checkpointing beside one (an adversarial pass).
+_UNWATCHED = threading.local()  # .on: OptimizerInBackward's own work runs (the mode below another one)
 
 
 class unwatched:  # (lower case: used as a function is, `with unwatched():`)
@@ -267,19 +236,26 @@ class unwatched:  # (lower case: used as a function is, `with unwatched():`)
 
 class TwoPassDraws(TorchFunctionMode):
     """Around each pass of a backward run twice (NOTE [ a backward run twice ]): the first (``first=None``) records;
-    :meth:`conclude` puts the global generators back where the first pass drew from them; the second (``first=`` the
-    first's) replays each explicitly passed generator's draws and checks the global ones'."""
+    :meth:`conclude` puts the global generators back where the first pass moved them; the second (``first=`` the
+    first's) replays each explicitly passed generator's draws, and :meth:`check` compares where the global ones
+    ended."""
 
     _WHERE = "OptimizerInBackward.backward (clip_grad_norm= or scaler=, which run backward twice)"
+    _FIX = ("To fix: no other thread draws from these generators while the step's backward runs (give it a "
+            "torch.Generator of its own), and a backward reaching another model's parameters (a GAN's generator "
+            "loss through the discriminator) draws from a generator of their own, or not at all.")
 
     def __init__(self, first: TwoPassDraws | None = None) -> None:
         super().__init__()
         self.first = first
-        self.states: dict[int, list[torch.Tensor]] = {}  # per explicitly passed generator, its state at each call
+        # per explicitly passed generator: it, then its state and the call's (function, shapes) at each call
+        self.calls: dict[int, tuple[torch.Generator, list[tuple[torch.Tensor, Any]]]] = {}
+        self.ended: dict[int, torch.Tensor] = {}  # (first pass) each one's state at its end
         self.replayed: dict[int, int] = {}
-        watching = threading.active_count() > 1 if first is None else first.seeded is not None
-        self.seeded: _SeededMoves | None = _SeededMoves() if watching else None
         self.start = _global_generators()
+        self.moved = False  # (first pass) the global generators were put back
+        self.end: Any = None  # (first pass) where it left the global generators
+        self.error: OptimizerInBackwardError | None = None  # (second pass) what it raised
         # what conclude() puts back (the first pass's)
         self.kept = None if first is not None else (
             torch.get_rng_state(),
@@ -291,55 +267,68 @@ class TwoPassDraws(TorchFunctionMode):
         if getattr(_UNWATCHED, "on", False):
             return func(*args, **kwargs)
         for value in (*args, *kwargs.values()):
-            if not isinstance(value, torch.Generator):
-                continue
-            if self.first is None:
-                self.states.setdefault(id(value), []).append(value.get_state())
-                continue
-            recorded = self.first.states.get(id(value), [])
-            done = self.replayed.get(id(value), 0)
-            if done < len(recorded):
-                value.set_state(recorded[done])
-                self.replayed[id(value)] = done + 1
-        if self.seeded is None:
-            return func(*args, **kwargs)
-        with self.seeded:
-            return func(*args, **kwargs)
+            if isinstance(value, torch.Generator):
+                self._draw(value, (getattr(func, "__name__", repr(func)),
+                                   tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)),
+                                   tuple(a for a in args if isinstance(a, (int, tuple, list, torch.Size)))))
+        return func(*args, **kwargs)
+
+    def _draw(self, generator: torch.Generator, call: Any) -> None:
+        if self.first is None:
+            self.calls.setdefault(id(generator), (generator, []))[1].append((generator.get_state(), call))
+            return
+        recorded = self.first.calls.get(id(generator), (generator, []))[1]
+        done = self.replayed.get(id(generator), 0)
+        if done >= len(recorded):
+            return  # past the first pass's calls: draws on
+        state, expected = recorded[done]
+        if call != expected:
+            raise self._raised(
+                f"{self._WHERE}: its second pass drew from a torch.Generator in a call its first did not make there "
+                f"({call[0]} where the first pass's next draw from it was {expected[0]}), so the second cannot draw "
+                f"the first's numbers again. {self._FIX}")
+        now = generator.get_state()
+        if not torch.equal(now, self.first.ended[id(generator)] if done == 0 else state):
+            raise self._raised(
+                f"{self._WHERE}: a torch.Generator the backward draws from moved between its draws (another thread "
+                f"drawing from it): setting it back for the second pass would give that thread its numbers twice. "
+                f"{self._FIX}")
+        generator.set_state(state)
+        self.replayed[id(generator)] = done + 1
 
     def conclude(self) -> None:
-        """After the first pass: the global generators go back to the state it began at where its draws moved them."""
-        now = _global_generators()
-        if now == self.start:
+        """After the first pass: the global generators go back to the state it began at, where it moved them."""
+        self.ended = {key: generator.get_state() for key, (generator, _) in self.calls.items()}
+        self.end = _global_generators()
+        if self.end == self.start:
             return
-        if self.seeded is not None:
-            own = self.seeded.own(self.start)
-            if not own:
-                return  # another thread's draws: theirs to keep
-            if own[-1][1] != now:
-                raise OptimizerInBackwardError(
-                    f"{self._WHERE}: the backward drew random numbers from torch's global generator (a gradient-noise "
-                    "hook), and another thread drew from it meanwhile. The second pass must draw the backward's "
-                    "numbers again, and rewinding the generator would give the other thread its numbers twice. "
-                    "Nothing was updated. Expected: no other thread draws from torch's global generators during "
-                    "this backward. To fix: draw in the backward from a torch.Generator of its own "
-                    "(torch.randn(..., generator=g): replayed in the second pass), or give the other threads one.")
         assert self.kept is not None  # (the first pass's)
         cpu, cuda = self.kept
         torch.set_rng_state(cpu)
         for index, state in enumerate(cuda):
             torch.cuda.set_rng_state(state, index)
+        self.moved = True
 
     def check(self) -> None:
-        """After the second pass: it drew from the global generators as the first did."""
-        if self.first is None or self.seeded is None or self.first.seeded is None:
-            return
-        if self.seeded.moves != self.first.seeded.moves:
-            raise OptimizerInBackwardError(
-                f"{self._WHERE}: its second pass drew other random numbers from torch's global generator than its "
-                "first (another thread drew from it meanwhile), so the norm was measured on other numbers than the "
-                "update applied; this step's updates are done. Expected: no other thread draws from torch's global "
-                "generators during this backward. To fix: draw in the backward from a torch.Generator of its own "
-                "(torch.randn(..., generator=g)), or give the other threads one.")
+        """After the second pass: it left the generators where the first did."""
+        first = self.first
+        assert first is not None
+        short = next((generator for key, (generator, calls) in first.calls.items()
+                      if self.replayed.get(key, 0) != len(calls)
+                      or not torch.equal(generator.get_state(), first.ended[key])), None)
+        if short is not None or (first.moved and _global_generators() != first.end):
+            what = ("a torch.Generator ended elsewhere" if short is not None else
+                    "the global generator ended elsewhere")
+            raise self._raised(
+                f"{self._WHERE}: its second pass drew other random numbers than its first ({what}): another thread "
+                "drew from the generator meanwhile (its numbers may come again), or the second pass reached hooks "
+                "the first did not (another model's parameters), so the norm was measured on other numbers than "
+                f"the update applied; this step's updates are done. {self._FIX}")
+
+    def _raised(self, message: str) -> OptimizerInBackwardError:
+        """The second pass's error, kept: OptimizerInBackward then counts the step as lost."""
+        self.error = OptimizerInBackwardError(message)
+        return self.error
 
 
 class GeneratorsKept(TorchFunctionMode):

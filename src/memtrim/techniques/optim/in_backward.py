@@ -757,23 +757,20 @@ class OptimizerInBackward(WrappedOptimizerView):
                             raise
                         self._close_step()
                         raise OptimizerInBackwardError(_REENTRANT) from e
-            try:
-                first.conclude()
-            except OptimizerInBackwardError:
-                self._close_step()
-                raise
+            first.conclude()
             self._conclude_measure()
             if self._skip_update():
                 self._stepped.update(self._where)  # this step is consumed: nothing may arrive for it later
                 return
             self._pass = "update"
             second = TwoPassDraws(first)
-            with second:
-                _run_backward(loss, retain_graph=retain, inputs=given, **kwargs)
             try:
+                with second:
+                    _run_backward(loss, retain_graph=retain, inputs=given, **kwargs)
                 second.check()
-            except OptimizerInBackwardError as e:  # raised after the updates: step() then says the step is lost
-                self._note_lost(e)
+            except OptimizerInBackwardError as e:
+                if e is second.error:  # raised among or after the updates: step() then says the step is lost
+                    self._note_lost(e)
                 raise
         except BaseException as e:
             if not isinstance(e, OptimizerInBackwardError):  # memtrim's own errors close the step themselves
