@@ -119,6 +119,16 @@ def test_layers_reaches_a_user_factory_of_the_block_count_or_exits_2(tmp_path, m
     assert code == 2 and "--layers 4 needs a model factory taking the number of blocks" in err
 
 
+def test_a_model_given_where_a_factory_is_expected_exits_2_saying_so(tmp_path, monkeypatch, capsys):
+    # it was called as a forward with no input: "the model factory raised under FakeTensorMode (ValueError: ...)"
+    (tmp_path / "built.py").write_text("import torch\n\nMODEL = torch.nn.Sequential(torch.nn.Embedding(256, 8))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code = main(["plan", "--model", "built:MODEL", "--seq", "8", "--device", "cpu", "--budget", "1GiB", "--plot", ""])
+    err = capsys.readouterr().err
+    assert code == 2 and "--model 'built:MODEL' is a model (Sequential), not a function returning one" in err
+
+
 def test_a_model_the_tokens_do_not_fit_exits_2_without_torchs_logged_traceback(tmp_path, monkeypatch, capfd):
     # torch logs a failing fake kernel with its traceback: 19 lines of it came before memtrim's one-line error
     (tmp_path / "notlm.py").write_text("import torch\n\ndef linear():\n    return torch.nn.Linear(4, 4)\n")

@@ -40,7 +40,9 @@ _OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="llama-7b, small-gpt, or pkg.module:factory (a causal LM)")
+    p.add_argument("--model", required=True, help="llama-7b, small-gpt, or pkg.module:factory (a function returning a "
+                   "causal LM; the example token ids are drawn below 256, which fake tensors do not check against "
+                   "its vocabulary: memory does not depend on them)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="parameter dtype (pure, no AMP)")
@@ -145,6 +147,11 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
             raise memtrim.InvalidInputError(
                 str(e).replace("memtrim check-inplace: ", f"memtrim {args.command}: ", 1)
             ) from e
+        if isinstance(factory, nn.Module):  # (it was called as a forward with no input: HF's "specify input_ids")
+            raise memtrim.InvalidInputError(
+                f"memtrim {args.command}: --model {args.model!r} is a model ({type(factory).__name__}), not a function "
+                "returning one: the model is built on fake tensors, so that no weight is allocated. Give a function, "
+                f"e.g. def {args.model.rpartition(':')[2]}_factory(): return {type(factory).__name__}(...).")
         inputs = tokens
         if args.layers is None:
             build = lambda n: _in_dtype(dtype, factory)  # noqa: E731
