@@ -54,9 +54,9 @@ NOTE [ optimizer in backward ]
   for parameter-heavy models, a higher one for activation-heavy ones (benchmarks/optimizer_in_backward_peak.py).
 * Global information (clipping by global norm, GradScaler's inf check) needs every gradient before any update:
   ``backward(loss)`` then runs two passes: the first computes the norms / inf flags and frees each gradient at
-  once, the second (same graph, retained) updates. Cost: one extra backward pass. The random generators are
-  restored between the passes (a backward that draws, a gradient-noise hook, draws the same numbers twice and ends
-  where one pass would), and the norms are summed as ``clip_grad_norm_(model.parameters())`` sums them: in the
+  once, the second (same graph, retained) updates. Cost: one extra backward pass. A backward that draws (a
+  gradient-noise hook) draws the same numbers in both passes and ends where one pass would, or raises
+  (NOTE [ a backward run twice ]), and the norms are summed as ``clip_grad_norm_(model.parameters())`` sums them: in the
   model's order, grouped by device and dtype (torch's own grouping), so the total is bitwise the usual loop's. The
   first pass reaches the wrapper's own parameters only (``backward(inputs=...)``): any other leaf (a parameter another
   optimizer trains, an input that requires grad) gets its gradient once, from the second. With ``model=``, a model
