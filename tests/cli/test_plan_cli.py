@@ -85,11 +85,16 @@ def test_more_usage_errors_exit_2_with_one_line(argv, message, capsys):
     assert message in err and err.count("\n") == 1
 
 
-def test_a_user_factory_that_raises_or_is_not_callable_exits_2_naming_this_command(tmp_path, monkeypatch, capsys):
-    (tmp_path / "usermodels.py").write_text("def broken():\n    raise RuntimeError('my factory is broken')\n"
-                                            "CONST = 5\n")
+def _user_module(tmp_path, monkeypatch, name, source):
+    """A module of the user's, ``name``.py holding ``source``, importable from the working directory."""
+    (tmp_path / f"{name}.py").write_text(source)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_a_user_factory_that_raises_or_is_not_callable_exits_2_naming_this_command(tmp_path, monkeypatch, capsys):
+    _user_module(tmp_path, monkeypatch, "usermodels", "def broken():\n    raise RuntimeError('my factory is broken')\n"
+                                                      "CONST = 5\n")
     for spec, message in (("usermodels:broken", "RuntimeError: my factory is broken"),
                           ("usermodels:CONST", "memtrim plan: --model 'usermodels:CONST' is a int, not callable")):
         code = main(["plan", "--model", spec, "--seq", "16", "--device", "cpu", "--budget", "1GiB", "--plot", ""])
@@ -100,12 +105,10 @@ def test_a_user_factory_that_raises_or_is_not_callable_exits_2_naming_this_comma
 
 def test_layers_reaches_a_user_factory_of_the_block_count_or_exits_2(tmp_path, monkeypatch, capsys):
     # --layers was ignored for a user's factory: the same plan with and without it (an adversarial pass on 2026-12-02)
-    (tmp_path / "lms.py").write_text(
-        "import torch\n\ndef deep(layers=1):\n    return torch.nn.Sequential(torch.nn.Embedding(256, 8), "
-        "*[torch.nn.Linear(8, 8) for _ in range(layers)], torch.nn.Linear(8, 256))\n\n"
-        "def fixed():\n    return deep(1)\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    _user_module(tmp_path, monkeypatch, "lms",
+                 "import torch\n\ndef deep(layers=1):\n    return torch.nn.Sequential(torch.nn.Embedding(256, 8), "
+                 "*[torch.nn.Linear(8, 8) for _ in range(layers)], torch.nn.Linear(8, 256))\n\n"
+                 "def fixed():\n    return deep(1)\n")
     plain = {}
     for layers in (None, "1", "4"):
         argv = ["plan", "--model", "lms:deep", "--seq", "8", "--device", "cpu", "--budget", "1GiB", "--plot", "",
@@ -121,9 +124,8 @@ def test_layers_reaches_a_user_factory_of_the_block_count_or_exits_2(tmp_path, m
 
 def test_a_model_given_where_a_factory_is_expected_exits_2_saying_so(tmp_path, monkeypatch, capsys):
     # it was called as a forward with no input: "the model factory raised under FakeTensorMode (ValueError: ...)"
-    (tmp_path / "built.py").write_text("import torch\n\nMODEL = torch.nn.Sequential(torch.nn.Embedding(256, 8))\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    _user_module(tmp_path, monkeypatch, "built",
+                 "import torch\n\nMODEL = torch.nn.Sequential(torch.nn.Embedding(256, 8))\n")
     code = main(["plan", "--model", "built:MODEL", "--seq", "8", "--device", "cpu", "--budget", "1GiB", "--plot", ""])
     err = capsys.readouterr().err
     assert code == 2 and "--model 'built:MODEL' is a model (Sequential), not a function returning one" in err
@@ -131,9 +133,7 @@ def test_a_model_given_where_a_factory_is_expected_exits_2_saying_so(tmp_path, m
 
 def test_a_model_the_tokens_do_not_fit_exits_2_without_torchs_logged_traceback(tmp_path, monkeypatch, capfd):
     # torch logs a failing fake kernel with its traceback: 19 lines of it came before memtrim's one-line error
-    (tmp_path / "notlm.py").write_text("import torch\n\ndef linear():\n    return torch.nn.Linear(4, 4)\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
+    _user_module(tmp_path, monkeypatch, "notlm", "import torch\n\ndef linear():\n    return torch.nn.Linear(4, 4)\n")
     code = main(["plan", "--model", "notlm:linear", "--seq", "16", "--device", "cpu", "--budget", "1GiB",
                  "--plot", ""])
     err = capfd.readouterr().err

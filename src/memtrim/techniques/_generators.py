@@ -313,11 +313,10 @@ class TwoPassDraws(TorchFunctionMode):
         """After the second pass: it left the generators where the first did."""
         first = self.first
         assert first is not None
-        short = next((generator for key, (generator, calls) in first.calls.items()
-                      if self.replayed.get(key, 0) != len(calls)
-                      or not torch.equal(generator.get_state(), first.ended[key])), None)
-        if short is not None or (first.moved and _global_generators() != first.end):
-            what = ("a torch.Generator ended elsewhere" if short is not None else
+        astray = any(self.replayed.get(key, 0) != len(calls) or not torch.equal(generator.get_state(), first.ended[key])
+                     for key, (generator, calls) in first.calls.items())
+        if astray or (first.moved and _global_generators() != first.end):
+            what = ("a torch.Generator ended elsewhere" if astray else
                     "the global generator ended elsewhere")
             raise self._raised(
                 f"{self._WHERE}: its second pass drew other random numbers than its first ({what}): another thread "
