@@ -116,8 +116,8 @@ class GeneratorDraws(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for value in (*args, *kwargs.values()):
-            if not isinstance(value, torch.Generator):
-                continue
+            if isinstance(value, torch.Tensor) or not isinstance(value, torch.Generator):  # (the tensors first: a
+                continue                                                                 # Python instancecheck)
             if self.replay is None:
                 self.states.append(value.get_state())
                 continue

@@ -44,4 +44,5 @@ def training_flags(modules: Iterable[nn.Module]) -> TrainingFlags:
 def set_training_flags(flags: TrainingFlags) -> None:
     """Set each module's ``training`` flag as recorded (the flag itself: no module's ``train()`` runs)."""
     for module, training in flags:
-        module.training = training
+        if module.training != training:  # (nn.Module.__setattr__ per module otherwise: this runs per call)
+            module.training = training

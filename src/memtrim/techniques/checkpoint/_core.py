@@ -362,11 +362,12 @@ class _Recompute:
     forward's draws from explicitly passed generators are replayed (NOTE [ checkpointed forward ])."""
 
     def __init__(self, snapshot: list[tuple[nn.Module, str, torch.Tensor]], inner: Any, draws: GeneratorDraws,
-                 module: nn.Module) -> None:
+                 module: nn.Module, subtree: list[nn.Module]) -> None:
         self.snapshot, self.inner, self.draws, self.module = snapshot, inner, draws, module
+        self.subtree = subtree  # module.modules(), listed once per call
         # every submodule's training flag in the forward: an evaluation pass between the forward and backward
         # (model.eval(), then no_grad) leaves them off, and the recomputation must run as the forward ran
-        self.modes = training_flags(module.modules())
+        self.modes = training_flags(subtree)
         # the parameters the forward left, with their versions (recorded at its end: its own writes, a max_norm
         # embedding's or a lazy module's first call, are no change): torch.func.functional_call (MAML's fast weights)
         # puts the module's own back before backward, and an optimizer step between forward and backward (a GAN
@@ -383,14 +384,15 @@ class _Recompute:
 
     def record_parameters(self) -> None:
         """At the end of the forward: the parameters it read, with their versions."""
-        self.params = [(sub, name, p, p._version) for sub in self.module.modules()
+        self.params = [(sub, name, p, p._version) for sub in self.subtree
                        for name, p in sub._parameters.items() if p is not None]
 
     def _check_called(self, module: nn.Module, args: Any) -> None:
         """A global forward pre-hook during the recomputation: a module it calls reads its parameters again."""
         for param, version in self.versions.get(id(module), ()):
-            check_saved_version(param, version, f"{_API} (a parameter of {self._who()}, which the recomputation in "
-                                "backward reads again)", source=True)
+            if param._version != version:  # (the message, naming the module, only then: this runs per call)
+                check_saved_version(param, version, f"{_API} (a parameter of {self._who()}, which the recomputation "
+                                    "in backward reads again)", source=True)
 
     def __enter__(self) -> None:
         self.versions: dict[int, list[tuple[Any, int]]] = {}
@@ -472,14 +474,14 @@ class _Forward:
 
 def _context_fn(module: nn.Module, selective: Callable[[str], tuple[Any, Any]] | None) -> Callable[[], Any]:
     def contexts() -> tuple[_Forward, _Recompute]:
+        subtree = list(module.modules())
         with torch.no_grad():
-            snapshot = {id(b): b.clone() for sub in module.modules() for b in sub._buffers.values() if b is not None}
-        entries = [(sub, name, snapshot[id(b)]) for sub in module.modules()
-                   for name, b in sub._buffers.items() if b is not None]
+            snapshot = {id(b): b.clone() for sub in subtree for b in sub._buffers.values() if b is not None}
+        entries = [(sub, name, snapshot[id(b)]) for sub in subtree for name, b in sub._buffers.items() if b is not None]
         forward, recompute = selective(type(module).__name__) if selective is not None else (None, None)
         draws = GeneratorDraws(f"{_API}: {type(module).__name__}", "leave this module out of checkpoint_modules",
                                InvalidInputError)
-        owner = _Recompute(entries, recompute, draws, module)
+        owner = _Recompute(entries, recompute, draws, module, subtree)
         return _Forward(forward, owner), owner
 
     return contexts
@@ -546,7 +548,11 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # rest of the arguments' structure rebuilt around them for the recomputation (the forward reads the caller's own
     # arguments). torch cannot save a tensor made under inference_mode: torch saves a normal copy of such an argument
     # for the recomputation, and the forward reads the tensor itself, as plain training does
-    leaves, spec = tree_flatten((args, kwargs), is_leaf=lambda v: isinstance(v, torch.Size))
+    spec: Any = None  # (None: tensors alone, positionally, the common call, which needs no pytree's calls)
+    if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
+        leaves, spec = tree_flatten((args, kwargs), is_leaf=lambda v: isinstance(v, torch.Size))
+    else:
+        leaves = list(args)
     slots: dict[int, int] = {}
     inputs: list[torch.Tensor] = []
     where: list[int | None] = []
@@ -573,6 +579,8 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             return inner(*call_args, **call_kwargs)  # (a module that appends to a list argument appends to the
                                                      # caller's)
         # the recomputation: torch's saved inputs in new containers (an append there reaches no caller)
+        if spec is None:
+            return inner(*(tensors[at] for at in cast("list[int]", where)))
         call_args, call_kwargs = tree_unflatten(
             [leaf if at is None else tensors[at] for leaf, at in zip(rest, where)], spec)
         return inner(*call_args, **call_kwargs)
