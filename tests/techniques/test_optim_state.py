@@ -512,6 +512,9 @@ def test_offload_refuses_a_repeated_parameter_a_single_tensor_and_a_bad_host_and
         memtrim.CPUOffloadOptimizer([w], host="tpu")
     with pytest.raises(TypeError):  # the optimizer's own options are checked by the optimizer
         memtrim.CPUOffloadOptimizer([w], torch.optim.AdamW, lrr=1.0)
+    lazy = torch.nn.LazyLinear(4)  # torch's ValueError from empty_like came out (found by an adversarial pass)
+    with pytest.raises(InvalidInputError, match="uninitialized lazy parameter .* run one forward"):
+        memtrim.CPUOffloadOptimizer([w, *lazy.parameters()], torch.optim.SGD, lr=1.0)
     w.sum().backward()
     assert w.grad is not None  # no gradient hook of a failed construction took the gradient away
 

@@ -251,6 +251,15 @@ def test_recompute_modules_refuses_what_it_cannot_rebuild(name, expected):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # buffers untouched
 
 
+def test_recompute_modules_refuses_uninitialized_lazy_modules_as_convert_does():
+    # torch's "Attempted to use an uninitialized parameter" came out of the trace (found by an adversarial pass)
+    model = nn.Sequential(nn.LazyLinear(48), nn.GELU(), nn.Linear(48, D))
+    with pytest.raises(memtrim.InvalidInputError, match="recompute_modules: 2 parameters are uninitialized lazy"):
+        memtrim.recompute_modules(model, ["0"], example_inputs=torch.randn(4, D))
+    model(torch.randn(4, D))  # materialised: taken
+    assert memtrim.recompute_modules(model, ["0"], example_inputs=torch.randn(4, D)).bytes_saved == 4 * 48 * 4
+
+
 def test_recompute_modules_refuses_hooked_modules_and_missing_inputs():
     model = nn.Sequential(nn.Linear(D, 48), nn.GELU(), nn.Linear(48, D))
     model[0].register_forward_hook(lambda m, a, o: o * 2)
@@ -455,6 +464,28 @@ def test_recompute_modules_under_autocast_keeps_the_output_and_trains_as_torch()
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("technique", ["recompute_modules", "convert"])
+def test_a_backward_called_inside_autocast_rebuilds_as_the_forward_ran(technique):
+    # forward outside autocast, backward inside it (a loop whose autocast block wraps the backward too): the rebuild
+    # ran under the backward's autocast and came out bfloat16, refused with a ConvertError naming convert, which the
+    # user had not called (recompute_modules; found by an adversarial pass); torch trains there
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(D, 48), nn.SiLU(), nn.Linear(48, 4))
+    model = copy.deepcopy(plain)
+    x = torch.randn(5, D)
+    if technique == "convert":
+        assert memtrim.convert(model, example_inputs=(x,))[1].changes
+    else:
+        memtrim.recompute_modules(model, ["0"], example_inputs=x)
+    grads = []
+    for m in (plain, model):
+        loss = m(x).square().mean()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            grads.append(torch.autograd.grad(loss, list(m.parameters())))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 def test_recompute_modules_convert_and_checkpoint_of_the_gated_mlp_compose():
     # inside a checkpointed region the SiLU's producer scope used to pack gate's recipe sources (2 saves) where the
     # recomputation saved gate's output itself (1): torch's CheckpointError in backward
@@ -622,3 +653,69 @@ def test_recompute_modules_inside_a_checkpointed_module_says_so():
     memtrim.checkpoint_modules(model, ["0"])
     with pytest.raises(memtrim.InvalidInputError, match="'0.0' is inside '0', which memtrim.checkpoint_modules"):
         memtrim.recompute_modules(model, ["0.0"], example_inputs=torch.randn(4, D))
+
+
+class HFStyleLayer(nn.Module):
+    """A layer checkpointed as HF's GradientCheckpointingLayer is after gradient_checkpointing_enable()."""
+
+    def __init__(self, checkpointing="hf"):
+        super().__init__()
+        self.gradient_checkpointing = checkpointing == "hf"  # HF's flag ("torch": torch's checkpoint alone)
+        self.checkpointing = checkpointing
+        self.mlp = nn.Sequential(nn.Linear(D, 48), nn.GELU(), nn.Linear(48, D))
+
+    def forward(self, x):
+        if self.checkpointing is None:
+            return self.mlp(x)
+        return torch.utils.checkpoint.checkpoint(self.mlp, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("around", ["hf_checkpointing", "offload_module", "torch_checkpoint"])
+def test_recompute_modules_inside_checkpointing_or_offloading_says_which(around):
+    # it said the module's output is kept by no later layer, and to choose "an MLP's first Linear": the one chosen
+    # (found by an adversarial pass with HF's gradient_checkpointing_enable and offload_module(include_cpu=True))
+    checkpointing = {"hf_checkpointing": "hf", "torch_checkpoint": "torch", "offload_module": None}[around]
+    model = nn.Sequential(HFStyleLayer(checkpointing), nn.Linear(D, D))
+    if around == "offload_module":
+        memtrim.offload_module(model, min_bytes=0, include_cpu=True)
+    expected = {"hf_checkpointing": r"inside '0', which HF's gradient checkpointing recomputes .*"
+                                    r"gradient_checkpointing_disable",
+                "offload_module": r"inside the model, which memtrim.offload_module offloads .* first, then "
+                                  r"offload_module",
+                "torch_checkpoint": r"no later layer keeps .* Inside a region torch's own checkpoint recomputes"}
+    with pytest.raises(memtrim.InvalidInputError, match=expected[around]):
+        memtrim.recompute_modules(model, ["0.mlp.0"], example_inputs=torch.randn(4, D))
+
+
+class SharedActivation(nn.Module):
+    """Two MLPs calling one GELU module: both Linears' outputs are kept by the same consumer."""
+
+    def __init__(self):
+        super().__init__()
+        self.act = nn.GELU()
+        self.a1, self.a2, self.b1, self.b2 = (nn.Linear(D, 48), nn.Linear(48, D), nn.Linear(D, 48),
+                                              nn.Linear(48, D))
+
+    def forward(self, x):
+        x = x + self.a2(self.act(self.a1(x)))
+        return x + self.b2(self.act(self.b1(x)))
+
+
+def test_two_handles_sharing_a_consumer_keep_their_savings_when_one_is_removed():
+    # the second handle found the GELU's consumer scope installed and did not own it: removing the first took it,
+    # and the second's saving went with it while its bytes_saved still claimed it (found by an adversarial pass)
+    torch.manual_seed(0)
+    model, x = SharedActivation(), torch.randn(5, D)
+    plain = copy.deepcopy(model)
+    base = activation_bytes(model, x, model=model)
+    first = memtrim.recompute_modules(model, ["a1"], example_inputs=x)
+    second = memtrim.recompute_modules(model, ["b1"], example_inputs=x)
+    assert first.bytes_saved == second.bytes_saved == 5 * 48 * 4  # each Linear's output, float32
+    assert base - activation_bytes(model, x, model=model) == 2 * 5 * 48 * 4
+    first.remove()
+    assert base - activation_bytes(model, x, model=model) == second.bytes_saved
+    for a, b in zip(run_grads(model, x), run_grads(plain, x)):
+        assert torch.equal(a, b)
+    second.remove()
+    assert activation_bytes(model, x, model=model) == base
+    assert "_memtrim_consumer_scope" not in model.act.__dict__ and not model.act._forward_pre_hooks

@@ -306,6 +306,13 @@ _ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # a per-cal
                                                                     # public per-device check follows it either way)
 
 
+def any_autocast() -> bool:
+    """Whether autocast is on for any device type (a recipe records it at its producer's call)."""
+    if _ANY_AUTOCAST is not None:
+        return bool(_ANY_AUTOCAST())
+    return torch.is_autocast_enabled() or torch.is_autocast_cpu_enabled()
+
+
 # ---------------------------------------------------------------------- clear errors instead of torch's
 CONVERTED = "_memtrim_converted"
 """Instance attribute :func:`memtrim.convert` sets on every module a change touched (the rule's name)."""

@@ -105,11 +105,7 @@ def convert(
         raise InvalidInputError(f"memtrim.convert: model must be an nn.Module, got {type(model).__name__}.")
     if example_kwargs is not None and not isinstance(example_kwargs, dict):
         raise InvalidInputError(f"memtrim.convert: example_kwargs must be a dict, got {type(example_kwargs).__name__}.")
-    lazy = [n for n, p in model.named_parameters() if is_lazy(p)]
-    if lazy:
-        raise InvalidInputError(f"memtrim.convert: {len(lazy)} parameters are uninitialized lazy parameters "
-                                f"({lazy[0]}, ...): run one forward of the model (which materialises them) before "
-                                "convert.")
+    refuse_lazy(model, "memtrim.convert")
     compiled = _compiled(model)
     if compiled is not None:
         raise InvalidInputError(
@@ -139,6 +135,14 @@ def convert(
     args, kwargs = split_inputs(example_inputs, example_kwargs)
     with as_training(model, args, kwargs):
         return _convert(model, args, kwargs, given, module_filter)
+
+
+def refuse_lazy(model: nn.Module, api: str) -> None:
+    """Raise where ``model`` has uninitialized lazy parameters: they have no shape to trace or measure yet."""
+    lazy = [n for n, p in model.named_parameters() if is_lazy(p)]
+    if lazy:
+        raise InvalidInputError(f"{api}: {len(lazy)} parameters are uninitialized lazy parameters ({lazy[0]}, ...): "
+                                f"run one forward of the model (which materialises them) before {api}.")
 
 
 def _compiled(model: nn.Module) -> str | None:

@@ -318,9 +318,8 @@ def _fuse_bn_relu(bn: nn.Module, relu: nn.Module, readers: list[nn.Module], targ
 
 
 def _recompute_hooks(module: nn.Module) -> Undo:
-    """Run ``module``'s forward as a recipe-honouring consumer scope (if it is not one yet); the undo removes it."""
-    if module.__dict__.get("_memtrim_consumer_scope") is not None:
-        return lambda: None
+    """Run ``module``'s forward as a recipe-honouring consumer scope; the undo gives up this use of it (the last
+    use removes it)."""
     return keep_recipes_in(module).remove
 
 

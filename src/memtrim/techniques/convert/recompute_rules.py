@@ -137,11 +137,7 @@ def _recomputed_for(ctx: Context, consumers: list[nn.Module]) -> str:
 
 
 def _install_consumers(modules: list[nn.Module]) -> Undo:
-    undos = []
-    for m in modules:
-        if m.__dict__.get("_memtrim_consumer_scope") is None:
-            undos.append(keep_recipes_in(m).remove)
-    return chain(*undos)
+    return chain(*(keep_recipes_in(m).remove for m in modules))  # (shared scopes: each change holds its own use)
 
 
 # ---------------------------------------------------------------------- LayerNorm -> input-keeping consumers

@@ -32,8 +32,9 @@ from torch import nn
 
 from ...errors import InvalidInputError
 from ..checkpoint._core import ModuleSelector, _select
+from ..offload._core import _MARK as _OFFLOADED
 from ..recompute import recompute_output
-from .api import activation_bytes, as_training
+from .api import activation_bytes, as_training, refuse_lazy
 from .evidence import collect, split_inputs
 from .recompute_rules import _holder_modules, _install_consumers, _keeps_output, _random_ops
 from .rules import Context, chain
@@ -93,6 +94,7 @@ def recompute_modules(model: nn.Module, modules: ModuleSelector, *,
     if not isinstance(model, nn.Module):
         raise InvalidInputError(f"{_API}: model must be an nn.Module, got {type(model).__name__}.")
     chosen = _select(model, modules, _API)
+    refuse_lazy(model, _API)
     _refuse_inside_checkpoints(model, chosen)
     args, kwargs = split_inputs(example_inputs, example_kwargs)
     if not args and not kwargs:
@@ -143,6 +145,27 @@ def _refuse_inside_checkpoints(model: nn.Module, chosen: list[tuple[str, nn.Modu
             )
 
 
+def _kept_by_nothing_because(model: nn.Module, module: nn.Module) -> tuple[str, str] | None:
+    """Why nothing keeps ``module``'s output, where another technique around it takes what its forward saves: HF's
+    gradient checkpointing (a layer's, or a model's in older transformers, ``gradient_checkpointing`` flag) or
+    ``memtrim.offload_module``; as ``(where, fix)``, or None. (The refusal said no later layer keeps the output, and
+    to choose an MLP's first Linear: the module chosen; found by an adversarial pass.)"""
+    found = None  # the innermost
+    for name, outer in model.named_modules():
+        if outer is module or not any(sub is module for sub in outer.modules()):
+            continue
+        where = repr(name) if name else "the model"
+        if getattr(outer, "gradient_checkpointing", False) is True:
+            found = (f"{where}, which HF's gradient checkpointing recomputes (gradient_checkpointing_enable)",
+                     "Choose a module outside it, or turn HF's checkpointing off (gradient_checkpointing_disable()) "
+                     "and recompute this module instead")
+        elif _OFFLOADED in outer.__dict__:
+            found = (f"{where}, which memtrim.offload_module offloads (its saved-tensor hooks take what the forward "
+                     "saves)", "Call recompute_modules first, then offload_module (remove() the offload handle, "
+                     "recompute, and offload again)")
+    return found
+
+
 def _consumers(ctx: Context, name: str, module: nn.Module) -> tuple[list[nn.Module], bool]:
     """The modules that keep ``module``'s output and whether its own backward keeps it too; raises where the
     rebuild could differ from the output (NOTE [ recomputing chosen outputs ])."""
@@ -189,7 +212,12 @@ def _consumers(ctx: Context, name: str, module: nn.Module) -> tuple[list[nn.Modu
             refuse("has its output kept by its parent's own code, where no recipe can reach it")
         consumers += [m for m in found or [] if m not in consumers]
     if not consumers and not _keeps_output(trace, sites):
+        dropped = _kept_by_nothing_because(ctx.model, module)
+        if dropped is not None:
+            refuse(f"is inside {dropped[0]}, so nothing in it is kept for backward and there is nothing to rebuild",
+                   dropped[1])
         refuse("has an output that no later layer keeps for backward: there is nothing to save",
                "Choose a module whose output a later layer keeps (an MLP's first Linear); a class or predicate "
-               "chooses every match, so pass names to leave this one out")
+               "chooses every match, so pass names to leave this one out. Inside a region torch's own checkpoint "
+               "recomputes, nothing is kept: choose a module outside it")
     return consumers, _keeps_output(trace, sites)

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from typing import Any, cast
 
 import torch
+from torch.nn.parameter import is_lazy
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ...errors import InvalidInputError, MemtrimStateError
@@ -242,6 +243,11 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
     def _host_copy(self, param: torch.Tensor) -> torch.Tensor:
         if not isinstance(param, torch.Tensor):
             raise InvalidInputError(f"{_API}: parameters must be tensors, got {type(param).__name__}.")
+        if is_lazy(param):  # (torch's ValueError from empty_like came out of here; found by an adversarial pass)
+            raise InvalidInputError(
+                f"{_API}: a parameter is an uninitialized lazy parameter (nn.LazyLinear, ...), which has no values to "
+                "copy to the host yet. Expected materialised parameters; to fix: run one forward of the model (which "
+                "materialises them) before building the optimizer.")
         refuse_sharded([param], _API)
         other = live_offloader(param)
         if other is not None and other is not self:

@@ -43,6 +43,7 @@ Scopes are per thread (saved-tensor hooks are thread-local); the registry is sha
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -53,7 +54,7 @@ import torch
 
 from ...errors import ConvertError
 from ...measure.hooks import check_saved_version, compiled_autograd_running, top_saved_tensors_hooks
-from ..guards import HOOKS_ENABLED, RECOMPUTE_HOOKS, hooks_allowed, memtrims, plain_only, saves_checked
+from ..guards import HOOKS_ENABLED, RECOMPUTE_HOOKS, any_autocast, hooks_allowed, memtrims, plain_only, saves_checked
 
 __all__ = [
     "Recipe", "enter_consumer_scope", "entry_of", "exit_consumer_scope", "exit_if_on_top", "is_recomputable",
@@ -62,6 +63,7 @@ __all__ = [
 
 
 _MARK = RECOMPUTE_HOOKS  # attribute on our pack functions: "these hooks are memtrim's recompute hooks"
+_DisableAutocast: Any = getattr(torch._C, "_DisableAutocast", contextlib.nullcontext)  # (private: absent, as before)
 
 
 class Recipe:
@@ -69,7 +71,7 @@ class Recipe:
     and the rebuilt tensor while a backward needs it."""
 
     __slots__ = ("fn", "owner", "shape", "stride", "dtype", "device", "double_backward", "tag", "cache", "live",
-                 "done", "__weakref__")
+                 "done", "autocast", "__weakref__")
     # one lock for every recipe's cache and counts (a lock per recipe was measurable Python per call; rebuilds are
     # short and nest, hence re-entrant)
     lock = threading.RLock()
@@ -81,14 +83,23 @@ class Recipe:
         self.cache: torch.Tensor | None = None
         self.live = 0  # handles alive
         self.done: set[int] = set()  # handles unpacked since the cache was built
+        self.autocast = any_autocast()  # at the producer's call
+
+    def _run(self, sources: list[torch.Tensor]) -> torch.Tensor:
+        """The recipe's function, as the forward ran: without autocast where the forward had none, a backward called
+        inside ``torch.autocast`` included (the rebuild came out in bfloat16 there, refused as another tensor: found
+        by an adversarial pass); a plain backward runs with grad off, one with ``create_graph=True`` on."""
+        if not self.autocast and any_autocast():
+            with _DisableAutocast(), torch.no_grad():
+                return self.fn(*sources)
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self.fn(*sources)
+        return self.fn(*sources)
 
     def _rebuild(self, sources: list[torch.Tensor]) -> torch.Tensor:
         try:
-            if torch.is_grad_enabled():  # a backward with create_graph=True (a plain backward runs with grad off)
-                with torch.no_grad():
-                    t = self.fn(*sources)
-            else:
-                t = self.fn(*sources)
+            t = self._run(sources)
         except RuntimeError as e:
             if "is not allocated" not in str(e):
                 raise

@@ -61,6 +61,8 @@ __all__ = [
 class Handle:
     """Undoes one installer's changes (``remove()``; idempotent)."""
 
+    users = 0  # a shared consumer scope's: the handles of keep_recipes_in not removed yet
+
     def __init__(self, *removers: Callable[[], Any]) -> None:
         self._removers = list(removers)
 
@@ -154,19 +156,29 @@ def keep_recipes_in(module: nn.Module) -> Handle:
         module: the consumer call site.
 
     Returns:
-        A :class:`Handle`; ``remove()`` uninstalls the hooks. Idempotent: a second call returns the first handle.
+        A :class:`Handle` of this caller's use of the scope. The hooks are installed once per module and shared:
+        ``remove()`` uninstalls them once every caller's handle is removed (two changes whose producers feed one
+        consumer, a shared activation: removing one took the other's scope, and its saving, with it; found by an
+        adversarial pass).
     """
-    found = module.__dict__.get("_memtrim_consumer_scope")
-    if isinstance(found, Handle) and found._removers:
-        return found
-    forget = keep_hook_ids(module)
-    pre = module.register_forward_pre_hook(_enter)
-    post = register_end_hook(module, _exit, CONSUMER_SCOPE_END)
-    # a partial, not a closure: the handle lives in the module's __dict__, so it must pickle (torch.save(model)) and
-    # deepcopy with the module (the removers run last first)
-    handle = Handle(forget, functools.partial(_forget_scope, module), pre.remove, post.remove)
-    module.__dict__["_memtrim_consumer_scope"] = handle
-    return handle
+    scope = module.__dict__.get("_memtrim_consumer_scope")
+    if not (isinstance(scope, Handle) and scope._removers):
+        forget = keep_hook_ids(module)
+        pre = module.register_forward_pre_hook(_enter)
+        post = register_end_hook(module, _exit, CONSUMER_SCOPE_END)
+        # a partial, not a closure: the scope lives in the module's __dict__, so it must pickle (torch.save(model))
+        # and deepcopy with the module (the removers run last first)
+        scope = Handle(forget, functools.partial(_forget_scope, module), pre.remove, post.remove)
+        module.__dict__["_memtrim_consumer_scope"] = scope
+    scope.users = getattr(scope, "users", 0) + 1
+    return Handle(functools.partial(_leave_scope, scope))
+
+
+def _leave_scope(scope: Handle) -> None:
+    """One user of a consumer scope is done with it: the last one removes it."""
+    scope.users = getattr(scope, "users", 1) - 1
+    if scope.users <= 0:
+        scope.remove()
 
 
 # ---------------------------------------------------------------------- producers
