@@ -181,7 +181,16 @@ def _fake_copy_of(model: nn.Module, mode: Any, values: KnownValues) -> nn.Module
             values.add(memo[id(p)], p, pinned=True)
     for b in model.buffers():
         memo[id(b)] = _fake(mode, values, b)
-    return copy.deepcopy(model, memo)
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as e:  # (it was said as the user's step failing, which runs: found by an adversarial pass)
+        raise InvalidInputError(
+            f"memtrim.plan: a model passed itself is traced on a copy, and copy.deepcopy of this one raised "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:300]}): a tensor that is not a leaf held by a module "
+            "(torch.nn.utils.prune's pruned weight, the old torch.nn.utils.weight_norm) does not copy. Expected a "
+            "model torch can deepcopy; to fix: pass a factory that builds it (memtrim.plan(lambda: build(), ...)), "
+            "which plan calls under FakeTensorMode, or use torch.nn.utils.parametrizations.weight_norm."
+        ) from e
 
 
 def _build(model_or_factory: nn.Module | Callable[[], nn.Module], fake: bool) -> nn.Module:

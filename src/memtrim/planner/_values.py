@@ -91,6 +91,26 @@ def _forget_memo(fakes: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
         del entries[newest]
 
 
+_SAME_DTYPE: dict[Any, tuple[int, int]] = {  # op -> the two arguments whose dtypes its real kernels require equal
+    torch.ops.aten.mm.default: (0, 1), torch.ops.aten.addmm.default: (1, 2), torch.ops.aten.bmm.default: (0, 1),
+    torch.ops.aten.baddbmm.default: (1, 2), torch.ops.aten.convolution.default: (0, 1),
+}
+
+
+def _refuse_mixed_dtypes(func: Any, args: tuple[Any, ...], pair: tuple[int, int]) -> None:
+    """Raise as the real kernels do where a matmul's or convolution's two operands differ in dtype: torch's fake
+    kernels do not check, and a float64 batch (``torch.from_numpy``) into a float32 model got plans for a step that
+    fails when run (found by an adversarial pass)."""
+    a, b = (args[i] if i < len(args) else None for i in pair)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
+        raise RuntimeError(
+            f"{func} got operands of two dtypes, {a.dtype} and {b.dtype}, which its real kernels refuse (\"expected "
+            "m1 and m2 to have the same dtype\"; torch's fake kernel does not check). Expected the example inputs in "
+            "the model's dtype: cast them (x.float(), or x.to(model's dtype)), or pass integer token ids to an "
+            "embedding, not to a Linear."
+        )
+
+
 def _op_facts(func: Any) -> tuple[bool, bool, bool]:
     if not isinstance(func, torch._ops.OpOverload):  # a higher-order op: no value, and no write it can see
         facts = (False, False, False)
@@ -144,6 +164,9 @@ class KnownValues(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        pair = _SAME_DTYPE.get(func)
+        if pair is not None:
+            _refuse_mixed_dtypes(func, args, pair)
         deterministic, scalar, mutable = _OPS.get(func) or _op_facts(func)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         knowable = deterministic and all(self.value(t) is not None for t in tensors)

@@ -282,7 +282,8 @@ def plan(
     Args:
         model_or_factory: a module (copied as fake tensors: no weight is allocated) or a function that builds one
             (called under ``FakeTensorMode``: a model larger than the machine plans fine).
-        example_inputs: what the model is called with: a tensor, a tuple of arguments, or a dict (``model(**batch)``).
+        example_inputs: what the model is called with: a tensor, a tuple (or list) of arguments, unpacked, or a dict
+            (``model(**batch)``); a forward that takes one list or dict is given ``(batch,)``.
         loss_fn: ``loss_fn(output, targets)`` → scalar loss (HF: ``lambda out, _: out.loss``).
         optimizer_factory: ``optimizer_factory(model)`` → a ``torch.optim`` optimizer.
         budget: bytes, or a size such as ``"24GiB"``.
@@ -367,7 +368,7 @@ def plan(
     with Tracer(estimate, default_workers() if workers is None else workers, len(exact) - 1) as tracer:
         if tracer.parallel:
             notes.append(f"traced in {tracer.workers} worker processes")
-        estimates: dict[tuple[str, ...], _Estimate] = {(): _plain(estimate)}  # here: the user's own error raised as is
+        estimates: dict[tuple[str, ...], _Estimate] = {(): _plain(estimate, example_inputs)}  # the user's own error
         traced((), estimates[()])
         if PLANNED_IN_TRAINING in estimates[()].notes:
             notes.append(PLANNED_IN_TRAINING)
@@ -419,7 +420,7 @@ def _warn_if_numbers_change(result: Plans, left: list[str]) -> None:
         f"(low-bit optimizer state): no plan that keeps them fits.{fix}", UserWarning, stacklevel=3)
 
 
-def _plain(estimate: Callable[[tuple[str, ...]], _Estimate]) -> _Estimate:
+def _plain(estimate: Callable[[tuple[str, ...]], _Estimate], example_inputs: Any) -> _Estimate:
     """The plain step's estimate; its failure is the user's model, input, loss or optimizer, said as such."""
     try:
         return estimate(())
@@ -427,27 +428,38 @@ def _plain(estimate: Callable[[tuple[str, ...]], _Estimate]) -> _Estimate:
         raise
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         raise InvalidInputError(
-            f"{_API}: the training step reads values that a fake trace does not have ({' '.join(str(e).split())}). "
+            f"{_API}: the training step (the forward, the loss or the optimizer's step) reads values that a fake "
+            f"trace does not have ({' '.join(str(e).split())}): a loss whose output shape depends on values "
+            "(F.ctc_loss), an optimizer step that branches on a value (transformers' Adafactor), or the model. "
             "A trace knows the example batch, buffers and, for a model passed itself (not a factory), its vector "
             "parameters as given (memtrim.convert's LayerNorm, RMSNorm and BatchNorm+LeakyReLU decide from those), "
             "but not a branch on one after the optimizer's step has moved it, a weight matrix, anything a factory "
             "initialised, nor activations (memtrim's BatchNorm+ELU decides from its output), so a shape that depends "
             "on them (a mixture of experts routing tokens with nonzero or a boolean mask, a data-dependent loop) "
             "cannot be traced. Pass the model itself, or plan the model before converting it; a model whose own "
-            "forward makes such shapes from its activations cannot be planned (measure it with memtrim.track)."
+            "forward makes such shapes from its activations cannot be planned, nor a step whose loss or optimizer "
+            "reads values (measure it with memtrim.track)."
         ) from e
     except Exception as e:
         outside = "convert all Tensors to FakeTensors" in str(e)
+        called = ("model(**example_inputs)" if isinstance(example_inputs, dict) else
+                  "model(*example_inputs)" if isinstance(example_inputs, (tuple, list)) else "model(example_inputs)")
+        unpacked = (f"plan called {called}; a forward that takes the {type(example_inputs).__name__} as one "
+                    "argument needs example_inputs=(batch,). " if isinstance(e, TypeError)
+                    and isinstance(example_inputs, (dict, list)) else "")
         raise InvalidInputError(
             f"{_API}: the plain training step failed when traced on fake tensors: {type(e).__name__}: "
             f"{' '.join(str(e).split()).rstrip('.')}. " + (
-                "The step read a real tensor made outside the model and the example batch: a module or tensor the "
-                "loss_fn or the forward holds from outside (a GAN's discriminator in the generator's loss). The "
-                "trace makes the model and the batch fake, nothing else. To fix: make it part of the planned model, "
-                "e.g. memtrim.plan(nn.Sequential(G, D), z, loss_fn, lambda m: torch.optim.Adam(m[0].parameters()), "
-                "...), or a buffer of the model." if outside else
-                "Check that model(example_inputs), loss_fn(output, targets) and optimizer_factory(model) run for "
-                "real. Where they do, an op's fake kernel refuses what its real kernel takes (torch's fake "
+                "The step read a real tensor that is not a parameter or buffer of the model nor part of the example "
+                "batch: a tensor a module holds as a plain attribute (self.mask = torch.tril(...)), or a module or "
+                "tensor the loss_fn or the forward holds from outside (a GAN's discriminator in the generator's "
+                "loss). The trace makes the model's parameters and buffers and the batch fake, nothing else. To fix: "
+                "register such a tensor as a buffer (self.register_buffer('mask', ..., persistent=False)), pass a "
+                "factory that builds the model (it is built under FakeTensorMode), or make an outside module part "
+                "of the planned model, e.g. memtrim.plan(nn.Sequential(G, D), z, loss_fn, lambda m: "
+                "torch.optim.Adam(m[0].parameters()), ...)." if outside else
+                unpacked + "Check that model(example_inputs), loss_fn(output, targets) and optimizer_factory(model) "
+                "run for real. Where they do, an op's fake kernel refuses what its real kernel takes (torch's fake "
                 "_grouped_mm takes bfloat16 only, where its CPU kernel takes float32: HF's mixture-of-experts "
                 "layers): the planner cannot trace that model in that dtype; measure it with memtrim.track.")
         ) from e

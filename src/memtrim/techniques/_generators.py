@@ -70,15 +70,23 @@ _STOP_RECOMPUTATION: type[BaseException] = getattr(torch.utils.checkpoint, "_Sto
                                                    type("_NeverRaised", (Exception,), {}))
 
 
-def _global_generators() -> tuple[bytes, tuple[int, ...]]:
-    """The process-wide generators' state: the CPU's bytes, each initialised CUDA device's offset. Read as bytes,
-    not through an op: a planner's fake mode, and the torch-function modes below this one, do not see it."""
+def generator_bytes(generator: torch.Generator) -> bytes:
+    """A generator's state as bytes, read without an op: a planner's fake mode (where ``.numpy()``'s detach failed
+    with torch's "convert all Tensors to FakeTensors"), a tracker (which counted each read's tensor) and the
+    torch-function modes below this one do not see it."""
     with torch._C.DisableTorchFunction():  # (data_ptr is a Tensor method: the modes below this one would see it)
-        state = torch.default_generator.get_state()
-        cpu = ctypes.string_at(state.data_ptr(), state.numel())
+        state = generator.get_state()
+        return ctypes.string_at(state.data_ptr(), state.numel())
+
+
+def _global_generators() -> tuple[bytes, tuple[int, ...]]:
+    """The process-wide generators' state: the CPU's bytes, each initialised CUDA device's offset (read as
+    :func:`generator_bytes` reads)."""
+    cpu = generator_bytes(torch.default_generator)
     if not torch.cuda.is_initialized():
         return cpu, ()
     return cpu, tuple(g.get_offset() for g in torch.cuda.default_generators)
+
 
 
 class GeneratorDraws(TorchFunctionMode):

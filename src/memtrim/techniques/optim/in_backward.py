@@ -85,7 +85,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..._signatures import not_owned
 from ...errors import InvalidInputError, MemtrimStateError, OptimizerInBackwardError
 from ...measure import hooks as measure_hooks
-from .._generators import TwoPassDraws, unwatched
+from .._generators import TwoPassDraws, _global_generators, generator_bytes, unwatched
 from .._modes import putting_buffers_back
 from ..guards import register_own
 from .held_elsewhere import gather_gradient, held_gradients, holder_of
@@ -1729,7 +1729,7 @@ def _fingerprint(value: Any) -> Any:
     if isinstance(value, _Snapshot):
         return value.fingerprint
     if isinstance(value, torch.Generator):  # by its state: a draw changes it in place
-        return ("generator", id(value), bytes(value.get_state().numpy()))
+        return ("generator", id(value), generator_bytes(value))
     if isinstance(value, torch.Tensor):
         return _TensorMark((id(value), value._version, value))  # tuple ==: same object short-circuits
     if isinstance(value, (list, tuple)):
@@ -2151,9 +2151,10 @@ def _steps_per_parameter(optimizer: torch.optim.Optimizer) -> bool:
 def _own_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's own attributes a step could advance (besides ``state`` and ``param_groups``): numbers, and
     random generators by their state (timm's Kron draws from one of its own)."""
-    found: dict[str, Any] = {"the global random generator": bytes(torch.get_rng_state().numpy())}
-    if torch.cuda.is_initialized():
-        found["the CUDA random generators"] = [bytes(s.numpy()) for s in torch.cuda.get_rng_state_all()]
+    cpu, cuda = _global_generators()  # (as bytes, no op: a planner's fake trace and a tracker see none)
+    found: dict[str, Any] = {"the global random generator": cpu}
+    if cuda:
+        found["the CUDA random generators"] = cuda
     for name, value in vars(optimizer).items():
         if name in ("state", "param_groups", "defaults"):
             continue
@@ -2162,7 +2163,7 @@ def _own_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         elif isinstance(value, random.Random):
             found[name] = value.getstate()
         elif isinstance(value, torch.Generator):
-            found[name] = bytes(value.get_state().numpy())
+            found[name] = generator_bytes(value)
         elif isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu":
             found[name] = (value._version, value.item())
     return found
