@@ -88,7 +88,6 @@ def _global_generators() -> tuple[bytes, tuple[int, ...]]:
     return cpu, tuple(g.get_offset() for g in torch.cuda.default_generators)
 
 
-
 class GeneratorDraws(TorchFunctionMode):
     """Records (forward) or replays (recomputation) the draws of every torch call given an explicit generator.
 
