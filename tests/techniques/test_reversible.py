@@ -1,6 +1,7 @@
 """ReversibleSequential against the same blocks composed without reversibility."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -347,6 +348,84 @@ def test_any_block_with_inverse_mixed_with_couplings_of_other_split_dims(dropout
     out_rev, g_rev = grads(rev, x, grad_out, seed=5)
     assert torch.equal(out_plain, out_rev)
     assert_grads_close(g_rev, g_plain, rtol=1e-10, atol=1e-12)
+
+
+class RevViTBlock(nn.Module):
+    """A user's own coupling with dropout in F and G, run whole (its inverse evaluates G before F)."""
+
+    def __init__(self, width, forked=False):
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(width, width), nn.Dropout(0.3))
+        self.g = nn.Sequential(nn.Linear(width, width), nn.Dropout(0.3))
+        self.forked = forked  # draws under fork_rng: the global generator ends as it began
+
+    def forward(self, x):
+        with torch.random.fork_rng(enabled=self.forked):
+            x1, x2 = x.chunk(2, dim=-1)
+            y1 = x1 + self.f(x2)
+            return torch.cat([y1, x2 + self.g(y1)], -1)
+
+    def inverse(self, y):
+        y1, y2 = y.chunk(2, dim=-1)
+        x2 = y2 - self.g(y1)
+        return torch.cat([y1 - self.f(x2), x2], -1)
+
+
+class Coupling(memtrim.AdditiveCoupling):
+    """A subclass that only adds a method: still a coupling whose f and g the stack replays one by one."""
+
+    def describe(self):
+        return "mine"
+
+
+class CouplingOwnForward(memtrim.AdditiveCoupling):
+    def forward(self, x):
+        return super().forward(x)
+
+
+def _stack_grads_close(blocks, seed=3):
+    plain = nn.Sequential(*copy.deepcopy(blocks)).double()
+    rev = memtrim.ReversibleSequential(*blocks).double()
+    x = torch.randn(8, 32, dtype=torch.float64)
+    grad_out = torch.randn(8, 32, dtype=torch.float64)
+    for step in range(2):  # the second step keeps the input from its start
+        out_plain, g_plain = grads(plain, x, grad_out, seed=seed + step)
+        out_rev, g_rev = grads(rev, x, grad_out, seed=seed + step)
+        assert torch.equal(out_plain, out_rev)
+        assert_grads_close(g_rev, g_plain, rtol=1e-10, atol=1e-12)
+    return rev
+
+
+@pytest.mark.parametrize("make", [
+    lambda: RevViTBlock(16),
+    lambda: RevViTBlock(16, forked=True),
+    lambda: CouplingOwnForward(mlp(16, 0.3), mlp(16, 0.3)),  # its forward is its own: run whole
+    lambda: memtrim.ReversibleSequential(*[memtrim.AdditiveCoupling(mlp(16, 0.3)) for _ in range(2)]),
+], ids=["user-coupling", "forked", "subclass-own-forward", "nested-stack"])
+def test_a_block_run_whole_that_draws_keeps_its_input_with_a_warning(make):
+    # its inverse cannot draw the forward's masks (g's is drawn before f's): rebuilt by it, the input was wrong and
+    # the gradients 416 off (RevViTBlock), silently, until 2026-12-03
+    torch.manual_seed(0)
+    blocks = [make(), ScaleShift(32), make()]
+    with pytest.warns(UserWarning, match=r"block [02] \(\w+\) drew random numbers in its forward") as warned:
+        rev = _stack_grads_close(blocks)
+    assert rev.keep_inputs == {0, 2}
+    assert len([w for w in warned if "drew random numbers" in str(w.message)]) == 2  # once per block, not per step
+
+
+def test_a_block_run_whole_that_draws_nothing_is_inverted():
+    torch.manual_seed(0)
+    rev = _stack_grads_close([RevViTBlock(16).eval(), ScaleShift(32)])  # eval: the dropouts draw nothing
+    assert rev.keep_inputs == set()
+
+
+def test_a_coupling_subclass_replays_f_and_g_apart():
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rev = _stack_grads_close([Coupling(mlp(16, 0.3), mlp(16, 0.3)) for _ in range(3)])
+    assert rev.keep_inputs == set()
+    memtrim.ReversibleSequential(Coupling(mlp(16)), exact=True)  # a coupling for exact mode too
 
 
 def test_couplings_pass_the_stream_split_between_them():

@@ -88,6 +88,32 @@ def _global_generators() -> tuple[bytes, tuple[int, ...]]:
     return cpu, tuple(g.get_offset() for g in torch.cuda.default_generators)
 
 
+# torch functions (as a torch-function mode sees them: the outermost call) that draw random numbers; a dropout
+# draws only in training with p > 0: (where its training flag is passed, its default)
+_DRAWING = frozenset({
+    "bernoulli", "bernoulli_", "binomial", "cauchy_", "exponential_", "geometric_", "gumbel_softmax", "log_normal_",
+    "multinomial", "normal", "normal_", "poisson", "rand", "rand_like", "randint", "randint_like", "randn",
+    "randn_like", "random_", "randperm", "rrelu", "rrelu_", "uniform_", "native_dropout", "fused_dropout",
+    "_fused_dropout", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "trunc_normal_",
+    "orthogonal_", "sparse_"})
+_DROPOUTS = {"dropout": (2, True), "dropout_": (2, True), "dropout1d": (2, True), "dropout2d": (2, True),
+             "dropout3d": (2, True), "feature_dropout": (2, True), "feature_dropout_": (2, True),
+             "alpha_dropout": (2, False), "alpha_dropout_": (2, False), "feature_alpha_dropout": (2, False),
+             "feature_alpha_dropout_": (2, False)}
+
+
+def draws_random_numbers(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call of the torch function ``name`` with these arguments draws random numbers."""
+    if name in _DRAWING:
+        return True
+    if name not in _DROPOUTS:
+        return False
+    position, default = _DROPOUTS[name]
+    training = kwargs.get("training", kwargs.get("train", args[position] if len(args) > position else default))
+    p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+    return bool(training) and not (isinstance(p, (int, float)) and p == 0)
+
+
 class GeneratorDraws(TorchFunctionMode):
     """Records (forward) or replays (recomputation) the draws of every torch call given an explicit generator.
 
@@ -112,6 +138,7 @@ class GeneratorDraws(TorchFunctionMode):
         self.stopped = False  # torch ended the recomputation early
         self.last: tuple[bytes, tuple[int, ...]] | None = None
         self.stretch = "the start"  # the call whose stretch runs now
+        self.drew = False  # a call that draws random numbers ran (recording; see draws_random_numbers)
 
     def __enter__(self) -> GeneratorDraws:
         if self.replay is None and threading.active_count() > 1:
@@ -135,8 +162,11 @@ class GeneratorDraws(TorchFunctionMode):
                 continue
             self.restore.append((value, value.get_state()))
             value.set_state(self.replay[position])
+        name = getattr(func, "__name__", "")
+        if self.replay is None and not self.drew:
+            self.drew = draws_random_numbers(name, args, kwargs)
         if self.changes is not None:
-            self._watch(getattr(func, "__name__", repr(func)))
+            self._watch(name or repr(func))
         try:
             return func(*args, **kwargs)
         except _STOP_RECOMPUTATION:

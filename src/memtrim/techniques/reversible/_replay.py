@@ -82,13 +82,14 @@ def as_forward(x: torch.Tensor, replay: Replay) -> torch.Tensor:
 
 
 @contextmanager
-def captured(replays: dict[str, Replay], name: str, x: torch.Tensor, where: str) -> Iterator[None]:
+def captured(replays: dict[str, Replay], name: str, x: torch.Tensor, where: str) -> Iterator[GeneratorDraws]:
     """Around a function's forward (reading ``x``): record in ``replays[name]`` what its recomputation must replay.
 
     The generators' states are kept and replayed whether or not the function changed them: one that draws and puts
     the state back (under ``torch.random.fork_rng``, as Megatron's RNG tracker does) leaves it unchanged, and its
     recomputation, not replayed, drew from wherever backward found the state (gradients 119 off, silently; found by
-    an adversarial pass on 2026-12-02). A CPU state equal to the one captured last is shared (5,056 bytes each: a
+    an adversarial pass on 2026-12-02). Yields the mode recording the draws (its ``drew``: a call that draws ran). A
+    CPU state equal to the one captured last is shared (5,056 bytes each: a
     stack that draws nothing keeps one).
     """
     device_type = x.device.type
@@ -102,7 +103,7 @@ def captured(replays: dict[str, Replay], name: str, x: torch.Tensor, where: str)
                                     device_rng=device_rng if on_accelerator else None,
                                     autocast=autocast, layout=(x.stride(), int(x.storage_offset())))
     with _draws(where) as draws:
-        yield
+        yield draws
     replay.generator_states = draws.states or None
     replay.changes = draws.changes or None  # (none: nothing to compare)
 

@@ -47,7 +47,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -55,6 +55,7 @@ from torch.nn.parameter import is_lazy
 
 from ...errors import InvalidInputError, ReversibleError
 from ...measure.hooks import hold_for_backward
+from .._generators import _global_generators
 from .._modes import TrainingFlags, buffers_put_back, set_training_flags, training_flags
 from ..guards import memtrims, plain_only
 from ._replay import Replay, as_forward, captured, replayed
@@ -130,6 +131,21 @@ def _as_second_chunk(halves: _Halves) -> torch.Tensor:
         return second
     laid = second.new_empty(math.prod(shape)).as_strided(second.shape, strides, offset)
     return laid.copy_(second)
+
+
+def _coupling(block: nn.Module) -> type[AdditiveCoupling] | type[AffineCoupling] | None:
+    """The coupling whose arithmetic the stack runs for ``block`` itself (its f and g captured and replayed one by
+    one), or None for a block run whole and inverted by its ``inverse``. A subclass counts where its forward and
+    inverse are the coupling's (both go through its ``couple`` / ``uncouple``, which it may override): a subclass
+    with dropout in f was inverted whole, g's mask drawn before f's, and trained 366 off, silently, until
+    2026-12-03 (an adversarial pass)."""
+    for kind in (AdditiveCoupling, AffineCoupling):
+        if isinstance(block, kind):
+            # (checked_call: f and g's calls, which the stack makes itself)
+            same = all(getattr(type(block), name) is getattr(kind, name)
+                       for name in ("forward", "inverse", "checked_call") if hasattr(kind, name))
+            return kind if same else None
+    return None
 
 
 def _inverse(block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -252,6 +268,8 @@ class _Frame:
         # (MAML's fast weights) puts the module's own back before backward, and the rebuild must read the forward's
         self.parameter_slots: list[list[tuple[dict[str, Any], str, Any]]] = [[] for _ in blocks]
         self.buffers_before: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]  # changed by forward
+        self.drawn: set[int] = set()  # blocks run whole whose forward drew random numbers
+        self.parameters_moved: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]  # (param, after)
         # every module's training flag in the block's forward: an evaluation pass between forward and backward
         # (model.eval(), then no_grad) turns them off, and the recomputation must run as the forward ran
         self.modes: list[TrainingFlags] = [[] for _ in blocks]
@@ -285,8 +303,18 @@ class _Frame:
             self.modes[index] = training_flags(block.modules())
             with torch.no_grad():
                 before = [(b, b._version, b.clone()) for b in block.buffers()]
+            h_in, version_in = h, h._version if isinstance(h, torch.Tensor) else 0
             h = self._run_block(index, block, h)
             self.buffers_before[index] = [(b, value) for b, version, value in before if b._version != version]
+            # a parameter the forward changed itself (a weight clamped under no_grad before its use): checked from
+            # its value after the forward on, and that value kept, to compare the recomputation's with (it raised
+            # "modified in place after the forward" every step until 2026-12-03: an adversarial pass)
+            moved = [(p, p.detach().clone()) for p, version in versions if p._version != version]
+            if moved:
+                self.parameter_versions[index] = [(p, p._version) for p, _ in versions]
+            self.parameters_moved[index] = moved
+            if index in self.drawn and index not in self.kept_inputs:
+                self._keep_drawing(index, block, h_in, version_in)
         x = _whole(h)
         last = len(self.blocks) - 1
         self.outputs[last] = x.detach()  # detached: no cycle through the output's grad_fn
@@ -297,6 +325,28 @@ class _Frame:
         if self.exact:
             return (x / self.scale).to(self.dtype)
         return x
+
+    def _keep_drawing(self, index: int, block: nn.Module, x: torch.Tensor | _Halves, version: int) -> None:
+        """Keep the input of a block run whole that drew random numbers in its forward: its ``inverse`` cannot draw
+        them as the forward did (a coupling's inverse evaluates g before f), so an input rebuilt by it under the
+        forward's state is not the forward's (a RevViT-style block with dropout trained 416 off, silently, until
+        2026-12-03: an adversarial pass). Kept from now on, as a block over the drift tolerance is."""
+        if isinstance(x, torch.Tensor) and x._version != version:
+            raise ReversibleError(
+                f"memtrim.ReversibleSequential: block {index} ({type(block).__name__}) drew random numbers in its "
+                "forward and modified its input in place, so its input can neither be rebuilt by its inverse (which "
+                "cannot draw the forward's numbers) nor kept. Expected a block that leaves its input as it found it; "
+                "to fix: compute out of place, or build the block from memtrim.AdditiveCoupling / AffineCoupling.")
+        self.kept_inputs[index] = _whole(x).detach()
+        if index not in self.drift.keep_inputs:
+            warnings.warn(
+                f"memtrim.ReversibleSequential: block {index} ({type(block).__name__}) drew random numbers in its "
+                "forward (a dropout?), which its inverse() cannot draw as the forward did (an inverse evaluates its "
+                "functions in another order), so its input is kept for backward from now on (its activations, if it "
+                "holds a stack of its own, are still rebuilt). To rebuild it instead: build the block from "
+                "memtrim.AdditiveCoupling or AffineCoupling, whose f and g the stack replays one by one, or draw no "
+                "random numbers in it.", stacklevel=4)
+            self.drift.keep_inputs.add(index)
 
     def _run_block(self, index: int, block: nn.Module, x: torch.Tensor | _Halves) -> torch.Tensor | _Halves:
         def pack(tensor: torch.Tensor) -> _Handle:
@@ -310,13 +360,20 @@ class _Frame:
         _refuse_hooks(index, block)
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                if type(block) is AdditiveCoupling:
-                    return self._additive(index, block, x)
-                if type(block) is AffineCoupling:
-                    return self._affine(index, block, x)
+                kind = _coupling(block)
+                if kind is AdditiveCoupling:
+                    return self._additive(index, cast(AdditiveCoupling, block), x)
+                if kind is AffineCoupling:
+                    return self._affine(index, cast(AffineCoupling, block), x)
                 x = _whole(x)
-                with captured(self.replays[index], "block", x, f"block {index} ({type(block).__name__})"):
-                    return block(x)
+                generators = _global_generators()
+                with captured(self.replays[index], "block", x, f"block {index} ({type(block).__name__})") as draws:
+                    out = block(x)
+                # a dropout under fork_rng leaves the generators as it found them; TorchScript's draws are not
+                # seen as calls: both ways
+                if draws.drew or draws.states or _global_generators() != generators:
+                    self.drawn.add(index)
+                return out
         except InvalidInputError as e:
             raise InvalidInputError(f"memtrim.ReversibleSequential: block {index}: {e}") from e
 
@@ -466,6 +523,7 @@ class _Frame:
             set_training_flags(self.modes[index])  # as in the forward
             with buffers_put_back():
                 x = self._rebuild(index, block, recorded)
+            self._check_moved(index, block)
         finally:
             for p in flipped:
                 p.requires_grad_(not p.requires_grad)
@@ -508,11 +566,33 @@ class _Frame:
             x = self.kept_inputs.pop(index)
             self._recompute_forward(index, block, x, recorded)
             return x
-        if type(block) is AdditiveCoupling:
-            return self._rebuild_additive(index, block, *_split_halves(block, self._stored_output(index)), recorded)
-        if type(block) is AffineCoupling and not self.exact:
-            return self._rebuild_affine(index, block, *_split_halves(block, self._stored_output(index)), recorded)
+        kind = _coupling(block)
+        if kind is AdditiveCoupling:
+            additive = cast(AdditiveCoupling, block)
+            return self._rebuild_additive(index, additive, *_split_halves(additive, self._stored_output(index)),
+                                          recorded)
+        if kind is AffineCoupling and not self.exact:
+            affine = cast(AffineCoupling, block)
+            return self._rebuild_affine(index, affine, *_split_halves(affine, self._stored_output(index)), recorded)
         return self._rebuild_generic(index, block, _whole(self._stored_output(index)), recorded)
+
+    def _check_moved(self, index: int, block: nn.Module) -> None:
+        """A parameter the block's forward changed in place must come out of the recomputation as the forward left
+        it (a clamp does); one changed again (a decay, ``w.mul_(0.9)``, under no_grad) was used at another value by
+        the recomputation than by the forward: put back, and refused."""
+        changed = [(param, after) for param, after in self.parameters_moved[index] if not torch.equal(param, after)]
+        self.parameters_moved[index] = []
+        with torch.no_grad():
+            for param, after in changed:
+                param.copy_(after)
+        if changed:
+            name = next((n for n, p in block.named_parameters() if p is changed[0][0]), "?")
+            raise ReversibleError(
+                f"memtrim.ReversibleSequential: block {index}'s parameter {name} is changed in place by the block's "
+                "own forward, and its recomputation in backward changed it again to another value (a decay or a "
+                "step, not a clamp), so the tensors rebuilt for backward would not be the forward's. Expected a "
+                "forward that leaves its parameters alone, or changes them to the same value when run again; to fix: "
+                "make that change in the training loop (after optimizer.step()), not in forward.")
 
     def _check_parameters(self, index: int, block: nn.Module) -> None:
         """A block rebuilt with parameters changed since its forward would silently give a wrong input (the plain
@@ -573,10 +653,13 @@ class _Frame:
     def _recompute_forward(self, index: int, block: nn.Module, x: torch.Tensor, recorded: list[torch.Tensor]) -> None:
         replays = self.replays[index]
         with torch.enable_grad():
-            if type(block) is AdditiveCoupling:
-                self._additive(index, block, x.detach().requires_grad_(replays["f"].requires_grad), recorded)
-            elif type(block) is AffineCoupling:
-                self._affine(index, block, x.detach().requires_grad_(replays["f"].requires_grad), recorded)
+            kind = _coupling(block)
+            if kind is AdditiveCoupling:
+                self._additive(index, cast(AdditiveCoupling, block),
+                               x.detach().requires_grad_(replays["f"].requires_grad), recorded)
+            elif kind is AffineCoupling:
+                self._affine(index, cast(AffineCoupling, block),
+                             x.detach().requires_grad_(replays["f"].requires_grad), recorded)
             else:
                 inp = as_forward(x.detach(), replays["block"]).requires_grad_(replays["block"].requires_grad)
                 with _recording(recorded), replayed(replays["block"]):
@@ -622,7 +705,7 @@ class ReversibleSequential(nn.Module):
     def __init__(self, *blocks: nn.Module, exact: bool = False, fraction_bits: int = 24,
                  check_drift: float | None = None) -> None:
         super().__init__()
-        if exact and not all(type(b) is AdditiveCoupling for b in blocks):
+        if exact and not all(_coupling(b) is AdditiveCoupling for b in blocks):
             raise InvalidInputError(
                 "memtrim.ReversibleSequential: exact=True needs AdditiveCoupling blocks (fixed-point addition is "
                 "exact; an affine scale is not)."
