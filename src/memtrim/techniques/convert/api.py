@@ -92,7 +92,8 @@ def convert(
     Raises:
         InvalidInputError: ``model`` is not a module, has uninitialized lazy parameters, was compiled (or holds a
             compiled module: convert first, then compile), offloaded (``offload_module``: convert first, then
-            offload) or wrapped by Opacus (convert first, then wrap), or the example inputs fail to run through it.
+            offload), wrapped by Opacus (convert first, then wrap) or TorchScript (convert first, then script), or
+            the example inputs fail to run through it.
 
     Example::
 
@@ -113,6 +114,14 @@ def convert(
             "torch.compile made before does not see the changed modules (a converted HF Llama then ran its norms "
             "outside the compiled graph, found by an adversarial pass). Expected an uncompiled model; to fix: "
             "convert first, then compile (model, report = memtrim.convert(model, ...); model.compile()).")
+    scripted = next((name for name, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)), None)
+    if scripted is not None:
+        raise InvalidInputError(
+            f"memtrim.convert: {'the model' if not scripted else f'the model module {scripted!r}'} is TorchScript "
+            "(torch.jit.script or torch.jit.trace). Its code runs as TorchScript, which convert can neither trace "
+            "(no hooks on a ScriptModule: torch raised \"register_forward_pre_hook is not supported\") nor change. "
+            "Expected an eager model; to fix: convert the eager model first, then script or trace it (or use "
+            "torch.compile).")
     offloaded = next((name for name, m in model.named_modules() if _OFFLOADED in m.__dict__), None)
     if offloaded is not None:
         raise InvalidInputError(

@@ -52,7 +52,9 @@ import functools
 import inspect
 import sys
 import textwrap
+import types
 from collections.abc import Iterator
+from typing import Any
 
 from torch import nn
 
@@ -664,39 +666,94 @@ def _out_of_place(module: nn.Module) -> Undo:
 
 def _source_reads_input_after(ctx: Context, module: nn.Module) -> str | None:
     """Why ``module``, an activation run in place, must stay in place, from its parents' source code (NOTE [ in-place
-    activations made out of place ]), or None. In each parent's class (and the classes it inherits from), a call
-    ``self.<name>(v)`` on a variable ``v`` whose result is not assigned back to ``v`` (``v = self.act(v)``) while the
-    function reads ``v`` again after it (``self.act(v); return conv(v)``, on any path: no control flow is followed)
-    relies on the input being overwritten. A parent whose source cannot be read (or ``nn.Sequential``) is trusted to
-    the training step convert runs on the example inputs."""
+    activations made out of place ]), or None. In each parent's methods (those of its class and the classes it
+    inherits from, generated or patched ones too, and a method bound on the instance), a call ``self.<name>(v)`` on a
+    variable ``v`` whose result is not assigned back to ``v`` (``v = self.act(v)``) while the function reads ``v``
+    again after it (``self.act(v); return conv(v)``, on any path: no control flow is followed), or ``v`` shared with
+    another holder (:func:`_shared_names`), relies on the input being overwritten. A method that mentions the
+    activation but whose source cannot be read (a class made by ``exec``, ``python -c``) counts as relying on it, as
+    does a forward set on the instance that is not a method bound to it (a closure): they are not read (both trained
+    silently otherwise until 2026-12-03, an adversarial pass: the training step convert checks on the example inputs
+    takes one branch)."""
     for path in ctx.aliases.get(id(module), []):
         parent_path, _, name = path.rpartition(".")
-        parent: type = type(ctx.model.get_submodule(parent_path))
-        why = _class_reads_input_after(parent, name)
+        parent = ctx.model.get_submodule(parent_path)
+        parent_class: type = type(parent)
+        why = _instance_reads_input_after(parent, name) or _class_reads_input_after(parent_class, name)
         if why:
             return why
     return None
 
 
-@functools.lru_cache(maxsize=256)  # a model's blocks share a few classes: each is parsed once per attribute name
+_TRUSTED = (nn.Module, nn.Sequential, nn.ModuleList, nn.ModuleDict, object)
+
+
+def _mentions(code: types.CodeType, name: str) -> bool:
+    """Whether compiled ``code`` (or a function or lambda nested in it) reads an attribute ``name`` (``self.act``) or
+    holds the string (``getattr(self, "act")``): the methods not mentioning it are not parsed."""
+    return name in code.co_names or any(
+        c == name or (isinstance(c, types.CodeType) and _mentions(c, name)) for c in code.co_consts)
+
+
+def _function_reads_input_after(function: Any, name: str, owner: str) -> str | None:
+    """:func:`_reads_after` for one Python function (a method of ``owner``), from its own source."""
+    function = inspect.unwrap(function)  # (a decorated method: functools.wraps's wrapper mentions nothing)
+    code = getattr(function, "__code__", None)
+    if code is None or not _mentions(code, name):
+        return None
+    try:
+        lines, start = inspect.getsourcelines(function)
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except (OSError, TypeError, SyntaxError, IndentationError) as e:
+        return (f"{owner}.{function.__name__} reads self.{name} and its source cannot be read ({type(e).__name__}: "
+                f"{e}), so convert cannot check that it does not read the activation's input after the call")
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return (f"{owner}.{function.__name__} reads self.{name} and is not a def convert can read (a lambda?), so "
+                "convert cannot check that it does not read the activation's input after the call")
+    line = _reads_after(node, name)
+    if line is None:
+        return None
+    return (f"{owner}.{function.__name__} may rely on self.{name} overwriting its input "
+            f"({inspect.getsourcefile(function)}:{start + line - 1})")
+
+
+def _instance_reads_input_after(parent: nn.Module, name: str) -> str | None:
+    """:func:`_source_reads_input_after` for what is set on the parent instance itself: a method bound to it
+    (``types.MethodType(fn, module)``) is read as its class's are; another callable set as its ``forward`` (a
+    closure, a partial) cannot be read."""
+    owner = type(parent).__qualname__
+    for attr, value in vars(parent).items():
+        if isinstance(value, types.MethodType) and value.__self__ is parent:
+            why = _function_reads_input_after(value.__func__, name, owner)
+            if why:
+                return why
+        elif attr == "forward" and callable(value):
+            return (f"{owner} at this place has a forward set on the instance ({type(value).__name__}), which "
+                    f"convert cannot read for a read of self.{name}'s input after the call")
+    return None
+
+
+@functools.lru_cache(maxsize=256)  # a model's blocks share a few classes: each is read once per attribute name
 def _class_reads_input_after(parent: type, name: str) -> str | None:
-    """:func:`_source_reads_input_after` for one parent class and the attribute name of the activation in it."""
+    """:func:`_source_reads_input_after` for one parent class and the attribute name of the activation in it: the
+    methods the parent runs (not ``__init__``; a method a subclass overrides is not), as the class has them (a method
+    set on the class after its body, as torch.fx's generated forward, too)."""
+    seen: set[str] = set()
     for cls in parent.__mro__:
-        if cls in (nn.Module, nn.Sequential, nn.ModuleList, nn.ModuleDict, object):
-            continue
-        try:
-            lines, start = inspect.getsourcelines(cls)
-            tree = ast.parse(textwrap.dedent("".join(lines)))
-        except (OSError, TypeError, SyntaxError, IndentationError):
-            continue
-        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
-        for function in body:  # the methods the parent runs (no __init__): those no subclass of cls overrides
-            if (isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) and function.name != "__init__"
-                    and inspect.getattr_static(parent, function.name, None) is cls.__dict__.get(function.name)):
-                line = _reads_after(function, name)
-                if line is not None:
-                    return (f"{cls.__qualname__}.{function.name} may rely on self.{name} overwriting its input "
-                            f"({inspect.getsourcefile(cls)}:{start + line - 1})")
+        for attr, value in vars(cls).items():
+            if attr in seen:
+                continue
+            seen.add(attr)
+            if cls in _TRUSTED or attr == "__init__":
+                continue
+            functions = ([value.fget, value.fset] if isinstance(value, property) else
+                         [value.__func__] if isinstance(value, (staticmethod, classmethod)) else [value])
+            for function in functions:
+                if inspect.isfunction(function):
+                    why = _function_reads_input_after(function, name, cls.__qualname__)
+                    if why:
+                        return why
     return None
 
 
@@ -726,6 +783,113 @@ def _root_name(arg: ast.expr, me: str) -> ast.Name | int | None:
             return arg.lineno if isinstance(arg, (ast.List, ast.Tuple, ast.Starred)) else None
 
 
+# methods and torch functions whose result may be (a view of) their tensor argument; attributes that are
+_VIEWING = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "narrow", "chunk", "split",
+    "tensor_split", "hsplit", "vsplit", "dsplit", "unbind", "squeeze", "unsqueeze", "expand", "expand_as", "flatten",
+    "unflatten", "as_strided", "select", "detach", "contiguous", "movedim", "moveaxis", "swapaxes", "swapdims",
+    "diagonal", "to", "type", "type_as", "float", "double", "half", "bfloat16", "cpu", "cuda", "requires_grad_",
+    "unfold", "split_with_sizes", "indices", "values", "real", "imag", "view_as_real", "view_as_complex",
+    "resolve_conj", "resolve_neg", "conj", "atleast_1d", "atleast_2d", "atleast_3d", "broadcast_to", "index_select"})
+_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
+_MODULE_NAMES = frozenset({"torch", "F", "nn", "functional"})  # torch.x(...), F.x(...), torch.nn.functional.x(...)
+_HARMLESS = frozenset({"len", "print", "isinstance", "type", "id", "hasattr", "repr", "str", "float", "int", "bool"})
+_STORING = frozenset({"append", "extend", "insert", "add", "update", "setdefault", "put", "put_nowait", "push",
+                      "__setitem__", "appendleft"})
+
+
+def _torch_function(func: ast.expr) -> bool:
+    """``torch.cat``, ``F.relu``, ``torch.nn.functional.gelu``: a torch function, which keeps no argument."""
+    while isinstance(func, ast.Attribute):
+        func = func.value
+        if isinstance(func, ast.Name):
+            return func.id in _MODULE_NAMES
+    return False
+
+
+def _shared_names(function: ast.FunctionDef | ast.AsyncFunctionDef, me: str, parents: dict[int, ast.AST]) -> set[str]:
+    """The variables whose tensor (or a view of it) another holder may read too: given another name (``t = v``,
+    ``first = v[:, :4]``, ``a, b = v.chunk(2)``, ``for t in v``), put in a container (``[v]``, ``feats.append(v)``,
+    ``self.feats.append(v)``, ``store[k] = v``, ``self.h = v``), passed to a function of the user's (``keep(store,
+    v)``) or yielded; and the names given it. Read as a number (``v.shape``, ``v.size(1)``), computed on (``v + 1``,
+    ``v.sum()``), passed to a torch function (``torch.cat([v])``) or to a module of ``me`` (``self.conv(v)``), or
+    assigned back to itself (``v = v.view(...)``) is not sharing. No control flow is followed (a branch not taken
+    counts)."""
+    shared: set[str] = set()
+    for node in ast.walk(function):
+        if not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)):
+            continue
+        here, up = _holding(node, parents)
+        if _shares(here, up, node.id, me, parents):
+            shared.add(node.id)
+            if isinstance(up, (ast.Assign, ast.AnnAssign, ast.NamedExpr)):
+                targets = up.targets if isinstance(up, ast.Assign) else [up.target]
+                shared |= {t.id for target in targets for t in ast.walk(target) if isinstance(t, ast.Name)}
+    return shared
+
+
+def _holding(node: ast.Name, parents: dict[int, ast.AST]) -> tuple[ast.AST, ast.AST | None]:
+    """The outermost expression that may still hold ``node``'s tensor (or a view of it: ``v[...]``, ``v.view(...)``,
+    ``torch.chunk(v, 2)``, ``[v, w]``, ``*v``), and the node using it."""
+    here: ast.AST = node
+    up = parents.get(id(here))
+    while True:
+        if isinstance(up, ast.Attribute) and up.value is here and up.attr in _VIEWING:
+            call = parents.get(id(up))
+            if not (isinstance(call, ast.Call) and call.func is up):
+                return here, up  # v.float as a value, not called
+            up = call  # v.view(...)
+        elif isinstance(up, ast.Subscript) and up.value is here:
+            pass  # v[:, :4]
+        elif isinstance(up, ast.Attribute) and up.value is here and up.attr in _VIEW_ATTRIBUTES:
+            pass  # v.T
+        elif (isinstance(up, ast.Call) and here in up.args and isinstance(up.func, ast.Attribute)
+              and up.func.attr in _VIEWING and _torch_function(up.func)):
+            pass  # torch.chunk(v, 2)
+        elif isinstance(up, (ast.List, ast.Tuple, ast.Set, ast.Starred, ast.NamedExpr)):
+            pass  # [v, w]: holds v
+        elif isinstance(up, ast.Dict) and here in up.values:
+            pass
+        elif isinstance(up, ast.IfExp) and up.test is not here:
+            pass
+        else:
+            return here, up
+        here, up = up, parents.get(id(up))
+
+
+def _shares(value: ast.AST, up: ast.AST | None, name: str, me: str, parents: dict[int, ast.AST]) -> bool:
+    """Whether ``value`` (which may hold variable ``name``'s tensor) is held by something else where ``up`` uses it."""
+    if isinstance(up, (ast.Assign, ast.AnnAssign, ast.NamedExpr)):
+        targets = up.targets if isinstance(up, ast.Assign) else [up.target]
+        return up.value is value and not all(isinstance(t, ast.Name) and t.id == name for t in targets)
+    if isinstance(up, ast.AugAssign):
+        return isinstance(value, (ast.List, ast.Tuple, ast.Set, ast.Dict))  # feats += [v]; (s += v: a sum)
+    if isinstance(up, (ast.For, ast.AsyncFor, ast.comprehension)):
+        return up.iter is value  # for t in v: t is a view of v
+    if isinstance(up, (ast.Yield, ast.YieldFrom)):
+        return True
+    if isinstance(up, ast.keyword):
+        up = parents.get(id(up))
+    if isinstance(up, ast.Call) and up.func is not value:
+        return not _keeps_no_argument(up.func, me)
+    return False
+
+
+def _keeps_no_argument(func: ast.expr, me: str) -> bool:
+    """A call of a torch function, of a module of ``me`` (``self.conv(v)``, ``self.block.conv(v)``), of a method of
+    a tensor (``v.add(w)``) or of a harmless builtin: nothing keeps its arguments after it returns."""
+    if isinstance(func, ast.Name):
+        return func.id in _HARMLESS
+    if not isinstance(func, ast.Attribute) or func.attr in _STORING:
+        return False  # feats.append(v), self.feats.append(v), store.update(...)
+    if _torch_function(func):
+        return True
+    root: ast.expr = func
+    while isinstance(root, ast.Attribute):
+        root = root.value
+    return isinstance(root, ast.Name) and root.id == me  # self.conv(v); (w.add(v): w may be a list's method)
+
+
 def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str) -> int | None:
     """The line (in the parsed class) where ``function`` may rely on the activation ``self.<name>`` overwriting its
     input, or None where every use is one the out-of-place activation computes the same: a direct call whose input
@@ -745,10 +909,7 @@ def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str) ->
              for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)]
     parents = {id(child): node for node in ast.walk(function) for child in ast.iter_child_nodes(node)}
     names = [n for n in ast.walk(function) if isinstance(n, ast.Name)]
-    shared = {n.id for n in names if isinstance(parents.get(id(n)), (ast.Assign, ast.AnnAssign, ast.Tuple, ast.List))
-              and isinstance(n.ctx, ast.Load)}  # t = v, (v, w), [v]: v has another name now
-    shared |= {t.id for node in ast.walk(function) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Name)
-               for t in node.targets if isinstance(t, ast.Name)}  # t = v: t shares v's tensor
+    shared = _shared_names(function, me, parents)
     for node in ast.walk(function):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
                 and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value == name):
