@@ -379,3 +379,103 @@ def test_no_rounding_note_where_fn_is_wrong_in_float64_too():
     assert not check.ok
     assert any("torch.float64" in p for p in check.problems)
     assert check.notes == []
+
+
+# ---------------------------------------------------------------- every parameter gradient, and the output's dtype
+
+
+_WEIGHT = torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(3)))
+
+
+def _doubled_grad(w):  # w's values, twice its gradient
+    return 2 * w - w.detach()
+
+
+@pytest.mark.parametrize("fn, message", [
+    (lambda x: F.linear(x, _doubled_grad(_WEIGHT)).relu_(), "gradient of a tensor of shape (8, 8) that fn and the "
+                                                            "reference both use differs"),
+    (lambda x: F.linear(x, _WEIGHT.detach()).relu_(), "gradient of a tensor of shape (8, 8) that only the "
+                                                      "reference's output depends on is missing for fn"),
+], ids=["wrong gradient", "no gradient"])
+def test_a_parameter_both_close_over_has_its_gradient_compared(fn, message):
+    # only module parameters of the same names were compared: a parameter reached through a closure was not, and a
+    # function giving it twice its gradient (or none) passed
+    def reference(x):
+        return F.relu(F.linear(x, _WEIGHT))
+
+    assert memtrim.check_inplace(lambda x: F.linear(x, _WEIGHT).relu_(), reference, torch.randn(4, 8)).ok
+    result = memtrim.check_inplace(fn, reference, torch.randn(4, 8))
+    assert not result.ok and any(message in p for p in result.problems), result.problems
+
+
+class _Renamed(torch.nn.Module):
+    """A Linear + ReLU whose parameters are named otherwise than the reference Sequential's."""
+
+    def __init__(self, linear, doubled):
+        super().__init__()
+        self.proj = copy.deepcopy(linear)
+        self.doubled = doubled
+
+    def forward(self, x):
+        weight = _doubled_grad(self.proj.weight) if self.doubled else self.proj.weight
+        return F.linear(x, weight, self.proj.bias).relu_()
+
+
+def test_module_parameters_under_other_names_are_compared_by_position():
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    assert memtrim.check_inplace(_Renamed(reference[0], doubled=False), reference, torch.randn(4, 8)).ok
+    result = memtrim.check_inplace(_Renamed(reference[0], doubled=True), reference, torch.randn(4, 8))
+    assert not result.ok
+    assert any("gradient of parameter proj.weight (the reference's 0.weight) differs" in p
+               for p in result.problems), result.problems
+    assert not any("proj.bias" in p for p in result.problems)
+
+
+def test_a_module_reaching_the_references_parameter_through_a_closure_is_compared():
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(8, 8)
+    fn = torch.nn.Sequential()  # a module with no parameters of its own
+    fn.forward = lambda x: F.linear(x, _doubled_grad(reference.weight), reference.bias)
+    result = memtrim.check_inplace(fn, reference, torch.randn(4, 8))
+    assert not result.ok
+    assert any("gradient of the reference's parameter weight differs" in p for p in result.problems), result.problems
+
+
+def test_a_tensor_only_fn_depends_on_is_a_problem():
+    scale = torch.nn.Parameter(torch.ones(()))  # 1: the values stay right; it learns where the reference has none
+    result = memtrim.check_inplace(lambda x: torch.relu_(x * scale), torch.relu, torch.randn(4, 8))
+    assert not result.ok
+    assert any("the gradient of a tensor of shape () that only fn's output depends on is present for fn but not for "
+               "the reference" in p for p in result.problems), result.problems
+
+
+def test_parameters_that_cannot_be_paired_are_refused():
+    # two distinct parameters, one for each: which gradient to compare with which was unknown, and none was
+    w_fn = torch.nn.Parameter(torch.randn(8, 8))
+    w_ref = torch.nn.Parameter(w_fn.detach().clone())
+    with pytest.raises(memtrim.InvalidInputError, match=r"memtrim\.check_inplace: fn's output depends on 1 tensor\(s\) "
+                                                        r"that require grad .* and the reference's on 1 other"):
+        memtrim.check_inplace(lambda x: F.linear(x, w_fn).relu_(), lambda x: F.linear(x, w_ref).relu(),
+                              torch.randn(4, 8))
+
+
+def test_a_frozen_parameter_is_not_differentiated():
+    # a parameter with requires_grad=False was passed to autograd.grad: "the reference's backward failed" every trial
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(8, 8)
+    reference.bias.requires_grad_(False)
+    assert memtrim.check_inplace(copy.deepcopy(reference), reference, torch.randn(4, 8)).ok
+
+
+def test_an_output_of_another_dtype_is_a_problem():
+    # compared in float64, a float64 result of the right values passed against float32 (ok, no problem)
+    def in_double(x):
+        return torch.relu(x).double()
+
+    result = memtrim.check_inplace(in_double, torch.relu, torch.randn(8, 8))
+    assert not result.ok
+    assert any("fn returns dtype torch.float64 but the reference returns torch.float32" in p
+               for p in result.problems), result.problems
+    assert any(p.startswith("without grad") and "dtype torch.float64" in p for p in result.problems)
+    assert not any("torch.float64, draw" in p for p in result.problems)  # the float64 trials: the same dtype, passed

@@ -109,3 +109,78 @@ def test_bad_input():
         memtrim.verify(SeedMLP, adam, batches(), F.nll_loss, lambda m, o: memtrim.convert(m))
     with pytest.raises(memtrim.InvalidInputError, match="neither by name nor by position"):
         memtrim.verify(SeedMLP, adam, batches(), F.nll_loss, lambda m, o: (torch.nn.Linear(2, 2), o))
+
+
+class _Bag(torch.nn.Module):
+    """A sparse embedding (its gradient a sparse COO tensor) and a dense head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(20, 8, sparse=True)
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(self.embedding(ids).mean(1))
+
+
+def _token_batches(n=3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 20, (4, 5), generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(n)]
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_sparse_gradients_are_compared():
+    # the comparison of an nn.Embedding(sparse=True) gradient raised torch's "unsupported memory format option
+    # Contiguous" from inside verify
+    report = memtrim.verify(_Bag, _sgd, _token_batches(), F.cross_entropy, identity)
+    assert report.ok and report.bitwise and report.steps == 3 and report.grads_compared
+
+    def doubled_embedding_gradient(model, optimizer):
+        model.embedding.weight.register_hook(lambda grad: grad * 2)
+        return model, optimizer
+
+    report = memtrim.verify(_Bag, _sgd, _token_batches(), F.cross_entropy, doubled_embedding_gradient)
+    assert not report.ok and report.first_divergence.step == 0
+    assert report.first_divergence.tensor == "grad:embedding.weight"
+    torch.manual_seed(0)  # plain torch: the baseline's gradient, which the doubled one exceeds by itself
+    model = _Bag()
+    (ids, targets), = _token_batches(1)
+    F.cross_entropy(model(ids), targets).backward()
+    assert report.first_divergence.max_abs_error == float(model.embedding.weight.grad.to_dense().abs().max())
+
+
+def _lbfgs(model, max_iter=4):
+    return torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=max_iter)
+
+
+def test_a_closure_optimizer_trains_as_plain_pytorch():
+    # LBFGS's step needs a closure; verify called step() and torch's TypeError came out
+    report = memtrim.verify(SeedMLP, _lbfgs, batches(3), F.nll_loss, identity)
+    assert report.ok and report.bitwise and report.steps == 3
+    torch.manual_seed(0)  # the same training in plain PyTorch: verify seeds 0 for the model, 1 + step for each step
+    model = SeedMLP()
+    optimizer = _lbfgs(model)
+    losses = []
+    for step, (x, y) in enumerate(batches(3)):
+        optimizer.zero_grad()
+        torch.manual_seed(1 + step)
+        loss = F.nll_loss(model(x), y)
+        loss.backward()
+        losses.append(float(loss.detach()))
+
+        def closure(x=x, y=y):
+            optimizer.zero_grad()
+            loss = F.nll_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        optimizer.step(closure)
+    assert report.baseline_losses == losses == report.transformed_losses
+    assert len(set(losses)) == 3  # it trained
+
+    report = memtrim.verify(SeedMLP, _lbfgs, batches(3), F.nll_loss, lambda m, o: (m, _lbfgs(m, max_iter=2)))
+    assert not report.ok and report.first_divergence.step == 0
+    assert report.first_divergence.tensor.startswith("param:")

@@ -7,9 +7,13 @@ is right for the wrong function). Only a comparison with an out-of-place referen
 1. draws fresh random inputs (the examples give shapes and dtypes; float64 is added, unless the reference raises
    on it: it may close over float32 weights; a note says so),
 2. runs ``fn`` and ``reference`` on separate non-leaf copies, from the same state of the global generators (an
-   in-place dropout draws the reference's mask), and compares the outputs,
-3. back-propagates the same random output gradient through both and compares the gradients of every input
-   and of every parameter (when both are modules with the same parameters),
+   in-place dropout draws the reference's mask), and compares the outputs (shape, dtype, values: the values are
+   compared in float64, where another dtype could pass),
+3. back-propagates the same random output gradient through both and compares the gradients of every input and
+   of every tensor requiring grad that either output depends on (found in its autograd graph, so a weight that a
+   closure or a global reaches counts too): the modules' parameters paired by name, else by position and shape,
+   any other tensor with itself (both use it; one output alone depending on it is a problem); where each output
+   depends on tensors the other's does not and nothing pairs them, the call is refused,
 4. records, with a dispatch mode, every storage an op writes in place: ``fn`` may write into storages it
    created and into an input it returns (that is what in place means); writing into an input it does not
    return, or into anything else (a parameter, a global), corrupts the caller's tensors,
@@ -130,8 +134,9 @@ def check_inplace(
 
     Raises:
         InvalidInputError: an argument of the wrong kind (a non-callable fn or reference, no example inputs,
-            non-tensor or non-floating inputs, draws not a positive int, ...), or a reference that fails or
-            returns no tensor on the examples (nothing to compare against).
+            non-tensor or non-floating inputs, draws not a positive int, ...), a reference that fails or
+            returns no tensor on the examples (nothing to compare against), or fn and reference depending on
+            different tensors that require grad which cannot be paired (their gradients would go unchecked).
 
     Example::
 
@@ -532,8 +537,9 @@ def _check_without_grad(fn: Callable, reference: Callable, examples: Sequence[to
             return [f"{where}: fn raised {type(e).__name__}: {e}"]
     if out_fn.shape != out_ref.shape:
         return [f"{where}: fn returns shape {tuple(out_fn.shape)} but the reference returns {tuple(out_ref.shape)}."]
+    found = [f"{where}: {_another_dtype(out_fn, out_ref)}"] if out_fn.dtype != out_ref.dtype else []
     differ = _values_differ(out_fn, out_ref, tol, where)
-    return [] if differ is None else [differ + " (fn computes otherwise when no gradient is needed)."]
+    return found + ([] if differ is None else [differ + " (fn computes otherwise when no gradient is needed)."])
 
 
 def _values_differ(out_fn: torch.Tensor, out_ref: torch.Tensor, tol: tuple[float, float], where: str) -> str | None:
@@ -553,7 +559,7 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
     args_ref = [x.clone() for x in leaves_ref]  # non-leaf: an in-place op on them is legal
     args_fn = [x.clone() for x in leaves_fn]
     before = [x.detach().clone() for x in args_fn]
-    params_fn, params_ref = _params(fn), _params(reference)
+    params_fn = _params(fn)
     params_before = {n: p.detach().clone() for n, p in params_fn.items()}
     order_fn, order_ref = _buffer_order(fn, reference)
     buffers_fn, buffers_ref = _buffers(fn, order_fn), _buffers(reference, order_ref)
@@ -577,6 +583,8 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
     if out_fn.shape != out_ref.shape:
         return [f"{where}: fn returns shape {tuple(out_fn.shape)} but the reference returns "
                 f"{tuple(out_ref.shape)}; fn changes the shape."], False
+    if out_fn.dtype != out_ref.dtype:  # the values are compared in float64, where another dtype can pass
+        problems.append(f"{where}: {_another_dtype(out_fn, out_ref)}")
     differ = _values_differ(out_fn, out_ref, tol, where)
     if differ is not None:
         problems.append(differ + ".")
@@ -609,22 +617,119 @@ def _compare(fn: Callable, reference: Callable, inputs: list[torch.Tensor], tol:
     for name, p in params_fn.items():
         if not bitwise_equal(p.detach(), params_before[name]):
             problems.append(f"{where}: fn changed its parameter {name} during the forward.")
-    # gradients
+    # gradients: of every input, and of every tensor requiring grad that either output depends on
     grad_out = torch.randn(out_ref.shape, generator=generator, dtype=torch.float64).to(out_ref.device, out_ref.dtype)
-    shared = [n for n in params_fn if n in params_ref and params_fn[n].shape == params_ref[n].shape]
+    pairs = _parameter_pairs(fn, reference, _leaves_reached(out_fn, leaves_fn), _leaves_reached(out_ref, leaves_ref))
     try:
-        grads_ref = torch.autograd.grad(out_ref, leaves_ref + [params_ref[n] for n in shared], grad_out,
-                                        allow_unused=True)
+        grads_ref = _grads(out_ref, leaves_ref + [b for _, _, b in pairs], grad_out)
     except RuntimeError as e:
         return problems + [f"{where}: the reference's backward failed: {e}"], wrote_input
     try:
-        grads_fn = torch.autograd.grad(out_fn, leaves_fn + [params_fn[n] for n in shared], grad_out,
-                                       allow_unused=True)
+        grads_fn = _grads(out_fn, leaves_fn + [a for _, a, _ in pairs], grad_out)
     except Exception as e:
         return problems + [f"{where}: {_explain_backward_error(fn, inputs, e)}"], wrote_input
-    names = [f"input {i}" for i in range(len(leaves_fn))] + [f"parameter {n}" for n in shared]
+    names = [f"input {i}" for i in range(len(leaves_fn))] + [name for name, _, _ in pairs]
     problems += _gradient_problems(names, grads_fn, grads_ref, tol, where)
     return problems, wrote_input
+
+
+def _leaves_reached(out: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors requiring grad, other than ``inputs``, whose gradient ``out``'s backward accumulates (its graph's
+    ``AccumulateGrad`` nodes), in the order first met: a module's parameters, and any tensor a function reaches
+    through a closure or a global (only module parameters of the same names were compared, so a closure's weight
+    given a wrong gradient passed)."""
+    skip = {id(x) for x in inputs}
+    found: dict[int, torch.Tensor] = {}
+    if out.grad_fn is None:
+        return [out] if out.requires_grad and id(out) not in skip else []
+    seen: set[Any] = set()
+    stack: list[Any] = [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor) and id(variable) not in skip:
+            found.setdefault(id(variable), variable)
+        stack.extend(next_node for next_node, _ in reversed(node.next_functions))
+    return list(found.values())
+
+
+def _module_pairs(fn: Any, reference: Any) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """fn's module parameters paired with the reference's: by name where both hold the same names, else by position
+    where their counts and shapes agree (a fused module against a Sequential names them otherwise), else the names
+    both hold (with the same shape)."""
+    params_fn, params_ref = _params(fn), _params(reference)
+    if set(params_fn) != set(params_ref) and (
+        [p.shape for p in params_fn.values()] == [p.shape for p in params_ref.values()]
+    ):
+        return [(f"parameter {n} (the reference's {m})", p, params_ref[m])
+                for (n, p), m in zip(params_fn.items(), params_ref)]
+    # the same names; else those the two share (the others are paired as the tensors the outputs depend on)
+    return [(f"parameter {n}", p, params_ref[n]) for n, p in params_fn.items()
+            if n in params_ref and params_ref[n].shape == p.shape]
+
+
+def _parameter_pairs(fn: Any, reference: Any, reached_fn: list[torch.Tensor], reached_ref: list[torch.Tensor]
+                     ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, fn's tensor, the reference's tensor) for every gradient beyond the inputs': the modules' parameters
+    (:func:`_module_pairs`), then each other tensor requiring grad that either output depends on, paired with
+    itself (both close over one weight; where only one output depends on it, the other's gradient is missing and
+    that is a problem).
+
+    Raises:
+        InvalidInputError: each output depends on tensors the other's does not, which pair neither as module
+            parameters nor as the same tensor: which gradient to compare with which is unknown.
+    """
+    pairs = _module_pairs(fn, reference)
+    paired_fn, paired_ref = {id(a) for _, a, _ in pairs}, {id(b) for _, _, b in pairs}
+    only_fn = [t for t in reached_fn if id(t) not in paired_fn]
+    only_ref = [t for t in reached_ref if id(t) not in paired_ref]
+    ids_fn, ids_ref = {id(t) for t in only_fn}, {id(t) for t in only_ref}
+    unknown_fn = [t for t in only_fn if id(t) not in ids_ref]
+    unknown_ref = [t for t in only_ref if id(t) not in ids_fn]
+    if unknown_fn and unknown_ref:
+        raise InvalidInputError(
+            f"memtrim.check_inplace: fn's output depends on {len(unknown_fn)} tensor(s) that require grad "
+            f"({_described(unknown_fn, fn, reference)}) and the reference's on {len(unknown_ref)} other(s) "
+            f"({_described(unknown_ref, fn, reference)}); expected each gradient to have a counterpart, paired as "
+            "module parameters (by name, else by position and shape) or as the same tensor, and cannot tell which "
+            "of these pairs with which, so their gradients would go unchecked. Let fn and the reference use the same "
+            "tensors (close over one parameter), or pass modules whose parameters share names or order and shapes."
+        )
+    names = {id(p): f"parameter {n}" for n, p in _params(fn).items()}
+    names.update({id(p): f"the reference's parameter {n}" for n, p in _params(reference).items()
+                  if id(p) not in names})
+    for t in [*only_fn, *(t for t in only_ref if id(t) not in ids_fn)]:
+        if id(t) in ids_fn and id(t) in ids_ref:
+            name = names.get(id(t), f"a tensor of shape {tuple(t.shape)} that fn and the reference both use")
+        else:
+            side = "fn" if id(t) in ids_fn else "the reference"
+            name = (f"{names[id(t)]}, which only {side}'s output depends on," if id(t) in names
+                    else f"a tensor of shape {tuple(t.shape)} that only {side}'s output depends on")
+        pairs.append((name, t, t))
+    return pairs
+
+
+def _described(tensors: list[torch.Tensor], fn: Any, reference: Any) -> str:
+    names = {id(p): f"fn's {n}" for n, p in _params(fn).items()}
+    names.update({id(p): f"the reference's {n}" for n, p in _params(reference).items()})
+    shown = [names.get(id(t), f"shape {tuple(t.shape)}") for t in tensors[:4]]
+    return ", ".join(shown) + (", ..." if len(tensors) > 4 else "")
+
+
+def _grads(out: torch.Tensor, tensors: list[torch.Tensor], grad_out: torch.Tensor) -> list[torch.Tensor | None]:
+    """The gradient of each of ``tensors`` (None for one that is unused or needs no gradient: a frozen parameter,
+    which ``torch.autograd.grad`` refuses)."""
+    wanted = [t for t in tensors if t.requires_grad]
+    found = dict(zip(map(id, wanted), torch.autograd.grad(out, wanted, grad_out, allow_unused=True)))
+    return [found.get(id(t)) for t in tensors]
+
+
+def _another_dtype(out_fn: torch.Tensor, out_ref: torch.Tensor) -> str:
+    return (f"fn returns dtype {out_fn.dtype} but the reference returns {out_ref.dtype}; a caller gets other "
+            "arithmetic and memory from there on. Return the reference's dtype.")
 
 
 def _gradient_problems(names: list[str], grads_fn: Sequence[torch.Tensor | None],
@@ -634,6 +739,9 @@ def _gradient_problems(names: list[str], grads_fn: Sequence[torch.Tensor | None]
         if (a is None) != (b is None):
             problems.append(f"{where}: the gradient of {name} is {'missing' if a is None else 'present'} for fn "
                             "but not for the reference.")
+        elif a is not None and b is not None and a.dtype != b.dtype:
+            problems.append(f"{where}: the gradient of {name} has dtype {a.dtype} for fn but {b.dtype} for the "
+                            "reference.")
         elif a is not None and b is not None:
             error = _max_error(a, b, tol)
             if error is not None:

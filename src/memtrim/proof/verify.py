@@ -103,7 +103,8 @@ def verify(
         make_model: builds a new model on each call (a class or a function); called after seeding with ``seed``
             for each run (the CPU generator, and CUDA's once it has started). The two models must share no parameter
             or buffer.
-        make_optimizer: ``make_optimizer(model)`` builds the optimizer for that model.
+        make_optimizer: ``make_optimizer(model)`` builds the optimizer for that model. One whose step needs a
+            closure (``torch.optim.LBFGS``) is stepped with one that runs the step's forward and backward again.
         batches: ``(inputs, targets)`` pairs (inputs a tensor, a tuple of positional arguments or a dict of keyword
             arguments: ``model(**inputs)``); both runs see the same.
         loss_fn: ``loss_fn(output, targets)`` returns a scalar.
@@ -186,8 +187,8 @@ def _verify(make_model: Callable, make_optimizer: Callable, batch_list: list[tup
             break
         # each run's step goes on from its own backward's generators, as in a loop of its own (an optimizer may
         # draw: gradient noise; OptimizerInBackward draws inside backward), and they must end alike
-        base_rng = _stepped(base_opt, base_rng)
-        if not comparison.same_rng(step, base_rng, _stepped(opt, rng)):
+        base_rng = _stepped(base_opt, base_rng, _closure(base_model, base_opt, base_batch, loss_fn))
+        if not comparison.same_rng(step, base_rng, _stepped(opt, rng, _closure(model, opt, batch, loss_fn))):
             break
         # matched again at each step: a module that assigns a buffer anew (self.ema = 0.9 * self.ema + ...) leaves
         # the tensors matched before training behind
@@ -455,13 +456,40 @@ def _rng_states() -> list[torch.Tensor]:
     return [torch.get_rng_state(), *(torch.cuda.get_rng_state(i) for i in started)]
 
 
-def _stepped(optimizer: Any, states: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``optimizer.step()`` from the generators' ``states``; their states after it."""
+def _stepped(optimizer: Any, states: list[torch.Tensor], closure: Callable[[], torch.Tensor] | None
+             ) -> list[torch.Tensor]:
+    """``optimizer.step()`` (``step(closure)`` where it needs one) from the generators' ``states``; their states
+    after it."""
     torch.set_rng_state(states[0])
     for index, state in enumerate(states[1:]):
         torch.cuda.set_rng_state(state, index)
-    optimizer.step()
+    if closure is None:
+        optimizer.step()
+    else:
+        optimizer.step(closure)
     return _rng_states()
+
+
+def _closure(model: torch.nn.Module, optimizer: Any, batch: tuple[Any, Any], loss_fn: Callable
+             ) -> Callable[[], torch.Tensor] | None:
+    """The closure for an optimizer whose step cannot do without one (``LBFGS`` re-evaluates the loss, up to
+    ``max_iter`` times a step), else None: another forward and backward of the step's batch, as a training loop
+    writes it (zero the gradients, the loss, backward, return the loss). Each run's draws go on from where its
+    step's first backward left the generators, as in a loop of its own; optimizers that take a closure only if
+    given one (SGD, Adam) get none, so their step stays one forward and one backward."""
+    from ..techniques.optim.wrapping import needs_closure  # here: techniques import this module
+
+    if not needs_closure(type(optimizer)):
+        return None
+
+    def closure() -> torch.Tensor:
+        with torch.enable_grad():  # step runs under no_grad
+            optimizer.zero_grad(set_to_none=True)
+            loss = scalar_loss("memtrim.verify", loss_fn(call_model(model, batch[0]), batch[1]))
+            loss.backward()
+        return loss
+
+    return closure
 
 
 def _forward_backward(model: torch.nn.Module, optimizer: Any, inputs: Any, targets: Any, loss_fn: Callable,

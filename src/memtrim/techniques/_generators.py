@@ -125,7 +125,7 @@ class GeneratorDraws(TorchFunctionMode):
     """
 
     def __init__(self, where: str, advice: str, error: type[MemtrimError], replay: list[torch.Tensor] | None = None,
-                 strict: bool = True, changes: list[int] | None = None) -> None:
+                 strict: bool = True, changes: list[int] | None = None, watch_drawing: bool = False) -> None:
         super().__init__()
         self.where, self.advice, self.error, self.replay, self.strict = where, advice, error, replay, strict
         self.states: list[torch.Tensor] = []  # recorded states (forward)
@@ -138,7 +138,8 @@ class GeneratorDraws(TorchFunctionMode):
         self.stopped = False  # torch ended the recomputation early
         self.last: tuple[bytes, tuple[int, ...]] | None = None
         self.stretch = "the start"  # the call whose stretch runs now
-        self.drew = False  # a call that draws random numbers ran (recording; see draws_random_numbers)
+        # whether a call that draws random numbers ran (recording, where asked: see draws_random_numbers)
+        self.watch_drawing, self.drew = watch_drawing and replay is None, False
 
     def __enter__(self) -> GeneratorDraws:
         if self.replay is None and threading.active_count() > 1:
@@ -163,7 +164,7 @@ class GeneratorDraws(TorchFunctionMode):
             self.restore.append((value, value.get_state()))
             value.set_state(self.replay[position])
         name = getattr(func, "__name__", "")
-        if self.replay is None and not self.drew:
+        if self.watch_drawing and not self.drew:
             self.drew = draws_random_numbers(name, args, kwargs)
         if self.changes is not None:
             self._watch(name or repr(func))

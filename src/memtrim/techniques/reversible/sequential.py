@@ -367,7 +367,8 @@ class _Frame:
                     return self._affine(index, cast(AffineCoupling, block), x)
                 x = _whole(x)
                 generators = _global_generators()
-                with captured(self.replays[index], "block", x, f"block {index} ({type(block).__name__})") as draws:
+                with captured(self.replays[index], "block", x, f"block {index} ({type(block).__name__})",
+                              watch_drawing=True) as draws:
                     out = block(x)
                 # a dropout under fork_rng leaves the generators as it found them; TorchScript's draws are not
                 # seen as calls: both ways
