@@ -178,6 +178,31 @@ def test_parameter_changed_in_place_between_forward_and_backward_raises():
         out_rev.sum().backward()  # the reversible stack too, instead of rebuilding inputs with the new weight
 
 
+@pytest.mark.parametrize("kept_by", ["drift", "a block that draws"])
+def test_a_kept_input_changed_in_place_before_backward_raises_as_plain(kept_by):
+    # found on 2026-12-03: the kept input (the stack's own input, block 0) was read as it was at backward, silently
+    torch.manual_seed(0)
+    first = (memtrim.AdditiveCoupling(nn.Sequential(nn.Linear(4, 4), nn.Tanh())) if kept_by == "drift"
+             else GeneratorScale(8))
+    blocks = [first, memtrim.AdditiveCoupling(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))]
+    plain = nn.Sequential(*copy.deepcopy(blocks))
+    rev = memtrim.ReversibleSequential(*blocks)
+    rev.keep_inputs.update({0} if kept_by == "drift" else set())
+    outs = []
+    with contextlib.ExitStack() as stack:
+        if kept_by != "drift":
+            stack.enter_context(pytest.warns(UserWarning, match="drew random numbers"))
+        for model in (plain, rev):
+            x = torch.randn(3, 8).mul(1)  # (a non-leaf: changed in place below)
+            outs.append((model(x), x))
+    for _, x in outs:
+        x.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        outs[0][0].sum().backward()
+    with pytest.raises(memtrim.ReversibleError, match=r"block 0's input, kept for backward, was modified in place"):
+        outs[1][0].sum().backward()
+
+
 class SelfClamped(nn.Module):
     """Changes its own weight in place under no_grad before using it: a clamp (the same value when run again) or a
     decay (another value)."""

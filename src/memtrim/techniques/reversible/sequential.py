@@ -261,7 +261,9 @@ class _Frame:
         self.output_version = 0
         self.materialised: set[int] = set()
         self.probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (indices, values) of its input
-        self.kept_inputs: dict[int, torch.Tensor] = {}  # blocks whose drift exceeded the tolerance before
+        # blocks whose drift exceeded the tolerance before, or that drew random numbers: input, its version then
+        self.kept_inputs: dict[int, torch.Tensor] = {}
+        self.kept_versions: dict[int, int] = {}
         self.parameter_versions: list[list[tuple[torch.Tensor, int]]] = [[] for _ in blocks]
         self.parameter_flags: list[list[bool]] = [[] for _ in blocks]  # their requires_grad in the forward
         # each block's parameters as its forward read them, in their modules' slots: torch.func.functional_call
@@ -284,6 +286,7 @@ class _Frame:
         for index, block in enumerate(self.blocks):
             if index in self.drift.keep_inputs:
                 self.kept_inputs[index] = _whole(h).detach()
+                self.kept_versions[index] = self.kept_inputs[index]._version
             elif self.drift.check_drift is not None:
                 self.probes[index] = _probe(_whole(h))
             versions: list[tuple[torch.Tensor, int]] = [(p, p._version) for p in block.parameters()]
@@ -338,6 +341,7 @@ class _Frame:
                 "cannot draw the forward's numbers) nor kept. Expected a block that leaves its input as it found it; "
                 "to fix: compute out of place, or build the block from memtrim.AdditiveCoupling / AffineCoupling.")
         self.kept_inputs[index] = _whole(x).detach()
+        self.kept_versions[index] = version
         if index not in self.drift.keep_inputs:
             warnings.warn(
                 f"memtrim.ReversibleSequential: block {index} ({type(block).__name__}) drew random numbers in its "
@@ -565,6 +569,14 @@ class _Frame:
         """Block ``index``'s input, recording into ``recorded`` what its forward saved, in the forward's order."""
         if index in self.kept_inputs:  # drift fallback: the input was kept, recompute forward from it
             x = self.kept_inputs.pop(index)
+            if x._version != self.kept_versions[index]:
+                # the stack's input, changed by the caller (plain training raises autograd's in-place error there;
+                # this recomputed from the new values, silently, until 2026-12-03)
+                raise ReversibleError(
+                    f"memtrim.ReversibleSequential: block {index}'s input, kept for backward, was modified in place "
+                    f"after the forward (version {self.kept_versions[index]}, now {x._version}), as autograd says of "
+                    "a saved tensor in plain training. Expected the stack's input unchanged until backward; to fix: "
+                    "clone it before changing it.")
             self._recompute_forward(index, block, x, recorded)
             return x
         kind = _coupling(block)
