@@ -27,12 +27,13 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import MemtrimError, MemtrimStateError, OptimizerInBackwardError
 from ..measure.hooks import tensors_in
 
-__all__ = ["GeneratorDraws", "GeneratorsKept", "TwoPassDraws", "cuda_devices", "held_generators_kept", "seeded",
-           "unwatched"]
+__all__ = ["GeneratorDraws", "GeneratorsKept", "SeededOps", "TwoPassDraws", "cuda_devices", "held_generators_kept",
+           "seeded", "unwatched"]
 
 # NOTE [ another thread's draws ]: a recomputation replays the forward's draws from the process-wide generators by
 # setting them to their state before the forward, as torch's checkpoint does. Another thread drawing from them
@@ -88,30 +89,36 @@ def _global_generators() -> tuple[bytes, tuple[int, ...]]:
     return cpu, tuple(g.get_offset() for g in torch.cuda.default_generators)
 
 
-# torch functions (as a torch-function mode sees them: the outermost call) that draw random numbers; a dropout
-# draws only in training with p > 0: (where its training flag is passed, its default)
-_DRAWING = frozenset({
-    "bernoulli", "bernoulli_", "binomial", "cauchy_", "exponential_", "geometric_", "gumbel_softmax", "log_normal_",
-    "multinomial", "normal", "normal_", "poisson", "rand", "rand_like", "randint", "randint_like", "randn",
-    "randn_like", "random_", "randperm", "rrelu", "rrelu_", "uniform_", "native_dropout", "fused_dropout",
-    "_fused_dropout", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "trunc_normal_",
-    "orthogonal_", "sparse_"})
-_DROPOUTS = {"dropout": (2, True), "dropout_": (2, True), "dropout1d": (2, True), "dropout2d": (2, True),
-             "dropout3d": (2, True), "feature_dropout": (2, True), "feature_dropout_": (2, True),
-             "alpha_dropout": (2, False), "alpha_dropout_": (2, False), "feature_alpha_dropout": (2, False),
-             "feature_alpha_dropout_": (2, False)}
+class SeededOps(TorchDispatchMode):
+    """Sees whether an op that draws random numbers ran (``drew``): an aten op tagged ``nondeterministic_seeded``
+    (dropout, bernoulli, rand, SDPA's kernels, ...) that draws with the arguments it got (not a dropout in evaluation
+    or of p = 0). At the dispatcher, so TorchScript's ops, a custom Function's, ``torch.ops`` calls and those a
+    ``torch.random.fork_rng`` hides from the generators' state are all seen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drew = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.drew and torch.Tag.nondeterministic_seeded in func.tags:
+            self.drew = _draws_with(func, args, kwargs)
+        return func(*args, **kwargs)
 
 
-def draws_random_numbers(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a call of the torch function ``name`` with these arguments draws random numbers."""
-    if name in _DRAWING:
-        return True
-    if name not in _DROPOUTS:
-        return False
-    position, default = _DROPOUTS[name]
-    training = kwargs.get("training", kwargs.get("train", args[position] if len(args) > position else default))
-    p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
-    return bool(training) and not (isinstance(p, (int, float)) and p == 0)
+def _draws_with(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    for position, argument in enumerate(func._schema.arguments):
+        if position < len(args):
+            value = args[position]
+        elif argument.name in kwargs:
+            value = kwargs[argument.name]
+        else:
+            continue
+        if argument.name in ("train", "training") and value is False:
+            return False
+        if argument.name in ("p", "dropout_p") and isinstance(value, (int, float)) and value == 0:
+            return False
+    return True
 
 
 class GeneratorDraws(TorchFunctionMode):
@@ -125,7 +132,7 @@ class GeneratorDraws(TorchFunctionMode):
     """
 
     def __init__(self, where: str, advice: str, error: type[MemtrimError], replay: list[torch.Tensor] | None = None,
-                 strict: bool = True, changes: list[int] | None = None, watch_drawing: bool = False) -> None:
+                 strict: bool = True, changes: list[int] | None = None) -> None:
         super().__init__()
         self.where, self.advice, self.error, self.replay, self.strict = where, advice, error, replay, strict
         self.states: list[torch.Tensor] = []  # recorded states (forward)
@@ -138,8 +145,6 @@ class GeneratorDraws(TorchFunctionMode):
         self.stopped = False  # torch ended the recomputation early
         self.last: tuple[bytes, tuple[int, ...]] | None = None
         self.stretch = "the start"  # the call whose stretch runs now
-        # whether a call that draws random numbers ran (recording, where asked: see draws_random_numbers)
-        self.watch_drawing, self.drew = watch_drawing and replay is None, False
 
     def __enter__(self) -> GeneratorDraws:
         if self.replay is None and threading.active_count() > 1:
@@ -163,11 +168,8 @@ class GeneratorDraws(TorchFunctionMode):
                 continue
             self.restore.append((value, value.get_state()))
             value.set_state(self.replay[position])
-        name = getattr(func, "__name__", "")
-        if self.watch_drawing and not self.drew:
-            self.drew = draws_random_numbers(name, args, kwargs)
         if self.changes is not None:
-            self._watch(name or repr(func))
+            self._watch(getattr(func, "__name__", repr(func)))
         try:
             return func(*args, **kwargs)
         except _STOP_RECOMPUTATION:

@@ -28,9 +28,9 @@ _SET_TAKES_DEVICE_TYPE = "device_type" in inspect.signature(set_device_states).p
 
 
 def _draws(where: str, replay: list[torch.Tensor] | None = None, strict: bool = True,
-           changes: list[int] | None = None, watch_drawing: bool = False) -> GeneratorDraws:
+           changes: list[int] | None = None) -> GeneratorDraws:
     return GeneratorDraws(f"memtrim.ReversibleSequential: {where}", "keep this module out of the reversible stack",
-                          ReversibleError, replay, strict, changes, watch_drawing)
+                          ReversibleError, replay, strict, changes)
 
 
 def _autocast_kwargs(device_type: str) -> dict[str, Any]:
@@ -82,16 +82,14 @@ def as_forward(x: torch.Tensor, replay: Replay) -> torch.Tensor:
 
 
 @contextmanager
-def captured(replays: dict[str, Replay], name: str, x: torch.Tensor, where: str,
-             watch_drawing: bool = False) -> Iterator[GeneratorDraws]:
+def captured(replays: dict[str, Replay], name: str, x: torch.Tensor, where: str) -> Iterator[GeneratorDraws]:
     """Around a function's forward (reading ``x``): record in ``replays[name]`` what its recomputation must replay.
 
     The generators' states are kept and replayed whether or not the function changed them: one that draws and puts
     the state back (under ``torch.random.fork_rng``, as Megatron's RNG tracker does) leaves it unchanged, and its
     recomputation, not replayed, drew from wherever backward found the state (gradients 119 off, silently; found by
-    an adversarial pass on 2026-12-02). Yields the mode recording the draws (with ``watch_drawing``, its ``drew``:
-    a call that draws ran). A CPU state equal to the one captured last is shared (5,056 bytes each: a stack that draws
-    nothing keeps one).
+    an adversarial pass on 2026-12-02). Yields the mode recording the draws from explicit generators. A CPU state
+    equal to the one captured last is shared (5,056 bytes each: a stack that draws nothing keeps one).
     """
     device_type = x.device.type
     # get_device_states reads no state from a CPU or meta tensor; skipped there (it costs ~20 us per f or g)
@@ -103,7 +101,7 @@ def captured(replays: dict[str, Replay], name: str, x: torch.Tensor, where: str,
                                     device_type=device_type, device_ids=device_ids,
                                     device_rng=device_rng if on_accelerator else None,
                                     autocast=autocast, layout=(x.stride(), int(x.storage_offset())))
-    with _draws(where, watch_drawing=watch_drawing) as draws:
+    with _draws(where) as draws:
         yield draws
     replay.generator_states = draws.states or None
     replay.changes = draws.changes or None  # (none: nothing to compare)

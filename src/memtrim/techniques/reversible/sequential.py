@@ -55,7 +55,7 @@ from torch.nn.parameter import is_lazy
 
 from ...errors import InvalidInputError, ReversibleError
 from ...measure.hooks import hold_for_backward
-from .._generators import _global_generators
+from .._generators import SeededOps, _global_generators
 from .._modes import TrainingFlags, buffers_put_back, set_training_flags, training_flags
 from ..guards import memtrims, plain_only
 from ._replay import Replay, as_forward, captured, replayed
@@ -135,15 +135,18 @@ def _as_second_chunk(halves: _Halves) -> torch.Tensor:
 
 def _coupling(block: nn.Module) -> type[AdditiveCoupling] | type[AffineCoupling] | None:
     """The coupling whose arithmetic the stack runs for ``block`` itself (its f and g captured and replayed one by
-    one), or None for a block run whole and inverted by its ``inverse``. A subclass counts where its forward and
-    inverse are the coupling's (both go through its ``couple`` / ``uncouple``, which it may override): a subclass
-    with dropout in f was inverted whole, g's mask drawn before f's, and trained 366 off, silently, until
+    one), or None for a block run whole and inverted by its ``inverse``. A subclass counts where it keeps the
+    coupling's methods that say which of f and g run in which order (it may add others, or override ``mix``): a
+    subclass with dropout in f was inverted whole, g's mask drawn before f's, and trained 366 off, silently, until
     2026-12-03 (an adversarial pass)."""
     for kind in (AdditiveCoupling, AffineCoupling):
         if isinstance(block, kind):
-            # (checked_call: f and g's calls, which the stack makes itself)
+            # (checked_call: f and g's calls, which the stack makes itself; couple and uncouple: the order of f's
+            # and g's calls, which the rebuild records in the base's order; a couple calling g first trained 13.7
+            # off, silently, until 2026-12-03)
             same = all(getattr(type(block), name) is getattr(kind, name)
-                       for name in ("forward", "inverse", "checked_call") if hasattr(kind, name))
+                       for name in ("forward", "inverse", "checked_call", "couple", "uncouple", "scale_shift")
+                       if hasattr(kind, name))
             return kind if same else None
     return None
 
@@ -271,7 +274,6 @@ class _Frame:
         self.parameter_slots: list[list[tuple[dict[str, Any], str, Any]]] = [[] for _ in blocks]
         self.buffers_before: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]  # changed by forward
         self.drawn: set[int] = set()  # blocks run whole whose forward drew random numbers
-        self.parameters_moved: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]  # (param, after)
         # every module's training flag in the block's forward: an evaluation pass between forward and backward
         # (model.eval(), then no_grad) turns them off, and the recomputation must run as the forward ran
         self.modes: list[TrainingFlags] = [[] for _ in blocks]
@@ -309,13 +311,17 @@ class _Frame:
             h_in, version_in = h, h._version if isinstance(h, torch.Tensor) else 0
             h = self._run_block(index, block, h)
             self.buffers_before[index] = [(b, value) for b, version, value in before if b._version != version]
-            # a parameter the forward changed itself (a weight clamped under no_grad before its use): checked from
-            # its value after the forward on, and that value kept, to compare the recomputation's with (it raised
-            # "modified in place after the forward" every step until 2026-12-03: an adversarial pass)
-            moved = [(p, p.detach().clone()) for p, version in versions if p._version != version]
-            if moved:
-                self.parameter_versions[index] = [(p, p._version) for p, _ in versions]
-            self.parameters_moved[index] = moved
+            moved = next((p for p, version in versions if p._version != version), None)
+            if moved is not None:
+                # (found by adversarial passes on 2026-12-03: a clamp before the use trained, after it the rebuild
+                # read the clamped value, 21 off, silently; before that, a false "modified after the forward")
+                name = next((n for n, p in block.named_parameters() if p is moved), "?")
+                raise ReversibleError(
+                    f"memtrim.ReversibleSequential: block {index}'s forward changed its parameter {name} in place (a "
+                    "clamp or decay under torch.no_grad?). The stack cannot tell whether the forward read it before "
+                    "or after the change, and rebuilding the block's input in backward would read the changed value. "
+                    "Expected a forward that leaves its parameters alone; to fix: make the change in the training loop "
+                    "(after optimizer.step()), or keep the block out of the reversible stack.")
             if index in self.drawn and index not in self.kept_inputs:
                 self._keep_drawing(index, block, h_in, version_in)
         x = _whole(h)
@@ -371,12 +377,13 @@ class _Frame:
                     return self._affine(index, cast(AffineCoupling, block), x)
                 x = _whole(x)
                 generators = _global_generators()
-                with captured(self.replays[index], "block", x, f"block {index} ({type(block).__name__})",
-                              watch_drawing=True) as draws:
+                seeded = SeededOps()
+                with captured(self.replays[index], "block", x, f"block {index} ({type(block).__name__})") as draws, \
+                        seeded:
                     out = block(x)
-                # a dropout under fork_rng leaves the generators as it found them; TorchScript's draws are not
-                # seen as calls: both ways
-                if draws.drew or draws.states or _global_generators() != generators:
+                # an op that draws (seen even under fork_rng, which leaves the generators as it found them), a draw
+                # from an explicit generator, or the global generators moved otherwise (a C++ extension's draw)
+                if seeded.drew or draws.states or _global_generators() != generators:
                     self.drawn.add(index)
                 return out
         except InvalidInputError as e:
@@ -528,7 +535,6 @@ class _Frame:
             set_training_flags(self.modes[index])  # as in the forward
             with buffers_put_back():
                 x = self._rebuild(index, block, recorded)
-            self._check_moved(index, block)
         finally:
             for p in flipped:
                 p.requires_grad_(not p.requires_grad)
@@ -588,24 +594,6 @@ class _Frame:
             affine = cast(AffineCoupling, block)
             return self._rebuild_affine(index, affine, *_split_halves(affine, self._stored_output(index)), recorded)
         return self._rebuild_generic(index, block, _whole(self._stored_output(index)), recorded)
-
-    def _check_moved(self, index: int, block: nn.Module) -> None:
-        """A parameter the block's forward changed in place must come out of the recomputation as the forward left
-        it (a clamp does); one changed again (a decay, ``w.mul_(0.9)``, under no_grad) was used at another value by
-        the recomputation than by the forward: put back, and refused."""
-        changed = [(param, after) for param, after in self.parameters_moved[index] if not torch.equal(param, after)]
-        self.parameters_moved[index] = []
-        with torch.no_grad():
-            for param, after in changed:
-                param.copy_(after)
-        if changed:
-            name = next((n for n, p in block.named_parameters() if p is changed[0][0]), "?")
-            raise ReversibleError(
-                f"memtrim.ReversibleSequential: block {index}'s parameter {name} is changed in place by the block's "
-                "own forward, and its recomputation in backward changed it again to another value (a decay or a "
-                "step, not a clamp), so the tensors rebuilt for backward would not be the forward's. Expected a "
-                "forward that leaves its parameters alone, or changes them to the same value when run again; to fix: "
-                "make that change in the training loop (after optimizer.step()), not in forward.")
 
     def _check_parameters(self, index: int, block: nn.Module) -> None:
         """A block rebuilt with parameters changed since its forward would silently give a wrong input (the plain
@@ -721,7 +709,7 @@ class ReversibleSequential(nn.Module):
         if exact and not all(_coupling(b) is AdditiveCoupling for b in blocks):
             raise InvalidInputError(
                 "memtrim.ReversibleSequential: exact=True needs AdditiveCoupling blocks (fixed-point addition is "
-                "exact; an affine scale is not)."
+                "exact; an affine scale is not), or subclasses keeping its forward, inverse, couple and uncouple."
             )
         if not 1 <= fraction_bits <= 40:
             raise InvalidInputError(
