@@ -276,3 +276,27 @@ def test_a_timeline_of_one_op_is_drawn(tmp_path):
     temporaries = torch.tensor([0xCC, 0xB9, 0x74]) / 255  # the colour of the temporaries' area
     close = (torch.from_numpy(pixels.copy()) - temporaries).abs().amax(-1) < 0.02
     assert close.sum() > 10_000  # an area, not a legend swatch
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "Module.compile", "a compiled submodule"])
+def test_a_compiled_model_is_refused_and_stays_compiled(how):
+    # found by an adversarial pass on 2026-12-03: under the tracker's dispatch mode dynamo skips the compiled frames
+    # and caches the skip, so the report was of the eager step (3.0x the compiled step's peak) and the model ran
+    # eagerly ever after; memtrim.plan the same
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    if how == "torch.compile":
+        model = torch.compile(model, backend="eager")
+    elif how == "Module.compile":
+        model.compile(backend="eager")
+    else:
+        model[0].compile(backend="eager")
+    where = "the model's module '0'" if how == "a compiled submodule" else "the model"
+    with pytest.raises(memtrim.InvalidInputError, match=rf"memtrim.track: {where} was compiled.*track the model "
+                                                        "before compiling it"):
+        memtrim.track(model)
+    with pytest.raises(memtrim.InvalidInputError, match=rf"memtrim.plan: {where} was compiled.*plan the model "
+                                                        "before compiling it"):
+        memtrim.plan(model, torch.randn(4, 8), F.cross_entropy, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                     targets=torch.tensor([0, 1, 0, 1]), budget="1MiB")
+    assert torch.equal(model(torch.ones(2, 8)), model(torch.ones(2, 8)))  # still runs (compiled, untouched)

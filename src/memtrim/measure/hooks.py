@@ -479,3 +479,14 @@ def _remove_active(tracker: Tracker) -> None:
         if not _active:
             while _undo:
                 _undo.pop()()
+
+
+def compiled_module(model: torch.nn.Module) -> str | None:
+    """Which module of ``model`` was compiled (``Module.compile()``, or a ``torch.compile`` wrapper), named as an
+    error says it ("the model", "the model's module 'h.0'"), or None."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # (not imported: nothing was compiled)
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    for name, module in model.named_modules():
+        if (wrapper is not None and isinstance(module, wrapper)) or getattr(module, "_compiled_call_impl", None):
+            return f"the model's module {name!r}" if name else "the model"
+    return None

@@ -133,6 +133,17 @@ class Tracker:
                 f"memtrim.track: optimizer must be a torch.optim.Optimizer or None, got "
                 f"{type(optimizer).__name__}. Pass the optimizer itself (not a function that builds one)."
             )
+        compiled = hooks.compiled_module(model) if model is not None else None
+        if compiled is not None:
+            # (found by an adversarial pass on 2026-12-03: the report was of the eager step, 3.0x the compiled one's
+            # peak, and the model ran eagerly ever after)
+            raise InvalidInputError(
+                f"memtrim.track: {compiled} was compiled (torch.compile or Module.compile()). Under the tracker "
+                "(a Python dispatch mode) torch.compile skips every compiled frame and caches that skip: the step "
+                "would run eagerly, a different program than the compiled one, and the model would stay eager "
+                "afterwards. Expected an uncompiled model; to fix: track the model before compiling it (for "
+                "torch.compile(model), its _orig_mod), or measure the compiled step with torch.cuda's allocator "
+                "statistics (torch.cuda.max_memory_allocated).")
         self._model_ref = weakref.ref(model) if model is not None else None
         self._optimizer_refs: list[weakref.ref] = [weakref.ref(optimizer)] if optimizer is not None else []
         self._owner = weakref.ref(self)  # what each record holds, rather than the tracker itself

@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from .._signatures import accepts
 from ..errors import InvalidInputError, MemtrimError, MemtrimStateError, PlanError
 from ..measure import format_bytes, pyplot
+from ..measure.hooks import compiled_module
 from ..techniques.checkpoint import selective_available
 from ._cost import DeviceCost, calibrate, device_cost
 from ._techniques import EXCLUSIVE, TECHNIQUES, Applied, NotApplicable, Technique
@@ -223,6 +224,13 @@ def _check(model_or_factory: Any, loss_fn: Any, optimizer_factory: Any, techniqu
             "step cannot be traced on fake ones with. Expected the model itself; to fix: plan the module inside "
             "(memtrim.plan(ddp_model.module, ...)): the plan is one process's step."
         )
+    compiled = compiled_module(model_or_factory) if isinstance(model_or_factory, nn.Module) else None
+    if compiled is not None:  # (found by an adversarial pass on 2026-12-03: the eager step was planned, 3.1x the
+        raise InvalidInputError(  # compiled one's peak, and the model ran eagerly ever after)
+            f"{_API}: {compiled} was compiled (torch.compile or Module.compile()). The plan traces the step under a "
+            "fake mode, where torch.compile skips every compiled frame and caches that skip: it would plan the eager "
+            "step, not the compiled one, and the model would stay eager afterwards. Expected an uncompiled model; "
+            "to fix: plan the model before compiling it (for torch.compile(model), its _orig_mod).")
     if isinstance(optimizer_factory, type) or not callable(optimizer_factory):
         raise InvalidInputError(
             f"{_API}: optimizer_factory must be a function of the model, e.g. lambda m: torch.optim.AdamW("

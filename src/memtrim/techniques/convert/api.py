@@ -43,7 +43,7 @@ from torch.nn.parameter import is_lazy
 
 from ...errors import InvalidInputError
 from ...measure import track
-from ...measure.hooks import tensors_in
+from ...measure.hooks import compiled_module, tensors_in
 from ...proof.compare import bitwise_equal
 from .._generators import GeneratorsKept, cuda_devices, held_generators_kept, seeded
 from ..guards import CONVERTED, DECISIONS_END, keep_hook_ids, module_hooks, register_end_hook
@@ -107,7 +107,7 @@ def convert(
     if example_kwargs is not None and not isinstance(example_kwargs, dict):
         raise InvalidInputError(f"memtrim.convert: example_kwargs must be a dict, got {type(example_kwargs).__name__}.")
     refuse_lazy(model, "memtrim.convert")
-    compiled = _compiled(model)
+    compiled = compiled_module(model)
     if compiled is not None:
         raise InvalidInputError(
             f"memtrim.convert: {compiled} was compiled (torch.compile or Module.compile()) before convert. The code "
@@ -152,17 +152,6 @@ def refuse_lazy(model: nn.Module, api: str) -> None:
     if lazy:
         raise InvalidInputError(f"{api}: {len(lazy)} parameters are uninitialized lazy parameters ({lazy[0]}, ...): "
                                 f"run one forward of the model (which materialises them) before {api}.")
-
-
-def _compiled(model: nn.Module) -> str | None:
-    """The name of the first module of ``model`` that was compiled (``Module.compile()``, or a ``torch.compile``
-    wrapper), or None."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # (not imported: nothing was compiled)
-    wrapper = getattr(eval_frame, "OptimizedModule", None)
-    for name, module in model.named_modules():
-        if (wrapper is not None and isinstance(module, wrapper)) or getattr(module, "_compiled_call_impl", None):
-            return f"the model's module {name!r}" if name else "the model"
-    return None
 
 
 def _opacus(model: nn.Module) -> str | None:

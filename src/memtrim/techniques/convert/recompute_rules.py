@@ -50,6 +50,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import re
 import sys
 import textwrap
 import types
@@ -666,66 +667,117 @@ def _out_of_place(module: nn.Module) -> Undo:
 
 def _source_reads_input_after(ctx: Context, module: nn.Module) -> str | None:
     """Why ``module``, an activation run in place, must stay in place, from its parents' source code (NOTE [ in-place
-    activations made out of place ]), or None. In each parent's methods (those of its class and the classes it
-    inherits from, generated or patched ones too, and a method bound on the instance), a call ``self.<name>(v)`` on a
-    variable ``v`` whose result is not assigned back to ``v`` (``v = self.act(v)``) while the function reads ``v``
-    again after it (``self.act(v); return conv(v)``, on any path: no control flow is followed), or ``v`` shared with
-    another holder (:func:`_shared_names`), relies on the input being overwritten. A method that mentions the
-    activation but whose source cannot be read (a class made by ``exec``, ``python -c``) counts as relying on it, as
-    does a forward set on the instance that is not a method bound to it (a closure): they are not read (both trained
-    silently otherwise until 2026-12-03, an adversarial pass: the training step convert checks on the example inputs
-    takes one branch)."""
+    activations made out of place ]), or None. In each parent's methods (every definition in its class and the classes
+    it inherits from, overridden ones too: a ``super()`` call runs them; ``__init__``, where the activation may be
+    wrapped; generated or patched ones; a method bound on the instance; a decorated method's wrapped function; a
+    module-level function the method calls that mentions the activation), a call ``self.<name>(v)`` on a variable
+    ``v`` whose result is not assigned back to ``v`` (``v = self.act(v)``) while the function reads ``v`` again after
+    it (``self.act(v); return conv(v)``, on any path: no control flow is followed, a loop's next pass counts), or
+    ``v`` shared with another holder (:func:`_shared_names`), relies on the input being overwritten; so does a
+    ``getattr(self, <computed name>)`` or a loop calling the parent's children. A method that mentions the activation
+    but whose source cannot be read (a class made by ``exec``, ``python -c``) counts as relying on it, as does a
+    forward set on the instance that is not a method bound to it (a closure). Every module above the parent is read
+    for code reaching the activation itself (``self.block.act(v)``) or the container holding it (``self.acts[0](v)``,
+    ``for act in self.acts``; :func:`_ancestor_reaches`). Each of these trained silently otherwise until 2026-12-03
+    (adversarial passes: the training step convert checks on the example inputs takes one branch)."""
     for path in ctx.aliases.get(id(module), []):
         parent_path, _, name = path.rpartition(".")
         parent = ctx.model.get_submodule(parent_path)
         parent_class: type = type(parent)
-        why = _instance_reads_input_after(parent, name) or _class_reads_input_after(parent_class, name)
+        # the parent's modules that may return their input (an identity, a dropout in evaluation, a drop path)
+        passthrough = frozenset(attr for attr, m in parent._modules.items()
+                                if isinstance(m, (nn.Identity, nn.modules.dropout._DropoutNd))
+                                or re.search("drop|identity|passthrough", type(m).__name__, re.IGNORECASE))
+        why = (_instance_reads_input_after(parent, name, passthrough)
+               or _class_reads_input_after(parent_class, name, passthrough)
+               or _ancestor_reaches(ctx.model, path))
         if why:
             return why
     return None
 
 
 _TRUSTED = (nn.Module, nn.Sequential, nn.ModuleList, nn.ModuleDict, object)
+_DYNAMIC = frozenset({"getattr", "children", "named_children", "modules", "named_modules", "_modules"})
 
 
-def _mentions(code: types.CodeType, name: str) -> bool:
-    """Whether compiled ``code`` (or a function or lambda nested in it) reads an attribute ``name`` (``self.act``) or
-    holds the string (``getattr(self, "act")``): the methods not mentioning it are not parsed."""
-    return name in code.co_names or any(
-        c == name or (isinstance(c, types.CodeType) and _mentions(c, name)) for c in code.co_consts)
+def _mentions(code: types.CodeType, names: frozenset[str] | set[str]) -> bool:
+    """Whether compiled ``code`` (or a function or lambda nested in it) reads an attribute or global of ``names``
+    (``self.act``) or holds one as a string (``getattr(self, "act")``): the methods not mentioning one are not
+    parsed."""
+    return not names.isdisjoint(code.co_names) or any(
+        c in names if isinstance(c, str) else isinstance(c, types.CodeType) and _mentions(c, names)
+        for c in code.co_consts)
 
 
-def _function_reads_input_after(function: Any, name: str, owner: str) -> str | None:
-    """:func:`_reads_after` for one Python function (a method of ``owner``), from its own source."""
-    function = inspect.unwrap(function)  # (a decorated method: functools.wraps's wrapper mentions nothing)
-    code = getattr(function, "__code__", None)
-    if code is None or not _mentions(code, name):
-        return None
+def _functions(cls_or_instance_dict: dict[str, Any]) -> Iterator[Any]:
+    """The Python functions of a class's (or an instance's) namespace: methods, static and class methods' functions,
+    properties' getters and setters, methods bound on an instance."""
+    for value in cls_or_instance_dict.values():
+        if isinstance(value, property):
+            yield from (f for f in (value.fget, value.fset) if f is not None)
+        elif isinstance(value, (staticmethod, classmethod, types.MethodType)):
+            yield value.__func__
+        elif inspect.isfunction(value):
+            yield value
+
+
+def _parsed(function: Any, owner: str, what: str) -> tuple[ast.FunctionDef | ast.AsyncFunctionDef, int] | str:
+    """``function``'s own def, parsed, and its first line; or why it cannot be read (``what`` it reads)."""
     try:
         lines, start = inspect.getsourcelines(function)
         tree = ast.parse(textwrap.dedent("".join(lines)))
     except (OSError, TypeError, SyntaxError, IndentationError) as e:
-        return (f"{owner}.{function.__name__} reads self.{name} and its source cannot be read ({type(e).__name__}: "
-                f"{e}), so convert cannot check that it does not read the activation's input after the call")
+        return (f"{owner}.{function.__name__} reads {what} and its source cannot be read ({type(e).__name__}: {e}), "
+                "so convert cannot check that it does not read the activation's input after the call")
     node = tree.body[0] if tree.body else None
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return (f"{owner}.{function.__name__} reads self.{name} and is not a def convert can read (a lambda?), so "
+        return (f"{owner}.{function.__name__} reads {what} and is not a def convert can read (a lambda?), so "
                 "convert cannot check that it does not read the activation's input after the call")
-    line = _reads_after(node, name)
+    return node, start
+
+
+def _function_reads_input_after(function: Any, name: str, owner: str, passthrough: frozenset[str] = frozenset(),
+                                dynamic: bool = True, depth: int = 0) -> str | None:
+    """:func:`_reads_after` for one Python function (a method of ``owner``), from its own source; and for the
+    functions it wraps (a decorator without ``functools.wraps``) or calls by a global name, where they mention it."""
+    function = inspect.unwrap(function)  # (a decorated method: functools.wraps's wrapper mentions nothing)
+    code = getattr(function, "__code__", None)
+    if code is None or depth > 3:
+        return None
+    inner = [cell.cell_contents for cell in (function.__closure__ or ()) if _cell_function(cell)]
+    helpers = [g for g in (function.__globals__.get(n) for n in code.co_names) if inspect.isfunction(g)]
+    for other in (*inner, *helpers):  # (a helper(self, h) calling self.act(h): read with its first argument as self)
+        why = _function_reads_input_after(other, name, owner, passthrough, dynamic and other in inner, depth + 1)
+        if why:
+            return why
+    if not _mentions(code, {name} | (_DYNAMIC if dynamic else set())):
+        return None
+    parsed = _parsed(function, owner, f"self.{name}")
+    if isinstance(parsed, str):
+        return parsed if _mentions(code, {name}) else None
+    node, start = parsed
+    line = _reads_after(node, name, passthrough, dynamic)
     if line is None:
         return None
     return (f"{owner}.{function.__name__} may rely on self.{name} overwriting its input "
             f"({inspect.getsourcefile(function)}:{start + line - 1})")
 
 
-def _instance_reads_input_after(parent: nn.Module, name: str) -> str | None:
+def _cell_function(cell: Any) -> bool:
+    try:
+        return inspect.isfunction(cell.cell_contents)
+    except ValueError:  # an empty cell
+        return False
+
+
+def _instance_reads_input_after(parent: nn.Module, name: str, passthrough: frozenset[str]) -> str | None:
     """:func:`_source_reads_input_after` for what is set on the parent instance itself: a method bound to it
     (``types.MethodType(fn, module)``) is read as its class's are; another callable set as its ``forward`` (a
     closure, a partial) cannot be read."""
     owner = type(parent).__qualname__
     for attr, value in vars(parent).items():
         if isinstance(value, types.MethodType) and value.__self__ is parent:
-            why = _function_reads_input_after(value.__func__, name, owner)
+            why = _function_reads_input_after(value.__func__, name, owner, passthrough)
             if why:
                 return why
         elif attr == "forward" and callable(value):
@@ -735,25 +787,102 @@ def _instance_reads_input_after(parent: nn.Module, name: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=256)  # a model's blocks share a few classes: each is read once per attribute name
-def _class_reads_input_after(parent: type, name: str) -> str | None:
+def _class_reads_input_after(parent: type, name: str, passthrough: frozenset[str]) -> str | None:
     """:func:`_source_reads_input_after` for one parent class and the attribute name of the activation in it: the
-    methods the parent runs (not ``__init__``; a method a subclass overrides is not), as the class has them (a method
-    set on the class after its body, as torch.fx's generated forward, too)."""
-    seen: set[str] = set()
+    definitions it runs (a method set on the class after its body, as torch.fx's generated forward, too), an
+    overridden one where the override calls ``super()`` or names a base class (``Base.forward(self, x)``)."""
+    reached: dict[str, bool] = {}  # attribute -> whether the definition seen last reaches the next one down
+    bases = {cls.__name__ for cls in parent.__mro__}
     for cls in parent.__mro__:
+        if cls in _TRUSTED:
+            continue
         for attr, value in vars(cls).items():
-            if attr in seen:
-                continue
-            seen.add(attr)
-            if cls in _TRUSTED or attr == "__init__":
-                continue
-            functions = ([value.fget, value.fset] if isinstance(value, property) else
-                         [value.__func__] if isinstance(value, (staticmethod, classmethod)) else [value])
+            if not reached.get(attr, attr not in reached):
+                continue  # overridden, and not called by the override
+            functions = list(_functions({attr: value}))
+            reached[attr] = any(_mentions(f.__code__, {"super"} | bases) for f in functions)
             for function in functions:
-                if inspect.isfunction(function):
-                    why = _function_reads_input_after(function, name, cls.__qualname__)
-                    if why:
-                        return why
+                # (torch's own classes, fx's GraphModule: read for the activation alone, not for getattr)
+                why = _function_reads_input_after(function, name, cls.__qualname__, passthrough,
+                                                  not cls.__module__.startswith("torch."))
+                if why:
+                    return why
+    return None
+
+
+def _ancestor_reaches(model: nn.Module, path: str) -> str | None:
+    """Where a module above the activation's parent reaches the activation (``self.block.act(v)``) or uses the
+    container holding it otherwise than calling it (``self.acts[0](v)``, ``for act in self.acts``): its reads of the
+    activation's input are not seen by the parent's check. Every module on the path, from the model down."""
+    parts = path.split(".")
+    for depth in range(len(parts) - 1):
+        rest = tuple(parts[depth:])
+        if len(rest) < 2:
+            continue
+        ancestor = model.get_submodule(".".join(parts[:depth]))
+        functions = [*_functions(dict(vars(ancestor)))]
+        ancestor_class: type = type(ancestor)
+        why = _reaching(functions, rest, ancestor_class.__qualname__) or _class_reaches(ancestor_class, rest)
+        if why:
+            return why
+    return None
+
+
+@functools.lru_cache(maxsize=256)
+def _class_reaches(ancestor: type, rest: tuple[str, ...]) -> str | None:
+    for cls in ancestor.__mro__:
+        if cls not in _TRUSTED:
+            why = _reaching(list(_functions(dict(vars(cls)))), rest, cls.__qualname__)
+            if why:
+                return why
+    return None
+
+
+def _reaching(functions: list[Any], rest: tuple[str, ...], owner: str) -> str | None:
+    for function in functions:
+        function = inspect.unwrap(function)
+        code = getattr(function, "__code__", None)
+        if code is None or not _mentions(code, {rest[0]}):
+            continue
+        parsed = _parsed(function, owner, f"self.{rest[0]}")
+        if isinstance(parsed, str):
+            return parsed
+        node, start = parsed
+        line = _reaches(node, rest)
+        if line is not None:
+            return (f"{owner}.{function.__name__} reaches self.{'.'.join(rest)} itself or its container "
+                    f"({inspect.getsourcefile(function)}:{start + line - 1}), and may read its input after the call")
+    return None
+
+
+def _reaches(function: ast.FunctionDef | ast.AsyncFunctionDef, rest: tuple[str, ...]) -> int | None:
+    """The line where ``function`` reads ``self.<rest...>`` (the activation), or takes it from ``self.<rest[:-1]...>``
+    (the module holding it) by a subscript, an iteration or its children; calling that module whole, or handing it
+    on (``nn.Sequential(self.stem, self.bn1)``), runs its own forward, which is read as the parent's."""
+    if not function.args.args:
+        return None
+    me = function.args.args[0].arg
+    parents = {id(child): node for node in ast.walk(function) for child in ast.iter_child_nodes(node)}
+    for node in ast.walk(function):
+        chain: list[str] = []
+        root: ast.AST = node
+        while isinstance(root, ast.Attribute):
+            chain.append(root.attr)
+            root = root.value
+        if (not (isinstance(root, ast.Name) and root.id == me) or isinstance(parents.get(id(node)), ast.Attribute)
+                or not isinstance(getattr(node, "ctx", None), ast.Load)):
+            continue  # not rooted at self, not the outermost attribute of its chain, or set (self.bn1 = ...)
+        chain.reverse()
+        line = int(getattr(node, "lineno", 0))
+        if tuple(chain) == rest:
+            return line  # self.block.act
+        use = parents.get(id(node))
+        if tuple(chain) == rest[:-1] and (
+                (isinstance(use, ast.Subscript) and use.value is node)
+                or (isinstance(use, (ast.For, ast.AsyncFor, ast.comprehension)) and use.iter is node)):
+            return line  # self.acts[0], for a in self.acts
+        if tuple(chain[:-1]) == rest[:-1] and chain[-1] in (_DYNAMIC | {"values", "items", "__getitem__"}):
+            return line  # self.acts.values(), self.seq.children()
     return None
 
 
@@ -790,7 +919,9 @@ _VIEWING = frozenset({
     "unflatten", "as_strided", "select", "detach", "contiguous", "movedim", "moveaxis", "swapaxes", "swapdims",
     "diagonal", "to", "type", "type_as", "float", "double", "half", "bfloat16", "cpu", "cuda", "requires_grad_",
     "unfold", "split_with_sizes", "indices", "values", "real", "imag", "view_as_real", "view_as_complex",
-    "resolve_conj", "resolve_neg", "conj", "atleast_1d", "atleast_2d", "atleast_3d", "broadcast_to", "index_select"})
+    "resolve_conj", "resolve_neg", "conj", "atleast_1d", "atleast_2d", "atleast_3d", "broadcast_to", "index_select",
+    "einsum", "positive", "__getitem__", "alias", "view_copy", "dropout", "dropout1d", "dropout2d", "dropout3d",
+    "alpha_dropout", "feature_alpha_dropout", "identity", "tile", "repeat", "as_subclass", "clone", "nan_to_num"})
 _VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
 _MODULE_NAMES = frozenset({"torch", "F", "nn", "functional"})  # torch.x(...), F.x(...), torch.nn.functional.x(...)
 _HARMLESS = frozenset({"len", "print", "isinstance", "type", "id", "hasattr", "repr", "str", "float", "int", "bool"})
@@ -807,30 +938,71 @@ def _torch_function(func: ast.expr) -> bool:
     return False
 
 
-def _shared_names(function: ast.FunctionDef | ast.AsyncFunctionDef, me: str, parents: dict[int, ast.AST]) -> set[str]:
-    """The variables whose tensor (or a view of it) another holder may read too: given another name (``t = v``,
-    ``first = v[:, :4]``, ``a, b = v.chunk(2)``, ``for t in v``), put in a container (``[v]``, ``feats.append(v)``,
-    ``self.feats.append(v)``, ``store[k] = v``, ``self.h = v``), passed to a function of the user's (``keep(store,
-    v)``) or yielded; and the names given it. Read as a number (``v.shape``, ``v.size(1)``), computed on (``v + 1``,
-    ``v.sum()``), passed to a torch function (``torch.cat([v])``) or to a module of ``me`` (``self.conv(v)``), or
-    assigned back to itself (``v = v.view(...)``) is not sharing. No control flow is followed (a branch not taken
-    counts)."""
-    shared: set[str] = set()
+def _torch_ops(func: ast.expr) -> bool:
+    """``torch.ops.<namespace>.<op>...``: any op, whose result may be its argument's view."""
+    chain = []
+    while isinstance(func, ast.Attribute):
+        chain.append(func.attr)
+        func = func.value
+    return isinstance(func, ast.Name) and func.id == "torch" and chain[-1:] == ["ops"]
+
+
+def _shared_names(function: ast.FunctionDef | ast.AsyncFunctionDef, me: str, parents: dict[int, ast.AST],
+                  passthrough: frozenset[str]) -> tuple[set[str], dict[str, set[str]]]:
+    """Which variables' tensors (or views of them) another holder may read: ``escaped``, those put in a container
+    (``[v]``, ``feats.append(v)``, ``self.feats.append(v)``, ``store[k] = v``, ``self.h = v``, a global), passed to a
+    function of the user's (``keep(store, v)``), yielded, or read by a lambda or nested def; and ``links``, each
+    variable's other names (``t = v``, ``first = v[:, :4]``, ``a, b = v.chunk(2)``, ``for t in v``, ``skip =
+    self.drop(v)``: a module may return its input), both ways. Read as a number (``v.shape``, ``v.size(1)``),
+    computed on (``v + 1``, ``v.sum()``), passed to a torch function (``torch.cat([v])``) or to a module of ``me``
+    whose result is not kept under another name, or assigned back to itself (``v = v.view(...)``) is neither. No
+    control flow is followed (a branch not taken counts)."""
+    escaped: set[str] = set()
+    links: dict[str, set[str]] = {}
+    outside = {n for node in ast.walk(function) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
     for node in ast.walk(function):
         if not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)):
             continue
-        here, up = _holding(node, parents)
-        if _shares(here, up, node.id, me, parents):
-            shared.add(node.id)
-            if isinstance(up, (ast.Assign, ast.AnnAssign, ast.NamedExpr)):
-                targets = up.targets if isinstance(up, ast.Assign) else [up.target]
-                shared |= {t.id for target in targets for t in ast.walk(target) if isinstance(t, ast.Name)}
-    return shared
+        if _captured(node, function, parents):
+            escaped.add(node.id)  # read by a lambda or nested def, which may run after the call
+            continue
+        here, up = _holding(node, parents, me, passthrough)
+        if isinstance(up, (ast.Assign, ast.AnnAssign, ast.NamedExpr, ast.For, ast.AsyncFor, ast.comprehension)):
+            value = up.iter if isinstance(up, (ast.For, ast.AsyncFor, ast.comprehension)) else up.value
+            if value is not here:
+                continue
+            targets = (up.targets if isinstance(up, ast.Assign) else [up.target])
+            names = [t for target in targets for t in ast.walk(target) if isinstance(t, ast.Name)]
+            stored = [t for target in targets for t in ast.walk(target)
+                      if isinstance(t, (ast.Attribute, ast.Subscript, ast.Starred))]
+            if stored or any(t.id in outside for t in names):
+                escaped.add(node.id)  # self.h = v, store[k] = v, a global
+            for target in names:
+                if target.id != node.id:
+                    links.setdefault(node.id, set()).add(target.id)
+                    links.setdefault(target.id, set()).add(node.id)
+        elif _shares(here, up, me, parents):
+            escaped.add(node.id)
+    return escaped, links
 
 
-def _holding(node: ast.Name, parents: dict[int, ast.AST]) -> tuple[ast.AST, ast.AST | None]:
+def _captured(node: ast.Name, function: ast.AST, parents: dict[int, ast.AST]) -> bool:
+    """Whether ``node`` is read inside a lambda or a def nested in ``function`` that does not bind that name."""
+    up = parents.get(id(node))
+    while up is not None and up is not function:
+        if isinstance(up, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)):
+            bound = {a.arg for a in (*up.args.posonlyargs, *up.args.args, *up.args.kwonlyargs)}
+            if node.id not in bound:
+                return True
+        up = parents.get(id(up))
+    return False
+
+
+def _holding(node: ast.Name, parents: dict[int, ast.AST], me: str, passthrough: frozenset[str]
+             ) -> tuple[ast.AST, ast.AST | None]:
     """The outermost expression that may still hold ``node``'s tensor (or a view of it: ``v[...]``, ``v.view(...)``,
-    ``torch.chunk(v, 2)``, ``[v, w]``, ``*v``), and the node using it."""
+    ``torch.chunk(v, 2)``, ``[v, w]``, ``*v``; or itself: ``self.drop(v)``, a module of ``me`` in ``passthrough``,
+    which may return its input: ``nn.Identity``, a dropout in evaluation), and the node using it."""
     here: ast.AST = node
     up = parents.get(id(here))
     while True:
@@ -844,9 +1016,12 @@ def _holding(node: ast.Name, parents: dict[int, ast.AST]) -> tuple[ast.AST, ast.
         elif isinstance(up, ast.Attribute) and up.value is here and up.attr in _VIEW_ATTRIBUTES:
             pass  # v.T
         elif (isinstance(up, ast.Call) and here in up.args and isinstance(up.func, ast.Attribute)
-              and up.func.attr in _VIEWING and _torch_function(up.func)):
-            pass  # torch.chunk(v, 2)
-        elif isinstance(up, (ast.List, ast.Tuple, ast.Set, ast.Starred, ast.NamedExpr)):
+              and (up.func.attr in _VIEWING or _torch_ops(up.func)) and _torch_function(up.func)):
+            pass  # torch.chunk(v, 2), torch.ops.aten.alias.default(v)
+        elif (isinstance(up, ast.Call) and here in up.args and isinstance(up.func, ast.Attribute)
+              and isinstance(up.func.value, ast.Name) and up.func.value.id == me and up.func.attr in passthrough):
+            pass  # skip = self.drop(v): v itself in evaluation (a v = self.ident(v) assigns it back: not sharing)
+        elif isinstance(up, (ast.List, ast.Tuple, ast.Set, ast.Starred)):
             pass  # [v, w]: holds v
         elif isinstance(up, ast.Dict) and here in up.values:
             pass
@@ -857,15 +1032,11 @@ def _holding(node: ast.Name, parents: dict[int, ast.AST]) -> tuple[ast.AST, ast.
         here, up = up, parents.get(id(up))
 
 
-def _shares(value: ast.AST, up: ast.AST | None, name: str, me: str, parents: dict[int, ast.AST]) -> bool:
-    """Whether ``value`` (which may hold variable ``name``'s tensor) is held by something else where ``up`` uses it."""
-    if isinstance(up, (ast.Assign, ast.AnnAssign, ast.NamedExpr)):
-        targets = up.targets if isinstance(up, ast.Assign) else [up.target]
-        return up.value is value and not all(isinstance(t, ast.Name) and t.id == name for t in targets)
+def _shares(value: ast.AST, up: ast.AST | None, me: str, parents: dict[int, ast.AST]) -> bool:
+    """Whether ``value`` (which may hold a variable's tensor) is kept by something else where ``up`` uses it (not an
+    assignment: :func:`_shared_names` links those)."""
     if isinstance(up, ast.AugAssign):
         return isinstance(value, (ast.List, ast.Tuple, ast.Set, ast.Dict))  # feats += [v]; (s += v: a sum)
-    if isinstance(up, (ast.For, ast.AsyncFor, ast.comprehension)):
-        return up.iter is value  # for t in v: t is a view of v
     if isinstance(up, (ast.Yield, ast.YieldFrom)):
         return True
     if isinstance(up, ast.keyword):
@@ -876,21 +1047,38 @@ def _shares(value: ast.AST, up: ast.AST | None, name: str, me: str, parents: dic
 
 
 def _keeps_no_argument(func: ast.expr, me: str) -> bool:
-    """A call of a torch function, of a module of ``me`` (``self.conv(v)``, ``self.block.conv(v)``), of a method of
-    a tensor (``v.add(w)``) or of a harmless builtin: nothing keeps its arguments after it returns."""
+    """A call of a torch function, of a module of ``me`` (``self.conv(v)``) or of a harmless builtin: nothing keeps
+    its arguments after it returns."""
     if isinstance(func, ast.Name):
         return func.id in _HARMLESS
     if not isinstance(func, ast.Attribute) or func.attr in _STORING:
         return False  # feats.append(v), self.feats.append(v), store.update(...)
     if _torch_function(func):
         return True
-    root: ast.expr = func
-    while isinstance(root, ast.Attribute):
-        root = root.value
-    return isinstance(root, ast.Name) and root.id == me  # self.conv(v); (w.add(v): w may be a list's method)
+    # self.conv(v) (a module of the parent); not self.store.keep(v) (a method of one, which may keep v), nor
+    # w.add(v) (w may be a list)
+    return isinstance(func.value, ast.Name) and func.value.id == me
 
 
-def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str) -> int | None:
+def _children_called(loop: ast.For | ast.AsyncFor, me: str) -> bool:
+    """``for m in self.children(): m(x)`` (or ``modules()``, ``_modules.values()``, ``named_children()``): the loop
+    calls what it takes from the parent's own modules, the activation among them."""
+    names = {n.id for n in ast.walk(loop.target) if isinstance(n, ast.Name)}
+    if not _iterates_children(loop.iter, me):
+        return False
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in names
+               for statement in loop.body for n in ast.walk(statement))
+
+
+def _iterates_children(iterable: ast.expr, me: str) -> bool:
+    """``self.children()``, ``self._modules.values()``, ``self.named_modules()``: the parent's own modules."""
+    mentions = {n.attr for n in ast.walk(iterable) if isinstance(n, ast.Attribute)}
+    roots = {n.id for n in ast.walk(iterable) if isinstance(n, ast.Name)}
+    return me in roots and not mentions.isdisjoint(_DYNAMIC)
+
+
+def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str,
+                 passthrough: frozenset[str] = frozenset(), dynamic: bool = True) -> int | None:
     """The line (in the parsed class) where ``function`` may rely on the activation ``self.<name>`` overwriting its
     input, or None where every use is one the out-of-place activation computes the same: a direct call whose input
     is a temporary (``self.conv(self.act(self.bn(x)))``), or a variable ``v`` that no other name shares and that is
@@ -909,11 +1097,17 @@ def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str) ->
              for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)]
     parents = {id(child): node for node in ast.walk(function) for child in ast.iter_child_nodes(node)}
     names = [n for n in ast.walk(function) if isinstance(n, ast.Name)]
-    shared = _shared_names(function, me, parents)
+    escaped, links = _shared_names(function, me, parents, passthrough)
     for node in ast.walk(function):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
-                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and node.args[1].value == name):
+                and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id == me
+                and (dynamic or isinstance(node.args[1], ast.Constant))
+                and not (isinstance(node.args[1], ast.Constant) and node.args[1].value != name)):
+            return node.lineno  # getattr(self, "act"), getattr(self, computed)
+        if dynamic and isinstance(node, (ast.For, ast.AsyncFor)) and _children_called(node, me):
             return node.lineno
+        if dynamic and isinstance(node, ast.comprehension) and _iterates_children(node.iter, me):
+            return getattr(node.iter, "lineno", 0)  # [m for m in self.children() if ...][0](x)
         if not (isinstance(node, ast.Attribute) and node.attr == name and isinstance(node.value, ast.Name)
                 and node.value.id == me and isinstance(node.ctx, ast.Load)):
             continue
@@ -935,6 +1129,14 @@ def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str) ->
             enclosing, up = up, parents.get(id(up))
         if not isinstance(enclosing, ast.stmt):
             return node.lineno
+        loops = []  # the loops around the call, within function: a read anywhere in one may come after the call
+        outer = parents.get(id(enclosing))
+        while outer is not None and outer is not function:
+            if isinstance(outer, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                return node.lineno  # called inside a nested def, on its own arguments or a captured name
+            if isinstance(outer, (ast.For, ast.AsyncFor, ast.While)):
+                loops.append(outer)
+            outer = parents.get(id(outer))
         statement = enclosing
         if isinstance(statement, ast.Expr):
             return node.lineno  # called for its effect alone
@@ -942,19 +1144,33 @@ def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str) ->
             root = _root_name(arg, me)
             if root is None:
                 continue  # a temporary (a module's output): nothing else holds it
-            if isinstance(root, int) or root.id in shared:
+            if isinstance(root, int):
                 return node.lineno
-            if root.id in arguments and not any(v == root.id and end <= (call.lineno, call.col_offset)
-                                                for v, end in bound):
+            group = {root.id}  # the variable and its other names (t = v), which read the same tensor
+            while True:
+                more = set().union(*(links.get(v, set()) for v in group)) - group
+                if not more:
+                    break
+                group |= more
+            if not group.isdisjoint(escaped):
+                return node.lineno
+            if any(v in arguments and not any(w == v and end <= (call.lineno, call.col_offset) for w, end in bound)
+                   for v in group):
                 return node.lineno  # the caller's tensor, which the caller may read after
-            arg = root
             targets = (statement.targets if isinstance(statement, ast.Assign)
                        else [statement.target] if isinstance(statement, ast.AnnAssign) else [])
-            if any(isinstance(t, ast.Name) and t.id == arg.id for t in targets):
-                continue  # v = ...self.act(v)...: later reads of v see the result
-            end = (statement.end_lineno or statement.lineno, statement.end_col_offset or 0)
-            if any(n.id == arg.id and isinstance(n.ctx, ast.Load) and (n.lineno, n.col_offset) > end for n in names):
+            # v = ...self.act(v)...: later reads of v see the result; any other read after the call, in its own
+            # statement too (self.conv(self.act(v)) + skip), sees what the in-place activation left
+            assigned = {t.id for t in targets if isinstance(t, ast.Name)}
+            end = (call.end_lineno or call.lineno, call.end_col_offset or 0)
+            if any(n.id in group - assigned and isinstance(n.ctx, ast.Load) and (n.lineno, n.col_offset) > end
+                   for n in names):
                 return node.lineno
+            in_call = {id(n) for n in ast.walk(call)}
+            if any(isinstance(n, ast.Name) and n.id in group - assigned and isinstance(n.ctx, ast.Load)
+                   and id(n) not in in_call
+                   for loop in loops for n in ast.walk(loop)):
+                return node.lineno  # read again in the loop's next pass
     return None
 
 
