@@ -2557,3 +2557,35 @@ def test_torchscript_is_refused_naming_the_order(how):
     with pytest.raises(memtrim.InvalidInputError, match=rf"memtrim.convert: {where} is TorchScript.*convert the "
                                                         "eager model first, then script or trace it"):
         memtrim.convert(model, example_inputs=x)
+
+
+class _SameInEvaluation(nn.Module):
+    """Returns its input itself in evaluation (as a dropout does), a copy in training; its class names no drop."""
+
+    def forward(self, x):
+        return x * 1 if self.training else x
+
+
+class _EvalAliasBlock(_ActBranch):
+    def __init__(self):
+        super().__init__()
+        self.skip = _SameInEvaluation()
+
+    def forward(self, x, alt=False):
+        x = self.c1(x)
+        kept = self.skip(x)
+        return self.c2(self.act(x)) + kept
+
+
+def test_an_alias_made_in_evaluation_only_keeps_the_activation_in_place():
+    # the training step agreed, evaluation did not (the in-place activation overwrote what `kept` is): convert also
+    # compares an evaluation forward now (found by an adversarial pass on 2026-12-03, through a dropout)
+    torch.manual_seed(0)
+    plain = _EvalAliasBlock()
+    x = torch.randn(2, 3, 6, 6)
+    converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=x)
+    assert converted.act.inplace, str(report)
+    assert any("changed the model's outputs" in s.reason for s in report.skipped), str(report)
+    plain.eval(), converted.eval()
+    with torch.no_grad():
+        assert torch.equal(plain(x), converted(x))

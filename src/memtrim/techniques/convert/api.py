@@ -46,6 +46,7 @@ from ...measure import track
 from ...measure.hooks import compiled_module, tensors_in
 from ...proof.compare import bitwise_equal
 from .._generators import GeneratorsKept, cuda_devices, held_generators_kept, seeded
+from .._modes import set_training_flags, training_flags
 from ..guards import CONVERTED, DECISIONS_END, keep_hook_ids, module_hooks, register_end_hook
 from ..norms._kernels import DecidedTogether
 from ..offload._core import _MARK as _OFFLOADED
@@ -502,7 +503,9 @@ def _example_forward(model: nn.Module, args: tuple[Any, ...],
 def step_effects(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """What a training step of ``model`` on the example inputs makes: the forward's outputs, every buffer after it
     and every trainable parameter's gradient of a fixed random weighting of the outputs (dropout and the weights
-    drawn from fixed seeds; buffers restored after, ``.grad`` left alone), detached."""
+    drawn from fixed seeds; buffers restored after, ``.grad`` left alone), detached; then the outputs of an
+    evaluation forward under ``no_grad`` (a dropout returns its input itself there: an alias of the activation's
+    input, read after it, showed in evaluation only; found by an adversarial pass on 2026-12-03)."""
     params = [p for p in model.parameters() if p.requires_grad]
     with _example_forward(model, args, kwargs) as (args, kwargs):
         outputs = tensors_in(model(*args, **kwargs))
@@ -512,6 +515,13 @@ def step_effects(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             weights = [torch.randn_like(t) if t.is_floating_point() else torch.ones_like(t) for t in differentiable]
             grads = torch.autograd.grad(differentiable, params, weights, allow_unused=True)
             found += [g if g is not None else torch.zeros(0) for g in grads]
+        flags = training_flags(model.modules())
+        try:
+            model.eval()
+            with torch.no_grad():
+                found += [t.detach().clone() for t in tensors_in(model(*args, **kwargs))]
+        finally:
+            set_training_flags(flags)
     return found
 
 
