@@ -1083,3 +1083,18 @@ def test_a_step_the_trace_cannot_take_says_what_and_how(case, message):
         F.cross_entropy(model(inputs), y).backward()  # the step runs for real
     with pytest.raises(InvalidInputError, match=message):
         memtrim.plan(model, inputs, F.cross_entropy, _adamw, targets=y, budget="1GiB", workers=1)
+
+
+def test_no_plan_fitting_a_batch_sliced_from_a_preloaded_dataset_says_to_copy_it():
+    # found by an adversarial pass on 2026-12-03: a 200 KB batch sliced from a 179 MiB dataset was told to lower the
+    # batch (the view's storage counts whole: it is held), which cannot help
+    torch.manual_seed(0)
+    dataset = torch.randn(8192, 64)  # 2 MiB
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    step = dict(loss_fn=F.cross_entropy, optimizer_factory=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                targets=torch.tensor([0, 1, 2, 3] * 2), budget="64KiB", techniques=["checkpoint"])
+    with pytest.raises(PlanError, match=r"The example inputs read 2.06 KiB but view storages of 2.00 MiB.*copy the "
+                                        r"batch \(x\[i:j\]\.clone\(\)\)"):
+        memtrim.plan(model, dataset[:8], **step)
+    with pytest.raises(PlanError, match="Lower the batch or sequence length, or add memory"):
+        memtrim.plan(model, dataset[:8].clone(), **{**step, "budget": "4KiB"})

@@ -391,7 +391,8 @@ def plan(
         elif changing:
             notes.append(f"{', '.join(sorted(changing))}: not needed (a plan with unchanged numerics fits)")
     _check_one_model(estimates)
-    result = _ranked(plans, limit, dev, cost, notes, estimates[()].peak_bytes)
+    advice = _sliced_inputs((example_inputs, targets))
+    result = _ranked(plans, limit, dev, cost, notes, estimates[()].peak_bytes, advice)
     _warn_if_numbers_change(result, [why for combo, why in left_out.items() if not changing.intersection(combo)])
     return result
 
@@ -476,8 +477,22 @@ def _plain(estimate: Callable[[tuple[str, ...]], _Estimate], example_inputs: Any
 _NUMERICS_ORDER = {"bitwise": 0, "tolerance": 1, "changed": 2}
 
 
+def _sliced_inputs(example_inputs: Any) -> str:
+    """What to do where no plan fits: lower the batch; or, where the example inputs are views of storages far larger
+    than they read (a batch sliced from a preloaded dataset, counted whole: it is held), copy them first (a 200 KB
+    batch of a 179 MiB dataset was told to lower the batch: an adversarial pass on 2026-12-03)."""
+    tensors = [t for t in torch.utils._pytree.tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
+    held = {id(t.untyped_storage()): t.untyped_storage().nbytes() for t in tensors if t.layout == torch.strided}
+    read = sum(t.numel() * t.element_size() for t in tensors)
+    if sum(held.values()) > 2 * read + (1 << 20):
+        return (f"The example inputs read {format_bytes(read)} but view storages of {format_bytes(sum(held.values()))}"
+                ", which count whole (they are held: a batch sliced from a preloaded dataset?); copy the batch "
+                "(x[i:j].clone()) to plan the step alone, or lower the batch or sequence length.")
+    return "Lower the batch or sequence length, or add memory."
+
+
 def _ranked(plans: list[Plan], limit: int, dev: torch.device, cost: DeviceCost, notes: list[str],
-            plain_peak: int) -> Plans:
+            plain_peak: int, advice: str) -> Plans:
     fitting = sorted((p for p in plans if p.fits),
                      key=lambda p: (_NUMERICS_ORDER[p.numerics], round(p.time_ratio, 3), p.peak_bytes))
     rejected = sorted((p for p in plans if not p.fits), key=lambda p: p.peak_bytes)
@@ -487,7 +502,7 @@ def _ranked(plans: list[Plan], limit: int, dev: torch.device, cost: DeviceCost, 
         raise PlanError(
             f"{_API}: no plan fits {format_bytes(limit)}. The closest, {closest.name}, peaks at "
             f"{format_bytes(closest.peak_bytes)} ({format_bytes(closest.peak_bytes - limit)} over; the plain step "
-            f"{format_bytes(plain_peak)}). Lower the batch or sequence length, or add memory.",
+            f"{format_bytes(plain_peak)}). {advice}",
             plans=result,
         )
     return result
