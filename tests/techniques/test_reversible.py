@@ -764,3 +764,14 @@ def test_exact_mode_forwards_the_same_bits_without_grad():
         stack(x)
         held = tracker.live_by_category()["activations"]
     assert held == 0
+
+
+def test_a_non_finite_rebuild_counts_as_drift():
+    # an input holding inf rebuilds as NaN: the drift measured NaN, no warning, no input kept (a door check, 2026-12-03)
+    torch.manual_seed(0)
+    rev = memtrim.ReversibleSequential(*[memtrim.AdditiveCoupling(nn.Linear(4, 4)) for _ in range(2)], check_drift=1e-3)
+    x = torch.randn(2, 8)
+    x[0, 0] = float("inf")
+    with pytest.warns(UserWarning, match="reconstructed with relative error nan"):
+        rev(x.requires_grad_()).sum().backward()
+    assert rev.keep_inputs == {0, 1}

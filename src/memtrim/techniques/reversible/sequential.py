@@ -192,7 +192,7 @@ class _DriftLog:
         else:
             error = float((rebuilt - values).abs().max() / values.abs().max().clamp_min(1e-30))
         self.drift[index] = error
-        if self.check_drift is not None and error > self.check_drift and index not in self.keep_inputs:
+        if self.check_drift is not None and not error <= self.check_drift and index not in self.keep_inputs:  # NaN too
             warnings.warn(
                 f"memtrim.ReversibleSequential: block {index} was reconstructed with relative error {error:.3e} "
                 f"(> check_drift={self.check_drift}); from the next forward on its input is kept instead.",
