@@ -73,6 +73,7 @@ __all__ = [
     "active",
     "check_saved_version",
     "compiled_autograd_running",
+    "compiled_module",
     "current",
     "hold_for_backward",
     "note_gradients",
