@@ -773,3 +773,64 @@ def test_a_non_finite_rebuild_counts_as_drift():
     with pytest.warns(UserWarning, match="reconstructed with relative error nan"):
         rev(x.requires_grad_()).sum().backward()
     assert rev.keep_inputs == {0, 1}
+
+
+class SpectralScale(nn.Module):
+    """An invertible block whose weight is spectral-normalised (its power iteration moves buffers in training)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.lin = nn.utils.parametrizations.spectral_norm(nn.Linear(width, width))
+
+    def forward(self, x):
+        return x + 0.5 * torch.tanh(self.lin(x))
+
+    def inverse(self, y):  # fixed-point iteration: x = y - 0.5 tanh(lin(x)), a contraction (spectral norm 1)
+        weight = self.lin.weight  # one power iteration, as the forward's call made
+        x = y
+        for _ in range(200):
+            x = y - 0.5 * torch.tanh(F.linear(x, weight, self.lin.bias))
+        return x
+
+
+class Attention(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.q = nn.Linear(width, width)
+
+    def forward(self, x):
+        q = self.q(x).unsqueeze(0)
+        return F.scaled_dot_product_attention(q, q, q).squeeze(0)  # dropout_p left at its default, 0
+
+
+@pytest.mark.parametrize("make", [lambda: SpectralScale(32),
+                                  lambda: RevViTBlock(16, drop=lambda: Attention(16))],
+                         ids=["spectral-norm", "attention-without-dropout"])
+def test_a_block_run_whole_that_draws_nothing_is_rebuilt_as_plain(make):
+    # spectral_norm: the inverse, in training mode, moved the power iteration's buffers and the recomputation read
+    # them (0.05 off); SDPA with its default dropout_p=0 counted as a draw (its input kept, a warning): both until
+    # 2026-12-03, an adversarial pass
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rev = _stack_grads_close([make(), ScaleShift(32), make()])
+    assert rev.keep_inputs == set()
+
+
+@pytest.mark.parametrize("call, draws", [
+    (lambda q: F.scaled_dot_product_attention(q, q, q), False),  # the flash kernel's dropout_p left at 0
+    (lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.3), True),
+    (lambda q: F.rrelu(q, training=False), False),  # rrelu_with_noise's training left at False
+    (lambda q: F.rrelu(q, training=True), True),
+    (lambda q: F.dropout(q, 0.0), False),
+    (lambda q: F.dropout(q, 0.5, training=False), False),
+    (lambda q: F.dropout(q, 0.5), True),
+])
+def test_the_draw_watch_reads_the_arguments_left_at_their_defaults(call, draws):
+    from memtrim.techniques._generators import SeededOps
+
+    seeded = SeededOps()
+    q = torch.randn(1, 2, 4, 8)  # float32: SDPA's flash kernel on the CPU
+    with seeded:
+        call(q)
+    assert seeded.drew is draws

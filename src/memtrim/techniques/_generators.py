@@ -107,16 +107,21 @@ class SeededOps(TorchDispatchMode):
 
 
 def _draws_with(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a seeded op draws with these arguments: not with ``train``/``training`` false or a dropout
+    probability of 0, as passed or, where the dispatcher left one out, as the schema's default (SDPA's
+    ``dropout_p=0.0``, ``rrelu_with_noise``'s ``training=False``: both counted as draws until 2026-12-03)."""
     for position, argument in enumerate(func._schema.arguments):
         if position < len(args):
             value = args[position]
         elif argument.name in kwargs:
             value = kwargs[argument.name]
+        elif argument.has_default_value():
+            value = argument.default_value
         else:
             continue
         if argument.name in ("train", "training") and value is False:
             return False
-        if argument.name in ("p", "dropout_p") and isinstance(value, (int, float)) and value == 0:
+        if argument.name in ("p", "dropout_p", "dropout") and isinstance(value, (int, float)) and value == 0:
             return False
     return True
 
