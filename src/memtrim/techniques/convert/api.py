@@ -387,8 +387,8 @@ class _Conversion:
             self.reference = step_effects(self.model, self.args, self.kwargs)
         except Exception as e:  # the model's own step fails (autograd's in-place check): nothing to match
             self._skip(Skipped(cand.modules, f"{cand.before} -> {cand.after} is checked against a training "
-                                                      f"step on the example inputs, which failed ({type(e).__name__}: "
-                                                      f"{e}): not applied", rule))
+                                                      "step and an evaluation forward on the example inputs, which "
+                                                      f"failed ({type(e).__name__}: {e}): not applied", rule))
             return False
         return True
 

@@ -55,11 +55,11 @@ import sys
 import textwrap
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
-from ..guards import CONVERTED, watch_replacement
+from ..guards import CONVERTED, memtrims, watch_replacement
 from ..norms import BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d
 from ..norms.bn_relu import keeping_class, rebuilds_bitwise
 from ..pooling import LIMITS as POOL_LIMITS
@@ -685,10 +685,9 @@ def _source_reads_input_after(ctx: Context, module: nn.Module) -> str | None:
         parent = ctx.model.get_submodule(parent_path)
         parent_class: type = type(parent)
         # the parent's modules that may return their input (an identity, a dropout in evaluation, a drop path)
-        passthrough = frozenset(attr for attr, m in parent._modules.items()
-                                if isinstance(m, (nn.Identity, nn.modules.dropout._DropoutNd))
-                                or re.search("drop|identity|passthrough", type(m).__name__, re.IGNORECASE))
-        why = (_instance_reads_input_after(parent, name, passthrough)
+        passthrough = _Parent(frozenset(attr for attr, m in parent._modules.items()
+                                        if m is not None and _may_return_input(m)), frozenset(parent._modules))
+        why = (_first_in_sequential(parent, name) or _instance_reads_input_after(parent, name, passthrough)
                or _class_reads_input_after(parent_class, name, passthrough)
                or _ancestor_reaches(ctx.model, path))
         if why:
@@ -697,6 +696,41 @@ def _source_reads_input_after(ctx: Context, module: nn.Module) -> str | None:
 
 
 _TRUSTED = (nn.Module, nn.Sequential, nn.ModuleList, nn.ModuleDict, object)
+
+
+def _first_in_sequential(parent: nn.Module, name: str) -> str | None:
+    """Where the activation is the first module of an ``nn.Sequential`` (or comes after modules that may return their
+    input only): its input is the Sequential's, which the code calling the Sequential may read after the call (a
+    pre-activation block: 0.70 off on a branch the example did not take, silently, until 2026-12-03)."""
+    if not isinstance(parent, nn.Sequential) or type(parent).forward is not nn.Sequential.forward:
+        return None
+    for key, module in parent._modules.items():
+        if key == name:
+            return (f"it runs first in its nn.Sequential ({type(parent).__name__}), on the Sequential's own input, "
+                    "which the code calling the Sequential may read after the call")
+        if module is not None and not _may_return_input(module):
+            return None
+    return None
+
+
+class _Parent(NamedTuple):
+    """What the source check knows of the parent instance: its modules that may return their input (an identity, a
+    dropout in evaluation, a flatten, an empty Sequential), and all its modules' names (``self.X(v)`` with X not
+    one is a method of the parent, which may keep v). ``modules`` None: not known (a helper's source)."""
+
+    passthrough: frozenset[str] = frozenset()
+    modules: frozenset[str] | None = None
+
+
+_UNKNOWN = _Parent()
+
+
+def _may_return_input(module: nn.Module) -> bool:
+    if isinstance(module, (nn.Identity, nn.modules.dropout._DropoutNd, nn.Flatten, nn.Unflatten)):
+        return True
+    if isinstance(module, nn.Sequential):
+        return all(_may_return_input(m) for m in module)  # (an empty one returns its input)
+    return bool(re.search("drop|identity|passthrough|shortcut|skip", type(module).__name__, re.IGNORECASE))
 _DYNAMIC = frozenset({"getattr", "children", "named_children", "modules", "named_modules", "_modules"})
 
 
@@ -736,7 +770,7 @@ def _parsed(function: Any, owner: str, what: str) -> tuple[ast.FunctionDef | ast
     return node, start
 
 
-def _function_reads_input_after(function: Any, name: str, owner: str, passthrough: frozenset[str] = frozenset(),
+def _function_reads_input_after(function: Any, name: str, owner: str, passthrough: _Parent = _UNKNOWN,
                                 dynamic: bool = True, depth: int = 0) -> str | None:
     """:func:`_reads_after` for one Python function (a method of ``owner``), from its own source; and for the
     functions it wraps (a decorator without ``functools.wraps``) or calls by a global name, where they mention it."""
@@ -770,7 +804,7 @@ def _cell_function(cell: Any) -> bool:
         return False
 
 
-def _instance_reads_input_after(parent: nn.Module, name: str, passthrough: frozenset[str]) -> str | None:
+def _instance_reads_input_after(parent: nn.Module, name: str, passthrough: _Parent) -> str | None:
     """:func:`_source_reads_input_after` for what is set on the parent instance itself: a method bound to it
     (``types.MethodType(fn, module)``) is read as its class's are; another callable set as its ``forward`` (a
     closure, a partial) cannot be read."""
@@ -787,7 +821,7 @@ def _instance_reads_input_after(parent: nn.Module, name: str, passthrough: froze
 
 
 @functools.lru_cache(maxsize=256)  # a model's blocks share a few classes: each is read once per attribute name
-def _class_reads_input_after(parent: type, name: str, passthrough: frozenset[str]) -> str | None:
+def _class_reads_input_after(parent: type, name: str, passthrough: _Parent) -> str | None:
     """:func:`_source_reads_input_after` for one parent class and the attribute name of the activation in it: the
     definitions it runs (a method set on the class after its body, as torch.fx's generated forward, too), an
     overridden one where the override calls ``super()`` or names a base class (``Base.forward(self, x)``)."""
@@ -855,6 +889,10 @@ def _reaching(functions: list[Any], rest: tuple[str, ...], owner: str) -> str | 
     return None
 
 
+_ITERATING = frozenset({"zip", "enumerate", "iter", "next", "list", "tuple", "reversed", "getattr", "map", "filter",
+                        "sorted", "dict", "vars"})
+
+
 def _reaches(function: ast.FunctionDef | ast.AsyncFunctionDef, rest: tuple[str, ...]) -> int | None:
     """The line where ``function`` reads ``self.<rest...>`` (the activation), or takes it from ``self.<rest[:-1]...>``
     (the module holding it) by a subscript, an iteration or its children; calling that module whole, or handing it
@@ -883,6 +921,9 @@ def _reaches(function: ast.FunctionDef | ast.AsyncFunctionDef, rest: tuple[str, 
             return line  # self.acts[0], for a in self.acts
         if tuple(chain[:-1]) == rest[:-1] and chain[-1] in (_DYNAMIC | {"values", "items", "__getitem__"}):
             return line  # self.acts.values(), self.seq.children()
+        if (tuple(chain) == rest[:-1] and isinstance(use, ast.Call) and node in use.args
+                and isinstance(use.func, ast.Name) and use.func.id in _ITERATING):
+            return line  # zip(self.fcs, self.acts), enumerate(self.acts), next(iter(self.acts))
     return None
 
 
@@ -921,7 +962,8 @@ _VIEWING = frozenset({
     "unfold", "split_with_sizes", "indices", "values", "real", "imag", "view_as_real", "view_as_complex",
     "resolve_conj", "resolve_neg", "conj", "atleast_1d", "atleast_2d", "atleast_3d", "broadcast_to", "index_select",
     "einsum", "positive", "__getitem__", "alias", "view_copy", "dropout", "dropout1d", "dropout2d", "dropout3d",
-    "alpha_dropout", "feature_alpha_dropout", "identity", "tile", "repeat", "as_subclass", "clone", "nan_to_num"})
+    "alpha_dropout", "feature_alpha_dropout", "identity", "tile", "repeat", "as_subclass", "clone", "nan_to_num",
+    "ravel", "squeeze_copy", "reshape_copy"})
 _VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
 _MODULE_NAMES = frozenset({"torch", "F", "nn", "functional"})  # torch.x(...), F.x(...), torch.nn.functional.x(...)
 _HARMLESS = frozenset({"len", "print", "isinstance", "type", "id", "hasattr", "repr", "str", "float", "int", "bool"})
@@ -938,6 +980,11 @@ def _torch_function(func: ast.expr) -> bool:
     return False
 
 
+def _in_place(method: str) -> bool:
+    """``v.add_(w)``, ``v.clamp_(...)``: an in-place method returns ``v`` itself."""
+    return method.endswith("_") and not method.startswith("_")
+
+
 def _torch_ops(func: ast.expr) -> bool:
     """``torch.ops.<namespace>.<op>...``: any op, whose result may be its argument's view."""
     chain = []
@@ -948,7 +995,7 @@ def _torch_ops(func: ast.expr) -> bool:
 
 
 def _shared_names(function: ast.FunctionDef | ast.AsyncFunctionDef, me: str, parents: dict[int, ast.AST],
-                  passthrough: frozenset[str]) -> tuple[set[str], dict[str, set[str]]]:
+                  passthrough: _Parent) -> tuple[set[str], dict[str, set[str]]]:
     """Which variables' tensors (or views of them) another holder may read: ``escaped``, those put in a container
     (``[v]``, ``feats.append(v)``, ``self.feats.append(v)``, ``store[k] = v``, ``self.h = v``, a global), passed to a
     function of the user's (``keep(store, v)``), yielded, or read by a lambda or nested def; and ``links``, each
@@ -966,6 +1013,10 @@ def _shared_names(function: ast.FunctionDef | ast.AsyncFunctionDef, me: str, par
         if _captured(node, function, parents):
             escaped.add(node.id)  # read by a lambda or nested def, which may run after the call
             continue
+        call = parents.get(id(node))
+        if isinstance(call, ast.Call) and node in call.args and isinstance(call.func, ast.Name) and (
+                call.func.id not in _HARMLESS):
+            escaped.add(node.id)  # keep(store, v), as_rows(v): the user's function may keep v, or return a view of it
         here, up = _holding(node, parents, me, passthrough)
         if isinstance(up, (ast.Assign, ast.AnnAssign, ast.NamedExpr, ast.For, ast.AsyncFor, ast.comprehension)):
             value = up.iter if isinstance(up, (ast.For, ast.AsyncFor, ast.comprehension)) else up.value
@@ -981,7 +1032,7 @@ def _shared_names(function: ast.FunctionDef | ast.AsyncFunctionDef, me: str, par
                 if target.id != node.id:
                     links.setdefault(node.id, set()).add(target.id)
                     links.setdefault(target.id, set()).add(node.id)
-        elif _shares(here, up, me, parents):
+        elif _shares(here, up, me, parents, passthrough.modules):
             escaped.add(node.id)
     return escaped, links
 
@@ -998,7 +1049,7 @@ def _captured(node: ast.Name, function: ast.AST, parents: dict[int, ast.AST]) ->
     return False
 
 
-def _holding(node: ast.Name, parents: dict[int, ast.AST], me: str, passthrough: frozenset[str]
+def _holding(node: ast.Name, parents: dict[int, ast.AST], me: str, passthrough: _Parent
              ) -> tuple[ast.AST, ast.AST | None]:
     """The outermost expression that may still hold ``node``'s tensor (or a view of it: ``v[...]``, ``v.view(...)``,
     ``torch.chunk(v, 2)``, ``[v, w]``, ``*v``; or itself: ``self.drop(v)``, a module of ``me`` in ``passthrough``,
@@ -1006,7 +1057,7 @@ def _holding(node: ast.Name, parents: dict[int, ast.AST], me: str, passthrough: 
     here: ast.AST = node
     up = parents.get(id(here))
     while True:
-        if isinstance(up, ast.Attribute) and up.value is here and up.attr in _VIEWING:
+        if isinstance(up, ast.Attribute) and up.value is here and (up.attr in _VIEWING or _in_place(up.attr)):
             call = parents.get(id(up))
             if not (isinstance(call, ast.Call) and call.func is up):
                 return here, up  # v.float as a value, not called
@@ -1019,8 +1070,12 @@ def _holding(node: ast.Name, parents: dict[int, ast.AST], me: str, passthrough: 
               and (up.func.attr in _VIEWING or _torch_ops(up.func)) and _torch_function(up.func)):
             pass  # torch.chunk(v, 2), torch.ops.aten.alias.default(v)
         elif (isinstance(up, ast.Call) and here in up.args and isinstance(up.func, ast.Attribute)
-              and isinstance(up.func.value, ast.Name) and up.func.value.id == me and up.func.attr in passthrough):
+              and isinstance(up.func.value, ast.Name) and up.func.value.id == me
+              and up.func.attr in passthrough.passthrough):
             pass  # skip = self.drop(v): v itself in evaluation (a v = self.ident(v) assigns it back: not sharing)
+        elif (isinstance(up, ast.Call) and here in up.args and isinstance(up.func, ast.Name)
+              and up.func.id not in _HARMLESS and up.func.id not in _ITERATING):
+            pass  # t = as_rows(v): the user's function may return a view of v
         elif isinstance(up, (ast.List, ast.Tuple, ast.Set, ast.Starred)):
             pass  # [v, w]: holds v
         elif isinstance(up, ast.Dict) and here in up.values:
@@ -1032,7 +1087,8 @@ def _holding(node: ast.Name, parents: dict[int, ast.AST], me: str, passthrough: 
         here, up = up, parents.get(id(up))
 
 
-def _shares(value: ast.AST, up: ast.AST | None, me: str, parents: dict[int, ast.AST]) -> bool:
+def _shares(value: ast.AST, up: ast.AST | None, me: str, parents: dict[int, ast.AST],
+            modules: frozenset[str] | None) -> bool:
     """Whether ``value`` (which may hold a variable's tensor) is kept by something else where ``up`` uses it (not an
     assignment: :func:`_shared_names` links those)."""
     if isinstance(up, ast.AugAssign):
@@ -1042,11 +1098,11 @@ def _shares(value: ast.AST, up: ast.AST | None, me: str, parents: dict[int, ast.
     if isinstance(up, ast.keyword):
         up = parents.get(id(up))
     if isinstance(up, ast.Call) and up.func is not value:
-        return not _keeps_no_argument(up.func, me)
+        return not _keeps_no_argument(up.func, me, modules)
     return False
 
 
-def _keeps_no_argument(func: ast.expr, me: str) -> bool:
+def _keeps_no_argument(func: ast.expr, me: str, modules: frozenset[str] | None = None) -> bool:
     """A call of a torch function, of a module of ``me`` (``self.conv(v)``) or of a harmless builtin: nothing keeps
     its arguments after it returns."""
     if isinstance(func, ast.Name):
@@ -1057,7 +1113,8 @@ def _keeps_no_argument(func: ast.expr, me: str) -> bool:
         return True
     # self.conv(v) (a module of the parent); not self.store.keep(v) (a method of one, which may keep v), nor
     # w.add(v) (w may be a list)
-    return isinstance(func.value, ast.Name) and func.value.id == me
+    return (isinstance(func.value, ast.Name) and func.value.id == me
+            and (modules is None or func.attr in modules))  # (self._stash(v): a method of the parent, may keep v)
 
 
 def _children_called(loop: ast.For | ast.AsyncFor, me: str) -> bool:
@@ -1077,8 +1134,21 @@ def _iterates_children(iterable: ast.expr, me: str) -> bool:
     return me in roots and not mentions.isdisjoint(_DYNAMIC)
 
 
+def _branches(node: ast.AST, function: ast.AST, parents: dict[int, ast.AST]) -> list[ast.AST]:
+    """The statements around ``node`` that run it on some paths only (an ``if``, a loop, a ``try``): a binding
+    inside one that is not also around the call does not rebind on every path to it (``if not alt: x = self.norm(x)``
+    left the caller's tensor to the activation on the other path: an adversarial pass on 2026-12-03)."""
+    found: list[ast.AST] = []
+    up = parents.get(id(node))
+    while up is not None and up is not function:
+        if isinstance(up, (ast.If, ast.For, ast.AsyncFor, ast.While, ast.Try, ast.IfExp, ast.Match)):
+            found.append(up)
+        up = parents.get(id(up))
+    return found
+
+
 def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str,
-                 passthrough: frozenset[str] = frozenset(), dynamic: bool = True) -> int | None:
+                 passthrough: _Parent = _UNKNOWN, dynamic: bool = True) -> int | None:
     """The line (in the parsed class) where ``function`` may rely on the activation ``self.<name>`` overwriting its
     input, or None where every use is one the out-of-place activation computes the same: a direct call whose input
     is a temporary (``self.conv(self.act(self.bn(x)))``), or a variable ``v`` that no other name shares and that is
@@ -1092,10 +1162,10 @@ def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str,
         return None
     me = function.args.args[0].arg  # ``self``, whatever it is called
     arguments = {a.arg for a in (*function.args.posonlyargs, *function.args.args[1:], *function.args.kwonlyargs)}
-    bound = [(t.id, (node.end_lineno or node.lineno, node.end_col_offset or 0)) for node in ast.walk(function)
-             if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
-             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)]
     parents = {id(child): node for node in ast.walk(function) for child in ast.iter_child_nodes(node)}
+    bound = [(t.id, (node.end_lineno or node.lineno, node.end_col_offset or 0), _branches(node, function, parents))
+             for node in ast.walk(function) if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+             for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)]
     names = [n for n in ast.walk(function) if isinstance(n, ast.Name)]
     escaped, links = _shared_names(function, me, parents, passthrough)
     for node in ast.walk(function):
@@ -1154,9 +1224,12 @@ def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str,
                 group |= more
             if not group.isdisjoint(escaped):
                 return node.lineno
-            if any(v in arguments and not any(w == v and end <= (call.lineno, call.col_offset) for w, end in bound)
+            around = {id(b) for b in _branches(call, function, parents)}
+            if any(v in arguments and not any(w == v and end <= (call.lineno, call.col_offset)
+                                              and all(id(b) in around for b in branches)
+                                              for w, end, branches in bound)
                    for v in group):
-                return node.lineno  # the caller's tensor, which the caller may read after
+                return node.lineno  # the caller's tensor (not rebound on every path to the call), read after it
             targets = (statement.targets if isinstance(statement, ast.Assign)
                        else [statement.target] if isinstance(statement, ast.AnnAssign) else [])
             # v = ...self.act(v)...: later reads of v see the result; any other read after the call, in its own
@@ -1209,6 +1282,15 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
             yield Candidate((site.path,), reason=edited, skip=True)
             continue
         read_after = _source_reads_input_after(ctx, module) if in_place else None
+        if in_place and not read_after:
+            # a forward hook on the module that made the input (a feature extractor, Grad-CAM) keeps that output: the
+            # in-place activation overwrote it, out of place the hook kept the values before it (1.196 off on the
+            # features, silently, until 2026-12-03: an adversarial pass); global forward hooks see it too
+            producers = [s.module for s in trace.sites if any(k in s.outputs for k in acts) and s is not site]
+            hooked = [type(m).__name__ for m in producers if "forward hooks" in ctx.user_hooks(m)]
+            if hooked or any(not memtrims(h) for h in nn.modules.module._global_forward_hooks.values()):
+                read_after = (f"a forward hook on {hooked[0]}, which made its input, may keep that output"
+                              if hooked else "global forward hooks may keep its input")
         if read_after:
             yield Candidate((site.path,), reason=f"runs in place and {read_after}: made out of place, a read of "
                                                  "that input after it would see the values before the activation",
