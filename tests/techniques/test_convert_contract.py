@@ -2059,12 +2059,7 @@ class _ListHeld(_ActBranch):
         return self.c2(y) + (x.sum() if alt else 0)
 
 
-class _Zipped(_ActBranch):
-    def __init__(self):
-        super().__init__()
-        del self.act
-        self.acts = nn.ModuleList([nn.SiLU(inplace=True)])
-
+class _Zipped(_ListHeld):
     def forward(self, x, alt=False):
         x = self.c1(x)
         for act in list(self.acts):
