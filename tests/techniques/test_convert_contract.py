@@ -2,6 +2,7 @@
 moment memtrim can tell; never a silent divergence."""
 
 import copy
+import linecache
 import math
 import re
 import types
@@ -2138,10 +2139,98 @@ class _PreActivation(_ActBranch):
         return self.c2(self.seq(x)) + (x.sum() if alt else 0)
 
 
+class _FlattenedArgument(_ActBranch):
+    def forward(self, x, alt=False):
+        x = self.c1(x)
+        y = self.act(torch.flatten(x, 2)).view_as(x)  # a view of x, not a bare name
+        return self.c2(y) + (x.sum() if alt else 0)
+
+
+class _ReadBeforeInItsStatement(_ActBranch):
+    def forward(self, x, alt=False):
+        x = self.c1(x)
+        return (x if alt else 0) + self.c2(self.act(x))  # the sum reads x after the activation ran
+
+
+def _alias_block(expression):
+    """A block that takes ``t = <expression of x>`` before the activation and reads it after, on the other branch."""
+    source = f"""
+class Aliased(_ActBranch):
+    def forward(self, x, alt=False):
+        x = self.c1(x)
+        t = {expression}
+        y = self.act(x)
+        return self.c2(y) + (t.sum() if alt else 0)
+"""
+    filename = f"<alias block {expression}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # (readable, as a file is)
+    namespace = {"torch": torch, "_ActBranch": _ActBranch}
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace["Aliased"]
+
+
+class _HookPoint(nn.Module):
+    def forward(self, x):
+        return x  # (TransformerLens's hook points return their input)
+
+
+class _ThroughAHookPoint(_ActBranch):
+    def __init__(self):
+        super().__init__()
+        self.hook = _HookPoint()
+
+    def forward(self, x, alt=False):
+        x = self.c1(x)
+        pre = self.hook(x)
+        y = self.act(x)
+        return self.c2(y) + (pre.sum() if alt else 0)
+
+
+class _HeldInAList(_ActBranch):
+    def __init__(self):
+        super().__init__()
+        self._fast = [self.act]
+
+    def forward(self, x, alt=False):
+        x = self.c1(x)
+        y = self._fast[0](x)
+        return self.c2(y) + (x.sum() if alt else 0)
+
+
+class _StaticHelper(_ActBranch):
+    @staticmethod
+    def _run(t, module):
+        return module.act(t)
+
+    def forward(self, x, alt=False):
+        x = self.c1(x)
+        y = self._run(x, self)
+        return self.c2(y) + (x.sum() if alt else 0)
+
+
+class _ResidualSequential(nn.Sequential):
+    def forward(self, x):
+        return super().forward(x) + x  # the activation first overwrote x
+
+
+class _SequentialSubclass(_ActBranch):
+    def __init__(self):
+        super().__init__()
+        del self.act
+        self.res = _ResidualSequential(nn.SiLU(inplace=True), nn.Conv2d(8, 8, 3, padding=1))
+
+    def forward(self, x, alt=False):
+        return self.c2(self.res(self.c1(x)))
+
+
 @pytest.mark.parametrize("block", [_Walrus, _LoopRead, _ClosureBefore, _NestedDef, _SubmoduleStores, _DropSkip,
                                    _SuperForward, _Undecorated, _HelperTakingSelf, _ComputedName, _FoundAmongChildren,
                                    _Grandparent, _ListHeld, _Zipped, _EmptyShortcut, _Raveled, _AddedInPlace,
-                                   _MethodStash, _BranchBound, _HelperView, _PreActivation])
+                                   _MethodStash, _BranchBound, _HelperView, _PreActivation, _FlattenedArgument,
+                                   _ReadBeforeInItsStatement, _ThroughAHookPoint, _HeldInAList, _StaticHelper,
+                                   _SequentialSubclass] + [_alias_block(e) for e in (
+                                       "x.adjoint()", "torch.broadcast_tensors(x, x)[0]", "None or x",
+                                       "torch.as_tensor(x)", "x.numpy() if False else x.sum_to_size(x.shape)")])
 def test_reads_of_the_input_through_other_code_keep_the_activation_in_place(block):
     # found by an adversarial pass on 2026-12-03: each of these was made out of place, and the branch the example
     # inputs do not take (or an evaluation, _DropSkip) trained on the values before the activation, silently (outputs
@@ -2152,7 +2241,8 @@ def test_reads_of_the_input_through_other_code_keep_the_activation_in_place(bloc
     acts = [m for m in converted.modules() if isinstance(m, nn.SiLU)]
     assert acts and all(m.inplace for m in acts), str(report)
     assert any(why in s.reason for s in report.skipped for why in (
-        "overwriting its input", "reaches self.", "runs first in its nn.Sequential")), str(report)
+        "overwriting its input", "reaches self.", "runs first in its nn.Sequential", "held outside the modules'",
+        "reaches the activation as")), str(report)
     x = torch.randn(2, 3, 6, 6)
     for alt in (False, True):
         outs = [grads_of(partial(m, alt=alt), x, params=False) for m in (plain, converted)]
@@ -2640,8 +2730,12 @@ def test_torchscript_is_refused_naming_the_order(how):
         memtrim.convert(model, example_inputs=x)
 
 
-class _SameInEvaluation(nn.Module):
-    """Returns its input itself in evaluation (as a dropout does), a copy in training; its class names no drop."""
+class _SameInEvaluation(nn.Linear):
+    """Returns its input itself in evaluation (as a dropout does), a copy in training; a Linear to the source check
+    (which takes a Linear for a module that makes a new tensor)."""
+
+    def __init__(self):
+        super().__init__(1, 1)
 
     def forward(self, x):
         return x * 1 if self.training else x

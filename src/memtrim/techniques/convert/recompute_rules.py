@@ -680,6 +680,9 @@ def _source_reads_input_after(ctx: Context, module: nn.Module) -> str | None:
     for code reaching the activation itself (``self.block.act(v)``) or the container holding it (``self.acts[0](v)``,
     ``for act in self.acts``; :func:`_ancestor_reaches`). Each of these trained silently otherwise until 2026-12-03
     (adversarial passes: the training step convert checks on the example inputs takes one branch)."""
+    held = _held_elsewhere(ctx.model, module)
+    if held:
+        return held
     for path in ctx.aliases.get(id(module), []):
         parent_path, _, name = path.rpartition(".")
         parent = ctx.model.get_submodule(parent_path)
@@ -698,11 +701,32 @@ def _source_reads_input_after(ctx: Context, module: nn.Module) -> str | None:
 _TRUSTED = (nn.Module, nn.Sequential, nn.ModuleList, nn.ModuleDict, object)
 
 
+def _held_elsewhere(model: nn.Module, module: nn.Module) -> str | None:
+    """Where a module of ``model`` holds the activation outside its registered modules (``self._fast = [act]``,
+    ``object.__setattr__(self, "fn", act)``, a ``partial`` or bound method of it): the code calling it there is not
+    read by name (both trained otherwise on a branch the example did not take, silently, until 2026-12-03)."""
+    def holds(value: Any, depth: int = 0) -> bool:
+        if value is module or getattr(value, "__self__", None) is module or getattr(value, "func", None) is module:
+            return True
+        if depth < 2 and isinstance(value, (list, tuple, set, frozenset)):
+            return any(holds(v, depth + 1) for v in value)
+        if depth < 2 and isinstance(value, dict):
+            return any(holds(v, depth + 1) for v in value.values())
+        return False
+
+    for holder_name, holder in model.named_modules():
+        for attr, value in vars(holder).items():
+            if attr != "_modules" and holds(value):
+                where = f"{holder_name}.{attr}" if holder_name else attr
+                return f"it is held outside the modules' registry too ({where}), where code may call it unread"
+    return None
+
+
 def _first_in_sequential(parent: nn.Module, name: str) -> str | None:
     """Where the activation is the first module of an ``nn.Sequential`` (or comes after modules that may return their
     input only): its input is the Sequential's, which the code calling the Sequential may read after the call (a
     pre-activation block: 0.70 off on a branch the example did not take, silently, until 2026-12-03)."""
-    if not isinstance(parent, nn.Sequential) or type(parent).forward is not nn.Sequential.forward:
+    if not isinstance(parent, nn.Sequential):  # (a subclass's own forward too: super().forward(x) + x)
         return None
     for key, module in parent._modules.items():
         if key == name:
@@ -725,12 +749,23 @@ class _Parent(NamedTuple):
 _UNKNOWN = _Parent()
 
 
+_NEW_TENSOR = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase, nn.LayerNorm,
+               nn.GroupNorm, nn.Embedding, nn.EmbeddingBag, nn.modules.pooling._MaxPoolNd,
+               nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd,
+               nn.modules.pooling._AdaptiveMaxPoolNd, nn.MultiheadAttention, nn.RNNBase, nn.Softmax, nn.LogSoftmax)
+
+
 def _may_return_input(module: nn.Module) -> bool:
-    if isinstance(module, (nn.Identity, nn.modules.dropout._DropoutNd, nn.Flatten, nn.Unflatten)):
-        return True
+    """Whether ``module`` may return its input itself (a dropout in evaluation, an identity, a flatten of a flat
+    input, a hook point, a reshape): any module but torch's that always compute a new tensor (a Linear, a
+    convolution, a norm, a pool, attention; an activation out of place), and a Sequential of those."""
     if isinstance(module, nn.Sequential):
-        return all(_may_return_input(m) for m in module)  # (an empty one returns its input)
-    return bool(re.search("drop|identity|passthrough|shortcut|skip", type(module).__name__, re.IGNORECASE))
+        return len(module) == 0 or any(_may_return_input(m) for m in module)
+    if isinstance(module, _NEW_TENSOR) and not re.search("drop|identity", type(module).__name__, re.IGNORECASE):
+        return False
+    if type(module).__module__.startswith("torch.nn.modules.activation"):
+        return getattr(module, "inplace", False) is True
+    return True
 _DYNAMIC = frozenset({"getattr", "children", "named_children", "modules", "named_modules", "_modules"})
 
 
@@ -790,6 +825,14 @@ def _function_reads_input_after(function: Any, name: str, owner: str, passthroug
     if isinstance(parsed, str):
         return parsed if _mentions(code, {name}) else None
     node, start = parsed
+    first = node.args.args[0].arg if node.args.args else None
+    others = [n for n in ast.walk(node) if isinstance(n, ast.Attribute) and n.attr == name
+              and isinstance(n.value, ast.Name) and n.value.id != first]
+    if others and not any(isinstance(n, ast.Attribute) and n.attr == name and isinstance(n.value, ast.Name)
+                          and n.value.id == first for n in ast.walk(node)):
+        return (f"{owner}.{function.__name__} reaches the activation as {ast.unparse(others[0])}, not through its "
+                f"first argument, so convert cannot follow its input ({inspect.getsourcefile(function)}:"
+                f"{start + others[0].lineno - 1})")
     line = _reads_after(node, name, passthrough, dynamic)
     if line is None:
         return None
@@ -965,6 +1008,21 @@ _VIEWING = frozenset({
     "alpha_dropout", "feature_alpha_dropout", "identity", "tile", "repeat", "as_subclass", "clone", "nan_to_num",
     "ravel", "squeeze_copy", "reshape_copy"})
 _VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
+# what a tensor's attribute read gives that cannot hold its data
+_METADATA = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "grad_fn", "layout", "is_leaf",
+                       "names", "is_sparse", "is_quantized", "is_meta", "itemsize", "nbytes"})
+# methods and torch functions known to return a new tensor (or no tensor): anything else may return its argument or a
+# view of it (adjoint, numpy, unsafe_chunk, broadcast_tensors, as_tensor, jit.annotate, Parameter: each made an alias
+# the check missed, until 2026-12-03)
+_FRESH = frozenset({
+    "size", "dim", "numel", "item", "tolist", "element_size", "stride", "storage_offset", "nelement", "is_contiguous",
+    "data_ptr", "sum", "mean", "std", "var", "norm", "prod", "max", "min", "amax", "amin", "argmax", "argmin", "abs",
+    "exp", "log", "sqrt", "rsqrt", "pow", "add", "sub", "mul", "div", "matmul", "mm", "bmm", "softmax",
+    "log_softmax", "relu", "sigmoid", "tanh", "gelu", "silu", "clone", "eq", "ne", "lt", "gt", "le", "ge", "any",
+    "all", "cumsum", "logsumexp", "masked_fill", "where", "clamp", "round", "floor", "ceil", "sign", "neg",
+    "reciprocal", "square", "cat", "stack", "concat", "concatenate", "zeros_like", "ones_like", "empty_like",
+    "full_like", "rand_like", "randn_like", "linear", "conv1d", "conv2d", "conv3d", "layer_norm", "batch_norm",
+    "group_norm", "rms_norm", "isfinite", "isnan", "allclose", "equal", "embedding"})
 _MODULE_NAMES = frozenset({"torch", "F", "nn", "functional"})  # torch.x(...), F.x(...), torch.nn.functional.x(...)
 _HARMLESS = frozenset({"len", "print", "isinstance", "type", "id", "hasattr", "repr", "str", "float", "int", "bool"})
 _STORING = frozenset({"append", "extend", "insert", "add", "update", "setdefault", "put", "put_nowait", "push",
@@ -1007,8 +1065,11 @@ def _shared_names(function: ast.FunctionDef | ast.AsyncFunctionDef, me: str, par
     escaped: set[str] = set()
     links: dict[str, set[str]] = {}
     outside = {n for node in ast.walk(function) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
+    arguments = {a.arg for a in (*function.args.posonlyargs, *function.args.args, *function.args.kwonlyargs)}
+    assigned = {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    local = (arguments | assigned) - {me}  # (self, torch, F: not tensors the function holds)
     for node in ast.walk(function):
-        if not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)):
+        if not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in local):
             continue
         if _captured(node, function, parents):
             escaped.add(node.id)  # read by a lambda or nested def, which may run after the call
@@ -1032,19 +1093,26 @@ def _shared_names(function: ast.FunctionDef | ast.AsyncFunctionDef, me: str, par
                 if target.id != node.id:
                     links.setdefault(node.id, set()).add(target.id)
                     links.setdefault(target.id, set()).add(node.id)
+        elif isinstance(up, ast.Match) and up.subject is here:
+            escaped.add(node.id)  # match v: case t: (t is v)
         elif _shares(here, up, me, parents, passthrough.modules):
             escaped.add(node.id)
     return escaped, links
 
 
 def _captured(node: ast.Name, function: ast.AST, parents: dict[int, ast.AST]) -> bool:
-    """Whether ``node`` is read inside a lambda or a def nested in ``function`` that does not bind that name."""
+    """Whether ``node`` is read inside a lambda, a def nested in ``function`` or a comprehension (a generator runs
+    later; a list's items may be views) that does not bind that name."""
     up = parents.get(id(node))
     while up is not None and up is not function:
         if isinstance(up, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)):
             bound = {a.arg for a in (*up.args.posonlyargs, *up.args.args, *up.args.kwonlyargs)}
             if node.id not in bound:
                 return True
+        if isinstance(up, (ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.DictComp)):
+            targets = {n.id for g in up.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
+            if node.id not in targets:
+                return True  # (h * k for k in ...): lazy, or its items views of h
         up = parents.get(id(up))
     return False
 
@@ -1057,18 +1125,19 @@ def _holding(node: ast.Name, parents: dict[int, ast.AST], me: str, passthrough: 
     here: ast.AST = node
     up = parents.get(id(here))
     while True:
-        if isinstance(up, ast.Attribute) and up.value is here and (up.attr in _VIEWING or _in_place(up.attr)):
+        if isinstance(up, ast.Attribute) and up.value is here and up.attr not in _METADATA and (
+                up.attr not in _FRESH or _in_place(up.attr)):
             call = parents.get(id(up))
-            if not (isinstance(call, ast.Call) and call.func is up):
-                return here, up  # v.float as a value, not called
-            up = call  # v.view(...)
+            if isinstance(call, ast.Call) and call.func is up:
+                up = call  # v.view(...), v.numpy(), v.adjoint(): any method but those known to make a new tensor
+            # (else f = v.view: a bound method of v, or an attribute of an object v)
         elif isinstance(up, ast.Subscript) and up.value is here:
             pass  # v[:, :4]
         elif isinstance(up, ast.Attribute) and up.value is here and up.attr in _VIEW_ATTRIBUTES:
             pass  # v.T
         elif (isinstance(up, ast.Call) and here in up.args and isinstance(up.func, ast.Attribute)
-              and (up.func.attr in _VIEWING or _torch_ops(up.func)) and _torch_function(up.func)):
-            pass  # torch.chunk(v, 2), torch.ops.aten.alias.default(v)
+              and (up.func.attr not in _FRESH or _torch_ops(up.func)) and _torch_function(up.func)):
+            pass  # torch.chunk(v, 2), torch.broadcast_tensors(v, w), torch.ops.aten.alias.default(v)
         elif (isinstance(up, ast.Call) and here in up.args and isinstance(up.func, ast.Attribute)
               and isinstance(up.func.value, ast.Name) and up.func.value.id == me
               and up.func.attr in passthrough.passthrough):
@@ -1082,6 +1151,10 @@ def _holding(node: ast.Name, parents: dict[int, ast.AST], me: str, passthrough: 
             pass
         elif isinstance(up, ast.IfExp) and up.test is not here:
             pass
+        elif isinstance(up, ast.BoolOp):
+            pass  # None or v
+        elif isinstance(up, ast.Call) and up.func is here:
+            pass  # f = v.view; f(4, -1)
         else:
             return here, up
         here, up = up, parents.get(id(up))
@@ -1134,6 +1207,17 @@ def _iterates_children(iterable: ast.expr, me: str) -> bool:
     return me in roots and not mentions.isdisjoint(_DYNAMIC)
 
 
+def _fresh(arg: ast.expr, me: str, passthrough: _Parent) -> bool:
+    """Whether ``arg`` is a new tensor nothing else holds: a call of a module of ``me`` that does not return its
+    input (``self.bn(x)``), or arithmetic on such (``self.bn(x) * 2``)."""
+    if isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and isinstance(arg.func.value, ast.Name):
+        return (arg.func.value.id == me and arg.func.attr not in passthrough.passthrough
+                and (passthrough.modules is None or arg.func.attr in passthrough.modules))
+    if isinstance(arg, ast.BinOp):
+        return True  # a + b: a new tensor
+    return False
+
+
 def _branches(node: ast.AST, function: ast.AST, parents: dict[int, ast.AST]) -> list[ast.AST]:
     """The statements around ``node`` that run it on some paths only (an ``if``, a loop, a ``try``): a binding
     inside one that is not also around the call does not rebind on every path to it (``if not alt: x = self.norm(x)``
@@ -1167,6 +1251,7 @@ def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str,
              for node in ast.walk(function) if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
              for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)]
     names = [n for n in ast.walk(function) if isinstance(n, ast.Name)]
+    local_names = arguments | {n.id for n in names if not isinstance(n.ctx, ast.Load)}
     escaped, links = _shared_names(function, me, parents, passthrough)
     for node in ast.walk(function):
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
@@ -1210,12 +1295,18 @@ def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str,
         statement = enclosing
         if isinstance(statement, ast.Expr):
             return node.lineno  # called for its effect alone
+        roots: list[ast.Name] = []
         for arg in call.args:
             root = _root_name(arg, me)
-            if root is None:
-                continue  # a temporary (a module's output): nothing else holds it
             if isinstance(root, int):
                 return node.lineno
+            if root is not None and root.id in local_names:
+                roots.append(root)  # v, v[...], v.view(...)
+            elif not _fresh(arg, me, passthrough):
+                # self.act(torch.flatten(h)), self.act(h if c else x), self.act(flat(h)): every local variable in it
+                roots += [n for n in ast.walk(arg) if isinstance(n, ast.Name) and n.id in local_names]
+        in_call = {id(n) for n in ast.walk(call)}
+        for root in roots:
             group = {root.id}  # the variable and its other names (t = v), which read the same tensor
             while True:
                 more = set().union(*(links.get(v, set()) for v in group)) - group
@@ -1239,7 +1330,9 @@ def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str,
             if any(n.id in group - assigned and isinstance(n.ctx, ast.Load) and (n.lineno, n.col_offset) > end
                    for n in names):
                 return node.lineno
-            in_call = {id(n) for n in ast.walk(call)}
+            if any(isinstance(n, ast.Name) and n.id in group and isinstance(n.ctx, ast.Load) and id(n) not in in_call
+                   for n in ast.walk(statement)):
+                return node.lineno  # torch.cat([v, self.act(v)]), v + self.act(v): v's data read after the call
             if any(isinstance(n, ast.Name) and n.id in group - assigned and isinstance(n.ctx, ast.Load)
                    and id(n) not in in_call
                    for loop in loops for n in ast.walk(loop)):
