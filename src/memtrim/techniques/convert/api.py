@@ -501,15 +501,16 @@ def _example_forward(model: nn.Module, args: tuple[Any, ...],
 
 
 def step_effects(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """What a training step of ``model`` on the example inputs makes: the forward's outputs, every buffer after it
-    and every trainable parameter's gradient of a fixed random weighting of the outputs (dropout and the weights
-    drawn from fixed seeds; buffers restored after, ``.grad`` left alone), detached; then the outputs of an
-    evaluation forward under ``no_grad`` (a dropout returns its input itself there: an alias of the activation's
-    input, read after it, showed in evaluation only; found by an adversarial pass on 2026-12-03)."""
+    """What a training step of ``model`` on the example inputs makes: the forward's outputs, every buffer and every
+    plain tensor a module keeps as an attribute after it, and every trainable parameter's gradient of a fixed random
+    weighting of the outputs (dropout and the weights drawn from fixed seeds; buffers restored after, ``.grad`` left
+    alone), detached; then the outputs of an evaluation forward under ``no_grad`` (a dropout returns its input itself
+    there: an alias of the activation's input, read after it, showed in evaluation only; found by an adversarial pass
+    on 2026-12-03)."""
     params = [p for p in model.parameters() if p.requires_grad]
     with _example_forward(model, args, kwargs) as (args, kwargs):
         outputs = tensors_in(model(*args, **kwargs))
-        found = [t.detach().clone() for t in (*outputs, *model.buffers())]
+        found = [t.detach().clone() for t in (*outputs, *model.buffers(), *_kept_by_modules(model))]
         differentiable = [t for t in outputs if t.requires_grad]
         if differentiable and params:
             weights = [torch.randn_like(t) if t.is_floating_point() else torch.ones_like(t) for t in differentiable]
@@ -523,6 +524,14 @@ def step_effects(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         finally:
             set_training_flags(flags)
     return found
+
+
+def _kept_by_modules(model: nn.Module) -> list[torch.Tensor]:
+    """The plain tensors the modules keep as attributes after a forward (``self.last = out``: a feature extractor's
+    store, which an in-place activation after it overwrote; out of place it kept the values before the activation,
+    silently, until 2026-12-03: an adversarial pass)."""
+    return [value for module in model.modules() for name, value in vars(module).items()
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and not name.startswith("_")]
 
 
 def _bitwise_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
