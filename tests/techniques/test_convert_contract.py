@@ -2213,6 +2213,73 @@ class _ResidualSequential(nn.Sequential):
         return super().forward(x) + x  # the activation first overwrote x
 
 
+class _ByName(_ActBranch):
+    def forward(self, x, alt=False):
+        x = self.c1(x)
+        y = self.act(x)
+        return self.c2(y) + (locals()["x"].sum() if alt else 0)
+
+
+class _ClassBody(_ActBranch):
+    def forward(self, x, alt=False):
+        x = self.c1(x)
+
+        class Holder:
+            kept = x
+        y = self.act(x)
+        return self.c2(y) + (Holder.kept.sum() if alt else 0)
+
+
+class _Keeps(nn.Module):
+    def forward(self, x):
+        self.last = x
+        return x
+
+
+class _ChildKeepsItsInput(_ActBranch):
+    def __init__(self):
+        super().__init__()
+        self.keep = _Keeps()
+
+    def forward(self, x, alt=False):
+        x = self.c1(x)
+        if alt:
+            self.keep(x)
+        y = self.act(x)
+        return self.c2(y) + (self.keep.last.sum() if alt else 0)
+
+
+class _StarArguments(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.act, self.c2 = nn.SiLU(inplace=True), nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, *xs):
+        return self.c2(self.act(xs[0]))
+
+
+class _CallsWithStar(_ActBranch):
+    def __init__(self):
+        super().__init__()
+        del self.act
+        self.inner = _StarArguments()
+
+    def forward(self, x, alt=False):
+        x = self.c1(x)
+        return self.inner(x) + (x.sum() if alt else 0)
+
+
+class _BufferInput(_ActBranch):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("state", torch.randn(2, 8, 6, 6))
+
+    def forward(self, x, alt=False):
+        h = self.state.clone() if not alt else self.state
+        y = self.act(h)
+        return self.c2(y) + self.c1(x)
+
+
 class _SequentialSubclass(_ActBranch):
     def __init__(self):
         super().__init__()
@@ -2228,9 +2295,11 @@ class _SequentialSubclass(_ActBranch):
                                    _Grandparent, _ListHeld, _Zipped, _EmptyShortcut, _Raveled, _AddedInPlace,
                                    _MethodStash, _BranchBound, _HelperView, _PreActivation, _FlattenedArgument,
                                    _ReadBeforeInItsStatement, _ThroughAHookPoint, _HeldInAList, _StaticHelper,
-                                   _SequentialSubclass] + [_alias_block(e) for e in (
+                                   _SequentialSubclass, _ByName, _ClassBody, _ChildKeepsItsInput, _CallsWithStar,
+                                   _BufferInput] + [_alias_block(e) for e in (
                                        "x.adjoint()", "torch.broadcast_tensors(x, x)[0]", "None or x",
-                                       "torch.as_tensor(x)", "x.numpy() if False else x.sum_to_size(x.shape)")])
+                                       "torch.as_tensor(x)", "x.numpy() if False else x.sum_to_size(x.shape)", "+x",
+                                       "type('K', (), {'v': x}).v")])
 def test_reads_of_the_input_through_other_code_keep_the_activation_in_place(block):
     # found by an adversarial pass on 2026-12-03: each of these was made out of place, and the branch the example
     # inputs do not take (or an evaluation, _DropSkip) trained on the values before the activation, silently (outputs
@@ -2798,6 +2867,8 @@ def test_a_module_keeping_its_output_before_an_in_place_activation_keeps_it_in_p
     plain.c1 = _KeepsItsOutput(3, 8, 3, padding=1)
     x = torch.randn(2, 3, 6, 6)
     converted, report = memtrim.convert(copy.deepcopy(plain), example_inputs=x)
-    assert converted.act.inplace and any("changed the model's outputs" in s.reason for s in report.skipped), str(report)
+    # (read from its source now; the step's comparison of the tensors modules keep catches a forward that cannot be)
+    assert converted.act.inplace and any(why in s.reason for s in report.skipped for why in (
+        "changed the model's outputs", "may rely on self.act")), str(report)
     assert_same(grads_of(converted, x), grads_of(plain, x))
     assert torch.equal(converted.c1.last, plain.c1.last)

@@ -48,6 +48,7 @@ newly holds); convert measures each change anyway and undoes one that saves noth
 from __future__ import annotations
 
 import ast
+import builtins
 import functools
 import inspect
 import re
@@ -689,7 +690,9 @@ def _source_reads_input_after(ctx: Context, module: nn.Module) -> str | None:
         parent_class: type = type(parent)
         # the parent's modules that may return their input (an identity, a dropout in evaluation, a drop path)
         passthrough = _Parent(frozenset(attr for attr, m in parent._modules.items()
-                                        if m is not None and _may_return_input(m)), frozenset(parent._modules))
+                                        if m is not None and _may_return_input(m)), frozenset(parent._modules),
+                              frozenset(attr for attr, m in parent._modules.items()
+                                        if m is not None and _may_keep_input(_class_of(m))))
         why = (_first_in_sequential(parent, name) or _instance_reads_input_after(parent, name, passthrough)
                or _class_reads_input_after(parent_class, name, passthrough)
                or _ancestor_reaches(ctx.model, path))
@@ -744,6 +747,7 @@ class _Parent(NamedTuple):
 
     passthrough: frozenset[str] = frozenset()
     modules: frozenset[str] | None = None
+    keepers: frozenset[str] = frozenset()  # modules whose forward may keep its input (self.last = x)
 
 
 _UNKNOWN = _Parent()
@@ -753,6 +757,37 @@ _NEW_TENSOR = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.modules.batch
                nn.GroupNorm, nn.Embedding, nn.EmbeddingBag, nn.modules.pooling._MaxPoolNd,
                nn.modules.pooling._AvgPoolNd, nn.modules.pooling._AdaptiveAvgPoolNd,
                nn.modules.pooling._AdaptiveMaxPoolNd, nn.MultiheadAttention, nn.RNNBase, nn.Softmax, nn.LogSoftmax)
+
+
+def _class_of(module: nn.Module) -> type:
+    return type(module)
+
+
+@functools.lru_cache(maxsize=256)
+def _may_keep_input(cls: type) -> bool:
+    """Whether a module class's forward may keep its input past the call (``self.last = x``, ``self.inputs.append(x)``
+    : a child module called on the activation's input on a branch the example did not take kept the values before
+    the activation, silently, until 2026-12-03). torch's own modules keep nothing; a forward that cannot be read may."""
+    forward = getattr(cls, "forward", None)
+    if forward is None or getattr(forward, "__module__", "").startswith("torch."):
+        return False
+    parsed = _parsed(inspect.unwrap(forward), cls.__qualname__, "its input")
+    if isinstance(parsed, str):
+        return True
+    node, _ = parsed
+    me = node.args.args[0].arg if node.args.args else ""
+    for statement in ast.walk(node):
+        if isinstance(statement, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
+            if any(_kept_by(t, me) for t in targets) and statement.value is not None and any(
+                    isinstance(n, ast.Name) and n.id != me for n in ast.walk(statement.value)):
+                return True  # self.last = x (or something computed from locals: conservative)
+        if (isinstance(statement, ast.Call) and isinstance(statement.func, ast.Attribute)
+                and (statement.func.attr in _STORING or statement.func.attr in ("register_buffer", "__setattr__"))
+                or isinstance(statement, ast.Call) and isinstance(statement.func, ast.Name)
+                and statement.func.id == "setattr"):
+            return True
+    return False
 
 
 def _may_return_input(module: nn.Module) -> bool:
@@ -1024,7 +1059,9 @@ _FRESH = frozenset({
     "full_like", "rand_like", "randn_like", "linear", "conv1d", "conv2d", "conv3d", "layer_norm", "batch_norm",
     "group_norm", "rms_norm", "isfinite", "isnan", "allclose", "equal", "embedding"})
 _MODULE_NAMES = frozenset({"torch", "F", "nn", "functional"})  # torch.x(...), F.x(...), torch.nn.functional.x(...)
-_HARMLESS = frozenset({"len", "print", "isinstance", "type", "id", "hasattr", "repr", "str", "float", "int", "bool"})
+_HARMLESS = frozenset({"len", "print", "isinstance", "id", "hasattr", "repr", "str", "float", "int", "bool"})
+# reads of a variable that never name it: eval("h"), locals()["h"], sys._getframe(0).f_locals["h"]
+_BY_NAME = frozenset({"eval", "exec", "locals", "vars", "globals", "_getframe", "currentframe"})
 _STORING = frozenset({"append", "extend", "insert", "add", "update", "setdefault", "put", "put_nowait", "push",
                       "__setitem__", "appendleft"})
 
@@ -1065,10 +1102,15 @@ def _shared_names(function: ast.FunctionDef | ast.AsyncFunctionDef, me: str, par
     escaped: set[str] = set()
     links: dict[str, set[str]] = {}
     outside = {n for node in ast.walk(function) if isinstance(node, (ast.Global, ast.Nonlocal)) for n in node.names}
-    arguments = {a.arg for a in (*function.args.posonlyargs, *function.args.args, *function.args.kwonlyargs)}
+    arguments = {a.arg for a in (*function.args.posonlyargs, *function.args.args, *function.args.kwonlyargs,
+                                 *(a for a in (function.args.vararg, function.args.kwarg) if a is not None))}
     assigned = {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
     local = (arguments | assigned) - {me}  # (self, torch, F: not tensors the function holds)
     for node in ast.walk(function):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and _kept_by(node.value, me, local):
+            # h = self.buf (if ...): h holds a tensor the module keeps, which its other code reads by that name
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            escaped |= {t.id for target in targets for t in ast.walk(target) if isinstance(t, ast.Name)}
         if not (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in local):
             continue
         if _captured(node, function, parents):
@@ -1078,6 +1120,10 @@ def _shared_names(function: ast.FunctionDef | ast.AsyncFunctionDef, me: str, par
         if isinstance(call, ast.Call) and node in call.args and isinstance(call.func, ast.Name) and (
                 call.func.id not in _HARMLESS):
             escaped.add(node.id)  # keep(store, v), as_rows(v): the user's function may keep v, or return a view of it
+        if (isinstance(call, ast.Call) and node in call.args and isinstance(call.func, ast.Attribute)
+                and isinstance(call.func.value, ast.Name) and call.func.value.id == me
+                and call.func.attr in passthrough.keepers):
+            escaped.add(node.id)  # self.keep(v): a module whose forward keeps its input
         here, up = _holding(node, parents, me, passthrough)
         if isinstance(up, (ast.Assign, ast.AnnAssign, ast.NamedExpr, ast.For, ast.AsyncFor, ast.comprehension)):
             value = up.iter if isinstance(up, (ast.For, ast.AsyncFor, ast.comprehension)) else up.value
@@ -1095,9 +1141,28 @@ def _shared_names(function: ast.FunctionDef | ast.AsyncFunctionDef, me: str, par
                     links.setdefault(target.id, set()).add(node.id)
         elif isinstance(up, ast.Match) and up.subject is here:
             escaped.add(node.id)  # match v: case t: (t is v)
-        elif _shares(here, up, me, parents, passthrough.modules):
+        elif _shares(here, up, me, parents, passthrough):
             escaped.add(node.id)
     return escaped, links
+
+
+def _kept_by(value: ast.expr, me: str, local: set[str] | None = None) -> bool:
+    """Whether ``value`` may be a tensor ``me`` keeps (``self.buf``, ``self.cache[k]``, ``a if c else self.buf``), or,
+    given the function's ``local`` names, a global one (``h = G``)."""
+    if isinstance(value, ast.Name):
+        return local is not None and value.id not in local and value.id != me and value.id not in dir(builtins)
+    if isinstance(value, ast.Attribute):
+        root: ast.expr = value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        return isinstance(root, ast.Name) and root.id == me
+    if isinstance(value, (ast.Subscript, ast.Starred)):
+        return _kept_by(value.value, me, local)
+    if isinstance(value, ast.IfExp):
+        return _kept_by(value.body, me, local) or _kept_by(value.orelse, me, local)
+    if isinstance(value, ast.BoolOp):
+        return any(_kept_by(v, me, local) for v in value.values)
+    return False
 
 
 def _captured(node: ast.Name, function: ast.AST, parents: dict[int, ast.AST]) -> bool:
@@ -1109,6 +1174,8 @@ def _captured(node: ast.Name, function: ast.AST, parents: dict[int, ast.AST]) ->
             bound = {a.arg for a in (*up.args.posonlyargs, *up.args.args, *up.args.kwonlyargs)}
             if node.id not in bound:
                 return True
+        if isinstance(up, ast.ClassDef):
+            return True  # class K: v = h (K.v holds it)
         if isinstance(up, (ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.DictComp)):
             targets = {n.id for g in up.generators for n in ast.walk(g.target) if isinstance(n, ast.Name)}
             if node.id not in targets:
@@ -1151,8 +1218,8 @@ def _holding(node: ast.Name, parents: dict[int, ast.AST], me: str, passthrough: 
             pass
         elif isinstance(up, ast.IfExp) and up.test is not here:
             pass
-        elif isinstance(up, ast.BoolOp):
-            pass  # None or v
+        elif isinstance(up, ast.BoolOp) or (isinstance(up, ast.UnaryOp) and isinstance(up.op, ast.UAdd)):
+            pass  # None or v; +v is v
         elif isinstance(up, ast.Call) and up.func is here:
             pass  # f = v.view; f(4, -1)
         else:
@@ -1160,8 +1227,8 @@ def _holding(node: ast.Name, parents: dict[int, ast.AST], me: str, passthrough: 
         here, up = up, parents.get(id(up))
 
 
-def _shares(value: ast.AST, up: ast.AST | None, me: str, parents: dict[int, ast.AST],
-            modules: frozenset[str] | None) -> bool:
+def _shares(value: ast.AST, up: ast.AST | None, me: str, parents: dict[int, ast.AST], passthrough: _Parent
+            ) -> bool:
     """Whether ``value`` (which may hold a variable's tensor) is kept by something else where ``up`` uses it (not an
     assignment: :func:`_shared_names` links those)."""
     if isinstance(up, ast.AugAssign):
@@ -1171,11 +1238,12 @@ def _shares(value: ast.AST, up: ast.AST | None, me: str, parents: dict[int, ast.
     if isinstance(up, ast.keyword):
         up = parents.get(id(up))
     if isinstance(up, ast.Call) and up.func is not value:
-        return not _keeps_no_argument(up.func, me, modules)
+        return not _keeps_no_argument(up.func, me, passthrough.modules, passthrough.keepers)
     return False
 
 
-def _keeps_no_argument(func: ast.expr, me: str, modules: frozenset[str] | None = None) -> bool:
+def _keeps_no_argument(func: ast.expr, me: str, modules: frozenset[str] | None = None,
+                       keepers: frozenset[str] = frozenset()) -> bool:
     """A call of a torch function, of a module of ``me`` (``self.conv(v)``) or of a harmless builtin: nothing keeps
     its arguments after it returns."""
     if isinstance(func, ast.Name):
@@ -1186,7 +1254,7 @@ def _keeps_no_argument(func: ast.expr, me: str, modules: frozenset[str] | None =
         return True
     # self.conv(v) (a module of the parent); not self.store.keep(v) (a method of one, which may keep v), nor
     # w.add(v) (w may be a list)
-    return (isinstance(func.value, ast.Name) and func.value.id == me
+    return (isinstance(func.value, ast.Name) and func.value.id == me and func.attr not in keepers
             and (modules is None or func.attr in modules))  # (self._stash(v): a method of the parent, may keep v)
 
 
@@ -1245,7 +1313,8 @@ def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str,
     if not function.args.args:
         return None
     me = function.args.args[0].arg  # ``self``, whatever it is called
-    arguments = {a.arg for a in (*function.args.posonlyargs, *function.args.args[1:], *function.args.kwonlyargs)}
+    arguments = {a.arg for a in (*function.args.posonlyargs, *function.args.args[1:], *function.args.kwonlyargs,
+                                 *(a for a in (function.args.vararg, function.args.kwarg) if a is not None))}
     parents = {id(child): node for node in ast.walk(function) for child in ast.iter_child_nodes(node)}
     bound = [(t.id, (node.end_lineno or node.lineno, node.end_col_offset or 0), _branches(node, function, parents))
              for node in ast.walk(function) if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
@@ -1259,6 +1328,10 @@ def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str,
                 and (dynamic or isinstance(node.args[1], ast.Constant))
                 and not (isinstance(node.args[1], ast.Constant) and node.args[1].value != name)):
             return node.lineno  # getattr(self, "act"), getattr(self, computed)
+        if isinstance(node, ast.Call) and (
+                (isinstance(node.func, ast.Name) and node.func.id in _BY_NAME)
+                or (isinstance(node.func, ast.Attribute) and node.func.attr in _BY_NAME)):
+            return node.lineno  # a variable read by its name at run time
         if dynamic and isinstance(node, (ast.For, ast.AsyncFor)) and _children_called(node, me):
             return node.lineno
         if dynamic and isinstance(node, ast.comprehension) and _iterates_children(node.iter, me):
