@@ -2080,22 +2080,6 @@ class _EmptyShortcut(_ActBranch):
         return self.c2(y) + (skip.sum() if alt else 0)
 
 
-class _Raveled(_ActBranch):
-    def forward(self, x, alt=False):
-        x = self.c1(x)
-        flat = x.ravel()
-        y = self.act(x)
-        return self.c2(y) + (flat.sum() if alt else 0)
-
-
-class _AddedInPlace(_ActBranch):
-    def forward(self, x, alt=False):
-        x = self.c1(x)
-        same = x.mul_(1.0)  # x itself
-        y = self.act(x)
-        return self.c2(y) + (same.sum() if alt else 0)
-
-
 class _MethodStash(_ActBranch):
     def stash(self, t):
         self.kept = t
@@ -2118,14 +2102,6 @@ class _BranchBound(_ActBranch):
 
 def _as_rows(t):
     return t.view(t.shape[0], -1)
-
-
-class _HelperView(_ActBranch):
-    def forward(self, x, alt=False):
-        x = self.c1(x)
-        rows = _as_rows(x)
-        y = self.act(x)
-        return self.c2(y) + (rows.sum() if alt else 0)
 
 
 class _PreActivation(_ActBranch):
@@ -2164,7 +2140,7 @@ class Aliased(_ActBranch):
 """
     filename = f"<alias block {expression}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)  # (readable, as a file is)
-    namespace = {"torch": torch, "_ActBranch": _ActBranch}
+    namespace = {"torch": torch, "_ActBranch": _ActBranch, "_as_rows": _as_rows}
     exec(compile(source, filename, "exec"), namespace)
     return namespace["Aliased"]
 
@@ -2292,11 +2268,12 @@ class _SequentialSubclass(_ActBranch):
 
 @pytest.mark.parametrize("block", [_Walrus, _LoopRead, _ClosureBefore, _NestedDef, _SubmoduleStores, _DropSkip,
                                    _SuperForward, _Undecorated, _HelperTakingSelf, _ComputedName, _FoundAmongChildren,
-                                   _Grandparent, _ListHeld, _Zipped, _EmptyShortcut, _Raveled, _AddedInPlace,
-                                   _MethodStash, _BranchBound, _HelperView, _PreActivation, _FlattenedArgument,
+                                   _Grandparent, _ListHeld, _Zipped, _EmptyShortcut,
+                                   _MethodStash, _BranchBound, _PreActivation, _FlattenedArgument,
                                    _ReadBeforeInItsStatement, _ThroughAHookPoint, _HeldInAList, _StaticHelper,
                                    _SequentialSubclass, _ByName, _ClassBody, _ChildKeepsItsInput, _CallsWithStar,
                                    _BufferInput] + [_alias_block(e) for e in (
+                                       "x.ravel()", "x.mul_(1.0)", "_as_rows(x)",
                                        "x.adjoint()", "torch.broadcast_tensors(x, x)[0]", "None or x",
                                        "torch.as_tensor(x)", "x.numpy() if False else x.sum_to_size(x.shape)", "+x",
                                        "type('K', (), {'v': x}).v")])

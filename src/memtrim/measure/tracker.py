@@ -135,7 +135,7 @@ class Tracker:
             )
         compiled = hooks.compiled_module(model) if model is not None else None
         if compiled is not None:
-            # (found by an adversarial pass on 2026-12-03: the report was of the eager step, 3.0x the compiled one's
+            # (found by an adversarial pass on 2026-12-03: the report was of the eager step, not the compiled one's
             # peak, and the model ran eagerly ever after)
             raise InvalidInputError(
                 f"memtrim.track: {compiled} was compiled (torch.compile or Module.compile()). Under the tracker "

@@ -225,7 +225,7 @@ def _check(model_or_factory: Any, loss_fn: Any, optimizer_factory: Any, techniqu
             "(memtrim.plan(ddp_model.module, ...)): the plan is one process's step."
         )
     compiled = compiled_module(model_or_factory) if isinstance(model_or_factory, nn.Module) else None
-    if compiled is not None:  # (found by an adversarial pass on 2026-12-03: the eager step was planned, 3.1x the
+    if compiled is not None:  # (found by an adversarial pass on 2026-12-03: the eager step was planned, not the
         raise InvalidInputError(  # compiled one's peak, and the model ran eagerly ever after)
             f"{_API}: {compiled} was compiled (torch.compile or Module.compile()). The plan traces the step under a "
             "fake mode, where torch.compile skips every compiled frame and caches that skip: it would plan the eager "

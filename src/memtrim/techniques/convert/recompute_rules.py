@@ -1031,18 +1031,6 @@ def _root_name(arg: ast.expr, me: str) -> ast.Name | int | None:
             return arg.lineno if isinstance(arg, (ast.List, ast.Tuple, ast.Starred)) else None
 
 
-# methods and torch functions whose result may be (a view of) their tensor argument; attributes that are
-_VIEWING = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "narrow", "chunk", "split",
-    "tensor_split", "hsplit", "vsplit", "dsplit", "unbind", "squeeze", "unsqueeze", "expand", "expand_as", "flatten",
-    "unflatten", "as_strided", "select", "detach", "contiguous", "movedim", "moveaxis", "swapaxes", "swapdims",
-    "diagonal", "to", "type", "type_as", "float", "double", "half", "bfloat16", "cpu", "cuda", "requires_grad_",
-    "unfold", "split_with_sizes", "indices", "values", "real", "imag", "view_as_real", "view_as_complex",
-    "resolve_conj", "resolve_neg", "conj", "atleast_1d", "atleast_2d", "atleast_3d", "broadcast_to", "index_select",
-    "einsum", "positive", "__getitem__", "alias", "view_copy", "dropout", "dropout1d", "dropout2d", "dropout3d",
-    "alpha_dropout", "feature_alpha_dropout", "identity", "tile", "repeat", "as_subclass", "clone", "nan_to_num",
-    "ravel", "squeeze_copy", "reshape_copy"})
-_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
 # what a tensor's attribute read gives that cannot hold its data
 _METADATA = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "grad_fn", "layout", "is_leaf",
                        "names", "is_sparse", "is_quantized", "is_meta", "itemsize", "nbytes"})
@@ -1073,11 +1061,6 @@ def _torch_function(func: ast.expr) -> bool:
         if isinstance(func, ast.Name):
             return func.id in _MODULE_NAMES
     return False
-
-
-def _in_place(method: str) -> bool:
-    """``v.add_(w)``, ``v.clamp_(...)``: an in-place method returns ``v`` itself."""
-    return method.endswith("_") and not method.startswith("_")
 
 
 def _torch_ops(func: ast.expr) -> bool:
@@ -1192,16 +1175,13 @@ def _holding(node: ast.Name, parents: dict[int, ast.AST], me: str, passthrough: 
     here: ast.AST = node
     up = parents.get(id(here))
     while True:
-        if isinstance(up, ast.Attribute) and up.value is here and up.attr not in _METADATA and (
-                up.attr not in _FRESH or _in_place(up.attr)):
+        if isinstance(up, ast.Attribute) and up.value is here and up.attr not in _METADATA | _FRESH:
             call = parents.get(id(up))
             if isinstance(call, ast.Call) and call.func is up:
-                up = call  # v.view(...), v.numpy(), v.adjoint(): any method but those known to make a new tensor
-            # (else f = v.view: a bound method of v, or an attribute of an object v)
+                up = call  # v.view(...), v.mul_(2), v.numpy(): any method but those known to make a new tensor
+            # (else v.T, v.data, f = v.view: a view, a bound method of v, or an attribute of an object v)
         elif isinstance(up, ast.Subscript) and up.value is here:
             pass  # v[:, :4]
-        elif isinstance(up, ast.Attribute) and up.value is here and up.attr in _VIEW_ATTRIBUTES:
-            pass  # v.T
         elif (isinstance(up, ast.Call) and here in up.args and isinstance(up.func, ast.Attribute)
               and (up.func.attr not in _FRESH or _torch_ops(up.func)) and _torch_function(up.func)):
             pass  # torch.chunk(v, 2), torch.broadcast_tensors(v, w), torch.ops.aten.alias.default(v)
