@@ -2,8 +2,10 @@
 side with memcnn and revlib (when installed), plus a memory-vs-depth plot.
 
 Setup from the field notes: 16 additive couplings, f and g = Linear(512, 512) + ReLU + Linear(512, 512) on width
-1024, batch 256, float32, CPU. Also timed: the plain step plus one more forward, the floor of any stack that
-rebuilds every block in backward.
+1024, batch 256, float32, CPU. The same couplings written as a user's own block (its own forward and inverse) are
+the row "user blocks run whole": the stack cannot replay f and g one by one, so it watches the block's forward
+for random draws at the dispatcher, one Python call per op. Also timed: the plain step plus one more forward, the
+floor of any stack that rebuilds every block in backward.
 
 Reproduce:  .venv/bin/python benchmarks/reversible.py [--rounds 15]
   (the comparison libraries: pip install revlib==1.7.2 && pip install --no-deps memcnn==1.5.2 -- memcnn's own
@@ -30,12 +32,33 @@ def fg(width=512):
     return nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
 
 
+class WholeBlock(nn.Module):
+    """A user's own reversible block (RevViT style: its own forward and inverse), which the stack runs whole and
+    inverts by ``inverse``, its forward watched for random draws op by op."""
+
+    def __init__(self, coupling):
+        super().__init__()
+        self.f, self.g = coupling.f, coupling.g
+
+    def forward(self, x):
+        x1, x2 = x.chunk(2, dim=-1)
+        y1 = x1 + self.f(x2)
+        return torch.cat([y1, x2 + self.g(y1)], dim=-1)
+
+    def inverse(self, y):
+        y1, y2 = y.chunk(2, dim=-1)
+        x2 = y2 - self.g(y1)
+        return torch.cat([y1 - self.f(x2), x2], dim=-1)
+
+
 def builders(depth, width=512):
     torch.manual_seed(0)
     blocks = [memtrim.AdditiveCoupling(fg(width), fg(width)) for _ in range(depth)]
     out = {
         "plain": lambda: nn.Sequential(*copy.deepcopy(blocks)),
         "memtrim": lambda: memtrim.ReversibleSequential(*copy.deepcopy(blocks)),
+        "memtrim, user blocks run whole": lambda: memtrim.ReversibleSequential(
+            *[WholeBlock(b) for b in copy.deepcopy(blocks)]),
     }
     try:
         with warnings.catch_warnings():

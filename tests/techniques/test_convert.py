@@ -639,6 +639,52 @@ def test_a_rules_changes_are_measured_together_in_as_many_forwards_at_any_depth(
             c.bytes_saved for c in together.changes)
 
 
+class _LeakyStack(nn.Module):
+    """Conv -> LeakyReLU(in place) -> Conv, ``depth`` times: torch's ``leaky_relu_`` keeps its result, which the next
+    conv keeps anyway, so neither keeping the output instead nor running it out of place and rebuilding it for the
+    conv can save a byte."""
+
+    def __init__(self, depth):
+        super().__init__()
+        layers = [nn.Conv2d(3, 8, 3, padding=1)]
+        for _ in range(depth):
+            layers += [nn.LeakyReLU(0.1, inplace=True), nn.Conv2d(8, 8, 3, padding=1)]
+        self.body = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_changes_the_trace_shows_save_nothing_are_skipped_unmeasured(monkeypatch):
+    # each was applied and measured alone, a forward apiece (a minute and more in convert for timm's LeakyReLU
+    # models): the trace says what an in-place activation keeps, and measuring every candidate agrees with it
+    from memtrim.techniques.convert import rules
+
+    def unexpected(rule):  # its candidates with no expectation: each one applied and measured
+        def match(ctx):
+            for cand in rule.match(ctx):
+                yield cand if cand.skip else dataclasses.replace(cand, expected_bytes=None)
+        return rules.Rule(rule.name, match, rule.doc)
+
+    x = torch.randn(2, 3, 8, 8)
+    torch.manual_seed(0)
+    plain = _LeakyStack(4)
+    with monkeypatch.context() as patch:
+        for rule in memtrim.registered_rules():
+            patch.setitem(rules._RULES, rule.name, unexpected(rule))
+        measured, measures_all = _counting_measures(monkeypatch, copy.deepcopy(plain), x)
+    report, measures = _counting_measures(monkeypatch, plain, x)
+    assert report.changes == measured.changes == []
+    assert measured.activation_bytes_after == measured.activation_bytes_before
+    assert measures_all == 1 + len(measured.skipped) == 1 + 8  # keep_output and activation_consumer, per LeakyReLU
+    assert measures == 1
+    assert [s.modules for s in report.skipped] == [s.modules for s in measured.skipped]
+    assert all(s.reason.endswith("would save nothing (measured on the example inputs): not applied")
+               for s in measured.skipped)
+    assert all(s.reason.endswith("would save nothing (by the trace of the example inputs): not applied")
+               for s in report.skipped)
+
+
 def test_an_hf_llamas_report_is_the_one_measuring_every_change_gives(monkeypatch):
     # its embeddings' change expects bytes its converted norms no longer keep (a batch measured again alone, the
     # change undone), and its norms keep copies of their weights (counted before they run)

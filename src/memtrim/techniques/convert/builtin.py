@@ -394,7 +394,19 @@ def keep_output(ctx: Context) -> Iterator[Candidate]:
             limits = (FROM_OUTPUT,)
         yield Candidate((name,), type(module).__name__, f"memtrim.nn.{target.__name__}",
                         reason="keeps its output instead of its input", targets=(module,), limits=limits,
-                        bitwise=not limits, apply=partial(class_swap, module, target, **attrs))
+                        bitwise=not limits, apply=partial(class_swap, module, target, **attrs),
+                        expected_bytes=_nothing_to_drop(ctx, name))
+
+
+def _nothing_to_drop(ctx: Context, name: str) -> int | None:
+    """0 where every call of module ``name`` keeps nothing but its output already (torch's ``leaky_relu_`` and
+    ``relu_`` keep their result), so a form keeping its output keeps the same bytes; None (measure it) otherwise. (A
+    LeakyReLU model had each of these applied and measured alone, a forward apiece, until 2026-12-03.)"""
+    trace = ctx.trace
+    sites = trace.sites_of(name) if trace is not None else []
+    if trace is not None and sites and all(set(trace.held_inside(s)) <= set(s.outputs) for s in sites):
+        return 0
+    return None
 
 
 from . import norms as _norms  # noqa: E402,F401  (registers norm_by_behaviour after keep_output)

@@ -1455,6 +1455,14 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
             if not found:
                 continue
             consumers += [m for m in found if m not in consumers]
+            if in_place:
+                # its input and output are one storage, which its consumers keep, as its input will be once it runs
+                # out of place: what it drops is the copy of its input torch's in-place autograd makes (silu_, not
+                # leaky_relu_, which keeps its result); a LeakyReLU model had each candidate applied and measured
+                # alone, a forward apiece, for nothing, until 2026-12-03 (tests: test_changes_the_trace_shows_...)
+                expected += sum(trace.storages[k].nbytes for k in trace.held_inside(s)
+                                if k not in s.inputs and k not in s.outputs)
+                continue
             source = [k for k in s.inputs if trace.storages[k].kind != "parameter"]
             input_kept = bool(source) and bool(trace.storages[source[0]].holders)
             expected += trace.storages[s.outputs[0]].nbytes - (0 if input_kept else trace.storages[source[0]].nbytes)
