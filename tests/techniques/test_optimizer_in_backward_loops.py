@@ -150,6 +150,94 @@ def test_a_tensor_hyperparameter_changed_in_place_raises():
         opt.step()
 
 
+class TwoTowers(nn.Module):
+    """Two heads on one trunk-free input, in one param group: each loss's backward updates only its own tower."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+
+
+def test_lr_set_between_two_backwards_of_one_step_raises():
+    # tower a was updated with the old lr inside its backward, tower b with the new one; the standard step uses the
+    # new one for both (0.0083 off, silently, until 2026-12-03: an adversarial pass)
+    model = TwoTowers()
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
+    x, y = batches(1)[0]
+    opt.zero_grad()
+    F.cross_entropy(model.a(x), y).backward()
+    opt.param_groups[0]["lr"] = 5e-3
+    F.cross_entropy(model.b(x), y).backward()
+    with pytest.raises(Error, match=r"(?s)'lr' changed from 0\.01 to 0\.005 \(between two backward passes.*before"):
+        opt.step()
+
+
+def test_lr_set_before_two_backwards_of_one_step_is_bitwise():
+    a, b = TwoTowers(), TwoTowers()
+    opt_a, opt_b = torch.optim.AdamW(a.parameters(), lr=1e-2), wrap(torch.optim.AdamW(b.parameters(), lr=1e-2), b)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        for i, (x, y) in enumerate(batches()):
+            opt.zero_grad()
+            opt.param_groups[0]["lr"] = 1e-2 / (i + 1)
+            F.cross_entropy(model.a(x), y).backward()
+            F.cross_entropy(model.b(x), y).backward()
+            opt.step()
+    assert_same(a, b, moved_from=TwoTowers())
+
+
+def _reset_state(opt, earlier, param):
+    opt.state.clear()
+
+
+def _roll_back(opt, earlier, param):
+    opt.load_state_dict(earlier)
+
+
+def _zero_moments(opt, earlier, param):
+    for state in opt.state.values():
+        state["exp_avg"].zero_()
+
+
+def _replace_a_moment(opt, earlier, param):
+    opt.state[param]["exp_avg"] = torch.zeros_like(param)
+
+
+STATE_EDITS = [_reset_state, _roll_back, _zero_moments, _replace_a_moment]
+
+
+def _train_with_state_edit(model, opt, edit, before_backward):
+    earlier = None
+    for i, (x, y) in enumerate(batches()):
+        opt.zero_grad()
+        if i == 3 and before_backward:
+            edit(opt, earlier, model[0].weight)
+        F.cross_entropy(model(x), y).backward()
+        if i == 3 and not before_backward:
+            edit(opt, earlier, model[0].weight)
+        opt.step()
+        if i == 1:  # a checkpoint of the optimizer, as a loop saves one
+            earlier = copy.deepcopy(opt.state_dict())
+
+
+@pytest.mark.parametrize("edit", STATE_EDITS, ids=lambda f: f.__name__)
+def test_optimizer_state_changed_between_backward_and_step_raises(edit):
+    # the update inside backward used the old state; the standard step uses the changed one (a reset: 0.029 off,
+    # silently, until 2026-12-03: an adversarial pass)
+    model = net()
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
+    with pytest.raises(Error, match=r"(?s)optimizer's state.*changed after their update.*before loss\.backward"):
+        _train_with_state_edit(model, opt, edit, before_backward=False)
+
+
+@pytest.mark.parametrize("edit", STATE_EDITS, ids=lambda f: f.__name__)
+def test_optimizer_state_changed_before_backward_is_bitwise(edit):
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda params: torch.optim.AdamW(params, lr=1e-2))
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        _train_with_state_edit(model, opt, edit, before_backward=True)
+    assert_same(a, b, moved_from=net())
+
+
 def test_scheduler_step_before_opt_step_raises():
     model = net()
     opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)

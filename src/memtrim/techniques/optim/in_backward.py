@@ -419,7 +419,10 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._late: list[_Bucket] = []  # a user's grad hook runs after memtrim's: updated at the end of backward
         self._late_measure: list[torch.Tensor] = []  # ... measured at the end of the measuring pass
         # what the updates inside backward used, checked at step(): hyperparameters per group, parameter versions
-        self._used_hyper: dict[int, dict[str, Any]] = {}
+        self._used_hyper: dict[int, dict[str, Any]] = {}  # group -> what its first update in backward used
+        self._hyper_between: dict[int, dict[str, Any]] = {}  # group -> other values a later update of the step used
+        # id(param) -> (param, its optimizer state's fingerprint once backward's updates are done)
+        self._state_marks: dict[int, tuple[torch.Tensor, tuple[Any, ...]]] = {}
         self._versions: dict[int, tuple[torch.Tensor, int]] = {}
         self._ceiling: int | None = None  # the most the standard loop surely holds in this step (bytes)
         # global information
@@ -1107,6 +1110,9 @@ class OptimizerInBackward(WrappedOptimizerView):
         others: what step() compares with is the version once backward's updates are all done."""
         for key, (param, _) in self._versions.items():
             self._versions[key] = (param, param._version)
+        if not _steps_per_parameter(self.optimizer):  # its state tensors may share a flat buffer too
+            for key, (param, _) in self._state_marks.items():
+                self._state_marks[key] = (param, _state_mark(self.optimizer, param))
 
     def _backward_aborted(self, outcome: _Outcome) -> None:
         """A backward pass raised: its partial gradients stay in ``.grad`` (as in the standard loop)."""
@@ -1258,6 +1264,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         if in_backward:
             for param in params:
                 self._versions[id(param)] = (param, param._version)
+                self._state_marks[id(param)] = (param, _state_mark(self.optimizer, param))
             self._updated_in_backward += len(params)
             if self._outcome is not None:
                 self._outcome.updated += len(params)
@@ -1294,7 +1301,7 @@ class OptimizerInBackward(WrappedOptimizerView):
             if in_backward:
                 for g, used in enumerate(narrowed):
                     if used["params"]:
-                        self._used_hyper[g] = _hyperparameters(self.optimizer.param_groups[g])
+                        self._use_hyper(g, self.optimizer.param_groups[g])
             return
         per_group: list[str] = []  # entries of the groups this call stepped: fine once per group and step
         whole: list[str] = []  # state of the whole optimizer: fine once per training step
@@ -1316,7 +1323,7 @@ class OptimizerInBackward(WrappedOptimizerView):
                 if self._group_buckets[g] > 1 or self._group_calls[g] > 1:
                     per_group += [f"param_groups[{g}][{k!r}]" for k in mine - shared]
                 if in_backward:
-                    self._used_hyper[g] = _hyperparameters(group)
+                    self._use_hyper(g, group)
             else:  # a group this call was not given, changed (timm's Adan counts every group at every call)
                 whole += [f"param_groups[{g}][{k!r}] (a group it was not given)"
                           for k in {*direct, *_changed_entries(before, used)}]
@@ -1357,17 +1364,28 @@ class OptimizerInBackward(WrappedOptimizerView):
                 "group's bytes; no accumulate()), or loss.backward(); opt.step()."
             )
 
+    def _use_hyper(self, g: int, group: dict[str, Any]) -> None:
+        """Remember the hyperparameters group ``g``'s first update inside backward used in this step: a later update
+        of the group (a second backward before step()) records its own only where they differ, so step() sees the
+        change (an lr set between two backwards of one step trained the first tower with the old one, silently, until
+        2026-12-03: an adversarial pass)."""
+        now = _hyperparameters(group)
+        first = self._used_hyper.setdefault(g, now)
+        if first is not now and _hyper_changes(first, now, g):
+            self._hyper_between.setdefault(g, now)
+
     def _check_unchanged(self) -> None:
         """At ``step()``: what the updates inside backward used must be what the standard ``step()`` would use."""
         changed = []
         for g, used in self._used_hyper.items():
             if g >= len(self.optimizer.param_groups):
                 continue
-            now = _hyperparameters(self.optimizer.param_groups[g])
-            for key in sorted(used.keys() | now.keys()):
-                if (used.get(key, _MISSING),) != (now.get(key, _MISSING),):  # a tuple: `is` first (NaN)
-                    changed.append(f"group {g}'s {key!r} changed from {_show(used.get(key, _MISSING))} to "
-                                   f"{_show(now.get(key, _MISSING))}")
+            between = self._hyper_between.get(g)
+            earlier = _hyper_changes(used, between, g) if between is not None else []
+            # (a later backward of the step updated the group with other values)
+            changed += [f"{change} (between two backward passes of the step)" for change in earlier]
+            changed += [change for change in _hyper_changes(used, _hyperparameters(self.optimizer.param_groups[g]), g)
+                        if change not in earlier]
         if changed:
             self._close_step()
             raise OptimizerInBackwardError(
@@ -1376,6 +1394,18 @@ class OptimizerInBackward(WrappedOptimizerView):
                 ". The standard loop's step() would use the new values; memtrim already updated these "
                 "parameters with the old ones. Set hyperparameters before loss.backward() (e.g. right after "
                 "opt.zero_grad()), and call sched.step() after opt.step(), as torch's LR schedulers expect."
+            )
+        moved = [param for param, mark in self._state_marks.values()
+                 if not _same_state(mark, _state_mark(self.optimizer, param))]
+        if moved:
+            self._close_step()
+            raise OptimizerInBackwardError(
+                f"OptimizerInBackward.step: expected the optimizer's state to stay as the update inside backward left "
+                f"it until step(), but the state of {len(moved)} parameter(s) (the first of shape "
+                f"{tuple(moved[0].shape)}) changed after their update (opt.state cleared or edited, "
+                "load_state_dict, a moment zeroed in place). The standard loop's step() would update them with the "
+                "changed state; memtrim already updated them with the old one. Change the optimizer's state before "
+                "loss.backward() (e.g. right after opt.zero_grad()) or after opt.step()."
             )
         modified = [param for param, version in self._versions.values() if param._version != version]
         if modified:
@@ -1498,7 +1528,9 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._late = []
         self._late_measure = []
         self._used_hyper.clear()
+        self._hyper_between.clear()
         self._versions.clear()
+        self._state_marks.clear()
         for bucket in self._buckets:
             bucket.ready.clear()
 
@@ -1698,6 +1730,31 @@ def _changed_entries(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
     (the usual step), else compared by value as :func:`_hyperparameters` compares them."""
     return [k for k in before.keys() | now.keys() if k != "params" and before.get(k, _MISSING) is not now.get(
         k, _MISSING) and _fingerprint(before.get(k, _MISSING)) != _fingerprint(now.get(k, _MISSING))]
+
+
+def _hyper_changes(used: dict[str, Any], now: dict[str, Any], g: int) -> list[str]:
+    """What differs between two of group ``g``'s hyperparameter readings, said for a message."""
+    return [f"group {g}'s {key!r} changed from {_show(used.get(key, _MISSING))} to {_show(now.get(key, _MISSING))}"
+            for key in sorted(used.keys() | now.keys())
+            if (used.get(key, _MISSING),) != (now.get(key, _MISSING),)]  # a tuple: `is` first (NaN)
+
+
+def _state_mark(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[Any, ...]:
+    """``param``'s optimizer state as it stands: the state container and object, and each entry (tensors by identity
+    and version, no device sync; the entries kept alive beside it). A state cleared, loaded from a state_dict or
+    changed in place between backward and step() was not seen, and step() trained on as if the update inside backward
+    had used it, until 2026-12-03 (an adversarial pass: 0.029 off after a reset). Compared by :func:`_same_state`."""
+    state = optimizer.state.get(param)
+    if not state:
+        return (optimizer.state, state, (), [])
+    values = tuple(state.values())  # (an entry added, removed or replaced changes these)
+    return (optimizer.state, state, values,
+            [(id(v), v._version) if isinstance(v, torch.Tensor) else v if type(v) in _PLAIN else id(v)
+             for v in values])
+
+
+def _same_state(mark: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
+    return mark[0] is now[0] and mark[1] is now[1] and len(mark[2]) == len(now[2]) and mark[3] == now[3]
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
