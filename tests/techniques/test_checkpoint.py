@@ -143,18 +143,88 @@ def test_batchnorm_statistics_updated_once_and_dropout_replayed(momentum, policy
     assert int(treated[1].bn.num_batches_tracked) == len(batches)
 
 
+class Annealed(nn.Module):
+    """Reads plain attributes a loop changes between forward and backward: a temperature, a tensor scale (neither
+    parameter nor buffer), a flag it sets then deletes, and a count the forward itself advances."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.tau, self.scale, self.calls = nn.Linear(6, 6), 1.0, torch.tensor(2.0), 0
+
+    def forward(self, x):
+        self.calls += 1
+        gain = 1.0 + 0.5 * self.calls if getattr(self, "boosted", False) else 1.0
+        return F.silu(self.fc(x) * (gain / self.tau)) * self.scale  # (silu keeps the scaled input)
+
+
+def anneal(model, step):
+    block = model[1]
+    block.tau = 1.0 + 0.5 * step
+    block.scale = torch.tensor(2.0 + step)
+    if step == 0:
+        block.boosted = True
+    elif step == 1:
+        del block.boosted
+
+
+@pytest.mark.parametrize("policy", [None, "save_matmuls"])
+def test_attributes_changed_between_forward_and_backward_are_read_as_the_forward_read_them(policy):
+    # the recomputation read the new temperature: 8.3e-4 off after 5 steps, silently, until 2026-12-03 (an
+    # adversarial pass); torch's own checkpoint reads the new one too
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 6), Annealed(), nn.Linear(6, 2))
+
+    plain, treated = model(), model()
+    memtrim.checkpoint_modules(treated, Annealed, policy=policy)
+    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    for m in (plain, treated):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for step, x in enumerate(batches):
+            opt.zero_grad()
+            loss = m(x).square().mean()
+            anneal(m, step)  # a schedule updated right after the forward
+            loss.backward()
+            opt.step()
+    assert_models_same(plain, treated)
+    assert treated[1].calls == plain[1].calls == len(batches)  # the recomputation's count did not stay
+    assert treated[1].tau == plain[1].tau and not hasattr(treated[1], "boosted")
+
+
+class InPlaceResidual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(8, 16), nn.Sequential(nn.ReLU(), nn.Linear(16, 16)), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.inp(x) * 1.0
+        h += self.block(h)  # the block's ReLU keeps its output, not h: the plain model trains
+        return self.out(h)
+
+
+def test_an_input_changed_in_place_after_the_forward_names_the_checkpointed_module_and_the_fix():
+    # torch's checkpoint refuses it too; the message said "the same code fails without memtrim", which it does not
+    torch.manual_seed(0)
+    model, x = InPlaceResidual(), torch.randn(6, 8)
+    model(x).sum().backward()  # plain: trains
+    memtrim.checkpoint_modules(model, lambda name, m: name == "block")
+    with pytest.raises(RuntimeError, match=r"(?s)checkpoint_modules keeps 'block''s input.*h = h \+ block\(h\)"):
+        model(x).sum().backward()
+
+
 class OwnGeneratorDropout(nn.Module):
     """Dropout drawn from the module's own generator, which torch's checkpoint does not restore."""
 
     def __init__(self, draws_again=False):
         super().__init__()
         self.lin, self.gen = nn.Linear(6, 6), torch.Generator().manual_seed(7)
-        self.draws_again, self.calls = draws_again, 0
+        # (a count in a list: the recomputation reads a plain attribute as the forward read it)
+        self.draws_again, self.calls = draws_again, [0]
 
     def forward(self, x):
-        self.calls += 1
+        self.calls[0] += 1
         keep = torch.rand(x.shape, generator=self.gen) > 0.5
-        if self.draws_again and self.calls % 2 == 0:  # the recomputation draws once more than the forward
+        if self.draws_again and self.calls[0] % 2 == 0:  # the recomputation draws once more than the forward
             keep = keep & (torch.rand(x.shape, generator=self.gen) > 0.1)
         return torch.tanh(self.lin(x)) * keep * 2.0
 

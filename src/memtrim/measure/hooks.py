@@ -199,25 +199,27 @@ def compiled_autograd_running() -> bool:
                                    or getattr(ca, "compiled_autograd_enabled", False))
 
 
-def check_saved_version(tensor: torch.Tensor, version: int, who: str, *, source: bool = False) -> None:
+def check_saved_version(tensor: torch.Tensor, version: int, who: str | Callable[[], str], *,
+                        source: bool = False) -> None:
     """Autograd's in-place check, which autograd skips for tensors that go through saved-tensor hooks.
 
     Args:
         tensor: the tensor kept for backward.
         version: ``tensor._version`` when it was kept.
-        who: the API that kept it, named in the message.
+        who: the API that kept it, named in the message (or a function giving the whole reason, called only then).
         source: ``tensor`` is kept to rebuild another tensor from (a recipe's source), not because torch keeps it.
 
     Raises:
         RuntimeError: ``tensor`` was modified in place since; the message is autograd's own.
     """
     if tensor._version != version:
-        why = (f"{who} rebuilds in backward a tensor torch keeps, from this one; torch itself may not need it, so "
-               "change it after backward or leave the module out of memtrim" if source else
-               f"{who} repeats autograd's own check under its saved-tensor hooks, here inside torch's compiled "
-               "autograd, whose graph runs these hooks; the plain model may not fail there: run this backward "
-               "without compiled autograd, or leave the module out of memtrim" if compiled_autograd_running() else
-               f"{who} repeats autograd's own check under its saved-tensor hooks; the same code fails without memtrim")
+        why = who() if callable(who) else (
+            f"{who} rebuilds in backward a tensor torch keeps, from this one; torch itself may not need it, so "
+            "change it after backward or leave the module out of memtrim" if source else
+            f"{who} repeats autograd's own check under its saved-tensor hooks, here inside torch's compiled "
+            "autograd, whose graph runs these hooks; the plain model may not fail there: run this backward "
+            "without compiled autograd, or leave the module out of memtrim" if compiled_autograd_running() else
+            f"{who} repeats autograd's own check under its saved-tensor hooks; the same code fails without memtrim")
         raise RuntimeError(
             "one of the variables needed for gradient computation has been modified by an inplace operation: "
             f"[{tensor.type()} {list(tensor.shape)}] is at version {tensor._version}; expected version {version} "

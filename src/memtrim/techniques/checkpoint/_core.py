@@ -368,6 +368,11 @@ class _Recompute:
         # every submodule's training flag in the forward: an evaluation pass between the forward and backward
         # (model.eval(), then no_grad) leaves them off, and the recomputation must run as the forward ran
         self.modes = training_flags(subtree)
+        # and their plain attributes (a temperature, a scale, a tensor that is neither parameter nor buffer): a loop
+        # annealing one between forward and backward had the recomputation read the new value, 8.3e-4 off after 5
+        # steps, silently, until 2026-12-03 (an adversarial pass); the recomputation reads the forward's values
+        self.settings = [(sub, {k: v for k, v in sub.__dict__.items() if type(v) in _SETTINGS and k != "training"},
+                          len(sub.__dict__)) for sub in subtree]
         # the parameters the forward left, with their versions (recorded at its end: its own writes, a max_norm
         # embedding's or a lazy module's first call, are no change): torch.func.functional_call (MAML's fast weights)
         # puts the module's own back before backward, and an optimizer step between forward and backward (a GAN
@@ -407,6 +412,16 @@ class _Recompute:
             if now is not param:  # functional_call's tensors, put back since: the forward's again for the recompute
                 swapped.append((sub._parameters, name, now))
                 sub._parameters[name] = param
+        for sub, values, count in self.settings:
+            attrs = sub.__dict__
+            for name, value in values.items():
+                if attrs.get(name, _ABSENT) is not value:  # changed since the forward: its value for the recompute
+                    swapped.append((attrs, name, attrs.get(name, _ABSENT)))
+                    attrs[name] = value
+            if len(attrs) > count:  # set since the forward (a flag its forward reads with getattr): absent again
+                for name in [k for k, v in attrs.items() if k not in values and type(v) in _SETTINGS
+                             and k != "training"]:
+                    swapped.append((attrs, name, attrs.pop(name)))
         for sub, name, value in self.snapshot:
             original = sub._buffers[name]
             assert original is not None  # the snapshot lists buffers that are set
@@ -428,8 +443,11 @@ class _Recompute:
             if self.inner is not None:
                 self.inner.__exit__(*exc)
         finally:  # also when torch stops the recomputation early by raising (then fewer draws are no error)
-            for slots, name, original in swapped:
-                slots[name] = original
+            for slots, name, original in reversed(swapped):
+                if original is _ABSENT:  # an attribute deleted since the forward
+                    del slots[name]
+                else:
+                    slots[name] = original
             _STAND_INS.difference_update(id(c) for c in clones)
             set_training_flags(modes)
             replay.__exit__(*exc)
@@ -444,6 +462,12 @@ class _Recompute:
                 f"{error} To fix: pass cache_enabled=False to torch.autocast, or checkpoint the whole module "
                 "(policy=None)."
             ) from error
+
+
+_SETTINGS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.Tensor})
+"""The types of a module attribute the recomputation reads as the forward read it (immutable values, and tensors that
+are no parameter or buffer, by object); a mutable object (a list, a config) is read as it is then."""
+_ABSENT = object()
 
 
 class _Forward:
@@ -586,7 +610,13 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return inner(*call_args, **call_kwargs)
 
     versions = [t._version for t in inputs]
-    with recipes_honoured():  # torch saves the inputs for the recomputation: a recomputable one keeps its recipe
+    # torch saves the inputs for the recomputation: a recomputable one keeps its recipe; one changed in place before
+    # backward (an in-place residual, `h += block(h)`) is named as this module's (it said "the same code fails without
+    # memtrim", which it need not, until 2026-12-03: an adversarial pass)
+    with recipes_honoured(saver=lambda: f"{_API} keeps {_name(self, handle)!r}'s input to recompute that module in "
+                          "backward, as torch's checkpoint does, which refuses this too; the plain model may not keep "
+                          "it. An in-place residual `h += block(h)`: write `h = h + block(h)`; or leave the module "
+                          "out of checkpoint_modules"):
         out = tuc.checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=True,
                              context_fn=_context_fn(self, handle._selective))
     if any(t._version != v for t, v in zip(inputs, versions)):

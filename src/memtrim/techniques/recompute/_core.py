@@ -489,12 +489,15 @@ class _Kept:
     version: int
     packed: Any
     outer: Any
-    who: str
+    who: str | Callable[[], str]
     source: bool  # a recipe's source (kept to rebuild from), not a tensor torch keeps itself
     original: weakref.ref[torch.Tensor] | None  # a source packed by the hooks outside: the tensor itself, while alive
 
 
-def _keep(tensor: torch.Tensor, outer: Any, who: str, source: bool = False) -> _Kept:
+def _keep(tensor: torch.Tensor, outer: Any, who: str | Callable[[], str], source: bool = False) -> _Kept:
+    saver = getattr(_local, "saver", None)  # a scope that says who keeps what it saves (a checkpoint's inputs)
+    if saver is not None:
+        who, source = saver, True
     kept = _Kept()
     kept.outer, kept.who, kept.source, kept.original = outer, who, source, None
     if outer is not None:
@@ -754,14 +757,20 @@ class recipes_honoured(torch.autograd.graph.saved_tensors_hooks):
             y = fc2(a)        # fc2 keeps h (kept by act anyway), not a
     """
 
-    def __init__(self) -> None:  # the hooks are chosen at entry (they chain to whatever is active then)
-        pass
+    def __init__(self, saver: Callable[[], str] | None = None) -> None:
+        # (the hooks are chosen at entry: they chain to whatever is active then). ``saver``: who keeps the tensors
+        # saved in the scope, to rebuild from (torch's checkpoint: the region's inputs), named where one of them is
+        # changed in place before backward; the plain model may not keep them at all
+        self.saver = saver
 
     def __enter__(self) -> recipes_honoured:  # type: ignore[override]
         enter_consumer_scope()
+        self.before = getattr(_local, "saver", None)
+        _local.saver = self.saver
         return self
 
     def __exit__(self, *args: object) -> None:
+        _local.saver = self.before
         exit_consumer_scope()
 
 
