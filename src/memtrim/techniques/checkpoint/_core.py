@@ -69,7 +69,7 @@ from ...errors import CheckpointPolicyError, InvalidInputError, MemtrimStateErro
 from ...measure.hooks import check_saved_version, hold_for_backward, tensors_in
 from .._bound import InstanceForward
 from .._generators import GeneratorDraws
-from .._modes import TrainingFlags, set_training_flags, training_flags
+from .._modes import TrainingFlags, plain_settings, put_settings, set_training_flags, training_flags, undo_swaps
 from ..recompute import recipes_honoured
 
 _API = "memtrim.checkpoint_modules"
@@ -371,8 +371,7 @@ class _Recompute:
         # and their plain attributes (a temperature, a scale, a tensor that is neither parameter nor buffer): a loop
         # annealing one between forward and backward had the recomputation read the new value, 8.3e-4 off after 5
         # steps, silently, until 2026-12-03 (an adversarial pass); the recomputation reads the forward's values
-        self.settings = [(sub, {k: v for k, v in sub.__dict__.items() if type(v) in _SETTINGS and k != "training"},
-                          len(sub.__dict__)) for sub in subtree]
+        self.settings = plain_settings(subtree)
         # the parameters the forward left, with their versions (recorded at its end: its own writes, a max_norm
         # embedding's or a lazy module's first call, are no change): torch.func.functional_call (MAML's fast weights)
         # puts the module's own back before backward, and an optimizer step between forward and backward (a GAN
@@ -412,16 +411,7 @@ class _Recompute:
             if now is not param:  # functional_call's tensors, put back since: the forward's again for the recompute
                 swapped.append((sub._parameters, name, now))
                 sub._parameters[name] = param
-        for sub, values, count in self.settings:
-            attrs = sub.__dict__
-            for name, value in values.items():
-                if attrs.get(name, _ABSENT) is not value:  # changed since the forward: its value for the recompute
-                    swapped.append((attrs, name, attrs.get(name, _ABSENT)))
-                    attrs[name] = value
-            if len(attrs) > count:  # set since the forward (a flag its forward reads with getattr): absent again
-                for name in [k for k, v in attrs.items() if k not in values and type(v) in _SETTINGS
-                             and k != "training"]:
-                    swapped.append((attrs, name, attrs.pop(name)))
+        swapped += put_settings(self.settings)
         for sub, name, value in self.snapshot:
             original = sub._buffers[name]
             assert original is not None  # the snapshot lists buffers that are set
@@ -443,11 +433,7 @@ class _Recompute:
             if self.inner is not None:
                 self.inner.__exit__(*exc)
         finally:  # also when torch stops the recomputation early by raising (then fewer draws are no error)
-            for slots, name, original in reversed(swapped):
-                if original is _ABSENT:  # an attribute deleted since the forward
-                    del slots[name]
-                else:
-                    slots[name] = original
+            undo_swaps(swapped)
             _STAND_INS.difference_update(id(c) for c in clones)
             set_training_flags(modes)
             replay.__exit__(*exc)
@@ -462,12 +448,6 @@ class _Recompute:
                 f"{error} To fix: pass cache_enabled=False to torch.autocast, or checkpoint the whole module "
                 "(policy=None)."
             ) from error
-
-
-_SETTINGS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.Tensor})
-"""The types of a module attribute the recomputation reads as the forward read it (immutable values, and tensors that
-are no parameter or buffer, by object); a mutable object (a list, a config) is read as it is then."""
-_ABSENT = object()
 
 
 class _Forward:

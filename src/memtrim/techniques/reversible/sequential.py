@@ -56,7 +56,17 @@ from torch.nn.parameter import is_lazy
 from ...errors import InvalidInputError, ReversibleError
 from ...measure.hooks import hold_for_backward
 from .._generators import SeededOps, _global_generators
-from .._modes import TrainingFlags, buffers_put_back, set_training_flags, training_flags
+from .._modes import (
+    Settings,
+    Swaps,
+    TrainingFlags,
+    buffers_put_back,
+    plain_settings,
+    put_settings,
+    set_training_flags,
+    training_flags,
+    undo_swaps,
+)
 from ..guards import memtrims, plain_only
 from ._replay import Replay, as_forward, captured, replayed
 from .coupling import AdditiveCoupling, AffineCoupling, _checked, _split
@@ -277,6 +287,7 @@ class _Frame:
         # every module's training flag in the block's forward: an evaluation pass between forward and backward
         # (model.eval(), then no_grad) turns them off, and the recomputation must run as the forward ran
         self.modes: list[TrainingFlags] = [[] for _ in blocks]
+        self.settings: list[Settings] = [[] for _ in blocks]  # each block's modules' plain attributes in its forward
 
     # ------------------------------------------------------------------------------------------------ forward
 
@@ -310,6 +321,10 @@ class _Frame:
                 before = [(b, b._version, b.clone()) for b in block.buffers()]
             h_in, version_in = h, h._version if isinstance(h, torch.Tensor) else 0
             h = self._run_block(index, block, h)
+            # the plain attributes as the forward left them, for the rebuild: a temperature annealed before backward
+            # (read anew, 0.023 off after 4 steps, silently, until 2026-12-03: an adversarial pass), what a block's
+            # forward keeps for its inverse (the stack called twice before one backward: each rebuild reads its own)
+            self.settings[index] = plain_settings(block.modules())
             self.buffers_before[index] = [(b, value) for b, version, value in before if b._version != version]
             moved = next((p for p, version in versions if p._version != version), None)
             if moved is not None:
@@ -523,7 +538,9 @@ class _Frame:
         # adversarial pass); autograd then treats the parameter as plain training does
         flipped = [p for (p, _), flag in zip(self.parameter_versions[index], self.parameter_flags[index])
                    if p.requires_grad != flag]
+        attributes: Swaps = []
         try:
+            attributes = put_settings(self.settings[index])  # a temperature annealed since: the forward's
             for p in flipped:
                 p.requires_grad_(not p.requires_grad)
             for slots, name, p in self.parameter_slots[index]:
@@ -536,6 +553,7 @@ class _Frame:
             with buffers_put_back():
                 x = self._rebuild(index, block, recorded)
         finally:
+            undo_swaps(attributes)
             for p in flipped:
                 p.requires_grad_(not p.requires_grad)
             for slots, name, now in swapped:
