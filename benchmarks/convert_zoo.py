@@ -216,6 +216,8 @@ MODELS = {
                          timm_model("regnetx_002")),
     "timm_regnetx_002_two_views": ("timm regnetx_002 called on two views in one forward (2 + 2 images, 64x64)",
                                    two_views(timm_model("regnetx_002"))),
+    "timm_cspdarknet53": ("timm cspdarknet53 (BatchNormAct2d: a BatchNorm and its LeakyReLU in one module; batch 2, "
+                          "64x64)", timm_model("cspdarknet53")),
     "timm_efficientnet_b0": ("timm efficientnet_b0 (BatchNormAct2d + SiLU, in place as timm builds them; batch 2, "
                              "64x64)", timm_model("efficientnet_b0")),
     "timm_efficientnet_b0_out_of_place": ("timm efficientnet_b0, activations set inplace=False by hand first (the "

@@ -1901,6 +1901,31 @@ def test_timm_batchnorm_act_module_left_alone_says_why(options, why, known_batch
     assert len(reasons) == 2 and all(why in r for r in reasons), str(report)
 
 
+@pytest.mark.parametrize("act", [lambda inplace: nn.LeakyReLU(0.1, inplace=inplace),
+                                 lambda inplace: nn.ELU(inplace=inplace)], ids=["leaky_relu", "elu"])
+def test_timm_batchnorm_act_module_with_leaky_relu_or_elu_is_fused(act, known_batchnorm_act):
+    # darknet and cspnet backbones hold a LeakyReLU in timm's BatchNormAct2d: left alone until 2026-12-03, where the
+    # same BatchNorm and activation as two torch modules were fused (the BatchNorm's input no longer kept)
+    import pickle
+
+    from memtrim.techniques.norms import bn_relu
+
+    batch = {"input": torch.randn(4, 3, 12, 12, dtype=torch.float64)}
+    plain, converted, report = converted_pair(lambda: conv_norm_act_net(act=act), batch)
+    assert [(c.modules, c.rule, c.after, c.bitwise) for c in report.changes] == [
+        ((n,), "batchnorm_act_module", "memtrim.nn.BatchNormAct2d", False) for n in ("1", "3")], str(report)
+    # each BatchNorm's input (4 x 8 x 10 x 10, then 4 x 8 x 8 x 8 float64) is no longer kept; each fused module keeps
+    # a copy of its weight and bias (8 channels) for the rebuild
+    assert report.bytes_saved == 8 * 4 * 8 * (10 * 10 + 8 * 8) - 2 * 2 * 8 * 8, str(report)
+    assert_equal_training(plain, converted, batch)  # its input rebuilt from its output: float64 within 1e-9
+    fused = converted[1]
+    assert isinstance(fused, BatchNormAct2d) and isinstance(fused, memtrim.nn.BatchNormAct2d)
+    conv_norm_act_net(act=act).double().load_state_dict(converted.state_dict())
+    name, data = type(fused).__name__, pickle.dumps(converted)  # made again by name in a new process
+    del bn_relu._KEEPING[(memtrim.nn.BatchNormAct2d, BatchNormAct2d)], vars(bn_relu)[name]
+    assert type(pickle.loads(data)[1]).__name__ == name
+
+
 def test_batchnorm_subclass_of_unknown_forward_is_left_alone():
     # a subclass's forward may use its own eps, momentum, arguments or side effects, which a class swap would drop:
     # only exact known classes (timm's BatchNormAct2d) are fused

@@ -56,6 +56,7 @@ import sys
 import textwrap
 import types
 from collections.abc import Iterator
+from functools import partial
 from typing import Any, NamedTuple
 
 from torch import nn
@@ -76,7 +77,15 @@ from ..recompute import (
     recompute_sum,
 )
 from ..recompute._core import NODE_OPS
-from .builtin import FUSED
+from .builtin import (
+    _BN_ACT,
+    FUSED,
+    NO_AUTOCAST,
+    NO_DOUBLE_BACKWARD,
+    REBUILT_INPUT,
+    _bn_activation,
+    half_precision_guard,
+)
 from .evidence import CallSite, ModelTrace, Op
 from .norms import _innermost
 from .rules import Candidate, Context, Undo, chain, class_swap, label, op_name, register_rule, registered_rules
@@ -426,9 +435,11 @@ def _known_batchnorm_act(module: nn.Module) -> bool:
 @register_rule("batchnorm_act_module", before="relu_linear")
 def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
     """timm's ``BatchNormAct2d`` (in ``ConvNormAct``: torch's BatchNorm, then ``drop``, then ``act`` in its own
-    forward): with a ReLU, fused as ``BatchNormReLU`` (the modules that keep its output keep the recipe); with another
-    activation, left alone and reported. Other BatchNorm subclasses are left alone and reported: their forward may
-    use other settings, arguments or side effects, which a class swap would drop."""
+    forward): with a ReLU, fused as ``BatchNormReLU`` (the modules that keep its output keep the recipe); with a
+    LeakyReLU (slope > 0) or an ELU, as ``BatchNormAct`` (keeping only the output, its input rebuilt from it, as the
+    BatchNorm + activation pair of torch modules is: darknet and cspnet backbones); with another activation, left
+    alone and reported. Other BatchNorm subclasses are left alone and reported: their forward may use other settings,
+    arguments or side effects, which a class swap would drop."""
     trace = ctx.trace
     if trace is None:
         return
@@ -442,11 +453,13 @@ def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
                                             "settings (known: " + ", ".join(f"{w}.{n}" for w, n in KNOWN_BATCHNORM_ACT)
                                             + ")", skip=True)
             continue
-        if type(getattr(bn, "act", None)) not in (nn.ReLU, nn.Identity) or type(getattr(bn, "drop", None)) is not \
+        act = getattr(bn, "act", None)
+        spec = _bn_activation(act) if act is not None else None  # a LeakyReLU (slope > 0) or an ELU: BatchNormAct
+        if (type(act) not in (nn.ReLU, nn.Identity) and spec is None) or type(getattr(bn, "drop", None)) is not \
                 nn.Identity:
-            yield Candidate((name,), reason=f"{type(bn).__name__} applies {type(getattr(bn, 'act', None)).__name__} "
-                                            f"after {type(getattr(bn, 'drop', None)).__name__}: only ReLU after no "
-                                            "dropout is fused with it (BatchNormReLU)", skip=True)
+            yield Candidate((name,), reason=f"{type(bn).__name__} applies {type(act).__name__} after "
+                                            f"{type(getattr(bn, 'drop', None)).__name__}: only ReLU, LeakyReLU "
+                                            "(slope > 0) or ELU after no dropout is fused with it", skip=True)
             continue
         sites = trace.sites_of(name)
         ops = [[o for o in trace.ops_in(s) if not _bookkeeping(o, trace)] for s in sites]
@@ -455,10 +468,35 @@ def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
             yield Candidate((name,), reason=f"{type(bn).__name__} runs no activation after the norm here (nothing "
                                             "to fuse it with)", skip=True)
             continue
-        if names != {("native_batch_norm", "relu")}:
+        fused_op = "relu" if spec is None else spec[0]
+        if names != {("native_batch_norm", fused_op)}:
             after = sorted({op_name(o) for site_ops in ops for o in site_ops} - {"native_batch_norm"})
-            yield Candidate((name,), reason=f"{type(bn).__name__} runs {', '.join(after)} after the norm: only a "
-                                            "ReLU is fused with it (BatchNormReLU)", skip=True)
+            yield Candidate((name,), reason=f"{type(bn).__name__} runs {', '.join(after)} after the norm: only its "
+                                            f"{type(act).__name__} ({fused_op}) is fused with it", skip=True)
+            continue
+        if spec is not None:
+            why = ctx.edited(name) or ctx.input_edited(name) or half_precision_guard(
+                ctx, name, bn, f"fused with {type(act).__name__}, it")
+            hooks = ctx.user_hooks(bn)
+            if hooks:
+                why = f"{name} has {', '.join(hooks)}: they would see the fused module's values"
+            writer = trace.written_after(name)
+            if writer is not None:
+                why = rebuilt_yet_changed(writer, f"the {type(act).__name__}'s output")
+            if why:
+                yield Candidate((name,), reason=why, skip=True)
+                continue
+            target = keeping_class(_BN_ACT[base], type(bn))
+            owner = label((name,), f"memtrim.nn.{_BN_ACT[base].__name__}")
+            fuse = partial(class_swap, bn, target, activation=spec[0],
+                            negative_slope=spec[1] if spec[0] == "leaky_relu" else 0.01,
+                            alpha=spec[1] if spec[0] == "elu" else 1.0, gamma_threshold=0.0, memtrim_owner=owner,
+                            memtrim_activation_inplace=bool(getattr(act, "inplace", False)))
+            yield Candidate((name,), f"{type(bn).__name__} (BatchNorm + {type(act).__name__})",
+                            f"memtrim.nn.{_BN_ACT[base].__name__}", reason="its forward is a BatchNorm and a "
+                            f"{type(act).__name__} with a slope the output can be inverted through",
+                            targets=(bn,), limits=(REBUILT_INPUT, NO_DOUBLE_BACKWARD, NO_AUTOCAST, FUSED),
+                            bitwise=False, apply=fuse)
             continue
         hooks = ctx.user_hooks(bn)
         if hooks:

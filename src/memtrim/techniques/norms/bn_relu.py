@@ -304,8 +304,8 @@ def _keeping_name(target: str, base: str) -> str:
 
 
 def keeping_class(target: type, base: type) -> type:
-    """``target`` (a BatchNormReLU class) that is still a ``base`` (timm's ``BatchNormAct2d``, which holds its
-    activation as ``act``) to ``isinstance``: tools that rebuild such modules by class (timm's
+    """``target`` (a BatchNormReLU or BatchNormAct class) that is still a ``base`` (timm's ``BatchNormAct2d``, which
+    holds its activation as ``act``) to ``isinstance``: tools that rebuild such modules by class (timm's
     ``freeze_batch_norm_2d``, ``convert_sync_batchnorm``) then make the frozen or synchronised ``BatchNormAct2d``, with
     its ``act``, where a plain BatchNorm class would drop the ReLU. Made once per pair, a module attribute here
     (pickle finds it by name: :func:`__getattr__` makes it again in a new process)."""
@@ -328,8 +328,9 @@ def __getattr__(name: str) -> type:
     import importlib
 
     from ..convert.recompute_rules import KNOWN_BATCHNORM_ACT
+    from .norm_act import BatchNormAct1d, BatchNormAct2d, BatchNormAct3d
 
-    for target in (BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d):
+    for target in (BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d, BatchNormAct1d, BatchNormAct2d, BatchNormAct3d):
         for where, base_name in KNOWN_BATCHNORM_ACT:
             if name == _keeping_name(target.__name__, base_name):
                 return keeping_class(target, getattr(importlib.import_module(where), base_name))
