@@ -207,6 +207,23 @@ def test_a_budget_only_4bit_state_fits_plans_state_4bit():
     assert isinstance(inner, memtrim.LowBitAdamW) and inner.bits == 4
 
 
+def test_the_least_lossy_optimizer_state_that_fits_comes_first():
+    # the time model ranked 8-bit state above a fitting bfloat16 one (timm's resnet18 at a budget just under every
+    # bitwise plan; an adversarial pass on 2026-12-03): numbers changed less come first, then the time model
+    from memtrim.planner import api
+    from memtrim.planner._cost import _DEFAULTS
+
+    def plan(techniques, time_ratio, peak, numerics="changed", fits=True):
+        return api.Plan(techniques, peak, {}, "backward", time_ratio, numerics, fits)
+
+    plans = [plan(("in_backward", "state_8bit"), 3.97, 90), plan(("in_backward", "state_bf16"), 4.15, 100),
+             plan(("state_4bit",), 1.0, 50), plan(("checkpoint",), 1.3, 120, numerics="bitwise", fits=False),
+             plan(("state_bf16",), 3.9, 110)]
+    ranked = api._ranked(plans, 110, torch.device("cpu"), _DEFAULTS["cpu"], [], 200, "")
+    assert [p.name for p in ranked] == ["state_bf16", "in_backward+state_bf16", "in_backward+state_8bit",
+                                        "state_4bit"]
+
+
 def test_a_plan_applied_twice_says_to_build_the_model_again():
     # it said "Call .remove() on the earlier handle", of a handle Plan.apply does not return
     x, y = _batch()

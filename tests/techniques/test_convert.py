@@ -259,6 +259,20 @@ def test_bad_input():
     # model's own error on a dict it took was answered with it (an adversarial pass)
     with pytest.raises(memtrim.InvalidInputError, match=r"TypeError.*Pass a tensor, a tuple of arguments"):
         memtrim.convert(nn.Linear(4, 4), example_inputs={"x": torch.randn(2, 4)})
+    # a forward taking the batch dict as one argument: the way to pass it said, as memtrim.plan says it
+    with pytest.raises(memtrim.InvalidInputError, match=r"takes the dict as one argument needs "
+                                                        r"example_inputs=\(batch,\)"):
+        memtrim.convert(DictForward(), example_inputs={"ids": torch.randn(2, 4)})
+    memtrim.convert(DictForward(), example_inputs=({"ids": torch.randn(2, 4)},))
+
+
+class DictForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, batch):
+        return self.fc(batch["ids"])
 
 
 class KeywordModel(nn.Module):

@@ -585,7 +585,9 @@ def collect(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             "and this torch refuses a torch.func transform there, which the model's forward runs (transformers' "
             "eager-attention mask calls vmap on torch 2.4; torch 2.11 takes it): use attn_implementation='sdpa', or a "
             "newer torch" if "don't yet support saved tensor hooks" in str(e) else
-            "Pass a tensor, a tuple of arguments (model(*example_inputs)) or a dict of keyword arguments "
+            ("A dict is passed as keyword arguments, model(**example_inputs): a forward that takes the dict as one "
+             "argument needs example_inputs=(batch,). " if kwargs and not args else "")
+            + "Pass a tensor, a tuple of arguments (model(*example_inputs)) or a dict of keyword arguments "
             "(model(**example_inputs))" if isinstance(e, TypeError) else
             # (not how the inputs were passed: the model's own error on them, a dtype its kernels lack; an adversarial
             # pass found the hint above quoted for a dict, under a float64 MoE's grouped-mm error)
