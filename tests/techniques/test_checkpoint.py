@@ -143,6 +143,18 @@ def test_batchnorm_statistics_updated_once_and_dropout_replayed(momentum, policy
     assert int(treated[1].bn.num_batches_tracked) == len(batches)
 
 
+def plain_and_checkpointed(block, policy, steps):
+    """Linear -> ``block()`` -> Linear built twice from one seed, the second with ``block`` checkpointed; and
+    ``steps`` batches."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 6), block(), nn.Linear(6, 2))
+
+    plain, treated = model(), model()
+    memtrim.checkpoint_modules(treated, block, policy=policy)
+    return plain, treated, [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(steps)]
+
+
 class Annealed(nn.Module):
     """Reads plain attributes a loop changes between forward and backward: a temperature, a tensor scale (neither
     parameter nor buffer), a flag it sets then deletes, and a count the forward itself advances."""
@@ -171,13 +183,7 @@ def anneal(model, step):
 def test_attributes_changed_between_forward_and_backward_are_read_as_the_forward_read_them(policy):
     # the recomputation read the new temperature: 8.3e-4 off after 5 steps, silently, until 2026-12-03 (an
     # adversarial pass); torch's own checkpoint reads the new one too
-    def model():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(6, 6), Annealed(), nn.Linear(6, 2))
-
-    plain, treated = model(), model()
-    memtrim.checkpoint_modules(treated, Annealed, policy=policy)
-    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    plain, treated, batches = plain_and_checkpointed(Annealed, policy, steps=4)
     for m in (plain, treated):
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         for step, x in enumerate(batches):
@@ -232,13 +238,7 @@ class OwnGeneratorDropout(nn.Module):
 @pytest.mark.parametrize("policy", [None, "save_matmuls"])
 def test_a_modules_own_generator_is_replayed(policy):
     # before: recomputed with fresh draws from the module's generator, 0.036 apart after 3 steps (adversarial pass)
-    def model():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Linear(6, 6), OwnGeneratorDropout(), nn.Linear(6, 2))
-
-    plain, treated = model(), model()
-    memtrim.checkpoint_modules(treated, OwnGeneratorDropout, policy=policy)
-    batches = [torch.randn(4, 6, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    plain, treated, batches = plain_and_checkpointed(OwnGeneratorDropout, policy, steps=3)
     outs_a, grads_a = train(plain, batches, image_loss)
     outs_b, grads_b = train(treated, batches, image_loss)
     assert_same(outs_a, outs_b)

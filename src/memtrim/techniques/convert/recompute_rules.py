@@ -474,46 +474,37 @@ def batchnorm_act_module(ctx: Context) -> Iterator[Candidate]:
             yield Candidate((name,), reason=f"{type(bn).__name__} runs {', '.join(after)} after the norm: only its "
                                             f"{type(act).__name__} ({fused_op}) is fused with it", skip=True)
             continue
-        if spec is not None:
-            why = ctx.edited(name) or ctx.input_edited(name) or half_precision_guard(
-                ctx, name, bn, f"fused with {type(act).__name__}, it")
-            hooks = ctx.user_hooks(bn)
-            if hooks:
-                why = f"{name} has {', '.join(hooks)}: they would see the fused module's values"
-            writer = trace.written_after(name)
-            if writer is not None:
-                why = rebuilt_yet_changed(writer, f"the {type(act).__name__}'s output")
-            if why:
-                yield Candidate((name,), reason=why, skip=True)
-                continue
-            target = keeping_class(_BN_ACT[base], type(bn))
-            owner = label((name,), f"memtrim.nn.{_BN_ACT[base].__name__}")
-            fuse = partial(class_swap, bn, target, activation=spec[0],
-                            negative_slope=spec[1] if spec[0] == "leaky_relu" else 0.01,
-                            alpha=spec[1] if spec[0] == "elu" else 1.0, gamma_threshold=0.0, memtrim_owner=owner,
-                            memtrim_activation_inplace=bool(getattr(act, "inplace", False)))
-            yield Candidate((name,), f"{type(bn).__name__} (BatchNorm + {type(act).__name__})",
-                            f"memtrim.nn.{_BN_ACT[base].__name__}", reason="its forward is a BatchNorm and a "
-                            f"{type(act).__name__} with a slope the output can be inverted through",
-                            targets=(bn,), limits=(REBUILT_INPUT, NO_DOUBLE_BACKWARD, NO_AUTOCAST, FUSED),
-                            bitwise=False, apply=fuse)
-            continue
+        act_name = type(act).__name__
         hooks = ctx.user_hooks(bn)
         if hooks:
             yield Candidate((name,), reason=f"{name} has {', '.join(hooks)}: they would see the fused module's "
                                             "values", skip=True)
             continue
-        if any(relu.inputs[:1] != norm.outputs[:1] or site.outputs != relu.outputs
-               for site, (norm, relu) in zip(sites, ops)):
-            yield Candidate((name,), reason=f"{name} returns more than the ReLU's output", skip=True)
+        if any(fused.inputs[:1] != norm.outputs[:1] or site.outputs != fused.outputs
+               for site, (norm, fused) in zip(sites, ops)):
+            yield Candidate((name,), reason=f"{name} returns more than the {act_name}'s output", skip=True)
             continue
         writer = trace.written_after(name)
         if writer is not None:  # (found by an adversarial pass: fused, it trained on the unchanged output)
-            yield Candidate((name,), reason=rebuilt_yet_changed(writer, "the ReLU's output"), skip=True)
+            yield Candidate((name,), reason=rebuilt_yet_changed(writer, f"the {act_name}'s output"), skip=True)
             continue
-        edited = ctx.input_edited(name)
+        edited = ctx.input_edited(name) or (None if spec is None else ctx.edited(name) or half_precision_guard(
+            ctx, name, bn, f"fused with {act_name}, it"))
         if edited:
             yield Candidate((name,), reason=edited, skip=True)
+            continue
+        if spec is not None:  # keeping only its output: no consumer keeps a recipe
+            target = keeping_class(_BN_ACT[base], type(bn))
+            owner = label((name,), f"memtrim.nn.{_BN_ACT[base].__name__}")
+            fuse = partial(class_swap, bn, target, activation=spec[0],
+                           negative_slope=spec[1] if spec[0] == "leaky_relu" else 0.01,
+                           alpha=spec[1] if spec[0] == "elu" else 1.0, gamma_threshold=0.0, memtrim_owner=owner,
+                           memtrim_activation_inplace=bool(getattr(act, "inplace", False)))
+            yield Candidate((name,), f"{type(bn).__name__} (BatchNorm + {act_name})",
+                            f"memtrim.nn.{_BN_ACT[base].__name__}",
+                            reason=f"its forward is a BatchNorm and a {act_name} the output can be inverted through",
+                            targets=(bn,), limits=(REBUILT_INPUT, NO_DOUBLE_BACKWARD, NO_AUTOCAST, FUSED),
+                            bitwise=False, apply=fuse)
             continue
         # (each call's output: a backbone called on two views in one forward runs it twice)
         found = [_holder_modules(ctx, site.outputs[0], site) for site in sites]
