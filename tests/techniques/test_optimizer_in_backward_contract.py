@@ -554,6 +554,22 @@ def test_item9_two_open_wrappers_on_one_parameter_raise():
         new.zero_grad()
 
 
+def test_item9_a_wrapper_whose_parameters_another_claimed_since_is_refused():
+    # zero_grad() skips the walk over the parameters while its earlier claim stands: a newer wrapper's claim must
+    # end that, or the old wrapper would update parameters the open one updates too
+    model = net()
+    x, y = batches(1)[0]
+    old = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    for _ in range(2):
+        old.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        old.step()
+    new = wrap(torch.optim.SGD(model.parameters(), lr=0.1), model=model)
+    new.zero_grad()  # old's step is closed: new takes the parameters over
+    with pytest.raises(memtrim.OptimizerInBackwardError, match=r"another open OptimizerInBackward.*remove\(\)"):
+        old.zero_grad()
+
+
 class _Forwarding:  # Lightning 2.6's LightningOptimizer and Fabric's _FabricOptimizer: reads go to the wrapper
     def __init__(self, optimizer):
         self._optimizer = optimizer

@@ -100,6 +100,7 @@ _PEAK_MODES = ("never_higher", "lowest")
 _TEMPORARIES_PER_BYTE = 2
 
 _OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> weakref to the wrapper of its open step
+_OWNERSHIP = [0]  # bumped whenever _OWNERS changes: a wrapper whose claim still stands skips the walk at zero_grad()
 
 
 def _memory_now(device: torch.device) -> int | None:
@@ -374,6 +375,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._optimizer_step_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._self_ref = weakref.ref(self)
+        self._claimed: tuple[int, Any] = (-1, None)  # (_OWNERSHIP, groups signature) when its parameters were claimed
         self._handles: list[Any] = []
         self._hooked: set[int] = set()
         self._hook_ids: dict[int, int] = {}  # id(param) -> key of memtrim's hook in its post-accumulate-grad hooks
@@ -905,6 +907,7 @@ class OptimizerInBackward(WrappedOptimizerView):
             owner = _OWNERS.get(param)
             if owner is not None and owner() is self:
                 del _OWNERS[param]
+                _OWNERSHIP[0] += 1
 
     def register_step_pre_hook(self, hook: Callable) -> Any:
         """Run ``hook(opt, args, kwargs)`` once per step, before its first update (inside backward when the step
@@ -1166,7 +1169,7 @@ class OptimizerInBackward(WrappedOptimizerView):
 
     def _check_thread(self, param: torch.Tensor) -> None:
         # CPU backward runs on the thread that called it (CUDA's on the engine's device threads: not checked)
-        if param.device.type == "cpu" and self._thread is not None and threading.get_ident() != self._thread:
+        if self._thread is not None and threading.get_ident() != self._thread and param.device.type == "cpu":
             raise OptimizerInBackwardError(
                 "OptimizerInBackward: expected backward passes of an open step on the thread that opened it "
                 "with zero_grad(), but one ran on another thread. One wrapper cannot serve two threads at once "
@@ -1192,6 +1195,8 @@ class OptimizerInBackward(WrappedOptimizerView):
         )
 
     def _claim_params(self) -> None:
+        if self._claimed[0] == _OWNERSHIP[0] and self._claimed[1] is self._signature:
+            return  # every parameter is still this wrapper's: no other wrapper claimed one since, nor did the groups
         for param in self._by_id.values():
             owner = _OWNERS.get(param)
             other = owner() if owner is not None else None
@@ -1201,7 +1206,10 @@ class OptimizerInBackward(WrappedOptimizerView):
                     f"{tuple(param.shape)} is also in another open OptimizerInBackward, and both would update it. "
                     "Call old_opt.remove() (or drop every reference to it) before building a new wrapper."
                 )
-            _OWNERS[param] = self._self_ref
+            if owner is not self._self_ref:
+                _OWNERS[param] = self._self_ref
+                _OWNERSHIP[0] += 1
+        self._claimed = (_OWNERSHIP[0], self._signature)
 
     def _run_pre_hooks(self) -> None:
         if self._pre_hooks_ran:
@@ -1748,9 +1756,13 @@ def _state_mark(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[
     if not state:
         return (optimizer.state, state, (), [])
     values = tuple(state.values())  # (an entry added, removed or replaced changes these)
-    return (optimizer.state, state, values,
-            [(id(v), v._version) if isinstance(v, torch.Tensor) else v if type(v) in _PLAIN else id(v)
-             for v in values])
+    entries: list[Any]
+    try:
+        entries = [(id(v), v._version) for v in values]  # torch's optimizers: every entry a tensor
+    except AttributeError:
+        entries = [(id(v), v._version) if isinstance(v, torch.Tensor) else v if type(v) in _PLAIN else id(v)
+                   for v in values]
+    return (optimizer.state, state, values, entries)
 
 
 def _same_state(mark: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
@@ -1760,7 +1772,8 @@ def _same_state(mark: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     """A param group's hyperparameters (every key but 'params') in a form that compares by value, tensors by
     identity and version (an in-place change of a tensor learning rate shows; no device sync)."""
-    return {key: _fingerprint(value) for key, value in group.items() if key != "params"}
+    return {key: value if type(value) in _PLAIN else _fingerprint(value) for key, value in group.items()
+            if key != "params"}
 
 
 class _TensorMark(tuple):
@@ -1789,6 +1802,8 @@ def _fingerprint(value: Any) -> Any:
         return ("generator", id(value), generator_bytes(value))
     if isinstance(value, torch.Tensor):
         return _TensorMark((id(value), value._version, value))  # tuple ==: same object short-circuits
+    if type(value) is tuple and all(type(v) in _PLAIN for v in value):
+        return value  # (Adam's betas) as it is: it cannot change in place and compares by value
     if isinstance(value, (list, tuple)):
         return (type(value), tuple(_fingerprint(v) for v in value))
     if isinstance(value, dict):
