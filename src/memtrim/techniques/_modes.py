@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 __all__ = ["Settings", "Swaps", "TrainingFlags", "buffers_put_back", "plain_settings", "put_settings",
-           "putting_buffers_back", "set_training_flags", "training_flags", "undo_swaps"]
+           "putting_buffers_back", "set_training_flags", "training_flags", "undo_swaps", "written_in_place"]
 
 _local = threading.local()  # .depth: recomputations that put their buffers back, running on this thread
 
@@ -52,37 +52,74 @@ def set_training_flags(flags: TrainingFlags) -> None:
             module.training = training
 
 
-Settings = list[tuple[nn.Module, dict[str, Any], int]]
+Setting = tuple[nn.Module, dict[str, Any], int, dict[str, Any], list[tuple[str, int]]]
+"""One module's record (:func:`plain_settings`): the module, its attributes, how many it had, its children, and its
+tensor attributes' versions (a tuple, not a class: this is built for every module of a checkpointed call)."""
+Settings = list[Setting]
 Swaps = list[tuple[dict[str, Any], str, Any]]
 
-_SETTINGS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.Tensor})
-"""The types of a module attribute a recomputation reads as its forward read it (immutable values, and tensors that
-are no parameter or buffer, by object); a mutable object (a list, a config) is read as it is then."""
+_TORCHS_OWN = frozenset(nn.Module().__dict__)  # the training flag (training_flags') and torch's tables: the
+# parameters and buffers (their callers put back the forward's), the children (recorded apart), the hooks
+_PLAIN = frozenset({int, float, bool, str, type(None)})
 ABSENT = object()  # an attribute a module did not have
 
 
 def plain_settings(modules: Iterable[nn.Module]) -> Settings:
-    """Each module's plain attributes now (a temperature, a scale, a tensor that is neither parameter nor buffer; its
-    ``training`` flag is :func:`training_flags`'), with how many attributes it had. A loop annealing one between a
-    forward and its backward had the recomputation read the new value, silently (checkpoint_modules: 8.3e-4 off after
-    5 steps; ReversibleSequential: 0.023 off after 4), until 2026-12-03 (an adversarial pass)."""
-    return [(m, {k: v for k, v in m.__dict__.items() if type(v) in _SETTINGS and k != "training"}, len(m.__dict__))
-            for m in modules]
+    """Each module's attributes and children now, by object (a temperature, a scale, an activation function, a
+    tensor that is neither parameter nor buffer, with its version; not torch's own tables, whose ``training`` flag
+    is :func:`training_flags'`, nor memtrim's marks), with how many attributes it had. A loop annealing one between
+    a forward and its backward had the recomputation read the new value, silently (checkpoint_modules: 8.3e-4 off
+    after 5 steps; ReversibleSequential: 0.023 off after 4), until 2026-12-03; and until 2026-12-03 too, only
+    numbers, strings, dtypes, devices and tensors were recorded, so a tuple, a NumPy number, an enum, a function
+    rebound, or a child module swapped between forward and backward was read anew (4.7e-3 to 3.5e-2 off after 4
+    steps; adversarial passes). Not seen: what changes inside a mutable object (a list appended to, a config's
+    field set), class attributes, globals, and properties that read them."""
+    settings: Settings = []
+    for module in modules:  # (one loop, no helper calls: this runs for every module of every checkpointed call)
+        attrs = module.__dict__
+        values: dict[str, Any] = {}
+        versions: list[tuple[str, int]] = []
+        for name, value in attrs.items():
+            if name in _TORCHS_OWN or "memtrim" in name:
+                continue
+            values[name] = value
+            if type(value) not in _PLAIN and isinstance(value, torch.Tensor):
+                versions.append((name, value._version))
+        settings.append((module, values, len(attrs), dict(module._modules), versions))
+    return settings
+
+
+def written_in_place(settings: Settings) -> str | None:
+    """What to say of the tensor attributes (no parameter or buffer) written in place since ``settings`` were
+    recorded, or None: the recomputation would read the written values, and putting the object back does not undo
+    a write (a shift added to in place between forward and backward: 2.4e-2 off after 4 steps, silently, until
+    2026-12-03; an adversarial pass)."""
+    written = [(module, name) for module, values, _, _, versions in settings for name, version in versions
+               if values[name]._version != version]
+    if not written:
+        return None
+    module, name = written[0]
+    return (f"{type(module).__name__}.{name}, a tensor attribute that is no parameter or buffer, was written in place "
+            f"{'(and ' + str(len(written) - 1) + ' more) ' if len(written) > 1 else ''}since the forward read it (by "
+            f"the forward itself, or between forward and backward), so the recomputation in backward would read the "
+            f"written values. Expected tensor attributes changed by assignment; to fix: assign a new tensor "
+            f"(self.{name} = self.{name} + ...), or make it a buffer (self.register_buffer({name!r}, tensor, "
+            "persistent=False): the recomputation reads the buffers the forward read)")
 
 
 def put_settings(settings: Settings) -> Swaps:
-    """Set the modules' plain attributes back to ``settings`` (those set since, unset again); what
+    """Set the modules' attributes and children back to ``settings`` (those set since, unset again); what
     :func:`undo_swaps` undoes."""
     swapped: Swaps = []
-    for module, values, count in settings:
-        attrs = module.__dict__
-        for name, value in values.items():
-            if attrs.get(name, ABSENT) is not value:  # changed since: its value then
-                swapped.append((attrs, name, attrs.get(name, ABSENT)))
-                attrs[name] = value
-        if len(attrs) > count:  # set since (a flag a forward reads with getattr): absent again
-            for name in [k for k, v in attrs.items() if k not in values and type(v) in _SETTINGS and k != "training"]:
-                swapped.append((attrs, name, attrs.pop(name)))
+    for module, values, count, children, _ in settings:
+        for table, recorded, before in ((module.__dict__, values, count), (module._modules, children, len(children))):
+            for name, value in recorded.items():
+                if table.get(name, ABSENT) is not value:  # changed since: its value then
+                    swapped.append((table, name, table.get(name, ABSENT)))
+                    table[name] = value
+            if len(table) > before:  # set since (a flag a forward reads with getattr): absent again
+                for name in [k for k in table if k not in recorded and k not in _TORCHS_OWN and "memtrim" not in k]:
+                    swapped.append((table, name, table.pop(name)))
     return swapped
 
 

@@ -69,7 +69,15 @@ from ...errors import CheckpointPolicyError, InvalidInputError, MemtrimStateErro
 from ...measure.hooks import check_saved_version, hold_for_backward, tensors_in
 from .._bound import InstanceForward
 from .._generators import GeneratorDraws
-from .._modes import TrainingFlags, plain_settings, put_settings, set_training_flags, training_flags, undo_swaps
+from .._modes import (
+    TrainingFlags,
+    plain_settings,
+    put_settings,
+    set_training_flags,
+    training_flags,
+    undo_swaps,
+    written_in_place,
+)
 from ..recompute import recipes_honoured
 
 _API = "memtrim.checkpoint_modules"
@@ -368,9 +376,8 @@ class _Recompute:
         # every submodule's training flag in the forward: an evaluation pass between the forward and backward
         # (model.eval(), then no_grad) leaves them off, and the recomputation must run as the forward ran
         self.modes = training_flags(subtree)
-        # and their plain attributes (a temperature, a scale, a tensor that is neither parameter nor buffer): a loop
-        # annealing one between forward and backward had the recomputation read the new value, 8.3e-4 off after 5
-        # steps, silently, until 2026-12-03 (an adversarial pass); the recomputation reads the forward's values
+        # and their attributes and children (a temperature, an activation function, a tensor that is neither
+        # parameter nor buffer, a child swapped): the recomputation reads the forward's (plain_settings)
         self.settings = plain_settings(subtree)
         # the parameters the forward left, with their versions (recorded at its end: its own writes, a max_norm
         # embedding's or a lazy module's first call, are no change): torch.func.functional_call (MAML's fast weights)
@@ -399,6 +406,9 @@ class _Recompute:
                                     "in backward reads again)", source=True)
 
     def __enter__(self) -> None:
+        written = written_in_place(self.settings)
+        if written is not None:
+            raise MemtrimStateError(f"{_API}: in {self._who()}, {written}.")
         self.versions: dict[int, list[tuple[Any, int]]] = {}
         for sub, _, param, version in self.params:
             self.versions.setdefault(id(sub), []).append((param, version))

@@ -66,6 +66,7 @@ from .._modes import (
     set_training_flags,
     training_flags,
     undo_swaps,
+    written_in_place,
 )
 from ..guards import memtrims, plain_only
 from ._replay import Replay, as_forward, captured, replayed
@@ -287,7 +288,10 @@ class _Frame:
         # every module's training flag in the block's forward: an evaluation pass between forward and backward
         # (model.eval(), then no_grad) turns them off, and the recomputation must run as the forward ran
         self.modes: list[TrainingFlags] = [[] for _ in blocks]
-        self.settings: list[Settings] = [[] for _ in blocks]  # each block's modules' plain attributes in its forward
+        # each block's modules' attributes as its forward found them (what a recomputation of its forward reads) and
+        # as it left them (what a block's own inverse reads: plain_settings)
+        self.settings_before: list[Settings] = [[] for _ in blocks]
+        self.settings: list[Settings] = [[] for _ in blocks]
 
     # ------------------------------------------------------------------------------------------------ forward
 
@@ -320,10 +324,13 @@ class _Frame:
             with torch.no_grad():
                 before = [(b, b._version, b.clone()) for b in block.buffers()]
             h_in, version_in = h, h._version if isinstance(h, torch.Tensor) else 0
+            # the attributes as the forward found them, for f and g run again and a block's forward recomputed (a
+            # count the forward advances and reads: the rebuild read it advanced, 2.6e-2 off after 4 steps, silently,
+            # until 2026-12-03), and as it left them, for a block's own inverse (what its forward keeps for it: the
+            # stack called twice before one backward, each rebuild reads its own); a temperature annealed before
+            # backward is read as the forward read it (0.023 off after 4 steps until 2026-12-03; adversarial passes)
+            self.settings_before[index] = plain_settings(block.modules())
             h = self._run_block(index, block, h)
-            # the plain attributes as the forward left them, for the rebuild: a temperature annealed before backward
-            # (read anew, 0.023 off after 4 steps, silently, until 2026-12-03: an adversarial pass), what a block's
-            # forward keeps for its inverse (the stack called twice before one backward: each rebuild reads its own)
             self.settings[index] = plain_settings(block.modules())
             self.buffers_before[index] = [(b, value) for b, version, value in before if b._version != version]
             moved = next((p for p, version in versions if p._version != version), None)
@@ -538,9 +545,16 @@ class _Frame:
         # adversarial pass); autograd then treats the parameter as plain training does
         flipped = [p for (p, _), flag in zip(self.parameter_versions[index], self.parameter_flags[index])
                    if p.requires_grad != flag]
+        # a coupling's rebuild runs f and g as its forward did; a block of the user's runs its inverse on what its
+        # forward left (and its forward again on what that forward found: _rebuild_generic)
+        whole = _coupling(block) is None and index not in self.kept_inputs
+        settings = self.settings[index] if whole else self.settings_before[index]
+        written = written_in_place(settings)
+        if written is not None:
+            raise ReversibleError(f"memtrim.ReversibleSequential: in block {index}, {written}.")
         attributes: Swaps = []
         try:
-            attributes = put_settings(self.settings[index])  # a temperature annealed since: the forward's
+            attributes = put_settings(settings)
             for p in flipped:
                 p.requires_grad_(not p.requires_grad)
             for slots, name, p in self.parameter_slots[index]:
@@ -694,8 +708,12 @@ class _Frame:
             for buffer, value in buffers:  # spectral_norm's power iteration: 0.05 to 2.27 off until 2026-12-03)
                 buffer.copy_(value)
         inp = as_forward(x.detach(), replay).requires_grad_(replay.requires_grad)
-        with torch.enable_grad(), _recording(recorded), replayed(replay):
-            block(inp)
+        found = put_settings(self.settings_before[index])  # its forward again: the attributes that forward found
+        try:
+            with torch.enable_grad(), _recording(recorded), replayed(replay):
+                block(inp)
+        finally:
+            undo_swaps(found)
         return x.detach()
 
 
