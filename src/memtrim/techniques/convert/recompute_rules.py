@@ -969,11 +969,16 @@ def _ancestor_reaches(model: nn.Module, path: str) -> str | None:
     return None
 
 
+_BUILDING = frozenset({"__init__", "__repr__", "extra_repr"})  # methods a training forward does not run: timm's
+# NormFreeNet.__init__ lists its stem's children, which left the stem's activations alone until 2026-12-03
+
+
 @functools.lru_cache(maxsize=256)
 def _class_reaches(ancestor: type, rest: tuple[str, ...]) -> str | None:
     for cls in ancestor.__mro__:
         if cls not in _TRUSTED:
-            why = _reaching(list(_functions(dict(vars(cls)))), rest, cls.__qualname__)
+            namespace = {k: v for k, v in vars(cls).items() if k not in _BUILDING}
+            why = _reaching(list(_functions(namespace)), rest, cls.__qualname__)
             if why:
                 return why
     return None
@@ -1422,6 +1427,20 @@ def _reads_after(function: ast.FunctionDef | ast.AsyncFunctionDef, name: str,
     return None
 
 
+def _writes_its_input(trace: ModelTrace, site: CallSite) -> bool:
+    """Whether an in-place op inside ``site`` writes a storage the site did not make (its input): timm's GammaAct,
+    ``act(x).mul_(gamma)``, scales the activation's own new output in place, and was left alone as "runs in place"
+    with advice it already followed until 2026-12-03 (found by a helper's run on dm_nfnet_f0). An in-place op whose
+    writes the trace does not name counts as writing its input."""
+    made: set[int] = set()
+    for op in trace.ops_in(site, compute_only=False):
+        if op.name.endswith("_") and not op.name.startswith("_") and (
+                not op.writes or any(k in site.inputs or k not in made for k in op.writes)):
+            return True
+        made.update(op.outputs)
+    return False
+
+
 _IN_PLACE = ("{} runs in place with no inplace switch convert could turn off: its output overwrote its input, so "
              "nothing is left to rebuild the output from. To let convert rebuild it for the layers that keep it, "
              "make its forward run out of place (inplace=False), where nothing else reads the activation's input "
@@ -1442,8 +1461,7 @@ def activation_consumer(ctx: Context) -> Iterator[Candidate]:
         acts = [k for k in site.inputs if trace.storages[k].kind != "parameter"]
         if len(acts) != 1 or len(site.outputs) != 1 or _random_ops(trace, site):
             continue
-        in_place = (site.outputs[0] in site.inputs
-                    or any(o.name.endswith("_") and not o.name.startswith("_") for o in trace.ops_in(site)))
+        in_place = site.outputs[0] in site.inputs or _writes_its_input(trace, site)
         if in_place and getattr(module, "inplace", None) is not True:  # no switch to turn it out of place
             if any(trace.storages[s.outputs[0]].holders for s in sites if s.outputs):  # something to save
                 yield Candidate((site.path,), reason=_IN_PLACE.format(type(module).__name__), skip=True)
