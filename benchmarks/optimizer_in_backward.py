@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import memtrim
-from _common import machine, pin_malloc, third_step_report, write
+from _common import head_commit, machine, pin_malloc, quartiles, third_step_report, write
 from memtrim.models import SeedMLP, SmallGPT
 
 
@@ -125,7 +125,7 @@ def timing(case, rounds, steps):
     for name, values in times.items():
         ratios = sorted(v / b for v, b in zip(values, base))
         out[name] = {"step_ms_median": 1e3 * statistics.median(values), "ratio_median": statistics.median(ratios),
-                     "ratio_min": ratios[0], "ratio_max": ratios[-1]}
+                     "ratio_quartiles": quartiles(ratios), "ratio_min": ratios[0], "ratio_max": ratios[-1]}
     return out
 
 
@@ -180,11 +180,12 @@ def main():
     ):
         results[label] = timing(case, args.rounds, steps)
         for name, r in results[label].items():
+            low, high = r["ratio_quartiles"]
             print(f"{label} | {name}: {r['step_ms_median']:.3f} ms, {r['ratio_median']:.3f}x "
-                  f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f})")
+                  f"(quartiles {low:.2f}-{high:.2f}, range {r['ratio_min']:.2f}-{r['ratio_max']:.2f})")
     memory = gpt_memory(args.bucket_bytes)
     path = write("optimizer_in_backward_cpu.json", {
-        "machine": machine(), "rounds": args.rounds, "timing": results,
+        "machine": machine(), "commit": head_commit(), "rounds": args.rounds, "timing": results,
         "memory_bucket_bytes": args.bucket_bytes, "memory": memory,
     })
     print("wrote", path)
