@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .guards import FUSION
+
 __all__ = ["Settings", "Swaps", "TrainingFlags", "buffers_put_back", "plain_settings", "put_settings",
            "putting_buffers_back", "set_training_flags", "training_flags", "undo_swaps", "written_in_place"]
 
@@ -56,12 +58,20 @@ Setting = tuple[nn.Module, dict[str, Any], int, dict[str, Any], list[tuple[str, 
 """One module's record (:func:`plain_settings`): the module, its attributes, how many it had, its children, and its
 tensor attributes' versions (a tuple, not a class: this is built for every module of a checkpointed call)."""
 Settings = list[Setting]
-Swaps = list[tuple[dict[str, Any], str, Any]]
+Swaps = list[tuple[dict[str, Any], Any, Any]]  # (table, name or _ADDED, value then)
 
 _TORCHS_OWN = frozenset(nn.Module().__dict__)  # the training flag (training_flags') and torch's tables: the
 # parameters and buffers (their callers put back the forward's), the children (recorded apart), the hooks
 _PLAIN = frozenset({int, float, bool, str, type(None)})
 ABSENT = object()  # an attribute a module did not have
+_ADDED = object()  # a swap's name meaning: remove what was added to the table since (its value: the names then)
+
+
+# NOTE [ recorded attributes ]: plain_settings records every module attribute but torch's own tables and memtrim's
+# marks (``_memtrim_...``, the fusion token), which a technique applied or removed between a forward and its backward
+# keeps as it set them (a user's ``memtrim_temp`` is recorded: every name with "memtrim" in it was passed over until
+# 2026-12-03, an adversarial pass). The test is written out where it runs, with slices, not ``startswith``: it runs for
+# every attribute of every module of every checkpointed call, where a method call counts.
 
 
 def plain_settings(modules: Iterable[nn.Module]) -> Settings:
@@ -73,14 +83,15 @@ def plain_settings(modules: Iterable[nn.Module]) -> Settings:
     numbers, strings, dtypes, devices and tensors were recorded, so a tuple, a NumPy number, an enum, a function
     rebound, or a child module swapped between forward and backward was read anew (4.7e-3 to 3.5e-2 off after 4
     steps; adversarial passes). Not seen: what changes inside a mutable object (a list appended to, a config's
-    field set), class attributes, globals, and properties that read them."""
+    field set, an unregistered peer module's attributes), class attributes, globals, and properties that read them;
+    hooks registered between forward and backward run in the recomputation."""
     settings: Settings = []
     for module in modules:  # (one loop, no helper calls: this runs for every module of every checkpointed call)
         attrs = module.__dict__
         values: dict[str, Any] = {}
         versions: list[tuple[str, int]] = []
         for name, value in attrs.items():
-            if name in _TORCHS_OWN or "memtrim" in name:
+            if name in _TORCHS_OWN or name[:8] == "_memtrim" or name == FUSION:  # NOTE [ recorded attributes ]
                 continue
             values[name] = value
             if type(value) not in _PLAIN and isinstance(value, torch.Tensor):
@@ -93,40 +104,52 @@ def written_in_place(settings: Settings) -> str | None:
     """What to say of the tensor attributes (no parameter or buffer) written in place since ``settings`` were
     recorded, or None: the recomputation would read the written values, and putting the object back does not undo
     a write (a shift added to in place between forward and backward: 2.4e-2 off after 4 steps, silently, until
-    2026-12-03; an adversarial pass)."""
+    2026-12-03; an adversarial pass). An attribute that is one of the modules' buffers under another name is the
+    callers' to put back, as the buffer (a running statistic's alias: refused, falsely, on 2026-12-03)."""
+    buffers = {id(b) for module, *_ in settings for b in module._buffers.values() if b is not None}
     written = [(module, name) for module, values, _, _, versions in settings for name, version in versions
-               if values[name]._version != version]
+               if values[name]._version != version and id(values[name]) not in buffers]
     if not written:
         return None
     module, name = written[0]
     return (f"{type(module).__name__}.{name}, a tensor attribute that is no parameter or buffer, was written in place "
-            f"{'(and ' + str(len(written) - 1) + ' more) ' if len(written) > 1 else ''}since the forward read it (by "
+            f"{'(and ' + str(len(written) - 1) + ' more) ' if len(written) > 1 else ''}after the forward began (by "
             f"the forward itself, or between forward and backward), so the recomputation in backward would read the "
-            f"written values. Expected tensor attributes changed by assignment; to fix: assign a new tensor "
-            f"(self.{name} = self.{name} + ...), or make it a buffer (self.register_buffer({name!r}, tensor, "
-            "persistent=False): the recomputation reads the buffers the forward read)")
+            f"written values where the forward may have read earlier ones (a count or a running statistic it "
+            f"advances; a workspace it fills before reading it is safe but cannot be told apart). Expected tensor "
+            f"attributes changed by assignment; to fix: assign a new tensor (self.{name} = self.{name} + ...), make it "
+            f"a buffer (self.register_buffer({name!r}, tensor, persistent=False): the recomputation reads the buffers "
+            "the forward read), or for a workspace, allocate it in the forward")
 
 
 def put_settings(settings: Settings) -> Swaps:
-    """Set the modules' attributes and children back to ``settings`` (those set since, unset again); what
-    :func:`undo_swaps` undoes."""
+    """Set the modules' attributes and children back to ``settings`` (those set since, unset again). Returns what
+    :func:`undo_swaps` undoes: every attribute and child as it is now, so that what the recomputation itself writes
+    or adds is undone too (a hook registered after the forward set an attribute in the recomputation, which stayed
+    after backward, until 2026-12-03: an adversarial pass)."""
     swapped: Swaps = []
-    for module, values, count, children, _ in settings:
-        for table, recorded, before in ((module.__dict__, values, count), (module._modules, children, len(children))):
+    for module, values, _, children, _ in settings:
+        for table, recorded in ((module.__dict__, values), (module._modules, children)):
+            swapped.append((table, _ADDED, frozenset(table)))
+            for name in [k for k in table if k not in recorded and k not in _TORCHS_OWN and k[:8] != "_memtrim"
+                         and k != FUSION]:  # set since: absent again
+                swapped.append((table, name, table.pop(name)))
             for name, value in recorded.items():
-                if table.get(name, ABSENT) is not value:  # changed since: its value then
-                    swapped.append((table, name, table.get(name, ABSENT)))
+                now = table[name] if name in table else ABSENT
+                swapped.append((table, name, now))
+                if now is not value:  # changed since: its value then
                     table[name] = value
-            if len(table) > before:  # set since (a flag a forward reads with getattr): absent again
-                for name in [k for k in table if k not in recorded and k not in _TORCHS_OWN and "memtrim" not in k]:
-                    swapped.append((table, name, table.pop(name)))
     return swapped
 
 
 def undo_swaps(swapped: Swaps) -> None:
     """Put back what :func:`put_settings` (or a caller's own swaps of ``(table, name, value)``) changed, last first."""
     for table, name, original in reversed(swapped):
-        if original is ABSENT:
+        if name is _ADDED:
+            for added in [k for k in table if k not in original and k not in _TORCHS_OWN and k[:8] != "_memtrim"
+                          and k != FUSION]:
+                del table[added]
+        elif original is ABSENT:
             table.pop(name, None)
         else:
             table[name] = original

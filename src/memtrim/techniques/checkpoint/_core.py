@@ -422,11 +422,18 @@ class _Recompute:
                 swapped.append((sub._parameters, name, now))
                 sub._parameters[name] = param
         swapped += put_settings(self.settings)
+        stand_in: dict[int, torch.Tensor] = {}  # id(a buffer) -> its clone for the recomputation
         for sub, name, value in self.snapshot:
             original = sub._buffers[name]
             assert original is not None  # the snapshot lists buffers that are set
             swapped.append((sub._buffers, name, original))
-            sub._buffers[name] = clones.setdefault(id(value), value.clone())
+            sub._buffers[name] = stand_in[id(original)] = clones.setdefault(id(value), value.clone())
+        for sub, values, _, _, tensors in self.settings:  # a buffer held as an attribute too (self.center =
+            for name, _ in tensors:  # self.running_mean): its clone there as well (the recomputation read the
+                value = values[name]  # forward's update through it, silently, until 2026-12-03: an adversarial pass)
+                if id(value) in stand_in and sub.__dict__.get(name) is value:
+                    swapped.append((sub.__dict__, name, value))
+                    sub.__dict__[name] = stand_in[id(value)]
         _STAND_INS.update(id(c) for c in clones.values())  # (alive until this recomputation's exit: ids stay theirs)
         modes = training_flags(sub for sub, _ in self.modes)
         set_training_flags(self.modes)

@@ -292,6 +292,10 @@ class _Frame:
         # as it left them (what a block's own inverse reads: plain_settings)
         self.settings_before: list[Settings] = [[] for _ in blocks]
         self.settings: list[Settings] = [[] for _ in blocks]
+        # and a coupling's as each of f and g found them (f setting an attribute g reads: the rebuild ran g with the
+        # value from before f's write, 4.6e-2 off after 4 steps, silently, on 2026-12-03; f and g one module with a
+        # count, 2.0e-2 off before that: adversarial passes)
+        self.found: list[dict[str, Settings]] = [{} for _ in blocks]
 
     # ------------------------------------------------------------------------------------------------ forward
 
@@ -421,6 +425,7 @@ class _Frame:
         def evaluate(name: str, fn: nn.Module, half: torch.Tensor) -> torch.Tensor:
             inp = self._from_stream(half)
             if recorded is None:
+                self.found[index][name] = plain_settings(block.modules())
                 with captured(self.replays[index], name, inp, f"block {index}'s {name}"):
                     out = fn(inp)
                 out = _checked(block, name, out, inp)
@@ -429,7 +434,7 @@ class _Frame:
                 # (made before the replay: inside it, f or g alone runs, as in the forward, so that NOTE [ another
                 # thread's draws ] sees the same calls in both)
                 inp = as_forward(inp.detach(), replay).requires_grad_(replay.requires_grad)
-                with _recording(recorded), replayed(replay):
+                with _recording(recorded), replayed(replay), self._as_found(index, name):
                     out = fn(inp)
             return self._on_grid(out, f"block {index}'s {name}") if self.exact else out
 
@@ -444,11 +449,12 @@ class _Frame:
         """One affine coupling, capturing (or, with ``recorded``, replaying and recording) as :meth:`_additive`."""
         def scale_shift(name: str, fn: nn.Module, half: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if recorded is None:
+                self.found[index][name] = plain_settings(block.modules())
                 with captured(self.replays[index], name, half, f"block {index}'s {name}"):
                     return block.scale_shift(name, fn, half)
             replay = self.replays[index][name]  # a half of the kept input, laid out as the forward's
             half = as_forward(half.detach(), replay).requires_grad_(replay.requires_grad)
-            with replayed(replay):
+            with replayed(replay), self._as_found(index, name):
                 return block.scale_shift(name, fn, half)
 
         recording: contextlib.AbstractContextManager[Any] = (
@@ -549,7 +555,7 @@ class _Frame:
         # forward left (and its forward again on what that forward found: _rebuild_generic)
         whole = _coupling(block) is None and index not in self.kept_inputs
         settings = self.settings[index] if whole else self.settings_before[index]
-        written = written_in_place(settings)
+        written = next((w for w in map(written_in_place, [settings, *self.found[index].values()]) if w), None)
         if written is not None:
             raise ReversibleError(f"memtrim.ReversibleSequential: in block {index}, {written}.")
         attributes: Swaps = []
@@ -649,7 +655,7 @@ class _Frame:
             replay = self.replays[index][name]
             # the input requires grad as it did in forward, so the ops save the same tensors
             inp = as_forward(self._from_stream(half.detach()), replay).requires_grad_(replay.requires_grad)
-            with torch.enable_grad(), _recording(saved[name]), replayed(replay):
+            with torch.enable_grad(), _recording(saved[name]), replayed(replay), self._as_found(index, name):
                 out = fn(inp)
             return self._to_stream(out.detach())
 
@@ -667,7 +673,7 @@ class _Frame:
         def scale_shift(name: str, fn: nn.Module, half: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             replay = self.replays[index][name]
             inp = as_forward(half.detach(), replay).requires_grad_(replay.requires_grad)
-            with torch.enable_grad(), _recording(saved[name]), replayed(replay):
+            with torch.enable_grad(), _recording(saved[name]), replayed(replay), self._as_found(index, name):
                 s, t = block.scale_shift(name, fn, inp)
             evaluated[name] = (inp, s, t)
             return s.detach(), t.detach()
@@ -697,6 +703,15 @@ class _Frame:
                 inp = as_forward(x.detach(), replays["block"]).requires_grad_(replays["block"].requires_grad)
                 with _recording(recorded), replayed(replays["block"]):
                     block(inp)
+
+    @contextlib.contextmanager
+    def _as_found(self, index: int, name: str) -> Iterator[None]:
+        """Block ``index``'s attributes and children as its ``name`` (f or g) found them in the forward."""
+        swapped = put_settings(self.found[index][name])
+        try:
+            yield
+        finally:
+            undo_swaps(swapped)
 
     def _rebuild_generic(self, index: int, block: nn.Module, y: torch.Tensor,
                          recorded: list[torch.Tensor]) -> torch.Tensor:
