@@ -300,6 +300,35 @@ def test_what_the_recomputation_writes_on_its_modules_is_undone_after_it():
     assert not hasattr(model[1].inner, "tag")
 
 
+class Cached(nn.Module):
+    """Builds a tensor attribute on its first call and adds it (nothing keeps it for backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.offset = nn.Linear(6, 6), None
+
+    def forward(self, x):
+        if self.offset is None:
+            self.offset = torch.linspace(-1.0, 1.0, 6)
+        return torch.tanh(self.fc(x) + self.offset)
+
+
+def test_a_tensor_attribute_made_under_inference_mode_trains_as_plain():
+    # its version was read, and torch raised "Inference tensors do not track version counter" at the next training
+    # forward (HF RecurrentGemma after an inference_mode generate(); a helper's run on 2026-12-03)
+    plain, treated, batches = plain_and_checkpointed(Cached, None, steps=3)
+    for m in (plain, treated):
+        with torch.inference_mode():
+            m(batches[0])
+        assert m[1].offset.is_inference()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for x in batches:
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+    assert_models_same(plain, treated)
+
+
 class Shifted(nn.Module):
     """Adds a tensor attribute that is no parameter or buffer (autograd keeps nothing of it), and may count its calls
     in another one, in place."""

@@ -422,6 +422,24 @@ def test_a_count_the_forward_advances_and_attributes_rebound_since_are_read_as_t
         torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)  # the stack's documented float64 rebuild error
 
 
+def test_a_tensor_attribute_made_under_inference_mode_rebuilds_as_plain():
+    # its version was read: torch's "Inference tensors do not track version counter" at the next training forward
+    class Offset(nn.Module):  # adds a tensor attribute (nothing keeps it for backward)
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            with torch.inference_mode():
+                self.offset = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)
+
+        def forward(self, x):
+            return torch.tanh(self.fc(x) + self.offset)
+
+    torch.manual_seed(0)
+    trained = plain_and_reversible_trained([memtrim.AdditiveCoupling(Offset(), Offset())], lambda model, step: None)
+    for a, b in zip(*trained):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)  # the stack's documented float64 rebuild error
+
+
 def test_a_tensor_attribute_written_in_place_after_the_forward_is_refused_naming_it():
     # put back by object, it still held the written values: 3.6e-2 off after 4 steps, silently, until 2026-12-03
     torch.manual_seed(0)

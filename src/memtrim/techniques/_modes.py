@@ -94,7 +94,9 @@ def plain_settings(modules: Iterable[nn.Module]) -> Settings:
             if name in _TORCHS_OWN or name[:8] == "_memtrim" or name == FUSION:  # NOTE [ recorded attributes ]
                 continue
             values[name] = value
-            if type(value) not in _PLAIN and isinstance(value, torch.Tensor):
+            # (an inference tensor keeps no version, and nothing outside inference_mode writes it in place: a cache
+            # an inference_mode pass left, HF RecurrentGemma's states, raised torch's error until 2026-12-03)
+            if type(value) not in _PLAIN and isinstance(value, torch.Tensor) and not value.is_inference():
                 versions.append((name, value._version))
         settings.append((module, values, len(attrs), dict(module._modules), versions))
     return settings
