@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 import memtrim
@@ -504,6 +505,24 @@ def test_repeated_block_finds_the_decoder_block_and_nothing_in_a_plain_mlp():
 
     assert repeated_block(_gpt()) is Block
     assert repeated_block(SeedMLP()) is None
+
+
+class _InvertedResidual(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.conv = nn.Sequential(nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU6())
+
+    def forward(self, x):
+        return x + self.conv(x)
+
+
+def test_repeated_block_finds_blocks_between_a_stem_and_a_head_and_not_leaf_layers():
+    # torchvision's mobilenet_v2 `features`: a stem, the blocks, a last convolution; plan had no checkpointing plan
+    # for it until 2026-12-03 (a helper's run)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), *[_InvertedResidual(8) for _ in range(3)], nn.Conv2d(8, 4, 1))
+    assert repeated_block(model) is _InvertedResidual
+    layers = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    assert repeated_block(layers) is None  # Linear is most of it, but a layer of its own: nothing to checkpoint
 
 
 def test_a_model_without_blocks_leaves_checkpointing_out_and_says_so():

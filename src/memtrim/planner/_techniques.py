@@ -9,6 +9,7 @@ values ]).
 
 from __future__ import annotations
 
+import collections
 import gc
 import inspect
 from collections.abc import Callable
@@ -68,19 +69,27 @@ class Technique:
 
 
 def repeated_block(model: nn.Module) -> type[nn.Module] | None:
-    """The class of the model's repeated blocks: the children of the ``ModuleList``/``Sequential`` holding the most
-    parameters whose two or more children all share one class (a decoder layer, a residual block); None if none."""
+    """The class of the model's repeated blocks: among the ``ModuleList``/``Sequential`` containers, the one whose
+    repeated class holds the most parameters (a decoder layer, a residual block); None if none. A container's
+    children all share one class, or the class two or more of them share holds submodules of its own and is most of
+    the container (torchvision's mobilenet_v2 ``features``: a stem, 17 InvertedResidual blocks and a last
+    convolution, which left plan without a checkpointing plan until 2026-12-03, found by a helper's run)."""
     best: tuple[int, type[nn.Module]] | None = None
     for module in model.modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(module.children())
-        if len(children) < 2 or len({type(c) for c in children}) != 1:
+        counts = collections.Counter(type(c) for c in children)
+        if len(children) < 2 or not counts:
             continue
-        kind = type(children[0])
-        if kind in (nn.ModuleList, nn.Sequential, nn.ModuleDict) or not any(True for _ in children[0].parameters()):
+        kind, count = counts.most_common(1)[0]
+        blocks = [c for c in children if type(c) is kind]
+        if count < 2 or (count < len(children) and (2 * count <= len(children)
+                                                    or not any(True for _ in blocks[0].children()))):
             continue
-        size = sum(p.numel() for p in module.parameters())
+        if kind in (nn.ModuleList, nn.Sequential, nn.ModuleDict) or not any(True for _ in blocks[0].parameters()):
+            continue
+        size = sum(p.numel() for block in blocks for p in block.parameters())
         if best is None or size > best[0]:
             best = (size, kind)
     return None if best is None else best[1]
