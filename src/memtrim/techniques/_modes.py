@@ -64,7 +64,7 @@ _TORCHS_OWN = frozenset(nn.Module().__dict__)  # the training flag (training_fla
 # parameters and buffers (their callers put back the forward's), the children (recorded apart), the hooks
 _PLAIN = frozenset({int, float, bool, str, type(None)})
 ABSENT = object()  # an attribute a module did not have
-_ADDED = object()  # a swap's name meaning: remove what was added to the table since (its value: the names then)
+_ADDED = object()  # a swap's name meaning: the whole table as it was then (its value: a copy)
 
 
 # NOTE [ recorded attributes ]: plain_settings records every module attribute but torch's own tables and memtrim's
@@ -128,29 +128,27 @@ def put_settings(settings: Settings) -> Swaps:
     """Set the modules' attributes and children back to ``settings`` (those set since, unset again). Returns what
     :func:`undo_swaps` undoes: every attribute and child as it is now, so that what the recomputation itself writes
     or adds is undone too (a hook registered after the forward set an attribute in the recomputation, which stayed
-    after backward, until 2026-12-03: an adversarial pass)."""
+    after backward, until 2026-12-03: an adversarial pass). Whole tables are copied and set by dict operations, not
+    name by name: this runs for every module of every recomputation."""
     swapped: Swaps = []
     for module, values, _, children, _ in settings:
         for table, recorded in ((module.__dict__, values), (module._modules, children)):
-            swapped.append((table, _ADDED, frozenset(table)))
-            for name in [k for k in table if k not in recorded and k not in _TORCHS_OWN and k[:8] != "_memtrim"
-                         and k != FUSION]:  # set since: absent again
-                swapped.append((table, name, table.pop(name)))
-            for name, value in recorded.items():
-                now = table[name] if name in table else ABSENT
-                swapped.append((table, name, now))
-                if now is not value:  # changed since: its value then
-                    table[name] = value
+            now = dict(table)
+            swapped.append((table, _ADDED, now))
+            table.update(recorded)  # (the same objects where unchanged)
+            for name in now.keys() - recorded.keys() - _TORCHS_OWN:  # set since: absent again (not memtrim's marks)
+                if name[:8] != "_memtrim" and name != FUSION:
+                    del table[name]
     return swapped
 
 
 def undo_swaps(swapped: Swaps) -> None:
     """Put back what :func:`put_settings` (or a caller's own swaps of ``(table, name, value)``) changed, last first."""
     for table, name, original in reversed(swapped):
-        if name is _ADDED:
-            for added in [k for k in table if k not in original and k not in _TORCHS_OWN and k[:8] != "_memtrim"
-                          and k != FUSION]:
+        if name is _ADDED:  # the whole table as it was: what was added since removed, the rest set back
+            for added in table.keys() - original.keys():
                 del table[added]
+            table.update(original)
         elif original is ABSENT:
             table.pop(name, None)
         else:
