@@ -54,17 +54,17 @@ def set_training_flags(flags: TrainingFlags) -> None:
             module.training = training
 
 
-Setting = tuple[nn.Module, dict[str, Any], int, dict[str, Any], list[tuple[str, int]]]
-"""One module's record (:func:`plain_settings`): the module, its attributes, how many it had, its children, and its
-tensor attributes' versions (a tuple, not a class: this is built for every module of a checkpointed call)."""
+Setting = tuple[nn.Module, dict[str, Any], dict[str, Any], list[tuple[str, int]]]
+"""One module's record (:func:`plain_settings`): the module, its attributes, its children, and its tensor attributes'
+versions (a tuple, not a class: this is built for every module of a checkpointed call)."""
 Settings = list[Setting]
-Swaps = list[tuple[dict[str, Any], Any, Any]]  # (table, name or _ADDED, value then)
+Swaps = list[tuple[dict[str, Any], Any, Any]]  # (table, name or _WHOLE, value then)
 
 _TORCHS_OWN = frozenset(nn.Module().__dict__)  # the training flag (training_flags') and torch's tables: the
 # parameters and buffers (their callers put back the forward's), the children (recorded apart), the hooks
 _PLAIN = frozenset({int, float, bool, str, type(None)})
 ABSENT = object()  # an attribute a module did not have
-_ADDED = object()  # a swap's name meaning: the whole table as it was then (its value: a copy)
+_WHOLE = object()  # a swap's name meaning: the whole table as it was then (its value: a copy)
 
 
 # NOTE [ recorded attributes ]: plain_settings records every module attribute but torch's own tables and memtrim's
@@ -77,7 +77,7 @@ _ADDED = object()  # a swap's name meaning: the whole table as it was then (its 
 def plain_settings(modules: Iterable[nn.Module]) -> Settings:
     """Each module's attributes and children now, by object (a temperature, a scale, an activation function, a
     tensor that is neither parameter nor buffer, with its version; not torch's own tables, whose ``training`` flag
-    is :func:`training_flags'`, nor memtrim's marks), with how many attributes it had. A loop annealing one between
+    is :func:`training_flags'`, nor memtrim's marks). A loop annealing one between
     a forward and its backward had the recomputation read the new value, silently (checkpoint_modules: 8.3e-4 off
     after 5 steps; ReversibleSequential: 0.023 off after 4), until 2026-12-03; and until 2026-12-03 too, only
     numbers, strings, dtypes, devices and tensors were recorded, so a tuple, a NumPy number, an enum, a function
@@ -98,7 +98,7 @@ def plain_settings(modules: Iterable[nn.Module]) -> Settings:
             # an inference_mode pass left, HF RecurrentGemma's states, raised torch's error until 2026-12-03)
             if type(value) not in _PLAIN and isinstance(value, torch.Tensor) and not value.is_inference():
                 versions.append((name, value._version))
-        settings.append((module, values, len(attrs), dict(module._modules), versions))
+        settings.append((module, values, dict(module._modules), versions))
     return settings
 
 
@@ -109,7 +109,7 @@ def written_in_place(settings: Settings) -> str | None:
     2026-12-03; an adversarial pass). An attribute that is one of the modules' buffers under another name is the
     callers' to put back, as the buffer (a running statistic's alias: refused, falsely, on 2026-12-03)."""
     buffers = {id(b) for module, *_ in settings for b in module._buffers.values() if b is not None}
-    written = [(module, name) for module, values, _, _, versions in settings for name, version in versions
+    written = [(module, name) for module, values, _, versions in settings for name, version in versions
                if values[name]._version != version and id(values[name]) not in buffers]
     if not written:
         return None
@@ -131,10 +131,10 @@ def put_settings(settings: Settings) -> Swaps:
     after backward, until 2026-12-03: an adversarial pass). Whole tables are copied and set by dict operations, not
     name by name: this runs for every module of every recomputation."""
     swapped: Swaps = []
-    for module, values, _, children, _ in settings:
+    for module, values, children, _ in settings:
         for table, recorded in ((module.__dict__, values), (module._modules, children)):
             now = dict(table)
-            swapped.append((table, _ADDED, now))
+            swapped.append((table, _WHOLE, now))
             table.update(recorded)  # (the same objects where unchanged)
             for name in now.keys() - recorded.keys() - _TORCHS_OWN:  # set since: absent again (not memtrim's marks)
                 if name[:8] != "_memtrim" and name != FUSION:
@@ -145,7 +145,7 @@ def put_settings(settings: Settings) -> Swaps:
 def undo_swaps(swapped: Swaps) -> None:
     """Put back what :func:`put_settings` (or a caller's own swaps of ``(table, name, value)``) changed, last first."""
     for table, name, original in reversed(swapped):
-        if name is _ADDED:  # the whole table as it was: what was added since removed, the rest set back
+        if name is _WHOLE:  # the whole table as it was: what was added since removed, the rest set back
             for added in table.keys() - original.keys():
                 del table[added]
             table.update(original)

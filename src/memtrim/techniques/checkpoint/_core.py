@@ -428,7 +428,7 @@ class _Recompute:
             assert original is not None  # the snapshot lists buffers that are set
             swapped.append((sub._buffers, name, original))
             sub._buffers[name] = stand_in[id(original)] = clones.setdefault(id(value), value.clone())
-        for sub, values, _, _, tensors in self.settings:  # a buffer held as an attribute too (self.center =
+        for sub, values, _, tensors in self.settings:  # a buffer held as an attribute too (self.center =
             for name, _ in tensors:  # self.running_mean): its clone there as well (the recomputation read the
                 value = values[name]  # forward's update through it, silently, until 2026-12-03: an adversarial pass)
                 if id(value) in stand_in and sub.__dict__.get(name) is value:
