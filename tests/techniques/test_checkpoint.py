@@ -414,6 +414,29 @@ def test_a_modules_own_generator_is_replayed(policy):
     assert torch.equal(plain[1].gen.get_state(), treated[1].gen.get_state())  # drawn once per step, as plain
 
 
+class CompiledInside(nn.Module):
+    """A checkpointed block whose child is compiled and draws its dropout from the block's own generator."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = OwnGeneratorDropout()
+        self.inner.compile(backend="aot_eager")
+
+    def forward(self, x):
+        return torch.tanh(self.inner(x))
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")  # dynamo's own, tracing
+def test_a_compiled_child_drawing_from_its_own_generator_is_replayed():
+    # the draw runs inside the compiled graph: a watch that stepped aside while dynamo traces (to spare the recompiles
+    # it costs, one per op signature) would miss it, and the recomputation drew other numbers, silently (tried on
+    # 2026-12-03); this holds the watch to it
+    torch._dynamo.reset()
+    plain, treated, batches = plain_and_checkpointed(CompiledInside, None, steps=3)
+    assert_same(*(train(m, batches, image_loss)[1] for m in (plain, treated)))
+    assert_models_same(plain, treated)
+
+
 def test_a_recomputation_that_draws_differently_raises_naming_the_module():
     treated = nn.Sequential(nn.Linear(6, 6), OwnGeneratorDropout(draws_again=True))
     memtrim.checkpoint_modules(treated, OwnGeneratorDropout)
