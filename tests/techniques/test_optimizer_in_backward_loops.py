@@ -238,6 +238,46 @@ def test_optimizer_state_changed_before_backward_is_bitwise(edit):
     assert_same(a, b, moved_from=net())
 
 
+def _log_a_norm(opt, earlier, param):
+    # (a number a loop computed; one read here from the state or .grad differs under the wrapper, as the README says)
+    opt.state[param]["update_norm"] = 0.25
+
+
+def test_a_key_logged_into_torchs_optimizer_state_between_backward_and_step_is_bitwise():
+    # torch's optimizers read their own keys only; it was refused as a changed state (a false refusal, 2026-12-03)
+    a, opt_a, b, opt_b = plain_and_wrapped(lambda params: torch.optim.AdamW(params, lr=1e-2))
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        _train_with_state_edit(model, opt, _log_a_norm, before_backward=False)
+    assert_same(a, b, moved_from=net())
+    assert "update_norm" in opt_a.state[a[0].weight] and "update_norm" in opt_b.state[b[0].weight]
+
+
+class _OwnKeys(torch.optim.Optimizer):
+    """An optimizer outside torch.optim: memtrim cannot know which keys its step reads."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    p.add_(p.grad, alpha=-group["lr"] * state.get("scale", 1.0))
+
+
+def test_a_key_added_to_another_optimizers_state_between_backward_and_step_raises():
+    model = net()
+    opt = wrap(_OwnKeys(model.parameters()), model)
+
+    def add_scale(opt, earlier, param):
+        opt.state[param]["scale"] = 0.5  # a key this optimizer reads if present
+
+    with pytest.raises(Error, match=r"(?s)optimizer's state.*changed after their update"):
+        _train_with_state_edit(model, opt, add_scale, before_backward=False)
+
+
 def test_scheduler_step_before_opt_step_raises():
     model = net()
     opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)

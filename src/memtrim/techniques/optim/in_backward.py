@@ -1403,8 +1403,9 @@ class OptimizerInBackward(WrappedOptimizerView):
                 "parameters with the old ones. Set hyperparameters before loss.backward() (e.g. right after "
                 "opt.zero_grad()), and call sched.step() after opt.step(), as torch's LR schedulers expect."
             )
+        added_ok = _steps_per_parameter(self.optimizer)
         moved = [param for param, mark in self._state_marks.values()
-                 if not _same_state(mark, _state_mark(self.optimizer, param))]
+                 if not _same_state(mark, _state_mark(self.optimizer, param), added_ok)]
         if moved:
             self._close_step()
             raise OptimizerInBackwardError(
@@ -1754,7 +1755,7 @@ def _state_mark(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[
     had used it, until 2026-12-03 (an adversarial pass: 0.029 off after a reset). Compared by :func:`_same_state`."""
     state = optimizer.state.get(param)
     if not state:
-        return (optimizer.state, state, (), [])
+        return (optimizer.state, state, (), [], ())
     values = tuple(state.values())  # (an entry added, removed or replaced changes these)
     entries: list[Any]
     try:
@@ -1762,11 +1763,21 @@ def _state_mark(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[
     except AttributeError:
         entries = [(id(v), v._version) if isinstance(v, torch.Tensor) else v if type(v) in _PLAIN else id(v)
                    for v in values]
-    return (optimizer.state, state, values, entries)
+    return (optimizer.state, state, values, entries, tuple(state))
 
 
-def _same_state(mark: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
-    return mark[0] is now[0] and mark[1] is now[1] and len(mark[2]) == len(now[2]) and mark[3] == now[3]
+def _same_state(mark: tuple[Any, ...], now: tuple[Any, ...], added_ok: bool) -> bool:
+    """Whether ``now`` is ``mark``'s state unchanged; with ``added_ok`` (torch's and memtrim's optimizers, which read
+    only their own keys), entries added since do not count: a key a loop logs into the state between backward and
+    step() (``opt.state[p]["update_norm"] = ...``) was refused, falsely, until 2026-12-03 (an adversarial pass)."""
+    if mark[0] is not now[0] or mark[1] is not now[1]:
+        return False
+    if len(mark[2]) == len(now[2]):
+        return bool(mark[3] == now[3])
+    if not added_ok or len(now[2]) < len(mark[2]):
+        return False
+    at = {key: i for i, key in enumerate(now[4])}
+    return all(key in at and now[3][at[key]] == entry for key, entry in zip(mark[4], mark[3]))
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
