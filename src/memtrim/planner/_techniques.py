@@ -79,13 +79,12 @@ def repeated_block(model: nn.Module) -> type[nn.Module] | None:
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(module.children())
-        counts = collections.Counter(type(c) for c in children)
-        if len(children) < 2 or not counts:
+        if len(children) < 2:
             continue
-        kind, count = counts.most_common(1)[0]
+        kind, count = collections.Counter(type(c) for c in children).most_common(1)[0]
         blocks = [c for c in children if type(c) is kind]
-        if count < 2 or (count < len(children) and (2 * count <= len(children)
-                                                    or not any(True for _ in blocks[0].children()))):
+        mixed = count < len(children)  # then the class must be most of them, and hold submodules: no leaf layer
+        if count < 2 or mixed and (2 * count <= len(children) or not any(True for _ in blocks[0].children())):
             continue
         if kind in (nn.ModuleList, nn.Sequential, nn.ModuleDict) or not any(True for _ in blocks[0].parameters()):
             continue

@@ -1756,7 +1756,7 @@ def _state_mark(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[
     state = optimizer.state.get(param)
     if not state:
         return (optimizer.state, state, (), [], ())
-    values = tuple(state.values())  # (an entry added, removed or replaced changes these)
+    values = tuple(state.values())  # (kept alive beside the mark: the ids in it stay theirs)
     entries: list[Any]
     try:
         entries = [(id(v), v._version) for v in values]  # torch's optimizers: every entry a tensor
@@ -1772,9 +1772,9 @@ def _same_state(mark: tuple[Any, ...], now: tuple[Any, ...], added_ok: bool) -> 
     step() (``opt.state[p]["update_norm"] = ...``) was refused, falsely, until 2026-12-03 (an adversarial pass)."""
     if mark[0] is not now[0] or mark[1] is not now[1]:
         return False
-    if len(mark[2]) == len(now[2]):
+    if mark[4] == now[4]:  # the same keys: every entry as it was
         return bool(mark[3] == now[3])
-    if not added_ok or len(now[2]) < len(mark[2]):
+    if not added_ok:
         return False
     at = {key: i for i, key in enumerate(now[4])}
     return all(key in at and now[3][at[key]] == entry for key, entry in zip(mark[4], mark[3]))

@@ -288,14 +288,15 @@ class _Frame:
         # every module's training flag in the block's forward: an evaluation pass between forward and backward
         # (model.eval(), then no_grad) turns them off, and the recomputation must run as the forward ran
         self.modes: list[TrainingFlags] = [[] for _ in blocks]
-        # each block's modules' attributes as its forward found them (what a recomputation of its forward reads) and
-        # as it left them (what a block's own inverse reads: plain_settings)
-        self.settings_before: list[Settings] = [[] for _ in blocks]
-        self.settings: list[Settings] = [[] for _ in blocks]
-        # and a coupling's as each of f and g found them (f setting an attribute g reads: the rebuild ran g with the
-        # value from before f's write, 4.6e-2 off after 4 steps, silently, on 2026-12-03; f and g one module with a
-        # count, 2.0e-2 off before that: adversarial passes)
+        # each block's modules' attributes (plain_settings) as each call the rebuild repeats found them: a coupling's
+        # f and g ("f", "g"), a block of the user's ("block"), what f, g or its forward run again reads (a count the
+        # forward advances and reads: the rebuild read it advanced, 2.6e-2 off after 4 steps; f setting an attribute g
+        # reads: 4.6e-2; f and g one module with a count: 2.0e-2; a temperature annealed before backward: 0.023; all
+        # silently until 2026-12-03, adversarial passes) ...
         self.found: list[dict[str, Settings]] = [{} for _ in blocks]
+        # ... and a block of the user's as its forward left them, what its own inverse reads (what its forward keeps
+        # for it: the stack called twice before one backward, each rebuild reads its own)
+        self.left: list[Settings] = [[] for _ in blocks]
 
     # ------------------------------------------------------------------------------------------------ forward
 
@@ -328,14 +329,9 @@ class _Frame:
             with torch.no_grad():
                 before = [(b, b._version, b.clone()) for b in block.buffers()]
             h_in, version_in = h, h._version if isinstance(h, torch.Tensor) else 0
-            # the attributes as the forward found them, for f and g run again and a block's forward recomputed (a
-            # count the forward advances and reads: the rebuild read it advanced, 2.6e-2 off after 4 steps, silently,
-            # until 2026-12-03), and as it left them, for a block's own inverse (what its forward keeps for it: the
-            # stack called twice before one backward, each rebuild reads its own); a temperature annealed before
-            # backward is read as the forward read it (0.023 off after 4 steps until 2026-12-03; adversarial passes)
-            self.settings_before[index] = plain_settings(block.modules())
             h = self._run_block(index, block, h)
-            self.settings[index] = plain_settings(block.modules())
+            if _coupling(block) is None:
+                self.left[index] = plain_settings(block.modules())
             self.buffers_before[index] = [(b, value) for b, version, value in before if b._version != version]
             moved = next((p for p, version in versions if p._version != version), None)
             if moved is not None:
@@ -402,6 +398,7 @@ class _Frame:
                 if kind is AffineCoupling:
                     return self._affine(index, cast(AffineCoupling, block), x)
                 x = _whole(x)
+                self.found[index]["block"] = plain_settings(block.modules())
                 generators = _global_generators()
                 seeded = SeededOps()
                 with captured(self.replays[index], "block", x, f"block {index} ({type(block).__name__})") as draws, \
@@ -551,11 +548,13 @@ class _Frame:
         # adversarial pass); autograd then treats the parameter as plain training does
         flipped = [p for (p, _), flag in zip(self.parameter_versions[index], self.parameter_flags[index])
                    if p.requires_grad != flag]
-        # a coupling's rebuild runs f and g as its forward did; a block of the user's runs its inverse on what its
-        # forward left (and its forward again on what that forward found: _rebuild_generic)
+        # a coupling's rebuild runs f and g as its forward did (each around its own call too: _as_found); a block of
+        # the user's runs its inverse on what its forward left (and its forward again on what that forward found:
+        # _rebuild_generic), or, its input kept, its forward on what it found
+        found = self.found[index]
         whole = _coupling(block) is None and index not in self.kept_inputs
-        settings = self.settings[index] if whole else self.settings_before[index]
-        written = next((w for w in map(written_in_place, [settings, *self.found[index].values()]) if w), None)
+        settings = self.left[index] if whole else found.get("f", found.get("block", []))
+        written = next((w for w in map(written_in_place, [self.left[index]] if whole else found.values()) if w), None)
         if written is not None:
             raise ReversibleError(f"memtrim.ReversibleSequential: in block {index}, {written}.")
         attributes: Swaps = []
@@ -723,12 +722,8 @@ class _Frame:
             for buffer, value in buffers:  # spectral_norm's power iteration: 0.05 to 2.27 off until 2026-12-03)
                 buffer.copy_(value)
         inp = as_forward(x.detach(), replay).requires_grad_(replay.requires_grad)
-        found = put_settings(self.settings_before[index])  # its forward again: the attributes that forward found
-        try:
-            with torch.enable_grad(), _recording(recorded), replayed(replay):
-                block(inp)
-        finally:
-            undo_swaps(found)
+        with torch.enable_grad(), _recording(recorded), replayed(replay), self._as_found(index, "block"):
+            block(inp)  # its forward again, on the attributes that forward found
         return x.detach()
 
 
