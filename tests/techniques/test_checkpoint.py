@@ -414,12 +414,24 @@ def test_a_modules_own_generator_is_replayed(policy):
     assert torch.equal(plain[1].gen.get_state(), treated[1].gen.get_state())  # drawn once per step, as plain
 
 
-class CompiledInside(nn.Module):
-    """A checkpointed block whose child is compiled and draws its dropout from the block's own generator."""
+class GeneratorMask(nn.Module):
+    """OwnGeneratorDropout without its call count, which torch.compile would recompile for at every call (and past
+    its recompile limit a recomputation ran eagerly what the forward ran compiled: torch's own CheckpointError)."""
 
     def __init__(self):
         super().__init__()
-        self.inner = OwnGeneratorDropout()
+        self.lin, self.gen = nn.Linear(6, 6), torch.Generator().manual_seed(7)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * (torch.rand(x.shape, generator=self.gen) > 0.5) * 2.0
+
+
+class CompiledInside(nn.Module):
+    """A checkpointed block whose child is compiled and draws its dropout from the block's own generator."""
+
+    def __init__(self, inner=GeneratorMask):
+        super().__init__()
+        self.inner = inner()
         self.inner.compile(backend="aot_eager")
 
     def forward(self, x):

@@ -328,3 +328,63 @@ def test_a_generator_another_thread_draws_from_between_the_passes_raises():
     assert error is not None and "a torch.Generator ended elsewhere" in str(error)
     with pytest.raises(memtrim.OptimizerInBackwardError, match="cannot be applied as the standard loop would"):
         opt.step()
+
+
+class _TanhDropout(nn.Module):
+    """(Defined here: dynamo compiles no frame of torch.nn's own files, such as a Sequential's forward.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return F.dropout(torch.tanh(self.lin(x)), 0.5, self.training)
+
+
+class _CompiledDropoutBlock(nn.Module):
+    """A block whose child is compiled and draws a dropout mask from the global generator."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner()
+        self.inner.compile(backend="aot_eager")
+
+    def forward(self, x):
+        return torch.relu(self.inner(x))
+
+
+def _torch_sequential():
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Dropout(0.5))
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")  # dynamo's own, tracing
+@pytest.mark.parametrize("inner", [_TanhDropout, _torch_sequential])
+def test_beside_an_idle_thread_a_compiled_child_compiles_once_and_trains_as_plain(inner):
+    # before: the watch read the global generators at each op inside the compiled child, which dynamo cannot trace:
+    # a graph break at every op, and the watch compiled as frames of its own, once per op signature (5 graphs and
+    # 28 frames in 12 steps, against 1 graph plain, then torch's recompile limit). Dynamo compiles nothing of torch's
+    # own Sequential, plain: there the watch alone made 5 graphs
+    from torch._dynamo.utils import counters
+
+    def train(checkpointed):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), _CompiledDropoutBlock(inner), nn.Linear(8, 1)).double()
+        if checkpointed:
+            memtrim.checkpoint_modules(model, _CompiledDropoutBlock)
+        torch.manual_seed(1)
+        compiled = []  # (graphs, frames) after each step
+        with _Thread(draws=False):
+            for _ in range(12):
+                model(torch.randn(4, 8, dtype=torch.float64)).sum().backward()
+                compiled.append((counters["stats"]["unique_graphs"], counters["frames"]["total"]))
+        return [p.grad for p in model.parameters()], compiled
+
+    grads, compiled = train(checkpointed=True)
+    plain_grads, plain_compiled = train(checkpointed=False)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
+    assert compiled[-1][0] == plain_compiled[-1][0] == (1 if inner is _TanhDropout else 0)  # the graphs plain makes
+    # and nothing more compiled after the first step (dynamo tries some of memtrim's own functions once as frames of
+    # their own, the recomputation's version check, a global pre-hook, among them: they make no graph)
+    assert len(set(compiled)) == 1

@@ -173,7 +173,7 @@ class GeneratorDraws(TorchFunctionMode):
                 continue
             self.restore.append((value, value.get_state()))
             value.set_state(self.replay[position])
-        if self.changes is not None:
+        if not torch.compiler.is_compiling() and self.changes is not None:  # NOTE [ under torch.compile ]
             self._watch(getattr(func, "__name__", repr(func)))
         try:
             return func(*args, **kwargs)
@@ -230,6 +230,21 @@ class GeneratorDraws(TorchFunctionMode):
             f"but {found} when recomputed in backward; it must compute the same function again. Draw the same numbers "
             f"in every call (no draws that depend on a call count), or {self.advice}."
         )
+
+
+# NOTE [ under torch.compile ]: a compiled child of a checkpointed module runs with this mode on.
+# - Dynamo traces the mode into the child's graph. The watch's read of the global generators is not traceable:
+#   it broke the graph at every op, and each piece recompiled per op signature (5 graphs and 28 frames in 12 steps,
+#   then torch's recompile limit). While dynamo traces, the watch now stands aside. The graph's draws from the global
+#   generators still show, at the next op run eagerly or at the end, in the forward and in the replay alike. An
+#   explicitly passed generator still breaks the graph there, and is recorded and replayed (that break is dynamo's).
+#   The traced code reads no state of the mode, so the forward and the recomputation run one graph (a guard on
+#   that state, tried on 2026-12-03, gave them two graphs that save their tensors in other orders: torch's
+#   CheckpointError).
+# - Where dynamo compiles no frame of the child (torch.nn's own modules), it compiled ``__torch_function__`` as a
+#   frame of its own, once per op signature. It compiles none now; it still traces it inside a compiled caller.
+(getattr(torch._dynamo.eval_frame, "skip_code", None) or torch._C._dynamo.eval_frame.skip_code)(  # type: ignore[attr-defined]
+    GeneratorDraws.__torch_function__.__code__)
 
 
 # NOTE [ a backward run twice ]: OptimizerInBackward's clipping and GradScaler run the backward twice (a measuring
@@ -493,3 +508,4 @@ def _held(module: nn.Module) -> Iterator[Any]:
         elif (not isinstance(value, (nn.Module, torch.Tensor, type)) and hasattr(value, "__dict__")
                 and type(value).__module__ not in ("builtins", "functools")):
             yield from vars(value).values()
+
