@@ -1431,3 +1431,42 @@ def test_per_call_host_work_beside_torchs_checkpoint(monkeypatch):
     theirs = nn.Sequential(*[TorchCheckpointed(b) for b in blocks()])
     extra = (_calls_per_step(ours) - _calls_per_step(theirs)) / 4
     assert extra <= 450, f"{extra:.0f} Python calls per checkpointed call beyond torch's checkpoint"
+
+
+class _TanhLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class _HoldsScripted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre, self.body = nn.Linear(6, 6), torch.jit.script(_TanhLinear())
+
+    def forward(self, x):
+        return self.body(self.pre(x))
+
+
+@pytest.mark.parametrize("how", ["scripted", "traced", "inside"])
+def test_a_torchscript_module_is_refused_before_any_change_naming_it(how):
+    # before: the backward crashed with an AttributeError (a TorchScript module's _parameters has no get); torch's
+    # own checkpoint fails inside the TorchScript interpreter, which the next lines hold (if torch comes to
+    # recompute these, the refusal should go)
+    torch.manual_seed(0)
+    x = torch.randn(4, 6)
+    block = {"scripted": lambda: torch.jit.script(_TanhLinear()), "traced": lambda: torch.jit.trace(_TanhLinear(), x),
+             "inside": _HoldsScripted}[how]()
+    stem = nn.Linear(6, 6)
+    with pytest.raises(RuntimeError, match="TorchScript interpreter"):
+        checkpoint(block, stem(x), use_reentrant=False).sum().backward()
+    model = nn.Sequential(stem, block, nn.Linear(6, 2))
+    where = "'body' in '1'" if how == "inside" else "'1' itself"
+    with pytest.raises(InvalidInputError, match=rf"found a TorchScript module \({where}\)\. TorchScript's executor "
+                                                r"saves other tensors.*unscripted.*or leave '1' out"):
+        memtrim.checkpoint_modules(model, ["1"])
+    assert all("_memtrim_checkpointed" not in m.__dict__ for m in model.modules())  # nothing changed
+    model(x).sum().backward()  # and it trains as it did

@@ -229,6 +229,16 @@ def test_output_modified_in_place_raises():
         out.sum().backward()
 
 
+def test_a_block_holding_a_torchscript_module_is_refused_naming_it():
+    # before: the backward crashed with an AttributeError (a TorchScript module's _parameters has no get); a scripted
+    # f run again saves other tensors in its first runs than later (a ReversibleError, "saved 5 tensors in forward
+    # but 8 when recomputed", once that crash was mended)
+    f = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    with pytest.raises(memtrim.InvalidInputError, match=r"block 1 \(AdditiveCoupling\) holds a TorchScript module "
+                                                        r"\(its 'f'\)\. TorchScript's executor.*keep the block out"):
+        memtrim.ReversibleSequential(memtrim.AdditiveCoupling(nn.Linear(4, 4)), memtrim.AdditiveCoupling(f))
+
+
 def test_bad_input():
     with pytest.raises(memtrim.InvalidInputError, match=r"block 1 \(Linear\) has no inverse"):
         memtrim.ReversibleSequential(memtrim.AdditiveCoupling(nn.Linear(4, 4)), nn.Linear(8, 8))

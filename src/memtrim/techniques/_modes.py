@@ -17,8 +17,9 @@ from torch import nn
 
 from .guards import FUSION
 
-__all__ = ["Settings", "Swaps", "TrainingFlags", "buffers_put_back", "plain_settings", "put_settings",
-           "putting_buffers_back", "set_training_flags", "training_flags", "undo_swaps", "written_in_place"]
+__all__ = ["SCRIPTED", "Settings", "Swaps", "TrainingFlags", "buffers_put_back", "plain_settings",
+           "put_settings", "putting_buffers_back", "scripted_inside", "set_training_flags", "training_flags",
+           "undo_swaps", "written_in_place"]
 
 _local = threading.local()  # .depth: recomputations that put their buffers back, running on this thread
 
@@ -140,6 +141,24 @@ def put_settings(settings: Settings) -> Swaps:
                 if name[:8] != "_memtrim" and name != FUSION:
                     del table[name]
     return swapped
+
+
+SCRIPTED = (
+    "TorchScript's executor saves other tensors in its first runs than in later ones, so a recomputation in backward "
+    "does not save what the forward saved, and no exception crosses it (torch's checkpoint stops a recomputation "
+    "early by raising one): torch's own checkpoint (use_reentrant=False) fails there with an empty RuntimeError from "
+    "the TorchScript interpreter. To fix: use the module unscripted (torch.compile compiles it, under checkpointing "
+    "too)"
+)
+"""Why a TorchScript module cannot be recomputed (each technique adds its other way out). Refused since 2026-12-03;
+before, checkpoint_modules and ReversibleSequential crashed in backward with an AttributeError (a TorchScript
+module's ``_parameters`` has no ``get``)."""
+
+
+def scripted_inside(module: nn.Module) -> str | None:
+    """The name of the first TorchScript module (``torch.jit.script`` or ``trace``) in ``module`` ("" for ``module``
+    itself), or None if there is none."""
+    return next((name for name, sub in module.named_modules() if isinstance(sub, torch.jit.ScriptModule)), None)
 
 
 def undo_swaps(swapped: Swaps) -> None:

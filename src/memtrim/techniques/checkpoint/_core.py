@@ -70,9 +70,11 @@ from ...measure.hooks import check_saved_version, hold_for_backward, tensors_in
 from .._bound import InstanceForward
 from .._generators import GeneratorDraws
 from .._modes import (
+    SCRIPTED,
     TrainingFlags,
     plain_settings,
     put_settings,
+    scripted_inside,
     set_training_flags,
     training_flags,
     undo_swaps,
@@ -652,7 +654,8 @@ def checkpoint_modules(model: nn.Module, modules: ModuleSelector, *, policy: Pol
 
     Raises:
         InvalidInputError: ``model`` is not a module, the selector matches nothing, names are unknown, chosen
-            modules nest, or ``policy`` is unknown; and at a call with gradients on, a chosen module given a
+            modules nest, a chosen module is or holds a TorchScript module (torch's checkpoint cannot recompute
+            one), or ``policy`` is unknown; and at a call with gradients on, a chosen module given a
             key/value cache it writes (HF's ``past_key_values`` with ``use_cache=True``: the recomputation would
             write it twice; pass ``use_cache=False`` while training, or, where the cache holds inputs of the model
             such as PEFT's prefix, checkpoint the parts that do not take it).
@@ -672,6 +675,12 @@ def checkpoint_modules(model: nn.Module, modules: ModuleSelector, *, policy: Pol
             f"{_API}: expected modules not checkpointed yet; found {done!r} checkpointed already. Call .remove() "
             "on the earlier handle first."
         )
+    for name, module in chosen:
+        scripted = scripted_inside(module)
+        if scripted is not None:
+            where = f"{scripted!r} in {name!r}" if scripted else f"{name!r} itself"
+            raise InvalidInputError(f"{_API}: expected modules torch's checkpoint can recompute; found a TorchScript "
+                                    f"module ({where}). {SCRIPTED}, or leave {name!r} out of checkpoint_modules.")
     policy_fn, label = _policy_fn(policy)
     selective = _selective(policy_fn)
     handle = CheckpointHandle(names=[n for n, _ in chosen], policy=label, _selective=selective)

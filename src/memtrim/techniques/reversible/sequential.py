@@ -57,12 +57,14 @@ from ...errors import InvalidInputError, ReversibleError
 from ...measure.hooks import hold_for_backward
 from .._generators import SeededOps, _global_generators
 from .._modes import (
+    SCRIPTED,
     Settings,
     Swaps,
     TrainingFlags,
     buffers_put_back,
     plain_settings,
     put_settings,
+    scripted_inside,
     set_training_flags,
     training_flags,
     undo_swaps,
@@ -742,7 +744,8 @@ class ReversibleSequential(nn.Module):
             from the next forward on (see :meth:`drift_report`).
 
     Raises:
-        InvalidInputError: a block without ``inverse``, or an option out of range.
+        InvalidInputError: a block without ``inverse``, a block holding a TorchScript module (its recomputation
+            does not save what its forward saved), or an option out of range.
 
     Example::
 
@@ -772,6 +775,14 @@ class ReversibleSequential(nn.Module):
                 raise InvalidInputError(
                     f"memtrim.ReversibleSequential: block {i} ({type(block).__name__}) has no inverse(); wrap f and g "
                     "in memtrim.AdditiveCoupling or memtrim.AffineCoupling, or give the module an inverse method."
+                )
+            scripted = scripted_inside(block)
+            if scripted is not None:
+                where = f"its {scripted!r}" if scripted else "the block itself"
+                raise InvalidInputError(
+                    f"memtrim.ReversibleSequential: expected blocks the stack can recompute; block {i} "
+                    f"({type(block).__name__}) holds a TorchScript module ({where}). {SCRIPTED}, or keep the block "
+                    "out of the stack."
                 )
         self.exact, self.fraction_bits, self.check_drift = exact, fraction_bits, check_drift
         self._drift = _DriftLog(check_drift)
