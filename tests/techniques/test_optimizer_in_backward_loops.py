@@ -278,6 +278,100 @@ def test_a_key_added_to_another_optimizers_state_between_backward_and_step_raise
         _train_with_state_edit(model, opt, add_scale, before_backward=False)
 
 
+def _log_every_step(model, opt, read_first):
+    """A loop logging its own numbers between backward and step() at every step: into each parameter's state (a
+    number, a tensor), reading the state first where ``read_first``, and into the group."""
+    for i, (x, y) in enumerate(batches()):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if i == 0:  # (before the first step() a key in torch's state stops its optimizer making its own)
+            opt.step()
+            continue
+        for param in model.parameters():
+            if read_first:
+                _ = opt.state[param].get("momentum_buffer")  # (a defaultdict: the read makes an empty state)
+            opt.state[param]["update_ratio"] = 0.1 * i
+            opt.state[param]["ema"] = torch.full((), float(i))
+        opt.param_groups[0]["last_loss"] = loss.item()
+        opt.param_groups[0]["phase"] = f"epoch {i}"
+        opt.step()
+
+
+@pytest.mark.parametrize("make", [lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                                  lambda ps: torch.optim.SGD(ps, lr=0.1),  # no momentum: it keeps no state
+                                  lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                                  lambda ps: memtrim.LowBitAdamW(ps, lr=1e-2, bits=8)],
+                         ids=["AdamW", "SGD", "SGD-momentum", "LowBitAdamW"])
+@pytest.mark.parametrize("read_first", [False, True])
+def test_keys_logged_at_every_step_into_state_and_group_train_bitwise(make, read_first):
+    # refused, falsely, until 2026-12-03 (an adversarial pass): a key logged again (only one added once passed), a
+    # read of SGD's empty state (the defaultdict made one), and a key set in a group (NOTE [ keys a loop logs ])
+    a, opt_a, b, opt_b = plain_and_wrapped(make)
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        _log_every_step(model, opt, read_first)
+    assert_same(a, b, moved_from=net())
+    assert opt_b.param_groups[0]["phase"] == "epoch 4" and float(opt_b.state[b[0].weight]["ema"]) == 4.0
+
+
+def test_a_moment_zeroed_after_a_logged_key_still_raises():
+    model = net()
+    opt = wrap(torch.optim.AdamW(model.parameters(), lr=1e-2), model)
+
+    def log_then_zero(opt, earlier, param):
+        opt.state[param]["update_ratio"] = 0.5
+        opt.state[param]["exp_avg"].zero_()
+
+    with pytest.raises(Error, match=r"(?s)optimizer's state.*changed after their update"):
+        _train_with_state_edit(model, opt, log_then_zero, before_backward=False)
+
+
+class _GroupScale(_OwnKeys):
+    """Reads a group key it does not list in its defaults."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * group.get("scale", 1.0))
+
+
+def test_a_key_set_in_another_optimizers_group_between_backward_and_step_raises():
+    model = net()
+    opt = wrap(_GroupScale(model.parameters()), model)
+    x, y = batches(1)[0]
+    one_step(model, opt, x, y)
+    opt.param_groups[0]["scale"] = 0.5
+    with pytest.raises(Error, match=r"group 0's 'scale' changed from \(absent\) to 0\.5"):
+        opt.step()
+
+
+def test_a_parameter_moved_between_two_open_wrappers_trains_bitwise():
+    # two optimizers, both opened before backward; a bias moved from the first to the second with add_param_group:
+    # refused, falsely, as "also in another open OptimizerInBackward" (the first no longer held it) until 2026-12-03
+    def run(wrapped):
+        model = net()
+        first, second = model[:2], model[2:]
+        opt1 = torch.optim.SGD(first.parameters(), lr=0.1, momentum=0.9)
+        opt2 = torch.optim.SGD(second.parameters(), lr=0.05, momentum=0.9)
+        if wrapped:
+            opt1, opt2 = wrap(opt1, model), wrap(opt2, model)
+        for i, (x, y) in enumerate(batches()):
+            if i == 2:
+                bias = first[0].bias
+                opt1.param_groups[0]["params"] = [first[0].weight]
+                opt2.add_param_group({"params": [bias]})
+            opt1.zero_grad()
+            opt2.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt1.step()
+            opt2.step()
+        return model
+
+    assert_same(run(False), run(True), moved_from=net())
+
+
 def test_scheduler_step_before_opt_step_raises():
     model = net()
     opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model)

@@ -425,6 +425,9 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._hyper_between: dict[int, dict[str, Any]] = {}  # group -> other values a later update of the step used
         # id(param) -> (param, its optimizer state's fingerprint once backward's updates are done)
         self._state_marks: dict[int, tuple[torch.Tensor, tuple[Any, ...]]] = {}
+        # id(param) -> (id of its state object, the keys its update writes): NOTE [ keys a loop logs ] (an id: a
+        # state loaded over it is not kept alive)
+        self._own_keys: dict[int, tuple[int, frozenset[str]]] = {}
         self._versions: dict[int, tuple[torch.Tensor, int]] = {}
         self._ceiling: int | None = None  # the most the standard loop surely holds in this step (bytes)
         # global information
@@ -1200,7 +1203,10 @@ class OptimizerInBackward(WrappedOptimizerView):
         for param in self._by_id.values():
             owner = _OWNERS.get(param)
             other = owner() if owner is not None else None
-            if other is not None and other is not self and other._open and not other._removed:
+            if (other is not None and other is not self and other._open and not other._removed
+                    and any(p is param for group in other.optimizer.param_groups for p in group["params"])):
+                # (one that no longer lists it lets it go: a parameter moved from its optimizer to this one with
+                # add_param_group, both wrappers open, was refused until 2026-12-03, by an adversarial pass)
                 raise OptimizerInBackwardError(
                     f"OptimizerInBackward.zero_grad: expected one wrapper per parameter, but a parameter of shape "
                     f"{tuple(param.shape)} is also in another open OptimizerInBackward, and both would update it. "
@@ -1261,6 +1267,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         for param in sorted(params, key=lambda p: self._position[id(p)]):  # the optimizer's own order
             narrowed[self._where[id(param)][0].group]["params"].append(param)
         watched = self._watch(params)
+        before = self._before_update(params) if in_backward else None
         self.optimizer.param_groups = narrowed
         try:
             self._raw_step(self.optimizer)
@@ -1272,7 +1279,10 @@ class OptimizerInBackward(WrappedOptimizerView):
         if in_backward:
             for param in params:
                 self._versions[id(param)] = (param, param._version)
-                self._state_marks[id(param)] = (param, _state_mark(self.optimizer, param))
+                mark = _state_mark(self.optimizer, param)
+                self._state_marks[id(param)] = (param, mark)
+                if before is not None and id(param) in before:  # the keys this update wrote
+                    self._own_keys[id(param)] = (id(mark[1]), _written_keys(before[id(param)], mark))
             self._updated_in_backward += len(params)
             if self._outcome is not None:
                 self._outcome.updated += len(params)
@@ -1283,6 +1293,15 @@ class OptimizerInBackward(WrappedOptimizerView):
                 self._freed_bytes += grad.numel() * grad.element_size()
                 self._freed.add(id(param))
                 param.grad = None
+
+    def _before_update(self, params: list[torch.Tensor]) -> dict[int, tuple[Any, ...]] | None:
+        """For torch's and memtrim's optimizers: the state marks of the parameters whose own keys are not known yet
+        for their state as it stands (its first update, or a state loaded or reset since). NOTE [ keys a loop logs ]"""
+        if not _steps_per_parameter(self.optimizer):
+            return None
+        state, own = self.optimizer.state, self._own_keys
+        return {id(p): _state_mark(self.optimizer, p) for p in params
+                if id(p) not in own or own[id(p)][0] != id(state.get(p))}
 
     def _watch(self, params: list[torch.Tensor]) -> _Watched | None:
         """What a call of the wrapped optimizer's step may change besides its parameters' own state, read before it,
@@ -1377,10 +1396,15 @@ class OptimizerInBackward(WrappedOptimizerView):
         of the group (a second backward before step()) records its own only where they differ, so step() sees the
         change (an lr set between two backwards of one step trained the first tower with the old one, silently, until
         2026-12-03: an adversarial pass)."""
-        now = _hyperparameters(group)
+        now = _hyperparameters(group, self._read_keys())
         first = self._used_hyper.setdefault(g, now)
         if first is not now and _hyper_changes(first, now, g):
             self._hyper_between.setdefault(g, now)
+
+    def _read_keys(self) -> Any:
+        """The group keys the wrapped optimizer's step reads: its ``defaults``' for torch's and memtrim's, else every
+        key (None). NOTE [ keys a loop logs ]"""
+        return self.optimizer.defaults if _steps_per_parameter(self.optimizer) else None
 
     def _check_unchanged(self) -> None:
         """At ``step()``: what the updates inside backward used must be what the standard ``step()`` would use."""
@@ -1392,8 +1416,8 @@ class OptimizerInBackward(WrappedOptimizerView):
             earlier = _hyper_changes(used, between, g) if between is not None else []
             # (a later backward of the step updated the group with other values)
             changed += [f"{change} (between two backward passes of the step)" for change in earlier]
-            changed += [change for change in _hyper_changes(used, _hyperparameters(self.optimizer.param_groups[g]), g)
-                        if change not in earlier]
+            now = _hyperparameters(self.optimizer.param_groups[g], self._read_keys())
+            changed += [change for change in _hyper_changes(used, now, g) if change not in earlier]
         if changed:
             self._close_step()
             raise OptimizerInBackwardError(
@@ -1403,9 +1427,10 @@ class OptimizerInBackward(WrappedOptimizerView):
                 "parameters with the old ones. Set hyperparameters before loss.backward() (e.g. right after "
                 "opt.zero_grad()), and call sched.step() after opt.step(), as torch's LR schedulers expect."
             )
-        added_ok = _steps_per_parameter(self.optimizer)
+        known = _steps_per_parameter(self.optimizer)
         moved = [param for param, mark in self._state_marks.values()
-                 if not _same_state(mark, _state_mark(self.optimizer, param), added_ok)]
+                 if not _same_state(mark, _state_mark(self.optimizer, param),
+                                    self._own_keys.get(id(param), (None, None))[1] if known else None)]
         if moved:
             self._close_step()
             raise OptimizerInBackwardError(
@@ -1766,25 +1791,44 @@ def _state_mark(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[
     return (optimizer.state, state, values, entries, tuple(state))
 
 
-def _same_state(mark: tuple[Any, ...], now: tuple[Any, ...], added_ok: bool) -> bool:
-    """Whether ``now`` is ``mark``'s state unchanged; with ``added_ok`` (torch's and memtrim's optimizers, which read
-    only their own keys), entries added since do not count: a key a loop logs into the state between backward and
-    step() (``opt.state[p]["update_norm"] = ...``) was refused, falsely, until 2026-12-03 (an adversarial pass)."""
-    if mark[0] is not now[0] or mark[1] is not now[1]:
+# NOTE [ keys a loop logs ]: torch's and memtrim's optimizers read only the state keys their own updates write (and
+# the group keys in their ``defaults``), so a loop may log its own between backward and step()
+# (``opt.state[p]["update_ratio"] = ...``, ``opt.param_groups[0]["last_loss"] = ...``): the updating inside backward
+# did not read them, nor would the standard step(). Which keys an update writes is read off its first update in
+# backward (again for a state loaded or reset since): those it added or changed. Refused, falsely, until
+# 2026-12-03: a key added since the update from f0d5f80 on; then a key logged again at every step, a group key, and
+# the empty state a read of ``opt.state[p]`` makes for SGD without momentum (an adversarial pass). Any other
+# optimizer's step may read a logged key: there every change is refused.
+
+
+def _written_keys(before: tuple[Any, ...], after: tuple[Any, ...]) -> frozenset[str]:
+    """The state keys an update added or changed, from its marks before and after it."""
+    earlier = dict(zip(before[4], before[3])) if before[1] is after[1] else {}
+    return frozenset(key for key, entry in zip(after[4], after[3]) if earlier.get(key, _MISSING) != entry)
+
+
+def _same_state(mark: tuple[Any, ...], now: tuple[Any, ...], own: frozenset[str] | None) -> bool:
+    """Whether ``now`` is ``mark``'s state as the update inside backward left it; with ``own`` (the keys the update
+    writes, known for torch's and memtrim's optimizers), as far as they go. A state made since where the update kept
+    none (a read of ``opt.state[p]``, a defaultdict, for SGD without momentum) is no change if empty, nor for those
+    optimizers if it holds no key of theirs. NOTE [ keys a loop logs ]"""
+    if mark[0] is not now[0]:
         return False
-    if mark[4] == now[4]:  # the same keys: every entry as it was
-        return bool(mark[3] == now[3])
-    if not added_ok:
+    if mark[1] is not now[1]:
+        return not mark[1] and (not now[1] or own is not None and own.isdisjoint(now[4]))
+    if mark[4] == now[4] and mark[3] == now[3]:  # every entry as it was
+        return True
+    if own is None:
         return False
     at = {key: i for i, key in enumerate(now[4])}
-    return all(key in at and now[3][at[key]] == entry for key, entry in zip(mark[4], mark[3]))
+    return all(key in at and now[3][at[key]] == entry for key, entry in zip(mark[4], mark[3]) if key in own)
 
 
-def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    """A param group's hyperparameters (every key but 'params') in a form that compares by value, tensors by
-    identity and version (an in-place change of a tensor learning rate shows; no device sync)."""
+def _hyperparameters(group: dict[str, Any], keys: Any = None) -> dict[str, Any]:
+    """A param group's hyperparameters (every key but 'params', or those in ``keys``) in a form that compares by
+    value, tensors by identity and version (an in-place change of a tensor learning rate shows; no device sync)."""
     return {key: value if type(value) in _PLAIN else _fingerprint(value) for key, value in group.items()
-            if key != "params"}
+            if key != "params" and (keys is None or key in keys)}
 
 
 class _TensorMark(tuple):

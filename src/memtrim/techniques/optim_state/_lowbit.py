@@ -194,7 +194,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         self.block_size = block_size
         self._unit = math.lcm(block_size, 2)  # whole blocks, and whole bytes of two 4-bit codes
         self._chunk = self._unit * max(1, _CHUNK // self._unit)
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay,
+                                  "amsgrad": amsgrad, "maximize": maximize})  # (as AdamW's groups hold them)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As ``torch.optim.Optimizer``'s; refuses complex parameters and bad per-group hyperparameters."""
