@@ -282,9 +282,11 @@ class _Frame:
         self.kept_versions: dict[int, int] = {}
         self.parameter_versions: list[list[tuple[torch.Tensor, int]]] = [[] for _ in blocks]
         self.parameter_flags: list[list[bool]] = [[] for _ in blocks]  # their requires_grad in the forward
-        # each block's parameters as its forward read them, in their modules' slots: torch.func.functional_call
-        # (MAML's fast weights) puts the module's own back before backward, and the rebuild must read the forward's
-        self.parameter_slots: list[list[tuple[dict[str, Any], str, Any]]] = [[] for _ in blocks]
+        # each block's parameters and buffers as its forward read them, in their modules' slots:
+        # torch.func.functional_call (MAML's fast weights) puts the module's own back before backward, a loop may
+        # set a new buffer between forward and backward (a schedule's scale: the rebuild read the new one, 0.058 off
+        # after 3 steps, silently, until 2026-12-03, an adversarial pass), and the rebuild must read the forward's
+        self.slots: list[list[tuple[dict[str, Any], str, Any]]] = [[] for _ in blocks]
         self.buffers_before: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]  # changed by forward
         self.drawn: set[int] = set()  # blocks run whole whose forward drew random numbers
         # every module's training flag in the block's forward: an evaluation pass between forward and backward
@@ -325,8 +327,9 @@ class _Frame:
                     "module, nn.LazyLinear): its first forward initialises it, which the recomputation in backward "
                     "cannot repeat. Expected initialised parameters; to fix: run the model once on an example "
                     "batch under torch.no_grad() before training (or before building the optimizer).")
-            self.parameter_slots[index] = [(sub._parameters, name, p) for sub in block.modules()
-                                           for name, p in sub._parameters.items() if p is not None]
+            self.slots[index] = [(table, name, value) for sub in block.modules()
+                                 for table in (sub._parameters, sub._buffers)
+                                 for name, value in table.items() if value is not None]
             self.modes[index] = training_flags(block.modules())
             with torch.no_grad():
                 before = [(b, b._version, b.clone()) for b in block.buffers()]
@@ -543,8 +546,8 @@ class _Frame:
         recorded: list[torch.Tensor] = []
         saved_buffers = [(b, b.detach().clone()) for b in block.buffers()]
         modes_now = training_flags(m for m, _ in self.modes[index])
-        swapped = [(slots, name, slots.get(name)) for slots, name, p in self.parameter_slots[index]
-                   if slots.get(name) is not p]
+        swapped = [(table, name, table.get(name)) for table, name, value in self.slots[index]
+                   if table.get(name) is not value]
         # a parameter frozen or unfrozen between forward and backward: the recomputation runs with the forward's
         # flags, so it saves what the forward saved (it raised a false "saved 10 tensors ... 8" before: an
         # adversarial pass); autograd then treats the parameter as plain training does
@@ -564,8 +567,8 @@ class _Frame:
             attributes = put_settings(settings)
             for p in flipped:
                 p.requires_grad_(not p.requires_grad)
-            for slots, name, p in self.parameter_slots[index]:
-                slots[name] = p  # the forward's (functional_call's, put back since)
+            for table, name, value in self.slots[index]:
+                table[name] = value  # the forward's (functional_call's, put back since; a buffer set anew since)
             with torch.no_grad():
                 for buffer, value in self.buffers_before[index]:
                     buffer.copy_(value)  # what the forward read (the NOTE above)
@@ -577,8 +580,8 @@ class _Frame:
             undo_swaps(attributes)
             for p in flipped:
                 p.requires_grad_(not p.requires_grad)
-            for slots, name, now in swapped:
-                slots[name] = now
+            for table, name, now in swapped:
+                table[name] = now
             with torch.no_grad():
                 for buffer, value in saved_buffers:
                     buffer.copy_(value)  # running statistics: updated once, by the forward
