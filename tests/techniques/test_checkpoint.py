@@ -1470,3 +1470,34 @@ def test_a_torchscript_module_is_refused_before_any_change_naming_it(how):
         memtrim.checkpoint_modules(model, ["1"])
     assert all("_memtrim_checkpointed" not in m.__dict__ for m in model.modules())  # nothing changed
     model(x).sum().backward()  # and it trains as it did
+
+
+@pytest.mark.parametrize("which", ["orthogonal", "weight_norm", "spectral_norm"])
+def test_a_parametrization_first_computed_inside_parametrize_cached_is_refused_and_read_first_trains_bitwise(which):
+    # before: torch's bare CheckpointError in backward ("a different number of tensors", as torch's own checkpoint
+    # gives; an adversarial pass); read before the forward, as the message says, it is cached and trains as plain
+    from torch.nn.utils import parametrizations, parametrize
+
+    def run(checkpointed, read_first):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.Tanh()), nn.Linear(8, 1))
+        getattr(parametrizations, which)(model[0][0])
+        if checkpointed:
+            memtrim.checkpoint_modules(model, ["0"])
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for x in [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]:
+            opt.zero_grad()
+            with parametrize.cached():
+                if read_first:
+                    _ = model.get_submodule("0.0").weight
+                model(x).pow(2).mean().backward()
+            opt.step()
+        return model
+
+    said = (r"'0' computes a parametrized tensor \('0\.0\.weight'\) for the first time inside "
+            r"torch\.nn\.utils\.parametrize\.cached\(\).*read each once before the forward "
+            r"\(`_ = model\.get_submodule\('0\.0'\)\.weight`")
+    with pytest.raises(InvalidInputError, match=said):
+        run(checkpointed=True, read_first=False)
+    assert_models_same(run(checkpointed=False, read_first=True), run(checkpointed=True, read_first=True))
+    assert_models_same(run(checkpointed=False, read_first=False), run(checkpointed=True, read_first=True))

@@ -19,7 +19,7 @@ from .guards import FUSION
 
 __all__ = ["SCRIPTED", "Settings", "Swaps", "TrainingFlags", "buffers_put_back", "plain_settings",
            "put_settings", "putting_buffers_back", "scripted_inside", "set_training_flags", "training_flags",
-           "undo_swaps", "written_in_place"]
+           "uncached_parametrization", "undo_swaps", "written_in_place"]
 
 _local = threading.local()  # .depth: recomputations that put their buffers back, running on this thread
 
@@ -159,6 +159,36 @@ def scripted_inside(module: nn.Module) -> str | None:
     """The name of the first TorchScript module (``torch.jit.script`` or ``trace``) in ``module`` ("" for ``module``
     itself), or None if there is none."""
     return next((name for name, sub in module.named_modules() if isinstance(sub, torch.jit.ScriptModule)), None)
+
+
+def uncached_parametrization(module: nn.Module) -> str | None:
+    """Under ``torch.nn.utils.parametrize.cached()``: a parametrized tensor in ``module`` not cached yet, which its
+    forward would compute and cache, so that a recomputation reads the cached tensor instead of computing it and
+    saves other tensors than the forward (torch's own checkpoint fails there with a CheckpointError; memtrim did
+    until 2026-12-03, and the reversible stack raised a "saved 8 tensors ... 6" ReversibleError: an adversarial
+    pass). Said as what to read first (``'0.weight'``); None outside ``cached()`` or if every one is cached."""
+    from torch.nn.utils import parametrize
+
+    if not parametrize._cache_enabled:
+        return None
+    for name, sub in module.named_modules():
+        if parametrize.is_parametrized(sub):
+            for tensor in sub.parametrizations:
+                if parametrize._cache.get((id(sub), tensor)) is None:
+                    return f"{name}.{tensor}" if name else tensor
+    return None
+
+
+def uncached_advice(where: str, path: str, way_out: str, root: str = "model") -> str:
+    """What to say of :func:`uncached_parametrization`'s find, ``path`` its name in ``root``."""
+    sub, _, tensor = path.rpartition(".")
+    read = f"{root}.get_submodule({sub!r}).{tensor}" if sub else f"{root}.{tensor}"
+    return (f"{where} computes a parametrized tensor ({path!r}) for the first time inside "
+            "torch.nn.utils.parametrize.cached(), so its recomputation in backward would read the cached tensor "
+            "instead of computing it, and save other tensors than its forward did (torch's own checkpoint fails there "
+            "with a CheckpointError). Expected the parametrized tensors cached before the forward; to fix: inside "
+            f"cached(), read each once before the forward (`_ = {read}`: computed once and cached, as the forward "
+            f"would), call the model outside cached(), or {way_out}.")
 
 
 def undo_swaps(swapped: Swaps) -> None:

@@ -77,6 +77,8 @@ from .._modes import (
     scripted_inside,
     set_training_flags,
     training_flags,
+    uncached_advice,
+    uncached_parametrization,
     undo_swaps,
     written_in_place,
 )
@@ -565,6 +567,11 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             "prefix in one): checkpoint the parts of the layer that do not take it instead, e.g. the MLPs "
             "(checkpoint_modules(model, lambda name, m: name.endswith('.mlp')))."
         )
+    uncached = uncached_parametrization(self)
+    if uncached is not None:
+        name = _name(self, handle)
+        raise InvalidInputError(uncached_advice(f"{_API}: {name!r}", f"{name}.{uncached}",
+                                                f"leave {name!r} out of checkpoint_modules"))
     # torch saves (and version-checks) the positional tensor arguments for the recomputation only: every tensor, in
     # keyword arguments and in tuples, lists and dicts too, goes to it as one positional argument (each tensor once:
     # the recomputation gets `x, x, x` back as one tensor, as nn.MultiheadAttention's `query is key` expects), the

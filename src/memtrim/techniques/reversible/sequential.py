@@ -67,6 +67,8 @@ from .._modes import (
     scripted_inside,
     set_training_flags,
     training_flags,
+    uncached_advice,
+    uncached_parametrization,
     undo_swaps,
     written_in_place,
 )
@@ -571,7 +573,7 @@ class _Frame:
                 table[name] = value  # the forward's (functional_call's, put back since; a buffer set anew since)
             with torch.no_grad():
                 for buffer, value in self.buffers_before[index]:
-                    buffer.copy_(value)  # what the forward read (the NOTE above)
+                    buffer.data.copy_(value)  # what the forward read (the NOTE above; NOTE [ buffers put back ])
             self.buffers_before[index] = []
             set_training_flags(self.modes[index])  # as in the forward
             with buffers_put_back():
@@ -584,7 +586,7 @@ class _Frame:
                 table[name] = now
             with torch.no_grad():
                 for buffer, value in saved_buffers:
-                    buffer.copy_(value)  # running statistics: updated once, by the forward
+                    buffer.data.copy_(value)  # running statistics: updated once, by the forward
             set_training_flags(modes_now)
         handles = self.handles[index]
         if len(recorded) != len(handles):
@@ -612,6 +614,11 @@ class _Frame:
         if index > 0:
             self.outputs[index - 1] = x
         self.outputs.pop(index, None)  # this block's output is no longer needed: one boundary alive at a time
+
+    # NOTE [ buffers put back ]: a rebuild sets the block's buffers to what its forward read, and back after to what
+    # backward found, through ``.data``: values each buffer held before, so no version counter moves. A graph that
+    # saved a buffer (a parametrization computed and cached outside the stack saves orthogonal's ``base``) found its
+    # version moved by these restores: autograd's in-place error, where the plain stack trains (found 2026-12-03).
 
     def _rebuild(self, index: int, block: nn.Module, recorded: list[torch.Tensor]) -> torch.Tensor | _Halves:
         """Block ``index``'s input, recording into ``recorded`` what its forward saved, in the forward's order."""
@@ -725,7 +732,7 @@ class _Frame:
             x = _inverse(block)(y)
         with torch.no_grad():  # as the forward found them: the inverse, in training mode, may move them (a
             for buffer, value in buffers:  # spectral_norm's power iteration: 0.05 to 2.27 off until 2026-12-03)
-                buffer.copy_(value)
+                buffer.data.copy_(value)  # (NOTE [ buffers put back ])
         inp = as_forward(x.detach(), replay).requires_grad_(replay.requires_grad)
         with torch.enable_grad(), _recording(recorded), replayed(replay), self._as_found(index, "block"):
             block(inp)  # its forward again, on the attributes that forward found
@@ -832,6 +839,12 @@ class ReversibleSequential(nn.Module):
         return x
 
     def _frame(self, x: torch.Tensor) -> torch.Tensor:
+        for index, block in enumerate(self.blocks):
+            uncached = uncached_parametrization(block)
+            if uncached is not None:
+                raise InvalidInputError(uncached_advice(f"memtrim.ReversibleSequential: block {index}",
+                                                        f"blocks.{index}.{uncached}", "keep the block out of the stack",
+                                                        root="stack"))
         return _Frame(list(self.blocks), self.exact, self.fraction_bits, x.dtype, self._drift).run(x)
 
     def drift_report(self) -> dict[int, float]:
