@@ -7,6 +7,7 @@ fix. Each test below was a silent divergence (or a misleading message) before th
 """
 
 import copy
+import io
 import random
 import warnings
 
@@ -370,6 +371,29 @@ def test_a_parameter_moved_between_two_open_wrappers_trains_bitwise():
         return model
 
     assert_same(run(False), run(True), moved_from=net())
+
+
+def test_a_saved_state_dict_is_the_standard_loops_byte_for_byte():
+    # the states made inside backward came in backward's order: state_dict() listed them reversed, and torch.save wrote
+    # other bytes, until 2026-12-03 (an adversarial pass); a layer unfrozen mid-run makes its states later, as plain
+    def run(wrapped):
+        model = net()
+        model[0].requires_grad_(False)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if wrapped:
+            opt = wrap(opt, model)
+        for i, (x, y) in enumerate(batches()):
+            if i == 2:
+                model[0].requires_grad_(True)
+            one_step(model, opt, x, y)
+            opt.step()
+        saved = io.BytesIO()
+        torch.save(opt.state_dict(), saved)
+        return list(opt.state_dict()["state"]), saved.getvalue()
+
+    (keys, saved), (plain_keys, plain_saved) = run(True), run(False)
+    assert keys == plain_keys == [2, 3, 4, 5, 0, 1]  # the unfrozen layer's states last, as the standard loop makes them
+    assert saved == plain_saved
 
 
 def test_scheduler_step_before_opt_step_raises():

@@ -551,6 +551,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._open = True
         self._serial += 1
         self._thread = threading.get_ident()
+        self._states_at_open = len(self.optimizer.state)
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Apply every gradient still waiting, run the step hooks, and close the training step.
@@ -588,6 +589,7 @@ class OptimizerInBackward(WrappedOptimizerView):
             self._warn_never_opened()
             self._apply_waiting(waiting, driven)
         self._tell_scaler()
+        self._order_new_states()
         skipped = self._skipped
         self._in_step = True  # a step hook that runs the model (a validation forward) runs after the update, as torch's
         try:
@@ -604,6 +606,21 @@ class OptimizerInBackward(WrappedOptimizerView):
         if not skipped:
             for hook in tuple(_global_hooks("_global_optimizer_post_hooks")):
                 hook(self, (), {})
+
+    def _order_new_states(self) -> None:
+        """The states this step made, in the optimizer's parameter order, as the standard ``step()`` makes them: those
+        made inside backward came in backward's order, so ``state_dict()`` listed them reversed (``torch.save`` wrote
+        other bytes than the standard loop's) until 2026-12-03 (an adversarial pass)."""
+        state = self.optimizer.state
+        made = len(state) - self.__dict__.get("_states_at_open", len(state))
+        if made < 2:
+            return
+        entries = list(state.items())
+        new = sorted(entries[-made:], key=lambda entry: self._position.get(id(entry[0]), (math.inf, 0)))
+        if [id(p) for p, _ in new] != [id(p) for p, _ in entries[-made:]]:
+            for param, _ in new:
+                del state[param]
+            state.update(new)
 
     def _warn_never_opened(self) -> None:
         """A loop that never calls this wrapper's ``zero_grad()`` (HF's ``Trainer`` calls ``model.zero_grad()``)
