@@ -915,3 +915,16 @@ def test_a_parametrization_first_computed_inside_parametrize_cached_is_refused_a
         run(reversible=True, read_first=False)
     for a, b in zip(run(reversible=False, read_first=False), run(reversible=True, read_first=True), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-10)  # the float64 bound of the rebuilt inputs
+
+
+def test_indexed_sliced_and_iterated_as_a_sequential():
+    # `stack[0]` raised "not subscriptable" where nn.Sequential code works (an adversarial pass, 2026-12-03)
+    torch.manual_seed(0)
+    blocks = [memtrim.AdditiveCoupling(mlp(4)) for _ in range(3)]
+    stack = memtrim.ReversibleSequential(*blocks, check_drift=0.1)
+    assert len(stack) == 3 and stack[0] is blocks[0] and stack[-1] is blocks[2] and list(stack) == blocks
+    head = stack[:2]
+    assert isinstance(head, memtrim.ReversibleSequential) and list(head) == blocks[:2] and head.check_drift == 0.1
+    x = torch.randn(2, 8, dtype=torch.float64)
+    stack.double()
+    torch.testing.assert_close(head(x), blocks[1](blocks[0](x)), rtol=0, atol=0)

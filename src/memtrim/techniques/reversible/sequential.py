@@ -847,6 +847,20 @@ class ReversibleSequential(nn.Module):
                                                         root="stack"))
         return _Frame(list(self.blocks), self.exact, self.fraction_bits, x.dtype, self._drift).run(x)
 
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self.blocks)
+
+    def __getitem__(self, index: int | slice) -> Any:
+        """A block, as ``nn.Sequential`` gives one; a slice, a stack of those blocks with these options (the blocks
+        shared, not copied)."""
+        if isinstance(index, slice):
+            return ReversibleSequential(*self.blocks[index], exact=self.exact, fraction_bits=self.fraction_bits,
+                                        check_drift=self.check_drift)
+        return self.blocks[index]
+
     def drift_report(self) -> dict[int, float]:
         """Per block, the relative reconstruction error measured in the last backward (needs ``check_drift``)."""
         return dict(self.drift)
