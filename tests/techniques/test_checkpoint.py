@@ -1542,3 +1542,39 @@ def test_a_policy_keeps_no_output_an_op_writes_into_under_an_inductor_compiled_c
     except Exception as e:  # (inductor needs a C++ compiler)
         pytest.skip(f"inductor does not compile here: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
     assert_same(run(checkpointed=True), expected)
+
+
+@pytest.mark.parametrize("policy", [None, "save_matmuls"])
+@pytest.mark.parametrize("change", ["freeze", "unfreeze"])
+def test_a_parameter_frozen_or_unfrozen_between_forward_and_backward_trains_as_plain(change, policy):
+    # before: torch's bare CheckpointError ("a different number of tensors", or other metadata) in backward, where
+    # plain training runs on the graph its forward recorded (an adversarial pass, 2026-12-03)
+    if policy is not None and not selective_available():
+        pytest.skip("policy= needs torch >= 2.5")
+
+    def run(checkpointed):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 6), nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6)),
+                              nn.Linear(6, 1))
+        if change == "unfreeze":
+            model[1][0].requires_grad_(False)
+        if checkpointed:
+            memtrim.checkpoint_modules(model, ["1"], policy=policy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        grads = []
+        for i in range(3):
+            opt.zero_grad()
+            loss = model(torch.randn(4, 6, generator=torch.Generator().manual_seed(i))).sum()
+            if i == 1:
+                model[1][0].requires_grad_(change == "unfreeze")
+            loss.backward()
+            grads.append([p.grad for p in model.parameters()])
+            opt.step()
+        return model, grads
+
+    (plain, plain_grads), (treated, grads) = run(False), run(True)
+    assert_models_same(plain, treated)
+    for step, expected in zip(grads, plain_grads, strict=True):
+        assert [g is None for g in step] == [g is None for g in expected]  # the frozen weight's step has none
+        assert_same([g for g in step if g is not None], [g for g in expected if g is not None])
+    assert treated[1][0].weight.requires_grad == (change == "unfreeze")  # the flag as the loop set it

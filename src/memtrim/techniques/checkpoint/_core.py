@@ -394,9 +394,9 @@ class _Recompute:
         # puts the module's own back before backward, and an optimizer step between forward and backward (a GAN
         # reusing one output) changes them; the recomputation must read what the forward read, or raise as autograd
         # does (for the modules it calls: a module registered inside but called outside it is not read again)
-        self.params: list[tuple[nn.Module, str, Any, int]] = []
+        self.params: list[tuple[nn.Module, str, Any, int, bool]] = []  # ..., version, requires_grad
         self.swapped: list[tuple[list[tuple[dict[str, Any], str, Any]], GeneratorDraws, TrainingFlags,
-                                 list[torch.Tensor]]] = []
+                                 list[torch.Tensor], list[torch.Tensor]]] = []
 
     def _who(self) -> str:
         """The module's name in the model, for errors."""
@@ -404,8 +404,8 @@ class _Recompute:
         return repr(_name(self.module, handle)) if handle is not None else type(self.module).__name__
 
     def record_parameters(self) -> None:
-        """At the end of the forward: the parameters it read, with their versions."""
-        self.params = [(sub, name, p, p._version) for sub in self.subtree
+        """At the end of the forward: the parameters it read, with their versions and requires_grad flags."""
+        self.params = [(sub, name, p, p._version, p.requires_grad) for sub in self.subtree
                        for name, p in sub._parameters.items() if p is not None]
 
     def _check_called(self, module: nn.Module, args: Any) -> None:
@@ -420,13 +420,13 @@ class _Recompute:
         if written is not None:
             raise MemtrimStateError(f"{_API}: in {self._who()}, {written}.")
         self.versions: dict[int, list[tuple[Any, int]]] = {}
-        for sub, _, param, version in self.params:
+        for sub, _, param, version, _ in self.params:
             self.versions.setdefault(id(sub), []).append((param, version))
         self._check_called(self.module, ())  # the module itself: its forward is called directly, no hook runs
         self.check = torch.nn.modules.module.register_module_forward_pre_hook(self._check_called)
         clones: dict[int, torch.Tensor] = {}
         swapped: list[tuple[dict[str, Any], str, Any]] = []  # (a module's _parameters or _buffers, name, its value)
-        for sub, name, param, _ in self.params:
+        for sub, name, param, _, _ in self.params:
             now = sub._parameters.get(name)
             if now is not param:  # functional_call's tensors, put back since: the forward's again for the recompute
                 swapped.append((sub._parameters, name, now))
@@ -448,19 +448,27 @@ class _Recompute:
         modes = training_flags(sub for sub, _ in self.modes)
         set_training_flags(self.modes)
         replay = self.draws.replaying()
-        self.swapped.append((swapped, replay, modes, list(clones.values())))
+        # a parameter frozen or unfrozen since the forward: the recomputation runs with the forward's flags, so it
+        # saves what the forward saved, and autograd treats the parameter as plain training does (torch's bare
+        # CheckpointError until 2026-12-03, as the reversible stack raised until 2026-11-29)
+        flipped = [param for *_, param, _, flag in self.params if param.requires_grad != flag]
+        for param in flipped:
+            param.requires_grad_(not param.requires_grad)
+        self.swapped.append((swapped, replay, modes, list(clones.values()), flipped))
         replay.__enter__()
         if self.inner is not None:
             self.inner.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         self.check.remove()
-        swapped, replay, modes, clones = self.swapped.pop()
+        swapped, replay, modes, clones, flipped = self.swapped.pop()
         try:
             if self.inner is not None:
                 self.inner.__exit__(*exc)
         finally:  # also when torch stops the recomputation early by raising (then fewer draws are no error)
             undo_swaps(swapped)
+            for param in flipped:
+                param.requires_grad_(not param.requires_grad)
             _STAND_INS.difference_update(id(c) for c in clones)
             set_training_flags(modes)
             replay.__exit__(*exc)
