@@ -146,6 +146,7 @@ class GeneratorDraws(TorchFunctionMode):
         # hash of (the call whose stretch it was in, state before, after); recorded where another thread runs
         # (None: not watched), then compared by the replay
         self.changes = changes
+        self.watching = changes is not None  # (a bool: NOTE [ under torch.compile ])
         self.matched = 0
         self.stopped = False  # torch ended the recomputation early
         self.last: tuple[bytes, tuple[int, ...]] | None = None
@@ -154,6 +155,7 @@ class GeneratorDraws(TorchFunctionMode):
     def __enter__(self) -> GeneratorDraws:
         if self.replay is None and threading.active_count() > 1:
             self.changes = []
+            self.watching = True
         if self.changes is not None:
             self.last = _global_generators()
         return super().__enter__()
@@ -173,7 +175,7 @@ class GeneratorDraws(TorchFunctionMode):
                 continue
             self.restore.append((value, value.get_state()))
             value.set_state(self.replay[position])
-        if not torch.compiler.is_compiling() and self.changes is not None:  # NOTE [ under torch.compile ]
+        if self.watching and not torch.compiler.is_compiling():  # NOTE [ under torch.compile ]
             self._watch(getattr(func, "__name__", repr(func)))
         try:
             return func(*args, **kwargs)
@@ -238,9 +240,10 @@ class GeneratorDraws(TorchFunctionMode):
 #   then torch's recompile limit). While dynamo traces, the watch now stands aside. The graph's draws from the global
 #   generators still show, at the next op run eagerly or at the end, in the forward and in the replay alike. An
 #   explicitly passed generator still breaks the graph there, and is recorded and replayed (that break is dynamo's).
-#   The traced code reads no state of the mode, so the forward and the recomputation run one graph (a guard on
-#   that state, tried on 2026-12-03, gave them two graphs that save their tensors in other orders: torch's
-#   CheckpointError).
+#   The traced code reads only the ``watching`` flag, the same in the forward and its recomputation, so they run one
+#   graph (reading the list ``changes`` there made dynamo guard on its length, which grows: tried on 2026-12-03, it
+#   gave them two graphs that save their tensors in other orders, torch's CheckpointError). The flag is read first:
+#   without another thread, no other call is made per op.
 # - Where dynamo compiles no frame of the child (torch.nn's own modules), it compiled ``__torch_function__`` as a
 #   frame of its own, once per op signature. It compiles none now; it still traces it inside a compiled caller.
 (getattr(torch._dynamo.eval_frame, "skip_code", None) or torch._C._dynamo.eval_frame.skip_code)(  # type: ignore[attr-defined]
