@@ -327,6 +327,27 @@ def test_a_moment_zeroed_after_a_logged_key_still_raises():
         _train_with_state_edit(model, opt, log_then_zero, before_backward=False)
 
 
+@pytest.mark.parametrize("logged_first", [False, True])
+def test_a_moment_an_update_adds_later_is_held_too(logged_first):
+    # momentum warmed up from 0 (SGD keeps no state then; a key the loop logged before backward keeps one): the
+    # momentum_buffer a later update adds is SGD's own, so zeroing it between backward and step() is refused (it was
+    # accepted, 0.35 off after 4 steps, when the keys were learned once per state: an adversarial pass, 2026-12-03)
+    model = net()
+    opt = wrap(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0), model)
+    with pytest.raises(Error, match=r"(?s)optimizer's state.*changed after their update"):
+        for i, (x, y) in enumerate(batches()):
+            opt.zero_grad()
+            opt.param_groups[0]["momentum"] = 0.0 if i == 0 else 0.9
+            if logged_first and i == 0:
+                for param in model.parameters():
+                    opt.state[param]["seen"] = True
+            F.cross_entropy(model(x), y).backward()
+            if i == 1:
+                for param in model.parameters():
+                    opt.state[param]["momentum_buffer"].zero_()
+            opt.step()
+
+
 class _GroupScale(_OwnKeys):
     """Reads a group key it does not list in its defaults."""
 
@@ -373,6 +394,32 @@ def test_a_parameter_moved_between_two_open_wrappers_trains_bitwise():
     assert_same(run(False), run(True), moved_from=net())
 
 
+def test_a_parameter_moved_after_both_steps_opened_trains_bitwise():
+    # taken out of the first optimizer's group and given to the second after both zero_grad()s: the first's stale
+    # bucket raised a KeyError inside backward (an adversarial pass, 2026-12-03)
+    def run(wrapped):
+        model = net()
+        opt1 = torch.optim.SGD(model[0].parameters(), lr=0.1, momentum=0.9)
+        opt2 = torch.optim.Adam(model[2:].parameters(), lr=1e-2)
+        if wrapped:
+            opt1, opt2 = wrap(opt1, model), wrap(opt2, model)
+        for i, (x, y) in enumerate(batches()):
+            opt1.zero_grad()
+            opt2.zero_grad()
+            if i == 2:
+                bias = model[0].bias
+                params = opt1.param_groups[0]["params"]
+                del params[next(i for i, p in enumerate(params) if p is bias)]
+                opt1.state.pop(bias, None)
+                opt2.add_param_group({"params": [bias], "lr": 2e-2})
+            F.cross_entropy(model(x), y).backward()
+            opt1.step()
+            opt2.step()
+        return model
+
+    assert_same(run(False), run(True), moved_from=net())
+
+
 def test_a_saved_state_dict_is_the_standard_loops_byte_for_byte():
     # the states made inside backward came in backward's order: state_dict() listed them reversed, and torch.save wrote
     # other bytes, until 2026-12-03 (an adversarial pass); a layer unfrozen mid-run makes its states later, as plain
@@ -393,6 +440,32 @@ def test_a_saved_state_dict_is_the_standard_loops_byte_for_byte():
 
     (keys, saved), (plain_keys, plain_saved) = run(True), run(False)
     assert keys == plain_keys == [2, 3, 4, 5, 0, 1]  # the unfrozen layer's states last, as the standard loop makes them
+    assert saved == plain_saved
+
+
+def test_states_a_loop_makes_itself_stay_where_it_made_them():
+    # two groups (weights with decay, biases without): a key logged after zero_grad(), in the model's order, makes
+    # the states in that order, as in the standard loop; sorting them into the groups' order wrote other bytes
+    # (an adversarial pass on the first version of the ordering, 2026-12-03)
+    def run(wrapped):
+        model = net()
+        weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+        opt = torch.optim.SGD([{"params": weights, "weight_decay": 1e-2}, {"params": biases}], lr=0.1, momentum=0.9)
+        if wrapped:
+            opt = wrap(opt, model)
+        for x, y in batches():
+            opt.zero_grad()
+            for param in model.parameters():
+                opt.state[param]["seen"] = True
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        saved = io.BytesIO()
+        torch.save(opt.state_dict(), saved)
+        return list(opt.state_dict()["state"]), saved.getvalue()
+
+    (keys, saved), (plain_keys, plain_saved) = run(True), run(False)
+    assert keys == plain_keys == [0, 3, 1, 4, 2, 5]  # the model's order, which the loop made them in
     assert saved == plain_saved
 
 

@@ -428,6 +428,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         # id(param) -> (id of its state object, the keys its update writes): NOTE [ keys a loop logs ] (an id: a
         # state loaded over it is not kept alive)
         self._own_keys: dict[int, tuple[int, frozenset[str]]] = {}
+        self._made: list[torch.Tensor] = []  # parameters whose state this step's updates made (_order_new_states)
         self._versions: dict[int, tuple[torch.Tensor, int]] = {}
         self._ceiling: int | None = None  # the most the standard loop surely holds in this step (bytes)
         # global information
@@ -551,7 +552,6 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._open = True
         self._serial += 1
         self._thread = threading.get_ident()
-        self._states_at_open = len(self.optimizer.state)
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         """Apply every gradient still waiting, run the step hooks, and close the training step.
@@ -608,19 +608,17 @@ class OptimizerInBackward(WrappedOptimizerView):
                 hook(self, (), {})
 
     def _order_new_states(self) -> None:
-        """The states this step made, in the optimizer's parameter order, as the standard ``step()`` makes them: those
-        made inside backward came in backward's order, so ``state_dict()`` listed them reversed (``torch.save`` wrote
-        other bytes than the standard loop's) until 2026-12-03 (an adversarial pass)."""
+        """The states this step's updates made, last in the optimizer's state and in its parameter order, as the
+        standard ``step()`` makes them: those made inside backward came in backward's order, so ``state_dict()``
+        listed them reversed (``torch.save`` wrote other bytes than the standard loop's) until 2026-12-03 (an
+        adversarial pass). States the loop made itself (a key logged) stay where it made them."""
+        made, self._made = self._made, []
         state = self.optimizer.state
-        made = len(state) - self.__dict__.get("_states_at_open", len(state))
-        if made < 2:
+        made = [p for p in made if p in state]
+        if len(made) < 2:
             return
-        entries = list(state.items())
-        new = sorted(entries[-made:], key=lambda entry: self._position.get(id(entry[0]), (math.inf, 0)))
-        if [id(p) for p, _ in new] != [id(p) for p, _ in entries[-made:]]:
-            for param, _ in new:
-                del state[param]
-            state.update(new)
+        entries = [(p, state.pop(p)) for p in sorted(made, key=lambda p: self._position.get(id(p), (math.inf, 0)))]
+        state.update(entries)
 
     def _warn_never_opened(self) -> None:
         """A loop that never calls this wrapper's ``zero_grad()`` (HF's ``Trainer`` calls ``model.zero_grad()``)
@@ -1019,7 +1017,10 @@ class OptimizerInBackward(WrappedOptimizerView):
         where = self._where.get(key)
         if where is None:
             return  # not optimized by this optimizer
-        self._this_backward()
+        self._this_backward()  # (syncs the groups: one taken out of them since zero_grad() is no longer this one's;
+        where = self._where.get(key)  # its stale bucket raised a KeyError until 2026-12-03, an adversarial pass)
+        if where is None:
+            return
         late = self._hook_followed(param)  # a user's hook still to run edits .grad: wait for the end of backward
         if self._pass == "measure":
             if late:
@@ -1285,11 +1286,14 @@ class OptimizerInBackward(WrappedOptimizerView):
             narrowed[self._where[id(param)][0].group]["params"].append(param)
         watched = self._watch(params)
         before = self._before_update(params) if in_backward else None
+        state = self.optimizer.state
+        had = {id(p) for p in params if p in state}
         self.optimizer.param_groups = narrowed
         try:
             self._raw_step(self.optimizer)
         finally:
             self.optimizer.param_groups = saved
+        self._made += [p for p in params if id(p) not in had and p in state]  # (in backward's order: _order_new_states)
         self._settle(watched, narrowed, in_backward)
         for param in params:
             self._stepped.add(id(param))
@@ -1298,8 +1302,9 @@ class OptimizerInBackward(WrappedOptimizerView):
                 self._versions[id(param)] = (param, param._version)
                 mark = _state_mark(self.optimizer, param)
                 self._state_marks[id(param)] = (param, mark)
-                if before is not None and id(param) in before:  # the keys this update wrote
-                    self._own_keys[id(param)] = (id(mark[1]), _written_keys(before[id(param)], mark))
+                if before is not None:  # the keys this update wrote, and those earlier ones wrote
+                    self._own_keys[id(param)] = (id(mark[1]), _written_keys(before[id(param)], mark,
+                                                                            self._own_keys.get(id(param))))
             self._updated_in_backward += len(params)
             if self._outcome is not None:
                 self._outcome.updated += len(params)
@@ -1311,14 +1316,20 @@ class OptimizerInBackward(WrappedOptimizerView):
                 self._freed.add(id(param))
                 param.grad = None
 
-    def _before_update(self, params: list[torch.Tensor]) -> dict[int, tuple[Any, ...]] | None:
-        """For torch's and memtrim's optimizers: the state marks of the parameters whose own keys are not known yet
-        for their state as it stands (its first update, or a state loaded or reset since). NOTE [ keys a loop logs ]"""
+    def _before_update(self, params: list[torch.Tensor]) -> dict[int, Any] | None:
+        """For torch's and memtrim's optimizers, each parameter's state before an update inside backward: its mark
+        where the keys its updates write are not known yet for the state as it stands (its first update, or a state
+        loaded or reset since), else its keys alone (an update may add some: momentum set since, SGD's
+        ``momentum_buffer``). NOTE [ keys a loop logs ]"""
         if not _steps_per_parameter(self.optimizer):
             return None
         state, own = self.optimizer.state, self._own_keys
-        return {id(p): _state_mark(self.optimizer, p) for p in params
-                if id(p) not in own or own[id(p)][0] != id(state.get(p))}
+        before: dict[int, Any] = {}
+        for param in params:
+            now, known = state.get(param), own.get(id(param))
+            before[id(param)] = (frozenset(now or ()) if known is not None and known[0] == id(now)
+                                 else _state_mark(self.optimizer, param))
+        return before
 
     def _watch(self, params: list[torch.Tensor]) -> _Watched | None:
         """What a call of the wrapped optimizer's step may change besides its parameters' own state, read before it,
@@ -1580,6 +1591,7 @@ class OptimizerInBackward(WrappedOptimizerView):
         self._late_measure = []
         self._used_hyper.clear()
         self._hyper_between.clear()
+        self._made = []
         self._versions.clear()
         self._state_marks.clear()
         for bucket in self._buckets:
@@ -1818,8 +1830,13 @@ def _state_mark(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[
 # optimizer's step may read a logged key: there every change is refused.
 
 
-def _written_keys(before: tuple[Any, ...], after: tuple[Any, ...]) -> frozenset[str]:
-    """The state keys an update added or changed, from its marks before and after it."""
+def _written_keys(before: Any, after: tuple[Any, ...], known: tuple[int, frozenset[str]] | None) -> frozenset[str]:
+    """The state keys updates write: from an update's marks before and after it (a tuple), those it added or
+    changed; from its keys before it (a frozenset, where ``known`` holds the keys earlier updates wrote), those and
+    the keys it added."""
+    if isinstance(before, frozenset):
+        assert known is not None
+        return known[1].union(key for key in after[4] if key not in before)
     earlier = dict(zip(before[4], before[3])) if before[1] is after[1] else {}
     return frozenset(key for key, entry in zip(after[4], after[3]) if earlier.get(key, _MISSING) != entry)
 
