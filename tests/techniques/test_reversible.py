@@ -656,6 +656,37 @@ def test_a_buffer_set_anew_between_forward_and_backward_is_rebuilt_with_the_forw
     assert torch.equal(rev_scale, plain_scale) and rev_scale[0] == 4.0  # the new buffer stays after backward
 
 
+def test_a_buffer_written_in_place_between_forward_and_backward_raises_naming_it():
+    # the rebuild read the written buffer: 67 off from the gradient of the forward that ran, silently, where the plain
+    # stack's autograd raises (an adversarial pass, 2026-12-03); a BatchNorm's count a later forward advances is fine
+    torch.manual_seed(0)
+    stack = memtrim.ReversibleSequential(*[memtrim.AdditiveCoupling(_Scaled(), _Scaled()) for _ in range(2)]).double()
+    out = stack(torch.randn(4, 8, dtype=torch.float64))
+    stack[1].g.scale.mul_(1.5)
+    with pytest.raises(memtrim.ReversibleError, match=r"block 1's buffer g\.scale was modified in place after the "
+                                                       r"forward.*assign a new tensor"):
+        out.pow(2).mean().backward()
+
+
+@pytest.mark.parametrize("second", ["train", "eval"])
+def test_batchnorm_counts_advanced_by_a_second_forward_before_backward_are_no_refusal(second):
+    # a second forward (training or evaluation, with grad) before one backward of both: the counts and statistics
+    # the later forward moves are not buffers the earlier one's rebuild reads written (the check above leaves them)
+    torch.manual_seed(0)
+    blocks = [memtrim.AdditiveCoupling(mlp(8, bn=True), mlp(8, bn=True)) for _ in range(2)]
+    plain = nn.Sequential(*copy.deepcopy(blocks)).double()
+    rev = memtrim.ReversibleSequential(*blocks).double()
+    x, y = torch.randn(4, 16, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64)
+    results = []
+    for model in (plain, rev):
+        first = model(x).square().mean()
+        model.train(second == "train")
+        (first + model(y).square().mean()).backward()
+        model.train()
+        results.append([p.grad for p in model.parameters()])
+    assert_grads_close(results[1], results[0], rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("hook", ["forward", "forward_pre", "full_backward", "global_full_backward"])
 def test_hooks_on_a_block_are_refused_and_hooks_inside_it_run(hook):
     # found by an adversarial pass: the stack runs a coupling's arithmetic itself (block.couple), so a forward hook
@@ -886,34 +917,36 @@ def test_the_draw_watch_reads_the_arguments_left_at_their_defaults(call, draws):
     assert seeded.drew is draws
 
 
+@pytest.mark.parametrize("copied", [False, True])
+@pytest.mark.parametrize("backward_inside", [True, False])
 @pytest.mark.parametrize("which", ["orthogonal", "weight_norm", "spectral_norm"])
-def test_a_parametrization_first_computed_inside_parametrize_cached_is_refused_and_read_first_trains(which):
-    # before: a false-looking ReversibleError in backward ("saved 8 tensors in forward but 6 when recomputed"; an
-    # adversarial pass); read before the forward, as the message says, it is cached and trains as the plain stack
+def test_parametrizations_under_parametrize_cached_train_as_the_plain_stack(which, backward_inside, copied):
+    # before: a ReversibleError in backward ("saved 8 tensors in forward but 6 when recomputed"; adversarial passes,
+    # 2026-12-03): the rebuild read the tensor its forward had computed and cached, or, backward outside cached(),
+    # computed the one its forward read cached (NOTE [ parametrize.cached() ])
     from torch.nn.utils import parametrizations, parametrize
 
-    def run(reversible, read_first):
+    def run(reversible):
         torch.manual_seed(0)
         blocks = [memtrim.AdditiveCoupling(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), mlp(4)) for _ in range(2)]
         for block in blocks:
             getattr(parametrizations, which)(block.f[0])
+        if copied:  # (torch's cache key is the original module's: a deep copy caches under it)
+            blocks = copy.deepcopy(blocks)
         stack = (memtrim.ReversibleSequential if reversible else nn.Sequential)(*blocks).double()
         opt = torch.optim.SGD(stack.parameters(), lr=0.05)
         for x in [torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(3)]:
             opt.zero_grad()
             with parametrize.cached():
-                if read_first:
-                    for block in blocks:
-                        _ = block.f[0].weight
-                stack(x).pow(2).mean().backward()
+                loss = stack(x).pow(2).mean()
+                if backward_inside:
+                    loss.backward()
+            if not backward_inside:
+                loss.backward()
             opt.step()
         return list(stack.parameters())
 
-    with pytest.raises(memtrim.InvalidInputError, match=r"block 0 computes a parametrized tensor "
-                                                        r"\('blocks\.0\.f\.0\.weight'\).*`_ = stack\.get_submodule"
-                                                        r"\('blocks\.0\.f\.0'\)\.weight`.*keep the block out"):
-        run(reversible=True, read_first=False)
-    for a, b in zip(run(reversible=False, read_first=False), run(reversible=True, read_first=True), strict=True):
+    for a, b in zip(run(reversible=False), run(reversible=True), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-10)  # the float64 bound of the rebuilt inputs
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from .guards import FUSION
 
 __all__ = ["SCRIPTED", "Settings", "Swaps", "TrainingFlags", "buffers_put_back", "plain_settings",
            "put_settings", "putting_buffers_back", "scripted_inside", "set_training_flags", "training_flags",
-           "uncached_parametrization", "undo_swaps", "written_in_place"]
+           "cached_parametrizations", "parametrizations_as_read", "undo_swaps", "written_in_place"]
 
 _local = threading.local()  # .depth: recomputations that put their buffers back, running on this thread
 
@@ -161,34 +161,41 @@ def scripted_inside(module: nn.Module) -> str | None:
     return next((name for name, sub in module.named_modules() if isinstance(sub, torch.jit.ScriptModule)), None)
 
 
-def uncached_parametrization(module: nn.Module) -> str | None:
-    """Under ``torch.nn.utils.parametrize.cached()``: a parametrized tensor in ``module`` not cached yet, which its
-    forward would compute and cache, so that a recomputation reads the cached tensor instead of computing it and
-    saves other tensors than the forward (torch's own checkpoint fails there with a CheckpointError; memtrim did
-    until 2026-12-03, and the reversible stack raised a "saved 8 tensors ... 6" ReversibleError: an adversarial
-    pass). Said as what to read first (``'0.weight'``); None outside ``cached()`` or if every one is cached."""
+# NOTE [ parametrize.cached() ]: under ``torch.nn.utils.parametrize.cached()`` a parametrized tensor (orthogonal,
+# weight_norm, spectral_norm) is computed at its first read and cached. Read first inside a recomputed module, its
+# forward computed it, and its recomputation read the cached tensor, saving other tensors than the forward; with the
+# backward outside ``cached()``, the recomputation computed it where the forward read it cached. Either way torch's
+# bare CheckpointError (torch's own checkpoint fails so), or the reversible stack's "saved 8 tensors ... 6", until
+# 2026-12-03 (adversarial passes). Now each is computed before the recomputed region (torch caches it under its own
+# key, a deep copy's too) and the recomputation runs under ``cached()`` with the same tensors: it reads what the forward
+# read. The same gradient as plain training's, which computes it once and sends the gradients of all its uses through
+# that one computation; it is kept, not recomputed, as the forward's tensors outside the region are.
+
+
+def cached_parametrizations(module: nn.Module) -> list[tuple[Any, torch.Tensor]]:
+    """Under ``parametrize.cached()``: every parametrized tensor in ``module``, computed now if not cached yet, as
+    torch's cache holds them (key, tensor); empty outside ``cached()``. NOTE [ parametrize.cached() ]"""
     from torch.nn.utils import parametrize
 
     if not parametrize._cache_enabled:
-        return None
-    for name, sub in module.named_modules():
-        if parametrize.is_parametrized(sub):
-            for tensor in sub.parametrizations:
-                if parametrize._cache.get((id(sub), tensor)) is None:
-                    return f"{name}.{tensor}" if name else tensor
-    return None
+        return []
+    read = {id(getattr(sub, name)) for sub in module.modules() if parametrize.is_parametrized(sub)
+            for name in cast(nn.ModuleDict, sub.parametrizations)}
+    return [(key, value) for key, value in parametrize._cache.items() if value is not None and id(value) in read]
 
 
-def uncached_advice(where: str, path: str, way_out: str, root: str = "model") -> str:
-    """What to say of :func:`uncached_parametrization`'s find, ``path`` its name in ``root``."""
-    sub, _, tensor = path.rpartition(".")
-    read = f"{root}.get_submodule({sub!r}).{tensor}" if sub else f"{root}.{tensor}"
-    return (f"{where} computes a parametrized tensor ({path!r}) for the first time inside "
-            "torch.nn.utils.parametrize.cached(), so its recomputation in backward would read the cached tensor "
-            "instead of computing it, and save other tensors than its forward did (torch's own checkpoint fails there "
-            "with a CheckpointError). Expected the parametrized tensors cached before the forward; to fix: inside "
-            f"cached(), read each once before the forward (`_ = {read}`: computed once and cached, as the forward "
-            f"would), call the model outside cached(), or {way_out}.")
+@contextlib.contextmanager
+def parametrizations_as_read(entries: list[tuple[Any, torch.Tensor]]) -> Iterator[None]:
+    """A recomputation reading the parametrized tensors its forward read (``entries`` of
+    :func:`cached_parametrizations`), under ``cached()`` though its backward runs outside it."""
+    if not entries:
+        yield
+        return
+    from torch.nn.utils import parametrize
+
+    with parametrize.cached():
+        parametrize._cache.update(entries)
+        yield
 
 
 def undo_swaps(swapped: Swaps) -> None:

@@ -72,13 +72,13 @@ from .._generators import GeneratorDraws
 from .._modes import (
     SCRIPTED,
     TrainingFlags,
+    cached_parametrizations,
+    parametrizations_as_read,
     plain_settings,
     put_settings,
     scripted_inside,
     set_training_flags,
     training_flags,
-    uncached_advice,
-    uncached_parametrization,
     undo_swaps,
     written_in_place,
 )
@@ -380,8 +380,9 @@ class _Recompute:
     forward's draws from explicitly passed generators are replayed (NOTE [ checkpointed forward ])."""
 
     def __init__(self, snapshot: list[tuple[nn.Module, str, torch.Tensor]], inner: Any, draws: GeneratorDraws,
-                 module: nn.Module, subtree: list[nn.Module]) -> None:
+                 module: nn.Module, subtree: list[nn.Module], cached: list[tuple[Any, torch.Tensor]]) -> None:
         self.snapshot, self.inner, self.draws, self.module = snapshot, inner, draws, module
+        self.cached = cached  # the parametrized tensors the forward read (NOTE [ parametrize.cached() ])
         self.subtree = subtree  # module.modules(), listed once per call
         # every submodule's training flag in the forward: an evaluation pass between the forward and backward
         # (model.eval(), then no_grad) leaves them off, and the recomputation must run as the forward ran
@@ -396,7 +397,7 @@ class _Recompute:
         # does (for the modules it calls: a module registered inside but called outside it is not read again)
         self.params: list[tuple[nn.Module, str, Any, int, bool]] = []  # ..., version, requires_grad
         self.swapped: list[tuple[list[tuple[dict[str, Any], str, Any]], GeneratorDraws, TrainingFlags,
-                                 list[torch.Tensor], list[torch.Tensor]]] = []
+                                 list[torch.Tensor], list[torch.Tensor], Any]] = []
 
     def _who(self) -> str:
         """The module's name in the model, for errors."""
@@ -454,14 +455,16 @@ class _Recompute:
         flipped = [param for *_, param, _, flag in self.params if param.requires_grad != flag]
         for param in flipped:
             param.requires_grad_(not param.requires_grad)
-        self.swapped.append((swapped, replay, modes, list(clones.values()), flipped))
+        as_read = parametrizations_as_read(self.cached)
+        self.swapped.append((swapped, replay, modes, list(clones.values()), flipped, as_read))
+        as_read.__enter__()
         replay.__enter__()
         if self.inner is not None:
             self.inner.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         self.check.remove()
-        swapped, replay, modes, clones, flipped = self.swapped.pop()
+        swapped, replay, modes, clones, flipped, as_read = self.swapped.pop()
         try:
             if self.inner is not None:
                 self.inner.__exit__(*exc)
@@ -472,6 +475,7 @@ class _Recompute:
             _STAND_INS.difference_update(id(c) for c in clones)
             set_training_flags(modes)
             replay.__exit__(*exc)
+            as_read.__exit__(*exc)
         error = exc[1] if len(exc) > 1 else None
         if isinstance(error, RuntimeError) and "not found in storage" in str(error):
             raise InvalidInputError(
@@ -520,7 +524,8 @@ def _context_fn(module: nn.Module, selective: Callable[[str], tuple[Any, Any]] |
         forward, recompute = selective(type(module).__name__) if selective is not None else (None, None)
         draws = GeneratorDraws(f"{_API}: {type(module).__name__}", "leave this module out of checkpoint_modules",
                                InvalidInputError)
-        owner = _Recompute(entries, recompute, draws, module, subtree)
+        # (computed here, before torch's hooks: NOTE [ parametrize.cached() ])
+        owner = _Recompute(entries, recompute, draws, module, subtree, cached_parametrizations(module))
         return _Forward(forward, owner), owner
 
     return contexts
@@ -581,11 +586,6 @@ def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             "prefix in one): checkpoint the parts of the layer that do not take it instead, e.g. the MLPs "
             "(checkpoint_modules(model, lambda name, m: name.endswith('.mlp')))."
         )
-    uncached = uncached_parametrization(self)
-    if uncached is not None:
-        name = _name(self, handle)
-        raise InvalidInputError(uncached_advice(f"{_API}: {name!r}", f"{name}.{uncached}",
-                                                f"leave {name!r} out of checkpoint_modules"))
     # torch saves (and version-checks) the positional tensor arguments for the recomputation only: every tensor, in
     # keyword arguments and in tuples, lists and dicts too, goes to it as one positional argument (each tensor once:
     # the recomputation gets `x, x, x` back as one tensor, as nn.MultiheadAttention's `query is key` expects), the

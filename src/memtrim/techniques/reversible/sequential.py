@@ -62,13 +62,13 @@ from .._modes import (
     Swaps,
     TrainingFlags,
     buffers_put_back,
+    cached_parametrizations,
+    parametrizations_as_read,
     plain_settings,
     put_settings,
     scripted_inside,
     set_training_flags,
     training_flags,
-    uncached_advice,
-    uncached_parametrization,
     undo_swaps,
     written_in_place,
 )
@@ -273,6 +273,7 @@ class _Frame:
         self.blocks = blocks
         self.exact, self.scale, self.dtype, self.drift = exact, float(2 ** fraction_bits), dtype, drift
         self.fraction_bits = fraction_bits
+        self.cached: list[list[tuple[Any, torch.Tensor]]] = [[] for _ in blocks]  # NOTE [ parametrize.cached() ]
         self.handles: list[list[weakref.ref]] = [[] for _ in blocks]
         self.replays: list[dict[str, Replay]] = [{} for _ in blocks]
         self.outputs: dict[int, torch.Tensor | _Halves] = {}  # block index -> its output (the next block's input)
@@ -290,6 +291,11 @@ class _Frame:
         # after 3 steps, silently, until 2026-12-03, an adversarial pass), and the rebuild must read the forward's
         self.slots: list[list[tuple[dict[str, Any], str, Any]]] = [[] for _ in blocks]
         self.buffers_before: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]  # changed by forward
+        # the buffers the forward did not change, with their versions: one written in place before backward
+        # (``scale.mul_(1.5)``) was read written by the rebuild, 67 off, silently, until 2026-12-03 (an adversarial
+        # pass; the plain stack's autograd raises where an op saved it); a BatchNorm's count is left out: a later
+        # training forward advances it, and an evaluation forward does not read it
+        self.buffer_versions: list[list[tuple[torch.Tensor, int]]] = [[] for _ in blocks]
         self.drawn: set[int] = set()  # blocks run whole whose forward drew random numbers
         # every module's training flag in the block's forward: an evaluation pass between forward and backward
         # (model.eval(), then no_grad) turns them off, and the recomputation must run as the forward ran
@@ -340,6 +346,10 @@ class _Frame:
             if _coupling(block) is None:
                 self.left[index] = plain_settings(block.modules())
             self.buffers_before[index] = [(b, value) for b, version, value in before if b._version != version]
+            counts = {id(m.num_batches_tracked) for m in block.modules()
+                      if isinstance(m, nn.modules.batchnorm._NormBase) and m.num_batches_tracked is not None}
+            self.buffer_versions[index] = [(b, version) for b, version, _ in before
+                                           if b._version == version and id(b) not in counts]
             moved = next((p for p, version in versions if p._version != version), None)
             if moved is not None:
                 # (found by adversarial passes on 2026-12-03: a clamp before the use trained, after it the rebuild
@@ -576,7 +586,7 @@ class _Frame:
                     buffer.data.copy_(value)  # what the forward read (the NOTE above; NOTE [ buffers put back ])
             self.buffers_before[index] = []
             set_training_flags(self.modes[index])  # as in the forward
-            with buffers_put_back():
+            with buffers_put_back(), parametrizations_as_read(self.cached[index]):
                 x = self._rebuild(index, block, recorded)
         finally:
             undo_swaps(attributes)
@@ -655,6 +665,15 @@ class _Frame:
                     f"forward (version {version}, now {param._version}), so the block's input cannot be rebuilt from "
                     "its output. Run backward before changing parameters (an optimizer step, or an "
                     "OptimizerInBackward stepping during another backward that shares them)."
+                )
+        for buffer, version in self.buffer_versions[index]:
+            if buffer._version != version:
+                name = next((n for n, b in block.named_buffers() if b is buffer), "?")
+                raise ReversibleError(
+                    f"memtrim.ReversibleSequential: block {index}'s buffer {name} was modified in place after the "
+                    f"forward (version {version}, now {buffer._version}), so the block's input would be rebuilt with "
+                    "other values than its forward read. Expected buffers unchanged until backward; to fix: change "
+                    "it after backward, or assign a new tensor (the rebuild reads the forward's)."
                 )
 
     def _rebuild_additive(self, index: int, block: AdditiveCoupling, y1: torch.Tensor, y2: torch.Tensor,
@@ -839,13 +858,10 @@ class ReversibleSequential(nn.Module):
         return x
 
     def _frame(self, x: torch.Tensor) -> torch.Tensor:
-        for index, block in enumerate(self.blocks):
-            uncached = uncached_parametrization(block)
-            if uncached is not None:
-                raise InvalidInputError(uncached_advice(f"memtrim.ReversibleSequential: block {index}",
-                                                        f"blocks.{index}.{uncached}", "keep the block out of the stack",
-                                                        root="stack"))
-        return _Frame(list(self.blocks), self.exact, self.fraction_bits, x.dtype, self._drift).run(x)
+        frame = _Frame(list(self.blocks), self.exact, self.fraction_bits, x.dtype, self._drift)
+        # (before the stack's hooks: NOTE [ parametrize.cached() ])
+        frame.cached = [cached_parametrizations(block) for block in self.blocks]
+        return frame.run(x)
 
     def __len__(self) -> int:
         return len(self.blocks)
