@@ -655,26 +655,23 @@ class _Frame:
         return self._rebuild_generic(index, block, _whole(self._stored_output(index)), recorded)
 
     def _check_parameters(self, index: int, block: nn.Module) -> None:
-        """A block rebuilt with parameters changed since its forward would silently give a wrong input (the plain
-        stack's autograd refuses such a change too: the ops saved the weights)."""
-        for param, version in self.parameter_versions[index]:
-            if param._version != version:
-                name = next((n for n, p in block.named_parameters() if p is param), "?")
-                raise ReversibleError(
-                    f"memtrim.ReversibleSequential: block {index}'s parameter {name} was modified in place after the "
-                    f"forward (version {version}, now {param._version}), so the block's input cannot be rebuilt from "
-                    "its output. Run backward before changing parameters (an optimizer step, or an "
-                    "OptimizerInBackward stepping during another backward that shares them)."
-                )
-        for buffer, version in self.buffer_versions[index]:
-            if buffer._version != version:
-                name = next((n for n, b in block.named_buffers() if b is buffer), "?")
-                raise ReversibleError(
-                    f"memtrim.ReversibleSequential: block {index}'s buffer {name} was modified in place after the "
-                    f"forward (version {version}, now {buffer._version}), so the block's input would be rebuilt with "
-                    "other values than its forward read. Expected buffers unchanged until backward; to fix: change "
-                    "it after backward, or assign a new tensor (the rebuild reads the forward's)."
-                )
+        """A block rebuilt with parameters or buffers changed in place since its forward would silently give a wrong
+        input (the plain stack's autograd refuses such a change too where the ops saved them)."""
+        for kind, versions, named, fix in (
+                ("parameter", self.parameter_versions[index], block.named_parameters,
+                 "Run backward before changing parameters (an optimizer step, or an OptimizerInBackward stepping "
+                 "during another backward that shares them)."),
+                ("buffer", self.buffer_versions[index], block.named_buffers,
+                 "Expected buffers unchanged until backward; to fix: change it after backward, or assign a new tensor "
+                 "(the rebuild reads the forward's).")):
+            for tensor, version in versions:
+                if tensor._version != version:
+                    name = next((n for n, t in named() if t is tensor), "?")
+                    raise ReversibleError(
+                        f"memtrim.ReversibleSequential: block {index}'s {kind} {name} was modified in place after the "
+                        f"forward (version {version}, now {tensor._version}), so the block's input cannot be rebuilt "
+                        f"from its output. {fix}"
+                    )
 
     def _rebuild_additive(self, index: int, block: AdditiveCoupling, y1: torch.Tensor, y2: torch.Tensor,
                           recorded: list[torch.Tensor]) -> _Halves:
