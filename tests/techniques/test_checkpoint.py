@@ -1579,3 +1579,30 @@ def test_a_parameter_frozen_or_unfrozen_between_forward_and_backward_trains_as_p
         assert [g is None for g in step] == [g is None for g in expected]  # the frozen weight's step has none
         assert_same([g for g in step if g is not None], [g for g in expected if g is not None])
     assert treated[1][0].weight.requires_grad == (change == "unfreeze")  # the flag as the loop set it
+
+
+@torch.jit.script
+def _scripted_swish(x):
+    return x * torch.sigmoid(1.702 * x)
+
+
+class _CallsScripted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return _scripted_swish(self.lin(x))
+
+
+def test_a_scripted_function_inside_raises_at_backward_naming_the_module_and_the_fix():
+    # before: TorchScript's empty RuntimeError alone (torch's own checkpoint fails so: its early stop raises inside
+    # the interpreter; an adversarial pass, 2026-12-03); a scripted module is refused at checkpoint_modules already
+    stem = nn.Linear(6, 6)
+    with pytest.raises(RuntimeError, match="TorchScript interpreter"):
+        checkpoint(_CallsScripted(), stem(torch.randn(4, 6)), use_reentrant=False).sum().backward()
+    model = nn.Sequential(stem, _CallsScripted(), nn.Linear(6, 2))
+    memtrim.checkpoint_modules(model, ["1"])
+    with pytest.raises(InvalidInputError, match=r"recomputation of '1' failed inside TorchScript code it calls.*use it "
+                                                r"unscripted.*or leave '1' out of checkpoint_modules"):
+        model(torch.randn(4, 6)).sum().backward()

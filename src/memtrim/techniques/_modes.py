@@ -147,7 +147,7 @@ SCRIPTED = (
     "TorchScript's executor saves other tensors in its first runs than in later ones, so a recomputation in backward "
     "does not save what the forward saved, and no exception crosses it (torch's checkpoint stops a recomputation "
     "early by raising one): torch's own checkpoint (use_reentrant=False) fails there with an empty RuntimeError from "
-    "the TorchScript interpreter. To fix: use the module unscripted (torch.compile compiles it, under checkpointing "
+    "the TorchScript interpreter. To fix: use it unscripted (torch.compile compiles it, under checkpointing "
     "too)"
 )
 """Why a TorchScript module cannot be recomputed (each technique adds its other way out). Refused since 2026-12-03;

@@ -477,6 +477,13 @@ class _Recompute:
             replay.__exit__(*exc)
             as_read.__exit__(*exc)
         error = exc[1] if len(exc) > 1 else None
+        if isinstance(error, RuntimeError) and "TorchScript interpreter" in str(error):
+            # a scripted function the module calls (a scripted module is refused at checkpoint_modules): found by an
+            # adversarial pass, 2026-12-03, where backward failed with TorchScript's empty RuntimeError alone
+            raise InvalidInputError(
+                f"{_API}: the recomputation of {self._who()} failed inside TorchScript code it calls (a "
+                f"torch.jit.script function). {SCRIPTED}, or leave {self._who()} out of checkpoint_modules."
+            ) from error
         if isinstance(error, RuntimeError) and "not found in storage" in str(error):
             raise InvalidInputError(
                 f"{_API}: the recomputation of {self._who()} (selective checkpointing) ran an op its "
