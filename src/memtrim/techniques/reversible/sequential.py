@@ -216,6 +216,13 @@ class _DriftLog:
             self.keep_inputs.add(index)
 
 
+def _batchnorm_count(block: nn.Module, buffer: torch.Tensor) -> bool:
+    """Whether ``buffer`` is a BatchNorm's ``num_batches_tracked`` in ``block``: a later training forward advances it,
+    and a forward in evaluation does not read it (a training one that does moved it itself)."""
+    return any(isinstance(m, nn.modules.batchnorm._NormBase) and m.num_batches_tracked is buffer
+               for m in block.modules())
+
+
 def _refuse_sharded(index: int, block: nn.Module) -> None:
     """Refuse a block, or a module inside it, that FSDP2's ``fully_shard`` made a unit of its own: FSDP2 reshards its
     parameters after its forward, and the stack's rebuild in backward calls f and g before FSDP2 unshards them (torch's
@@ -293,8 +300,8 @@ class _Frame:
         self.buffers_before: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]  # changed by forward
         # the buffers the forward did not change, with their versions: one written in place before backward
         # (``scale.mul_(1.5)``) was read written by the rebuild, 67 off, silently, until 2026-12-03 (an adversarial
-        # pass; the plain stack's autograd raises where an op saved it); a BatchNorm's count is left out: a later
-        # training forward advances it, and an evaluation forward does not read it
+        # pass; the plain stack's autograd raises where an op saved it); a BatchNorm's count is left out
+        # (_batchnorm_count)
         self.buffer_versions: list[list[tuple[torch.Tensor, int]]] = [[] for _ in blocks]
         self.drawn: set[int] = set()  # blocks run whole whose forward drew random numbers
         # every module's training flag in the block's forward: an evaluation pass between forward and backward
@@ -346,10 +353,7 @@ class _Frame:
             if _coupling(block) is None:
                 self.left[index] = plain_settings(block.modules())
             self.buffers_before[index] = [(b, value) for b, version, value in before if b._version != version]
-            counts = {id(m.num_batches_tracked) for m in block.modules()
-                      if isinstance(m, nn.modules.batchnorm._NormBase) and m.num_batches_tracked is not None}
-            self.buffer_versions[index] = [(b, version) for b, version, _ in before
-                                           if b._version == version and id(b) not in counts]
+            self.buffer_versions[index] = [(b, version) for b, version, _ in before if b._version == version]
             moved = next((p for p, version in versions if p._version != version), None)
             if moved is not None:
                 # (found by adversarial passes on 2026-12-03: a clamp before the use trained, after it the rebuild
@@ -665,7 +669,7 @@ class _Frame:
                  "Expected buffers unchanged until backward; to fix: change it after backward, or assign a new tensor "
                  "(the rebuild reads the forward's).")):
             for tensor, version in versions:
-                if tensor._version != version:
+                if tensor._version != version and not (kind == "buffer" and _batchnorm_count(block, tensor)):
                     name = next((n for n, t in named() if t is tensor), "?")
                     raise ReversibleError(
                         f"memtrim.ReversibleSequential: block {index}'s {kind} {name} was modified in place after the "
