@@ -1286,14 +1286,15 @@ class OptimizerInBackward(WrappedOptimizerView):
             narrowed[self._where[id(param)][0].group]["params"].append(param)
         watched = self._watch(params)
         before = self._before_update(params) if in_backward else None
-        state = self.optimizer.state
-        had = {id(p) for p in params if p in state}
+        states = len(self.optimizer.state)
         self.optimizer.param_groups = narrowed
         try:
             self._raw_step(self.optimizer)
         finally:
             self.optimizer.param_groups = saved
-        self._made += [p for p in params if id(p) not in had and p in state]  # (in backward's order: _order_new_states)
+        made = len(self.optimizer.state) - states
+        if made > 0:  # the states this update made, last in the state (_order_new_states)
+            self._made += [key for key in list(self.optimizer.state)[-made:] if isinstance(key, torch.Tensor)]
         self._settle(watched, narrowed, in_backward)
         for param in params:
             self._stepped.add(id(param))
@@ -1303,8 +1304,7 @@ class OptimizerInBackward(WrappedOptimizerView):
                 mark = _state_mark(self.optimizer, param)
                 self._state_marks[id(param)] = (param, mark)
                 if before is not None:  # the keys this update wrote, and those earlier ones wrote
-                    self._own_keys[id(param)] = (id(mark[1]), _written_keys(before[id(param)], mark,
-                                                                            self._own_keys.get(id(param))))
+                    self._learn_own_keys(param, mark, *before)
             self._updated_in_backward += len(params)
             if self._outcome is not None:
                 self._outcome.updated += len(params)
@@ -1316,7 +1316,7 @@ class OptimizerInBackward(WrappedOptimizerView):
                 self._freed.add(id(param))
                 param.grad = None
 
-    def _before_update(self, params: list[torch.Tensor]) -> dict[int, Any] | None:
+    def _before_update(self, params: list[torch.Tensor]) -> tuple[dict[int, Any], dict[int, Any]] | None:
         """For torch's and memtrim's optimizers, each parameter's state before an update inside backward: its mark
         where the keys its updates write are not known yet for the state as it stands (its first update, or a state
         loaded or reset since), else its keys alone (an update may add some: momentum set since, SGD's
@@ -1324,12 +1324,29 @@ class OptimizerInBackward(WrappedOptimizerView):
         if not _steps_per_parameter(self.optimizer):
             return None
         state, own = self.optimizer.state, self._own_keys
-        before: dict[int, Any] = {}
+        marks: dict[int, Any] = {}
+        keys: dict[int, Any] = {}
         for param in params:
             now, known = state.get(param), own.get(id(param))
-            before[id(param)] = (frozenset(now or ()) if known is not None and known[0] == id(now)
-                                 else _state_mark(self.optimizer, param))
-        return before
+            if known is not None and known[0] == id(now):
+                keys[id(param)] = tuple(now) if now else ()
+            else:
+                marks[id(param)] = _state_mark(self.optimizer, param)
+        return marks, keys
+
+    def _learn_own_keys(self, param: torch.Tensor, after: tuple[Any, ...], marks: dict[int, Any],
+                        keys: dict[int, Any]) -> None:
+        """The state keys ``param``'s updates write, from this update's marks or keys before it (``after``: its mark
+        after it): those it added or changed, and those earlier updates wrote. NOTE [ keys a loop logs ]"""
+        key = id(param)
+        if key in marks:
+            before = marks[key]
+            earlier = dict(zip(before[4], before[3])) if before[1] is after[1] else {}
+            self._own_keys[key] = (id(after[1]), frozenset(
+                name for name, entry in zip(after[4], after[3]) if earlier.get(name, _MISSING) != entry))
+        elif after[4] != keys[key]:  # keys added (the same keys: the same state, nothing to learn)
+            self._own_keys[key] = (id(after[1]), self._own_keys[key][1].union(
+                name for name in after[4] if name not in keys[key]))
 
     def _watch(self, params: list[torch.Tensor]) -> _Watched | None:
         """What a call of the wrapped optimizer's step may change besides its parameters' own state, read before it,
@@ -1828,17 +1845,6 @@ def _state_mark(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[
 # 2026-12-03: a key added since the update from f0d5f80 on; then a key logged again at every step, a group key, and
 # the empty state a read of ``opt.state[p]`` makes for SGD without momentum (an adversarial pass). Any other
 # optimizer's step may read a logged key: there every change is refused.
-
-
-def _written_keys(before: Any, after: tuple[Any, ...], known: tuple[int, frozenset[str]] | None) -> frozenset[str]:
-    """The state keys updates write: from an update's marks before and after it (a tuple), those it added or
-    changed; from its keys before it (a frozenset, where ``known`` holds the keys earlier updates wrote), those and
-    the keys it added."""
-    if isinstance(before, frozenset):
-        assert known is not None
-        return known[1].union(key for key in after[4] if key not in before)
-    earlier = dict(zip(before[4], before[3])) if before[1] is after[1] else {}
-    return frozenset(key for key, entry in zip(after[4], after[3]) if earlier.get(key, _MISSING) != entry)
 
 
 def _same_state(mark: tuple[Any, ...], now: tuple[Any, ...], own: frozenset[str] | None) -> bool:
