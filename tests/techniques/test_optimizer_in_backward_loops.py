@@ -348,6 +348,26 @@ def test_a_moment_an_update_adds_later_is_held_too(logged_first):
             opt.step()
 
 
+def test_a_moment_the_loop_seeded_before_the_update_started_writing_it_is_held():
+    # amsgrad set on before zero_grad() (allowed), max_exp_avg_sq seeded by the loop then: Adam's update then writes
+    # it, so a change between backward and step() is refused (accepted, 7.9e-3 off, while the keys that were already
+    # there were taken for the loop's own: an adversarial pass, 2026-12-03)
+    model = net()
+    opt = wrap(torch.optim.Adam(model.parameters(), lr=1e-2), model)
+    with pytest.raises(Error, match=r"(?s)optimizer's state.*changed after their update"):
+        for i, (x, y) in enumerate(batches()):
+            if i == 2:
+                opt.param_groups[0]["amsgrad"] = True
+                for param in model.parameters():
+                    opt.state[param]["max_exp_avg_sq"] = opt.state[param]["exp_avg_sq"].clone()
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            if i == 3:
+                for param in model.parameters():
+                    opt.state[param]["max_exp_avg_sq"].mul_(100)
+            opt.step()
+
+
 class _GroupScale(_OwnKeys):
     """Reads a group key it does not list in its defaults."""
 

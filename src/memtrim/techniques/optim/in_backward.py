@@ -1325,28 +1325,34 @@ class OptimizerInBackward(WrappedOptimizerView):
             return None
         state, own = self.optimizer.state, self._own_keys
         marks: dict[int, Any] = {}
-        keys: dict[int, Any] = {}
+        others: dict[int, Any] = {}
         for param in params:
             now, known = state.get(param), own.get(id(param))
-            if known is not None and known[0] == id(now):
-                keys[id(param)] = tuple(now) if now else ()
+            if known is not None and known[0] == id(now):  # the keys not known as its own, with their entries
+                others[id(param)] = {key: _entry(v) for key, v in now.items() if key not in known[1]} if now else {}
             else:
                 marks[id(param)] = _state_mark(self.optimizer, param)
-        return marks, keys
+        return marks, others
 
     def _learn_own_keys(self, param: torch.Tensor, after: tuple[Any, ...], marks: dict[int, Any],
-                        keys: dict[int, Any]) -> None:
-        """The state keys ``param``'s updates write, from this update's marks or keys before it (``after``: its mark
-        after it): those it added or changed, and those earlier updates wrote. NOTE [ keys a loop logs ]"""
+                        others: dict[int, Any]) -> None:
+        """The state keys ``param``'s updates write, from this update's mark before it, or its entries of keys not
+        known as its own (``after``: its mark after it): those it added or changed, and those earlier updates wrote.
+        A key an update starts writing later (amsgrad's ``max_exp_avg_sq`` once amsgrad is set, SGD's
+        ``momentum_buffer`` once momentum is raised from 0) was accepted changed between backward and step() while a
+        first update's keys alone counted, until 2026-12-03 (adversarial passes). NOTE [ keys a loop logs ]"""
         key = id(param)
         if key in marks:
             before = marks[key]
             earlier = dict(zip(before[4], before[3])) if before[1] is after[1] else {}
-            self._own_keys[key] = (id(after[1]), frozenset(
-                name for name, entry in zip(after[4], after[3]) if earlier.get(name, _MISSING) != entry))
-        elif after[4] != keys[key]:  # keys added (the same keys: the same state, nothing to learn)
-            self._own_keys[key] = (id(after[1]), self._own_keys[key][1].union(
-                name for name in after[4] if name not in keys[key]))
+            learned = frozenset(name for name, entry in zip(after[4], after[3]) if earlier.get(name, _MISSING) != entry)
+        else:
+            own, other = self._own_keys[key][1], others[key]
+            if not other and len(after[4]) == len(own):
+                return  # its own keys alone, before and after: nothing to learn (the common case)
+            learned = own.union(name for name, entry in zip(after[4], after[3])
+                                if name not in own and other.get(name, _MISSING) != entry)
+        self._own_keys[key] = (id(after[1]), learned)
 
     def _watch(self, params: list[torch.Tensor]) -> _Watched | None:
         """What a call of the wrapped optimizer's step may change besides its parameters' own state, read before it,
@@ -1845,6 +1851,13 @@ def _state_mark(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[
 # 2026-12-03: a key added since the update from f0d5f80 on; then a key logged again at every step, a group key, and
 # the empty state a read of ``opt.state[p]`` makes for SGD without momentum (an adversarial pass). Any other
 # optimizer's step may read a logged key: there every change is refused.
+
+
+def _entry(value: Any) -> Any:
+    """A state entry as :func:`_state_mark` fingerprints it."""
+    if isinstance(value, torch.Tensor):
+        return (id(value), value._version)
+    return value if type(value) in _PLAIN else id(value)
 
 
 def _same_state(mark: tuple[Any, ...], now: tuple[Any, ...], own: frozenset[str] | None) -> bool:
