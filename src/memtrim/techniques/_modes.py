@@ -10,16 +10,17 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .guards import FUSION
 
-__all__ = ["SCRIPTED", "Settings", "Swaps", "TrainingFlags", "buffers_put_back", "plain_settings",
-           "put_settings", "putting_buffers_back", "scripted_inside", "set_training_flags", "training_flags",
-           "cached_parametrizations", "parametrizations_as_read", "undo_swaps", "written_in_place"]
+__all__ = ["SCRIPTED", "CachedParametrizations", "Settings", "Swaps", "TrainingFlags", "buffers_put_back",
+           "plain_settings", "put_settings", "putting_buffers_back", "scripted_inside", "set_training_flags",
+           "training_flags", "undo_swaps", "written_in_place"]
 
 _local = threading.local()  # .depth: recomputations that put their buffers back, running on this thread
 
@@ -164,38 +165,51 @@ def scripted_inside(module: nn.Module) -> str | None:
 # NOTE [ parametrize.cached() ]: under ``torch.nn.utils.parametrize.cached()`` a parametrized tensor (orthogonal,
 # weight_norm, spectral_norm) is computed at its first read and cached. Read first inside a recomputed module, its
 # forward computed it, and its recomputation read the cached tensor, saving other tensors than the forward; with the
-# backward outside ``cached()``, the recomputation computed it where the forward read it cached. Either way torch's
-# bare CheckpointError (torch's own checkpoint fails so), or the reversible stack's "saved 8 tensors ... 6", until
-# 2026-12-03 (adversarial passes). Now each is computed before the recomputed region (torch caches it under its own
-# key, a deep copy's too) and the recomputation runs under ``cached()`` with the same tensors: it reads what the forward
-# read. The same gradient as plain training's, which computes it once and sends the gradients of all its uses through
-# that one computation; it is kept, not recomputed, as the forward's tensors outside the region are.
+# backward outside ``cached()``, the recomputation computed one its forward read cached. Either way torch's bare
+# CheckpointError (torch's own checkpoint fails so), or the reversible stack's "saved 8 tensors ... 6", until
+# 2026-12-03 (adversarial passes). Now the forward notes which cache entries it made and which were there before
+# it, and the recomputation runs under ``cached()`` without the first (it computes them again, as its forward did,
+# and the forward's are put back after) and with the second (it reads them, as its forward did). A first
+# fix computed every parametrized tensor before the forward: a layer the forward did not use advanced its spectral
+# norm's power iteration (2.9e-2 off), a mixture of 16 weight-normed experts kept all 16 weights, and a parametrization
+# drawing random numbers drew them earlier (adversarial pass).
 
 
-def cached_parametrizations(module: nn.Module) -> list[tuple[Any, torch.Tensor]]:
-    """Under ``parametrize.cached()``: every parametrized tensor in ``module``, computed now if not cached yet, as
-    torch's cache holds them (key, tensor); empty outside ``cached()``. NOTE [ parametrize.cached() ]"""
-    from torch.nn.utils import parametrize
+class CachedParametrizations:
+    """One forward's cache entries under ``parametrize.cached()`` (NOTE [ parametrize.cached() ]): :meth:`start` at
+    its beginning (None outside ``cached()``), :meth:`end` at its end, :meth:`recomputing` around a recomputation."""
 
-    if not parametrize._cache_enabled:
-        return []
-    read = {id(getattr(sub, name)) for sub in module.modules() if parametrize.is_parametrized(sub)
-            for name in cast(nn.ModuleDict, sub.parametrizations)}
-    return [(key, value) for key, value in parametrize._cache.items() if value is not None and id(value) in read]
+    __slots__ = ("before", "made", "found")
 
+    def __init__(self) -> None:
+        self.before: set[Any] = set(parametrize._cache)  # the keys cached when the forward began
+        self.made: list[Any] = []
+        self.found: dict[Any, torch.Tensor] = {}
 
-@contextlib.contextmanager
-def parametrizations_as_read(entries: list[tuple[Any, torch.Tensor]]) -> Iterator[None]:
-    """A recomputation reading the parametrized tensors its forward read (``entries`` of
-    :func:`cached_parametrizations`), under ``cached()`` though its backward runs outside it."""
-    if not entries:
-        yield
-        return
-    from torch.nn.utils import parametrize
+    @staticmethod
+    def start() -> CachedParametrizations | None:
+        return CachedParametrizations() if parametrize._cache_enabled else None
 
-    with parametrize.cached():
-        parametrize._cache.update(entries)
-        yield
+    def end(self) -> None:
+        cache = parametrize._cache
+        self.made = [key for key in cache if key not in self.before]  # (computed by the forward)
+        # (cached before it: every one, as torch keys a deep copy's by the original module's id; each was read by the
+        # forward's ops, which keep it until backward)
+        self.found = {key: value for key, value in cache.items() if key in self.before and value is not None}
+        self.before = set()
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[None]:
+        with parametrize.cached():
+            cache = parametrize._cache
+            cache.update(self.found)
+            forwards = {key: cache.pop(key) for key in self.made if key in cache}
+            try:
+                yield
+            finally:
+                for key in self.made:
+                    cache.pop(key, None)  # the recomputation's own
+                cache.update(forwards)
 
 
 def undo_swaps(swapped: Swaps) -> None:

@@ -52,6 +52,7 @@ precision: other bits than the plain loop's.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import weakref
@@ -71,9 +72,8 @@ from .._bound import InstanceForward
 from .._generators import GeneratorDraws
 from .._modes import (
     SCRIPTED,
+    CachedParametrizations,
     TrainingFlags,
-    cached_parametrizations,
-    parametrizations_as_read,
     plain_settings,
     put_settings,
     scripted_inside,
@@ -380,9 +380,9 @@ class _Recompute:
     forward's draws from explicitly passed generators are replayed (NOTE [ checkpointed forward ])."""
 
     def __init__(self, snapshot: list[tuple[nn.Module, str, torch.Tensor]], inner: Any, draws: GeneratorDraws,
-                 module: nn.Module, subtree: list[nn.Module], cached: list[tuple[Any, torch.Tensor]]) -> None:
+                 module: nn.Module, subtree: list[nn.Module], cached: CachedParametrizations | None) -> None:
         self.snapshot, self.inner, self.draws, self.module = snapshot, inner, draws, module
-        self.cached = cached  # the parametrized tensors the forward read (NOTE [ parametrize.cached() ])
+        self.cached = cached  # the forward's parametrized tensors (NOTE [ parametrize.cached() ])
         self.subtree = subtree  # module.modules(), listed once per call
         # every submodule's training flag in the forward: an evaluation pass between the forward and backward
         # (model.eval(), then no_grad) leaves them off, and the recomputation must run as the forward ran
@@ -455,7 +455,7 @@ class _Recompute:
         flipped = [param for *_, param, _, flag in self.params if param.requires_grad != flag]
         for param in flipped:
             param.requires_grad_(not param.requires_grad)
-        as_read = parametrizations_as_read(self.cached)
+        as_read = self.cached.recomputing() if self.cached is not None else contextlib.nullcontext()
         self.swapped.append((swapped, replay, modes, list(clones.values()), flipped, as_read))
         as_read.__enter__()
         replay.__enter__()
@@ -511,6 +511,8 @@ class _Forward:
 
     def __exit__(self, *exc: Any) -> None:
         self.owner.record_parameters()
+        if self.owner.cached is not None:
+            self.owner.cached.end()
         try:
             if self.inner is None:
                 return
@@ -531,8 +533,7 @@ def _context_fn(module: nn.Module, selective: Callable[[str], tuple[Any, Any]] |
         forward, recompute = selective(type(module).__name__) if selective is not None else (None, None)
         draws = GeneratorDraws(f"{_API}: {type(module).__name__}", "leave this module out of checkpoint_modules",
                                InvalidInputError)
-        # (computed here, before torch's hooks: NOTE [ parametrize.cached() ])
-        owner = _Recompute(entries, recompute, draws, module, subtree, cached_parametrizations(module))
+        owner = _Recompute(entries, recompute, draws, module, subtree, CachedParametrizations.start())
         return _Forward(forward, owner), owner
 
     return contexts

@@ -58,12 +58,11 @@ from ...measure.hooks import hold_for_backward
 from .._generators import SeededOps, _global_generators
 from .._modes import (
     SCRIPTED,
+    CachedParametrizations,
     Settings,
     Swaps,
     TrainingFlags,
     buffers_put_back,
-    cached_parametrizations,
-    parametrizations_as_read,
     plain_settings,
     put_settings,
     scripted_inside,
@@ -280,7 +279,7 @@ class _Frame:
         self.blocks = blocks
         self.exact, self.scale, self.dtype, self.drift = exact, float(2 ** fraction_bits), dtype, drift
         self.fraction_bits = fraction_bits
-        self.cached: list[list[tuple[Any, torch.Tensor]]] = [[] for _ in blocks]  # NOTE [ parametrize.cached() ]
+        self.cached: list[CachedParametrizations | None] = [None for _ in blocks]  # NOTE [ parametrize.cached() ]
         self.handles: list[list[weakref.ref]] = [[] for _ in blocks]
         self.replays: list[dict[str, Replay]] = [{} for _ in blocks]
         self.outputs: dict[int, torch.Tensor | _Halves] = {}  # block index -> its output (the next block's input)
@@ -349,7 +348,10 @@ class _Frame:
             with torch.no_grad():
                 before = [(b, b._version, b.clone()) for b in block.buffers()]
             h_in, version_in = h, h._version if isinstance(h, torch.Tensor) else 0
+            cached = self.cached[index] = CachedParametrizations.start()
             h = self._run_block(index, block, h)
+            if cached is not None:
+                cached.end()
             if _coupling(block) is None:
                 self.left[index] = plain_settings(block.modules())
             self.buffers_before[index] = [(b, value) for b, version, value in before if b._version != version]
@@ -590,7 +592,8 @@ class _Frame:
                     buffer.data.copy_(value)  # what the forward read (the NOTE above; NOTE [ buffers put back ])
             self.buffers_before[index] = []
             set_training_flags(self.modes[index])  # as in the forward
-            with buffers_put_back(), parametrizations_as_read(self.cached[index]):
+            cached = self.cached[index]
+            with buffers_put_back(), cached.recomputing() if cached is not None else contextlib.nullcontext():
                 x = self._rebuild(index, block, recorded)
         finally:
             undo_swaps(attributes)
@@ -859,10 +862,7 @@ class ReversibleSequential(nn.Module):
         return x
 
     def _frame(self, x: torch.Tensor) -> torch.Tensor:
-        frame = _Frame(list(self.blocks), self.exact, self.fraction_bits, x.dtype, self._drift)
-        # (before the stack's hooks: NOTE [ parametrize.cached() ])
-        frame.cached = [cached_parametrizations(block) for block in self.blocks]
-        return frame.run(x)
+        return _Frame(list(self.blocks), self.exact, self.fraction_bits, x.dtype, self._drift).run(x)
 
     def __len__(self) -> int:
         return len(self.blocks)
