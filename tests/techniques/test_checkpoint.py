@@ -1548,6 +1548,62 @@ def test_parametrizations_a_forward_does_not_read_stay_as_plain_training_leaves_
     assert_models_same(run(checkpointed=False), run(checkpointed=True))
 
 
+class _ReadsAnOuterWeight(nn.Module):
+    """Reads the parametrized weight of a layer outside it (held in a list: not its own), cached before it."""
+
+    def __init__(self, outer):
+        super().__init__()
+        self.lin, self.outer = nn.Linear(8, 8), [outer]
+
+    def forward(self, x):
+        return torch.tanh(F.linear(torch.tanh(self.lin(x)), self.outer[0].weight))
+
+
+@pytest.mark.parametrize("loop", ["validation_after_step", "pipelined"])
+def test_a_backward_in_another_parametrize_cached_leaves_that_cache_as_plain_training(loop):
+    # the recomputation set the forward's cached weight into the backward's cached(), where it stayed: the validation
+    # after the step read the old weight (losses 1e-2 off), and a pipelined loop (backward, step and the next forward
+    # in one cached()) raised "backward through the graph a second time" (an adversarial pass, 2026-12-03)
+    from torch.nn.utils import parametrizations, parametrize
+
+    def run(checkpointed):
+        torch.manual_seed(0)
+        emb = parametrizations.orthogonal(nn.Linear(8, 8))
+        model = nn.ModuleDict({"emb": emb, "block": _ReadsAnOuterWeight(emb)})
+        if checkpointed:
+            memtrim.checkpoint_modules(model, ["block"])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+        loss_of = lambda x: model["block"](torch.tanh(model["emb"](x))).sum()  # noqa: E731
+        seen = []
+        if loop == "validation_after_step":
+            for x in xs[:4]:
+                with parametrize.cached():
+                    loss = loss_of(x)
+                with parametrize.cached():
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    with torch.no_grad():
+                        seen.append(loss_of(xs[4]))
+        else:
+            with parametrize.cached():
+                loss = loss_of(xs[0])
+            for x in xs[1:]:
+                with parametrize.cached():
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    loss = loss_of(x)
+                seen.append(loss.detach())
+        assert parametrize._cache_enabled == 0
+        return model, seen
+
+    (plain, plain_seen), (treated, seen) = run(False), run(True)
+    assert_models_same(plain, treated)
+    assert_same(seen, plain_seen)
+
+
 class _InductorChild(nn.Module):
     """A block whose child is compiled with inductor: inductor calls ``addmm.out`` into a buffer of its own and then
     writes that buffer again in a fused kernel, which no aten op shows."""

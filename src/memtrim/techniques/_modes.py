@@ -200,16 +200,22 @@ class CachedParametrizations:
 
     @contextlib.contextmanager
     def recomputing(self) -> Iterator[None]:
+        """The recomputation's cache: what its forward found there, without what its forward made; on exit each entry
+        it touched is as it was (a backward in another ``cached()``, a validation pass's or the next step's, kept the
+        forward's entries, and later reads there got those stale tensors, until 2026-12-03: an adversarial pass)."""
         with parametrize.cached():
             cache = parametrize._cache
+            touched = [*self.found, *self.made]
+            before = {key: cache[key] for key in touched if key in cache}
+            for key in self.made:
+                cache.pop(key, None)
             cache.update(self.found)
-            forwards = {key: cache.pop(key) for key in self.made if key in cache}
             try:
                 yield
             finally:
-                for key in self.made:
-                    cache.pop(key, None)  # the recomputation's own
-                cache.update(forwards)
+                for key in touched:
+                    cache.pop(key, None)
+                cache.update(before)
 
 
 def undo_swaps(swapped: Swaps) -> None:
