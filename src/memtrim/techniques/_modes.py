@@ -193,8 +193,8 @@ class CachedParametrizations:
     def end(self) -> None:
         cache = parametrize._cache
         self.made = [key for key in cache if key not in self.before]  # (computed by the forward)
-        # (cached before it: every one, as torch keys a deep copy's by the original module's id; each was read by the
-        # forward's ops, which keep it until backward)
+        # (cached before it, every one: torch keys a deep copy's by the original module's id, so whose each is cannot be
+        # told; held until backward, as the graph holds those its ops read)
         self.found = {key: value for key, value in cache.items() if key in self.before and value is not None}
         self.before = set()
 
