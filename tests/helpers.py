@@ -230,3 +230,18 @@ def sgd_steps_alike(plain, converted, inputs) -> None:
             optimizer.step()
         for (name, a), b in zip(plain.state_dict().items(), converted.state_dict().values()):
             assert torch.equal(a, b), (step, name)
+
+
+def step_under_parametrize_cached(opt, loss_of, backward_inside: bool) -> None:
+    """One optimizer step whose forward (``loss_of()``) runs inside ``torch.nn.utils.parametrize.cached()``, its
+    backward inside that context or after it."""
+    from torch.nn.utils import parametrize
+
+    opt.zero_grad()
+    with parametrize.cached():
+        loss = loss_of()
+        if backward_inside:
+            loss.backward()
+    if not backward_inside:
+        loss.backward()
+    opt.step()

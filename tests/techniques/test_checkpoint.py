@@ -21,6 +21,8 @@ from memtrim.errors import InvalidInputError, MemtrimStateError, MissingDependen
 from memtrim.models.gpt import Block, GPTConfig, SmallGPT
 from memtrim.techniques.checkpoint import selective_available
 
+from ..helpers import step_under_parametrize_cached
+
 SELECTIVE = selective_available()  # torch >= 2.5
 
 
@@ -1479,7 +1481,7 @@ def test_parametrizations_under_parametrize_cached_train_bitwise(which, backward
     # before: torch's bare CheckpointError in backward ("a different number of tensors", as torch's own checkpoint
     # gives; adversarial passes, 2026-12-03): the recomputation read the tensor its forward had computed and cached,
     # or, backward outside cached(), computed the one its forward read cached (NOTE [ parametrize.cached() ])
-    from torch.nn.utils import parametrizations, parametrize
+    from torch.nn.utils import parametrizations
 
     def run(checkpointed):
         torch.manual_seed(0)
@@ -1491,14 +1493,7 @@ def test_parametrizations_under_parametrize_cached_train_bitwise(which, backward
             memtrim.checkpoint_modules(model, ["0"])
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         for x in [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]:
-            opt.zero_grad()
-            with parametrize.cached():
-                loss = model(x).pow(2).mean()
-                if backward_inside:
-                    loss.backward()
-            if not backward_inside:
-                loss.backward()
-            opt.step()
+            step_under_parametrize_cached(opt, lambda x=x: model(x).pow(2).mean(), backward_inside)
         return model
 
     assert_models_same(run(checkpointed=False), run(checkpointed=True))
@@ -1523,7 +1518,7 @@ def test_parametrizations_a_forward_does_not_read_stay_as_plain_training_leaves_
     # a first fix computed every parametrized tensor before the region: an unused spectral norm ran its power
     # iteration (2.9e-2 off in its u after 6 steps), and a parametrization shared with the model after the blocks,
     # on a deep copy, made the recomputation compute what its forward read cached (adversarial pass, 2026-12-03)
-    from torch.nn.utils import parametrizations, parametrize
+    from torch.nn.utils import parametrizations
 
     def run(checkpointed):
         torch.manual_seed(0)
@@ -1535,14 +1530,8 @@ def test_parametrizations_a_forward_does_not_read_stay_as_plain_training_leaves_
         opt = torch.optim.Adam(model.parameters(), lr=1e-2)
         for i in range(6):
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
-            opt.zero_grad()
-            with parametrize.cached():
-                loss = model["head"](model["after"](model["b1"](model["b0"](x)))).sum()
-                if backward_inside:
-                    loss.backward()
-            if not backward_inside:
-                loss.backward()
-            opt.step()
+            step_under_parametrize_cached(
+                opt, lambda x=x: model["head"](model["after"](model["b1"](model["b0"](x)))).sum(), backward_inside)
         return model
 
     assert_models_same(run(checkpointed=False), run(checkpointed=True))

@@ -11,6 +11,8 @@ from torch.utils.checkpoint import checkpoint
 
 import memtrim
 
+from ..helpers import step_under_parametrize_cached
+
 
 def mlp(width, dropout=0.0, bn=False):
     layers = [nn.Linear(width, width)]
@@ -924,7 +926,7 @@ def test_parametrizations_under_parametrize_cached_train_as_the_plain_stack(whic
     # before: a ReversibleError in backward ("saved 8 tensors in forward but 6 when recomputed"; adversarial passes,
     # 2026-12-03): the rebuild read the tensor its forward had computed and cached, or, backward outside cached(),
     # computed the one its forward read cached (NOTE [ parametrize.cached() ])
-    from torch.nn.utils import parametrizations, parametrize
+    from torch.nn.utils import parametrizations
 
     def run(reversible):
         torch.manual_seed(0)
@@ -936,14 +938,7 @@ def test_parametrizations_under_parametrize_cached_train_as_the_plain_stack(whic
         stack = (memtrim.ReversibleSequential if reversible else nn.Sequential)(*blocks).double()
         opt = torch.optim.SGD(stack.parameters(), lr=0.05)
         for x in [torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(3)]:
-            opt.zero_grad()
-            with parametrize.cached():
-                loss = stack(x).pow(2).mean()
-                if backward_inside:
-                    loss.backward()
-            if not backward_inside:
-                loss.backward()
-            opt.step()
+            step_under_parametrize_cached(opt, lambda x=x: stack(x).pow(2).mean(), backward_inside)
         return list(stack.parameters())
 
     for a, b in zip(run(reversible=False), run(reversible=True), strict=True):
