@@ -1838,8 +1838,7 @@ def _state_mark(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[
     try:
         entries = [(id(v), v._version) for v in values]  # torch's optimizers: every entry a tensor
     except AttributeError:
-        entries = [(id(v), v._version) if isinstance(v, torch.Tensor) else v if type(v) in _PLAIN else id(v)
-                   for v in values]
+        entries = [_entry(v) for v in values]
     return (optimizer.state, state, values, entries, tuple(state))
 
 
@@ -1854,7 +1853,8 @@ def _state_mark(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> tuple[
 
 
 def _entry(value: Any) -> Any:
-    """A state entry as :func:`_state_mark` fingerprints it."""
+    """A state entry's fingerprint: a tensor by identity and version, a plain value as itself, anything else by
+    identity."""
     if isinstance(value, torch.Tensor):
         return (id(value), value._version)
     return value if type(value) in _PLAIN else id(value)
