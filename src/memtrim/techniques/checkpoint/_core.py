@@ -264,13 +264,11 @@ class _SaveListed:
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         packet = getattr(op, "overloadpacket", op)
-        keep = op in self.saved or packet in self.saved
         # an op that writes an argument (``addmm.out``, inductor's call into its own buffer, which its fused kernel
         # then writes again unseen: torch's bare "Tensor cached during selective activation checkpoint has been
         # mutated" in backward until 2026-12-03, found by an adversarial pass) is recomputed, as torch's own policy
         # on the ``.default`` overloads does
-        if keep and getattr(getattr(op, "_schema", None), "is_mutable", False):
-            keep = False
+        keep = (op in self.saved or packet in self.saved) and not op._schema.is_mutable
         return tuc.CheckpointPolicy.MUST_SAVE if keep else tuc.CheckpointPolicy.PREFER_RECOMPUTE
 
     def __reduce__(self) -> tuple[Any, ...]:
