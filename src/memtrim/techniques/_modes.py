@@ -203,19 +203,36 @@ class CachedParametrizations:
         """The recomputation's cache: what its forward found there, without what its forward made; on exit each entry
         it touched is as it was (a backward in another ``cached()``, a validation pass's or the next step's, kept the
         forward's entries, and later reads there got those stale tensors, until 2026-12-03: an adversarial pass)."""
-        with parametrize.cached():
-            cache = parametrize._cache
-            touched = [*self.found, *self.made]
-            before = {key: cache[key] for key in touched if key in cache}
-            for key in self.made:
+        with parametrize.cached(), CachedParametrizations.holding(self.found, without=self.made):
+            yield
+
+    @staticmethod
+    def keys() -> set[Any]:
+        """The keys cached now (before a call whose entries :meth:`made_since` then tells)."""
+        return set(parametrize._cache)
+
+    @staticmethod
+    def made_since(keys: set[Any]) -> dict[Any, torch.Tensor]:
+        """The entries cached since ``keys`` were (:meth:`keys`)."""
+        return {key: value for key, value in parametrize._cache.items() if key not in keys and value is not None}
+
+    @staticmethod
+    @contextlib.contextmanager
+    def holding(entries: dict[Any, torch.Tensor], without: Iterable[Any] = ()) -> Iterator[None]:
+        """The cache with ``entries`` in it and the keys ``without`` out of it (as a call of the forward found it);
+        on exit, each entry touched as it was."""
+        cache = parametrize._cache
+        touched = [*entries, *without]
+        before = {key: cache[key] for key in touched if key in cache}
+        for key in without:
+            cache.pop(key, None)
+        cache.update(entries)
+        try:
+            yield
+        finally:
+            for key in touched:
                 cache.pop(key, None)
-            cache.update(self.found)
-            try:
-                yield
-            finally:
-                for key in touched:
-                    cache.pop(key, None)
-                cache.update(before)
+            cache.update(before)
 
 
 def undo_swaps(swapped: Swaps) -> None:

@@ -89,6 +89,13 @@ class _Handle:
         self.version = 0  # the tensor's version then: autograd checks none under saved-tensor hooks
 
 
+class _FLeft(NamedTuple):
+    """What a coupling's f left for its g in the forward (NOTE [ f and g share a layer ])."""
+
+    buffers: list[tuple[torch.Tensor, torch.Tensor]]  # a buffer f wrote, its value after f
+    cache: dict[Any, torch.Tensor]  # the parametrize.cached() entries f made
+
+
 class _Halves(NamedTuple):
     """A block boundary rebuilt by a coupling, kept as its two halves: the block before splits it the same way, so
     it is never concatenated."""
@@ -315,6 +322,7 @@ class _Frame:
         # ... and a block of the user's as its forward left them, what its own inverse reads (what its forward keeps
         # for it: the stack called twice before one backward, each rebuild reads its own)
         self.left: list[Settings] = [[] for _ in blocks]
+        self.f_left: list[_FLeft] = [_FLeft([], {}) for _ in blocks]  # NOTE [ f and g share a layer ]
 
     # ------------------------------------------------------------------------------------------------ forward
 
@@ -446,7 +454,8 @@ class _Frame:
             inp = self._from_stream(half)
             if recorded is None:
                 self.found[index][name] = plain_settings(block.modules())
-                with captured(self.replays[index], name, inp, f"block {index}'s {name}"):
+                with captured(self.replays[index], name, inp, f"block {index}'s {name}"), \
+                        self._leaving(index, name, block):
                     out = fn(inp)
                 out = _checked(block, name, out, inp)
             else:  # a half of the kept input, laid out as the forward's (an op saves other tensors for another)
@@ -470,7 +479,8 @@ class _Frame:
         def scale_shift(name: str, fn: nn.Module, half: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if recorded is None:
                 self.found[index][name] = plain_settings(block.modules())
-                with captured(self.replays[index], name, half, f"block {index}'s {name}"):
+                with captured(self.replays[index], name, half, f"block {index}'s {name}"), \
+                        self._leaving(index, name, block):
                     return block.scale_shift(name, fn, half)
             replay = self.replays[index][name]  # a half of the kept input, laid out as the forward's
             half = as_forward(half.detach(), replay).requires_grad_(replay.requires_grad)
@@ -590,12 +600,13 @@ class _Frame:
             with torch.no_grad():
                 for buffer, value in self.buffers_before[index]:
                     buffer.data.copy_(value)  # what the forward read (the NOTE above; NOTE [ buffers put back ])
-            self.buffers_before[index] = []
             set_training_flags(self.modes[index])  # as in the forward
             cached = self.cached[index]
             with buffers_put_back(), cached.recomputing() if cached is not None else contextlib.nullcontext():
                 x = self._rebuild(index, block, recorded)
         finally:
+            self.buffers_before[index] = []
+            self.f_left[index] = _FLeft([], {})
             undo_swaps(attributes)
             for p in flipped:
                 p.requires_grad_(not p.requires_grad)
@@ -738,12 +749,46 @@ class _Frame:
                 with _recording(recorded), replayed(replays["block"]):
                     block(inp)
 
+    # NOTE [ f and g share a layer ]: a coupling's forward runs f, then g; its rebuild runs g, then f. A layer both
+    # call (one spectral-normed Linear, one BatchNorm, a coupling built as AdditiveCoupling(f, f)) is left by f's call
+    # as g's found it: its power-iteration vectors advanced, under parametrize.cached() its weight cached. The rebuild
+    # read the block's state from before f for g (1.3e-3 to 6.5e-2 off plain training after 3 steps, silently), and
+    # under cached() g computed the weight its forward read cached (a ReversibleError: "saved a tensor of shape
+    # (8,) ... (5, 8)"), until 2026-12-03. Now the forward keeps what f's call left for g: the block's buffers f
+    # wrote (their values after f: small, and only those whose version moved) and the cache entries f made (held
+    # until backward, as the entries the block found are); the rebuild puts them in place for g's call and the
+    # block's values from before f back for f's.
+
+    @contextlib.contextmanager
+    def _leaving(self, index: int, name: str, block: nn.Module) -> Iterator[None]:
+        """Around a coupling's call of ``name`` in the forward: for f, note what it left for g (the NOTE above)."""
+        if name != "f":
+            yield
+            return
+        versions = [(b, b._version) for b in block.buffers()]
+        keys = CachedParametrizations.keys() if self.cached[index] is not None else None
+        yield
+        with torch.no_grad():
+            buffers = [(b, b.detach().clone()) for b, version in versions if b._version != version]
+        self.f_left[index] = _FLeft(buffers, CachedParametrizations.made_since(keys) if keys is not None else {})
+
     @contextlib.contextmanager
     def _as_found(self, index: int, name: str) -> Iterator[None]:
-        """Block ``index``'s attributes and children as its ``name`` (f or g) found them in the forward."""
+        """Block ``index``'s attributes and children as its ``name`` (f or g) found them in the forward, and the
+        buffers and cache entries f left for g (NOTE [ f and g share a layer ])."""
+        left = self.f_left[index]
+        if name == "g":
+            values = left.buffers
+        else:  # what the block's buffers f wrote were before the forward (g's rebuild may have moved them)
+            start = {id(b): value for b, value in self.buffers_before[index]}
+            values = [(b, start[id(b)]) for b, _ in left.buffers if id(b) in start]
+        with torch.no_grad():
+            for buffer, value in values:
+                buffer.data.copy_(value)  # (NOTE [ buffers put back ])
         swapped = put_settings(self.found[index][name])
         try:
-            yield
+            with CachedParametrizations.holding(left.cache) if name == "g" and left.cache else contextlib.nullcontext():
+                yield
         finally:
             undo_swaps(swapped)
 
