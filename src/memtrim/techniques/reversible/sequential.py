@@ -27,7 +27,8 @@ what they save, in the forward's order; each handle then returns its tensor and 
   vectors: updated, then used for the weight) must be what the forward started from when it is recomputed: each
   block's buffers are cloned before its forward, and the clones of those whose version moved are kept (and put in
   place for the recomputation); the others are dropped at once. BatchNorm's running statistics move inside torch's
-  kernel without a version bump: not kept (training mode does not read them). A buffer written through ``.data``
+  kernel without a version bump: not kept in training mode, which does not read them, kept in evaluation mode
+  (:func:`_statistics_read`). A buffer written through ``.data``
   (an EMA codebook) moves none either, and its recomputation reads the new value: not seen. Every module's training
   flag is set as the forward had it for the recomputation, and put back after (an evaluation pass between forward
   and backward turns them off).
@@ -44,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -57,6 +59,7 @@ from ...errors import InvalidInputError, ReversibleError
 from ...measure.hooks import hold_for_backward
 from .._generators import SeededOps, _global_generators
 from .._modes import (
+    ABSENT,
     SCRIPTED,
     CachedParametrizations,
     Settings,
@@ -77,6 +80,16 @@ from .coupling import AdditiveCoupling, AffineCoupling, _checked, _split
 
 __all__ = ["ReversibleSequential", "ReversibleError"]  # ReversibleError: re-exported from memtrim.errors
 
+# NOTE [ a later forward's write ]: a frame checks at backward that the buffers its forward read and did not change
+# are as it read them (a write between forward and backward would be read by the rebuild). A later forward of the
+# same blocks before that backward may write one itself: an evaluation-mode forward with grad, then a training
+# forward (its spectral norm's power iteration, an average only training updates), then one backward raised a false
+# ReversibleError where plain training trains, until 2026-12-03 (an adversarial pass). Each forward clones a block's
+# buffers before running it; where one moves, the clone taken at the version an earlier frame read is handed to that
+# frame, which puts it in place for its rebuild as it does for the buffers its own forward changed.
+_LIVE: list[weakref.ref[_Frame]] = []  # frames whose forward kept buffer versions to check, until they are freed
+_LIVE_LOCK = threading.Lock()
+
 
 class _Handle:
     """What autograd keeps instead of a tensor saved inside the stack."""
@@ -93,6 +106,7 @@ class _FLeft(NamedTuple):
     """What a coupling's f left for its g in the forward (NOTE [ f and g share a layer ])."""
 
     buffers: list[tuple[torch.Tensor, torch.Tensor]]  # a buffer f wrote, its value after f
+    slots: list[tuple[dict[str, Any], str, Any]]  # a parameter or buffer f set anew (``self.n = self.n + 1``)
     cache: dict[Any, torch.Tensor]  # the parametrize.cached() entries f made
 
 
@@ -222,11 +236,51 @@ class _DriftLog:
             self.keep_inputs.add(index)
 
 
+def _live_frames() -> list[_Frame]:
+    """The frames whose backward may still check buffer versions (NOTE [ a later forward's write ])."""
+    if not _LIVE:
+        return []
+    with _LIVE_LOCK:
+        return [f for f in (ref() for ref in _LIVE) if f is not None]
+
+
+def _hand_over(frame: _Frame | None, moved: list[tuple[torch.Tensor, int, torch.Tensor]]) -> None:
+    """Hand each buffer a forward (``frame``'s, or a plain one under ``no_grad``) moved, as it was at the version
+    then (a clone), to the other live frames that read it at that version (NOTE [ a later forward's write ])."""
+    if not moved:
+        return
+    frames = [f for f in _live_frames() if f is not frame]
+    values = {(id(b), version): value for b, version, value in moved}
+    for other in frames:
+        for index, versions in enumerate(other.buffer_versions):
+            if any((id(b), version) in values for b, version in versions):
+                other.buffers_before[index] += [(b, values[id(b), version]) for b, version in versions
+                                                if (id(b), version) in values]
+                other.buffer_versions[index] = [(b, version) for b, version in versions
+                                                if (id(b), version) not in values]
+
+
+def _slots(block: nn.Module) -> list[tuple[dict[str, Any], str, Any]]:
+    """Each parameter and buffer of ``block``'s modules in its slot: (the module's table, its name, the tensor)."""
+    return [(table, name, value) for sub in block.modules() for table in (sub._parameters, sub._buffers)
+            for name, value in table.items() if value is not None]
+
+
 def _batchnorm_count(block: nn.Module, buffer: torch.Tensor) -> bool:
     """Whether ``buffer`` is a BatchNorm's ``num_batches_tracked`` in ``block``: a later training forward advances it,
     and a forward in evaluation does not read it (a training one that does moved it itself)."""
     return any(isinstance(m, nn.modules.batchnorm._NormBase) and m.num_batches_tracked is buffer
                for m in block.modules())
+
+
+def _statistics_read(block: nn.Module) -> set[int]:
+    """The ids of the running statistics ``block``'s norms in evaluation read in its forward: a later training
+    forward updates them inside torch's kernel, moving no version counter (an evaluation-mode forward with grad, a
+    training forward, then one backward: the rebuild read the new statistics, 3.46 off the gradient of the forward
+    that ran, silently, until 2026-12-03: an adversarial pass)."""
+    return {id(buffer) for m in block.modules()
+            if isinstance(m, nn.modules.batchnorm._NormBase) and not m.training and m.track_running_stats
+            for buffer in (m.running_mean, m.running_var) if buffer is not None}
 
 
 def _refuse_sharded(index: int, block: nn.Module) -> None:
@@ -322,7 +376,7 @@ class _Frame:
         # ... and a block of the user's as its forward left them, what its own inverse reads (what its forward keeps
         # for it: the stack called twice before one backward, each rebuild reads its own)
         self.left: list[Settings] = [[] for _ in blocks]
-        self.f_left: list[_FLeft] = [_FLeft([], {}) for _ in blocks]  # NOTE [ f and g share a layer ]
+        self.f_left: list[_FLeft] = [_FLeft([], [], {}) for _ in blocks]  # NOTE [ f and g share a layer ]
 
     # ------------------------------------------------------------------------------------------------ forward
 
@@ -349,9 +403,7 @@ class _Frame:
                     "module, nn.LazyLinear): its first forward initialises it, which the recomputation in backward "
                     "cannot repeat. Expected initialised parameters; to fix: run the model once on an example "
                     "batch under torch.no_grad() before training (or before building the optimizer).")
-            self.slots[index] = [(table, name, value) for sub in block.modules()
-                                 for table in (sub._parameters, sub._buffers)
-                                 for name, value in table.items() if value is not None]
+            self.slots[index] = _slots(block)
             self.modes[index] = training_flags(block.modules())
             with torch.no_grad():
                 before = [(b, b._version, b.clone()) for b in block.buffers()]
@@ -362,8 +414,12 @@ class _Frame:
                 cached.end()
             if _coupling(block) is None:
                 self.left[index] = plain_settings(block.modules())
-            self.buffers_before[index] = [(b, value) for b, version, value in before if b._version != version]
-            self.buffer_versions[index] = [(b, version) for b, version, _ in before if b._version == version]
+            read = _statistics_read(block)
+            self.buffers_before[index] = [(b, value) for b, version, value in before
+                                          if b._version != version or id(b) in read]
+            self.buffer_versions[index] = [(b, version) for b, version, _ in before
+                                           if b._version == version and id(b) not in read]
+            _hand_over(self, [(b, version, value) for b, version, value in before if b._version != version])
             moved = next((p for p, version in versions if p._version != version), None)
             if moved is not None:
                 # (found by adversarial passes on 2026-12-03: a clamp before the use trained, after it the rebuild
@@ -382,6 +438,9 @@ class _Frame:
         self.outputs[last] = x.detach()  # detached: no cycle through the output's grad_fn
         self.output_version = x._version
         hold_for_backward(self.outputs[last], self)
+        if any(self.buffer_versions):
+            with _LIVE_LOCK:
+                _LIVE[:] = [ref for ref in _LIVE if ref() is not None] + [weakref.ref(self)]
         for kept in self.kept_inputs.values():
             hold_for_backward(kept, self)
         if self.exact:
@@ -605,8 +664,6 @@ class _Frame:
             with buffers_put_back(), cached.recomputing() if cached is not None else contextlib.nullcontext():
                 x = self._rebuild(index, block, recorded)
         finally:
-            self.buffers_before[index] = []
-            self.f_left[index] = _FLeft([], {})
             undo_swaps(attributes)
             for p in flipped:
                 p.requires_grad_(not p.requires_grad)
@@ -637,6 +694,11 @@ class _Frame:
             if handle is not None:
                 handle.tensor, handle.version = tensor, tensor._version
         self.materialised.add(index)
+        # (kept until the rebuild succeeded: a backward retried on the same graph after an error in a rebuild (an
+        # out-of-memory caught) rebuilt from the buffers as backward found them, 0.10 off, silently, until 2026-12-03)
+        self.buffers_before[index] = []
+        self.f_left[index] = _FLeft([], [], {})
+        self.kept_inputs.pop(index, None)
         if index in self.probes:
             self.drift.measure(index, _whole(x), *self.probes.pop(index))
         if index > 0:
@@ -651,7 +713,7 @@ class _Frame:
     def _rebuild(self, index: int, block: nn.Module, recorded: list[torch.Tensor]) -> torch.Tensor | _Halves:
         """Block ``index``'s input, recording into ``recorded`` what its forward saved, in the forward's order."""
         if index in self.kept_inputs:  # drift fallback: the input was kept, recompute forward from it
-            x = self.kept_inputs.pop(index)
+            x = self.kept_inputs[index]
             if x._version != self.kept_versions[index]:
                 # the stack's input, changed by the caller (plain training raises autograd's in-place error there;
                 # this recomputed from the new values, silently, until 2026-12-03)
@@ -770,20 +832,23 @@ class _Frame:
         yield
         with torch.no_grad():
             buffers = [(b, b.detach().clone()) for b, version in versions if b._version != version]
-        self.f_left[index] = _FLeft(buffers, CachedParametrizations.made_since(keys) if keys is not None else {})
+        start = {(id(table), name): value for table, name, value in self.slots[index]}
+        slots = [(table, name, value) for table, name, value in _slots(block)
+                 if start.get((id(table), name), ABSENT) is not value]
+        self.f_left[index] = _FLeft(buffers, slots, CachedParametrizations.made_since(keys) if keys is not None else {})
 
     @contextlib.contextmanager
     def _as_found(self, index: int, name: str) -> Iterator[None]:
-        """Block ``index``'s attributes and children as its ``name`` (f or g) found them in the forward, and the
-        buffers and cache entries f left for g (NOTE [ f and g share a layer ])."""
+        """Block ``index``'s attributes, children, parameters and buffers as its ``name`` (f, g, or the block's
+        forward) found them in the forward: those the block's forward found, and for g what f left it (NOTE [ f and
+        g share a layer ]). What the rebuild ran before (g before f, a block's inverse before its forward) may have
+        written or set anew what this call reads: a buffer g averages and f reads was rebuilt with g's write, 3.35
+        off, silently, until 2026-12-03 (an adversarial pass)."""
         left = self.f_left[index]
-        if name == "g":
-            values = left.buffers
-        else:  # what the block's buffers f wrote were before the forward (g's rebuild may have moved them)
-            start = {id(b): value for b, value in self.buffers_before[index]}
-            values = [(b, start[id(b)]) for b, _ in left.buffers if id(b) in start]
+        for table, key, value in [*self.slots[index], *(left.slots if name == "g" else [])]:
+            table[key] = value
         with torch.no_grad():
-            for buffer, value in values:
+            for buffer, value in [*self.buffers_before[index], *(left.buffers if name == "g" else [])]:
                 buffer.data.copy_(value)  # (NOTE [ buffers put back ])
         swapped = put_settings(self.found[index][name])
         try:
@@ -882,8 +947,15 @@ class ReversibleSequential(nn.Module):
         if not isinstance(x, torch.Tensor):
             raise InvalidInputError(f"memtrim.ReversibleSequential: input must be a tensor, got {type(x).__name__}.")
         if (not torch.is_grad_enabled() and not self.exact) or len(self.blocks) == 0:
+            live = _live_frames()
             for block in self.blocks:
+                if not live:
+                    x = block(x)
+                    continue
+                with torch.no_grad():  # (recalibrating before an open backward: NOTE [ a later forward's write ])
+                    before = [(b, b._version, b.clone()) for b in block.buffers()]
                 x = block(x)
+                _hand_over(None, [(b, version, value) for b, version, value in before if b._version != version])
             return x
         if torch.is_inference_mode_enabled():  # (exact: the frame reads version counters, which these lack)
             with torch.inference_mode(False), torch.no_grad():  # (leaving inference mode turns grad on)
