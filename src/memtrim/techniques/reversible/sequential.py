@@ -832,9 +832,9 @@ class _Frame:
         yield
         with torch.no_grad():
             buffers = [(b, b.detach().clone()) for b, version in versions if b._version != version]
-        start = {(id(table), name): value for table, name, value in self.slots[index]}
-        slots = [(table, name, value) for table, name, value in _slots(block)
-                 if start.get((id(table), name), ABSENT) is not value]
+        start = {(id(table), key): value for table, key, value in self.slots[index]}
+        slots = [(table, key, value) for table, key, value in _slots(block)
+                 if start.get((id(table), key), ABSENT) is not value]
         self.f_left[index] = _FLeft(buffers, slots, CachedParametrizations.made_since(keys) if keys is not None else {})
 
     @contextlib.contextmanager
