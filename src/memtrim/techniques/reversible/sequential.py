@@ -817,9 +817,10 @@ class _Frame:
     # read the block's state from before f for g (1.3e-3 to 6.5e-2 off plain training after 3 steps, silently), and
     # under cached() g computed the weight its forward read cached (a ReversibleError: "saved a tensor of shape
     # (8,) ... (5, 8)"), until 2026-12-03. Now the forward keeps what f's call left for g: the block's buffers f
-    # wrote (their values after f: small, and only those whose version moved) and the cache entries f made (held
-    # until backward, as the entries the block found are); the rebuild puts them in place for g's call and the
-    # block's values from before f back for f's.
+    # wrote (their values after f: small, and only those whose version moved), the parameters and buffers it set
+    # anew (``self.n = self.n + 1``: 7.31 off before) and the cache entries f made (held until backward, as the
+    # entries the block found are); the rebuild puts them in place for g's call, and the block's state from before
+    # f back for f's (g's rebuild may have written what f reads: 3.35 off before).
 
     @contextlib.contextmanager
     def _leaving(self, index: int, name: str, block: nn.Module) -> Iterator[None]:
