@@ -1217,3 +1217,110 @@ def test_an_eval_forward_then_a_training_forward_before_one_backward_trains_as_t
         loss.backward()
 
     _trains_as_the_plain_stack(lambda: [memtrim.AdditiveCoupling(make_half(), make_half()) for _ in range(2)], step)
+
+
+class _LazyCount(nn.Module):
+    """Registers its count at its first call, then advances it (set anew, or in place) and reads it."""
+
+    def __init__(self, in_place):
+        super().__init__()
+        self.lin, self.in_place = nn.Linear(4, 4), in_place
+
+    def forward(self, x):
+        if "n" not in self._buffers:
+            self.register_buffer("n", torch.zeros((), dtype=x.dtype))
+        if self.in_place:
+            with torch.no_grad():
+                self.n.add_(1)
+        else:
+            self.n = self.n + 1
+        return torch.tanh(self.lin(x)) * (1 + 0.1 * self.n)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["set anew", "in place"])
+@pytest.mark.parametrize("where", ["f", "f and g"])
+def test_a_buffer_registered_in_the_first_forward_trains_as_the_plain_stack(where, in_place):
+    # the rebuild left the buffer the forward registered in place, so it read the forward's advanced count (1.0 off
+    # after one step; 5.6 and, one layer as f and g written in place, 3.0 after 3), silently, until 2026-12-03 (an
+    # adversarial pass)
+    def make_blocks():
+        if where == "f":
+            return [memtrim.AdditiveCoupling(_LazyCount(in_place), mlp(4)) for _ in range(2)]
+        return [memtrim.AdditiveCoupling(c, c) for c in (_LazyCount(in_place), _LazyCount(in_place))]
+
+    _trains_as_the_plain_stack(make_blocks)
+
+
+def test_a_buffer_one_block_reads_and_a_later_block_writes_is_no_refusal():
+    # one layer in two blocks, the first reading the average the second call updates: the second block's write
+    # raised a false ReversibleError at the first block's backward, until 2026-12-03 (an adversarial pass)
+    class EveryOther(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.calls = nn.Linear(4, 4), 0
+            self.register_buffer("average", torch.zeros(4))
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls % 2 == 0:
+                with torch.no_grad():
+                    self.average.mul_(0.9).add_(0.1 * x.mean(0))
+            return torch.tanh(self.lin(x) + self.average)
+
+    def make_blocks():
+        shared = EveryOther()
+        return [memtrim.AdditiveCoupling(shared, mlp(4)) for _ in range(2)]
+
+    _trains_as_the_plain_stack(make_blocks)
+
+
+def test_a_later_forward_that_raises_after_a_write_is_no_refusal():
+    # an evaluation forward with grad, then a training forward that raises in block 0's g (after its f advanced the
+    # power iteration), caught, then the first forward's backward: a false ReversibleError until 2026-12-03 (an
+    # adversarial pass)
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    fail = []
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            if fail:
+                fail.pop()
+                raise ValueError("a bad batch")
+            return torch.tanh(self.lin(x))
+
+    def step(model, x, i):
+        model.eval()
+        loss = model(2 * x).pow(2).sum()
+        model.train()
+        fail.append(True)
+        with pytest.raises(ValueError, match="a bad batch"):
+            model(x)
+        loss.backward()
+
+    _trains_as_the_plain_stack(
+        lambda: [memtrim.AdditiveCoupling(nn.Sequential(spectral_norm(nn.Linear(4, 4)), nn.Tanh()), Gate())
+                 for _ in range(2)], step)
+
+
+@pytest.mark.parametrize("write", ["reset_running_stats", "running_var.mul_"])
+def test_an_eval_forwards_statistics_written_before_backward_raise_naming_them(write):
+    # the statistics an evaluation forward read are kept for its rebuild, and still checked: a write of the user's
+    # raises, as the plain stack's autograd does (6b8a027 trained on the kept copies without a word: an adversarial
+    # pass)
+    torch.manual_seed(0)
+    stack = memtrim.ReversibleSequential(*[memtrim.AdditiveCoupling(mlp(4, bn=True)) for _ in range(2)]).double()
+    stack.eval()
+    out = stack(torch.randn(4, 8, dtype=torch.float64))
+    bn = next(m for m in stack[1].f.modules() if isinstance(m, nn.BatchNorm1d))
+    if write == "reset_running_stats":
+        bn.reset_running_stats()
+    else:
+        bn.running_var.mul_(2)
+    with pytest.raises(memtrim.ReversibleError, match=r"block 1's buffer f\..*running_(mean|var) was modified in "
+                                                       r"place after the forward"):
+        out.pow(2).mean().backward()

@@ -86,8 +86,11 @@ __all__ = ["ReversibleSequential", "ReversibleError"]  # ReversibleError: re-exp
 # forward (its spectral norm's power iteration, an average only training updates), then one backward raised a false
 # ReversibleError where plain training trains, until 2026-12-03 (an adversarial pass). Each forward clones a block's
 # buffers before running it; where one moves, the clone taken at the version an earlier frame read is handed to that
-# frame, which puts it in place for its rebuild as it does for the buffers its own forward changed.
-_LIVE: list[weakref.ref[_Frame]] = []  # frames whose forward kept buffer versions to check, until they are freed
+# frame, which puts it in place for its rebuild as it does for the buffers its own forward changed. So is it to an
+# earlier block of the same frame (one module in two blocks, the first reading what the second writes), also where
+# the writing block raised (a loop that catches it goes on). A write outside any forward of the stack (the user's;
+# ``stack.inverse()``, a block called on its own) still raises at backward.
+_LIVE: list[weakref.ref[_Frame]] = []  # frames whose forward ran, until they are freed
 _LIVE_LOCK = threading.Lock()
 
 
@@ -244,12 +247,14 @@ def _live_frames() -> list[_Frame]:
         return [f for f in (ref() for ref in _LIVE) if f is not None]
 
 
-def _hand_over(frame: _Frame | None, moved: list[tuple[torch.Tensor, int, torch.Tensor]]) -> None:
-    """Hand each buffer a forward (``frame``'s, or a plain one under ``no_grad``) moved, as it was at the version
-    then (a clone), to the other live frames that read it at that version (NOTE [ a later forward's write ])."""
+def _hand_over(moved: list[tuple[torch.Tensor, int, torch.Tensor]]) -> None:
+    """Hand each buffer a block's forward moved (a frame's, or a plain one under ``no_grad``), as it was at the
+    version then (a clone), to the live frames that read it at that version: earlier ones, and earlier blocks of the
+    frame running (one module in two blocks, the first reading what the second writes) (NOTE [ a later forward's
+    write ])."""
     if not moved:
         return
-    frames = [f for f in _live_frames() if f is not frame]
+    frames = _live_frames()
     values = {(id(b), version): value for b, version, value in moved}
     for other in frames:
         for index, versions in enumerate(other.buffer_versions):
@@ -264,6 +269,21 @@ def _slots(block: nn.Module) -> list[tuple[dict[str, Any], str, Any]]:
     """Each parameter and buffer of ``block``'s modules in its slot: (the module's table, its name, the tensor)."""
     return [(table, name, value) for sub in block.modules() for table in (sub._parameters, sub._buffers)
             for name, value in table.items() if value is not None]
+
+
+def _put_slots(block: nn.Module, slots: list[tuple[dict[str, Any], str, Any]]) -> None:
+    """Put ``block``'s modules' parameters and buffers in the slots recorded (:func:`_slots`), removing any added
+    since (a buffer a forward registers at its first call: left in place, the rebuild read the forward's, 1.0 off
+    after one step, silently, until 2026-12-03, an adversarial pass)."""
+    wanted: dict[int, dict[str, Any]] = {}
+    for table, key, value in slots:
+        wanted.setdefault(id(table), {})[key] = value
+    for sub in block.modules():
+        for table in (sub._parameters, sub._buffers):
+            entries = wanted.get(id(table), {})
+            for key in [k for k, v in table.items() if v is not None and k not in entries]:
+                del table[key]
+            table.update(entries)
 
 
 def _batchnorm_count(block: nn.Module, buffer: torch.Tensor) -> bool:
@@ -382,6 +402,8 @@ class _Frame:
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """The stack's forward: every tensor a block saves is packed as a handle; the output is kept."""
+        with _LIVE_LOCK:  # (now: a block may write what an earlier one read, NOTE [ a later forward's write ])
+            _LIVE[:] = [ref for ref in _LIVE if ref() is not None] + [weakref.ref(self)]
         if self.exact:
             x = self._to_fixed(x)
         h: torch.Tensor | _Halves = x  # between two couplings the stream stays split: no cat, no split
@@ -409,17 +431,19 @@ class _Frame:
                 before = [(b, b._version, b.clone()) for b in block.buffers()]
             h_in, version_in = h, h._version if isinstance(h, torch.Tensor) else 0
             cached = self.cached[index] = CachedParametrizations.start()
-            h = self._run_block(index, block, h)
+            try:
+                h = self._run_block(index, block, h)
+            finally:  # (a block that raised may have written some: a loop that catches it goes on)
+                _hand_over([(b, version, value) for b, version, value in before if b._version != version])
             if cached is not None:
                 cached.end()
             if _coupling(block) is None:
                 self.left[index] = plain_settings(block.modules())
+            # the statistics an evaluation forward read, kept, and checked too (a write of the user's raises)
             read = _statistics_read(block)
             self.buffers_before[index] = [(b, value) for b, version, value in before
                                           if b._version != version or id(b) in read]
-            self.buffer_versions[index] = [(b, version) for b, version, _ in before
-                                           if b._version == version and id(b) not in read]
-            _hand_over(self, [(b, version, value) for b, version, value in before if b._version != version])
+            self.buffer_versions[index] = [(b, version) for b, version, _ in before if b._version == version]
             moved = next((p for p, version in versions if p._version != version), None)
             if moved is not None:
                 # (found by adversarial passes on 2026-12-03: a clamp before the use trained, after it the rebuild
@@ -438,9 +462,6 @@ class _Frame:
         self.outputs[last] = x.detach()  # detached: no cycle through the output's grad_fn
         self.output_version = x._version
         hold_for_backward(self.outputs[last], self)
-        if any(self.buffer_versions):
-            with _LIVE_LOCK:
-                _LIVE[:] = [ref for ref in _LIVE if ref() is not None] + [weakref.ref(self)]
         for kept in self.kept_inputs.values():
             hold_for_backward(kept, self)
         if self.exact:
@@ -633,8 +654,7 @@ class _Frame:
         recorded: list[torch.Tensor] = []
         saved_buffers = [(b, b.detach().clone()) for b in block.buffers()]
         modes_now = training_flags(m for m, _ in self.modes[index])
-        swapped = [(table, name, table.get(name)) for table, name, value in self.slots[index]
-                   if table.get(name) is not value]
+        slots_now = _slots(block)  # as backward found them
         # a parameter frozen or unfrozen between forward and backward: the recomputation runs with the forward's
         # flags, so it saves what the forward saved (it raised a false "saved 10 tensors ... 8" before: an
         # adversarial pass); autograd then treats the parameter as plain training does
@@ -654,8 +674,7 @@ class _Frame:
             attributes = put_settings(settings)
             for p in flipped:
                 p.requires_grad_(not p.requires_grad)
-            for table, name, value in self.slots[index]:
-                table[name] = value  # the forward's (functional_call's, put back since; a buffer set anew since)
+            _put_slots(block, self.slots[index])  # the forward's (functional_call's, put back since; set anew since)
             with torch.no_grad():
                 for buffer, value in self.buffers_before[index]:
                     buffer.data.copy_(value)  # what the forward read (the NOTE above; NOTE [ buffers put back ])
@@ -667,8 +686,7 @@ class _Frame:
             undo_swaps(attributes)
             for p in flipped:
                 p.requires_grad_(not p.requires_grad)
-            for table, name, now in swapped:
-                table[name] = now
+            _put_slots(block, slots_now)
             with torch.no_grad():
                 for buffer, value in saved_buffers:
                     buffer.data.copy_(value)  # running statistics: updated once, by the forward
@@ -828,11 +846,11 @@ class _Frame:
         if name != "f":
             yield
             return
-        versions = [(b, b._version) for b in block.buffers()]
+        versions = {id(b): b._version for b in block.buffers()}
         keys = CachedParametrizations.keys() if self.cached[index] is not None else None
         yield
-        with torch.no_grad():
-            buffers = [(b, b.detach().clone()) for b, version in versions if b._version != version]
+        with torch.no_grad():  # (one f registered, or wrote: g may write it next)
+            buffers = [(b, b.detach().clone()) for b in block.buffers() if versions.get(id(b)) != b._version]
         start = {(id(table), key): value for table, key, value in self.slots[index]}
         slots = [(table, key, value) for table, key, value in _slots(block)
                  if start.get((id(table), key), ABSENT) is not value]
@@ -846,8 +864,7 @@ class _Frame:
         written or set anew what this call reads: a buffer g averages and f reads was rebuilt with g's write, 3.35
         off, silently, until 2026-12-03 (an adversarial pass)."""
         left = self.f_left[index]
-        for table, key, value in [*self.slots[index], *(left.slots if name == "g" else [])]:
-            table[key] = value
+        _put_slots(self.blocks[index], [*self.slots[index], *(left.slots if name == "g" else [])])
         with torch.no_grad():
             for buffer, value in [*self.buffers_before[index], *(left.buffers if name == "g" else [])]:
                 buffer.data.copy_(value)  # (NOTE [ buffers put back ])
@@ -956,7 +973,7 @@ class ReversibleSequential(nn.Module):
                 with torch.no_grad():  # (recalibrating before an open backward: NOTE [ a later forward's write ])
                     before = [(b, b._version, b.clone()) for b in block.buffers()]
                 x = block(x)
-                _hand_over(None, [(b, version, value) for b, version, value in before if b._version != version])
+                _hand_over([(b, version, value) for b, version, value in before if b._version != version])
             return x
         if torch.is_inference_mode_enabled():  # (exact: the frame reads version counters, which these lack)
             with torch.inference_mode(False), torch.no_grad():  # (leaving inference mode turns grad on)
