@@ -59,7 +59,6 @@ from ...errors import InvalidInputError, ReversibleError
 from ...measure.hooks import hold_for_backward
 from .._generators import SeededOps, _global_generators
 from .._modes import (
-    ABSENT,
     SCRIPTED,
     CachedParametrizations,
     Settings,
@@ -109,7 +108,7 @@ class _FLeft(NamedTuple):
     """What a coupling's f left for its g in the forward (NOTE [ f and g share a layer ])."""
 
     buffers: list[tuple[torch.Tensor, torch.Tensor]]  # a buffer f wrote, its value after f
-    slots: list[tuple[dict[str, Any], str, Any]]  # a parameter or buffer f set anew (``self.n = self.n + 1``)
+    slots: Slots  # the parameters and buffers after f (f may set one anew: ``self.n = self.n + 1``)
     cache: dict[Any, torch.Tensor]  # the parametrize.cached() entries f made
 
 
@@ -254,9 +253,8 @@ def _hand_over(moved: list[tuple[torch.Tensor, int, torch.Tensor]]) -> None:
     write ])."""
     if not moved:
         return
-    frames = _live_frames()
     values = {(id(b), version): value for b, version, value in moved}
-    for other in frames:
+    for other in [f for f in _live_frames() if not f.checking.isdisjoint(values)]:
         for index, versions in enumerate(other.buffer_versions):
             if any((id(b), version) in values for b, version in versions):
                 other.buffers_before[index] += [(b, values[id(b), version]) for b, version in versions
@@ -265,25 +263,41 @@ def _hand_over(moved: list[tuple[torch.Tensor, int, torch.Tensor]]) -> None:
                                                 if (id(b), version) not in values]
 
 
-def _slots(block: nn.Module) -> list[tuple[dict[str, Any], str, Any]]:
-    """Each parameter and buffer of ``block``'s modules in its slot: (the module's table, its name, the tensor)."""
-    return [(table, name, value) for sub in block.modules() for table in (sub._parameters, sub._buffers)
-            for name, value in table.items() if value is not None]
+Slots = list[tuple[dict[str, Any], dict[str, Any], bool]]
+"""Each of a block's modules' tables of parameters and of buffers, its entries then (None ones left out), and
+whether it holds buffers."""
 
 
-def _put_slots(block: nn.Module, slots: list[tuple[dict[str, Any], str, Any]]) -> None:
-    """Put ``block``'s modules' parameters and buffers in the slots recorded (:func:`_slots`), removing any added
-    since (a buffer a forward registers at its first call: left in place, the rebuild read the forward's, 1.0 off
-    after one step, silently, until 2026-12-03, an adversarial pass)."""
-    wanted: dict[int, dict[str, Any]] = {}
-    for table, key, value in slots:
-        wanted.setdefault(id(table), {})[key] = value
-    for sub in block.modules():
-        for table in (sub._parameters, sub._buffers):
-            entries = wanted.get(id(table), {})
+def _slots(block: nn.Module) -> Slots:
+    """``block``'s modules' tables of parameters and buffers, with their entries now."""
+    return [(table, {k: v for k, v in table.items() if v is not None}, held) for sub in block.modules()
+            for table, held in ((sub._parameters, False), (sub._buffers, True))]
+
+
+def _snapshot(slots: Slots) -> Slots:
+    """The tables of ``slots`` with their entries now."""
+    return [(table, {k: v for k, v in table.items() if v is not None}, held) for table, _, held in slots]
+
+
+def _buffers_in(slots: Slots) -> list[torch.Tensor]:
+    return [b for _, entries, held in slots if held for b in entries.values()]
+
+
+def _differs(slots: Slots) -> bool:
+    """Whether any table's entries are other objects than those recorded (or other names)."""
+    return any(table.keys() != entries.keys() or any(table[k] is not v for k, v in entries.items())
+               for table, entries, _ in slots)
+
+
+def _put_slots(slots: Slots) -> None:
+    """Put the tables' entries back as recorded, removing any added since (a buffer a forward registers at its first
+    call: left in place, the rebuild read the forward's, 1.0 off after one step, silently, until 2026-12-03, an
+    adversarial pass)."""
+    for table, entries, _ in slots:
+        if table.keys() != entries.keys():
             for key in [k for k, v in table.items() if v is not None and k not in entries]:
                 del table[key]
-            table.update(entries)
+        table.update(entries)
 
 
 def _batchnorm_count(block: nn.Module, buffer: torch.Tensor) -> bool:
@@ -293,13 +307,14 @@ def _batchnorm_count(block: nn.Module, buffer: torch.Tensor) -> bool:
                for m in block.modules())
 
 
-def _statistics_read(block: nn.Module) -> set[int]:
-    """The ids of the running statistics ``block``'s norms in evaluation read in its forward: a later training
+def _statistics_read(modes: TrainingFlags) -> set[int]:
+    """The ids of the running statistics a block's norms in evaluation (``modes``: its modules and their training
+    flags in its forward) read in its forward: a later training
     forward updates them inside torch's kernel, moving no version counter (an evaluation-mode forward with grad, a
     training forward, then one backward: the rebuild read the new statistics, 3.46 off the gradient of the forward
     that ran, silently, until 2026-12-03: an adversarial pass)."""
-    return {id(buffer) for m in block.modules()
-            if isinstance(m, nn.modules.batchnorm._NormBase) and not m.training and m.track_running_stats
+    return {id(buffer) for m, training in modes
+            if not training and isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
             for buffer in (m.running_mean, m.running_var) if buffer is not None}
 
 
@@ -376,13 +391,15 @@ class _Frame:
         # torch.func.functional_call (MAML's fast weights) puts the module's own back before backward, a loop may
         # set a new buffer between forward and backward (a schedule's scale: the rebuild read the new one, 0.058 off
         # after 3 steps, silently, until 2026-12-03, an adversarial pass), and the rebuild must read the forward's
-        self.slots: list[list[tuple[dict[str, Any], str, Any]]] = [[] for _ in blocks]
+        self.slots: list[Slots] = [[] for _ in blocks]
+        self.set_anew: list[bool] = [False for _ in blocks]  # whether the forward set any of them anew
         self.buffers_before: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]  # changed by forward
         # the buffers the forward did not change, with their versions: one written in place before backward
         # (``scale.mul_(1.5)``) was read written by the rebuild, 67 off, silently, until 2026-12-03 (an adversarial
         # pass; the plain stack's autograd raises where an op saved it); a BatchNorm's count is left out
         # (_batchnorm_count)
         self.buffer_versions: list[list[tuple[torch.Tensor, int]]] = [[] for _ in blocks]
+        self.checking: set[tuple[int, int]] = set()  # (id, version) of every buffer in them, for _hand_over
         self.drawn: set[int] = set()  # blocks run whole whose forward drew random numbers
         # every module's training flag in the block's forward: an evaluation pass between forward and backward
         # (model.eval(), then no_grad) turns them off, and the recomputation must run as the forward ran
@@ -439,11 +456,13 @@ class _Frame:
                 cached.end()
             if _coupling(block) is None:
                 self.left[index] = plain_settings(block.modules())
+            self.set_anew[index] = _differs(self.slots[index])
             # the statistics an evaluation forward read, kept, and checked too (a write of the user's raises)
-            read = _statistics_read(block)
+            read = _statistics_read(self.modes[index])
             self.buffers_before[index] = [(b, value) for b, version, value in before
                                           if b._version != version or id(b) in read]
             self.buffer_versions[index] = [(b, version) for b, version, _ in before if b._version == version]
+            self.checking.update((id(b), version) for b, version in self.buffer_versions[index])
             moved = next((p for p, version in versions if p._version != version), None)
             if moved is not None:
                 # (found by adversarial passes on 2026-12-03: a clamp before the use trained, after it the rebuild
@@ -654,7 +673,7 @@ class _Frame:
         recorded: list[torch.Tensor] = []
         saved_buffers = [(b, b.detach().clone()) for b in block.buffers()]
         modes_now = training_flags(m for m, _ in self.modes[index])
-        slots_now = _slots(block)  # as backward found them
+        slots_now = _snapshot(self.slots[index])  # as backward found them
         # a parameter frozen or unfrozen between forward and backward: the recomputation runs with the forward's
         # flags, so it saves what the forward saved (it raised a false "saved 10 tensors ... 8" before: an
         # adversarial pass); autograd then treats the parameter as plain training does
@@ -674,7 +693,7 @@ class _Frame:
             attributes = put_settings(settings)
             for p in flipped:
                 p.requires_grad_(not p.requires_grad)
-            _put_slots(block, self.slots[index])  # the forward's (functional_call's, put back since; set anew since)
+            _put_slots(self.slots[index])  # the forward's (functional_call's, put back since; set anew since)
             with torch.no_grad():
                 for buffer, value in self.buffers_before[index]:
                     buffer.data.copy_(value)  # what the forward read (the NOTE above; NOTE [ buffers put back ])
@@ -686,7 +705,7 @@ class _Frame:
             undo_swaps(attributes)
             for p in flipped:
                 p.requires_grad_(not p.requires_grad)
-            _put_slots(block, slots_now)
+            _put_slots(slots_now)
             with torch.no_grad():
                 for buffer, value in saved_buffers:
                     buffer.data.copy_(value)  # running statistics: updated once, by the forward
@@ -846,15 +865,13 @@ class _Frame:
         if name != "f":
             yield
             return
-        versions = {id(b): b._version for b in block.buffers()}
+        versions = {id(b): b._version for b in _buffers_in(self.slots[index])}
         keys = CachedParametrizations.keys() if self.cached[index] is not None else None
         yield
+        after = _snapshot(self.slots[index])
         with torch.no_grad():  # (one f registered, or wrote: g may write it next)
-            buffers = [(b, b.detach().clone()) for b in block.buffers() if versions.get(id(b)) != b._version]
-        start = {(id(table), key): value for table, key, value in self.slots[index]}
-        slots = [(table, key, value) for table, key, value in _slots(block)
-                 if start.get((id(table), key), ABSENT) is not value]
-        self.f_left[index] = _FLeft(buffers, slots, CachedParametrizations.made_since(keys) if keys is not None else {})
+            buffers = [(b, b.detach().clone()) for b in _buffers_in(after) if versions.get(id(b)) != b._version]
+        self.f_left[index] = _FLeft(buffers, after, CachedParametrizations.made_since(keys) if keys is not None else {})
 
     @contextlib.contextmanager
     def _as_found(self, index: int, name: str) -> Iterator[None]:
@@ -864,7 +881,8 @@ class _Frame:
         written or set anew what this call reads: a buffer g averages and f reads was rebuilt with g's write, 3.35
         off, silently, until 2026-12-03 (an adversarial pass)."""
         left = self.f_left[index]
-        _put_slots(self.blocks[index], [*self.slots[index], *(left.slots if name == "g" else [])])
+        if self.set_anew[index]:  # (else the rebuild, running the same code, sets none anew either)
+            _put_slots(left.slots if name == "g" and left.slots else self.slots[index])
         with torch.no_grad():
             for buffer, value in [*self.buffers_before[index], *(left.buffers if name == "g" else [])]:
                 buffer.data.copy_(value)  # (NOTE [ buffers put back ])
