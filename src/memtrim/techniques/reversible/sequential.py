@@ -54,6 +54,7 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
+from torch.nn.utils import parametrize
 
 from ...errors import InvalidInputError, ReversibleError
 from ...measure.hooks import hold_for_backward
@@ -264,23 +265,24 @@ def _hand_over(moved: list[tuple[torch.Tensor, int, torch.Tensor]]) -> None:
 
 
 Slots = list[tuple[dict[str, Any], dict[str, Any], bool]]
-"""Each of a block's modules' tables of parameters and of buffers, its entries then (None ones left out), and
-whether it holds buffers."""
+"""Each of a block's modules' tables of parameters and of buffers, its entries then (``register_buffer(name, None)``
+ones too: they were left out and deleted as added since, and a buffer a forward fills lost its registration, until
+2026-12-03, an adversarial pass), and whether it holds buffers."""
 
 
 def _slots(block: nn.Module) -> Slots:
     """``block``'s modules' tables of parameters and buffers, with their entries now."""
-    return [(table, {k: v for k, v in table.items() if v is not None}, held) for sub in block.modules()
+    return [(table, dict(table), held) for sub in block.modules()
             for table, held in ((sub._parameters, False), (sub._buffers, True))]
 
 
 def _snapshot(slots: Slots) -> Slots:
     """The tables of ``slots`` with their entries now."""
-    return [(table, {k: v for k, v in table.items() if v is not None}, held) for table, _, held in slots]
+    return [(table, dict(table), held) for table, _, held in slots]
 
 
 def _buffers_in(slots: Slots) -> list[torch.Tensor]:
-    return [b for _, entries, held in slots if held for b in entries.values()]
+    return [b for _, entries, held in slots if held for b in entries.values() if b is not None]
 
 
 def _differs(slots: Slots) -> bool:
@@ -295,7 +297,7 @@ def _put_slots(slots: Slots) -> None:
     adversarial pass)."""
     for table, entries, _ in slots:
         if table.keys() != entries.keys():
-            for key in [k for k, v in table.items() if v is not None and k not in entries]:
+            for key in [k for k in table if k not in entries]:
                 del table[key]
         table.update(entries)
 
@@ -392,7 +394,11 @@ class _Frame:
         # set a new buffer between forward and backward (a schedule's scale: the rebuild read the new one, 0.058 off
         # after 3 steps, silently, until 2026-12-03, an adversarial pass), and the rebuild must read the forward's
         self.slots: list[Slots] = [[] for _ in blocks]
+        self.classes: list[list[type]] = [[] for _ in blocks]  # each module's class in the forward
         self.set_anew: list[bool] = [False for _ in blocks]  # whether the forward set any of them anew
+        # a block of the user's: its slots and the buffers it wrote or set anew, as its forward left them
+        self.left_slots: list[Slots] = [[] for _ in blocks]
+        self.buffers_after: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]
         self.buffers_before: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]  # changed by forward
         # the buffers the forward did not change, with their versions: one written in place before backward
         # (``scale.mul_(1.5)``) was read written by the rebuild, 67 off, silently, until 2026-12-03 (an adversarial
@@ -444,6 +450,7 @@ class _Frame:
                     "batch under torch.no_grad() before training (or before building the optimizer).")
             self.slots[index] = _slots(block)
             self.modes[index] = training_flags(block.modules())
+            self.classes[index] = [type(m) for m, _ in self.modes[index]]
             with torch.no_grad():
                 before = [(b, b._version, b.clone()) for b in block.buffers()]
             h_in, version_in = h, h._version if isinstance(h, torch.Tensor) else 0
@@ -456,7 +463,15 @@ class _Frame:
                 cached.end()
             if _coupling(block) is None:
                 self.left[index] = plain_settings(block.modules())
-            self.set_anew[index] = _differs(self.slots[index])
+            self.set_anew[index] = self.set_anew[index] or _differs(self.slots[index])
+            if _coupling(block) is None:  # what its inverse reads (NOTE [ what a block's inverse reads ])
+                self.left_slots[index] = _snapshot(self.slots[index]) if self.set_anew[index] else self.slots[index]
+                started = {id(b): version for b, version, _ in before}
+                recomputed = {id(b) for m in block.modules() if isinstance(m, parametrize.ParametrizationList)
+                              for b in m.buffers()}
+                with torch.no_grad():
+                    self.buffers_after[index] = [(b, b.detach().clone()) for b in _buffers_in(self.left_slots[index])
+                                                 if started.get(id(b)) != b._version and id(b) not in recomputed]
             # the statistics an evaluation forward read, kept, and checked too (a write of the user's raises)
             read = _statistics_read(self.modes[index])
             self.buffers_before[index] = [(b, value) for b, version, value in before
@@ -733,7 +748,7 @@ class _Frame:
         self.materialised.add(index)
         # (kept until the rebuild succeeded: a backward retried on the same graph after an error in a rebuild (an
         # out-of-memory caught) rebuilt from the buffers as backward found them, 0.10 off, silently, until 2026-12-03)
-        self.buffers_before[index] = []
+        self.buffers_before[index] = self.buffers_after[index] = []
         self.f_left[index] = _FLeft([], [], {})
         self.kept_inputs.pop(index, None)
         if index in self.probes:
@@ -773,7 +788,17 @@ class _Frame:
 
     def _check_parameters(self, index: int, block: nn.Module) -> None:
         """A block rebuilt with parameters or buffers changed in place since its forward would silently give a wrong
-        input (the plain stack's autograd refuses such a change too where the ops saved them)."""
+        input (the plain stack's autograd refuses such a change too where the ops saved them); one whose modules
+        changed class cannot run its forward's code (``remove_parametrizations`` between forward and backward failed
+        with an AttributeError naming ``weight`` until 2026-12-03: an adversarial pass)."""
+        for (module, _), cls in zip(self.modes[index], self.classes[index]):
+            if type(module) is not cls:
+                name = next((n for n, m in block.named_modules() if m is module), "?")
+                raise ReversibleError(
+                    f"memtrim.ReversibleSequential: block {index}'s module {name or '(the block)'} changed class "
+                    f"after the forward ({cls.__name__}, now {type(module).__name__}: a parametrization registered or "
+                    "removed?), so its forward cannot be run again to rebuild the block's input. Expected the "
+                    "block's modules unchanged until backward; to fix: change them after backward.")
         for kind, versions, named, fix in (
                 ("parameter", self.parameter_versions[index], block.named_parameters,
                  "Run backward before changing parameters (an optimizer step, or an OptimizerInBackward stepping "
@@ -868,6 +893,9 @@ class _Frame:
         versions = {id(b): b._version for b in _buffers_in(self.slots[index])}
         keys = CachedParametrizations.keys() if self.cached[index] is not None else None
         yield
+        # (f's and g's changes may cancel by the block's end: one layer as f and g swapping two buffers, 7.14 off
+        # with the flag read at the end alone, an adversarial pass)
+        self.set_anew[index] = _differs(self.slots[index])
         after = _snapshot(self.slots[index])
         with torch.no_grad():  # (one f registered, or wrote: g may write it next)
             buffers = [(b, b.detach().clone()) for b in _buffers_in(after) if versions.get(id(b)) != b._version]
@@ -896,6 +924,17 @@ class _Frame:
     def _rebuild_generic(self, index: int, block: nn.Module, y: torch.Tensor,
                          recorded: list[torch.Tensor]) -> torch.Tensor:
         replay = self.replays[index]["block"]
+        # NOTE [ what a block's inverse reads ]: its buffers as its forward left them, as its attributes (an
+        # ActNorm's loc and scale set at its first call: 2.97 off after 3 steps; a block keeping its input's mean in a
+        # buffer for its inverse: 9.51; the inverse read them as the forward found them, silently, until 2026-12-03,
+        # an adversarial pass), but a parametrization's as the forward found them: the inverse computes the
+        # parametrized tensor again from them, as the forward did (a spectral norm's weight read in training mode
+        # runs its power iteration once more: from what the forward left, another weight, 5e-4 off)
+        if self.set_anew[index]:
+            _put_slots(self.left_slots[index])
+        with torch.no_grad():
+            for buffer, value in self.buffers_after[index]:
+                buffer.data.copy_(value)  # (NOTE [ buffers put back ])
         buffers = [(b, b.detach().clone()) for b in block.buffers()]
         with replayed(replay, strict=False), torch.no_grad():
             x = _inverse(block)(y)
