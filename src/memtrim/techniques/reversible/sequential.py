@@ -54,7 +54,6 @@ from typing import Any, NamedTuple, cast
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
-from torch.nn.utils import parametrize
 
 from ...errors import InvalidInputError, ReversibleError
 from ...measure.hooks import hold_for_backward
@@ -222,6 +221,7 @@ class _DriftLog:
         self.check_drift = check_drift
         self.drift: dict[int, float] = {}
         self.keep_inputs: set[int] = set()
+        self.warned: set[int] = set()  # blocks whose inverse did not give back the input (Frame._check_inverse)
 
     def measure(self, index: int, x: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
         rebuilt = x.detach().reshape(-1)[where].to(values.dtype)
@@ -396,9 +396,6 @@ class _Frame:
         self.slots: list[Slots] = [[] for _ in blocks]
         self.classes: list[list[type]] = [[] for _ in blocks]  # each module's class in the forward
         self.set_anew: list[bool] = [False for _ in blocks]  # whether the forward set any of them anew
-        # a block of the user's: its slots and the buffers it wrote or set anew, as its forward left them
-        self.left_slots: list[Slots] = [[] for _ in blocks]
-        self.buffers_after: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]
         self.buffers_before: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in blocks]  # changed by forward
         # the buffers the forward did not change, with their versions: one written in place before backward
         # (``scale.mul_(1.5)``) was read written by the rebuild, 67 off, silently, until 2026-12-03 (an adversarial
@@ -450,7 +447,6 @@ class _Frame:
                     "batch under torch.no_grad() before training (or before building the optimizer).")
             self.slots[index] = _slots(block)
             self.modes[index] = training_flags(block.modules())
-            self.classes[index] = [type(m) for m, _ in self.modes[index]]
             with torch.no_grad():
                 before = [(b, b._version, b.clone()) for b in block.buffers()]
             h_in, version_in = h, h._version if isinstance(h, torch.Tensor) else 0
@@ -464,14 +460,7 @@ class _Frame:
             if _coupling(block) is None:
                 self.left[index] = plain_settings(block.modules())
             self.set_anew[index] = self.set_anew[index] or _differs(self.slots[index])
-            if _coupling(block) is None:  # what its inverse reads (NOTE [ what a block's inverse reads ])
-                self.left_slots[index] = _snapshot(self.slots[index]) if self.set_anew[index] else self.slots[index]
-                started = {id(b): version for b, version, _ in before}
-                recomputed = {id(b) for m in block.modules() if isinstance(m, parametrize.ParametrizationList)
-                              for b in m.buffers()}
-                with torch.no_grad():
-                    self.buffers_after[index] = [(b, b.detach().clone()) for b in _buffers_in(self.left_slots[index])
-                                                 if started.get(id(b)) != b._version and id(b) not in recomputed]
+            self.classes[index] = [type(m) for m, _ in self.modes[index]]  # (after: one may set its own class)
             # the statistics an evaluation forward read, kept, and checked too (a write of the user's raises)
             read = _statistics_read(self.modes[index])
             self.buffers_before[index] = [(b, value) for b, version, value in before
@@ -748,7 +737,7 @@ class _Frame:
         self.materialised.add(index)
         # (kept until the rebuild succeeded: a backward retried on the same graph after an error in a rebuild (an
         # out-of-memory caught) rebuilt from the buffers as backward found them, 0.10 off, silently, until 2026-12-03)
-        self.buffers_before[index] = self.buffers_after[index] = []
+        self.buffers_before[index] = []
         self.f_left[index] = _FLeft([], [], {})
         self.kept_inputs.pop(index, None)
         if index in self.probes:
@@ -924,17 +913,6 @@ class _Frame:
     def _rebuild_generic(self, index: int, block: nn.Module, y: torch.Tensor,
                          recorded: list[torch.Tensor]) -> torch.Tensor:
         replay = self.replays[index]["block"]
-        # NOTE [ what a block's inverse reads ]: its buffers as its forward left them, as its attributes (an
-        # ActNorm's loc and scale set at its first call: 2.97 off after 3 steps; a block keeping its input's mean in a
-        # buffer for its inverse: 9.51; the inverse read them as the forward found them, silently, until 2026-12-03,
-        # an adversarial pass), but a parametrization's as the forward found them: the inverse computes the
-        # parametrized tensor again from them, as the forward did (a spectral norm's weight read in training mode
-        # runs its power iteration once more: from what the forward left, another weight, 5e-4 off)
-        if self.set_anew[index]:
-            _put_slots(self.left_slots[index])
-        with torch.no_grad():
-            for buffer, value in self.buffers_after[index]:
-                buffer.data.copy_(value)  # (NOTE [ buffers put back ])
         buffers = [(b, b.detach().clone()) for b in block.buffers()]
         with replayed(replay, strict=False), torch.no_grad():
             x = _inverse(block)(y)
@@ -943,8 +921,35 @@ class _Frame:
                 buffer.data.copy_(value)  # (NOTE [ buffers put back ])
         inp = as_forward(x.detach(), replay).requires_grad_(replay.requires_grad)
         with torch.enable_grad(), _recording(recorded), replayed(replay), self._as_found(index, "block"):
-            block(inp)  # its forward again, on the attributes that forward found
+            out = block(inp)  # its forward again, on the attributes that forward found
+        self._check_inverse(index, block, out, y)
         return x.detach()
+
+    # NOTE [ what a block's inverse reads ]: a block of the user's is inverted with its attributes as its forward left
+    # them (what a forward keeps for its inverse) and its buffers as its forward found them (what a forward reads and
+    # then updates: an EMA, a count, the hook-based spectral_norm's power iteration, which its inverse runs again). A
+    # buffer the forward sets and its inverse then reads (Glow's ActNorm keeping loc and scale from its first batch in
+    # buffers, a mean kept for the inverse) is read as found: 2.97 and 9.51 off after 3 steps, silently, until
+    # 2026-12-03. Which of the two a buffer is cannot be told (reading them as left for one afternoon broke the first
+    # kind: 2e-2 to 3.62 off, an adversarial pass), so the forward run again in the rebuild, whose output was
+    # discarded, is compared with the block's output: a block whose inverse did not give back its input warns, once.
+
+    def _check_inverse(self, index: int, block: nn.Module, out: Any, y: torch.Tensor) -> None:
+        """Warn (once per block) where the block's forward, on the input its inverse rebuilt, does not give back its
+        output (NOTE [ what a block's inverse reads ])."""
+        if index in self.drift.warned or not isinstance(out, torch.Tensor) or out.shape != y.shape or not y.numel():
+            return
+        error = float((out.detach() - y).abs().max() / y.abs().max().clamp_min(1e-30))
+        tolerance = max(1e-4, 64 * torch.finfo(y.dtype).eps)
+        if not error <= tolerance:  # NaN too
+            self.drift.warned.add(index)
+            warnings.warn(
+                f"memtrim.ReversibleSequential: block {index} ({type(block).__name__}): its forward on the input its "
+                f"inverse rebuilt gives its output back only to relative error {error:.3e} (> {tolerance:.0e}), so "
+                "its gradients are not the plain stack's. Its inverse reads the block's attributes as the forward "
+                "left them and its buffers as the forward found them: keep a value the forward sets for its inverse "
+                "(ActNorm's loc and scale from its first batch, a kept mean) in a plain attribute, not a buffer; if "
+                "the inverse is approximate, check_drift= keeps the inputs of the blocks that drift.", stacklevel=2)
 
 
 class ReversibleSequential(nn.Module):
