@@ -1509,3 +1509,25 @@ def test_a_module_changing_class_between_forward_and_backward_raises_naming_it()
     with pytest.raises(memtrim.ReversibleError, match=r"block 1's module f\.0 changed class after the forward "
                                                        r"\(ParametrizedLinear, now Linear"):
         out.sum().backward()
+
+
+def test_a_module_setting_its_own_class_in_its_forward_is_no_refusal():
+    # a one-time initialisation done by switching class: the class was recorded before the forward, and backward
+    # raised "changed class after the forward" on an intermediate commit of 2026-12-03 (an adversarial pass)
+    class SelfInit(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.full((8,), 2.0))
+
+        def forward(self, x):
+            self.__class__ = Initialised
+            return x * self.w
+
+        def inverse(self, y):
+            return y / self.w
+
+    class Initialised(SelfInit):
+        def forward(self, x):
+            return x * self.w
+
+    _trains_as_the_plain_stack(lambda: [memtrim.AdditiveCoupling(mlp(4)), SelfInit()], lr=0.01)
