@@ -939,7 +939,11 @@ class _Frame:
         output (NOTE [ what a block's inverse reads ])."""
         if index in self.drift.warned or not isinstance(out, torch.Tensor) or out.shape != y.shape or not y.numel():
             return
-        error = float((out.detach() - y).abs().max() / y.abs().max().clamp_min(1e-30))
+        # (4,096 evenly spaced elements, not the whole output: a state the inverse misread moves most of them)
+        flat, back = y.detach().reshape(-1), out.detach().reshape(-1)
+        where = torch.linspace(0, flat.numel() - 1, steps=min(4096, flat.numel()), device=flat.device).long()
+        expected = flat[where]
+        error = float((back[where] - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
         tolerance = max(1e-4, 64 * torch.finfo(y.dtype).eps)
         if not error <= tolerance:  # NaN too
             self.drift.warned.add(index)
