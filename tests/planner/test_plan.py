@@ -944,6 +944,35 @@ def test_a_model_holding_a_reversible_stack_plans_byte_for_byte():
     assert plans.best.peak_bytes <= measured.peak_bytes
 
 
+class _Scale(torch.nn.Module):
+    """A block of the user's, inverted by its own inverse (the stack runs it whole)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.full((16,), 1.5))
+
+    def forward(self, x):
+        return x * self.w
+
+    def inverse(self, y):
+        return y / self.w
+
+
+def test_a_model_holding_a_users_block_in_a_reversible_stack_plans_byte_for_byte():
+    # the check of its inverse read a value off a fake tensor: plan raised, blaming the user's step, on an
+    # intermediate commit of 2026-12-03 (an adversarial pass)
+    def make():
+        torch.manual_seed(0)
+        blocks = [memtrim.AdditiveCoupling(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)), _Scale()]
+        return torch.nn.Sequential(torch.nn.Linear(16, 16), memtrim.ReversibleSequential(*blocks),
+                                   torch.nn.Linear(16, 4))
+
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    predicted = trace_step(make, x, y, F.cross_entropy, _adamw, []).report
+    measured = trace_step(make, x, y, F.cross_entropy, _adamw, [], fake=False).report
+    assert predicted.peak_bytes == measured.peak_bytes > 0
+
+
 @pytest.mark.parametrize("as_factory", [False, True])
 def test_a_model_in_eval_mode_is_planned_as_it_trains_after_model_train(as_factory):
     # HF's from_pretrained returns models in eval mode: traced so, dropout's masks were missed and a plan said it fit

@@ -1531,3 +1531,53 @@ def test_a_module_setting_its_own_class_in_its_forward_is_no_refusal():
             return x * self.w
 
     _trains_as_the_plain_stack(lambda: [memtrim.AdditiveCoupling(mlp(4)), SelfInit()], lr=0.01)
+
+
+@pytest.mark.parametrize("numel", [2**24 + 1, 2**25, 3 * 2**24 + 7, 5, 1])
+def test_evenly_spaced_indices_stay_inside_large_tensors(numel):
+    # float32's linspace rounded the last index to numel from 2**24 elements up: an IndexError in backward for a user
+    # block's output of 2**25 elements, and with check_drift on such an input, until 2026-12-03 (an adversarial pass)
+    from memtrim.techniques.reversible.sequential import _spaced
+
+    where = _spaced(numel, 4096, torch.device("cpu"))
+    assert where.dtype == torch.int64 and int(where[0]) == 0 and int(where[-1]) == numel - 1
+    assert len(where) == min(4096, numel) and bool((where[1:] > where[:-1]).all())
+
+
+class _FixedPoint(nn.Module):
+    """An i-ResNet block of the user's: y = x + g(x) with g a contraction, inverted by fixed-point iteration to 1e-6."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def g(self, x):
+        return 0.5 * torch.tanh(self.lin(x)) / torch.linalg.matrix_norm(self.lin.weight.float(), 2).detach()
+
+    def forward(self, x):
+        return x + self.g(x)
+
+    def inverse(self, y):
+        x = y.clone()
+        for _ in range(100):
+            x, before = y - self.g(x), x
+            if (x - before).abs().max() <= 1e-6 * y.abs().max():
+                break
+        return x
+
+
+@pytest.mark.parametrize("case", ["bf16 autocast", "nan in the input"])
+def test_a_block_inverted_as_well_as_its_arithmetic_allows_does_not_warn(case):
+    # a fixed-point inverse under bfloat16 autocast (its output float32) warned "relative error 4.773e-04 > 1e-04",
+    # and a NaN in the input warned its relative error nan, both advising to move a value out of a buffer, on an
+    # intermediate commit of 2026-12-03 (an adversarial pass)
+    torch.manual_seed(0)
+    stack = memtrim.ReversibleSequential(_FixedPoint(), _FixedPoint())
+    x = torch.randn(8, 16)
+    if case == "nan in the input":
+        x[0, 0] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "bf16 autocast"):
+            out = stack(x)
+        out.float().pow(2).sum().backward()
