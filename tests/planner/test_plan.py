@@ -973,6 +973,30 @@ def test_a_model_holding_a_users_block_in_a_reversible_stack_plans_byte_for_byte
     assert predicted.peak_bytes == measured.peak_bytes > 0
 
 
+def test_a_users_block_in_a_reversible_stack_steps_as_planned_from_the_second_step():
+    # the check of its inverse ran at a block's first two rebuilds: the plan (its traced second step) was 8,132 B above
+    # the steps after, on an intermediate commit of 2026-12-03 (an adversarial pass); it runs at the first rebuild now
+    def make():
+        torch.manual_seed(0)
+        blocks = [memtrim.AdditiveCoupling(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)), _Scale()]
+        return torch.nn.Sequential(torch.nn.Linear(16, 16), memtrim.ReversibleSequential(*blocks),
+                                   torch.nn.Linear(16, 4))
+
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    plans = memtrim.plan(make, x, F.cross_entropy, _adamw, targets=y, budget="1MiB", techniques=[], workers=1)
+    plain = next(p for p in plans.all if p.name == "plain")
+    model = make()
+    opt = _adamw(model)
+    peaks = []
+    for _ in range(3):
+        with memtrim.track(model, opt) as tracker:
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        peaks.append(tracker.report().peak_bytes)
+    assert peaks[1] == peaks[2] == plain.peak_bytes
+
+
 @pytest.mark.parametrize("as_factory", [False, True])
 def test_a_model_in_eval_mode_is_planned_as_it_trains_after_model_train(as_factory):
     # HF's from_pretrained returns models in eval mode: traced so, dropout's masks were missed and a plan said it fit

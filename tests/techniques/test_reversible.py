@@ -1581,3 +1581,34 @@ def test_a_block_inverted_as_well_as_its_arithmetic_allows_does_not_warn(case):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "bf16 autocast"):
             out = stack(x)
         out.float().pow(2).sum().backward()
+
+
+def test_the_inverse_check_reads_a_channels_last_output_where_it_lies():
+    # the check reshaped the block's output and the forward's again to one dimension: a channels_last output was
+    # copied whole, twice, at the step's peak (+1.5 outputs, an adversarial pass on an intermediate commit of
+    # 2026-12-03); it reads 1,024 elements in place now
+    class RevConv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f = nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x):
+            a, b = x.chunk(2, 1)
+            return torch.cat([a, b + self.f(a)], 1)
+
+        def inverse(self, y):
+            a, b = y.chunk(2, 1)
+            return torch.cat([a, b - self.f(a)], 1)
+
+    torch.manual_seed(0)
+    stack = memtrim.ReversibleSequential(RevConv(), RevConv()).to(memory_format=torch.channels_last)
+    x = torch.randn(4, 8, 32, 32).to(memory_format=torch.channels_last)
+    peaks = []
+    for _ in range(3):
+        stack.zero_grad(set_to_none=True)
+        with memtrim.track(stack) as tracker:
+            out = stack(x)
+            assert out.is_contiguous(memory_format=torch.channels_last)
+            out.pow(2).sum().backward()
+        peaks.append(tracker.report().peak_bytes)
+    assert abs(peaks[0] - peaks[2]) <= 16 * 1024  # the check, at the first step only: 1,024 indices and values
