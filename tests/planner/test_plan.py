@@ -958,34 +958,29 @@ class _Scale(torch.nn.Module):
         return y / self.w
 
 
+def _with_a_users_block():
+    torch.manual_seed(0)
+    blocks = [memtrim.AdditiveCoupling(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)), _Scale()]
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), memtrim.ReversibleSequential(*blocks), torch.nn.Linear(16, 4))
+
+
 def test_a_model_holding_a_users_block_in_a_reversible_stack_plans_byte_for_byte():
     # the check of its inverse read a value off a fake tensor: plan raised, blaming the user's step, on an
     # intermediate commit of 2026-12-03 (an adversarial pass)
-    def make():
-        torch.manual_seed(0)
-        blocks = [memtrim.AdditiveCoupling(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)), _Scale()]
-        return torch.nn.Sequential(torch.nn.Linear(16, 16), memtrim.ReversibleSequential(*blocks),
-                                   torch.nn.Linear(16, 4))
-
     x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
-    predicted = trace_step(make, x, y, F.cross_entropy, _adamw, []).report
-    measured = trace_step(make, x, y, F.cross_entropy, _adamw, [], fake=False).report
+    predicted = trace_step(_with_a_users_block, x, y, F.cross_entropy, _adamw, []).report
+    measured = trace_step(_with_a_users_block, x, y, F.cross_entropy, _adamw, [], fake=False).report
     assert predicted.peak_bytes == measured.peak_bytes > 0
 
 
 def test_a_users_block_in_a_reversible_stack_steps_as_planned_from_the_second_step():
     # the check of its inverse ran at a block's first two rebuilds: the plan (its traced second step) was 8,132 B above
     # the steps after, on an intermediate commit of 2026-12-03 (an adversarial pass); it runs at the first rebuild now
-    def make():
-        torch.manual_seed(0)
-        blocks = [memtrim.AdditiveCoupling(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)), _Scale()]
-        return torch.nn.Sequential(torch.nn.Linear(16, 16), memtrim.ReversibleSequential(*blocks),
-                                   torch.nn.Linear(16, 4))
-
     x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
-    plans = memtrim.plan(make, x, F.cross_entropy, _adamw, targets=y, budget="1MiB", techniques=[], workers=1)
+    plans = memtrim.plan(_with_a_users_block, x, F.cross_entropy, _adamw, targets=y, budget="1MiB", techniques=[],
+                         workers=1)
     plain = next(p for p in plans.all if p.name == "plain")
-    model = make()
+    model = _with_a_users_block()
     opt = _adamw(model)
     peaks = []
     for _ in range(3):
