@@ -256,14 +256,23 @@ def _live_frames() -> list[_Frame]:
         return [f for f in (ref() for ref in _LIVE) if f is not None]
 
 
-def _hand_over(moved: list[tuple[torch.Tensor, int, torch.Tensor]]) -> None:
-    """Hand each buffer a block's forward moved (a frame's, or a plain one under ``no_grad``), as it was at the
-    version then (a clone), to the live frames that read it at that version: earlier ones, and earlier blocks of the
-    frame running (one module in two blocks, the first reading what the second writes) (NOTE [ a later forward's
-    write ])."""
-    if not moved:
+BuffersThen = list[tuple[torch.Tensor, int, torch.Tensor]]
+"""A block's buffers before its forward: each with its version and a clone (:func:`_buffers_then`)."""
+
+
+def _buffers_then(block: nn.Module) -> BuffersThen:
+    with torch.no_grad():
+        return [(b, b._version, b.clone()) for b in block.buffers()]
+
+
+def _hand_over(before: BuffersThen) -> None:
+    """Hand each buffer a block's forward moved since ``before`` (a frame's forward, or a plain one under
+    ``no_grad``), as it was at the version then (its clone), to the live frames that read it at that version: earlier
+    ones, and earlier blocks of the frame running (one module in two blocks, the first reading what the second
+    writes) (NOTE [ a later forward's write ])."""
+    values = {(id(b), version): value for b, version, value in before if b._version != version}
+    if not values:
         return
-    values = {(id(b), version): value for b, version, value in moved}
     for other in [f for f in _live_frames() if not f.checking.isdisjoint(values)]:
         for index, versions in enumerate(other.buffer_versions):
             if any((id(b), version) in values for b, version in versions):
@@ -456,14 +465,13 @@ class _Frame:
                     "batch under torch.no_grad() before training (or before building the optimizer).")
             self.slots[index] = _slots(block)
             self.modes[index] = training_flags(block.modules())
-            with torch.no_grad():
-                before = [(b, b._version, b.clone()) for b in block.buffers()]
+            before = _buffers_then(block)
             h_in, version_in = h, h._version if isinstance(h, torch.Tensor) else 0
             cached = self.cached[index] = CachedParametrizations.start()
             try:
                 h = self._run_block(index, block, h)
             finally:  # (a block that raised may have written some: a loop that catches it goes on)
-                _hand_over([(b, version, value) for b, version, value in before if b._version != version])
+                _hand_over(before)
             if cached is not None:
                 cached.end()
             if _coupling(block) is None:
@@ -1058,10 +1066,9 @@ class ReversibleSequential(nn.Module):
                 if not live:
                     x = block(x)
                     continue
-                with torch.no_grad():  # (recalibrating before an open backward: NOTE [ a later forward's write ])
-                    before = [(b, b._version, b.clone()) for b in block.buffers()]
+                before = _buffers_then(block)  # (a recalibration: NOTE [ a later forward's write ])
                 x = block(x)
-                _hand_over([(b, version, value) for b, version, value in before if b._version != version])
+                _hand_over(before)
             return x
         if torch.is_inference_mode_enabled():  # (exact: the frame reads version counters, which these lack)
             with torch.inference_mode(False), torch.no_grad():  # (leaving inference mode turns grad on)
