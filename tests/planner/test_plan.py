@@ -932,18 +932,6 @@ def _reversible_mlp():
     return torch.nn.Sequential(torch.nn.Linear(16, 16), memtrim.ReversibleSequential(*blocks), torch.nn.Linear(16, 4))
 
 
-def test_a_model_holding_a_reversible_stack_plans_byte_for_byte():
-    # the stack compared the generator's state with torch.equal, an op the fake trace refused: plan raised, blaming
-    # the user's step (found by an adversarial pass on 2026-11-29); the states are compared as bytes now
-    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
-    predicted = trace_step(_reversible_mlp, x, y, F.cross_entropy, _adamw, []).report
-    measured = trace_step(_reversible_mlp, x, y, F.cross_entropy, _adamw, [], fake=False).report
-    assert predicted.peak_bytes == measured.peak_bytes > 0
-    assert dict(predicted.peak_by_category) == dict(measured.peak_by_category)
-    plans = memtrim.plan(_reversible_mlp, x, F.cross_entropy, _adamw, targets=y, budget="10MiB", workers=1)
-    assert plans.best.peak_bytes <= measured.peak_bytes
-
-
 class _Scale(torch.nn.Module):
     """A block of the user's, inverted by its own inverse (the stack runs it whole)."""
 
@@ -964,13 +952,19 @@ def _with_a_users_block():
     return torch.nn.Sequential(torch.nn.Linear(16, 16), memtrim.ReversibleSequential(*blocks), torch.nn.Linear(16, 4))
 
 
-def test_a_model_holding_a_users_block_in_a_reversible_stack_plans_byte_for_byte():
-    # the check of its inverse read a value off a fake tensor: plan raised, blaming the user's step, on an
-    # intermediate commit of 2026-12-03 (an adversarial pass)
+@pytest.mark.parametrize("make", [_reversible_mlp, _with_a_users_block], ids=["couplings", "a user's block"])
+def test_a_model_holding_a_reversible_stack_plans_byte_for_byte(make):
+    # the stack compared the generator's state with torch.equal, an op the fake trace refused: plan raised, blaming
+    # the user's step (found by an adversarial pass on 2026-11-29); the states are compared as bytes now. The check of
+    # a user's block's inverse read a value off a fake tensor: plan raised so again, on an intermediate commit of
+    # 2026-12-03 (an adversarial pass)
     x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
-    predicted = trace_step(_with_a_users_block, x, y, F.cross_entropy, _adamw, []).report
-    measured = trace_step(_with_a_users_block, x, y, F.cross_entropy, _adamw, [], fake=False).report
+    predicted = trace_step(make, x, y, F.cross_entropy, _adamw, []).report
+    measured = trace_step(make, x, y, F.cross_entropy, _adamw, [], fake=False).report
     assert predicted.peak_bytes == measured.peak_bytes > 0
+    assert dict(predicted.peak_by_category) == dict(measured.peak_by_category)
+    plans = memtrim.plan(make, x, F.cross_entropy, _adamw, targets=y, budget="10MiB", workers=1)
+    assert plans.best.peak_bytes <= measured.peak_bytes
 
 
 def test_a_users_block_in_a_reversible_stack_steps_as_planned_from_the_second_step():
