@@ -1176,3 +1176,96 @@ def test_no_plan_fitting_a_batch_sliced_from_a_preloaded_dataset_says_to_copy_it
         memtrim.plan(model, dataset[:8], **step)
     with pytest.raises(PlanError, match="Lower the batch or sequence length, or add memory"):
         memtrim.plan(model, dataset[:8].clone(), **{**step, "budget": "4KiB"})
+
+
+class _Unit(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width)
+
+    def forward(self, x):
+        return x + F.gelu(self.norm(self.conv(x)))
+
+
+class _Stage(nn.Module):
+    """Blocks held as attributes b0, b1, ... (timm's RegStage)."""
+
+    def __init__(self, width, depth):
+        super().__init__()
+        self.depth = depth
+        for i in range(depth):
+            setattr(self, f"b{i}", _Unit(width))
+
+    def forward(self, x):
+        for i in range(self.depth):
+            x = getattr(self, f"b{i}")(x)
+        return x
+
+
+class _AttributeNet(nn.Module):
+    """Stages held as attributes s1..s3 between a stem and a head (timm's regnet): no block in a ModuleList or
+    Sequential."""
+
+    def __init__(self, width=8, depth=4):
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1)
+        self.s1, self.s2, self.s3 = (_Stage(width, depth) for _ in range(3))
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x):
+        return self.head(self.s3(self.s2(self.s1(self.stem(x)))).mean((2, 3)))
+
+
+def _attribute_net():
+    torch.manual_seed(0)
+    return _AttributeNet()
+
+
+def test_blocks_held_as_attributes_are_candidates_and_a_class_that_nests_is_not():
+    # plan found no block in timm's regnet and dla until 2026-12-03
+    assert memtrim.planner.block_candidates(_AttributeNet()) == [_Stage, _Unit]
+    assert repeated_block(_AttributeNet()) is _Stage
+
+    class Tree(nn.Module):  # timm's dla: a tree holding trees or leaves; checkpoint_modules refuses nested modules
+        def __init__(self, levels):
+            super().__init__()
+            self.left, self.right = (Tree(levels - 1) if levels > 1 else _Unit(4) for _ in range(2))
+
+    assert memtrim.planner.block_candidates(Tree(3)) == [_Unit]
+
+
+@pytest.mark.parametrize("technique", _available(["checkpoint", "selective"]))
+def test_a_plan_checkpoints_the_block_class_with_the_lowest_peak_and_apply_checkpoints_that_class(technique):
+    # the class holding the most parameters (the stages) was the blocks until 2026-12-03: timm's convnext peaked 27 %
+    # above checkpointing its blocks (NOTE [ choosing the blocks ])
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    peaks = {kind: trace_step(_attribute_net(), x, y, F.cross_entropy, _adamw, [TECHNIQUES[technique]],
+                              block=kind).report.peak_bytes for kind in (_Stage, _Unit)}
+    plans = memtrim.plan(_attribute_net(), x, F.cross_entropy, _adamw, targets=y, budget=1 << 40,
+                         techniques=[technique])
+    chosen = next(p for p in plans.all if p.techniques == (technique,))
+    best = min(peaks, key=peaks.__getitem__)
+    assert peaks[_Unit] != peaks[_Stage]
+    assert chosen.block is best and chosen.peak_bytes == peaks[best]
+    if technique == "checkpoint":  # the model is built so: the choice is not the first candidate, the stages
+        assert best is _Unit
+    assert any(n.startswith(f"{technique}: blocks {best.__name__}") for n in plans.notes)
+    assert next(p for p in plans.all if not p.techniques).block is None
+    model = _attribute_net()
+    model, optimizer = chosen.apply(model, _adamw(model))
+    checkpointed = {type(m) for m in model.modules() if "_memtrim_checkpointed" in m.__dict__}
+    assert checkpointed == {best}
+    measured = trace_step(_attribute_net(), x, y, F.cross_entropy, _adamw, [TECHNIQUES[technique]], fake=False,
+                          block=chosen.block).report
+    assert measured.peak_bytes == chosen.peak_bytes
+
+
+def test_a_plan_applied_to_a_model_without_its_blocks_raises_naming_them():
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    plans = memtrim.plan(_attribute_net(), x, F.cross_entropy, _adamw, targets=y, budget=1 << 40,
+                         techniques=["checkpoint"])
+    chosen = next(p for p in plans.all if p.techniques)
+    other = _gpt()
+    with pytest.raises(InvalidInputError, match="holds no _Unit, the blocks the plan checkpoints"):
+        chosen.apply(other, _adamw(other))
+    assert not any("_memtrim_checkpointed" in m.__dict__ for m in other.modules())

@@ -285,7 +285,8 @@ def _run(args: argparse.Namespace, progress: _Progress) -> int:
                                                _lm_loss, setup["optimizer_factory"],
                                                [memtrim.planner.TECHNIQUES[n] for n in chosen.techniques],
                                                loop=memtrim.planner.Loop(setup["accumulation_steps"],
-                                                                         setup["clip_grad_norm"]))
+                                                                         setup["clip_grad_norm"]),
+                                               block=chosen.block)
             trace.report.plot(args.plot)
             print(f"timeline: {args.plot}")
         return 0

@@ -5,7 +5,7 @@ allocated) through memtrim's own tracker, and ranks the combinations that fit by
 """
 
 from ._cost import DeviceCost, calibrate, device_cost
-from ._techniques import TECHNIQUES, Technique, repeated_block
+from ._techniques import TECHNIQUES, Technique, block_candidates, repeated_block
 from ._trace import Loop, StepTrace, trace_step
 from .api import Plan, Plans, combinations, parse_bytes, plan
 
@@ -17,6 +17,7 @@ __all__ = [
     "Plans",
     "StepTrace",
     "Technique",
+    "block_candidates",
     "calibrate",
     "combinations",
     "device_cost",

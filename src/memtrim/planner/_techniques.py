@@ -35,9 +35,10 @@ class NotApplicable(LookupError):
 class Applied:
     """A (model, optimizer) pair with techniques applied in turn, and how to undo the in-place ones."""
 
-    def __init__(self, model: nn.Module, optimizer: Any, host: str = "cpu", clip_grad_norm: float | None = None
-                 ) -> None:
+    def __init__(self, model: nn.Module, optimizer: Any, host: str = "cpu", clip_grad_norm: float | None = None,
+                 block: type[nn.Module] | None = None) -> None:
         self.model = model
+        self.block = block  # the class checkpointing takes as the blocks (the plan's choice); None: repeated_block
         self.optimizer = optimizer
         self.host = host  # where offloaded state goes: "meta" in a prediction, so it is not counted on the device
         self.clip_grad_norm = clip_grad_norm  # the loop's: an OptimizerInBackward clips in its two-pass backward
@@ -68,13 +69,20 @@ class Technique:
         return self._apply(applied)
 
 
-def repeated_block(model: nn.Module) -> type[nn.Module] | None:
-    """The class of the model's repeated blocks: among the ``ModuleList``/``Sequential`` containers, the one whose
-    repeated class holds the most parameters (a decoder layer, a residual block); None if none. A container's
-    children all share one class, or the class two or more of them share holds submodules of its own and is most of
-    the container (torchvision's mobilenet_v2 ``features``: a stem, 17 InvertedResidual blocks and a last
+MAX_BLOCK_CANDIDATES = 4
+"""How many block classes a plan traces checkpointed, to keep the one with the lowest peak."""
+
+
+def _holds_layers(kind: type[nn.Module], module: nn.Module) -> bool:
+    return kind not in (nn.ModuleList, nn.Sequential, nn.ModuleDict) and any(True for _ in module.parameters())
+
+
+def _container_blocks(model: nn.Module) -> dict[type[nn.Module], int]:
+    """Classes repeated in a ``ModuleList``/``Sequential``, with the parameters their instances there hold. A
+    container's children all share one class, or the class two or more of them share holds submodules of its own and
+    is most of the container (torchvision's mobilenet_v2 ``features``: a stem, 17 InvertedResidual blocks and a last
     convolution, which left plan without a checkpointing plan until 2026-12-03, found by a helper's run)."""
-    best: tuple[int, type[nn.Module]] | None = None
+    found: dict[type[nn.Module], int] = {}
     for module in model.modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
@@ -86,19 +94,64 @@ def repeated_block(model: nn.Module) -> type[nn.Module] | None:
         mixed = count < len(children)  # then the class must be most of them, and hold submodules: no leaf layer
         if count < 2 or mixed and (2 * count <= len(children) or not any(True for _ in blocks[0].children())):
             continue
-        if kind in (nn.ModuleList, nn.Sequential, nn.ModuleDict) or not any(True for _ in blocks[0].parameters()):
+        if _holds_layers(kind, blocks[0]):
+            found[kind] = max(found.get(kind, 0), sum(p.numel() for block in blocks for p in block.parameters()))
+    return found
+
+
+def _attribute_blocks(model: nn.Module) -> dict[type[nn.Module], int]:
+    """Classes of which a module of another kind holds two or more as attributes, each holding layers of its own
+    (timm's regnet: a ``RegStage`` holds its ``Bottleneck`` blocks as b1, b2, ...; the model holds the stages as
+    s1..s4), with the parameters all their instances hold."""
+    found: dict[type[nn.Module], int] = {}
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
-        size = sum(p.numel() for block in blocks for p in block.parameters())
-        if best is None or size > best[0]:
-            best = (size, kind)
-    return None if best is None else best[1]
+        counts = collections.Counter(type(c) for c in module.children()
+                                     if any(True for _ in c.children()) and _holds_layers(type(c), c))
+        for kind, count in counts.items():
+            if count >= 2:
+                found[kind] = 0
+    for kind in found:
+        found[kind] = sum(p.numel() for m in model.modules() if type(m) is kind for p in m.parameters())
+    return found
+
+
+def _nests(model: nn.Module, kind: type[nn.Module]) -> bool:
+    """Whether an instance of ``kind`` holds another (timm's dla: a tree of trees); checkpoint_modules refuses it."""
+    return any(isinstance(inner, kind) for m in model.modules() if isinstance(m, kind)
+               for inner in list(m.modules())[1:])
+
+
+def block_candidates(model: nn.Module) -> list[type[nn.Module]]:
+    """The classes a plan may checkpoint as the model's blocks, most likely first: those repeated in a
+    ``ModuleList``/``Sequential`` (a decoder layer, a residual block), then those held two or more times as attributes
+    of one module (timm's regnet and dla: plan found no block there until 2026-12-03), each group by the parameters
+    its instances hold; at most ``MAX_BLOCK_CANDIDATES``, none whose instances nest. A plan traces each checkpointed
+    and keeps the one with the lowest peak (NOTE [ choosing the blocks ])."""
+    out: list[type[nn.Module]] = []
+    for found in (_container_blocks(model), _attribute_blocks(model)):
+        for kind, _ in sorted(found.items(), key=lambda item: -item[1]):
+            if kind not in out and not _nests(model, kind):
+                out.append(kind)
+    return out[:MAX_BLOCK_CANDIDATES]
+
+
+def repeated_block(model: nn.Module) -> type[nn.Module] | None:
+    """The class of the model's repeated blocks a plan checkpoints unless told another: the first of
+    :func:`block_candidates` (among the ``ModuleList``/``Sequential`` containers, the class repeated there holding the
+    most parameters); None if none."""
+    candidates = block_candidates(model)
+    return candidates[0] if candidates else None
 
 
 def _checkpoint(policy: str | None) -> Callable[[Applied], list[str]]:
     def apply(applied: Applied) -> list[str]:
-        block = repeated_block(applied.model)
+        block = applied.block or repeated_block(applied.model)
         if block is None:
             raise NotApplicable("no repeated block class to checkpoint")
+        if not any(isinstance(m, block) for m in applied.model.modules()):
+            raise NotApplicable(f"the model holds no {block.__name__}, the blocks the plan checkpoints")
         handle = checkpoint_modules(applied.model, block, policy=policy)
         applied._undo.append(handle.remove)
         return [f"checkpoints {len(handle)} {block.__name__} blocks" + (f" ({policy})" if policy else "")]
