@@ -1394,6 +1394,40 @@ def test_an_actnorm_initialised_by_a_forward_under_no_grad_trains_as_the_plain_s
         _trains_as_the_plain_stack(make_blocks, lr=0.01)
 
 
+class _LazyActNorm(nn.Module):
+    """Glow's ActNorm with its loc and scale registered as None, set from its first batch in its first training
+    forward (no initialising forward under no_grad)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("loc", None)
+        self.register_buffer("scale", None)
+
+    def forward(self, x):
+        if self.loc is None:
+            self.loc = -x.detach().mean(0)
+            self.scale = 1.0 / (x.detach().std(0) + 1e-6)
+        return (x + self.loc) * self.scale
+
+    def inverse(self, y):
+        return y / self.scale - self.loc
+
+
+def test_a_buffer_registered_as_none_that_the_forward_fills_is_read_filled_by_the_inverse():
+    # the inverse read None as the forward found it: a TypeError in the user's inverse until 2026-12-03 (documented
+    # then); a None no inverse can read, so it reads what its forward filled it with
+    layers = []
+
+    def make_blocks():
+        layers[:] = [_LazyActNorm()]
+        return [memtrim.AdditiveCoupling(mlp(4)), layers[0], memtrim.AdditiveCoupling(mlp(4))]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # and the inverse check finds the output given back
+        _trains_as_the_plain_stack(make_blocks, lr=0.01)
+    assert layers[0].loc is not None and "loc" in layers[0]._buffers
+
+
 class _ReadThenUpdate(nn.Module):
     """A block of the user's reading its buffers, then updating them (a mean, a count), its inverse reading them."""
 

@@ -320,6 +320,13 @@ def _put_slots(slots: Slots) -> None:
         table.update(entries)
 
 
+def _filled(slots: Slots) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
+    """The buffers registered as ``None`` that a forward filled, with what it filled them with: a block's inverse
+    reads them so (NOTE [ what a block's inverse reads ]: it found None, which no inverse can read)."""
+    return [(table, key, table[key]) for table, entries, held in slots if held
+            for key, value in entries.items() if value is None and isinstance(table.get(key), torch.Tensor)]
+
+
 def _batchnorm_count(block: nn.Module, buffer: torch.Tensor) -> bool:
     """Whether ``buffer`` is a BatchNorm's ``num_batches_tracked`` in ``block``: a later training forward advances it,
     and a forward in evaluation does not read it (a training one that does moved it itself)."""
@@ -435,6 +442,7 @@ class _Frame:
         # for it: the stack called twice before one backward, each rebuild reads its own)
         self.left: list[Settings] = [[] for _ in blocks]
         self.f_left: list[_FLeft] = [_FLeft([], [], {}) for _ in blocks]  # NOTE [ f and g share a layer ]
+        self.filled: list[list[tuple[dict[str, Any], str, torch.Tensor]]] = [[] for _ in blocks]  # _filled
 
     # ------------------------------------------------------------------------------------------------ forward
 
@@ -476,6 +484,7 @@ class _Frame:
                 cached.end()
             if _coupling(block) is None:
                 self.left[index] = plain_settings(block.modules())
+                self.filled[index] = _filled(self.slots[index])
             self.set_anew[index] = self.set_anew[index] or _differs(self.slots[index])
             self.classes[index] = [type(m) for m, _ in self.modes[index]]  # (after: one may set its own class)
             # the statistics an evaluation forward read, kept, and checked too (a write of the user's raises)
@@ -756,6 +765,7 @@ class _Frame:
         # out-of-memory caught) rebuilt from the buffers as backward found them, 0.10 off, silently, until 2026-12-03)
         self.buffers_before[index] = []
         self.f_left[index] = _FLeft([], [], {})
+        self.filled[index] = []
         self.kept_inputs.pop(index, None)
         if index in self.probes:
             self.drift.measure(index, _whole(x), *self.probes.pop(index))
@@ -930,12 +940,19 @@ class _Frame:
     def _rebuild_generic(self, index: int, block: nn.Module, y: torch.Tensor,
                          recorded: list[torch.Tensor]) -> torch.Tensor:
         replay = self.replays[index]["block"]
+        filled = self.filled[index]
+        for table, key, value in filled:  # (a TypeError in the user's inverse, reading None, until 2026-12-03)
+            table[key] = value
         buffers = [(b, b.detach().clone()) for b in block.buffers()]
-        with replayed(replay, strict=False), torch.no_grad():
-            x = _inverse(block)(y)
-        with torch.no_grad():  # as the forward found them: the inverse, in training mode, may move them (a
-            for buffer, value in buffers:  # spectral_norm's power iteration: 0.05 to 2.27 off until 2026-12-03)
-                buffer.data.copy_(value)  # (NOTE [ buffers put back ])
+        try:
+            with replayed(replay, strict=False), torch.no_grad():
+                x = _inverse(block)(y)
+            with torch.no_grad():  # as the forward found them: the inverse, in training mode, may move them (a
+                for buffer, value in buffers:  # spectral_norm's power iteration: 0.05 to 2.27 off until 2026-12-03)
+                    buffer.data.copy_(value)  # (NOTE [ buffers put back ])
+        finally:
+            for table, key, _ in filled:  # the forward run again finds them as its forward did
+                table[key] = None
         inp = as_forward(x.detach(), replay).requires_grad_(replay.requires_grad)
         with torch.enable_grad(), _recording(recorded), replayed(replay), self._as_found(index, "block"):
             out = block(inp)  # its forward again, on the attributes that forward found
@@ -950,7 +967,7 @@ class _Frame:
     # 2026-12-03. Which of the two a buffer is cannot be told (reading them as left for one afternoon broke the first
     # kind: 2e-2 to 3.62 off, an adversarial pass), so the forward run again in the rebuild, whose output was
     # discarded, is compared with the block's output at the block's first rebuild: a block whose inverse did not give
-    # back its input warns.
+    # back its input warns. A buffer registered as None that its forward filled is read filled (None: no inverse reads).
 
     def _check_inverse(self, index: int, block: nn.Module, out: Any, y: torch.Tensor) -> None:
         """Warn where the block's forward, on the input its inverse rebuilt, does not give back its output (NOTE [ what
