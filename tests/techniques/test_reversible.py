@@ -262,11 +262,7 @@ def ln_blocks(depth, width=32, dtype=torch.float32):
 def test_exact_mode_reconstructs_bitwise_at_depth_256(dtype, monkeypatch):
     import memtrim.techniques.reversible.sequential as seq
 
-    def whole(x):  # compare every element, not a sample
-        flat = x.detach().reshape(-1)
-        return torch.arange(flat.numel()), flat.clone()
-
-    monkeypatch.setattr(seq, "_probe", whole)
+    monkeypatch.setattr(seq, "_PROBE_ELEMENTS", 1 << 62)  # compare every element, not a sample
     rev = memtrim.ReversibleSequential(*ln_blocks(256, dtype=dtype), exact=True, check_drift=1.0)
     x = torch.randn(4, 64, dtype=dtype, requires_grad=True)
     rev(x).float().square().sum().backward()
@@ -534,6 +530,29 @@ def test_a_recomputation_saving_other_shapes_raises():
     out = rev(torch.randn(4, 3, dtype=torch.float64, requires_grad=True))
     with pytest.raises(memtrim.ReversibleError, match=r"(?s)block 0.*shape \(1, 3\).*shape \(4, 3\)"):
         out.sum().backward()
+
+
+def test_a_block_choosing_by_value_on_an_inexact_rebuild_raises_naming_the_fix():
+    # f routes the rows whose first feature is positive (a mixture's top-1 routing); g adds 1e4 to that feature, so
+    # float32 rebuilds 1e-5 as 0 and f chooses otherwise: the error said only that the block depends on more than its
+    # input until 2026-12-03 (an adversarial pass: a mixture re-routing a token)
+    class Positive(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            chosen = x[:, 0] > 0
+            return torch.zeros_like(x).index_put((chosen,), torch.tanh(self.lin(x[chosen])))
+
+    g = nn.Linear(2, 2)
+    with torch.no_grad():
+        g.weight.zero_()
+        g.bias.copy_(torch.tensor([1e4, 0.0]))
+    rev = memtrim.ReversibleSequential(memtrim.AdditiveCoupling(Positive(), g))
+    x = torch.tensor([[0.5, 0.5, 1e-5, 0.0], [0.5, 0.5, 1.0, 0.0], [0.5, 0.5, -1.0, 0.0]], requires_grad=True)
+    with pytest.raises(memtrim.ReversibleError, match=r"(?s)chooses by value.*exact=True"):
+        rev(x).sum().backward()
 
 
 def test_spectral_norm_is_recomputed_from_the_power_iteration_the_forward_started_from():
@@ -1567,15 +1586,75 @@ def test_a_module_setting_its_own_class_in_its_forward_is_no_refusal():
     _trains_as_the_plain_stack(lambda: [memtrim.AdditiveCoupling(mlp(4)), SelfInit()], lr=0.01)
 
 
-@pytest.mark.parametrize("numel", [2**24 + 1, 2**25, 3 * 2**24 + 7, 5, 1])
-def test_evenly_spaced_indices_stay_inside_large_tensors(numel):
-    # float32's linspace rounded the last index to numel from 2**24 elements up: an IndexError in backward for a user
-    # block's output of 2**25 elements, and with check_drift on such an input, until 2026-12-03 (an adversarial pass)
-    from memtrim.techniques.reversible.sequential import _spaced
+class _AuxLoss(nn.Module):
+    """A layer appending an auxiliary loss to a list the loop reads (a mixture's router loss)."""
 
-    where = _spaced(numel, 4096, torch.device("cpu"))
-    assert where.dtype == torch.int64 and int(where[0]) == 0 and int(where[-1]) == numel - 1
-    assert len(where) == min(4096, numel) and bool((where[1:] > where[:-1]).all())
+    def __init__(self, into):
+        super().__init__()
+        self.lin, self.into = nn.Linear(4, 4), into
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.into.append(h.pow(2).mean())
+        return torch.tanh(h)
+
+
+@pytest.mark.parametrize("clear_first", [False, True], ids=["cleared after the loss", "cleared before the forward"])
+def test_auxiliary_losses_collected_in_a_list(clear_first):
+    # the rebuild in backward runs f again, which appends again: cleared after the loss was built, the next loss
+    # summed the rebuild's terms, and backward raised "internal recomputation graph was differentiated", naming no
+    # fix, until 2026-12-03 (an adversarial pass); cleared before each forward, it trains as the plain stack
+    aux: list[torch.Tensor] = []
+
+    def step(model, x, i):
+        if clear_first:
+            aux.clear()
+        loss = model(x).pow(2).sum() + 0.1 * sum(aux)
+        if not clear_first:
+            aux.clear()
+        loss.backward()
+
+    def make_blocks():
+        return [memtrim.AdditiveCoupling(_AuxLoss(aux), mlp(4)) for _ in range(2)]
+
+    if clear_first:
+        _trains_as_the_plain_stack(make_blocks, step)
+    else:
+        with pytest.raises(memtrim.ReversibleError, match="clear such a list just before each forward"):
+            _trains_as_the_plain_stack(make_blocks, step)
+
+
+def test_check_drift_sees_a_rebuild_off_on_one_feature_alone():
+    # g ending in a trained-looking LayerNorm (gamma 1e-4, beta 1e5 on feature 100 alone): that feature's rebuilt
+    # input is 9.2e-4 off relative in float32; check_drift's 64 evenly spaced elements missed it, silently, until
+    # 2026-12-03 (an adversarial pass)
+    torch.manual_seed(0)
+    width = 512
+    norm = nn.LayerNorm(width)
+    with torch.no_grad():
+        norm.weight.fill_(1e-4)
+        norm.bias.zero_()
+        norm.bias[100] = 1e5
+    g = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width), norm)
+    stack = memtrim.ReversibleSequential(memtrim.AdditiveCoupling(mlp(width), g), check_drift=1e-4)
+    with pytest.warns(UserWarning, match="block 0 was reconstructed with relative error"):
+        stack(torch.randn(4, 2 * width)).pow(2).mean().backward()
+    assert stack.drift_report()[0] > 1e-4
+
+
+@pytest.mark.parametrize("numel", [2**24 + 1, 2**25, 3 * 2**24 + 7, 2654435761 * 2, 8192 * 256, 5, 1])
+def test_sampled_indices_are_distinct_inside_large_tensors_and_reach_every_feature(numel):
+    # float32's linspace rounded the last index to numel from 2**24 elements up: an IndexError in backward for a user
+    # block's output of 2**25 elements, and with check_drift on such an input, until 2026-12-03 (an adversarial pass);
+    # evenly spaced indices into a (8192, 256) tensor all fell on one feature (another adversarial pass that day)
+    from memtrim.techniques.reversible.sequential import _scattered
+
+    where = _scattered(numel, 1024, torch.device("cpu"))
+    assert where.dtype == torch.int64 and len(where) == min(1024, numel)
+    assert int(where.min()) >= 0 and int(where.max()) < numel and len(where.unique()) == len(where)
+    for features in (256, 64, 3):  # a (rows, features) layout: a sample on every feature
+        if numel % features == 0 and numel >= 1024:
+            assert len((where % features).unique()) == features
 
 
 class _FixedPoint(nn.Module):

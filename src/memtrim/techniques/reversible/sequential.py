@@ -195,19 +195,38 @@ def _inverse(block: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return inverse
 
 
-def _spaced(numel: int, count: int, device: torch.device) -> torch.Tensor:
-    """``count`` evenly spaced indices into ``numel`` elements, the first and the last among them, in integers
-    (float32's linspace rounded the last to ``numel`` from 2**24 elements up: an IndexError in backward, until
-    2026-12-03, an adversarial pass)."""
-    count = min(count, numel)
-    return torch.arange(count, device=device) * (numel - 1) // max(count - 1, 1)
+_PROBE_ELEMENTS = 1024
+"""How many elements of a block's input ``check_drift`` keeps, and of a block's output the inverse check reads."""
+
+_SCATTER = 2654435761  # a prime (Knuth's multiplicative hash): k * _SCATTER mod n visits every residue class of n
 
 
-def _probe(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """64 evenly spaced elements of a block input: a few hundred bytes to check its reconstruction against."""
-    flat = x.detach().reshape(-1)
-    where = _spaced(flat.numel(), 64, flat.device)
-    return where, flat[where].clone()
+def _scattered(numel: int, count: int, device: torch.device) -> torch.Tensor:
+    """``min(count, numel)`` distinct indices into ``numel`` elements, scattered over every feature and channel:
+    ``k * p mod numel`` for a prime ``p`` prime to ``numel``. Evenly spaced ones (until 2026-12-03) fell on one
+    feature of a (tokens, 256) tensor, whose spacing 256 divides: a rebuild off on another feature alone (a LayerNorm
+    with a large beta there) was not seen, 9.2e-4 against a tolerance of 1e-4 (an adversarial pass). In integers
+    (float32's linspace rounded the last index past the end from 2**24 elements up: an IndexError in backward)."""
+    if count >= numel:
+        return torch.arange(numel, device=device)
+    prime = _SCATTER
+    while math.gcd(prime, numel) != 1:
+        prime += 2
+    return torch.arange(count, device=device) * prime % numel
+
+
+_CHOOSES_BY_VALUE = (
+    "Or it does, and chooses by value (top-k routing of a mixture of experts, a threshold, an argmax): the input its "
+    "inverse rebuilt is a rounding off the forward's (float32: about 1e-7 relative per block, more after a norm "
+    "with a large bias), which can choose otherwise. To fix: exact=True (a bit-exact rebuild of couplings), float64, "
+    "or keep the block out of the reversible stack.")
+"""(found by an adversarial pass on 2026-12-03: the message said only that the block depends on more than its input)"""
+
+
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    """``_PROBE_ELEMENTS`` scattered elements of a block input, read where they lie (4 KB in float32, kept until
+    backward; their indices are made again there) to check its reconstruction against."""
+    return torch.take(x.detach(), _scattered(x.numel(), _PROBE_ELEMENTS, x.device))
 
 
 @contextlib.contextmanager
@@ -215,8 +234,15 @@ def _recording(into: list[torch.Tensor]) -> Iterator[None]:
     def pack(tensor: torch.Tensor) -> None:
         into.append(tensor.detach())
 
-    def unpack(_: None) -> torch.Tensor:  # pragma: no cover - the recomputed graph is never differentiated
-        raise ReversibleError("memtrim.ReversibleSequential: internal recomputation graph was differentiated.")
+    def unpack(_: None) -> torch.Tensor:
+        # a tensor the rebuild computed reached a graph that is differentiated: said as the user's code (it read as
+        # memtrim's bug, naming no fix, until 2026-12-03: an adversarial pass's auxiliary losses in a list)
+        raise ReversibleError(
+            "memtrim.ReversibleSequential: a tensor computed while backward rebuilt a block (its f, g or forward run "
+            "again) is part of a later loss: the block hands out values besides its output (an auxiliary loss "
+            "appended to a list, a cache kept on a module), and its rebuild handed out more. Expected a block whose "
+            "only result is its output; to fix: clear such a list just before each forward (not after building the "
+            "loss), or keep the block out of the reversible stack.")
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield
@@ -232,8 +258,8 @@ class _DriftLog:
         self.keep_inputs: set[int] = set()
         self.checked: set[int] = set()  # blocks whose inverse was checked (_Frame._check_inverse)
 
-    def measure(self, index: int, x: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
-        rebuilt = x.detach().reshape(-1)[where].to(values.dtype)
+    def measure(self, index: int, x: torch.Tensor, values: torch.Tensor) -> None:
+        rebuilt = _probe(x).to(values.dtype)
         if values.numel() == 0:  # an empty batch: nothing was rebuilt, nothing drifted
             error = 0.0
         else:
@@ -408,7 +434,7 @@ class _Frame:
         self.outputs: dict[int, torch.Tensor | _Halves] = {}  # block index -> its output (the next block's input)
         self.output_version = 0
         self.materialised: set[int] = set()
-        self.probes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # block -> (indices, values) of its input
+        self.probes: dict[int, torch.Tensor] = {}  # block -> elements of its input (_probe)
         # blocks whose drift exceeded the tolerance before, or that drew random numbers: input, its version then
         self.kept_inputs: dict[int, torch.Tensor] = {}
         self.kept_versions: dict[int, int] = {}
@@ -745,7 +771,7 @@ class _Frame:
             raise ReversibleError(
                 f"memtrim.ReversibleSequential: block {index} ({type(block).__name__}) saved {len(handles)} tensors "
                 f"in forward but {len(recorded)} when recomputed; its computation must not depend on anything but "
-                "its input (and the replayed random numbers)."
+                f"its input (and the replayed random numbers). {_CHOOSES_BY_VALUE}"
             )
         for ref, tensor in zip(handles, recorded):
             handle = ref()
@@ -754,7 +780,7 @@ class _Frame:
                     f"memtrim.ReversibleSequential: block {index} ({type(block).__name__}) saved a tensor of shape "
                     f"{tuple(handle.meta[0])} ({handle.meta[1]}) in forward where its recomputation saved one of shape "
                     f"{tuple(tensor.shape)} ({tensor.dtype}); its computation must not depend on anything but its "
-                    "input (and the replayed random numbers). Keep such a block out of the reversible stack."
+                    f"input (and the replayed random numbers). {_CHOOSES_BY_VALUE}"
                 )
         for ref, tensor in zip(handles, recorded):
             handle = ref()
@@ -768,7 +794,7 @@ class _Frame:
         self.filled[index] = []
         self.kept_inputs.pop(index, None)
         if index in self.probes:
-            self.drift.measure(index, _whole(x), *self.probes.pop(index))
+            self.drift.measure(index, _whole(x), self.probes.pop(index))
         if index > 0:
             self.outputs[index - 1] = x
         self.outputs.pop(index, None)  # this block's output is no longer needed: one boundary alive at a time
@@ -976,9 +1002,9 @@ class _Frame:
         check at later steps made them peak higher than the steady state a plan predicts (an adversarial pass)."""
         if index in self.drift.checked or not isinstance(out, torch.Tensor) or out.shape != y.shape or not y.numel():
             return
-        # (1,024 evenly spaced elements, read where they lie: reshape copied a whole output laid out otherwise, a
-        # channels_last one, 1.5 outputs more at the peak; a state the inverse misread moves most of them)
-        where = _spaced(y.numel(), 1024, y.device)
+        # (_PROBE_ELEMENTS scattered elements, read where they lie: reshape copied a whole output laid out otherwise,
+        # a channels_last one, 1.5 outputs more at the peak; a state the inverse misread moves most of them)
+        where = _scattered(y.numel(), _PROBE_ELEMENTS, y.device)
         expected = torch.take(y.detach(), where)
         largest, off = expected.abs().max(), (torch.take(out.detach(), where) - expected).abs().max()
         if is_fake(y) or y.device.type == "meta":  # a plan's trace: the same tensors, no values to read
