@@ -123,7 +123,7 @@ def sweep() -> dict:
     for budget in peaks:
         best = memtrim.plan(factory, x, loss, _adamw, targets=y, budget=budget, techniques=NAMES).best
         measured = trace_step(factory, x, y, loss, _adamw, [TECHNIQUES[n] for n in best.techniques],
-                              fake=False, block=best.block).report.peak_bytes
+                              fake=False, blocks=best.blocks).report.peak_bytes
         exhaustive = min(p.time_ratio for p in everything.all if p.peak_bytes <= budget)
         steps.append({"budget": budget, "plan": best.name, "predicted": best.peak_bytes, "measured": measured,
                       "fits": measured <= budget, "time_ratio": best.time_ratio,

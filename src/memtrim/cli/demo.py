@@ -449,7 +449,7 @@ def _plan(args: argparse.Namespace, device: torch.device) -> Planned:
     best = plans.best
     measured = memtrim.planner.trace_step(model, tokens, tokens, loss_fn, adamw,
                                           [memtrim.planner.TECHNIQUES[n] for n in best.techniques], fake=False,
-                                          block=best.block)
+                                          blocks=best.blocks)
     print(f"  plan {workload} for {budget:,} B: {best.name}, predicted {best.peak_bytes:,} B, measured "
           f"{measured.report.peak_bytes:,} B")
     return Planned(workload=workload, budget=budget, chosen=best.name, predicted=best.peak_bytes,

@@ -286,7 +286,7 @@ def _run(args: argparse.Namespace, progress: _Progress) -> int:
                                                [memtrim.planner.TECHNIQUES[n] for n in chosen.techniques],
                                                loop=memtrim.planner.Loop(setup["accumulation_steps"],
                                                                          setup["clip_grad_norm"]),
-                                               block=chosen.block)
+                                               blocks=chosen.blocks)
             trace.report.plot(args.plot)
             print(f"timeline: {args.plot}")
         return 0

@@ -5,12 +5,13 @@ allocated) through memtrim's own tracker, and ranks the combinations that fit by
 """
 
 from ._cost import DeviceCost, calibrate, device_cost
-from ._techniques import TECHNIQUES, Technique, block_candidates, repeated_block
+from ._techniques import TECHNIQUES, Blocks, Technique, block_candidates, blocks_name, repeated_block
 from ._trace import Loop, StepTrace, trace_step
 from .api import Plan, Plans, combinations, parse_bytes, plan
 
 __all__ = [
     "TECHNIQUES",
+    "Blocks",
     "DeviceCost",
     "Loop",
     "Plan",
@@ -18,6 +19,7 @@ __all__ = [
     "StepTrace",
     "Technique",
     "block_candidates",
+    "blocks_name",
     "calibrate",
     "combinations",
     "device_cost",

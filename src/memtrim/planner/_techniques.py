@@ -36,9 +36,9 @@ class Applied:
     """A (model, optimizer) pair with techniques applied in turn, and how to undo the in-place ones."""
 
     def __init__(self, model: nn.Module, optimizer: Any, host: str = "cpu", clip_grad_norm: float | None = None,
-                 block: type[nn.Module] | None = None) -> None:
+                 blocks: Blocks = ()) -> None:
         self.model = model
-        self.block = block  # the class checkpointing takes as the blocks (the plan's choice); None: repeated_block
+        self.blocks = blocks  # the classes checkpointing takes as the blocks (the plan's choice); (): repeated_block
         self.optimizer = optimizer
         self.host = host  # where offloaded state goes: "meta" in a prediction, so it is not counted on the device
         self.clip_grad_norm = clip_grad_norm  # the loop's: an OptimizerInBackward clips in its two-pass backward
@@ -70,7 +70,10 @@ class Technique:
 
 
 MAX_BLOCK_CANDIDATES = 4
-"""How many block classes a plan traces checkpointed, to keep the one with the lowest peak."""
+"""How many choices of blocks a plan traces checkpointed, to keep the one with the lowest peak."""
+
+Blocks = tuple[type[nn.Module], ...]
+"""The classes whose every instance a plan checkpoints (one class as a rule; an encoder's and a decoder's layers)."""
 
 
 def _holds_layers(kind: type[nn.Module], module: nn.Module) -> bool:
@@ -117,44 +120,70 @@ def _attribute_blocks(model: nn.Module) -> dict[type[nn.Module], int]:
     return found
 
 
-def _nests(model: nn.Module, kind: type[nn.Module]) -> bool:
-    """Whether an instance of ``kind`` holds another (timm's dla: a tree of trees); checkpoint_modules refuses it."""
-    return any(isinstance(inner, kind) for m in model.modules() if isinstance(m, kind)
+def _nests(model: nn.Module, kinds: Blocks) -> bool:
+    """Whether an instance of ``kinds`` holds another (timm's dla: a tree of trees); checkpoint_modules refuses it."""
+    return any(isinstance(inner, kinds) for m in model.modules() if isinstance(m, kinds)
                for inner in list(m.modules())[1:])
 
 
-def block_candidates(model: nn.Module) -> list[type[nn.Module]]:
-    """The classes a plan may checkpoint as the model's blocks, most likely first: those repeated in a
-    ``ModuleList``/``Sequential`` (a decoder layer, a residual block), then those held two or more times as attributes
-    of one module (timm's regnet and dla: plan found no block there until 2026-12-03), each group by the parameters
-    its instances hold; at most ``MAX_BLOCK_CANDIDATES``, none whose instances nest. A plan traces each checkpointed
-    and keeps the one with the lowest peak (NOTE [ choosing the blocks ])."""
-    out: list[type[nn.Module]] = []
-    for found in (_container_blocks(model), _attribute_blocks(model)):
-        for kind, _ in sorted(found.items(), key=lambda item: -item[1]):
-            if kind not in out and not _nests(model, kind):
-                out.append(kind)
+def block_candidates(model: nn.Module) -> list[Blocks]:
+    """The choices of blocks a plan may checkpoint, most likely first: every class repeated in a
+    ``ModuleList``/``Sequential`` together where there are several (an encoder's and a decoder's layers), then each
+    such class alone (a decoder layer, a residual block), then each class held two or more times as attributes of
+    one module (timm's regnet and dla: plan found no block there until 2026-12-03), each group by the parameters its
+    instances hold; at most ``MAX_BLOCK_CANDIDATES``, none whose instances nest. A plan traces each checkpointed and
+    keeps the one with the lowest peak (NOTE [ choosing the blocks ])."""
+    containers, attributes = _container_blocks(model), _attribute_blocks(model)
+    ordered = [kind for found in (containers, attributes)
+               for kind, _ in sorted(found.items(), key=lambda item: -item[1])]
+    out: list[Blocks] = []
+    for choice in [tuple(containers)] * (len(containers) > 1) + [(kind,) for kind in ordered]:
+        if choice not in out and not _nests(model, choice):
+            out.append(choice)
     return out[:MAX_BLOCK_CANDIDATES]
 
 
 def repeated_block(model: nn.Module) -> type[nn.Module] | None:
-    """The class of the model's repeated blocks a plan checkpoints unless told another: the first of
-    :func:`block_candidates` (among the ``ModuleList``/``Sequential`` containers, the class repeated there holding the
-    most parameters); None if none."""
-    candidates = block_candidates(model)
-    return candidates[0] if candidates else None
+    """The class of the model's repeated blocks: among the ``ModuleList``/``Sequential`` containers, the class repeated
+    there holding the most parameters, else the first class held two or more times as attributes (the first single
+    class of :func:`block_candidates`); None if none."""
+    return next((choice[0] for choice in block_candidates(model) if len(choice) == 1), None)
+
+
+def blocks_name(blocks: Blocks) -> str:
+    """``Encoder+Decoder``: the classes' names joined by ``+``."""
+    return "+".join(kind.__name__ for kind in blocks)
+
+
+def _in_model(model: nn.Module, blocks: Blocks) -> Blocks:
+    """``blocks`` as the classes of ``model``: a factory that defines its block class inside itself makes a new class
+    at each call, of the same module and name (a plan traced on one build found no block in the next, and left
+    checkpointing out, until a helper's run on 2026-12-03)."""
+    classes = {type(m) for m in model.modules()}
+    out = []
+    for kind in blocks:
+        if any(issubclass(c, kind) for c in classes):
+            out.append(kind)
+            continue
+        same = [c for c in classes if (c.__module__, c.__qualname__) == (kind.__module__, kind.__qualname__)]
+        if len(same) != 1:
+            raise NotApplicable(f"the model holds no {kind.__name__}, the blocks the plan checkpoints")
+        out.append(same[0])
+    return tuple(out)
 
 
 def _checkpoint(policy: str | None) -> Callable[[Applied], list[str]]:
     def apply(applied: Applied) -> list[str]:
-        block = applied.block or repeated_block(applied.model)
-        if block is None:
-            raise NotApplicable("no repeated block class to checkpoint")
-        if not any(isinstance(m, block) for m in applied.model.modules()):
-            raise NotApplicable(f"the model holds no {block.__name__}, the blocks the plan checkpoints")
-        handle = checkpoint_modules(applied.model, block, policy=policy)
+        if applied.blocks:
+            blocks = _in_model(applied.model, applied.blocks)
+        else:
+            block = repeated_block(applied.model)
+            if block is None:
+                raise NotApplicable("no repeated block class to checkpoint")
+            blocks = (block,)
+        handle = checkpoint_modules(applied.model, blocks, policy=policy)
         applied._undo.append(handle.remove)
-        return [f"checkpoints {len(handle)} {block.__name__} blocks" + (f" ({policy})" if policy else "")]
+        return [f"checkpoints {len(handle)} {blocks_name(blocks)} blocks" + (f" ({policy})" if policy else "")]
 
     return apply
 

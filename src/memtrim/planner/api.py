@@ -23,7 +23,7 @@ from ..measure import format_bytes, pyplot
 from ..measure.hooks import compiled_module
 from ..techniques.checkpoint import selective_available
 from ._cost import DeviceCost, calibrate, device_cost
-from ._techniques import EXCLUSIVE, TECHNIQUES, Applied, NotApplicable, Technique
+from ._techniques import EXCLUSIVE, TECHNIQUES, Applied, Blocks, NotApplicable, Technique, blocks_name
 from ._trace import PLANNED_IN_TRAINING, STANDARD_LOOP, Loop, StepTrace, Work, block_candidates_of, trace_step
 from ._workers import Failed, Tracer, default_workers
 
@@ -71,8 +71,8 @@ class Plan:
         notes: what each technique did on the traced model.
         clip_grad_norm: the loop's clipping it was planned with (``plan``'s), which :meth:`apply` gives an
             ``OptimizerInBackward`` it builds.
-        block: the class ``checkpoint`` and ``selective`` take as the model's blocks (NOTE [ choosing the blocks ]);
-            None where the plan checkpoints nothing.
+        blocks: the classes ``checkpoint`` and ``selective`` take as the model's blocks, every instance of them
+            checkpointed (NOTE [ choosing the blocks ]); ``()`` where the plan checkpoints nothing.
     """
 
     techniques: tuple[str, ...]
@@ -84,7 +84,7 @@ class Plan:
     fits: bool
     notes: tuple[str, ...] = ()
     clip_grad_norm: float | None = None  # the loop's, planned: apply builds an OptimizerInBackward clipping so
-    block: type[nn.Module] | None = None
+    blocks: Blocks = ()
 
     @property
     def name(self) -> str:
@@ -102,7 +102,7 @@ class Plan:
                 "Apply a plan once: build the model and its optimizer again (a notebook cell run twice applies twice)."
             )
         marked = _marked(model)
-        applied = Applied(model, optimizer, clip_grad_norm=self.clip_grad_norm, block=self.block)
+        applied = Applied(model, optimizer, clip_grad_norm=self.clip_grad_norm, blocks=self.blocks)
         try:
             for name in self.techniques:
                 try:
@@ -344,9 +344,9 @@ def plan(
     names = _usable(names, dev, depth, notes)
     cost = calibrate(dev) if calibrate_time else device_cost(dev)
 
-    def estimate(combo: tuple[str, ...], block: type[nn.Module] | None = None) -> _Estimate:
+    def estimate(combo: tuple[str, ...], given: Blocks = ()) -> _Estimate:
         return _estimate(model_or_factory, example_inputs, targets, loss_fn, optimizer_factory, combo, depth, loop,
-                         block or _block_of(combo, blocks))
+                         given or _blocks_of(combo, blocks))
 
     def traced(combo: tuple[str, ...], e: _Estimate) -> None:
         if progress is not None:
@@ -378,7 +378,8 @@ def plan(
     left_out: dict[tuple[str, ...], str] = {}  # combination -> why it was left out (also in the notes)
     exact = [c for c in combinations(names) if not changing.intersection(c)]
     workers = default_workers() if workers is None else workers
-    blocks = _choose_blocks(model_or_factory, depth, names, estimate, workers, notes)  # (estimate is given the block)
+    # (estimate is given the blocks there; the chosen blocks' traces are the plans' own)
+    blocks, chosen = _choose_blocks(model_or_factory, depth, names, estimate, workers, notes)
     with Tracer(estimate, workers, len(exact) - 1) as tracer:
         if tracer.parallel:
             notes.append(f"traced in {tracer.workers} worker processes")
@@ -386,15 +387,18 @@ def plan(
         traced((), estimates[()])
         if PLANNED_IN_TRAINING in estimates[()].notes:
             notes.append(PLANNED_IN_TRAINING)
-        estimates.update(trace(exact[1:], failed))
+        for combo, e in chosen.items():
+            estimates[combo] = e
+            traced(combo, e)
+        estimates.update(trace([c for c in exact[1:] if c not in chosen], failed))
         base = cost.step_seconds(estimates[()].work)
         aside = _aside_in_checkpoints(model_or_factory)
-        plans = [_plan(combo, e, base, cost, limit, aside, loop, _block_of(combo, blocks))
+        plans = [_plan(combo, e, base, cost, limit, aside, loop, _blocks_of(combo, blocks))
                  for combo, e in estimates.items()]
         if changing and not any(p.fits for p in plans):
             notes.append(f"{', '.join(sorted(changing))}: traced because no plan with unchanged numerics fits")
             more = trace([c for c in combinations(names) if changing.intersection(c)], failed)
-            plans += [_plan(combo, e, base, cost, limit, aside, loop, _block_of(combo, blocks))
+            plans += [_plan(combo, e, base, cost, limit, aside, loop, _blocks_of(combo, blocks))
                       for combo, e in more.items()]
         elif changing:
             notes.append(f"{', '.join(sorted(changing))}: not needed (a plan with unchanged numerics fits)")
@@ -406,40 +410,55 @@ def plan(
 
 
 # NOTE [ choosing the blocks ]: `checkpoint` and `selective` checkpoint every instance of one class, the model's
-# blocks. A class repeated in a ModuleList or Sequential is the usual one (a decoder layer); models that hold their
-# blocks as attributes (timm's regnet: stages s1..s4 holding blocks b1, b2, ...) or nest containers (timm's convnext:
-# a Sequential of stages, each a Sequential of blocks) offer several classes, of which the parameters they hold do
-# not tell the best (the stages, which the largest-class rule chose for convnext until 2026-12-03, peaked 27 % above
-# its blocks). Where the model offers more than one (block_candidates), each technique is traced with each class and
-# keeps the one with the lowest peak (ties: the first); a plan records it and Plan.apply checkpoints that class.
+# blocks, or of several (an encoder's and a decoder's layers). A class repeated in a ModuleList or Sequential is the
+# usual one (a decoder layer); models that hold their blocks as attributes (timm's regnet: stages s1..s4 holding
+# blocks b1, b2, ...), nest containers (timm's convnext: a Sequential of stages, each a Sequential of blocks) or hold
+# two stacks (BART) offer several choices, of which the parameters they hold do not tell the best (the stages, which
+# the largest-class rule chose for convnext until 2026-12-03, peaked 27 % above its blocks; BART's decoder layers
+# alone 37 % above both stacks' layers: benchmarks/plan_blocks.py). Where the model offers more than one
+# (block_candidates), each technique is traced with each and keeps the one with the lowest peak (ties: the first); a
+# plan records it and Plan.apply checkpoints those classes. A choice whose trace raised is left out, said in the notes
+# with why (a T5's blocks with their key/value cache: the next choice, its stacks, 42 % higher, was taken silently at
+# first: a helper's run). The traces cost time: 2.7-3.5x the planning of models offering 2-3 choices, with one
+# worker (a helper's runs).
 _BLOCKWISE = ("selective", "checkpoint")
 
 
-def _choose_blocks(model_or_factory: Any, depth: int | None, names: list[str],
-                   estimate: Callable[..., _Estimate], workers: int, notes: list[str]) -> dict[str, type[nn.Module]]:
-    """The class each of ``checkpoint`` and ``selective`` among ``names`` takes as the blocks (none: no block)."""
+def _choose_blocks(model_or_factory: Any, depth: int | None, names: list[str], estimate: Callable[..., _Estimate],
+                   workers: int, notes: list[str]) -> tuple[dict[str, Blocks], dict[tuple[str, ...], _Estimate]]:
+    """The blocks each of ``checkpoint`` and ``selective`` among ``names`` takes (none: no block), and the estimates
+    of those techniques alone with them."""
     wanted = [n for n in _BLOCKWISE if n in names]
     if not wanted:
-        return {}
+        return {}, {}
     candidates = block_candidates_of(model_or_factory if depth is None else functools.partial(model_or_factory, 3))
-    if len(candidates) < 2:
-        return {name: candidates[0] for name in wanted} if candidates else {}
+    if not candidates:
+        return {}, {}
+    if len(candidates) == 1:
+        return {name: candidates[0] for name in wanted}, {}
     jobs = [(name, str(i)) for name in wanted for i in range(len(candidates))]
-    peaks: dict[str, dict[type[nn.Module], int]] = {name: {} for name in wanted}
+    outcomes: dict[str, dict[Blocks, Any]] = {name: {} for name in wanted}
     with Tracer(lambda job: estimate((job[0],), candidates[int(job[1])]), workers, len(jobs)) as tracer:
         for (name, index), outcome in tracer.map(jobs):
-            if not isinstance(outcome, Failed):
-                peaks[name][candidates[int(index)]] = outcome.peak_bytes
-    chosen = {}
-    for name in wanted:  # where every class raised, the plan's own trace of the technique says why, with the first
-        chosen[name] = min(peaks[name], key=peaks[name].__getitem__) if peaks[name] else candidates[0]
-        notes.append(f"{name}: blocks {chosen[name].__name__}, the lowest predicted peak of " + ", ".join(
-            f"{kind.__name__} {format_bytes(peak)}" for kind, peak in peaks[name].items()))
-    return chosen
+            outcomes[name][candidates[int(index)]] = outcome
+    chosen: dict[str, Blocks] = {}
+    estimates: dict[tuple[str, ...], _Estimate] = {}
+    for name in wanted:
+        traced = {b: e for b, e in outcomes[name].items() if not isinstance(e, Failed)}
+        if not traced:  # the plan's own trace of the technique says why, with the first
+            chosen[name] = candidates[0]
+            continue
+        chosen[name] = min(traced, key=lambda b: traced[b].peak_bytes)
+        estimates[(name,)] = traced[chosen[name]]
+        said = [f"{blocks_name(b)} {format_bytes(e.peak_bytes)}" for b, e in traced.items()]
+        said += [f"{blocks_name(b)} left out ({e.kind}: {e.message[:300]})" for b, e in outcomes[name].items()
+                 if isinstance(e, Failed)]
+        notes.append(f"{name}: blocks {blocks_name(chosen[name])}, the lowest predicted peak of {'; '.join(said)}")
+    return chosen, estimates
 
 
-def _block_of(combo: tuple[str, ...], blocks: dict[str, type[nn.Module]]) -> type[nn.Module] | None:
-    return next((blocks[name] for name in _BLOCKWISE if name in combo and name in blocks), None)
+def _blocks_of(combo: tuple[str, ...], blocks: dict[str, Blocks]) -> Blocks:
+    return next((blocks[name] for name in _BLOCKWISE if name in combo and name in blocks), ())
 
 
 def _check_one_model(estimates: dict[tuple[str, ...], _Estimate]) -> None:
@@ -626,13 +645,13 @@ class _Estimate:
 
 def _estimate(model_or_factory: Any, inputs: Any, targets: Any, loss_fn: Any, optimizer_factory: Any,
               combo: tuple[str, ...], depth: int | None, loop: Loop = STANDARD_LOOP,
-              block: type[nn.Module] | None = None) -> _Estimate:
+              blocks: Blocks = ()) -> _Estimate:
     techniques = [TECHNIQUES[n] for n in combo]
     if depth is None:
         return _Estimate.of(trace_step(model_or_factory, inputs, targets, loss_fn, optimizer_factory, techniques,
-                                       loop=loop, block=block))
+                                       loop=loop, blocks=blocks))
     two, three = (_Estimate.of(trace_step(functools.partial(model_or_factory, n), inputs, targets, loss_fn,
-                                          optimizer_factory, techniques, loop=loop, block=block)) for n in (2, 3))
+                                          optimizer_factory, techniques, loop=loop, blocks=blocks)) for n in (2, 3))
     more = depth - 3
 
     def grow(a: int, b: int) -> int:
@@ -658,7 +677,7 @@ def _aside_in_checkpoints(model_or_factory: Any) -> list[str]:
 
 
 def _plan(combo: tuple[str, ...], estimate: _Estimate, base: float, cost: DeviceCost, limit: int,
-          aside: list[str], loop: Loop = STANDARD_LOOP, block: type[nn.Module] | None = None) -> Plan:
+          aside: list[str], loop: Loop = STANDARD_LOOP, blocks: Blocks = ()) -> Plan:
     numerics = max((TECHNIQUES[n].numerics for n in combo), key=_NUMERICS_ORDER.__getitem__, default="bitwise")
     notes = estimate.notes
     if aside and numerics == "bitwise" and {"checkpoint", "selective"}.intersection(combo):
@@ -676,7 +695,7 @@ def _plan(combo: tuple[str, ...], estimate: _Estimate, base: float, cost: Device
         fits=estimate.peak_bytes <= limit,
         notes=notes,
         clip_grad_norm=loop.clip_grad_norm,
-        block=block,
+        blocks=blocks,
     )
 
 
