@@ -1151,17 +1151,6 @@ class ReversibleSequential(nn.Module):
                                         check_drift=self.check_drift)
         return self.blocks[index]
 
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """Also loads a plain ``nn.Sequential`` of the same blocks' state_dict (keys ``0.f.weight`` for this stack's
-        ``blocks.0.f.weight``): a stack that replaces a model's ``nn.Sequential`` starts from its checkpoint (it
-        failed with missing and unexpected keys until 2026-12-03, found by an adversarial pass). Children load from
-        the same dict after this, under the names given here."""
-        for key in [k for k in state_dict if k.startswith(prefix) and k[len(prefix):].split(".", 1)[0].isdigit()]:
-            renamed = f"{prefix}blocks.{key[len(prefix):]}"
-            if renamed not in state_dict:
-                state_dict[renamed] = state_dict.pop(key)
-        super()._load_from_state_dict(state_dict, prefix, *args)
-
     def drift_report(self) -> dict[int, float]:
         """Per block, the relative reconstruction error measured in the last backward (needs ``check_drift``)."""
         return dict(self.drift)
