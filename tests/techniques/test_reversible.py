@@ -1,6 +1,7 @@
 """ReversibleSequential against the same blocks composed without reversibility."""
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -1432,6 +1433,47 @@ class _LazyActNorm(nn.Module):
         return y / self.scale - self.loc
 
 
+class _RefilledMean(nn.Module):
+    """A block of the user's keeping its input's mean for its inverse in a buffer registered as None, set anew in
+    every forward: from its second step its inverse reads the mean of the step before."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("m", None)
+
+    def forward(self, x):
+        self.m = x.detach().abs().mean(0)
+        return x + self.m
+
+    def inverse(self, y):
+        return y - self.m
+
+
+def test_a_block_refilling_a_buffer_registered_as_none_warns_at_its_second_step():
+    # its first rebuild read the buffer its forward filled from None, which passed the once-per-block check: from the
+    # second step the inverse read the step before's mean, 2.22 off after 3 steps, silently, on an intermediate
+    # commit of 2026-12-03 (an adversarial pass); the check now waits for a rebuild without such a buffer
+    torch.manual_seed(0)
+    stack = memtrim.ReversibleSequential(memtrim.AdditiveCoupling(mlp(4)), _RefilledMean()).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stack(torch.randn(5, 8, dtype=torch.float64)).pow(2).sum().backward()
+    with pytest.warns(UserWarning, match=r"block 1 \(_RefilledMean\): its forward on the input its inverse rebuilt"):
+        stack(torch.randn(5, 8, dtype=torch.float64) + 3).pow(2).sum().backward()
+
+
+def test_a_buffer_filled_from_none_and_written_in_place_before_backward_raises():
+    # not checked: the rebuild read the written value, 1.3e-2 off after 3 steps, or trained where plain autograd
+    # raises, silently, on an intermediate commit of 2026-12-03 (an adversarial pass)
+    torch.manual_seed(0)
+    norm = _LazyActNorm()
+    stack = memtrim.ReversibleSequential(memtrim.AdditiveCoupling(mlp(4)), norm).double()
+    out = stack(torch.randn(5, 8, dtype=torch.float64) * 3 + 1)
+    norm.loc.mul_(1.5)
+    with pytest.raises(memtrim.ReversibleError, match="block 1's buffer loc was modified in place after the forward"):
+        out.pow(2).sum().backward()
+
+
 def test_a_buffer_registered_as_none_that_the_forward_fills_is_read_filled_by_the_inverse():
     # the inverse read None as the forward found it: a TypeError in the user's inverse until 2026-12-03 (documented
     # then); a None no inverse can read, so it reads what its forward filled it with
@@ -1642,19 +1684,26 @@ def test_check_drift_sees_a_rebuild_off_on_one_feature_alone():
     assert stack.drift_report()[0] > 1e-4
 
 
-@pytest.mark.parametrize("numel", [2**24 + 1, 2**25, 3 * 2**24 + 7, 2654435761 * 2, 8192 * 256, 5, 1])
-def test_sampled_indices_are_distinct_inside_large_tensors_and_reach_every_feature(numel):
+@pytest.mark.parametrize("shape", [(2**24 + 1,), (2**25,), (3 * 2**24 + 7,), (2, 2654435761), (8192, 256),
+                                   (2, 192, 16, 16), (8, 128, 64, 64), (4, 3, 5), (5,), ()])
+def test_sampled_indices_stay_inside_large_tensors_and_reach_every_feature_and_channel(shape):
     # float32's linspace rounded the last index to numel from 2**24 elements up: an IndexError in backward for a user
     # block's output of 2**25 elements, and with check_drift on such an input, until 2026-12-03 (an adversarial pass);
-    # evenly spaced indices into a (8192, 256) tensor all fell on one feature (another adversarial pass that day)
+    # evenly spaced indices into a (8192, 256) tensor all fell on one feature, and multiplicative scattering alone
+    # missed 36 of the 192 channels of a (2, 192, 16, 16) tensor (adversarial passes that day)
     from memtrim.techniques.reversible.sequential import _scattered
 
-    where = _scattered(numel, 1024, torch.device("cpu"))
-    assert where.dtype == torch.int64 and len(where) == min(1024, numel)
-    assert int(where.min()) >= 0 and int(where.max()) < numel and len(where.unique()) == len(where)
-    for features in (256, 64, 3):  # a (rows, features) layout: a sample on every feature
-        if numel % features == 0 and numel >= 1024:
-            assert len((where % features).unique()) == features
+    numel = math.prod(shape)
+    where = _scattered(torch.Size(shape), 1024, torch.device("cpu"))
+    assert where.dtype == torch.int64 and len(where) == min(2048, numel)
+    assert int(where.min()) >= 0 and int(where.max()) < numel
+    stride = 1
+    for size in reversed(shape):  # every index of every dimension up to 1,024 long is read
+        if size <= 1024:
+            assert len((where // stride % size).unique()) == size
+        stride *= size
+    if numel > 2048:  # and 1,024 distinct ones spread over the whole
+        assert len(where[1024:].unique()) == 1024 and int(where[1024:].max()) > numel // 2
 
 
 class _FixedPoint(nn.Module):
