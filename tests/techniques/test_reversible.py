@@ -1462,6 +1462,38 @@ def test_a_block_refilling_a_buffer_registered_as_none_warns_at_its_second_step(
         stack(torch.randn(5, 8, dtype=torch.float64) + 3).pow(2).sum().backward()
 
 
+class _EmaShift(nn.Module):
+    """A block of the user's whose training forward updates its buffer in place, then reads it (its inverse reads
+    the buffer as the forward found it: a misread); in evaluation mode it only reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("loc", torch.zeros(8))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.loc.mul_(0.5).add_(-0.5 * x.mean(0))
+        return x + self.loc
+
+    def inverse(self, y):
+        return y - self.loc
+
+
+def test_an_evaluation_forward_with_grad_does_not_use_up_the_training_modes_inverse_check():
+    # a validation loss with grad before training checked the block in evaluation mode, where it reads right, and
+    # never again: 3.9e-2 off after 3 training steps, silently, until 2026-12-03 (an adversarial pass)
+    torch.manual_seed(0)
+    stack = memtrim.ReversibleSequential(memtrim.AdditiveCoupling(mlp(4)), _EmaShift()).double()
+    stack.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stack(torch.randn(5, 8, dtype=torch.float64)).pow(2).sum().backward()
+    stack.train()
+    with pytest.warns(UserWarning, match=r"block 1 \(_EmaShift\): its forward on the input its inverse rebuilt"):
+        stack(torch.randn(5, 8, dtype=torch.float64) + 2).pow(2).sum().backward()
+
+
 def test_a_buffer_filled_from_none_and_written_in_place_before_backward_raises():
     # not checked: the rebuild read the written value, 1.3e-2 off after 3 steps, or trained where plain autograd
     # raises, silently, on an intermediate commit of 2026-12-03 (an adversarial pass)

@@ -267,7 +267,10 @@ class _DriftLog:
         self.check_drift = check_drift
         self.drift: dict[int, float] = {}
         self.keep_inputs: set[int] = set()
-        self.checked: set[int] = set()  # blocks whose inverse was checked (_Frame._check_inverse)
+        # blocks whose inverse was checked (_Frame._check_inverse), with their modules' training flags then: a block
+        # whose inverse misreads in training mode only was checked in an evaluation forward with grad and never
+        # again, 3.9e-2 off after 3 steps, silently, until 2026-12-03 (an adversarial pass)
+        self.checked: set[tuple[int, tuple[bool, ...]]] = set()
 
     def measure(self, index: int, x: torch.Tensor, values: torch.Tensor) -> None:
         rebuilt = _probe(x).to(values.dtype)
@@ -1011,10 +1014,12 @@ class _Frame:
 
     def _check_inverse(self, index: int, block: nn.Module, out: Any, y: torch.Tensor) -> None:
         """Warn where the block's forward, on the input its inverse rebuilt, does not give back its output (NOTE [ what
-        a block's inverse reads ]). Checked once per block, at its first rebuild with a finite output: reading the
-        error is a host sync on an accelerator, a misread state is the block's code, the same at every step, and a
-        check at later steps made them peak higher than the steady state a plan predicts (an adversarial pass)."""
-        if index in self.drift.checked or not isinstance(out, torch.Tensor) or out.shape != y.shape or not y.numel():
+        a block's inverse reads ]). Checked once per block and set of training flags, at its first rebuild with a finite
+        output: reading the error is a host sync on an accelerator, a misread state is the block's code, the same at
+        every step, and a check at later steps made them peak higher than the steady state a plan predicts (an
+        adversarial pass)."""
+        key = (index, tuple(flag for _, flag in self.modes[index]))
+        if key in self.drift.checked or not isinstance(out, torch.Tensor) or out.shape != y.shape or not y.numel():
             return
         # (2 * _PROBE_ELEMENTS elements, _scattered, read where they lie: reshape copied a whole output laid out
         # otherwise, a channels_last one, 1.5 outputs more at the peak; a state the inverse misread moves most of them)
@@ -1027,13 +1032,13 @@ class _Frame:
         final = not self.filled[index]
         if is_fake(y) or y.device.type == "meta":  # a plan's trace: the same tensors, no values to read
             if final:
-                self.drift.checked.add(index)
+                self.drift.checked.add(key)
             return
         scale = float(largest)
         if not math.isfinite(scale):  # (a NaN or inf in the output: plain training's is not finite either; later)
             return
         if final:
-            self.drift.checked.add(index)
+            self.drift.checked.add(key)
         error = float(off) / max(scale, 1e-30)
         # (the precision the forward computed in: under autocast one ulp of its dtype, bfloat16's where the output is
         # float32; correct blocks came within 0.06 of one, a misread buffer 2.6)
