@@ -5,12 +5,22 @@ allocated) through memtrim's own tracker, and ranks the combinations that fit by
 """
 
 from ._cost import DeviceCost, calibrate, device_cost
-from ._techniques import TECHNIQUES, Blocks, Technique, block_candidates, blocks_name, repeated_block
+from ._techniques import (
+    TECHNIQUES,
+    BlockClasses,
+    Blocks,
+    Technique,
+    block_candidates,
+    blocks_name,
+    qualified,
+    repeated_block,
+)
 from ._trace import Loop, StepTrace, trace_step
 from .api import Plan, Plans, combinations, parse_bytes, plan
 
 __all__ = [
     "TECHNIQUES",
+    "BlockClasses",
     "Blocks",
     "DeviceCost",
     "Loop",
@@ -25,6 +35,7 @@ __all__ = [
     "device_cost",
     "parse_bytes",
     "plan",
+    "qualified",
     "repeated_block",
     "trace_step",
 ]

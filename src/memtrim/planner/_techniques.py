@@ -72,8 +72,18 @@ class Technique:
 MAX_BLOCK_CANDIDATES = 4
 """How many choices of blocks a plan traces checkpointed, to keep the one with the lowest peak."""
 
-Blocks = tuple[type[nn.Module], ...]
-"""The classes whose every instance a plan checkpoints (one class as a rule; an encoder's and a decoder's layers)."""
+BlockClasses = tuple[type[nn.Module], ...]
+"""Classes whose every instance a plan may checkpoint (one class as a rule; an encoder's and a decoder's layers)."""
+
+Blocks = tuple[str, ...]
+"""The classes a plan checkpoints, by qualified name (``module.QualName``: :func:`qualified`): a factory that defines
+its block class inside itself makes a new class at each call, and a plan holding classes did not pickle where they
+were local (an adversarial pass on 2026-12-03)."""
+
+
+def qualified(kind: type) -> str:
+    """``module.QualName`` of a class."""
+    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _holds_layers(kind: type[nn.Module], module: nn.Module) -> bool:
@@ -120,13 +130,13 @@ def _attribute_blocks(model: nn.Module) -> dict[type[nn.Module], int]:
     return found
 
 
-def _nests(model: nn.Module, kinds: Blocks) -> bool:
+def _nests(model: nn.Module, kinds: BlockClasses) -> bool:
     """Whether an instance of ``kinds`` holds another (timm's dla: a tree of trees); checkpoint_modules refuses it."""
     return any(isinstance(inner, kinds) for m in model.modules() if isinstance(m, kinds)
                for inner in list(m.modules())[1:])
 
 
-def block_candidates(model: nn.Module) -> list[Blocks]:
+def block_candidates(model: nn.Module) -> list[BlockClasses]:
     """The choices of blocks a plan may checkpoint, most likely first: every class repeated in a
     ``ModuleList``/``Sequential`` together where there are several (an encoder's and a decoder's layers), then each
     such class alone (a decoder layer, a residual block), then each class held two or more times as attributes of
@@ -136,7 +146,7 @@ def block_candidates(model: nn.Module) -> list[Blocks]:
     containers, attributes = _container_blocks(model), _attribute_blocks(model)
     ordered = [kind for found in (containers, attributes)
                for kind, _ in sorted(found.items(), key=lambda item: -item[1])]
-    out: list[Blocks] = []
+    out: list[BlockClasses] = []
     for choice in [tuple(containers)] * (len(containers) > 1) + [(kind,) for kind in ordered]:
         if choice not in out and not _nests(model, choice):
             out.append(choice)
@@ -150,26 +160,23 @@ def repeated_block(model: nn.Module) -> type[nn.Module] | None:
     return next((choice[0] for choice in block_candidates(model) if len(choice) == 1), None)
 
 
-def blocks_name(blocks: Blocks) -> str:
+def blocks_name(blocks: Blocks | BlockClasses) -> str:
     """``Encoder+Decoder``: the classes' names joined by ``+``."""
-    return "+".join(kind.__name__ for kind in blocks)
+    return "+".join(b.rsplit(".", 1)[-1] if isinstance(b, str) else b.__name__ for b in blocks)
 
 
-def _in_model(model: nn.Module, blocks: Blocks) -> Blocks:
-    """``blocks`` as the classes of ``model``: a factory that defines its block class inside itself makes a new class
-    at each call, of the same module and name (a plan traced on one build found no block in the next, and left
-    checkpointing out, until a helper's run on 2026-12-03)."""
-    classes = {type(m) for m in model.modules()}
-    out = []
-    for kind in blocks:
-        if any(issubclass(c, kind) for c in classes):
-            out.append(kind)
-            continue
-        same = [c for c in classes if (c.__module__, c.__qualname__) == (kind.__module__, kind.__qualname__)]
-        if len(same) != 1:
-            raise NotApplicable(f"the model holds no {kind.__name__}, the blocks the plan checkpoints")
-        out.append(same[0])
-    return tuple(out)
+def _in_model(model: nn.Module, blocks: Blocks) -> BlockClasses:
+    """The classes of ``model`` named ``blocks`` (or deriving from one so named), by qualified name: a factory that
+    defines its block class inside itself makes a new class at each call, of the same name (a plan traced on one
+    build found no block in the next, and left checkpointing out, until a helper's run on 2026-12-03), two of them
+    where it defines it in a helper it calls twice."""
+    found: dict[type[nn.Module], None] = {}
+    for name in blocks:
+        hits = [type(m) for m in model.modules() if any(qualified(base) == name for base in type(m).__mro__)]
+        if not hits:
+            raise NotApplicable(f"the model holds no {blocks_name((name,))} ({name}), the blocks the plan checkpoints")
+        found.update(dict.fromkeys(hits))
+    return tuple(found)
 
 
 def _checkpoint(policy: str | None) -> Callable[[Applied], list[str]]:

@@ -8,6 +8,7 @@ import itertools
 import math
 import numbers
 import re
+import textwrap
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from ..measure import format_bytes, pyplot
 from ..measure.hooks import compiled_module
 from ..techniques.checkpoint import selective_available
 from ._cost import DeviceCost, calibrate, device_cost
-from ._techniques import EXCLUSIVE, TECHNIQUES, Applied, Blocks, NotApplicable, Technique, blocks_name
+from ._techniques import EXCLUSIVE, TECHNIQUES, Applied, Blocks, NotApplicable, Technique, blocks_name, qualified
 from ._trace import PLANNED_IN_TRAINING, STANDARD_LOOP, Loop, StepTrace, Work, block_candidates_of, trace_step
 from ._workers import Failed, Tracer, default_workers
 
@@ -72,7 +73,9 @@ class Plan:
         clip_grad_norm: the loop's clipping it was planned with (``plan``'s), which :meth:`apply` gives an
             ``OptimizerInBackward`` it builds.
         blocks: the classes ``checkpoint`` and ``selective`` take as the model's blocks, every instance of them
-            checkpointed (NOTE [ choosing the blocks ]); ``()`` where the plan checkpoints nothing.
+            checkpointed, by qualified name (``module.QualName``; NOTE [ choosing the blocks ]); ``()`` where the plan
+            checkpoints nothing, or where the choices could not be found (the notes say why; :meth:`apply` then
+            checkpoints the model's :func:`~memtrim.planner.repeated_block`).
     """
 
     techniques: tuple[str, ...]
@@ -379,7 +382,7 @@ def plan(
     exact = [c for c in combinations(names) if not changing.intersection(c)]
     workers = default_workers() if workers is None else workers
     # (estimate is given the blocks there; the chosen blocks' traces are the plans' own)
-    blocks, chosen = _choose_blocks(model_or_factory, depth, names, estimate, workers, notes)
+    blocks, chosen = _choose_blocks(model_or_factory, depth, names, estimate, workers, cost, notes)
     with Tracer(estimate, workers, len(exact) - 1) as tracer:
         if tracer.parallel:
             notes.append(f"traced in {tracer.workers} worker processes")
@@ -416,7 +419,7 @@ def plan(
 # two stacks (BART) offer several choices, of which the parameters they hold do not tell the best (the stages, which
 # the largest-class rule chose for convnext until 2026-12-03, peaked 27 % above its blocks; BART's decoder layers
 # alone 37 % above both stacks' layers: benchmarks/plan_blocks.py). Where the model offers more than one
-# (block_candidates), each technique is traced with each and keeps the one with the lowest peak (ties: the first); a
+# (block_candidates), each technique is traced with each and keeps the one with the lowest peak (ties: the fastest); a
 # plan records it and Plan.apply checkpoints those classes. A choice whose trace raised is left out, said in the notes
 # with why (a T5's blocks with their key/value cache: the next choice, its stacks, 42 % higher, was taken silently at
 # first: a helper's run). The traces cost time: 2.7-3.5x the planning of models offering 2-3 choices, with one
@@ -425,17 +428,23 @@ _BLOCKWISE = ("selective", "checkpoint")
 
 
 def _choose_blocks(model_or_factory: Any, depth: int | None, names: list[str], estimate: Callable[..., _Estimate],
-                   workers: int, notes: list[str]) -> tuple[dict[str, Blocks], dict[tuple[str, ...], _Estimate]]:
+                   workers: int, cost: DeviceCost, notes: list[str]
+                   ) -> tuple[dict[str, Blocks], dict[tuple[str, ...], _Estimate]]:
     """The blocks each of ``checkpoint`` and ``selective`` among ``names`` takes (none: no block), and the estimates
     of those techniques alone with them."""
     wanted = [n for n in _BLOCKWISE if n in names]
     if not wanted:
         return {}, {}
-    candidates = block_candidates_of(model_or_factory if depth is None else functools.partial(model_or_factory, 3))
-    if not candidates:
+    try:
+        found = block_candidates_of(model_or_factory if depth is None else functools.partial(model_or_factory, 3))
+    except Exception as e:  # a factory that raised: its own trace says so again where it does
+        notes.append(f"{' and '.join(wanted)}: the blocks of the model the factory built are not known (building it "
+                     f"raised {type(e).__name__}: {_short(str(e))}); each trace checkpoints the repeated block class "
+                     "of its own model (memtrim.planner.repeated_block)")
         return {}, {}
-    if len(candidates) == 1:
-        return {name: candidates[0] for name in wanted}, {}
+    candidates = [tuple(qualified(kind) for kind in choice) for choice in found]
+    if len(candidates) < 2:
+        return {name: candidates[0] for name in wanted} if candidates else {}, {}
     jobs = [(name, str(i)) for name in wanted for i in range(len(candidates))]
     outcomes: dict[str, dict[Blocks, Any]] = {name: {} for name in wanted}
     with Tracer(lambda job: estimate((job[0],), candidates[int(job[1])]), workers, len(jobs)) as tracer:
@@ -445,16 +454,24 @@ def _choose_blocks(model_or_factory: Any, depth: int | None, names: list[str], e
     estimates: dict[tuple[str, ...], _Estimate] = {}
     for name in wanted:
         traced = {b: e for b, e in outcomes[name].items() if not isinstance(e, Failed)}
-        if not traced:  # the plan's own trace of the technique says why, with the first
+        failed = [f"{blocks_name(b)} ({e.kind}: {_short(e.message)})" for b, e in outcomes[name].items()
+                  if isinstance(e, Failed)]
+        if not traced:  # the plan's own trace of the technique says why, with the first; the others here
             chosen[name] = candidates[0]
+            notes.append(f"{name}: each choice of blocks raised: {'; '.join(failed)}")
             continue
-        chosen[name] = min(traced, key=lambda b: traced[b].peak_bytes)
+        # the lowest peak, and of equal peaks the fastest (Whisper's both stacks, its encoder layers alone and its
+        # attention peaked alike, 1.22x, 1.05x and 1.15x: the first was taken, a helper's run)
+        chosen[name] = min(traced, key=lambda b: (traced[b].peak_bytes, cost.step_seconds(traced[b].work)))
         estimates[(name,)] = traced[chosen[name]]
         said = [f"{blocks_name(b)} {format_bytes(e.peak_bytes)}" for b, e in traced.items()]
-        said += [f"{blocks_name(b)} left out ({e.kind}: {e.message[:300]})" for b, e in outcomes[name].items()
-                 if isinstance(e, Failed)]
+        said += [f"{what} left out" for what in failed]
         notes.append(f"{name}: blocks {blocks_name(chosen[name])}, the lowest predicted peak of {'; '.join(said)}")
     return chosen, estimates
+
+
+def _short(message: str, width: int = 300) -> str:
+    return textwrap.shorten(message, width, placeholder=" ...")
 
 
 def _blocks_of(combo: tuple[str, ...], blocks: dict[str, Blocks]) -> Blocks:
