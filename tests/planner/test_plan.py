@@ -1488,3 +1488,22 @@ def test_when_each_choice_of_blocks_raises_the_notes_say_each_why():
     assert [p.techniques for p in plans.all] == [()]
     note = next(n for n in plans.notes if n.startswith("checkpoint: each choice of blocks raised: "))
     assert "_CacheStage (InvalidInputError: " in note and "; _CachedUnit (InvalidInputError: " in note
+
+
+@pytest.mark.parametrize("loss_fn", [
+    F.mse_loss, functools.partial(F.mse_loss, reduction="sum"), F.smooth_l1_loss, F.soft_margin_loss,
+    lambda out, y: F.binary_cross_entropy(torch.sigmoid(out), y.sigmoid()), F.l1_loss,
+    lambda out, y: F.mse_loss(out, y, reduction="none").mean()], ids=["mse", "mse sum", "smooth l1", "soft margin",
+                                                                      "bce", "l1", "mse none"])
+def test_losses_whose_cpu_kernels_keep_the_unreduced_storage_are_predicted_byte_for_byte(loss_fn):
+    # F.mse_loss's CPU kernel returns a scalar holding a storage the size of its input: the prediction was that much
+    # below the measured peak (an adversarial pass on 2026-12-03; NOTE [ a loss's storage ])
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 128), nn.GELU(), nn.Linear(128, 8))
+
+    x, y = torch.randn(256, 16), torch.randn(256, 8)
+    predicted = trace_step(model, x, y, loss_fn, _adamw, []).report
+    measured = trace_step(model, x, y, loss_fn, _adamw, [], fake=False).report
+    assert predicted.peak_bytes == measured.peak_bytes
+    assert dict(predicted.peak_by_category) == dict(measured.peak_by_category)

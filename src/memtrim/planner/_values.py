@@ -122,6 +122,27 @@ def _op_facts(func: Any) -> tuple[bool, bool, bool]:
     return facts
 
 
+# NOTE [ a loss's storage ]: the CPU kernels of these losses compute the unreduced loss into their output and reduce
+# it in place, so the scalar they return keeps a storage the size of the input (16,384 B for a (512, 8) float32
+# input): the real step held it until the loss died, the fake one 4 B, and a plan with F.mse_loss was that much below
+# the measured peak (32 * batch - 4 B under an (N, 8) output; an adversarial pass on 2026-12-03). The trace gives
+# their fake output such a storage too. (l1_loss, huber_loss, cross_entropy and the others return a 4-byte scalar;
+# checked with torch 2.13's CPU kernels.)
+_UNREDUCED_IN_OUTPUT = {torch.ops.aten.mse_loss.default, torch.ops.aten.smooth_l1_loss.default,
+                        torch.ops.aten.binary_cross_entropy.default, torch.ops.aten.soft_margin_loss.default}
+
+
+def _as_cpu_loss(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+    """``out`` with the storage the CPU kernel gives it (NOTE [ a loss's storage ])."""
+    if func not in _UNREDUCED_IN_OUTPUT or not isinstance(out, torch.Tensor) or out.device.type != "cpu":
+        return out
+    position = [a.name for a in func._schema.arguments].index("reduction")
+    if kwargs.get("reduction", args[position] if position < len(args) else 1) == 0:  # none: the loss itself
+        return out
+    full = torch.empty(torch.broadcast_shapes(args[0].shape, args[1].shape), dtype=out.dtype, device=out.device)
+    return full.resize_(out.shape)
+
+
 class KnownValues(TorchDispatchMode):
     """Tracks values of fake tensors; see NOTE [ known values ]. Enter it inside ``FakeTensorMode``."""
 
@@ -172,7 +193,7 @@ class KnownValues(TorchDispatchMode):
         knowable = deterministic and all(self.value(t) is not None for t in tensors)
         drifted = knowable and self._drifted_in(tensors)
         try:
-            out = func(*args, **kwargs)
+            out = _as_cpu_loss(func, args, kwargs, func(*args, **kwargs))
         except DataDependentOutputException:
             if knowable and scalar and tensors and not drifted:  # a drifted value is never a branch's answer
                 with contextlib.suppress(Exception):
