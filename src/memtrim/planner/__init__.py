@@ -12,6 +12,7 @@ from ._techniques import (
     Technique,
     block_candidates,
     blocks_name,
+    class_names,
     qualified,
     repeated_block,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "Technique",
     "block_candidates",
     "blocks_name",
+    "class_names",
     "calibrate",
     "combinations",
     "device_cost",

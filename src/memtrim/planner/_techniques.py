@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import gc
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,7 @@ class Applied:
     """A (model, optimizer) pair with techniques applied in turn, and how to undo the in-place ones."""
 
     def __init__(self, model: nn.Module, optimizer: Any, host: str = "cpu", clip_grad_norm: float | None = None,
-                 blocks: Blocks = ()) -> None:
+                 blocks: Sequence[str | type[nn.Module]] = ()) -> None:
         self.model = model
         self.blocks = blocks  # the classes checkpointing takes as the blocks (the plan's choice); (): repeated_block
         self.optimizer = optimizer
@@ -76,14 +76,31 @@ BlockClasses = tuple[type[nn.Module], ...]
 """Classes whose every instance a plan may checkpoint (one class as a rule; an encoder's and a decoder's layers)."""
 
 Blocks = tuple[str, ...]
-"""The classes a plan checkpoints, by qualified name (``module.QualName``: :func:`qualified`): a factory that defines
-its block class inside itself makes a new class at each call, and a plan holding classes did not pickle where they
-were local (an adversarial pass on 2026-12-03)."""
+"""The classes a plan checkpoints, by name in the model (:func:`class_names`): a factory that defines its block class
+inside itself makes a new class at each call, and a plan holding classes did not pickle where they were local (an
+adversarial pass on 2026-12-03)."""
 
 
 def qualified(kind: type) -> str:
     """``module.QualName`` of a class."""
     return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def class_names(model: nn.Module) -> dict[type, str]:
+    """Each class of ``model``'s modules by name: its qualified name, with ``#n`` after it for the n-th other class of
+    that name, in the order the modules come (a helper defining ``class Layer`` that the model's code calls twice makes
+    two classes of one name: taken as one, an encoder's layers could not be chosen without the decoder's, and where
+    one held the other no block could be checkpointed; an adversarial pass on 2026-12-03). A factory building the
+    same model again gives its new classes the same names."""
+    names: dict[type, str] = {}
+    seen: collections.Counter[str] = collections.Counter()
+    for m in model.modules():
+        kind = type(m)
+        if kind not in names:
+            name = qualified(kind)
+            names[kind] = name + (f"#{seen[name]}" if seen[name] else "")
+            seen[name] += 1
+    return names
 
 
 def _holds_layers(kind: type[nn.Module], module: nn.Module) -> bool:
@@ -165,18 +182,28 @@ def blocks_name(blocks: Blocks | BlockClasses) -> str:
     return "+".join(b.rsplit(".", 1)[-1] if isinstance(b, str) else b.__name__ for b in blocks)
 
 
-def _in_model(model: nn.Module, blocks: Blocks) -> BlockClasses:
-    """The classes of ``model`` named ``blocks`` (or deriving from one so named), by qualified name: a factory that
-    defines its block class inside itself makes a new class at each call, of the same name (a plan traced on one
-    build found no block in the next, and left checkpointing out, until a helper's run on 2026-12-03), two of them
-    where it defines it in a helper it calls twice."""
-    found: dict[type[nn.Module], None] = {}
-    for name in blocks:
-        hits = [type(m) for m in model.modules() if any(qualified(base) == name for base in type(m).__mro__)]
-        if not hits:
+def blocks_of(model: nn.Module, choice: BlockClasses) -> Blocks:
+    """``choice``'s classes by their names in ``model`` (:func:`class_names`)."""
+    names = class_names(model)
+    return tuple(names.get(kind, qualified(kind)) for kind in choice)
+
+
+def _in_model(model: nn.Module, blocks: Sequence[str | type[nn.Module]]) -> BlockClasses:
+    """The classes of ``model`` named ``blocks`` (:func:`class_names`; a class given itself stands for itself where
+    the model holds one): a factory that defines its block class inside itself makes a new class at each call (a plan
+    holding the class found none in the next build, and left checkpointing out, until a helper's run on 2026-12-03).
+    ``checkpoint_modules`` then takes their subclasses too."""
+    by_name = {name: kind for kind, name in class_names(model).items()}
+    found: list[type[nn.Module]] = []
+    for block in blocks:
+        if not isinstance(block, str) and any(isinstance(m, block) for m in model.modules()):
+            found.append(block)
+            continue
+        name = block if isinstance(block, str) else qualified(block)
+        if name not in by_name:
             raise NotApplicable(f"the model holds no {blocks_name((name,))} ({name}), the blocks the plan checkpoints")
-        found.update(dict.fromkeys(hits))
-    return tuple(found)
+        found.append(by_name[name])
+    return tuple(dict.fromkeys(found))
 
 
 def _checkpoint(policy: str | None) -> Callable[[Applied], list[str]]:

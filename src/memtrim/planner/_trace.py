@@ -35,7 +35,7 @@ from ..errors import InvalidInputError, MemtrimError
 from ..measure import Category, MemoryReport, track
 from ..measure.hooks import tensors_in
 from ..techniques.optim import OptimizerInBackward
-from ._techniques import Applied, BlockClasses, Technique, block_candidates, qualified
+from ._techniques import Applied, Blocks, Technique, block_candidates, blocks_of
 from ._values import KnownValues, reading_values
 
 
@@ -265,13 +265,15 @@ def _kernels_not_traced(model: nn.Module) -> list[str]:
     return notes
 
 
-def block_candidates_of(model_or_factory: nn.Module | Callable[[], nn.Module]) -> list[BlockClasses]:
-    """:func:`~memtrim.planner.block_candidates` of a model, or of the one a factory builds under ``FakeTensorMode``
-    (what the factory raises is the caller's to say)."""
+def block_candidates_of(model_or_factory: nn.Module | Callable[[], nn.Module]) -> list[Blocks]:
+    """:func:`~memtrim.planner.block_candidates` of a model, or of the one a factory builds under ``FakeTensorMode``,
+    by name (:func:`~memtrim.planner.class_names`; what the factory raises is the caller's to say)."""
     if isinstance(model_or_factory, nn.Module):
-        return block_candidates(model_or_factory)
-    with _faking(_fake_mode(), KnownValues()):
-        return block_candidates(_build(model_or_factory, fake=True))
+        model = model_or_factory
+    else:
+        with _faking(_fake_mode(), KnownValues()):
+            model = _build(model_or_factory, fake=True)
+    return [blocks_of(model, choice) for choice in block_candidates(model)]
 
 
 def trace_step(
@@ -290,7 +292,7 @@ def trace_step(
 
     ``fake=False`` measures it for real instead (on a copy of the model, or a new one from the factory); ``loop``:
     the accumulation and clipping around it; ``blocks``: the classes checkpointing takes as the blocks, or their
-    qualified names (a :attr:`Plan.blocks <memtrim.planner.Plan.blocks>`; empty: the model's
+    names (a :attr:`Plan.blocks <memtrim.planner.Plan.blocks>`; empty: the model's
     :func:`~memtrim.planner.repeated_block`).
     """
     mode = _fake_mode() if fake else None
@@ -325,7 +327,7 @@ def trace_step(
         if fake:
             notes.extend(_kernels_not_traced(model))
         applied = Applied(model, optimizer, host="meta" if fake else "cpu", clip_grad_norm=loop.clip_grad_norm,
-                          blocks=tuple(b if isinstance(b, str) else qualified(b) for b in blocks))
+                          blocks=blocks)
         for technique in techniques:
             notes.extend(technique.apply(applied))
         _step(applied.model, applied.optimizer, inputs, targets, loss_fn, loop)

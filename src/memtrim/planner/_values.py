@@ -41,9 +41,10 @@ fake tensor with a value, only while a trace runs: transformers reads the value 
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -94,6 +95,9 @@ def _forget_memo(fakes: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
 _SAME_DTYPE: dict[Any, tuple[int, int]] = {  # op -> the two arguments whose dtypes its real kernels require equal
     torch.ops.aten.mm.default: (0, 1), torch.ops.aten.addmm.default: (1, 2), torch.ops.aten.bmm.default: (0, 1),
     torch.ops.aten.baddbmm.default: (1, 2), torch.ops.aten.convolution.default: (0, 1),
+    # (a float32 target for a bfloat16 output under autocast: "Found dtype Float but expected BFloat16"; planned until
+    # 2026-12-03, an adversarial pass)
+    torch.ops.aten.binary_cross_entropy.default: (0, 1),
 }
 
 
@@ -104,10 +108,10 @@ def _refuse_mixed_dtypes(func: Any, args: tuple[Any, ...], pair: tuple[int, int]
     a, b = (args[i] if i < len(args) else None for i in pair)
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype != b.dtype:
         raise RuntimeError(
-            f"{func} got operands of two dtypes, {a.dtype} and {b.dtype}, which its real kernels refuse (\"expected "
-            "m1 and m2 to have the same dtype\"; torch's fake kernel does not check). Expected the example inputs in "
-            "the model's dtype: cast them (x.float(), or x.to(model's dtype)), or pass integer token ids to an "
-            "embedding, not to a Linear."
+            f"{func} got operands of two dtypes, {a.dtype} and {b.dtype}, which its real kernels refuse (torch's "
+            "fake kernel does not check). Expected the example inputs in the model's dtype, and a loss's target in "
+            "its output's: cast them (x.float(), x.to(model's dtype), target.to(output.dtype)), or pass integer "
+            "token ids to an embedding, not to a Linear."
         )
 
 
@@ -122,25 +126,42 @@ def _op_facts(func: Any) -> tuple[bool, bool, bool]:
     return facts
 
 
-# NOTE [ a loss's storage ]: the CPU kernels of these losses compute the unreduced loss into their output and reduce
-# it in place, so the scalar they return keeps a storage the size of the input (16,384 B for a (512, 8) float32
-# input): the real step held it until the loss died, the fake one 4 B, and a plan with F.mse_loss was that much below
-# the measured peak (32 * batch - 4 B under an (N, 8) output; an adversarial pass on 2026-12-03). The trace gives
-# their fake output such a storage too. (l1_loss, huber_loss, cross_entropy and the others return a 4-byte scalar;
-# checked with torch 2.13's CPU kernels.)
-_UNREDUCED_IN_OUTPUT = {torch.ops.aten.mse_loss.default, torch.ops.aten.smooth_l1_loss.default,
-                        torch.ops.aten.binary_cross_entropy.default, torch.ops.aten.soft_margin_loss.default}
-
-
-def _as_cpu_loss(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
-    """``out`` with the storage the CPU kernel gives it (NOTE [ a loss's storage ])."""
-    if func not in _UNREDUCED_IN_OUTPUT or not isinstance(out, torch.Tensor) or out.device.type != "cpu":
-        return out
+# NOTE [ storages of CPU kernels ]: some CPU kernels return a tensor whose storage is larger than its shape, which
+# their fake kernels do not: the real step holds the difference while the tensor lives. The trace gives such fake
+# outputs the real storage (a meta trace of a CPU step too). Found by adversarial passes on 2026-12-03, with torch
+# 2.13's CPU kernels (an op-by-op sweep of OpInfo's samples and the losses, norms, attention, convolutions and pooling
+# used in training, real against fake):
+# - mse_loss, smooth_l1_loss, binary_cross_entropy and soft_margin_loss compute the unreduced loss into their output
+#   and reduce it in place: the 0-d loss keeps a storage the size of the input (16,384 B for a (512, 8) float32
+#   input; a plan with F.mse_loss was that much below the measured peak; l1_loss, huber_loss, cross_entropy and the
+#   other losses return 4 B);
+# - col2im (F.fold, and F.unfold's backward) returns its output in a storage the size of its input's columns
+#   (1,179,648 B for an (8, 16, 16, 16) float32 output of 131,072 B).
+# (Not modelled: the oneDNN LSTM's workspace and EmbeddingBag's offsets, which the plan's notes name.)
+def _unreduced(args: tuple[Any, ...], kwargs: dict[str, Any], func: Any) -> torch.Size | None:
     position = [a.name for a in func._schema.arguments].index("reduction")
     if kwargs.get("reduction", args[position] if position < len(args) else 1) == 0:  # none: the loss itself
+        return None
+    return torch.broadcast_shapes(args[0].shape, args[1].shape)
+
+
+_LARGER_STORAGE: dict[Any, Callable[[tuple[Any, ...], dict[str, Any], Any], torch.Size | None]] = {
+    **{op: _unreduced for op in (torch.ops.aten.mse_loss.default, torch.ops.aten.smooth_l1_loss.default,
+                                 torch.ops.aten.binary_cross_entropy.default, torch.ops.aten.soft_margin_loss.default)},
+    torch.ops.aten.col2im.default: lambda args, kwargs, func: args[0].shape,
+}
+"""Op -> the shape whose storage its CPU kernel's output keeps (None: its own), NOTE [ storages of CPU kernels ]."""
+
+
+def _as_cpu_kernel(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+    """``out`` with the storage the CPU kernel gives it (NOTE [ storages of CPU kernels ])."""
+    storage = _LARGER_STORAGE.get(func)
+    if storage is None or not isinstance(out, torch.Tensor) or out.device.type not in ("cpu", "meta"):
         return out
-    full = torch.empty(torch.broadcast_shapes(args[0].shape, args[1].shape), dtype=out.dtype, device=out.device)
-    return full.resize_(out.shape)
+    shape = storage(args, kwargs, func)
+    if shape is None or math.prod(shape) <= out.numel():
+        return out
+    return torch.empty(shape, dtype=out.dtype, device=out.device).resize_(out.shape)
 
 
 class KnownValues(TorchDispatchMode):
@@ -193,7 +214,7 @@ class KnownValues(TorchDispatchMode):
         knowable = deterministic and all(self.value(t) is not None for t in tensors)
         drifted = knowable and self._drifted_in(tensors)
         try:
-            out = _as_cpu_loss(func, args, kwargs, func(*args, **kwargs))
+            out = _as_cpu_kernel(func, args, kwargs, func(*args, **kwargs))
         except DataDependentOutputException:
             if knowable and scalar and tensors and not drifted:  # a drifted value is never a branch's answer
                 with contextlib.suppress(Exception):

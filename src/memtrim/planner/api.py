@@ -24,7 +24,7 @@ from ..measure import format_bytes, pyplot
 from ..measure.hooks import compiled_module
 from ..techniques.checkpoint import selective_available
 from ._cost import DeviceCost, calibrate, device_cost
-from ._techniques import EXCLUSIVE, TECHNIQUES, Applied, Blocks, NotApplicable, Technique, blocks_name, qualified
+from ._techniques import EXCLUSIVE, TECHNIQUES, Applied, Blocks, NotApplicable, Technique, blocks_name
 from ._trace import PLANNED_IN_TRAINING, STANDARD_LOOP, Loop, StepTrace, Work, block_candidates_of, trace_step
 from ._workers import Failed, Tracer, default_workers
 
@@ -73,7 +73,8 @@ class Plan:
         clip_grad_norm: the loop's clipping it was planned with (``plan``'s), which :meth:`apply` gives an
             ``OptimizerInBackward`` it builds.
         blocks: the classes ``checkpoint`` and ``selective`` take as the model's blocks, every instance of them
-            checkpointed, by qualified name (``module.QualName``; NOTE [ choosing the blocks ]); ``()`` where the plan
+            checkpointed, by name (``module.QualName``, ``#n`` after the n-th other class of that name:
+            :func:`~memtrim.planner.class_names`; NOTE [ choosing the blocks ]); ``()`` where the plan
             checkpoints nothing, or where the choices could not be found (the notes say why; :meth:`apply` then
             checkpoints the model's :func:`~memtrim.planner.repeated_block`).
     """
@@ -436,13 +437,12 @@ def _choose_blocks(model_or_factory: Any, depth: int | None, names: list[str], e
     if not wanted:
         return {}, {}
     try:
-        found = block_candidates_of(model_or_factory if depth is None else functools.partial(model_or_factory, 3))
+        candidates = block_candidates_of(model_or_factory if depth is None else functools.partial(model_or_factory, 3))
     except Exception as e:  # a factory that raised: its own trace says so again where it does
         notes.append(f"{' and '.join(wanted)}: the blocks of the model the factory built are not known (building it "
                      f"raised {type(e).__name__}: {_short(str(e))}); each trace checkpoints the repeated block class "
                      "of its own model (memtrim.planner.repeated_block)")
         return {}, {}
-    candidates = [tuple(qualified(kind) for kind in choice) for choice in found]
     if len(candidates) < 2:
         return {name: candidates[0] for name in wanted} if candidates else {}, {}
     jobs = [(name, str(i)) for name in wanted for i in range(len(candidates))]
