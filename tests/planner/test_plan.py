@@ -1564,3 +1564,29 @@ def test_a_binary_cross_entropy_of_two_dtypes_is_refused_as_the_real_step_is():
         loss_fn(model().bfloat16()(x), y)
     with pytest.raises(InvalidInputError, match="binary_cross_entropy.default got operands of two dtypes"):
         memtrim.plan(lambda: model().bfloat16(), x, loss_fn, _adamw, targets=y, budget=1 << 40)
+
+
+@pytest.mark.parametrize("mixed", ["autocast", "norms kept in float32"])
+def test_a_batch_norm_on_a_bfloat16_input_with_float32_parameters_is_predicted_byte_for_byte(mixed):
+    # its CPU kernel saves the batch statistics in float32, the fake one in bfloat16: 2 x 2 B per channel and layer
+    # low (an adversarial pass's op-by-op sweep on 2026-12-03; NOTE [ storages of CPU kernels ])
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                                      nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                                      nn.Flatten(), nn.Linear(32 * 16 * 16, 10))
+            if mixed != "autocast":
+                for layer in self.body:
+                    if not isinstance(layer, nn.BatchNorm2d):
+                        layer.bfloat16()
+
+        def forward(self, x):
+            with torch.autocast("cpu", torch.bfloat16, enabled=mixed == "autocast"):
+                return self.body(x if mixed == "autocast" else x.bfloat16()).float()
+
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    predicted = trace_step(Net, x, y, F.cross_entropy, _adamw, []).report
+    measured = trace_step(Net, x, y, F.cross_entropy, _adamw, [], fake=False).report
+    assert predicted.peak_bytes == measured.peak_bytes

@@ -136,7 +136,10 @@ def _op_facts(func: Any) -> tuple[bool, bool, bool]:
 #   input; a plan with F.mse_loss was that much below the measured peak; l1_loss, huber_loss, cross_entropy and the
 #   other losses return 4 B);
 # - col2im (F.fold, and F.unfold's backward) returns its output in a storage the size of its input's columns
-#   (1,179,648 B for an (8, 16, 16, 16) float32 output of 131,072 B).
+#   (1,179,648 B for an (8, 16, 16, 16) float32 output of 131,072 B);
+# - native_batch_norm on a bfloat16 or float16 input with float32 parameters (CPU autocast before a BatchNorm, or
+#   norms kept in float32) saves its batch mean and inverse deviation in float32, the fake kernel in the input's
+#   dtype: 2 x 2 B per channel and layer low.
 # (Not modelled: the oneDNN LSTM's workspace and EmbeddingBag's offsets, which the plan's notes name.)
 def _unreduced(args: tuple[Any, ...], kwargs: dict[str, Any], func: Any) -> torch.Size | None:
     position = [a.name for a in func._schema.arguments].index("reduction")
@@ -153,8 +156,19 @@ _LARGER_STORAGE: dict[Any, Callable[[tuple[Any, ...], dict[str, Any], Any], torc
 """Op -> the shape whose storage its CPU kernel's output keeps (None: its own), NOTE [ storages of CPU kernels ]."""
 
 
+def _batch_norm_statistics(args: tuple[Any, ...], out: Any) -> Any:
+    """native_batch_norm's saved statistics in its parameters' dtype, as the CPU kernel returns them."""
+    params = next((a for a in args[1:5] if isinstance(a, torch.Tensor)), None)
+    low = out[0].dtype in (torch.bfloat16, torch.float16)
+    if params is None or not low or out[1].dtype == params.dtype or out[0].device.type not in ("cpu", "meta"):
+        return out
+    return (out[0], *(torch.empty_like(t, dtype=params.dtype) for t in out[1:3]))
+
+
 def _as_cpu_kernel(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
     """``out`` with the storage the CPU kernel gives it (NOTE [ storages of CPU kernels ])."""
+    if func is torch.ops.aten.native_batch_norm.default:
+        return _batch_norm_statistics(args, out)
     storage = _LARGER_STORAGE.get(func)
     if storage is None or not isinstance(out, torch.Tensor) or out.device.type not in ("cpu", "meta"):
         return out
