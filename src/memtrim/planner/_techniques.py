@@ -87,20 +87,17 @@ def qualified(kind: type) -> str:
 
 
 def class_names(model: nn.Module) -> dict[type, str]:
-    """Each class of ``model``'s modules by name: its qualified name, with ``#n`` after it for the n-th other class of
-    that name, in the order the modules come (a helper defining ``class Layer`` that the model's code calls twice makes
-    two classes of one name: taken as one, an encoder's layers could not be chosen without the decoder's, and where
-    one held the other no block could be checkpointed; an adversarial pass on 2026-12-03). A factory building the
-    same model again gives its new classes the same names."""
-    names: dict[type, str] = {}
-    seen: collections.Counter[str] = collections.Counter()
-    for m in model.modules():
-        kind = type(m)
-        if kind not in names:
-            name = qualified(kind)
-            names[kind] = name + (f"#{seen[name]}" if seen[name] else "")
-            seen[name] += 1
-    return names
+    """Each class of ``model``'s modules by name: its qualified name, and where another class of the model has that
+    name too (a helper defining ``class Layer`` that the model's code calls twice), ``@`` and the path of its first
+    module (``Layer@encoder.0``): taken as one, an encoder's layers could not be chosen without the decoder's, and
+    where one held the other no block could be checkpointed; numbered in module order, a model registering them in
+    another order checkpointed the other class (adversarial passes on 2026-12-03). A factory building the same model
+    again gives its new classes the same names."""
+    first: dict[type, str] = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        first.setdefault(type(m), path)
+    shared = collections.Counter(qualified(kind) for kind in first)
+    return {kind: qualified(kind) + (f"@{path}" if shared[qualified(kind)] > 1 else "") for kind, path in first.items()}
 
 
 def _holds_layers(kind: type[nn.Module], module: nn.Module) -> bool:
@@ -179,7 +176,11 @@ def repeated_block(model: nn.Module) -> type[nn.Module] | None:
 
 def blocks_name(blocks: Blocks | BlockClasses) -> str:
     """``Encoder+Decoder``: the classes' names joined by ``+``."""
-    return "+".join(b.rsplit(".", 1)[-1] if isinstance(b, str) else b.__name__ for b in blocks)
+    def short(name: str) -> str:
+        qualname, at, path = name.partition("@")
+        return qualname.rsplit(".", 1)[-1] + at + path
+
+    return "+".join(short(b) if isinstance(b, str) else b.__name__ for b in blocks)
 
 
 def blocks_of(model: nn.Module, choice: BlockClasses) -> Blocks:
@@ -190,19 +191,22 @@ def blocks_of(model: nn.Module, choice: BlockClasses) -> Blocks:
 
 def _in_model(model: nn.Module, blocks: Sequence[str | type[nn.Module]]) -> BlockClasses:
     """The classes of ``model`` named ``blocks`` (:func:`class_names`; a class given itself stands for itself where
-    the model holds one): a factory that defines its block class inside itself makes a new class at each call (a plan
-    holding the class found none in the next build, and left checkpointing out, until a helper's run on 2026-12-03).
-    ``checkpoint_modules`` then takes their subclasses too."""
-    by_name = {name: kind for kind, name in class_names(model).items()}
+    the model holds one), else those deriving from a class of that name (a plan made on a model of ``Block`` applied
+    to one of its subclass): a factory that defines its block class inside itself makes a new class at each call (a
+    plan holding the class found none in the next build, and left checkpointing out, until a helper's run on
+    2026-12-03). ``checkpoint_modules`` then takes their subclasses too."""
+    names = class_names(model)
+    by_name = {name: kind for kind, name in names.items()}
     found: list[type[nn.Module]] = []
     for block in blocks:
         if not isinstance(block, str) and any(isinstance(m, block) for m in model.modules()):
             found.append(block)
             continue
         name = block if isinstance(block, str) else qualified(block)
-        if name not in by_name:
+        derived = [kind for kind in names if "@" not in name and any(qualified(base) == name for base in kind.__mro__)]
+        if name not in by_name and not derived:
             raise NotApplicable(f"the model holds no {blocks_name((name,))} ({name}), the blocks the plan checkpoints")
-        found.append(by_name[name])
+        found += [by_name[name]] if name in by_name else derived
     return tuple(dict.fromkeys(found))
 
 

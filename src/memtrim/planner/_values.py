@@ -137,9 +137,11 @@ def _op_facts(func: Any) -> tuple[bool, bool, bool]:
 #   other losses return 4 B);
 # - col2im (F.fold, and F.unfold's backward) returns its output in a storage the size of its input's columns
 #   (1,179,648 B for an (8, 16, 16, 16) float32 output of 131,072 B);
-# - native_batch_norm on a bfloat16 or float16 input with float32 parameters (CPU autocast before a BatchNorm, or
-#   norms kept in float32) saves its batch mean and inverse deviation in float32, the fake kernel in the input's
-#   dtype: 2 x 2 B per channel and layer low.
+# - native_batch_norm, native_layer_norm and native_group_norm on a bfloat16 or float16 input with float32 parameters
+#   (CPU autocast before a BatchNorm or GroupNorm, or norms kept in float32) save their mean and inverse deviation in
+#   float32, the fake kernels in the input's dtype (2 x 2 B per channel and layer low for a BatchNorm); and
+#   native_group_norm_backward returns its input's gradient in the input's dtype, the fake kernel in float32 (a
+#   plan with GroupNorms under autocast was up to 130,880 B high; an adversarial pass).
 # (Not modelled: the oneDNN LSTM's workspace and EmbeddingBag's offsets, which the plan's notes name.)
 def _unreduced(args: tuple[Any, ...], kwargs: dict[str, Any], func: Any) -> torch.Size | None:
     position = [a.name for a in func._schema.arguments].index("reduction")
@@ -156,19 +158,33 @@ _LARGER_STORAGE: dict[Any, Callable[[tuple[Any, ...], dict[str, Any], Any], torc
 """Op -> the shape whose storage its CPU kernel's output keeps (None: its own), NOTE [ storages of CPU kernels ]."""
 
 
-def _batch_norm_statistics(args: tuple[Any, ...], out: Any) -> Any:
-    """native_batch_norm's saved statistics in its parameters' dtype, as the CPU kernel returns them."""
-    params = next((a for a in args[1:5] if isinstance(a, torch.Tensor)), None)
+_NORM_PARAMETERS = {torch.ops.aten.native_batch_norm.default: slice(1, 5),
+                    torch.ops.aten.native_layer_norm.default: slice(2, 4),
+                    torch.ops.aten.native_group_norm.default: slice(1, 3)}
+"""A norm op -> where its weight, bias (and running statistics) lie in its arguments."""
+
+
+def _norm_dtypes(func: Any, args: tuple[Any, ...], out: Any) -> Any:
+    """A norm's saved statistics in its parameters' dtype, and GroupNorm's input gradient in its input's, as the CPU
+    kernels return them (NOTE [ storages of CPU kernels ])."""
+    if out[0] is None or out[0].device.type not in ("cpu", "meta"):
+        return out
+    if func is torch.ops.aten.native_group_norm_backward.default:
+        grad = out[0]
+        if grad.dtype == args[1].dtype:
+            return out
+        return (torch.empty_like(grad, dtype=args[1].dtype), *out[1:])
+    params = next((a for a in args[_NORM_PARAMETERS[func]] if isinstance(a, torch.Tensor)), None)
     low = out[0].dtype in (torch.bfloat16, torch.float16)
-    if params is None or not low or out[1].dtype == params.dtype or out[0].device.type not in ("cpu", "meta"):
+    if params is None or not low or out[1].dtype == params.dtype:
         return out
     return (out[0], *(torch.empty_like(t, dtype=params.dtype) for t in out[1:3]))
 
 
 def _as_cpu_kernel(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
     """``out`` with the storage the CPU kernel gives it (NOTE [ storages of CPU kernels ])."""
-    if func is torch.ops.aten.native_batch_norm.default:
-        return _batch_norm_statistics(args, out)
+    if func in _NORM_PARAMETERS or func is torch.ops.aten.native_group_norm_backward.default:
+        return _norm_dtypes(func, args, out)
     storage = _LARGER_STORAGE.get(func)
     if storage is None or not isinstance(out, torch.Tensor) or out.device.type not in ("cpu", "meta"):
         return out

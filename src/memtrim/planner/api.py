@@ -73,8 +73,8 @@ class Plan:
         clip_grad_norm: the loop's clipping it was planned with (``plan``'s), which :meth:`apply` gives an
             ``OptimizerInBackward`` it builds.
         blocks: the classes ``checkpoint`` and ``selective`` take as the model's blocks, every instance of them
-            checkpointed, by name (``module.QualName``, ``#n`` after the n-th other class of that name:
-            :func:`~memtrim.planner.class_names`; NOTE [ choosing the blocks ]); ``()`` where the plan
+            checkpointed, by name (``module.QualName``, with ``@`` and its first module's path where another class
+            has that name: :func:`~memtrim.planner.class_names`; NOTE [ choosing the blocks ]); ``()`` where the plan
             checkpoints nothing, or where the choices could not be found (the notes say why; :meth:`apply` then
             checkpoints the model's :func:`~memtrim.planner.repeated_block`).
     """
