@@ -423,8 +423,7 @@ def plan(
 # (block_candidates), each technique is traced with each and keeps the one with the lowest peak (ties: the fastest); a
 # plan records it and Plan.apply checkpoints those classes. A choice whose trace raised is left out, said in the notes
 # with why (a T5's blocks with their key/value cache: the next choice, its stacks, 42 % higher, was taken silently at
-# first: a helper's run). The traces cost time: 2.7-3.5x the planning of models offering 2-3 choices, with one
-# worker (a helper's runs).
+# first: a helper's run). The traces cost time: one more per choice and technique.
 _BLOCKWISE = ("selective", "checkpoint")
 
 
