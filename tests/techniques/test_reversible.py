@@ -1449,17 +1449,26 @@ class _RefilledMean(nn.Module):
         return y - self.m
 
 
+def _quiet_then_warns(block, first_in_eval=False):
+    """A stack of a coupling and ``block``: its first step (in evaluation mode if asked) warns of nothing, its second,
+    in training mode, warns that block 1's forward does not give its output back."""
+    torch.manual_seed(0)
+    stack = memtrim.ReversibleSequential(memtrim.AdditiveCoupling(mlp(4)), block).double()
+    stack.train(not first_in_eval)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stack(torch.randn(5, 8, dtype=torch.float64)).pow(2).sum().backward()
+    stack.train()
+    name = type(block).__name__
+    with pytest.warns(UserWarning, match=rf"block 1 \({name}\): its forward on the input its inverse rebuilt"):
+        stack(torch.randn(5, 8, dtype=torch.float64) + 3).pow(2).sum().backward()
+
+
 def test_a_block_refilling_a_buffer_registered_as_none_warns_at_its_second_step():
     # its first rebuild read the buffer its forward filled from None, which passed the once-per-block check: from the
     # second step the inverse read the step before's mean, 2.22 off after 3 steps, silently, on an intermediate
     # commit of 2026-12-03 (an adversarial pass); the check now waits for a rebuild without such a buffer
-    torch.manual_seed(0)
-    stack = memtrim.ReversibleSequential(memtrim.AdditiveCoupling(mlp(4)), _RefilledMean()).double()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        stack(torch.randn(5, 8, dtype=torch.float64)).pow(2).sum().backward()
-    with pytest.warns(UserWarning, match=r"block 1 \(_RefilledMean\): its forward on the input its inverse rebuilt"):
-        stack(torch.randn(5, 8, dtype=torch.float64) + 3).pow(2).sum().backward()
+    _quiet_then_warns(_RefilledMean())
 
 
 class _EmaShift(nn.Module):
@@ -1483,15 +1492,7 @@ class _EmaShift(nn.Module):
 def test_an_evaluation_forward_with_grad_does_not_use_up_the_training_modes_inverse_check():
     # a validation loss with grad before training checked the block in evaluation mode, where it reads right, and
     # never again: 3.9e-2 off after 3 training steps, silently, until 2026-12-03 (an adversarial pass)
-    torch.manual_seed(0)
-    stack = memtrim.ReversibleSequential(memtrim.AdditiveCoupling(mlp(4)), _EmaShift()).double()
-    stack.eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        stack(torch.randn(5, 8, dtype=torch.float64)).pow(2).sum().backward()
-    stack.train()
-    with pytest.warns(UserWarning, match=r"block 1 \(_EmaShift\): its forward on the input its inverse rebuilt"):
-        stack(torch.randn(5, 8, dtype=torch.float64) + 2).pow(2).sum().backward()
+    _quiet_then_warns(_EmaShift(), first_in_eval=True)
 
 
 def test_a_buffer_filled_from_none_and_written_in_place_before_backward_raises():
@@ -1780,7 +1781,7 @@ def test_a_block_inverted_as_well_as_its_arithmetic_allows_does_not_warn(case):
 def test_the_inverse_check_reads_a_channels_last_output_where_it_lies():
     # the check reshaped the block's output and the forward's again to one dimension: a channels_last output was
     # copied whole, twice, at the step's peak (+1.5 outputs, an adversarial pass on an intermediate commit of
-    # 2026-12-03); it reads 1,024 elements in place now
+    # 2026-12-03); it reads 2,048 elements in place now
     class RevConv(nn.Module):
         def __init__(self):
             super().__init__()
