@@ -1597,6 +1597,42 @@ def test_a_norm_on_a_bfloat16_input_with_float32_parameters_is_predicted_byte_fo
     assert predicted.peak_bytes == measured.peak_bytes
 
 
+_F32, _BF16, _F16, _F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
+
+
+@pytest.mark.parametrize("norm", ["batch", "layer", "group"])
+@pytest.mark.parametrize("dtypes", [(_BF16, _BF16, _F32), (_BF16, _F32, _F32), (_BF16, _BF16, _BF16),
+                                    (_F64, _F32, _F32), (_F16, _BF16, _BF16), (_F32, _F32, _F64)],
+                         ids=lambda d: "-".join(str(t).removeprefix("torch.") for t in d))
+def test_a_norm_whose_parameters_the_cpu_kernels_refuse_is_refused_as_the_real_step_is(norm, dtypes):
+    # (input, weight, bias and running statistics): torch's fake kernels take any dtypes, the CPU kernels one dtype
+    # for the parameters, the input's or float32 under a bfloat16 or float16 input; a BatchNorm with bfloat16
+    # parameters and float32 running statistics got plans for a step that fails (found by an adversarial pass)
+    x_dtype, param_dtype, stats_dtype = dtypes
+
+    def model():
+        torch.manual_seed(0)
+        layer = {"batch": nn.BatchNorm1d(8), "layer": nn.LayerNorm(8), "group": nn.GroupNorm(2, 8)}[norm]
+        layer.weight.data = layer.weight.data.to(param_dtype)
+        # LayerNorm and GroupNorm have no running statistics: their bias takes the third dtype
+        layer.bias.data = layer.bias.data.to(param_dtype if norm == "batch" else stats_dtype)
+        if norm == "batch":
+            layer.running_mean = layer.running_mean.to(stats_dtype)
+            layer.running_var = layer.running_var.to(stats_dtype)
+        return nn.Sequential(layer, nn.Flatten(0))
+
+    x, y = torch.randn(4, 8, dtype=x_dtype), torch.randn(32, dtype=x_dtype)
+    loss_fn = lambda out, t: (out.double() - t.double()).square().mean()  # noqa: E731
+    try:
+        trace_step(model, x, y, loss_fn, _adamw, [], fake=False)
+    except RuntimeError as real:
+        with pytest.raises(RuntimeError, match="its CPU kernels refuse"):
+            trace_step(model, x, y, loss_fn, _adamw, [])
+        assert "type" in str(real)  # the real kernel's own dtype error, not something else
+    else:
+        trace_step(model, x, y, loss_fn, _adamw, [])  # planned, as the real step runs
+
+
 def _small_and_big(small_first):
     """Two local classes named Layer, a narrow one at `small` and a wide one at `big`, registered in either order."""
     def layer_class(width):

@@ -115,6 +115,27 @@ def _refuse_mixed_dtypes(func: Any, args: tuple[Any, ...], pair: tuple[int, int]
         )
 
 
+def _refuse_norm_dtypes(func: Any, args: tuple[Any, ...]) -> None:
+    """Raise as the CPU kernels do where a norm's parameters and running statistics are not all of one dtype, or
+    that dtype is neither the input's nor float32 under a bfloat16 or float16 input: the fake kernels do not check,
+    and a BatchNorm with bfloat16 parameters and float32 running statistics got plans for a step that fails when
+    run (checked against the CPU kernels over every combination of four dtypes; found by an adversarial pass)."""
+    x = args[0]
+    if not isinstance(x, torch.Tensor) or x.device.type not in ("cpu", "meta"):
+        return
+    dtypes = {a.dtype for a in args[_NORM_PARAMETERS[func]] if isinstance(a, torch.Tensor)}
+    low = x.dtype in (torch.bfloat16, torch.float16)
+    if not dtypes or dtypes == {x.dtype} or (low and dtypes == {torch.float32}):
+        return
+    names = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+    raise RuntimeError(
+        f"{func} got a {str(x.dtype).removeprefix('torch.')} input with parameters or running statistics in "
+        f"{names}, which its CPU kernels refuse (torch's fake kernel does not check): a norm's weight, bias and "
+        "running statistics take one dtype, the input's or float32. Cast the norm as a whole (module.float(), "
+        "module.to(dtype)), not its parameters or buffers alone."
+    )
+
+
 def _op_facts(func: Any) -> tuple[bool, bool, bool]:
     if not isinstance(func, torch._ops.OpOverload):  # a higher-order op: no value, and no write it can see
         facts = (False, False, False)
@@ -239,6 +260,8 @@ class KnownValues(TorchDispatchMode):
         pair = _SAME_DTYPE.get(func)
         if pair is not None:
             _refuse_mixed_dtypes(func, args, pair)
+        elif func in _NORM_PARAMETERS:
+            _refuse_norm_dtypes(func, args)
         deterministic, scalar, mutable = _OPS.get(func) or _op_facts(func)
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         knowable = deterministic and all(self.value(t) is not None for t in tensors)
