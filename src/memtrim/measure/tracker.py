@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -265,7 +265,14 @@ class Tracker:
         if (self._allocator_peaks is not None and self._allocator_device is not None
                 and device == str(self._allocator_device)):
             allocator = (*self._allocator_peaks, self._allocator_start)
-        return _replay(self._events, self._start_records, device, allocator)
+        return _replay(self._events, self._start_records, (device,), allocator)
+
+    def _report_across(self, devices: Sequence[str]) -> MemoryReport:
+        """One report of the storages on all of ``devices`` together, as if they were one device (a model built on
+        ``meta`` and planned for the CPU: its optimizer's step counters are CPU tensors, which the CPU run counts)."""
+        self._refuse_before_start("report")
+        self._reconcile(model=True)
+        return _replay(self._events, self._start_records, tuple(self._device_key(d) for d in devices), None)
 
     def export_memory_snapshot(self, path: str) -> None:
         """Write the CUDA allocator's snapshot (the pickle PyTorch's memory_viz page reads) to ``path``.
@@ -977,13 +984,14 @@ def _initialised_accelerator() -> tuple[Any, str]:
 
 
 def _replay(
-    events: list[tuple], start_records: Iterable[_Record], device: str, allocator: tuple[int, int, int | None] | None
+    events: list[tuple], start_records: Iterable[_Record], devices: tuple[str, ...],
+    allocator: tuple[int, int, int | None] | None
 ) -> MemoryReport:
     index = _CATEGORY_INDEX
     totals = [0] * len(CATEGORIES)
     state: dict[int, list] = {}  # id(record) -> [category, holds, nbytes]
     for record in start_records:
-        if record.device == device:
+        if record.device in devices:
             state[id(record)] = [record.birth_category, 0, record.start_nbytes]
             totals[index[record.effective(record.birth_category, 0)]] += record.start_nbytes
     timeline: list[TimelineEvent] = []
@@ -993,7 +1001,7 @@ def _replay(
         if kind == _START:
             timeline.append(TimelineEvent(i, kind, op, phase, module, 0, None, tuple(totals)))
             continue
-        if record.device != device:
+        if record.device not in devices:
             continue
         current = state.get(id(record))
         if current is not None:
@@ -1030,7 +1038,7 @@ def _replay(
         peak_op=peak_event.op if peak_event else None,
         final_by_category=dict(zip(CATEGORIES, totals)),
         timeline=timeline,
-        device=device,
+        device=devices[0],
         allocator_peak_allocated_bytes=allocator[0] if allocator else None,
         allocator_peak_reserved_bytes=allocator[1] if allocator else None,
         allocator_start_allocated_bytes=allocator[2] if allocator else None,

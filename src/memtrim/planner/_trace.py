@@ -287,13 +287,16 @@ def trace_step(
     fake: bool = True,
     loop: Loop = STANDARD_LOOP,
     blocks: Sequence[str | type[nn.Module]] = (),
+    device: str | torch.device | None = None,
 ) -> StepTrace:
     """Run the steady-state training step of ``model`` with ``techniques`` applied; see NOTE [ predicting a step ].
 
     ``fake=False`` measures it for real instead (on a copy of the model, or a new one from the factory); ``loop``:
     the accumulation and clipping around it; ``blocks``: the classes checkpointing takes as the blocks, or their
     names (a :attr:`Plan.blocks <memtrim.planner.Plan.blocks>`; empty: the model's
-    :func:`~memtrim.planner.repeated_block`).
+    :func:`~memtrim.planner.repeated_block`); ``device``: the device the step is planned for, where the model is built
+    on ``meta`` (planned for the CPU, the CPU tensors the step makes count as the device's: AdamW's step counters,
+    which a meta trace left out, 4 B per parameter tensor low).
     """
     mode = _fake_mode() if fake else None
     values = KnownValues()
@@ -338,6 +341,8 @@ def trace_step(
             with cost:
                 _step(applied.model, applied.optimizer, inputs, targets, loss_fn, loop)
         report = tracker.report()
+        if report.device == "meta" and device is not None and torch.device(device).type == "cpu":
+            report = tracker._report_across(("meta", "cpu"))
         applied.undo()
     if values.approximate_decisions:
         notes.append(f"{values.approximate_decisions} shape decisions made from vector parameters as given (memtrim's "

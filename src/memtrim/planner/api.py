@@ -350,7 +350,7 @@ def plan(
 
     def estimate(combo: tuple[str, ...], given: Blocks = ()) -> _Estimate:
         return _estimate(model_or_factory, example_inputs, targets, loss_fn, optimizer_factory, combo, depth, loop,
-                         given or _blocks_of(combo, blocks))
+                         given or _blocks_of(combo, blocks), dev)
 
     def traced(combo: tuple[str, ...], e: _Estimate) -> None:
         if progress is not None:
@@ -661,13 +661,14 @@ class _Estimate:
 
 def _estimate(model_or_factory: Any, inputs: Any, targets: Any, loss_fn: Any, optimizer_factory: Any,
               combo: tuple[str, ...], depth: int | None, loop: Loop = STANDARD_LOOP,
-              blocks: Blocks = ()) -> _Estimate:
+              blocks: Blocks = (), device: torch.device | None = None) -> _Estimate:
     techniques = [TECHNIQUES[n] for n in combo]
     if depth is None:
         return _Estimate.of(trace_step(model_or_factory, inputs, targets, loss_fn, optimizer_factory, techniques,
-                                       loop=loop, blocks=blocks))
+                                       loop=loop, blocks=blocks, device=device))
     two, three = (_Estimate.of(trace_step(functools.partial(model_or_factory, n), inputs, targets, loss_fn,
-                                          optimizer_factory, techniques, loop=loop, blocks=blocks)) for n in (2, 3))
+                                          optimizer_factory, techniques, loop=loop, blocks=blocks, device=device))
+                  for n in (2, 3))
     more = depth - 3
 
     def grow(a: int, b: int) -> int:
