@@ -49,6 +49,13 @@ def test_on_cpu_nothing_moves_and_the_handle_says_so():
 
 def test_bad_input_and_double_offload_raise():
     model = _gpt()
+    # host="meta", the planner's prediction, on real tensors: backward failed with torch's bare "Cannot copy out of
+    # meta tensor" (an adversarial pass on 2026-12-03)
+    with pytest.raises(InvalidInputError, match="host='meta' is how memtrim.plan predicts .* host='cpu'"):
+        memtrim.offload_module(model, include_cpu=True, host="meta")
+    with pytest.raises(InvalidInputError, match="host='meta' is how memtrim.plan predicts"):
+        with memtrim.OffloadActivations(min_bytes=0, include_cpu=True, host="meta"):
+            model(torch.randint(0, 128, (2, 32)))
     with pytest.raises(InvalidInputError, match="model must be a torch.nn.Module"):
         memtrim.offload_module(3)
     with pytest.raises(InvalidInputError, match="min_bytes must be an int >= 0"):
@@ -162,6 +169,31 @@ def test_a_tensor_and_its_transpose_are_one_copy():
     ea, eb = run(offloaded=False)[0]
     assert torch.equal(ga, ea) and torch.equal(gb, eb)
     assert hooks.offloaded_bytes == 16 * 16 * 4  # h once (a and b are leaves the caller keeps: left in place)
+
+
+def test_one_context_entered_again_inside_itself_offloads_and_trains_as_without_it():
+    # one context shared by nested blocks (`with off:` in a block that a block under `with off:` calls): what it left
+    # in place was passed to itself, a RecursionError (torch's save_on_cpu nests so; an adversarial pass on 2026-12-03)
+    def make_model():
+        return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 16))
+
+    x = torch.randn(4, 16)
+    expected = None
+    for shared in (None, memtrim.OffloadActivations(min_bytes=0, include_cpu=True)):
+        torch.manual_seed(0)
+        model = make_model()
+        with shared or contextlib.nullcontext():
+            h = model[1](model[0](x))
+            with shared or contextlib.nullcontext():
+                h = model[2](h)
+            h = h * x  # after the inner exit: the outer context still offloads
+        h.square().sum().backward()
+        grads = [p.grad for p in model.parameters()]
+        if shared is None:
+            expected = grads
+        else:
+            assert shared.offloaded_bytes > 0
+            assert all(torch.equal(a, b) for a, b in zip(grads, expected))
 
 
 def test_a_prediction_on_fake_tensors_moves_what_autograd_keeps_to_meta_and_back_in_backward():

@@ -515,6 +515,14 @@ def test_offload_refuses_a_repeated_parameter_a_single_tensor_and_a_bad_host_and
     lazy = torch.nn.LazyLinear(4)  # torch's ValueError from empty_like came out (found by an adversarial pass)
     with pytest.raises(InvalidInputError, match="uninitialized lazy parameter .* run one forward"):
         memtrim.CPUOffloadOptimizer([w, *lazy.parameters()], torch.optim.SGD, lr=1.0)
+    # host="meta", the planner's prediction, on real parameters stepped meta copies and trained nothing, silently
+    # (an adversarial pass on 2026-12-03); fake and meta parameters are what it is for
+    for offload_gradients in (True, False):
+        with pytest.raises(InvalidInputError, match="host='meta' is how memtrim.plan predicts .* host='cpu'"):
+            memtrim.CPUOffloadOptimizer([w], host="meta", offload_gradients=offload_gradients)
+    with torch.device("meta"):
+        on_meta = torch.nn.Linear(3, 4)
+    memtrim.CPUOffloadOptimizer(on_meta.parameters(), host="meta").remove()
     w.sum().backward()
     assert w.grad is not None  # no gradient hook of a failed construction took the gradient away
 

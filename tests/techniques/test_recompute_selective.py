@@ -251,6 +251,21 @@ def test_recompute_modules_refuses_what_it_cannot_rebuild(name, expected):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # buffers untouched
 
 
+def test_recompute_modules_refuses_a_module_the_example_inputs_do_not_reach_and_names_the_batch_as_a_fix():
+    # a mixture's expert no example token was routed to: the message said only to choose a module the forward calls
+    # (an adversarial pass on 2026-12-03)
+    class Routed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = nn.ModuleList(nn.Sequential(nn.Linear(D, 48), nn.GELU(), nn.Linear(48, D)) for _ in range(2))
+
+        def forward(self, x):
+            return self.experts[int(x.sum() > 1e9)](x)  # the example batch reaches expert 0 only
+
+    with pytest.raises(memtrim.InvalidInputError, match="'experts.1.0' is not called .* example inputs that reach it"):
+        memtrim.recompute_modules(Routed(), ["experts.0.0", "experts.1.0"], example_inputs=torch.randn(4, D))
+
+
 def test_recompute_modules_refuses_uninitialized_lazy_modules_as_convert_does():
     # torch's "Attempted to use an uninitialized parameter" came out of the trace (found by an adversarial pass)
     model = nn.Sequential(nn.LazyLinear(48), nn.GELU(), nn.Linear(48, D))

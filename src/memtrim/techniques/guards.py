@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import ConvertError
@@ -268,6 +269,11 @@ def saves_checked() -> bool:
             return memtrims(top[0])
         top = getattr(top[0], RECOMPUTE_HOOKS)
     return True
+
+
+def holds_values(x: torch.Tensor) -> bool:
+    """Whether ``x`` has data: not a meta tensor, nor a fake one (as ``memtrim.plan`` traces)."""
+    return not (x.is_meta or is_fake(x))
 
 
 def capturing(x: torch.Tensor) -> bool:

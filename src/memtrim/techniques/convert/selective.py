@@ -180,7 +180,9 @@ def _consumers(ctx: Context, name: str, module: nn.Module) -> tuple[list[nn.Modu
     if module.__dict__.get(_MARK):
         refuse("is recomputed already (an earlier recompute_modules)", "remove() that handle first, or leave it out")
     if not sites:
-        refuse("is not called by the model on the example inputs", "Choose a module the forward calls")
+        refuse("is not called by the model on the example inputs", "Choose a module the forward calls, or give "
+               "example inputs that reach it (a mixture's expert that no token of the example batch was routed to: "
+               "a larger or more varied batch)")
     hooks = ctx.user_hooks(module)
     if hooks:
         refuse(f"has {', '.join(hooks)}; the rebuild runs its forward alone", "Remove the hooks or choose another "

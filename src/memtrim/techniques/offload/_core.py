@@ -39,6 +39,7 @@ from torch import nn
 from ...errors import InvalidInputError, MemtrimStateError
 from ...measure.hooks import check_saved_version, top_saved_tensors_hooks
 from .._bound import InstanceForward
+from ..guards import holds_values
 
 _API = "memtrim.offload_module"
 _MARK = "_memtrim_offloaded"
@@ -167,7 +168,7 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         # every copy of a storage, through any view: id(storage) -> (a weak reference to it, weak references to the
         # copies), for the in-place check of a later save of the same storage
         self._by_storage: dict[int, tuple[weakref.ref, list[weakref.ref]]] = {}
-        self._outer: Any = None  # the saved-tensor hooks active when it was entered
+        self._outers: list[Any] = []  # the saved-tensor hooks active when it was entered, per entry still open
         storages = (t.untyped_storage() for t in keep if isinstance(t, torch.Tensor) and t.device.type != "meta")
         self._kept = {id(st): weakref.ref(st) for st in storages}
         super().__init__(self._pack, self._unpack)
@@ -175,14 +176,24 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
     def __enter__(self) -> OffloadActivations:  # type: ignore[override]  # torch's returns None
         # what it leaves in place goes to the hooks active outside it (a tracker's: they count it as kept for
         # backward, and repeat autograd's in-place check), as a recompute scope passes its tensors on
-        self._outer = top_saved_tensors_hooks()
+        outer = top_saved_tensors_hooks()
+        if outer is not None and outer[0] == self._pack:  # entered again inside itself (one context shared by
+            outer = self._outers[-1] if self._outers else None  # nested blocks): passing its tensors to itself
+            # recursed without end (an adversarial pass on 2026-12-03)
+        self._outers.append(outer)
         super().__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
-        self._copies.clear()  # what one block saved; a context entered again starts a new table
-        self._by_storage.clear()
+        self._outers.pop()
+        if not self._outers:
+            self._copies.clear()  # what one block saved; a context entered again starts a new table
+            self._by_storage.clear()
+
+    @property
+    def _outer(self) -> Any:
+        return self._outers[-1] if self._outers else None
 
     # the hooks run as Python under torch.compile (a compiled forward's saves pass through them): traced, dynamo
     # compiled their bookkeeping frame by frame at every call, past its recompile limit
@@ -254,6 +265,8 @@ class OffloadActivations(torch.autograd.graph.saved_tensors_hooks):
         else:
             tensor_or_span = tensor
         if self.host.type == "meta":  # a prediction: the copy out (and back, in _unpack) is what it counts
+            if holds_values(tensor):
+                raise _META_HOST_ERROR
             self.offloaded_bytes += tensor_or_span.numel() * tensor.element_size()
             return _Offloaded(tensor_or_span.to("meta"), device, None, tensor, view)
         # the tensor's strides where it is dense (channels_last, a transpose): backward kernels pick their algorithm
@@ -342,6 +355,13 @@ def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return type(self).forward(self, *args, **kwargs)
 
 
+_META_HOST_ERROR = InvalidInputError(
+    "memtrim.OffloadActivations: host='meta' is how memtrim.plan predicts offloading on fake tensors; a real "
+    "tensor's copy on meta holds no values, and backward failed with torch's 'Cannot copy out of meta tensor' (found "
+    "by an adversarial pass). Expected host='cpu' (the default) for a model with real parameters."
+)
+
+
 def offload_module(model: nn.Module, *, min_bytes: int = 1 << 20, include_cpu: bool = False,
                    host: str | torch.device = "cpu") -> OffloadHandle:
     """Offload what ``model``'s forward saves for backward to host memory (NOTE [ offloading saved tensors ]), in
@@ -362,7 +382,9 @@ def offload_module(model: nn.Module, *, min_bytes: int = 1 << 20, include_cpu: b
     """
     if not isinstance(model, nn.Module):
         raise InvalidInputError(f"{_API}: model must be a torch.nn.Module, got {type(model).__name__}.")
-    OffloadActivations(min_bytes=min_bytes, include_cpu=include_cpu, host=host)  # validates
+    if OffloadActivations(min_bytes=min_bytes, include_cpu=include_cpu, host=host).host.type == "meta" and any(
+            holds_values(t) for t in model.parameters()):  # (validates the options too)
+        raise _META_HOST_ERROR
     if _MARK in model.__dict__ or "forward" in model.__dict__:
         raise MemtrimStateError(
             f"{_API}: the model already has a forward set on the instance (offloaded or checkpointed already). "

@@ -45,6 +45,7 @@ from torch.nn.parameter import is_lazy
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ...errors import InvalidInputError, MemtrimStateError
+from ..guards import holds_values
 from ..optim.held_elsewhere import (
     add_to_holder,
     hold_gradient_elsewhere,
@@ -266,6 +267,13 @@ class CPUOffloadOptimizer(WrappedOptimizerView):
             raise InvalidInputError(
                 f"{_API}: parameters must be leaf tensors (an nn.Parameter); got a tensor computed from others "
                 f"(shape {tuple(param.shape)})."
+            )
+        if self.host.type == "meta" and holds_values(param):
+            raise InvalidInputError(
+                f"{_API}: host='meta' is how memtrim.plan predicts offloading on fake parameters; real parameters "
+                f"(here one of shape {tuple(param.shape)}) would be stepped on meta copies that hold no values, and "
+                "nothing would come back: the model trained nothing, silently (found by an adversarial pass). Expected "
+                "host='cpu' (the default)."
             )
         pin = param.device.type == "cuda" and self.host.type == "cpu"
         # the parameter's own strides (channels_last, a transposed weight), as autograd gives its gradient: a fused

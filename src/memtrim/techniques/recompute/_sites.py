@@ -30,6 +30,7 @@ from ..guards import (
     activated,
     autocasting,
     capturing,
+    holds_values,
     hooks_allowed,
     keep_hook_ids,
     memtrims,
@@ -782,7 +783,7 @@ class _Sum:
         # the graph does not show an edit of the sum under no_grad (its version moves, its grad_fn stays): the
         # same additions of the lookups must give it, bit for bit (fake and meta tensors, as a plan traces, have no
         # values and train nothing: marked as real ones would be)
-        if not (x.is_meta or isinstance(x, torch._subclasses.FakeTensor)):
+        if holds_values(x):
             with torch.no_grad():
                 if not bitwise_equal(_evaluate(tree, *(t for t, _, _ in alive)), x):
                     return
