@@ -8,7 +8,8 @@ NOTE [ what each activation keeps ]
   When the next layer keeps that output anyway (a Linear does), this costs nothing extra.
 * Mask (``save="mask"``): relu, leaky_relu, hardtanh, relu6, hardsigmoid need only where the input was in their
   linear region: one bit per element, packed 8 to a byte (1/32 of a float32 output). Worth it when nothing else
-  keeps the output (e.g. the next op is an addition, a dropout or a pooling).
+  keeps the output (e.g. the next op is an addition or a dropout; not a pooling: torch's max and average pools,
+  and memtrim's max pool, keep their input, so the mask came on top, as an adversarial pass measured).
 * Input: silu, gelu, mish, hardswish need the input; they keep it and recompute the rest in backward, as torch's
   out-of-place versions do. ``inplace=True`` keeps a copy of the input (as torch's ``silu_`` does): in place
   saves only the output buffer, never activation memory, for these.

@@ -253,7 +253,11 @@ def _batchnorm_relu(bn: _BatchNormReLU, x: torch.Tensor) -> torch.Tensor:
 
 
 class _BatchNormReLU(WatchedFusion, nn.modules.batchnorm._BatchNorm):
-    """``nn.BatchNorm`` + ReLU keeping only the BatchNorm's input. See NOTE [ BatchNorm + ReLU, recomputed ]."""
+    """``nn.BatchNorm`` + ReLU keeping only the BatchNorm's input. See NOTE [ BatchNorm + ReLU, recomputed ].
+
+    It saves memory only where :func:`memtrim.convert` puts it: the layers after it then rebuild its output from that
+    input instead of keeping it. Used by hand before torch's layers (a convolution keeps the ReLU's output), it keeps
+    what torch's BatchNorm and ReLU keep, no less (an adversarial pass measured 524,416 B for both)."""
 
 
     def extra_repr(self) -> str:

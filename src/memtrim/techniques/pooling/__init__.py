@@ -10,13 +10,14 @@ byte for windows up to 256 cells. The forward runs torch's own kernel, then enco
 
 (``index - base`` is ``i * dH * W + j * dW`` for the window cell (i, j), and ``inverse`` maps it back to
 ``i * kW + j``); backward decodes ``index = deltas[offset] + base`` with ``deltas[i * kW + j] = i * dH * W + j * dW``
-and calls torch's own backward kernel with it. Two cells of one window may give the same ``index - base`` only when
-they are the same input position (a kernel wider than the input), so the round trip is exact and the gradients are
-bitwise torch's. Encoding is two passes over the output's int64 indices and decoding three, where the alternative
-that keeps no indices at all (recompute the pool in backward) runs the whole pool again, a window's worth of reads
-per output element. The tables are a few small ops per call, never cached (a tracker or a fake-tensor mode sees
-them as any op's). Double backward works (the backward is torch's differentiable op). Under torch.compile and
-torch.func, with grad off or with an input that needs no gradient, the pool is torch's own.
+(computed in place from ``offset``, no gather: ``_decoded``) and calls torch's own backward kernel with it. Two
+cells of one window may give the same ``index - base`` only when they are the same input position (a kernel wider
+than the input), so the round trip is exact and the gradients are bitwise torch's. Encoding is two passes over the
+output's int64 indices and decoding five, where the alternative that keeps no indices at all (recompute the pool in
+backward) runs the whole pool again, a window's worth of reads per output element. The tables are a few small ops
+per call, never cached (a tracker or a fake-tensor mode sees them as any op's). Double backward works (the backward
+is torch's differentiable op). Under torch.compile and torch.func, with grad off or with an input that needs no
+gradient, the pool is torch's own.
 """
 
 from __future__ import annotations
@@ -44,11 +45,17 @@ def _dtype(cells: int) -> torch.dtype:
     return torch.uint8 if cells <= 256 else torch.int16 if cells <= 2 ** 15 else torch.int32
 
 
-def _two(value: Any) -> tuple[int, int]:
-    """A pooling argument as torch reads it: an int or a one-element sequence for both dimensions, or two."""
-    if isinstance(value, (tuple, list, torch.Size)):
-        return (int(value[0]), int(value[0])) if len(value) == 1 else (int(value[0]), int(value[1]))
-    return int(value), int(value)
+def _two(value: Any, name: str = "kernel_size") -> tuple[int, int]:
+    """A pooling argument as torch reads it: an int or a one-element sequence for both dimensions, or two; anything
+    else raises torch's error (three elements ran as the first two, 2.5 as 2, until 2026-12-03: an adversarial
+    pass)."""
+    items = list(value) if isinstance(value, (tuple, list, torch.Size)) else [value]
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, torch.SymInt)) and not hasattr(item, "__index__"):
+            raise TypeError(f"max_pool2d(): argument '{name}' must be tuple of ints, not {type(item).__name__}")
+    if len(items) not in (1, 2):
+        raise RuntimeError(f"max_pool2d: {name} must either be a single int, or a tuple of two ints")
+    return int(items[0]), int(items[-1])
 
 
 def offset_dtype(module: nn.MaxPool2d) -> torch.dtype:
@@ -86,6 +93,21 @@ def _inverse(deltas: torch.Tensor, kernel: tuple[int, int], dilation: tuple[int,
     return inverse
 
 
+def _decoded(offsets: torch.Tensor, in_hw: tuple[int, int], out_hw: tuple[int, int], kernel: tuple[int, int],
+             stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
+             device: torch.device) -> torch.Tensor:
+    """torch's int64 indices of the window cells ``offsets`` (``k = i * kW + j``): ``deltas[k] + base`` computed as
+    ``k * dW + (k // kW) * (dH * W - kW * dW) + base`` in place in one int64 tensor, the only temporary
+    ``k // kW`` in the offsets' dtype. A gather from ``deltas`` (an int32 copy of the offsets, the gathered int64
+    tensor and a second one for ``+ base``) put 2.5 int64 tensors beside torch's one, and raised the step's peak by
+    18 % where the pool's backward was the peak (found by an adversarial pass on 2026-12-03)."""
+    base = _grid(*out_hw, *stride, in_hw[1], (-padding[0], -padding[1]), device)
+    index = offsets.to(torch.int64).mul_(dilation[1])
+    index.add_(torch.div(offsets, kernel[1], rounding_mode="floor"),
+               alpha=dilation[0] * in_hw[1] - kernel[1] * dilation[1])
+    return index.add_(base)
+
+
 class _CompactMaxPool2d(torch.autograd.Function):
     """torch's max_pool2d_with_indices forward and backward; the indices kept as window offsets in between."""
 
@@ -96,7 +118,9 @@ class _CompactMaxPool2d(torch.autograd.Function):
         geometry = ((x.shape[-2], x.shape[-1]), (out.shape[-2], out.shape[-1]), kernel, stride, padding, dilation,
                     x.device)
         base, deltas = _tables(*geometry)
-        offsets = torch.take(_inverse(deltas, kernel, dilation, x.shape[-1]), index - base)
+        # in place: torch's index is this call's own, and a second int64 tensor beside it raised the forward's peak
+        offsets = torch.take(_inverse(deltas, kernel, dilation, x.shape[-1]), index.sub_(base))
+        del index
         ctx.save_for_backward(x, offsets)
         ctx.geometry, ctx.ceil_mode = geometry, ceil_mode
         return out
@@ -104,9 +128,8 @@ class _CompactMaxPool2d(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, offsets = ctx.saved_tensors
-        base, deltas = _tables(*ctx.geometry)
-        index = torch.index_select(deltas, 0, offsets.flatten().int()).view(offsets.shape) + base
         _, _, kernel, stride, padding, dilation, _ = ctx.geometry
+        index = _decoded(offsets, *ctx.geometry)
         grad_x = _aten.max_pool2d_with_indices_backward(grad, x, kernel, stride, padding, dilation, ctx.ceil_mode,
                                                         index)
         return grad_x, None, None, None, None, None
@@ -126,7 +149,8 @@ def max_pool2d(x: torch.Tensor, kernel_size: Any, stride: Any = None, padding: A
                                         return_indices=return_indices)  # type: ignore[call-overload]
     if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0):  # torch's default
         stride = kernel_size
-    return _apply_compact(x, _two(kernel_size), _two(stride), _two(padding), _two(dilation), bool(ceil_mode))
+    return _apply_compact(x, _two(kernel_size), _two(stride, "stride"), _two(padding, "padding"),
+                          _two(dilation, "dilation"), bool(ceil_mode))
 
 
 class MaxPool2d(nn.MaxPool2d):
